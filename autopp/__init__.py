@@ -1,0 +1,26 @@
+"""autopp: pipeline parallelism composed with automatic sharding, for PyTorch.
+
+The public surface is deliberately small:
+
+- :func:`pipeline_autoparallel` splits a meta-device model into stages, parallelizes each
+  stage over its sub-mesh and runs them under a torch.distributed.pipelining schedule.
+- :class:`Pipeline` is what it returns (init_weights, step, eval, parameters, state_dict).
+- :func:`build_world_mesh` builds the ("pp", "dp", "tp") world mesh.
+- :func:`init_module_` initialises a (whole or stage) module exactly as ``Pipeline.init_weights``
+  does, for single-process references.
+"""
+
+from autopp.api import pipeline_autoparallel
+from autopp.init import init_module_
+from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
+from autopp.pipeline import Pipeline, PipelineLayout
+
+__all__ = [
+    "pipeline_autoparallel",
+    "Pipeline",
+    "PipelineLayout",
+    "build_world_mesh",
+    "stage_sub_mesh",
+    "init_fake_world",
+    "init_module_",
+]

@@ -1,0 +1,131 @@
+"""``pipeline_autoparallel``: split a model into stages, parallelize each over its sub-mesh,
+and run them under a torch pipeline schedule."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopp.mesh import check_world_mesh, mesh_sizes, stage_sub_mesh
+from autopp.pipeline import ParallelizeFn, Pipeline, PipelineLayout
+from autopp.schedules import (
+    check_schedule_config,
+    default_n_stages,
+    schedule_info,
+    stage_ids_for_rank,
+)
+from autopp.stage_split import build_stage_module, resolve_split
+
+Split = int | str | Sequence[Sequence[str]] | None
+
+
+def pipeline_autoparallel(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    example_inputs: Sequence[torch.Tensor],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    schedule: str = "1F1B",
+    n_microbatches: int,
+    split: Split = None,
+    parallelize: ParallelizeFn | Literal["auto"] | None = None,
+    ignore_index: int = -100,
+) -> Pipeline:
+    """Pipeline ``model`` over ``mesh``: returns this rank's :class:`~autopp.pipeline.Pipeline`.
+
+    Args:
+        model: the whole model on the meta device (never materialised whole). Its body is a
+            ``layers`` ModuleList/ModuleDict with modules before it (embedding) and after it
+            (norm, head); its forward must skip modules set to None (torchtitan's decoders do).
+        mesh: the world mesh with dims ("pp", "dp", "tp"), from :func:`autopp.build_world_mesh`.
+            Each pipeline rank's stages live on its sub-mesh (dp × tp).
+        example_inputs: the model's positional inputs for one step on this dp rank (the local
+            batch, batch on dim 0); used to check the batch against the microbatch count.
+        loss_fn: ``loss_fn(output, target)`` returning the MEAN loss over the microbatch's
+            counted tokens (targets equal to ``ignore_index`` do not count), as
+            ``F.cross_entropy(..., ignore_index=...)`` does. autopp weights each microbatch by
+            its share of the global batch's counted tokens, so the loss and gradients equal
+            the unpipelined model's.
+        schedule: a torch schedule name (GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
+            InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) or a path to a CSV schedule.
+        n_microbatches: microbatches per step; must divide the local batch size.
+        split: how to cut the model into stages: None (uniform over layers, with embedding
+            and head weighted as one layer each; as many stages as the schedule places on
+            pp ranks), an int (that many uniform stages), a layout string such as
+            ``"Ettt|tttL"`` (see :mod:`autopp.stage_split`), or explicit module FQNs per stage.
+        parallelize: None (each stage replicated over its sub-mesh, gradients averaged over
+            dp), or a callable ``(stage_module, sub_mesh) -> module`` applying your own
+            parallelism (e.g. torchtitan's TP + FSDP). It receives the stage on the meta
+            device and must average gradients over dp (the FSDP/DDP default). ``"auto"``
+            (the sharding planner) is not available yet.
+        ignore_index: target value that does not count towards the loss.
+    """
+    if parallelize == "auto":
+        raise NotImplementedError(
+            'parallelize="auto" needs the sharding planner, which has not landed yet; '
+            "use parallelize=None (replicated stages) or a callable (stage, sub_mesh) -> module"
+        )
+    if parallelize is not None and not callable(parallelize):
+        raise TypeError(f"parallelize must be None, 'auto' or a callable, got {parallelize!r}")
+    check_world_mesh(mesh)
+    if not any(p.is_meta for p in model.parameters()):
+        raise ValueError(
+            "pipeline_autoparallel expects the model on the meta device (build it under "
+            "`with torch.device('meta'):`); each rank materialises only its own stages"
+        )
+    sizes = mesh_sizes(mesh)
+    pp, dp, tp = sizes["pp"], sizes["dp"], sizes["tp"]
+    coords = mesh.get_coordinate()
+    if coords is None:
+        raise ValueError("this rank is not part of the mesh")
+    pp_rank, dp_rank, tp_rank = coords
+
+    info = schedule_info(schedule)
+    n_stages = default_n_stages(schedule, pp) if split is None else None
+    if isinstance(split, int) and not isinstance(split, bool):
+        n_stages = split
+    fqns_per_stage = resolve_split(model, split, n_stages)
+    n_stages = len(fqns_per_stage)
+    local_batch = int(example_inputs[0].shape[0]) if example_inputs else None
+    check_schedule_config(
+        schedule,
+        pp=pp,
+        n_stages=n_stages,
+        n_microbatches=n_microbatches,
+        local_batch_size=local_batch,
+    )
+    stage_ids = stage_ids_for_rank(pp_rank, pp, n_stages, info.style)
+
+    sub_mesh = stage_sub_mesh(mesh)
+    modules = []
+    for s in stage_ids:
+        m = build_stage_module(model, fqns_per_stage[s])
+        if parallelize is not None:
+            m = parallelize(m, sub_mesh)
+        modules.append(m)
+
+    layout = PipelineLayout(
+        schedule=str(schedule),
+        n_stages=n_stages,
+        n_microbatches=n_microbatches,
+        fqns_per_stage=tuple(tuple(f) for f in fqns_per_stage),
+        stage_ids=tuple(stage_ids),
+        pp_rank=pp_rank,
+        pp_size=pp,
+        dp_rank=dp_rank,
+        dp_size=dp,
+        tp_rank=tp_rank,
+        tp_size=tp,
+    )
+    return Pipeline(
+        layout=layout,
+        stage_modules=modules,
+        mesh=mesh,
+        loss_fn=loss_fn,
+        ignore_index=ignore_index,
+        replicated=parallelize is None,
+    )

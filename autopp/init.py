@@ -1,0 +1,126 @@
+"""Deterministic, split-independent weight initialisation.
+
+Each parameter is initialised from a random stream seeded by ``(seed, its whole-model FQN)``,
+on a full-size (unsharded) temporary, and then this rank's shard of it is kept. So the values
+do not depend on how the model is split into stages, on the mesh, or on the placements: a
+pipelined, sharded model starts from exactly the weights of the single-process model
+initialised with :func:`init_module_` and the same seed. That is what lets the tests compare
+gradients against a single-process reference, and what users expect from ``init_weights``.
+
+Initialisers are taken from the model itself: torchtitan modules carry a per-parameter
+``_param_init`` table; other modules use their ``reset_parameters()``. Buffers are recomputed
+by torchtitan's ``_init_self_buffers`` (e.g. RoPE caches), or left as ``reset_parameters``
+leaves them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def fqn_seed(seed: int, fqn: str) -> int:
+    """A 63-bit seed derived from the global seed and a parameter/module FQN."""
+    digest = hashlib.sha256(f"{seed}:{fqn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _full_like(p: torch.Tensor, device: torch.device) -> torch.Tensor:
+    shape = p.shape  # a DTensor's shape is its global shape
+    return torch.empty(shape, dtype=p.dtype, device=device)
+
+
+@torch.no_grad()
+def _assign_full(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full-size value into ``p`` (keeping only this rank's shard if ``p`` is a DTensor)."""
+    if isinstance(p, DTensor):
+        # src_data_rank=None: every rank holds the same full value, so shard it locally
+        # without communication.
+        shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+        p.to_local().copy_(shard.to_local())
+    else:
+        p.copy_(full)
+
+
+def _init_own_params(mod: nn.Module, mod_fqn: str, seed: int, device: torch.device) -> None:
+    own = list(mod.named_parameters(recurse=False))
+    if not own:
+        return
+    table = getattr(mod, "_param_init", None)
+    if table is not None:
+        for name, p in own:
+            fqn = f"{mod_fqn}.{name}" if mod_fqn else name
+            if name not in table:
+                raise ValueError(
+                    f"no initialiser for parameter {fqn!r} in {type(mod).__name__}'s param_init"
+                )
+            full = _full_like(p, device)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(fqn_seed(seed, fqn))
+                table[name](full)
+            _assign_full(p, full)
+        return
+    reset = getattr(mod, "reset_parameters", None)
+    if not callable(reset):
+        raise ValueError(
+            f"cannot initialise {mod_fqn or type(mod).__name__}: {type(mod).__name__} has "
+            f"parameters {[n for n, _ in own]} but neither a param_init table nor "
+            "reset_parameters(); give it one, or load weights with load_state_dict"
+        )
+    # reset_parameters() initialises the module's own attributes: point them at full-size
+    # temporaries for the call, then shard back into the real parameters.
+    saved = {name: mod._parameters[name] for name, _ in own}
+    try:
+        for name, p in own:
+            mod._parameters[name] = nn.Parameter(_full_like(p, device), requires_grad=False)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(fqn_seed(seed, mod_fqn))
+            reset()
+        fulls = {name: mod._parameters[name].detach() for name, _ in own}
+    finally:
+        for name, p in saved.items():
+            mod._parameters[name] = p
+    for name, p in own:
+        _assign_full(p, fulls[name])
+
+
+def _init_own_buffers(mod: nn.Module, device: torch.device) -> None:
+    init_buffers = getattr(mod, "_init_self_buffers", None)
+    if not callable(init_buffers) or not mod._buffers:
+        return
+    dtensor_meta = {
+        name: (b.device_mesh, b.placements)
+        for name, b in mod._buffers.items()
+        if isinstance(b, DTensor)
+    }
+    init_buffers(buffer_device=device)
+    for name, (mesh, placements) in dtensor_meta.items():
+        new = mod._buffers.get(name)
+        if new is not None and not isinstance(new, DTensor):
+            persistent = name not in mod._non_persistent_buffers_set
+            mod.register_buffer(
+                name, distribute_tensor(new, mesh, list(placements), src_data_rank=None),
+                persistent=persistent,
+            )
+
+
+@torch.no_grad()
+def init_module_(module: nn.Module, *, seed: int, device: torch.device | str) -> nn.Module:
+    """Materialise ``module`` (meta or not) on ``device`` and initialise it deterministically.
+
+    Args:
+        module: a whole model or a stage module whose parameter names are whole-model FQNs.
+            Parameters may be plain tensors or DTensors (any placements).
+        seed: the global seed; the same seed gives the same weights however the model is split.
+        device: where the weights live ("cpu", "cuda:0", ...).
+    """
+    device = torch.device(device)
+    if any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers()):
+        module.to_empty(device=device)
+    for mod_fqn, mod in module.named_modules():
+        _init_own_params(mod, mod_fqn, seed, device)
+        _init_own_buffers(mod, device)
+    return module

@@ -1,0 +1,297 @@
+"""The pipeline object: this rank's stages, their schedule, and the training-step API.
+
+Built by :func:`autopp.pipeline_autoparallel`; see its docstring for the arguments. A
+``Pipeline`` holds the rank's stage modules (each a pruned copy of the whole model, so its
+parameter names are whole-model FQNs), the torch schedule that runs them, and the data-parallel
+bookkeeping: exact loss normalisation over microbatches and dp ranks (:mod:`autopp.loss`),
+gradient averaging over dp for replicated stages, and global-norm clipping across all stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+
+from autopp.init import init_module_
+from autopp.loss import TokenWeightedLoss, count_tokens
+from autopp.schedules import build_schedule
+
+ParallelizeFn = Callable[[nn.Module, DeviceMesh], nn.Module]
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineLayout:
+    """Where the model's pieces live.
+
+    Attributes:
+        schedule: the schedule's name (or CSV path).
+        n_stages: number of pipeline stages of the whole model.
+        n_microbatches: microbatches per step.
+        fqns_per_stage: the module FQNs of each stage, in stage order.
+        stage_ids: the stages this rank holds.
+        pp_rank, pp_size, dp_rank, dp_size, tp_rank, tp_size: this rank's mesh coordinates.
+    """
+
+    schedule: str
+    n_stages: int
+    n_microbatches: int
+    fqns_per_stage: tuple[tuple[str, ...], ...]
+    stage_ids: tuple[int, ...]
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    tp_rank: int
+    tp_size: int
+
+    def describe(self) -> str:
+        lines = [
+            f"autopp pipeline: {self.n_stages} stages over pp={self.pp_size} × "
+            f"dp={self.dp_size} × tp={self.tp_size}, schedule {self.schedule}, "
+            f"{self.n_microbatches} microbatches"
+        ]
+        for s, fqns in enumerate(self.fqns_per_stage):
+            mine = " (this rank)" if s in self.stage_ids else ""
+            lines.append(f"  stage {s}{mine}: {_compact_fqns(fqns)}")
+        return "\n".join(lines)
+
+
+def _compact_fqns(fqns: tuple[str, ...]) -> str:
+    """'tok_embeddings, layers.0-2, norm' style summary of a stage's modules."""
+    out: list[str] = []
+    run: list[str] = []
+
+    def flush() -> None:
+        if not run:
+            return
+        prefix = run[0].rsplit(".", 1)[0]
+        first, last = run[0].rsplit(".", 1)[1], run[-1].rsplit(".", 1)[1]
+        out.append(f"{prefix}.{first}" if first == last else f"{prefix}.{first}-{last}")
+        run.clear()
+
+    for f in fqns:
+        if "." in f and f.rsplit(".", 1)[1].isdigit():
+            if run and run[0].rsplit(".", 1)[0] != f.rsplit(".", 1)[0]:
+                flush()
+            run.append(f)
+        else:
+            flush()
+            out.append(f)
+    flush()
+    return ", ".join(out)
+
+
+class Pipeline:
+    """This rank's part of a pipelined model. Created by :func:`autopp.pipeline_autoparallel`.
+
+    Lifecycle: ``init_weights()`` materialises and initialises the local stages (and builds the
+    schedule); then ``step()`` / ``eval()`` / ``parameters()`` / ``state_dict()`` work.
+    """
+
+    def __init__(
+        self,
+        *,
+        layout: PipelineLayout,
+        stage_modules: list[nn.Module],
+        mesh: DeviceMesh,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        ignore_index: int,
+        replicated: bool,
+    ) -> None:
+        self.layout = layout
+        self.mesh = mesh
+        self.stage_modules = stage_modules
+        self._replicated = replicated
+        self._device = torch.device(mesh.device_type)
+        if mesh.device_type == "cuda":
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        self._ignore_index = ignore_index
+        self._loss = TokenWeightedLoss(
+            loss_fn=loss_fn, ignore_index=ignore_index, grad_scale=float(layout.dp_size)
+        )
+        self._schedule = None
+        self._stages: list[PipelineStage] = []
+        self._all_fqns = {f for stage in layout.fqns_per_stage for f in stage}
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index along dp: which slice of the global batch it feeds."""
+        return self.layout.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp_size
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.layout.stage_ids
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.layout.n_stages - 1 in self.layout.stage_ids
+
+    def describe(self) -> str:
+        """A printable summary: stages, their modules and which this rank holds."""
+        return self.layout.describe()
+
+    # ----------------------------------------------------------------- weights
+    def init_weights(self, seed: int = 0) -> None:
+        """Materialise this rank's stages on the mesh's device and initialise them.
+
+        Every parameter gets the value it would have in the whole single-process model
+        initialised with :func:`autopp.init.init_module_` and the same ``seed``, whatever
+        the split and the placements.
+        """
+        for m in self.stage_modules:
+            init_module_(m, seed=seed, device=self._device)
+        self._build_schedule()
+
+    def _build_schedule(self) -> None:
+        pp_group = self.mesh["pp"].get_group()
+        self._stages = [
+            PipelineStage(
+                m, stage_id, self.layout.n_stages, self._device, group=pp_group
+            )
+            for m, stage_id in zip(self.stage_modules, self.layout.stage_ids)
+        ]
+        self._schedule = build_schedule(
+            self.layout.schedule,
+            self._stages,
+            n_microbatches=self.layout.n_microbatches,
+            loss_fn=self._loss,
+            scale_grads=False,
+        )
+
+    def _require_built(self) -> None:
+        if self._schedule is None:
+            raise RuntimeError("call Pipeline.init_weights() before step/eval/state_dict")
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """Parameters of this rank's stages (pass them to an optimizer)."""
+        for m in self.stage_modules:
+            yield from m.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(whole-model FQN, parameter) for this rank's stages."""
+        for m in self.stage_modules:
+            yield from m.named_parameters()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's stages' state, keyed by whole-model FQNs (DTensors where sharded)."""
+        out: dict[str, torch.Tensor] = {}
+        for m in self.stage_modules:
+            out.update(m.state_dict())
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Load this rank's stages from a state dict keyed by whole-model FQNs.
+
+        ``state_dict`` may hold the whole model (keys of other ranks' stages are ignored).
+        With ``strict``, a key missing for a local stage, or a key that belongs to no
+        module of the model, raises ValueError.
+        """
+        self._require_built()
+        if strict:
+            unknown = [k for k in state_dict if not self._belongs_to_model(k)]
+            if unknown:
+                raise ValueError(f"state_dict keys that belong to no stage of the model: {unknown[:5]}")
+        for m in self.stage_modules:
+            own = m.state_dict()
+            sub = {k: v for k, v in state_dict.items() if k in own}
+            missing = [k for k in own if k not in sub]
+            if strict and missing:
+                raise ValueError(f"state_dict is missing keys of this rank's stage: {missing[:5]}")
+            m.load_state_dict(sub, strict=False)
+
+    def _belongs_to_model(self, key: str) -> bool:
+        parts = key.split(".")
+        return any(".".join(parts[:i]) in self._all_fqns for i in range(1, len(parts) + 1))
+
+    # ----------------------------------------------------------------- training
+    def step(self, *inputs: torch.Tensor, target: torch.Tensor) -> float:
+        """One forward+backward over this rank's dp slice of the global batch.
+
+        Args:
+            inputs: the model's positional inputs for this dp rank (batch on dim 0; the
+                local batch is split into ``n_microbatches`` microbatches).
+            target: the matching targets (e.g. next-token labels).
+
+        Returns the loss of the whole global batch (mean over its counted tokens, exactly
+        as the unpipelined model computes it), on every rank. Gradients are left in the
+        parameters' ``.grad``; call the optimizer next.
+        """
+        loss = self._run(inputs, target, train=True)
+        if self._replicated and self.dp_size > 1:
+            self._average_grads_over_dp()
+        return loss
+
+    @torch.no_grad()
+    def eval(self, *inputs: torch.Tensor, target: torch.Tensor) -> float:
+        """Forward-only loss of the global batch (no gradients), on every rank."""
+        return self._run(inputs, target, train=False)
+
+    def _run(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, *, train: bool) -> float:
+        self._require_built()
+        inputs = tuple(x.to(self._device) for x in inputs)
+        target = target.to(self._device)
+        losses: list[torch.Tensor] = []
+        if self.has_last_stage:
+            n = count_tokens(target, self._ignore_index).to(torch.float64)
+            if self.dp_size > 1:
+                dist.all_reduce(n, group=self.mesh["dp"].get_group())
+            self._loss.global_tokens = n
+        args = inputs if self.has_first_stage else ()
+        kwargs = {"target": target, "losses": losses} if self.has_last_stage else {}
+        if train:
+            self._schedule.step(*args, **kwargs)
+        else:
+            self._schedule.eval(*args, **kwargs)
+        return self._reduce_loss(losses)
+
+    def _reduce_loss(self, losses: list[torch.Tensor]) -> float:
+        total = torch.zeros((), dtype=torch.float64, device=self._device)
+        if self.has_last_stage:
+            total += sum(l.detach().to(torch.float64) for l in losses) / self.dp_size
+        if self.layout.pp_size > 1:
+            dist.all_reduce(total, group=self.mesh["pp"].get_group())
+        if self.dp_size > 1:
+            dist.all_reduce(total, group=self.mesh["dp"].get_group())
+        return float(total)
+
+    @torch.no_grad()
+    def _average_grads_over_dp(self) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if not grads:
+            return
+        group = self.mesh["dp"].get_group()
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for gs in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in gs])
+            dist.all_reduce(flat, group=group)
+            flat /= self.dp_size
+            offset = 0
+            for g in gs:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip gradients by the global norm over all stages and shards; returns the norm."""
+        from torchtitan.distributed.utils import clip_grad_norm_
+
+        params = [p for p in self.parameters() if p.grad is not None]
+        pp_mesh = self.mesh["pp"] if self.layout.pp_size > 1 else None
+        norm = clip_grad_norm_(params, max_norm, norm_type=norm_type, pp_mesh=pp_mesh)
+        return float(norm)
+
+    def zero_grad(self) -> None:
+        for m in self.stage_modules:
+            m.zero_grad(set_to_none=True)

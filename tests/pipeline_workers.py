@@ -1,0 +1,84 @@
+"""Worker functions for the multi-process pipeline tests (run under tests.dist_harness)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from tests.models import ce_loss, llama3_meta, make_batch
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _dp_slice(t: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
+    n = t.shape[0] // dp_size
+    return t[dp_rank * n : (dp_rank + 1) * n]
+
+
+def one_step(mesh, cfg: dict) -> dict:
+    """Build a pipeline for ``cfg``, run one step, return its loss and full gradients."""
+    from autopp import pipeline_autoparallel
+
+    tokens, target = make_batch(cfg["batch"], cfg["seq"], seed=cfg.get("data_seed", 0))
+    dp_rank = mesh.get_coordinate()[1]
+    dp_size = mesh.shape[1]
+    tok = _dp_slice(tokens, dp_rank, dp_size)
+    tgt = _dp_slice(target, dp_rank, dp_size)
+    pipe = pipeline_autoparallel(
+        llama3_meta(cfg["n_layers"]),
+        mesh,
+        example_inputs=(tok,),
+        loss_fn=ce_loss,
+        schedule=cfg["schedule"],
+        n_microbatches=cfg["n_microbatches"],
+        split=cfg.get("split"),
+        parallelize=cfg.get("parallelize"),
+    )
+    pipe.init_weights(seed=0)
+    loss = pipe.step(tok, target=tgt)
+    grads = {n: _local(p.grad).detach().clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    out = {"loss": loss, "grads": grads, "stage_ids": pipe.layout.stage_ids}
+    if cfg.get("eval"):
+        out["eval_loss"] = pipe.eval(tok, target=tgt)
+    if cfg.get("clip"):
+        out["norm"] = pipe.clip_grad_norm_(1e9)
+    return out
+
+
+def run_configs(rank: int, world_size: int, configs: list[dict]) -> list[dict]:
+    from autopp import build_world_mesh
+
+    results = []
+    for cfg in configs:
+        mesh = build_world_mesh(pp=cfg["pp"], dp=cfg.get("dp", 1), tp=cfg.get("tp", 1))
+        results.append(one_step(mesh, cfg))
+        dist.barrier()
+    return results
+
+
+def tp_fsdp_parallelize(stage: torch.nn.Module, sub_mesh) -> torch.nn.Module:
+    """A manual parallelize function: TP on each block's MLP (colwise w1/w3, rowwise w2)
+    over "tp", then FSDP2 over "dp" per block and for the stage root."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    tp_mesh, dp_mesh = sub_mesh["tp"], sub_mesh["dp"]
+    for block in stage.layers.values():
+        if tp_mesh.size() > 1:
+            parallelize_module(
+                block.feed_forward,
+                tp_mesh,
+                {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()},
+            )
+    if dp_mesh.size() > 1:
+        for block in stage.layers.values():
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(stage, mesh=dp_mesh)
+    return stage

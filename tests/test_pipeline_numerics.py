@@ -1,0 +1,64 @@
+"""After one step, the pipelined loss and every gradient equal the single-process model's
+(fp32, 1e-5) for every schedule and layout. Each test is one multi-process launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist_harness import run_on_ranks
+from tests.models import make_batch, reference_step
+from tests.pipeline_workers import run_configs, tp_fsdp_parallelize
+
+SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+N_LAYERS = 6
+BATCH, SEQ = 8, 16
+ATOL = 1e-5
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module")
+def reference():
+    tokens, target = make_batch(BATCH, SEQ)
+    return reference_step(N_LAYERS, tokens, target)
+
+
+def _check(results_per_rank, configs, reference):
+    ref_loss, ref_grads, _ = reference
+    for i, cfg in enumerate(configs):
+        seen: set[str] = set()
+        for rank_results in results_per_rank:
+            res = rank_results[i]
+            assert res["loss"] == pytest.approx(ref_loss, abs=ATOL), (cfg, res["loss"], ref_loss)
+            for name, g in res["grads"].items():
+                torch.testing.assert_close(g, ref_grads[name], atol=ATOL, rtol=1e-4, msg=lambda m: f"{cfg['schedule']} pp={cfg['pp']} {name}: {m}")
+                seen.add(name)
+            if "eval_loss" in res:
+                assert res["eval_loss"] == pytest.approx(ref_loss, abs=ATOL)
+        assert seen == set(ref_grads), (cfg, set(ref_grads) - seen)
+
+
+def _cfg(schedule, pp, **kw):
+    return dict(schedule=schedule, pp=pp, n_layers=N_LAYERS, batch=BATCH, seq=SEQ, n_microbatches=kw.pop("n_microbatches", 4), **kw)
+
+
+def test_all_schedules_pp2(reference):
+    configs = [_cfg(s, 2) for s in SCHEDULES]
+    configs[1]["eval"] = True
+    _check(run_on_ranks(run_configs, 2, configs), configs, reference)
+
+
+def test_all_schedules_pp4_and_pp2_dp2(reference):
+    configs = [_cfg(s, 4, n_microbatches=8) for s in SCHEDULES]
+    configs.append(_cfg("1F1B", 2, dp=2))
+    configs.append(_cfg("Interleaved1F1B", 2, dp=2, n_microbatches=2, clip=True))
+    _check(run_on_ranks(run_configs, 4, configs), configs, reference)
+
+
+def test_pp2_dp2_tp2_replicated_and_manual(reference):
+    configs = [
+        _cfg("1F1B", 2, dp=2, tp=2),
+        _cfg("1F1B", 2, dp=2, tp=2, parallelize=tp_fsdp_parallelize),
+    ]
+    _check(run_on_ranks(run_configs, 8, configs), configs, reference)
