@@ -7,11 +7,13 @@ return value is pickled back to the parent, which makes the assertions.
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
 from typing import Any, Callable
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -30,7 +32,11 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
-        queue.put((rank, "ok", out))
+        # Plain bytes: tensors put on a torch.multiprocessing queue as shared memory would
+        # vanish when this process exits before the parent reads them.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # report the worker's traceback to the parent test
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -54,7 +60,7 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600
     for _ in range(world_size):
         rank, status, out = queue.get()
         if status == "ok":
-            results[rank] = out
+            results[rank] = torch.load(io.BytesIO(out), weights_only=False)
         else:
             errors.append(f"--- rank {rank} ---\n{out}")
             break

@@ -1,0 +1,127 @@
+"""The one place where autopp's schedules touch private parts of torch.distributed.pipelining.
+
+Everything here wraps an underscore name of torch 2.13 (``_PipelineScheduleRuntime``,
+``_Action``, ``_validate_schedule``, ``_load_csv``, the stage-to-rank mapping helpers of
+``_utils``). The rest of ``autopp.schedules`` sees only plain Python values: a schedule's
+order is ``dict[rank, list[str | None]]`` with torch's compact action strings ("0F0", "1B0",
+"0I0", "0W0", "(0F3;3B1)OVERLAP_F_B") and ``None`` for an idle step. A torch upgrade that
+renames or moves any of these should need changes in this file only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch.distributed.pipelining import schedules as _schedules
+from torch.distributed.pipelining._utils import generate_rank_to_stage_mapping
+
+#: torch's schedule class that runs any action list: the class a CSV-defined schedule becomes.
+RUNTIME_SCHEDULE_CLASS: type = _schedules._PipelineScheduleRuntime
+
+#: Compute action types a compute-only schedule may hold (forward, full backward, backward for
+#: inputs, backward for weights, and a forward overlapped with a backward).
+COMPUTE_TYPES: frozenset[str] = frozenset({"F", "B", "I", "W", "OVERLAP_F_B"})
+
+#: One compute step in plain values: (stage index, action type, microbatch index).
+ComputePart = tuple[int, str, int | None]
+
+
+def _parse(text: str) -> Any:
+    """torch's ``_Action`` for ``text`` (``None`` for an empty cell); ValueError if malformed."""
+    try:
+        return _schedules._Action.from_str(text)
+    except RuntimeError as exc:  # torch reports a malformed action string as RuntimeError
+        raise ValueError(str(exc)) from exc
+
+
+def compute_parts(text: str) -> list[ComputePart] | None:
+    """The compute steps written as ``text``; ``None`` for an idle step (empty cell).
+
+    An overlapped action such as "(0F3;3B1)OVERLAP_F_B" gives its two sub-steps. Raises
+    ValueError for a malformed string or a non-compute action (SEND_F, UNSHARD, ...).
+    """
+    action = _parse(text)
+    if action is None:
+        return None
+    kind = action.computation_type.value
+    if kind not in COMPUTE_TYPES:
+        raise ValueError(
+            f"action {text.strip()!r} is not a compute action; a compute-only schedule holds "
+            f"only {sorted(COMPUTE_TYPES)} (communication is added by torch's runtime)"
+        )
+    if action.sub_actions is not None:
+        return [
+            (sub.stage_index, sub.computation_type.value, sub.microbatch_index)
+            for sub in action.sub_actions
+        ]
+    return [(action.stage_index, kind, action.microbatch_index)]
+
+
+def validate_compute_order(
+    order: dict[int, Sequence[str | None]], *, pp: int, n_stages: int, n_microbatches: int
+) -> dict[int, int]:
+    """Check ``order`` with torch's own schedule validator; returns stage index -> pp rank.
+
+    torch checks that every rank has a row, every stage runs each microbatch's forward once and
+    its backward once (B, or I then W), in dependency order, and that no stage sits on two
+    ranks. Its AssertionError comes back as ValueError.
+    """
+    actions = {rank: [_parse(a) if a else None for a in row] for rank, row in order.items()}
+    try:
+        return dict(_schedules._validate_schedule(actions, pp, n_stages, n_microbatches))
+    except AssertionError as exc:
+        raise ValueError(str(exc)) from exc
+
+
+def compute_only_order(schedule: Any) -> dict[int, list[str | None]]:
+    """A built torch schedule's order per rank as action strings, compute actions only.
+
+    Works for every torch schedule class that has a ``pipeline_order`` (all of the named
+    ones: single-stage GPipe/1F1B list a REDUCE_GRAD step, which is dropped here, as torch's
+    runtime adds it back when it lowers a compute-only schedule).
+    """
+    order = getattr(schedule, "pipeline_order", None)
+    if not order:
+        raise TypeError(
+            f"{type(schedule).__name__} has no pipeline_order to dump; "
+            "expected a torch.distributed.pipelining schedule built for training"
+        )
+    return {
+        rank: [
+            None if a is None else str(a)
+            for a in order[rank]
+            if a is None or a.computation_type.value in COMPUTE_TYPES
+        ]
+        for rank in sorted(order)
+    }
+
+
+def rank_to_stage_ids(pp: int, n_stages: int, style: str) -> dict[int, list[int]]:
+    """torch's placement of ``n_stages`` stages on ``pp`` ranks ("loop" or "v"), per rank."""
+    return generate_rank_to_stage_mapping(pp, n_stages, style=style)
+
+
+def new_csv_runtime(
+    stages: list[Any],
+    csv_path: str,
+    *,
+    n_microbatches: int,
+    loss_fn: Callable[..., Any] | None,
+    scale_grads: bool,
+    **schedule_kwargs: Any,
+) -> Any:
+    """torch's action-list runtime over ``stages``, loaded with the compute-only CSV file.
+
+    torch validates the CSV again, infers which rank holds which stage from it (overriding
+    the looped default) and adds the send/recv, unshard/reshard and grad-reduce steps.
+    """
+    runtime = RUNTIME_SCHEDULE_CLASS(
+        stages=stages,
+        n_microbatches=n_microbatches,
+        loss_fn=loss_fn,
+        scale_grads=scale_grads,
+        **schedule_kwargs,
+    )
+    runtime._load_csv(csv_path, format="compute_only")
+    return runtime

@@ -1,0 +1,75 @@
+"""Build a torch pipeline schedule for this rank's stages, from a name or a CSV file."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from autopp.schedules import _torch_compat
+from autopp.schedules.checks import check_schedule_config
+from autopp.schedules.registry import ScheduleInfo
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
+
+
+def _stage_layout(stages: Sequence[PipelineStage]) -> tuple[int, int, int]:
+    """(pp rank, pp size, n_stages) shared by all of this rank's stages."""
+    if not stages:
+        raise ValueError("build_schedule needs this rank's pipeline stages, got none")
+    layouts = {(s.group_rank, s.group_size, s.num_stages) for s in stages}
+    if len(layouts) != 1:
+        raise ValueError(
+            "this rank's stages disagree on (pp rank, pp size, n_stages): "
+            f"{sorted(layouts)}; build them all with the same pp group and stage count"
+        )
+    return layouts.pop()
+
+
+def build_schedule(
+    schedule: str | os.PathLike | ScheduleInfo,
+    stages: Sequence[PipelineStage],
+    *,
+    n_microbatches: int,
+    loss_fn: Callable[..., Any] | None,
+    scale_grads: bool,
+    **schedule_kwargs: Any,
+) -> Any:
+    """The torch schedule that runs ``stages`` (this rank's stages) with ``schedule``.
+
+    Args:
+        schedule: a name from ``SCHEDULE_NAMES`` (any case) or the path of a compute-only CSV
+            file (see ``autopp.schedules.csv_schedules``), or a ``ScheduleInfo``.
+        stages: this rank's ``PipelineStage`` objects: one for GPipe and 1F1B, the rank's
+            stages as placed by ``stage_ids_for_rank`` for the others, in any order.
+        n_microbatches: microbatches per step.
+        loss_fn: ``loss_fn(output, target)`` on the last stage; None for forward only.
+        scale_grads: passed to torch. True divides gradients by n_microbatches (for a loss
+            that averages); autopp passes False and normalises the loss itself.
+        **schedule_kwargs: passed on to the torch class (e.g. ``backward_requires_autograd``).
+
+    Checks the configuration with ``check_schedule_config`` first, and that the stages are the
+    ones the schedule places on this rank, so mistakes surface as ValueErrors naming numbers.
+    Returns an instance of ``schedule_info(schedule).torch_class``; call ``step`` on it.
+    """
+    rank, pp, n_stages = _stage_layout(stages)
+    info = check_schedule_config(schedule, pp=pp, n_stages=n_stages, n_microbatches=n_microbatches)
+    expected = info.stage_ids_for_rank(rank, pp, n_stages)
+    given = sorted(s.stage_index for s in stages)
+    if given != expected:
+        raise ValueError(
+            f"{info.name} places stages {expected} on pp rank {rank} of pp={pp} "
+            f"({info.style} placement of {n_stages} stages), but this rank was given stages "
+            f"{given}; build this rank's stages from "
+            f"schedule_info(...).stage_ids_for_rank({rank}, {pp}, {n_stages})"
+        )
+    ordered = sorted(stages, key=lambda s: s.stage_index)
+    common = dict(n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+    if info.csv is not None:
+        return _torch_compat.new_csv_runtime(
+            ordered, info.csv.path, **common, **schedule_kwargs
+        )
+    if not info.multi_stage:
+        return info.torch_class(ordered[0], **common, **schedule_kwargs)
+    return info.torch_class(ordered, **common, **schedule_kwargs)

@@ -1,0 +1,44 @@
+"""Stage split: which modules of a model go to which pipeline stage, and the stage modules.
+
+A model's body must be a sequence of blocks in one ``nn.ModuleList``/``nn.ModuleDict`` child
+(``layers``), with top-level modules before it (pre, e.g. ``tok_embeddings``) and after it
+(post, e.g. ``norm``, ``lm_head``): torchtitan decoders and most LLMs. A split is a plain value,
+``list[list[str]]`` of module FQNs per stage, stated in one of three ways:
+
+- uniform by layer count (``split_uniform``, or ``resolve_split(model, n_stages)``), with the
+  pre and post modules weighted as extra layers, as torchtitan does;
+- explicit FQN lists, e.g. ``[["tok_embeddings", "layers.0"], ["layers.1", "norm", "lm_head"]]``
+  (``validate_split``);
+- a layout string such as ``"Ett|tt|ttL"`` (``parse_layout``; grammar in ``layout_string``).
+
+``resolve_split`` accepts any of them. ``build_stage_module`` then copies the meta-device model
+into one stage's module, keeping parameter FQNs identical to the whole model's.
+
+Example::
+
+    with torch.device("meta"):
+        model = cfg.build()
+    split = resolve_split(model, "Ett|tt|ttL")       # or 3, or FQN lists
+    stage_modules = [build_stage_module(model, fqns) for fqns in split]
+"""
+
+from autopp.stage_split.build import StageLayers, build_stage_module
+from autopp.stage_split.layout import ModelLayout, inspect_model
+from autopp.stage_split.layout_string import format_layout, parse_layout
+from autopp.stage_split.resolve import SplitSpec, resolve_split
+from autopp.stage_split.uniform import split_uniform
+from autopp.stage_split.validate import validate_split, validate_stage
+
+__all__ = [
+    "ModelLayout",
+    "SplitSpec",
+    "StageLayers",
+    "build_stage_module",
+    "format_layout",
+    "inspect_model",
+    "parse_layout",
+    "resolve_split",
+    "split_uniform",
+    "validate_split",
+    "validate_stage",
+]
