@@ -1,7 +1,7 @@
 """Run a function on N real processes (gloo on CPU) and collect what each rank returns.
 
 Tests group many checks into one launch: process start-up (imports) dominates on small
-machines. The worker must be a module-level function ``fn(rank, world_size, *args)``; its
+machines. The worker must be a module-level function (picklable for spawn) ``fn(rank, world_size, *args)``; its
 return value is pickled back to the parent, which makes the assertions.
 """
 
@@ -46,7 +46,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 
 def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> list[Any]:
     """Spawn ``world_size`` gloo processes running ``fn``; return their results by rank."""
-    ctx = mp.get_context("spawn")
+    # fork: children inherit the parent's imports (torch, torchtitan), which on a 2-core
+    # machine saves seconds per process; AUTOPP_TEST_START=spawn for a clean start.
+    ctx = mp.get_context(os.environ.get("AUTOPP_TEST_START", "fork"))
     queue = ctx.SimpleQueue()
     port = _free_port()
     procs = [

@@ -82,3 +82,49 @@ def tp_fsdp_parallelize(stage: torch.nn.Module, sub_mesh) -> torch.nn.Module:
             fully_shard(block, mesh=dp_mesh)
         fully_shard(stage, mesh=dp_mesh)
     return stage
+
+
+def train_and_round_trip(rank: int, world_size: int, cfg: dict) -> dict:
+    """A few AdamW steps with clipping (losses returned), then a state_dict round trip into a
+    pipeline initialised differently: the reloaded pipeline's weights and eval loss match."""
+    from autopp import build_world_mesh, pipeline_autoparallel
+
+    mesh = build_world_mesh(pp=cfg["pp"], dp=cfg.get("dp", 1), tp=cfg.get("tp", 1))
+    dp_rank, dp_size = mesh.get_coordinate()[1], mesh.shape[1]
+
+    def build(seed):
+        tok, _ = make_batch(cfg["batch"], cfg["seq"])
+        pipe = pipeline_autoparallel(
+            llama3_meta(cfg["n_layers"]), mesh,
+            example_inputs=(_dp_slice(tok, dp_rank, dp_size),), loss_fn=ce_loss,
+            schedule=cfg["schedule"], n_microbatches=cfg["n_microbatches"],
+        )
+        pipe.init_weights(seed=seed)
+        return pipe
+
+    pipe = build(0)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=cfg["lr"])
+    losses = []
+    for step in range(cfg["steps"]):
+        tok, tgt = make_batch(cfg["batch"], cfg["seq"], seed=100 + step)
+        losses.append(pipe.step(_dp_slice(tok, dp_rank, dp_size), target=_dp_slice(tgt, dp_rank, dp_size)))
+        pipe.clip_grad_norm_(cfg["max_norm"])
+        opt.step()
+        pipe.zero_grad()
+    tok, tgt = make_batch(cfg["batch"], cfg["seq"], seed=999)
+    tok, tgt = _dp_slice(tok, dp_rank, dp_size), _dp_slice(tgt, dp_rank, dp_size)
+    eval_a = pipe.eval(tok, target=tgt)
+    sd = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+
+    other = build(seed=123)
+    eval_fresh = other.eval(tok, target=tgt)
+    other.load_state_dict(sd)
+    eval_b = other.eval(tok, target=tgt)
+    same = all(torch.equal(p, dict(pipe.named_parameters())[n]) for n, p in other.named_parameters())
+    try:
+        other.load_state_dict({**sd, "not_a_module.weight": torch.zeros(1)})
+        strict_error = None
+    except ValueError as e:
+        strict_error = str(e)
+    return dict(losses=losses, eval_a=eval_a, eval_b=eval_b, eval_fresh=eval_fresh,
+                same=same, strict_error=strict_error)

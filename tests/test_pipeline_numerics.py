@@ -62,3 +62,30 @@ def test_pp2_dp2_tp2_replicated_and_manual(reference):
         _cfg("1F1B", 2, dp=2, tp=2, parallelize=tp_fsdp_parallelize),
     ]
     _check(run_on_ranks(run_configs, 8, configs), configs, reference)
+
+
+def test_adamw_steps_track_reference_and_state_dict_round_trip():
+    from autopp import init_module_
+    from tests.models import ce_loss, llama3_meta
+    from tests.pipeline_workers import train_and_round_trip
+
+    cfg = _cfg("Interleaved1F1B", 2, dp=2, n_microbatches=2, steps=4, lr=1e-3, max_norm=0.5)
+    results = run_on_ranks(train_and_round_trip, 4, cfg)
+
+    model = init_module_(llama3_meta(N_LAYERS), seed=0, device="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
+    ref_losses = []
+    for step in range(cfg["steps"]):
+        tok, tgt = make_batch(BATCH, SEQ, seed=100 + step)
+        loss = ce_loss(model(tok), tgt)
+        loss.backward()
+        ref_losses.append(float(loss))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["max_norm"])
+        opt.step()
+        opt.zero_grad()
+    assert ref_losses[-1] < ref_losses[0]
+    for r in results:
+        assert r["losses"] == pytest.approx(ref_losses, abs=5e-5)
+        assert r["same"]
+        assert r["eval_b"] == r["eval_a"] != r["eval_fresh"]
+        assert r["strict_error"] and "not_a_module.weight" in r["strict_error"]
