@@ -20,7 +20,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from autopp.init import init_module_
 from autopp.loss import TokenWeightedLoss, count_tokens
-from autopp.schedules import build_schedule
+from autopp.schedules import build_schedule, forward_only
 
 ParallelizeFn = Callable[[nn.Module, DeviceMesh], nn.Module]
 
@@ -157,7 +157,12 @@ class Pipeline:
         pp_group = self.mesh["pp"].get_group()
         self._stages = [
             PipelineStage(
-                m, stage_id, self.layout.n_stages, self._device, group=pp_group
+                m,
+                stage_id,
+                self.layout.n_stages,
+                self._device,
+                group=pp_group,
+                get_mesh=self._get_mesh,
             )
             for m, stage_id in zip(self.stage_modules, self.layout.stage_ids)
         ]
@@ -168,6 +173,11 @@ class Pipeline:
             loss_fn=self._loss,
             scale_grads=False,
         )
+
+    def _get_mesh(self, mesh_dim_names: tuple[str, ...], mesh_layout=None) -> DeviceMesh:
+        """Resolve the mesh of a DTensor activation received from another stage (torch sends
+        only its dim names): stages exchange DTensors on sub-meshes of the world mesh."""
+        return self.mesh[tuple(mesh_dim_names)]
 
     def _require_built(self) -> None:
         if self._schedule is None:
@@ -252,7 +262,8 @@ class Pipeline:
         if train:
             self._schedule.step(*args, **kwargs)
         else:
-            self._schedule.eval(*args, **kwargs)
+            with forward_only(self._schedule):
+                self._schedule.eval(*args, **kwargs)
         return self._reduce_loss(losses)
 
     def _reduce_loss(self, losses: list[torch.Tensor]) -> float:

@@ -44,8 +44,7 @@ def _cfg(schedule, pp, **kw):
 
 
 def test_all_schedules_pp2(reference):
-    configs = [_cfg(s, 2) for s in SCHEDULES]
-    configs[1]["eval"] = True
+    configs = [_cfg(s, 2, eval=True) for s in SCHEDULES]
     _check(run_on_ranks(run_configs, 2, configs), configs, reference)
 
 

@@ -13,6 +13,7 @@ schedules; this package says what each one needs and builds it:
   values, written to and read from CSV.
 """
 
+from autopp.schedules._torch_compat import forward_only
 from autopp.schedules.build import build_schedule
 from autopp.schedules.checks import check_batch_size, check_schedule_config, microbatches_ok
 from autopp.schedules.csv_schedules import (
@@ -44,6 +45,7 @@ __all__ = [
     "check_stage_count",
     "default_n_stages",
     "dump_schedule_csv",
+    "forward_only",
     "is_csv_schedule",
     "microbatches_ok",
     "read_schedule_csv",

@@ -10,7 +10,8 @@ renames or moves any of these should need changes in this file only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from torch.distributed.pipelining import schedules as _schedules
@@ -125,3 +126,40 @@ def new_csv_runtime(
     )
     runtime._load_csv(csv_path, format="compute_only")
     return runtime
+
+
+@contextmanager
+def forward_only(schedule: Any) -> Iterator[None]:
+    """Run only the forward actions of an action-list (runtime) schedule while inside.
+
+    torch 2.13's ``eval()`` on runtime schedules still executes the backward actions of their
+    order (zero-bubble and V schedules then fail: "can't steal_bwd_input ..."). Here the
+    compute order's forwards (the F half of an overlapped F/B step included) are kept in
+    their order and lowered again with torch's own send/recv pass; a subsequence of a valid
+    order cannot deadlock, since forwards wait only on forwards. Other schedules are left
+    as they are.
+    """
+    if not isinstance(schedule, RUNTIME_SCHEDULE_CLASS) or not schedule.pipeline_order:
+        yield
+        return
+    F = _schedules._ComputationType.FORWARD
+    forwards: dict[int, list[Any]] = {}
+    for rank, row in schedule.pipeline_order.items():
+        kept = []
+        for action in row:
+            if action is None:
+                continue
+            for sub in action.sub_actions or (action,):
+                if sub.computation_type == F:
+                    kept.append(sub)
+        forwards[rank] = kept
+    saved = schedule.pipeline_order_with_comms
+    schedule.pipeline_order_with_comms = _schedules._add_send_recv(
+        forwards,
+        stage_to_rank=lambda s: schedule.stage_index_to_group_rank[s],
+        num_stages=schedule._num_stages,
+    )
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = saved
