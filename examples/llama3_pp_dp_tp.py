@@ -1,0 +1,173 @@
+"""Train torchtitan's llama3 with autopp: pipeline x data x tensor parallel.
+
+Run on 8 CPU processes (gloo), pp=2 x dp=2 x tp=2 (what ``bash scripts/example.sh`` does)::
+
+    .venv/bin/torchrun --standalone --nproc-per-node 8 examples/llama3_pp_dp_tp.py \
+        --pp 2 --dp 2 --tp 2 --device cpu
+
+The model is torchtitan's llama3 (``--model``: debugmodel, 1B, 3B, 8B, 70B, 405B) with SDPA
+attention, built on the meta device: each rank materialises only its own stages. It learns
+bytes (token = byte, 0..255) of the Python standard library's sources, or of ``--data FILE``.
+The global batch of each step is the same whatever ``--dp`` is; each dp rank trains on its
+rows. Rank 0 logs loss, throughput, step time, memory and gradient norm, as torchtitan does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torchtitan.experiments.graph_trainer.common_utils import build_decoder_config_for_backend
+from torchtitan.models.llama3 import llama3_configs
+
+from autopp import build_world_mesh, pipeline_autoparallel
+from data import VOCAB_SIZE, ByteBatches, load_corpus
+
+IGNORE_INDEX = -100
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="debugmodel", choices=list(llama3_configs))
+    p.add_argument("--pp", type=int, default=2, help="pipeline-parallel degree")
+    p.add_argument("--dp", type=int, default=2, help="data-parallel degree")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree")
+    p.add_argument("--schedule", default="1F1B",
+                   help="GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, "
+                        "ZBVZeroBubble, DualPipeV, or a schedule .csv file")
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches per step")
+    p.add_argument("--split", default=None,
+                   help="stage split: a number of stages or a layout string such as "
+                        "'Ettt|tttL' (default: uniform)")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    p.add_argument("--warmup", type=int, default=3, help="linear learning-rate warmup steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default=None, help="train on this file's bytes instead")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--log-every", type=int, default=1)
+    args = p.parse_args()
+    if args.split is not None and args.split.isdigit():
+        args.split = int(args.split)
+    return args
+
+
+def init_distributed(device_type: str) -> torch.device:
+    """Join the torchrun job: gloo on CPU, nccl on GPUs (one per local rank)."""
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return device
+
+
+def build_model(name: str) -> torch.nn.Module:
+    """torchtitan's llama3 preset ``name`` with SDPA attention, on the meta device."""
+    cfg = build_decoder_config_for_backend(llama3_configs[name], "sdpa")
+    if cfg.vocab_size < VOCAB_SIZE:
+        raise ValueError(f"{name}'s vocabulary ({cfg.vocab_size}) is smaller than a byte's")
+    with torch.device("meta"):
+        return cfg.build()
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the microbatch's counted tokens."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE_INDEX
+    )
+
+
+def lr_factor(step: int, warmup: int, steps: int) -> float:
+    """Learning-rate multiplier: linear warmup to 1, then linear decay to 0.1 at the end."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 1.0 - 0.9 * (step - warmup) / max(1, steps - warmup)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak GPU memory allocated, or this process's peak resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    with open("/proc/self/status") as f:  # VmHWM: peak RSS, in kB
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return kib / 2**20
+
+
+def log0(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def main() -> None:
+    args = parse_args()
+    device = init_distributed(args.device)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    mesh = build_world_mesh(pp=args.pp, dp=args.dp, tp=args.tp, device_type=args.device)
+
+    corpus = load_corpus(args.data)
+    data = ByteBatches(corpus, args.seq_len, args.batch_size, seed=args.seed)
+    example_inputs, _ = data.get(0, mesh["dp"].get_local_rank(), args.dp)
+
+    model = build_model(args.model)
+    n_params = sum(p.numel() for p in model.parameters())
+    pipe = pipeline_autoparallel(
+        model,
+        mesh,
+        example_inputs=(example_inputs,),
+        loss_fn=loss_fn,
+        schedule=args.schedule,
+        n_microbatches=args.microbatches,
+        split=args.split,
+    )
+    del model  # the meta-device whole model; each rank keeps only its stages
+    pipe.init_weights(seed=args.seed)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, args.warmup, args.steps)
+    )
+
+    log0(f"llama3 {args.model}: {n_params / 1e6:.2f} M parameters; corpus "
+         f"{len(corpus) / 2**20:.1f} MiB ({args.data or 'Python stdlib sources'})")
+    log0(pipe.describe())
+    tokens_per_step = args.batch_size * args.seq_len
+    times = []
+    for step in range(1, args.steps + 1):
+        inputs, labels = data.get(step, pipe.dp_rank, pipe.dp_size)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = pipe.step(inputs.to(device), target=labels.to(device))
+        grad_norm = pipe.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        times.append(dt)
+        if step % args.log_every == 0 or step == args.steps:
+            log0(f"step {step:4d}  loss {loss:7.4f}  grad_norm {grad_norm:6.3f}  "
+                 f"tps {tokens_per_step / dt:7.0f}  step_time {dt:6.3f}s  "
+                 f"memory {peak_memory_gib(device):5.2f}GiB")
+
+    inputs, labels = data.get(0, pipe.dp_rank, pipe.dp_size, split="eval")
+    eval_loss = pipe.eval(inputs.to(device), target=labels.to(device))
+    steady = statistics.median(times[1:] or times)  # the first step builds the schedule
+    log0(f"done: {args.steps} steps, median step {steady:.3f}s; "
+         f"held-out loss {eval_loss:.4f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
