@@ -21,6 +21,7 @@ from torch.distributed.pipelining import PipelineStage
 from autopp.init import init_module_
 from autopp.loss import TokenWeightedLoss, count_tokens
 from autopp.schedules import build_schedule, forward_only
+from autopp.stage_split import merge_stage_modules
 
 ParallelizeFn = Callable[[nn.Module, DeviceMesh], nn.Module]
 
@@ -107,6 +108,9 @@ class Pipeline:
         self.layout = layout
         self.mesh = mesh
         self.stage_modules = stage_modules
+        #: This rank's stages as one module with whole-model parameter names (a view, no
+        #: copies): what optimizers, state dicts and checkpoints see.
+        self.local_model = merge_stage_modules(stage_modules)
         self._replicated = replicated
         self._device = torch.device(mesh.device_type)
         if mesh.device_type == "cuda":
@@ -185,20 +189,15 @@ class Pipeline:
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """Parameters of this rank's stages (pass them to an optimizer)."""
-        for m in self.stage_modules:
-            yield from m.parameters()
+        return self.local_model.parameters()
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(whole-model FQN, parameter) for this rank's stages."""
-        for m in self.stage_modules:
-            yield from m.named_parameters()
+        return self.local_model.named_parameters()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's stages' state, keyed by whole-model FQNs (DTensors where sharded)."""
-        out: dict[str, torch.Tensor] = {}
-        for m in self.stage_modules:
-            out.update(m.state_dict())
-        return out
+        return self.local_model.state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Load this rank's stages from a state dict keyed by whole-model FQNs.
@@ -208,17 +207,32 @@ class Pipeline:
         module of the model, raises ValueError.
         """
         self._require_built()
+        own = self.local_model.state_dict()
         if strict:
             unknown = [k for k in state_dict if not self._belongs_to_model(k)]
             if unknown:
                 raise ValueError(f"state_dict keys that belong to no stage of the model: {unknown[:5]}")
-        for m in self.stage_modules:
-            own = m.state_dict()
-            sub = {k: v for k, v in state_dict.items() if k in own}
-            missing = [k for k in own if k not in sub]
-            if strict and missing:
-                raise ValueError(f"state_dict is missing keys of this rank's stage: {missing[:5]}")
-            m.load_state_dict(sub, strict=False)
+            missing = [k for k in own if k not in state_dict]
+            if missing:
+                raise ValueError(f"state_dict is missing keys of this rank's stages: {missing[:5]}")
+        self.local_model.load_state_dict({k: v for k, v in state_dict.items() if k in own}, strict=False)
+
+    def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Save the model (and optimizer) with torch.distributed.checkpoint; collective.
+
+        Keys are whole-model FQNs, so the checkpoint loads into any pp/dp/tp layout and split.
+        """
+        from autopp.checkpoint import save
+
+        self._require_built()
+        save(path, self.local_model, optimizer)
+
+    def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Load a checkpoint written by :meth:`save_checkpoint` (any layout); collective."""
+        from autopp.checkpoint import load
+
+        self._require_built()
+        load(path, self.local_model, optimizer)
 
     def _belongs_to_model(self, key: str) -> bool:
         parts = key.split(".")

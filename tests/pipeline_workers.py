@@ -128,3 +128,37 @@ def train_and_round_trip(rank: int, world_size: int, cfg: dict) -> dict:
         strict_error = str(e)
     return dict(losses=losses, eval_a=eval_a, eval_b=eval_b, eval_fresh=eval_fresh,
                 same=same, strict_error=strict_error)
+
+
+def checkpoint_resume(rank: int, world_size: int, cfg: dict, path: str) -> dict:
+    """Train, save a DCP checkpoint (model + AdamW) mid-run, train on; then a fresh pipeline
+    in another layout (``cfg["resume"]``) loads it and trains the same steps."""
+    from autopp import build_world_mesh, pipeline_autoparallel
+
+    def run(layout: dict, seed: int, first: int, last: int, save_at: int | None, load: bool):
+        mesh = build_world_mesh(pp=layout["pp"], dp=layout.get("dp", 1), tp=layout.get("tp", 1))
+        dp_rank, dp_size = mesh.get_coordinate()[1], mesh.shape[1]
+        tok, _ = make_batch(cfg["batch"], cfg["seq"])
+        pipe = pipeline_autoparallel(
+            llama3_meta(cfg["n_layers"]), mesh,
+            example_inputs=(_dp_slice(tok, dp_rank, dp_size),), loss_fn=ce_loss,
+            schedule=layout["schedule"], n_microbatches=layout["n_microbatches"],
+        )
+        pipe.init_weights(seed=seed)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=cfg["lr"])
+        if load:
+            pipe.load_checkpoint(path, opt)
+        losses = {}
+        for step in range(first, last):
+            if step == save_at:
+                pipe.save_checkpoint(path, opt)
+            tok, tgt = make_batch(cfg["batch"], cfg["seq"], seed=200 + step)
+            losses[step] = pipe.step(_dp_slice(tok, dp_rank, dp_size), target=_dp_slice(tgt, dp_rank, dp_size))
+            opt.step()
+            pipe.zero_grad()
+        return losses
+
+    straight = run(cfg, seed=0, first=0, last=4, save_at=2, load=False)
+    dist.barrier()
+    resumed = run(cfg["resume"], seed=7, first=2, last=4, save_at=None, load=True)
+    return {"straight": straight, "resumed": resumed}

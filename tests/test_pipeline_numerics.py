@@ -88,3 +88,15 @@ def test_adamw_steps_track_reference_and_state_dict_round_trip():
         assert r["same"]
         assert r["eval_b"] == r["eval_a"] != r["eval_fresh"]
         assert r["strict_error"] and "not_a_module.weight" in r["strict_error"]
+
+
+def test_checkpoint_resumes_in_another_layout(tmp_path):
+    from tests.pipeline_workers import checkpoint_resume
+
+    cfg = _cfg("Interleaved1F1B", 2, dp=2, n_microbatches=2, lr=1e-3)
+    cfg["resume"] = dict(schedule="1F1B", pp=4, dp=1, n_microbatches=4)
+    results = run_on_ranks(checkpoint_resume, 4, cfg, str(tmp_path / "ckpt"))
+    for r in results:
+        assert set(r["resumed"]) == {2, 3}
+        for step, loss in r["resumed"].items():
+            assert loss == pytest.approx(r["straight"][step], abs=1e-5), (step, r)

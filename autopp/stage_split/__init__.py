@@ -24,6 +24,7 @@ Example::
 
 from autopp.stage_split.build import StageLayers, build_stage_module
 from autopp.stage_split.layout import ModelLayout, inspect_model
+from autopp.stage_split.merge import merge_stage_modules
 from autopp.stage_split.layout_string import format_layout, parse_layout
 from autopp.stage_split.resolve import SplitSpec, resolve_split
 from autopp.stage_split.uniform import split_uniform
@@ -36,6 +37,7 @@ __all__ = [
     "build_stage_module",
     "format_layout",
     "inspect_model",
+    "merge_stage_modules",
     "parse_layout",
     "resolve_split",
     "split_uniform",
