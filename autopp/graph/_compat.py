@@ -1,0 +1,160 @@
+"""The one place where autopp.graph touches private torch / experimental torchtitan APIs.
+
+Everything imported here is either private to torch (``_PipelineScheduleRuntime``,
+``_Action``, the FX partitioner helpers) or lives under ``torchtitan.experiments``.
+An upgrade of either library should only need changes in this file.
+
+What is reused from torchtitan's ``graph_trainer.graph_pp`` (torchtitan 0.3.0), and why:
+
+- ``partition_joint_graph``: joint fwd+bwd graph -> forward / backward graphs plus the
+  names of the values saved for backward. Correct, typed, handles mutations and tuples.
+- ``split_di_dw_graph``: backward -> backward-input (dI) / backward-weight (dW) graphs.
+- ``split_forward_fsdp_collectives`` / ``split_backward_fsdp_collectives``: peel the
+  SimpleFSDP all-gathers (unshard) and reduce-scatters (reduce-grad) off the graphs.
+- ``GraphPipelineStage`` / ``GraphPipelineRuntime``: the action handlers that plug
+  graph callables into torch's ``_PipelineScheduleRuntime``.
+- ``minimal_fx_tracer``: make_fx tracing of a stage step with tensor subclasses
+  (DTensor) unwrapped into plain tensors, with the layouts to rewrap them.
+- graph cleanup passes (dead code, canonicalisation, SimpleFSDP chain dedup).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import (  # noqa: F401  (torch private pytree)
+    tree_flatten,
+    tree_leaves,
+    tree_map_only,
+)
+
+# torch private: pipelining runtime IR -------------------------------------------------
+from torch.distributed.pipelining.schedules import (  # noqa: F401
+    _Action,
+    _ComputationType,
+    _PipelineContext,
+    _PipelineScheduleRuntime,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    FULL_BACKWARD,
+    OVERLAP_F_B,
+    REDUCE_GRAD,
+    RESHARD,
+    UNSHARD,
+)
+
+# torchtitan experimental: graph_pp ----------------------------------------------------
+from torchtitan.experiments.graph_trainer.fsdp_passes import (
+    deduplicate_fsdp_unshard_chains_pass,
+)
+from torchtitan.experiments.graph_trainer.graph_pp.partition import (  # noqa: F401
+    GraphMeta,
+    partition_joint_graph as _tt_partition_joint_graph,
+)
+from torchtitan.experiments.graph_trainer.graph_pp.runner import (  # noqa: F401
+    GraphPipelineRuntime,
+)
+from torchtitan.experiments.graph_trainer.graph_pp.split_di_dw import (  # noqa: F401
+    GraphPPDiDwSplit,
+    split_di_dw_graph,
+)
+from torchtitan.experiments.graph_trainer.graph_pp.split_fsdp_collectives import (  # noqa: F401
+    split_backward_fsdp_collectives,
+    split_forward_fsdp_collectives,
+)
+from torchtitan.experiments.graph_trainer.graph_pp.stage import (  # noqa: F401
+    GraphPipelineStage,
+)
+from torchtitan.experiments.graph_trainer.graph_pp.utils import (  # noqa: F401
+    flatten_graph_values,
+    graph_pp_value_spec,
+    GraphPPValueSpec,
+    overlap_fw_bw_sub_actions,
+)
+from torchtitan.experiments.graph_trainer.make_fx_tracer import (  # noqa: F401
+    minimal_fx_tracer,
+    TracedResult,
+)
+from torchtitan.experiments.graph_trainer.remove_noop_passes import (
+    canonicalize_graph_pass,
+    eliminate_dead_code_pass,
+)
+
+RUNTIME_ACTIONS = (
+    FORWARD,
+    FULL_BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    UNSHARD,
+    RESHARD,
+    REDUCE_GRAD,
+    OVERLAP_F_B,
+)
+
+
+class _GraphOnly:
+    """The one attribute of torchtitan's ``TracedResult`` that partitioning reads."""
+
+    __slots__ = ("gm",)
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+
+
+def partition_joint_graph(
+    gm: fx.GraphModule, *, num_fwd_outputs: int, backward_only_input_indices: tuple[int, ...]
+) -> tuple[fx.GraphModule, fx.GraphModule, GraphMeta]:
+    """torchtitan's partitioner on a bare joint graph (it only reads ``.gm``)."""
+    return _tt_partition_joint_graph(
+        _GraphOnly(gm),  # type: ignore[arg-type]
+        num_fwd_outputs=num_fwd_outputs,
+        backward_only_input_indices=backward_only_input_indices,
+    )
+
+
+def normalize_joint_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """Dead-code elimination, no-op removal and SimpleFSDP unshard-chain dedup."""
+    for p in (eliminate_dead_code_pass, canonicalize_graph_pass, deduplicate_fsdp_unshard_chains_pass):
+        gm = p(gm, None)
+    return gm
+
+
+def is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def is_runtime_schedule(schedule: Any) -> bool:
+    return isinstance(schedule, _PipelineScheduleRuntime)
+
+
+def inductor_compile(gm: fx.GraphModule) -> Any:
+    """Compile one flat FX callable with Inductor (static shapes, whole graph)."""
+    return torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False)
+
+
+def aot_descriptor_kinds(gm: fx.GraphModule) -> tuple[list[str], list[tuple[str, str | None]]]:
+    """AOTAutograd descriptors of a joint graph as class names (input kinds; output kind
+    with, for gradients, the kind of input they are the gradient of)."""
+    ins = [type(n.meta.get("desc")).__name__ for n in gm.graph.find_nodes(op="placeholder")]
+    (out,) = gm.graph.find_nodes(op="output")
+    outs = []
+    for d in tree_leaves(out.meta.get("desc", [])):
+        grad_of = getattr(d, "grad_of", None)
+        outs.append((type(d).__name__, None if grad_of is None else type(grad_of).__name__))
+    return ins, outs
+
+
+def use_flat_codegen(gm: fx.GraphModule) -> None:
+    """Make ``gm`` take and return flat values (drop AOTAutograd's pytree codegen)."""
+    gm.graph._codegen = fx.graph.CodeGen()
+    gm.recompile()
+
+
+def schedule_stages(schedule: Any) -> list[Any]:
+    """The stages a runtime schedule holds on this rank."""
+    return list(schedule._stages)

@@ -1,0 +1,217 @@
+"""``StageGraphs``: the split callables of one pipeline stage, callable by hand or by a schedule.
+
+The methods follow the graph-stage protocol of torch's schedule runtime handlers (the names
+``unshard_params`` / ``forward`` / ``full_backward`` / ``backward_input`` /
+``backward_weight`` / ``reduce_grads``), so a ``StageGraphs`` plugs straight into
+:class:`autopp.graph.GraphStage`. All values are flat lists of plain tensors, except the
+forward output, the input grads and the accumulated parameter grads, which are rewrapped
+into their tensor subclasses (DTensor) when the traced stage had them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autopp.graph import _compat
+from autopp.graph.convention import CallingConvention
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ValueLayouts:
+    """How flat graph values rewrap into the stage's semantic values (DTensor or plain)."""
+
+    outputs: _compat.GraphPPValueSpec
+    """Forward outputs (with the pytree structure of the stage's output)."""
+    param_grads: _compat.GraphPPValueSpec
+    """Parameter gradients, one per trainable parameter."""
+    input_grads: _compat.GraphPPValueSpec
+    """Gradients of the differentiable user inputs."""
+
+    @staticmethod
+    def plain(num_outputs: int, num_param_grads: int, num_input_grads: int) -> "ValueLayouts":
+        """Layouts for graphs whose values are all plain tensors."""
+        spec = _compat.graph_pp_value_spec
+        return ValueLayouts(
+            outputs=spec({}, start=0, count=num_outputs),
+            param_grads=spec({}, start=0, count=num_param_grads),
+            input_grads=spec({}, start=0, count=num_input_grads),
+        )
+
+
+def _run(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, ...]:
+    with torch.no_grad():
+        out = fn(*args)
+    if isinstance(out, (tuple, list)):
+        return tuple(out)
+    return (out,)
+
+
+@dataclasses.dataclass(slots=True)
+class StageGraphs:
+    """Forward, backward, backward-input (I), backward-weight (W), unshard and reduce-grad
+    callables of one pipeline stage, with their :class:`CallingConvention`.
+
+    Build one with :func:`autopp.graph.split_joint_graph` (from any flat joint graph) or
+    :func:`autopp.graph.build_stage_graphs` (trace a module and split it).
+    """
+
+    forward_graph: fx.GraphModule
+    """Forward for one microbatch: returns the stage outputs, then the saved values."""
+    full_backward_graph: fx.GraphModule
+    """Whole backward: returns the (unreduced) param grads, then the input grads."""
+    convention: CallingConvention
+    """Calling convention of all the callables."""
+    layouts: ValueLayouts
+    """Rewrapping of outputs and gradients into tensor subclasses."""
+    backward_input_graph: fx.GraphModule | None = None
+    """Input-gradient half of the backward (I); ``None`` when the stage has no input grads."""
+    backward_weight_graph: fx.GraphModule | None = None
+    """Weight-gradient half of the backward (W); runs later on ``backward_input``'s live-ins."""
+    unshard_graph: fx.GraphModule | None = None
+    """Parameter all-gathers peeled off the forward; ``None`` when there are none."""
+    reduce_grad_graph: fx.GraphModule | None = None
+    """Gradient reduce-scatters / all-reduces peeled off the backward; ``None`` if none."""
+    input_meta: tuple[torch.Tensor, ...] = ()
+    """Meta tensors shaped like one microbatch of the positional inputs (when traced)."""
+    output_meta: tuple[torch.Tensor, ...] = ()
+    """Meta tensors shaped like the outputs, the loss on the last stage (when traced)."""
+    runners: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
+    """Compiled replacements of the graphs above, by name (see :func:`compile_stage_graphs`)."""
+
+    def graphs(self) -> dict[str, fx.GraphModule]:
+        """The graph modules that exist, by name."""
+        named = {
+            "forward": self.forward_graph,
+            "full_backward": self.full_backward_graph,
+            "backward_input": self.backward_input_graph,
+            "backward_weight": self.backward_weight_graph,
+            "unshard": self.unshard_graph,
+            "reduce_grad": self.reduce_grad_graph,
+        }
+        return {k: v for k, v in named.items() if v is not None}
+
+    def _fn(self, name: str) -> Callable[..., Any]:
+        fn = self.runners.get(name)
+        return fn if fn is not None else self.graphs()[name]
+
+    # -- the protocol used by the schedule runtime ------------------------------------
+    @property
+    def supports_backward_input_weight_split(self) -> bool:
+        """Whether BACKWARD_INPUT and BACKWARD_WEIGHT can run as separate actions."""
+        return self.backward_input_graph is not None and self.backward_weight_graph is not None
+
+    @property
+    def num_unsharded_param_grad_values(self) -> int:
+        """Number of flat parameter-gradient accumulator slots."""
+        return self.convention.signature.num_param_grads
+
+    def unshard_params(self, flat_param_values: list[Any], *, runtime_validate: bool = False) -> list[Any]:
+        """All-gather the parameters: one unsharded value per flat parameter."""
+        conv = self.convention
+        if len(flat_param_values) != conv.signature.num_params:
+            raise ValueError(
+                f"unshard_params got {len(flat_param_values)} flat parameters, the stage "
+                f"was traced with {conv.signature.num_params}; pass the same module's parameters."
+            )
+        if self.unshard_graph is None:
+            return list(flat_param_values)
+        args = [flat_param_values[i] for i in conv.unshard_param_indices]
+        return list(_run(self._fn("unshard"), args))
+
+    def forward_flat(self, unsharded_params: Sequence[Any], buffers: Sequence[Any],
+                     user_inputs: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """Run the forward on flat values; returns ``(flat_outputs, saved_for_backward)``."""
+        conv = self.convention
+        sig = conv.signature
+        if len(user_inputs) != sig.num_user_inputs:
+            raise ValueError(
+                f"forward got {len(user_inputs)} flat user inputs, the stage was traced with "
+                f"{sig.num_user_inputs}; the previous stage's outputs must match this stage's inputs."
+            )
+        # With an unshard graph, its outputs feed the leading forward inputs and the other
+        # forward inputs index buffers / user inputs only; without one, they index params too.
+        params = unsharded_params if self.unshard_graph is None else [None] * sig.num_params
+        flat = [*params, *buffers, *user_inputs]
+        args = list(unsharded_params[: conv.num_unsharded_params])
+        args += [flat[i] for i in conv.forward_input_indices]
+        out = _run(self._fn("forward"), args)
+        n = sig.num_outputs
+        return out[:n], out[n : n + conv.num_saved_for_backward]
+
+    def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
+                loss_kwargs: dict[str, Any], *, unsharded_param_values: list[Any],
+                flat_buffer_values: list[Any], runtime_validate: bool = False,
+                ) -> tuple[Any, tuple[Any, ...]]:
+        """Run the forward of one microbatch; returns ``(stage_output, saved_for_backward)``."""
+        tree = (args, kwargs, target, loss_kwargs) if self.convention.signature.is_last else (args, kwargs)
+        leaves, _ = _compat.tree_flatten((tree, {}))
+        user_inputs = _compat.flatten_graph_values(list(leaves))
+        outs, saved = self.forward_flat(unsharded_param_values, flat_buffer_values, user_inputs)
+        output = self.layouts.outputs.unflatten(outs)
+        if self.layouts.outputs.tree_spec is None:  # plain layout: one tensor or a tuple
+            output = output[0] if len(output) == 1 else tuple(output)
+        return output, saved
+
+    def _backward_args(self, saved: Sequence[Any], output_grads: Sequence[Any]) -> list[Any]:
+        conv = self.convention
+        if len(saved) != conv.num_saved_for_backward:
+            raise ValueError(
+                f"backward got {len(saved)} saved values, the forward saves "
+                f"{conv.num_saved_for_backward}; pass the values the forward returned."
+            )
+        grads = _compat.flatten_graph_values(list(output_grads))
+        if conv.output_grad_inputs and len(grads) != conv.signature.num_output_grads:
+            raise ValueError(
+                f"backward got {len(grads)} output grads, the stage has "
+                f"{conv.signature.num_output_grads} outputs; the next stage's input grads "
+                "must match this stage's outputs."
+            )
+        return [*saved, *(grads[i] for i in conv.output_grad_inputs)]
+
+    def full_backward(self, stage_output: Any, saved_values_for_backward: tuple[Any, ...],
+                      output_grads_from_next: tuple[Any, ...], *, runtime_validate: bool = False,
+                      ) -> tuple[list[Any], list[Any]]:
+        """Whole backward; returns ``(input_grads, unreduced_param_grads)``."""
+        out = _run(self._fn("full_backward"),
+                   self._backward_args(saved_values_for_backward, output_grads_from_next))
+        n = self.convention.signature.num_param_grads
+        return self.layouts.input_grads.wrap_flat_values(out[n:]), list(out[:n])
+
+    def backward_input(self, stage_output: Any, saved_values_for_backward: tuple[Any, ...],
+                       output_grads_from_next: tuple[Any, ...], *, runtime_validate: bool = False,
+                       ) -> tuple[list[Any], tuple[Any, ...]]:
+        """Input-gradient half (I); returns ``(input_grads, weight_live_ins)``."""
+        if self.backward_input_graph is None:
+            raise ValueError("this stage has no backward-input graph (it has no input grads); "
+                             "use full_backward instead.")
+        out = _run(self._fn("backward_input"),
+                   self._backward_args(saved_values_for_backward, output_grads_from_next))
+        n = self.convention.signature.num_input_grads
+        return self.layouts.input_grads.wrap_flat_values(out[:n]), tuple(out[n:])
+
+    def backward_weight(self, saved_values_for_backward_weight: tuple[Any, ...]) -> list[Any]:
+        """Weight-gradient half (W); returns the unreduced param grads."""
+        if self.backward_weight_graph is None:
+            raise ValueError("this stage has no backward-weight graph; use full_backward instead.")
+        return list(_run(self._fn("backward_weight"), saved_values_for_backward_weight))
+
+    def reduce_grads(self, unsharded_param_grads: list[Any], *, runtime_validate: bool = False) -> list[Any]:
+        """Reduce-scatter / all-reduce the accumulated param grads (identity if none)."""
+        if len(unsharded_param_grads) != self.convention.signature.num_param_grads:
+            raise ValueError(
+                f"reduce_grads got {len(unsharded_param_grads)} grads, expected "
+                f"{self.convention.signature.num_param_grads} (one per trainable parameter)."
+            )
+        if self.reduce_grad_graph is None:
+            return list(unsharded_param_grads)
+        args = [unsharded_param_grads[i] for i in self.convention.reduce_grad_inputs]
+        return list(_run(self._fn("reduce_grad"), args))
+
+    def param_grads_for_accumulation(self, sharded_param_grads: list[Any]) -> list[Any]:
+        """Rewrap reduced flat grads as the parameters' types (e.g. DTensor)."""
+        return self.layouts.param_grads.wrap_flat_values(sharded_param_grads)

@@ -1,0 +1,142 @@
+"""Split a stage's joint forward+backward graph into the callables a pipeline schedule runs.
+
+Reuses torchtitan's graph_pp passes (see ``_compat``) for the graph surgery; this module
+checks the input, chains the passes in schedule order and turns their per-pass metadata
+into one :class:`CallingConvention`.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autopp.graph import _compat
+from autopp.graph.callables import StageGraphs, ValueLayouts
+from autopp.graph.convention import CallingConvention, JointSignature
+
+
+def _outputs(gm: fx.GraphModule) -> tuple[object, ...]:
+    (out,) = gm.graph.find_nodes(op="output")
+    vals = out.args[0]
+    return tuple(vals) if isinstance(vals, (tuple, list)) else (vals,)
+
+
+def check_joint_graph(gm: fx.GraphModule, signature: JointSignature) -> None:
+    """Raise ``ValueError`` if ``gm`` does not have the layout ``signature`` describes."""
+    if not isinstance(gm, fx.GraphModule):
+        raise ValueError(f"expected a torch.fx.GraphModule joint graph, got {type(gm).__name__}")
+    n_in = len(gm.graph.find_nodes(op="placeholder"))
+    outs = _outputs(gm)
+    if len(outs) <= signature.num_outputs:
+        raise ValueError(
+            f"the graph has no backward: it has {len(outs)} outputs and num_outputs="
+            f"{signature.num_outputs}, so no gradient outputs. Trace a joint forward+backward "
+            "graph (e.g. autopp.graph.trace_stage, or make_fx of a function that calls "
+            "torch.autograd.grad) whose outputs are the stage outputs, then the param grads, "
+            "then the input grads."
+        )
+    if n_in != signature.num_graph_inputs:
+        raise ValueError(
+            f"the joint graph has {n_in} inputs but the signature describes "
+            f"{signature.num_graph_inputs} (params {signature.num_params} + buffers "
+            f"{signature.num_buffers} + user inputs {signature.num_user_inputs} + output grads "
+            f"{signature.num_output_grads}); fix the JointSignature counts."
+        )
+    if len(outs) != signature.num_graph_outputs:
+        raise ValueError(
+            f"the joint graph has {len(outs)} outputs but the signature describes "
+            f"{signature.num_graph_outputs} (outputs {signature.num_outputs} + param grads "
+            f"{signature.num_param_grads} + input grads {signature.num_input_grads}); fix the "
+            "JointSignature counts."
+        )
+    grads = outs[signature.num_outputs:]
+    if all(not isinstance(g, fx.Node) for g in grads):
+        raise ValueError(
+            "the graph has no backward: all its gradient outputs are constants (None); make "
+            "sure the stage's parameters require grad and its outputs depend on them."
+        )
+
+
+def split_joint_graph(
+    gm: fx.GraphModule,
+    signature: JointSignature,
+    *,
+    layouts: ValueLayouts | None = None,
+    split_weight_grad: bool = True,
+) -> StageGraphs:
+    """Split a flat joint forward+backward graph into the stage's callables.
+
+    Args:
+        gm: the joint graph; inputs ``params, buffers, user_inputs, output_grads`` and
+            outputs ``forward_outputs, param_grads, input_grads`` (all flat tensors), as made
+            by :func:`autopp.graph.trace_stage`, ``make_fx`` or AOTAutograd.
+        signature: the counts of each of those groups.
+        layouts: how to rewrap outputs and grads into tensor subclasses; plain by default.
+        split_weight_grad: also build the backward-input / backward-weight pair (needed by
+            zero-bubble schedules; when the stage has no input grads there is nothing to split).
+
+    Returns:
+        StageGraphs with forward, full backward, and where present backward-input,
+        backward-weight, unshard (parameter all-gathers) and reduce-grad (gradient
+        reduce-scatter / all-reduce) graphs.
+
+    Raises:
+        ValueError: the graph does not match ``signature`` or has no backward.
+    """
+    check_joint_graph(gm, signature)
+    gm = _compat.normalize_joint_graph(gm)
+    fw, bw, meta = _compat.partition_joint_graph(
+        gm,
+        num_fwd_outputs=signature.num_outputs,
+        backward_only_input_indices=signature.output_grad_input_indices,
+    )
+    fsdp_fw = _compat.split_forward_fsdp_collectives(
+        fw,
+        num_params=signature.num_params,
+        fwd_input_names=meta.fwd_input_names,
+        fwd_flat_input_indices=meta.fwd_flat_input_indices,
+    )
+    fsdp_bw = _compat.split_backward_fsdp_collectives(bw, num_param_grads=signature.num_param_grads)
+    didw = None
+    if split_weight_grad and signature.num_input_grads:
+        didw = _compat.split_di_dw_graph(
+            fsdp_bw.bw_no_fsdp_module, num_param_grads=signature.num_param_grads
+        )
+        if didw is not None and didw.num_input_grads != signature.num_input_grads:
+            raise ValueError(
+                f"backward-input graph returns {didw.num_input_grads} input grads, the "
+                f"signature says {signature.num_input_grads}"
+            )
+
+    saved = meta.saved_for_backward_names
+    grad_names = meta.backward_grad_input_names
+    by_name = dict(zip(grad_names, meta.backward_grad_input_indices, strict=True))
+    if meta.bwd_input_names != (*saved, *grad_names):
+        raise ValueError(f"unexpected backward inputs {meta.bwd_input_names}")
+    reduce_inputs: tuple[int, ...] = ()
+    if fsdp_bw.reduce_grad_module is not None:
+        names = list(fsdp_bw.bw_no_fsdp_output_names[: signature.num_param_grads])
+        reduce_inputs = tuple(names.index(n) for n in fsdp_bw.reduce_grad_input_names)
+
+    convention = CallingConvention(
+        signature=signature,
+        saved_for_backward=tuple(saved),
+        backward_inputs=tuple(meta.bwd_input_names),
+        output_grad_inputs=tuple(by_name[n] for n in grad_names),
+        num_unsharded_params=fsdp_fw.num_fw_unsharded_param_inputs,
+        forward_input_indices=tuple(fsdp_fw.fw_no_fsdp_flat_input_indices),
+        unshard_param_indices=tuple(fsdp_fw.unshard_flat_param_indices),
+        reduce_grad_inputs=reduce_inputs,
+        num_weight_live_ins=0 if didw is None else len(didw.bw_dw_input_names),
+    )
+    return StageGraphs(
+        forward_graph=fsdp_fw.fw_no_fsdp_module,
+        full_backward_graph=fsdp_bw.bw_no_fsdp_module,
+        convention=convention,
+        layouts=layouts or ValueLayouts.plain(
+            signature.num_outputs, signature.num_param_grads, signature.num_input_grads
+        ),
+        backward_input_graph=None if didw is None else didw.bw_di_module,
+        backward_weight_graph=None if didw is None else didw.bw_dw_module,
+        unshard_graph=fsdp_fw.unshard_module,
+        reduce_grad_graph=fsdp_bw.reduce_grad_module,
+    )
