@@ -84,39 +84,44 @@ def tp_fsdp_parallelize(stage: torch.nn.Module, sub_mesh) -> torch.nn.Module:
     return stage
 
 
+def _build(layout: dict, cfg: dict, seed: int):
+    """A pipeline over a fresh world mesh of ``layout``, initialised with ``seed``; and a
+    function giving this rank's dp slice of the batch of a data seed."""
+    from autopp import build_world_mesh, pipeline_autoparallel
+
+    mesh = build_world_mesh(pp=layout["pp"], dp=layout.get("dp", 1), tp=layout.get("tp", 1))
+    dp_rank, dp_size = mesh.get_coordinate()[1], mesh.shape[1]
+
+    def batch(data_seed: int):
+        tok, tgt = make_batch(cfg["batch"], cfg["seq"], seed=data_seed)
+        return _dp_slice(tok, dp_rank, dp_size), _dp_slice(tgt, dp_rank, dp_size)
+
+    pipe = pipeline_autoparallel(
+        llama3_meta(cfg["n_layers"]), mesh,
+        example_inputs=(batch(0)[0],), loss_fn=ce_loss,
+        schedule=layout["schedule"], n_microbatches=layout["n_microbatches"],
+    )
+    pipe.init_weights(seed=seed)
+    return pipe, batch
+
+
 def train_and_round_trip(rank: int, world_size: int, cfg: dict) -> dict:
     """A few AdamW steps with clipping (losses returned), then a state_dict round trip into a
     pipeline initialised differently: the reloaded pipeline's weights and eval loss match."""
-    from autopp import build_world_mesh, pipeline_autoparallel
-
-    mesh = build_world_mesh(pp=cfg["pp"], dp=cfg.get("dp", 1), tp=cfg.get("tp", 1))
-    dp_rank, dp_size = mesh.get_coordinate()[1], mesh.shape[1]
-
-    def build(seed):
-        tok, _ = make_batch(cfg["batch"], cfg["seq"])
-        pipe = pipeline_autoparallel(
-            llama3_meta(cfg["n_layers"]), mesh,
-            example_inputs=(_dp_slice(tok, dp_rank, dp_size),), loss_fn=ce_loss,
-            schedule=cfg["schedule"], n_microbatches=cfg["n_microbatches"],
-        )
-        pipe.init_weights(seed=seed)
-        return pipe
-
-    pipe = build(0)
+    pipe, batch = _build(cfg, cfg, seed=0)
     opt = torch.optim.AdamW(pipe.parameters(), lr=cfg["lr"])
     losses = []
     for step in range(cfg["steps"]):
-        tok, tgt = make_batch(cfg["batch"], cfg["seq"], seed=100 + step)
-        losses.append(pipe.step(_dp_slice(tok, dp_rank, dp_size), target=_dp_slice(tgt, dp_rank, dp_size)))
+        tok, tgt = batch(100 + step)
+        losses.append(pipe.step(tok, target=tgt))
         pipe.clip_grad_norm_(cfg["max_norm"])
         opt.step()
         pipe.zero_grad()
-    tok, tgt = make_batch(cfg["batch"], cfg["seq"], seed=999)
-    tok, tgt = _dp_slice(tok, dp_rank, dp_size), _dp_slice(tgt, dp_rank, dp_size)
+    tok, tgt = batch(999)
     eval_a = pipe.eval(tok, target=tgt)
     sd = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
 
-    other = build(seed=123)
+    other, _ = _build(cfg, cfg, seed=123)
     eval_fresh = other.eval(tok, target=tgt)
     other.load_state_dict(sd)
     eval_b = other.eval(tok, target=tgt)
@@ -133,18 +138,9 @@ def train_and_round_trip(rank: int, world_size: int, cfg: dict) -> dict:
 def checkpoint_resume(rank: int, world_size: int, cfg: dict, path: str) -> dict:
     """Train, save a DCP checkpoint (model + AdamW) mid-run, train on; then a fresh pipeline
     in another layout (``cfg["resume"]``) loads it and trains the same steps."""
-    from autopp import build_world_mesh, pipeline_autoparallel
 
     def run(layout: dict, seed: int, first: int, last: int, save_at: int | None, load: bool):
-        mesh = build_world_mesh(pp=layout["pp"], dp=layout.get("dp", 1), tp=layout.get("tp", 1))
-        dp_rank, dp_size = mesh.get_coordinate()[1], mesh.shape[1]
-        tok, _ = make_batch(cfg["batch"], cfg["seq"])
-        pipe = pipeline_autoparallel(
-            llama3_meta(cfg["n_layers"]), mesh,
-            example_inputs=(_dp_slice(tok, dp_rank, dp_size),), loss_fn=ce_loss,
-            schedule=layout["schedule"], n_microbatches=layout["n_microbatches"],
-        )
-        pipe.init_weights(seed=seed)
+        pipe, batch = _build(layout, cfg, seed=seed)
         opt = torch.optim.AdamW(pipe.parameters(), lr=cfg["lr"])
         if load:
             pipe.load_checkpoint(path, opt)
@@ -152,8 +148,8 @@ def checkpoint_resume(rank: int, world_size: int, cfg: dict, path: str) -> dict:
         for step in range(first, last):
             if step == save_at:
                 pipe.save_checkpoint(path, opt)
-            tok, tgt = make_batch(cfg["batch"], cfg["seq"], seed=200 + step)
-            losses[step] = pipe.step(_dp_slice(tok, dp_rank, dp_size), target=_dp_slice(tgt, dp_rank, dp_size))
+            tok, tgt = batch(200 + step)
+            losses[step] = pipe.step(tok, target=tgt)
             opt.step()
             pipe.zero_grad()
         return losses
