@@ -10,6 +10,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from autopp.auto_stage import (
+    agree_on_plans,
+    default_profile,
+    plan_local_stage,
+    stage_input_shapes,
+)
 from autopp.mesh import check_world_mesh, mesh_sizes, stage_sub_mesh
 from autopp.pipeline import ParallelizeFn, Pipeline, PipelineLayout
 from autopp.schedules import (
@@ -34,6 +40,8 @@ def pipeline_autoparallel(
     split: Split = None,
     parallelize: ParallelizeFn | Literal["auto"] | None = None,
     ignore_index: int = -100,
+    profile: str | None = None,
+    memory_budget_bytes: float | None = None,
 ) -> Pipeline:
     """Pipeline ``model`` over ``mesh``: returns this rank's :class:`~autopp.pipeline.Pipeline`.
 
@@ -60,16 +68,15 @@ def pipeline_autoparallel(
         parallelize: None (each stage replicated over its sub-mesh, gradients averaged over
             dp), or a callable ``(stage_module, sub_mesh) -> module`` applying your own
             parallelism (e.g. torchtitan's TP + FSDP). It receives the stage on the meta
-            device and must average gradients over dp (the FSDP/DDP default). ``"auto"``
-            (the sharding planner) is not available yet.
+            device and must average gradients over dp (the FSDP/DDP default). ``"auto"``:
+            the sharding planner chooses each stage's placements over its sub-mesh
+            (see :mod:`autopp.sharding`); plans are cached on disk.
         ignore_index: target value that does not count towards the loss.
+        profile: with ``"auto"``, the device profile the planner's cost model assumes
+            ("H100", "H200", "A100", "CPU"); default: "CPU" on a cpu mesh, else "H100".
+        memory_budget_bytes: with ``"auto"``, per-device bound on parameter memory.
     """
-    if parallelize == "auto":
-        raise NotImplementedError(
-            'parallelize="auto" needs the sharding planner, which has not landed yet; '
-            "use parallelize=None (replicated stages) or a callable (stage, sub_mesh) -> module"
-        )
-    if parallelize is not None and not callable(parallelize):
+    if parallelize is not None and parallelize != "auto" and not callable(parallelize):
         raise TypeError(f"parallelize must be None, 'auto' or a callable, got {parallelize!r}")
     check_world_mesh(mesh)
     if not any(p.is_meta for p in model.parameters()):
@@ -102,9 +109,16 @@ def pipeline_autoparallel(
 
     sub_mesh = stage_sub_mesh(mesh)
     modules = []
+    auto_plans = None
+    if parallelize == "auto":
+        auto_plans = _plan_stages(
+            model, fqns_per_stage, stage_ids, sub_mesh, example_inputs, n_microbatches, dp,
+            profile=profile or default_profile(mesh.device_type),
+            memory_budget_bytes=memory_budget_bytes,
+        )
     for s in stage_ids:
         m = build_stage_module(model, fqns_per_stage[s])
-        if parallelize is not None:
+        if callable(parallelize):
             m = parallelize(m, sub_mesh)
         modules.append(m)
 
@@ -128,4 +142,22 @@ def pipeline_autoparallel(
         loss_fn=loss_fn,
         ignore_index=ignore_index,
         replicated=parallelize is None,
+        auto_plans=auto_plans,
     )
+
+
+def _plan_stages(model, fqns_per_stage, stage_ids, sub_mesh, example_inputs, n_microbatches, dp,
+                 *, profile, memory_budget_bytes):
+    """Plan this rank's stages; returns {stage id: (plan, meta example inputs)}."""
+    x = example_inputs[0]
+    mb = x.shape[0] // n_microbatches * dp  # a microbatch, dp-global: what the planner sees
+    first = (torch.empty((mb, *x.shape[1:]), dtype=x.dtype, device="meta"),)
+    metas = [build_stage_module(model, f) for f in fqns_per_stage[: max(stage_ids) + 1]]
+    inputs = stage_input_shapes(metas, first)
+    plans = [
+        plan_local_stage(metas[s], inputs[s], sub_mesh, profile=profile,
+                         memory_budget_bytes=memory_budget_bytes, stage_index=s)
+        for s in stage_ids
+    ]
+    plans = agree_on_plans(plans, sub_mesh)
+    return {s: (p, inputs[s]) for s, p in zip(stage_ids, plans)}

@@ -88,6 +88,14 @@ def _compact_fqns(fqns: tuple[str, ...]) -> str:
     return ", ".join(out)
 
 
+def _weight_grads_done_in_backward() -> Callable[[], None]:
+    """A planned stage's backward is one autograd Function that returns weight and input
+    gradients together, which torch's autograd-level I/W split cannot take apart. With this
+    builder, torch runs the full backward at the I action and W has nothing left to do: the
+    zero-bubble and V schedules run correctly, without their weight-gradient deferral."""
+    return lambda: None
+
+
 class Pipeline:
     """This rank's part of a pipelined model. Created by :func:`autopp.pipeline_autoparallel`.
 
@@ -104,6 +112,7 @@ class Pipeline:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         ignore_index: int,
         replicated: bool,
+        auto_plans: dict | None = None,
     ) -> None:
         self.layout = layout
         self.mesh = mesh
@@ -116,8 +125,13 @@ class Pipeline:
         if mesh.device_type == "cuda":
             self._device = torch.device("cuda", torch.cuda.current_device())
         self._ignore_index = ignore_index
+        #: With parallelize="auto": {stage id: (StagePlan, meta example inputs)}.
+        self._auto_plans = auto_plans
+        # Planned stages reduce gradients over dp as a sum (DTensor semantics); replicated
+        # and user-parallelized stages average them (the FSDP/DDP convention).
+        grad_scale = 1.0 if auto_plans else float(layout.dp_size)
         self._loss = TokenWeightedLoss(
-            loss_fn=loss_fn, ignore_index=ignore_index, grad_scale=float(layout.dp_size)
+            loss_fn=loss_fn, ignore_index=ignore_index, grad_scale=grad_scale
         )
         self._schedule = None
         self._stages: list[PipelineStage] = []
@@ -142,8 +156,13 @@ class Pipeline:
         return self.layout.n_stages - 1 in self.layout.stage_ids
 
     def describe(self) -> str:
-        """A printable summary: stages, their modules and which this rank holds."""
-        return self.layout.describe()
+        """A printable summary: stages, their modules, which this rank holds, and with
+        parallelize="auto" the head of each local stage's plan report."""
+        out = [self.layout.describe()]
+        for s, plan in self.plans.items():
+            head = str(plan).splitlines()[:5]
+            out.append(f"  stage {s} plan: " + "\n    ".join(head))
+        return "\n".join(out)
 
     # ----------------------------------------------------------------- weights
     def init_weights(self, seed: int = 0) -> None:
@@ -153,9 +172,30 @@ class Pipeline:
         initialised with :func:`autopp.init.init_module_` and the same ``seed``, whatever
         the split and the placements.
         """
-        for m in self.stage_modules:
-            init_module_(m, seed=seed, device=self._device)
+        if self._auto_plans:
+            from autopp.auto_stage import fqn_view, materialize_and_apply
+
+            sub_mesh = self.mesh["dp", "tp"]
+            self.stage_modules = [
+                materialize_and_apply(
+                    m, plan, sub_mesh, inputs, seed=seed, device=self._device
+                )
+                for m, (plan, inputs) in zip(
+                    self.stage_modules, (self._auto_plans[s] for s in self.layout.stage_ids)
+                )
+            ]
+            self.local_model = fqn_view(
+                [kv for m in self.stage_modules for kv in m.named_whole_model_parameters()]
+            )
+        else:
+            for m in self.stage_modules:
+                init_module_(m, seed=seed, device=self._device)
         self._build_schedule()
+
+    @property
+    def plans(self) -> dict:
+        """With parallelize="auto": {stage id: StagePlan} of this rank's stages."""
+        return {s: p for s, (p, _) in (self._auto_plans or {}).items()}
 
     def _build_schedule(self) -> None:
         pp_group = self.mesh["pp"].get_group()
@@ -167,6 +207,7 @@ class Pipeline:
                 self._device,
                 group=pp_group,
                 get_mesh=self._get_mesh,
+                dw_builder=_weight_grads_done_in_backward if self._auto_plans else None,
             )
             for m, stage_id in zip(self.stage_modules, self.layout.stage_ids)
         ]
@@ -283,7 +324,7 @@ class Pipeline:
     def _reduce_loss(self, losses: list[torch.Tensor]) -> float:
         total = torch.zeros((), dtype=torch.float64, device=self._device)
         if self.has_last_stage:
-            total += sum(l.detach().to(torch.float64) for l in losses) / self.dp_size
+            total += sum(l.detach().to(torch.float64) for l in losses) / self._loss.grad_scale
         if self.layout.pp_size > 1:
             dist.all_reduce(total, group=self.mesh["pp"].get_group())
         if self.dp_size > 1:

@@ -40,9 +40,9 @@ def test_valid_config_builds_layout(mesh222):
     assert "stage 0 (this rank): tok_embeddings, layers.0-1" in pipe.describe()
 
 
-def test_auto_is_reserved(mesh222):
-    with pytest.raises(NotImplementedError, match="sharding planner"):
-        _call(mesh222, parallelize="auto")
+def test_parallelize_must_be_none_auto_or_callable(mesh222):
+    with pytest.raises(TypeError, match="parallelize must be None, 'auto' or a callable"):
+        _call(mesh222, parallelize="fsdp")
 
 
 def test_model_must_be_on_meta(mesh222):

@@ -1,0 +1,265 @@
+"""Every private torch API the planner uses, in one place.
+
+A torch upgrade that moves DTensor's sharding propagator, AOTAutograd's joint export or the
+fake-tensor helpers should only need changes here. Nothing else in ``autopp.sharding`` imports
+an underscore module of torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch._functorch._aot_autograd import descriptors as _desc
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import (
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    TupleStrategy,
+)
+from torch.distributed.tensor.placement_types import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    _StridedShard,
+)
+
+__all__ = [
+    "DTensorSpec",
+    "OpSchema",
+    "OpSpec",
+    "OpStrategy",
+    "Partial",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "StridedShard",
+    "TensorMeta",
+    "TupleStrategy",
+    "cheap_redistribute_costs",
+    "export_joint",
+    "decomp_op_strategy",
+    "has_decomp_rule",
+    "has_rule",
+    "is_grad_output",
+    "is_param_input",
+    "is_buffer_input",
+    "is_op_overload",
+    "tree_leaves",
+    "tree_map",
+    "is_plain_input",
+    "is_plain_output",
+    "is_tangent_input",
+    "op_strategy",
+    "unset_fake_temporarily",
+]
+
+StridedShard = _StridedShard
+
+
+# ---------------------------------------------------------------------------------------------
+# AOTAutograd joint export and its descriptors
+# ---------------------------------------------------------------------------------------------
+
+
+def export_joint(module: torch.nn.Module, args: tuple[Any, ...]) -> torch.fx.GraphModule:
+    """Functional joint forward+backward aten graph of ``module(*args)``.
+
+    Placeholders carry ``meta["desc"]`` (parameter, buffer, user input or tangent); the output
+    node carries ``meta["desc"]`` as a list (forward outputs, then gradients with ``grad_of``).
+    Returned after AOT's fake mode is left, so strategy enumeration runs on plain metadata.
+    """
+    with contextlib.ExitStack() as stack:
+        joint = aot_export_joint_with_descriptors(stack, module, args)
+        gm = joint.graph_module
+    return gm
+
+
+def is_param_input(desc: Any) -> bool:
+    return isinstance(desc, _desc.ParamAOTInput)
+
+
+def is_buffer_input(desc: Any) -> bool:
+    return isinstance(desc, _desc.BufferAOTInput)
+
+
+def is_plain_input(desc: Any) -> bool:
+    return isinstance(desc, _desc.PlainAOTInput)
+
+
+def is_tangent_input(desc: Any) -> bool:
+    return isinstance(desc, _desc.TangentAOTInput)
+
+
+def is_plain_output(desc: Any) -> bool:
+    return isinstance(desc, _desc.PlainAOTOutput)
+
+
+def is_grad_output(desc: Any) -> bool:
+    return isinstance(desc, _desc.GradAOTOutput)
+
+
+def desc_index(desc: Any) -> int | None:
+    """Index of a plain input/output, or of the output a tangent belongs to."""
+    if isinstance(desc, _desc.TangentAOTInput):
+        return desc_index(desc.output)
+    return getattr(desc, "idx", None)
+
+
+def desc_target(desc: Any) -> str | None:
+    """FQN of a parameter/buffer input, or of the input a gradient belongs to."""
+    if isinstance(desc, _desc.GradAOTOutput):
+        inner = desc.grad_of
+        if isinstance(inner, (_desc.ParamAOTInput, _desc.BufferAOTInput)):
+            return inner.target
+        return None
+    return getattr(desc, "target", None)
+
+
+def grad_of_plain_index(desc: Any) -> int | None:
+    """For a gradient output of a user input, that input's index."""
+    if isinstance(desc, _desc.GradAOTOutput) and isinstance(desc.grad_of, _desc.PlainAOTInput):
+        return desc.grad_of.idx
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# DTensor's sharding rules
+# ---------------------------------------------------------------------------------------------
+
+
+def _propagator():
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def has_rule(op: Any) -> bool:
+    prop = _propagator()
+    return op in prop.op_strategy_funcs or op in prop.op_single_dim_strategy_funcs
+
+
+def has_decomp_rule(op: Any) -> bool:
+    """DTensor can derive ``op``'s strategies by tracing its decomposition."""
+    from torch.distributed.tensor._decompositions import DecompShardingStrategy
+
+    return DecompShardingStrategy.has_decomp(op)
+
+
+def decomp_op_strategy(op: Any, args_schema: tuple[Any, ...], kwargs_schema: dict) -> Any:
+    """Strategies of an op with no rule, through DTensor's decomposition tracing.
+
+    Takes ``DTensorSpec`` arguments (one placement per input); returns an ``OpStrategy`` with
+    the candidate combinations DTensor found, or None.
+    """
+    prop = _propagator()
+    prop.decomp_strategy.ensure_schema_info(op)
+    schema = OpSchema(op, args_schema, kwargs_schema, schema_info=prop.op_to_schema_info.get(op))
+    return prop.decomp_strategy.propagate_strategy(schema)
+
+
+def is_single_dim_rule(op: Any) -> bool:
+    """True when DTensor's rule for ``op`` is a single-mesh-dim rule expanded to the mesh.
+
+    Such rules enumerate every combination themselves and read their inputs' strategies only
+    to learn which sharding kinds are in use, so they must get one option per input.
+    """
+    return op in _propagator().op_single_dim_strategy_funcs
+
+
+def op_strategy(
+    op: Any,
+    args_schema: tuple[Any, ...],
+    kwargs_schema: dict[str, Any],
+    out_tensor_meta: Any,
+    mesh: Any,
+) -> Any:
+    """Ask DTensor's registry for the strategies of ``op``.
+
+    ``args_schema`` holds an ``OpStrategy`` (possibly with many options) in place of each tensor
+    argument. Returns an ``OpStrategy`` / ``TupleStrategy``, or None when DTensor has no rule.
+    """
+    from torch.distributed.tensor._ops.single_dim_strategy import (
+        _expand_single_dim_strategy_to_mesh,
+    )
+
+    prop = _propagator()
+    single = prop.op_single_dim_strategy_funcs.get(op)
+    info = (
+        prop.op_to_schema_info_for_single_dim_strategy.get(op)
+        if single is not None
+        else prop.op_to_schema_info.get(op)
+    )
+    schema = OpSchema(op, args_schema, kwargs_schema, schema_info=info)
+    if single is not None:
+        fn = _expand_single_dim_strategy_to_mesh(mesh, schema, single, out_tensor_meta)
+        return fn(op, schema.args_meta, schema.kwargs_meta)
+    func = prop.op_strategy_funcs.get(op)
+    if func is None:
+        return None
+    return func(schema)
+
+
+@contextlib.contextmanager
+def cheap_redistribute_costs() -> Iterator[None]:
+    """Make DTensor's rules skip their redistribute-cost estimates while we enumerate.
+
+    The planner prices every redistribution with its own analytic model (costs.py), so the
+    cost matrices DTensor attaches to each option are unused; computing them is what makes
+    enumeration slow (a graph search per query for ``_StridedShard`` placements). Restored on
+    exit.
+    """
+    from torch.distributed.tensor import _utils as t_utils
+    from torch.distributed.tensor._ops import utils as ops_utils
+
+    def zero_cost(current: Any, target: Any) -> float:
+        return 0.0
+
+    saved = [(m, m.redistribute_cost) for m in (ops_utils, t_utils)]
+    try:
+        for m, _ in saved:
+            m.redistribute_cost = zero_cost
+        yield
+    finally:
+        for m, fn in saved:
+            m.redistribute_cost = fn
+
+
+def decomposition(op: Any):
+    """torch's decomposition of ``op`` into simpler aten ops, or None.
+
+    Used at run time for ops a trace on meta picked but the running backend lacks (e.g.
+    ``_fused_rms_norm_backward`` has no CPU kernel).
+    """
+    from torch._decomp import decomposition_table
+
+    return decomposition_table.get(op)
+
+
+def is_op_overload(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload)
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    from torch.utils import _pytree
+
+    return _pytree.tree_leaves(tree)
+
+
+def tree_map(fn: Any, tree: Any) -> Any:
+    from torch.utils import _pytree
+
+    return _pytree.tree_map(fn, tree)
+
+
+def make_spec(mesh: Any, placements: Sequence[Placement], meta: TensorMeta | None) -> DTensorSpec:
+    return DTensorSpec(mesh=mesh, placements=tuple(placements), tensor_meta=meta)
+
+
+def tensor_meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(shape=t.shape, stride=t.stride(), dtype=t.dtype)

@@ -1,0 +1,248 @@
+"""Block reuse: plan each distinct block once per boundary pair, then chain by DP.
+
+A stage that is a stack of identical blocks (torchtitan's ``layers``) is planned as follows:
+
+1. group blocks by a structural signature (module types, parameter shapes and dtypes), so a
+   stack of 8 identical blocks is traced and enumerated once;
+2. for each distinct block and each pair (a, b) of boundary placements from a small set
+   ``B`` (batch on dp; replicated or sequence-sharded elsewhere), solve the block's ILP with
+   the block input fixed to ``a`` and its output to ``b``: cost ``C(a, b)``;
+3. choose the boundary placements along the chain by dynamic programming
+   (``min Σ_i C_i(b_{i-1}, b_i)`` with the stage's input/output constraints at the ends).
+
+Planning time is ``|B|² × (one block ILP)`` per distinct block, independent of depth.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopp.sharding import _torch_private as tp
+from autopp.sharding.solver import InfeasiblePlanError, PlacementSpec, SolveResult
+from autopp.sharding.strategies import Strategies, enumerate_strategies
+from autopp.sharding.trace import JointGraph, trace_joint
+
+
+class BlockCall(nn.Module):
+    """Calls ``block(x, *extra_args)``; the traced unit of a block stack."""
+
+    def __init__(self, block: nn.Module, extra_args: tuple[Any, ...]):
+        super().__init__()
+        self.block = block
+        self.extra_args = extra_args
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x, *self.extra_args)
+
+
+def default_extra_args(block: nn.Module) -> tuple[Any, ...]:
+    """``None`` for every required positional argument of ``block.forward`` after the first."""
+    params = list(inspect.signature(block.forward).parameters.values())[1:]
+    return tuple(
+        None
+        for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    )
+
+
+def module_signature(module: nn.Module) -> tuple:
+    """Structural key of a module: submodule types and parameter/buffer shapes and dtypes."""
+    mods = tuple((n, type(m).__qualname__) for n, m in module.named_modules())
+    params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters())
+    bufs = tuple((n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers())
+    return mods, params, bufs
+
+
+class EmbedCall(nn.Module):
+    """The embedding unit of a decoder-style stage: ``tok_embeddings(tokens)``."""
+
+    def __init__(self, stage: nn.Module):
+        super().__init__()
+        self.tok_embeddings = stage.tok_embeddings
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(tokens)
+
+
+class HeadCall(nn.Module):
+    """The head unit of a decoder-style stage: ``lm_head(norm(h))`` (either may be None)."""
+
+    def __init__(self, stage: nn.Module):
+        super().__init__()
+        self.norm = getattr(stage, "norm", None)
+        skip = getattr(stage, "_skip_lm_head", False)
+        self.lm_head = None if skip else getattr(stage, "lm_head", None)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.norm(h) if self.norm is not None else h
+        return self.lm_head(h) if self.lm_head is not None else h
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One planned piece of a stage: an embedding, a block, or a head."""
+
+    name: str
+    """"tok_embeddings", "layers.<k>", "head", or "" for a stage planned flat."""
+    module: nn.Module
+    """The module traced for this unit (a wrapper calling the stage's submodule)."""
+    param_prefix: str = ""
+    strip: str = ""
+
+    def stage_fqn(self, fqn: str) -> str:
+        """A parameter's FQN in the stage module, from its FQN in :attr:`module`."""
+        return self.param_prefix + fqn.removeprefix(self.strip)
+
+
+_STAGE_PARTS = ("layers.", "tok_embeddings.", "norm.", "lm_head.")
+
+
+def stage_units(module: nn.Module) -> list[Unit] | None:
+    """Units of a block-stack stage, or None when ``module`` is not one.
+
+    A block stack keeps its parameters under ``module.layers``; a torchtitan decoder stage
+    may also own ``tok_embeddings`` (run first), ``norm`` and ``lm_head`` (run last), as
+    torchtitan's ``Decoder.forward`` orders them. Anything else is planned as one graph.
+    """
+    layers = getattr(module, "layers", None)
+    if not isinstance(layers, (nn.ModuleDict, nn.ModuleList)) or len(layers) == 0:
+        return None
+    if any(not n.startswith(_STAGE_PARTS) for n, _ in module.named_parameters()):
+        return None
+    units = []
+    if getattr(module, "tok_embeddings", None) is not None:
+        units.append(Unit("tok_embeddings", EmbedCall(module)))
+    items = layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers)
+    for k, block in items:
+        call = BlockCall(block, default_extra_args(block))
+        units.append(Unit(f"layers.{k}", call, f"layers.{k}.", "block."))
+    if getattr(module, "norm", None) is not None or getattr(module, "lm_head", None) is not None:
+        units.append(Unit("head", HeadCall(module)))
+    return units
+
+
+def find_block_stack(module: nn.Module) -> list[tuple[str, nn.Module]] | None:
+    """The blocks of a stage planned by units (see :func:`stage_units`), else None."""
+    units = stage_units(module)
+    if units is None:
+        return None
+    return [(u.name, u.module.block) for u in units if isinstance(u.module, BlockCall)]
+
+
+@dataclass(slots=True)
+class TracedBlock:
+    module: nn.Module
+    joint: JointGraph
+    strategies: Strategies
+    signature: tuple
+
+
+def trace_unit(unit_module: nn.Module, x: torch.Tensor, mesh) -> TracedBlock:
+    """Trace and enumerate one unit called on ``x`` (meta, global shape)."""
+    joint = trace_joint(unit_module, (x,))
+    sig = (type(unit_module).__qualname__, module_signature(unit_module))
+    return TracedBlock(unit_module, joint, enumerate_strategies(joint, mesh), sig)
+
+
+def trace_block(block: nn.Module, x: torch.Tensor, mesh) -> TracedBlock:
+    return trace_unit(BlockCall(block, default_extra_args(block)), x, mesh)
+
+
+def unit_signature(unit: Unit) -> tuple:
+    return (type(unit.module).__qualname__, module_signature(unit.module))
+
+
+def boundary_candidates(
+    traced: TracedBlock,
+    mesh_dim_names: Sequence[str],
+    spec: PlacementSpec | None = None,
+    *,
+    output: bool = False,
+    pattern: bool = True,
+) -> list[tuple]:
+    """Block-boundary placements considered for a unit's input (or ``output``).
+
+    With ``pattern``: batch on dp, each other dim R or S(1). ``spec`` (per mesh dim,
+    None = any) narrows them further.
+    """
+    j = traced.joint
+    node = j.tangents[0] if output else j.inputs[0]
+    out = []
+    for o in traced.strategies.nodes[node].options:
+        pl = o.out[0]
+        ok = not pattern or all(
+            (p == tp.Shard(0) or n == 1) if name == "dp" else p in (tp.Replicate(), tp.Shard(1))
+            for p, name, n in zip(pl, mesh_dim_names, traced.strategies.mesh_shape)
+        )
+        if spec is not None:
+            ok = ok and all(s is None or p == s for p, s in zip(pl, spec))
+        if ok and pl not in out:
+            out.append(pl)
+    return out
+
+
+def block_restrictions(
+    traced: TracedBlock,
+    in_pl: PlacementSpec | None,
+    out_pl: PlacementSpec | None,
+    param_placements: dict[str, PlacementSpec] | None = None,
+) -> tuple[dict, dict]:
+    """Node restrictions (and their names) fixing a unit's input, output and parameters."""
+    j = traced.joint
+    restrict, names = {}, {}
+    if in_pl is not None and 0 in j.inputs:
+        restrict[j.inputs[0]] = tuple(in_pl)
+        names[j.inputs[0]] = "input_placements"
+    if out_pl is not None and 0 in j.tangents:
+        restrict[j.tangents[0]] = tuple(out_pl)
+        names[j.tangents[0]] = "output_placements"
+    for fqn, spec in (param_placements or {}).items():
+        node = j.params.get(fqn) or j.params.get(f"block.{fqn}")
+        if node is None:
+            raise ValueError(f"param_placements names {fqn!r}, which is not a parameter")
+        restrict[node] = tuple(spec)
+        names[node] = f"param_placements[{fqn!r}]"
+    return restrict, names
+
+
+def param_numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def chain_dp(
+    kinds: Sequence[int],
+    table: dict[int, dict[tuple, SolveResult]],
+    first_in: Sequence[tuple],
+    last_out: Sequence[tuple],
+) -> list[tuple[tuple, tuple]]:
+    """Boundary pair of each block minimising the summed block objectives.
+
+    ``kinds[i]`` indexes the distinct block of position i; ``table[kind][(a, b)]`` its solution
+    with input ``a`` and output ``b`` (missing = infeasible).
+    """
+    inf = math.inf
+    best: dict[tuple, tuple[float, list]] = {a: (0.0, []) for a in first_in}
+    for i, kind in enumerate(kinds):
+        nxt: dict[tuple, tuple[float, list]] = {}
+        for (a, b), res in table[kind].items():
+            if a not in best:
+                continue
+            if i == len(kinds) - 1 and b not in last_out:
+                continue
+            cost = best[a][0] + res.objective_s
+            if cost < nxt.get(b, (inf, None))[0]:
+                nxt[b] = (cost, best[a][1] + [(a, b)])
+        best = nxt
+    if not best:
+        raise InfeasiblePlanError(
+            "no chain of block boundary placements satisfies the stage's input/output "
+            "placement constraints"
+        )
+    return min(best.values(), key=lambda v: v[0])[1]

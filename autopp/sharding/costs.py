@@ -1,0 +1,173 @@
+"""The cost model: compute time of a node option and time of each redistribution.
+
+Compute (per device): ``max(flops / (peak × efficiency), bytes / memory bandwidth)``, with the
+FLOPs from torch's FLOP counter registry for the global shapes, divided by the number of
+devices that split the work (a mesh dim splits it when any input or output is sharded on it;
+fully replicated work is repeated on every device). View-like ops cost nothing.
+
+Communication (per device, α-β model per mesh dim, bandwidth and latency from
+:func:`profiles.mesh_links`): for each mesh dim whose placement changes
+
+=====================  ================  ===========================
+transition             collective        bytes on the wire (L = local bytes before)
+=====================  ================  ===========================
+Partial -> Replicate   all_reduce        2 (n-1)/n · L
+Partial -> Shard       reduce_scatter    (n-1)/n · L
+Shard -> Replicate     all_gather        (n-1) · L
+Shard(a) -> Shard(b)   all_to_all        (n-1)/n · L
+Replicate -> Shard     (local slice)     0
+=====================  ================  ===========================
+
+Steps that shrink the local tensor run first. ``_StridedShard`` is priced like ``Shard``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import flop_registry
+
+from autopp.sharding import _torch_private as tp
+from autopp.sharding.profiles import DeviceProfile, mesh_links
+from autopp.sharding.strategies import VIEW_OPS, NodeStrategy, Option, local_shape, tensor_vals
+
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    """One collective of a redistribution."""
+
+    kind: str
+    """"all_reduce", "reduce_scatter", "all_gather", "all_to_all"."""
+    mesh_dim: int
+    bytes: int
+    """Local (per-device) bytes of the tensor going in."""
+    time_s: float
+
+
+def _is_shard(p: Any) -> bool:
+    return isinstance(p, (tp.Shard, tp.StridedShard))
+
+
+def _is_partial(p: Any) -> bool:
+    return isinstance(p, tp.Partial)
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class CostModel:
+    """Prices options and redistributions on one mesh for one device profile."""
+
+    def __init__(self, profile: DeviceProfile, mesh_shape: tuple[int, ...]):
+        self.profile = profile
+        self.mesh_shape = tuple(mesh_shape)
+        self.links = mesh_links(profile, self.mesh_shape)
+        self._redist: dict[tuple, tuple[float, tuple[Collective, ...]]] = {}
+        self._flops: dict[Any, float] = {}
+
+    # -- communication -------------------------------------------------------------------------
+
+    def redistribute(
+        self, src: tuple, dst: tuple, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> tuple[float, tuple[Collective, ...]]:
+        """Time and collectives to move a tensor of global ``shape`` from ``src`` to ``dst``."""
+        if src == dst:
+            return 0.0, ()
+        key = (src, dst, tuple(shape), dtype)
+        hit = self._redist.get(key)
+        if hit is None:
+            hit = self._redist[key] = self._redistribute(src, dst, shape, dtype)
+        return hit
+
+    def _redistribute(self, src, dst, shape, dtype):
+        numel = math.prod(shape)
+        shards = math.prod(n for p, n in zip(src, self.mesh_shape) if _is_shard(p))
+        local = numel * dtype_bytes(dtype) / shards
+        dims = [i for i in range(len(src)) if src[i] != dst[i]]
+
+        def rank(i):  # shrinking steps first, growing (all_gather) last
+            s, d = src[i], dst[i]
+            if _is_shard(d) and not _is_shard(s):
+                return 0
+            if _is_shard(s) and _is_shard(d):
+                return 1
+            if _is_partial(s):
+                return 2
+            return 3
+
+        total, steps = 0.0, []
+        for i in sorted(dims, key=rank):
+            s, d, n = src[i], dst[i], self.mesh_shape[i]
+            if n == 1:  # a size-1 mesh dim: every placement is the same data
+                continue
+            bw, lat = self.links.bandwidth[i], self.links.latency[i]
+            if _is_partial(s) and isinstance(d, tp.Replicate):
+                kind, wire, after = "all_reduce", 2 * (n - 1) / n * local, local
+            elif _is_partial(s) and _is_shard(d):
+                kind, wire, after = "reduce_scatter", (n - 1) / n * local, local / n
+            elif _is_shard(s) and _is_shard(d):
+                kind, wire, after = "all_to_all", (n - 1) / n * local, local
+            elif _is_shard(s):  # -> Replicate or Partial
+                kind, wire, after = "all_gather", (n - 1) * local, local * n
+            elif _is_partial(d):  # Replicate -> Partial: keep one copy, zero the others
+                kind, wire, after = None, 0.0, local
+            else:  # Replicate -> Shard: local slice
+                kind, wire, after = None, 0.0, local / n
+            if kind is not None:
+                t = lat + wire / bw
+                total += t
+                steps.append(Collective(kind, i, int(local), t))
+            local = after
+        return total, tuple(steps)
+
+    # -- compute -------------------------------------------------------------------------------
+
+    def global_flops(self, ns: NodeStrategy) -> float:
+        node = ns.node
+        if node in self._flops:
+            return self._flops[node]
+        flops = 0.0
+        fn = flop_registry.get(getattr(node.target, "overloadpacket", None))
+        if ns.kind == "op" and fn is not None:
+            args = torch.fx.node.map_arg(node.args, lambda n: n.meta.get("val"))
+            kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: n.meta.get("val"))
+            try:
+                with tp.unset_fake_temporarily():
+                    flops = float(fn(*args, **kwargs, out_val=node.meta.get("val")))
+            except Exception:  # noqa: BLE001 - a FLOP formula that cannot read these args
+                flops = 0.0
+        self._flops[node] = flops
+        return flops
+
+    def compute_time(self, ns: NodeStrategy, opt: Option) -> float:
+        """Per-device time of running ``ns.node`` as ``opt``."""
+        if ns.kind not in ("op",) or ns.node.target in VIEW_OPS:
+            return 0.0
+        placements = [p for p in opt.out if p is not None] + list(opt.ins)
+        split = 1
+        for i, n in enumerate(self.mesh_shape):
+            if any(_is_shard(pl[i]) for pl in placements):
+                split *= n
+        flops = self.global_flops(ns) / split
+        nbytes = 0.0
+        vals = [v for v in tensor_vals(ns.node)]
+        for v, pl in zip(vals, opt.out):
+            if v is not None and pl is not None:
+                nbytes += self.local_bytes(v, pl)
+        for (src, k), pl in zip(ns.edges, opt.ins):
+            v = tensor_vals(src)[k]
+            nbytes += self.local_bytes(v, pl)
+        out = next((v for v in vals if v is not None), None)
+        dtype = out.dtype if out is not None else torch.float32
+        return max(flops / self.profile.flops(dtype), nbytes / self.profile.mem_bw)
+
+    def local_bytes(self, val: torch.Tensor, placements: tuple) -> float:
+        shape = local_shape(val.shape, placements, self.mesh_shape)
+        if shape is None:  # strided/uneven: approximate by the shard count
+            shards = math.prod(n for p, n in zip(placements, self.mesh_shape) if _is_shard(p))
+            return val.numel() * val.element_size() / shards
+        return math.prod(shape) * val.element_size()

@@ -1,0 +1,144 @@
+"""The plan as a value: a frozen dataclass that can be saved, loaded (JSON), printed and diffed.
+
+Placements are stored as short strings per mesh dim: ``"R"`` (replicate), ``"S(d)"`` (shard
+tensor dim d), ``"P(sum)"`` (pending reduction).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autopp.sharding import _torch_private as tp
+
+PlacementStrs = tuple[str, ...]
+
+
+def placement_str(p: Any) -> str:
+    if isinstance(p, tp.Replicate):
+        return "R"
+    if isinstance(p, tp.StridedShard):
+        return f"SS({p.dim},{p.split_factor})"
+    if isinstance(p, tp.Shard):
+        return f"S({p.dim})"
+    if isinstance(p, tp.Partial):
+        return f"P({p.reduce_op})"
+    raise ValueError(f"unknown placement {p!r}")
+
+
+def parse_placement(s: str) -> Any:
+    s = s.strip()
+    if s == "R":
+        return tp.Replicate()
+    if s.startswith("SS("):
+        d, f = s[3:-1].split(",")
+        return tp.StridedShard(int(d), split_factor=int(f))
+    if s.startswith("S("):
+        return tp.Shard(int(s[2:-1]))
+    if s.startswith("P("):
+        return tp.Partial(s[2:-1])
+    raise ValueError(f"cannot parse placement {s!r}; expected R, S(d) or P(op)")
+
+
+def to_strs(placements: Any) -> PlacementStrs:
+    return tuple(placement_str(p) for p in placements)
+
+
+def from_strs(strs: PlacementStrs) -> tuple[Any, ...]:
+    return tuple(parse_placement(s) for s in strs)
+
+
+@dataclass(frozen=True, slots=True)
+class ParamPlan:
+    fqn: str
+    placements: PlacementStrs
+    local_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class CollectivePlan:
+    block: str
+    """Prefix of the block the collective is in ("" for a flat stage)."""
+    node: str
+    """Node that needs the redistributed value (a parameter node for gradient reductions)."""
+    producer: str
+    kind: str
+    mesh_dim: str
+    bytes: int
+    time_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class BlockPlan:
+    prefix: str
+    """FQN prefix of the block's parameters in the stage module ("" for a flat stage)."""
+    signature: str
+    """Structural key of the block's graph; equal keys share a plan."""
+    input_placements: PlacementStrs
+    output_placements: PlacementStrs
+    nodes: tuple[tuple[str, tuple[PlacementStrs | None, ...], tuple[PlacementStrs, ...]], ...]
+    """(node name, output placements, required input placements) of every graph node."""
+    estimated_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    """A sharding plan for one stage on its sub-mesh."""
+
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...]
+    profile: str
+    params: tuple[ParamPlan, ...]
+    input_placements: PlacementStrs
+    output_placements: PlacementStrs
+    blocks: tuple[BlockPlan, ...]
+    collectives: tuple[CollectivePlan, ...]
+    step_time_s: float
+    """Estimated time of one forward+backward on one device (compute + communication)."""
+    compute_s: float
+    comm_s: float
+    param_bytes_per_device: int
+    memory_budget_bytes: float | None
+    fallbacks: tuple[str, ...]
+    """Ops replicated because DTensor has no working rule for them."""
+    num_vars: int
+    solve_s: float
+    plan_s: float
+    notes: tuple[str, ...] = field(default=())
+
+    def param_placements(self) -> dict[str, tuple[Any, ...]]:
+        """FQN -> torch placements."""
+        return {p.fqn: from_strs(p.placements) for p in self.params}
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> StagePlan:
+        d = json.loads(text)
+
+        def tup(x):
+            return tuple(tup(y) for y in x) if isinstance(x, list) else x
+
+        def build(kind, items):
+            return tuple(kind(**{k: tup(v) for k, v in item.items()}) for item in items)
+
+        d["params"] = build(ParamPlan, d["params"])
+        d["collectives"] = build(CollectivePlan, d["collectives"])
+        d["blocks"] = build(BlockPlan, d["blocks"])
+        return cls(**{k: v if k in ("params", "collectives", "blocks") else tup(v)
+                      for k, v in d.items()})
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> StagePlan:
+        return cls.from_json(Path(path).read_text())
+
+    def __str__(self) -> str:
+        from autopp.sharding.report import format_plan
+
+        return format_plan(self)

@@ -1,0 +1,252 @@
+"""``plan_stage``: the planner's one-call entry point (trace, enumerate, price, solve, chain)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopp.sharding import _torch_private as tp
+from autopp.sharding.chain import (
+    TracedBlock,
+    Unit,
+    block_restrictions,
+    boundary_candidates,
+    chain_dp,
+    param_numel,
+    stage_units,
+    trace_unit,
+    unit_signature,
+)
+from autopp.sharding.costs import CostModel
+from autopp.sharding.plan import BlockPlan, CollectivePlan, ParamPlan, StagePlan, to_strs
+from autopp.sharding.profiles import DeviceProfile, get_profile
+from autopp.sharding.solver import InfeasiblePlanError, Model, PlacementSpec, SolveResult
+from autopp.sharding.strategies import enumerate_strategies, tensor_vals
+from autopp.sharding.trace import check_on_meta, graph_signature, trace_joint
+
+DEFAULT = "default"
+
+
+def _spec(value: Any, names: Sequence[str], shape: Sequence[int]) -> PlacementSpec | None:
+    """Normalise a placement constraint: "default" (batch on dp, replicated elsewhere), None
+    (free), or one entry per mesh dim (a torch Placement, a string like "S(0)", or None).
+    Size-1 mesh dims are always ``Replicate`` (every placement is the same data there)."""
+    from autopp.sharding.plan import parse_placement
+
+    if value is None:
+        return None
+    if isinstance(value, str) and value == DEFAULT:
+        spec = tuple(tp.Shard(0) if n == "dp" else tp.Replicate() for n in names)
+    else:
+        spec = tuple(parse_placement(v) if isinstance(v, str) else v for v in value)
+    if len(spec) != len(names):
+        raise ValueError(f"placement constraint {value!r} needs one entry per mesh dim {names}")
+    return tuple(tp.Replicate() if n == 1 and p is not None else p for p, n in zip(spec, shape))
+
+
+def plan_stage(
+    module: nn.Module,
+    example_inputs: tuple[Any, ...],
+    mesh,
+    *,
+    profile: str | DeviceProfile = "H100",
+    input_placements: Any = DEFAULT,
+    output_placements: Any = DEFAULT,
+    param_placements: dict[str, Any] | None = None,
+    memory_budget_bytes: float | None = None,
+    param_state_factor: float = 1.0,
+    time_limit_s: float = 60.0,
+    reuse_blocks: bool = True,
+) -> StagePlan:
+    """Plan the DP×TP sharding of one stage module on ``mesh`` (its sub-mesh).
+
+    Args:
+        module: the stage, on the meta device.
+        example_inputs: meta tensors with global shapes (and e.g. ``None`` masks).
+        mesh: a DeviceMesh with named dims (``("dp", "tp")``); fake process groups work.
+        profile: device profile name or :class:`DeviceProfile` (never read from the machine).
+        input_placements / output_placements: "default" (batch ``S(0)`` on dp, ``R``
+            elsewhere), None (free), or one placement per mesh dim (None = any).
+        param_placements: FQN -> placement per mesh dim, to fix some parameters.
+        memory_budget_bytes: per-device bound on parameter bytes × ``param_state_factor``
+            (e.g. 4 for fp32 parameters + gradients + Adam's two states).
+        time_limit_s: per ILP.
+        reuse_blocks: plan a block-stack stage (``module.layers``, plus a torchtitan decoder's
+            ``tok_embeddings`` / ``norm`` / ``lm_head``) unit by unit, identical blocks once.
+
+    Raises:
+        InfeasiblePlanError: the constraints admit no plan (the message names them).
+        ValueError: the module or inputs are not on meta, or a constraint is malformed.
+    """
+    t0 = time.perf_counter()
+    check_on_meta(module, example_inputs)
+    names = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(mesh.ndim)))
+    prof = get_profile(profile)
+    costs = CostModel(prof, tuple(mesh.shape))
+    shape = tuple(mesh.shape)
+    in_spec = _spec(input_placements, names, shape)
+    out_spec = _spec(output_placements, names, shape)
+    fixed = {k: _spec(v, names, shape) for k, v in (param_placements or {}).items()}
+    units = stage_units(module) if reuse_blocks else None
+    if units is None:
+        joint = trace_joint(module, example_inputs)
+        traced = TracedBlock(module, joint, enumerate_strategies(joint, mesh), ())
+        model = Model(traced.strategies, costs, memory_budget_bytes, param_state_factor)
+        res = model.solve(
+            *block_restrictions(traced, in_spec, out_spec, fixed), time_limit_s=time_limit_s
+        )
+        parts = [(Unit("", module), traced, res)]
+        solved = [(model.num_vars, res.solve_s)]
+    else:
+        parts, solved = _plan_chain(
+            module, units, example_inputs[0], mesh, names, costs, in_spec, out_spec, fixed,
+            memory_budget_bytes, param_state_factor, time_limit_s,
+        )
+    return _assemble(parts, solved, mesh, names, prof, costs, memory_budget_bytes, t0)
+
+
+def _matching(cands: list[tuple], spec: PlacementSpec | None) -> list[tuple]:
+    return [c for c in cands if spec is None or all(s is None or p == s for p, s in zip(c, spec))]
+
+
+def _plan_chain(module, units, x, mesh, names, costs, in_spec, out_spec, fixed,
+                budget, factor, time_limit_s):
+    """Plan each distinct unit once per boundary pair, then chain them (chain.py)."""
+    kinds: list[int] = []
+    reps: list[tuple[Unit, TracedBlock]] = []
+    sig_index: dict[tuple, int] = {}
+    for unit in units:
+        sig = unit_signature(unit)
+        if sig not in sig_index:
+            sig_index[sig] = len(reps)
+            reps.append((unit, trace_unit(unit.module, x, mesh)))
+        kinds.append(sig_index[sig])
+        out = reps[sig_index[sig]][1].joint.outputs[0].meta["val"]
+        x = torch.empty(out.shape, dtype=out.dtype, device="meta")
+    total = param_numel(module)
+    table: dict[int, dict[tuple, SolveResult]] = {}
+    solved: list[tuple[int, float]] = []  # (ILP variables of each model built, solve seconds)
+    first_in = last_out = None
+    for kind, (unit, traced) in enumerate(reps):
+        # the stage's own input (tokens) and output (logits) are not block boundaries
+        ends_in = unit.name == "tok_embeddings"
+        ends_out = unit.name == "head"
+        ins = boundary_candidates(traced, names, in_spec if ends_in else None, pattern=not ends_in)
+        outs = boundary_candidates(
+            traced, names, out_spec if ends_out else None, output=True, pattern=not ends_out
+        )
+        if kind == kinds[0]:
+            first_in = _matching(ins, in_spec)
+        if kind == kinds[-1]:
+            last_out = _matching(outs, out_spec)
+        # only the pairs a chain can use: the stage's ends are constrained
+        positions = [i for i, k in enumerate(kinds) if k == kind]
+        if all(i == 0 for i in positions):
+            ins = first_in
+        if all(i == len(kinds) - 1 for i in positions):
+            outs = last_out
+        share = None if budget is None else budget * param_numel(traced.module) / total
+        local_fixed = {
+            f: fixed[unit.stage_fqn(f)]
+            for f, _ in traced.module.named_parameters()
+            if unit.stage_fqn(f) in fixed
+        }
+        table[kind] = {}
+        errors = []
+        model = Model(traced.strategies, costs, share, factor)
+        solved.append((model.num_vars, 0.0))
+        for a in ins:
+            for b in outs:
+                try:
+                    res = model.solve(
+                        *block_restrictions(traced, a, b, local_fixed), time_limit_s=time_limit_s
+                    )
+                except InfeasiblePlanError as e:
+                    errors.append(str(e))
+                    continue
+                table[kind][a, b] = res
+                solved.append((0, res.solve_s))
+        if not table[kind]:
+            detail = errors[0] if errors else "no boundary placement fits its shapes"
+            raise InfeasiblePlanError(f"unit {unit.name} has no feasible plan: {detail}")
+    if not first_in:
+        raise InfeasiblePlanError(
+            f"input_placements {in_spec} matches no block-boundary placement"
+        )
+    if not last_out:
+        raise InfeasiblePlanError(
+            f"output_placements {out_spec} matches no block-boundary placement"
+        )
+    pairs = chain_dp(kinds, table, first_in, last_out)
+    parts = [(unit, reps[k][1], table[k][pair]) for unit, k, pair in zip(units, kinds, pairs)]
+    return parts, solved
+
+
+def _node_labels(j, unit: Unit) -> dict[str, str]:
+    """Readable names of graph inputs in reports: parameter FQNs, "input0", "output0" (an
+    output's tangent carries the output's placement)."""
+    labels = {n.name: unit.stage_fqn(f) for f, n in [*j.params.items(), *j.buffers.items()]}
+    labels.update({n.name: f"input{i}" for i, n in j.inputs.items()})
+    labels.update({n.name: f"output{i}" for i, n in j.tangents.items()})  # tangent = output
+    return labels
+
+
+def _assemble(parts, solved, mesh, names, prof, costs, budget, t0) -> StagePlan:
+    params, colls, block_plans, fallbacks = [], [], [], []
+    for unit, traced, res in parts:
+        prefix = unit.name
+        j = traced.joint
+        label = _node_labels(j, unit)
+        for fqn, node in j.params.items():
+            full = unit.stage_fqn(fqn)
+            pl = res.choice[node].out[0]
+            params.append(ParamPlan(full, to_strs(pl), int(costs.local_bytes(tensor_vals(node)[0], pl))))
+        for node_name, producer, c in res.collectives:
+            colls.append(
+                CollectivePlan(prefix, label.get(node_name, node_name),
+                               label.get(producer, producer), c.kind, names[c.mesh_dim],
+                               c.bytes, c.time_s)
+            )
+        nodes = tuple(
+            (
+                n.name,
+                tuple(to_strs(p) if p is not None else None for p in o.out),
+                tuple(to_strs(p) for p in o.ins),
+            )
+            for n, o in res.choice.items()
+        )
+        in_pl = to_strs(res.choice[j.inputs[0]].out[0]) if 0 in j.inputs else ()
+        out_pl = to_strs(res.choice[j.tangents[0]].out[0]) if 0 in j.tangents else ()
+        block_plans.append(
+            BlockPlan(prefix, graph_signature(j), in_pl, out_pl, nodes, res.objective_s)
+        )
+        fallbacks += traced.strategies.fallbacks  # "node: op (reason)", shared by equal units
+    fallbacks = list(dict.fromkeys(fallbacks))
+    results = [r for _, _, r in parts]
+    return StagePlan(
+        mesh_shape=tuple(mesh.shape),
+        mesh_dim_names=names,
+        profile=prof.name,
+        params=tuple(params),
+        input_placements=block_plans[0].input_placements,
+        output_placements=block_plans[-1].output_placements,
+        blocks=tuple(block_plans),
+        collectives=tuple(colls),
+        step_time_s=sum(r.objective_s for r in results),
+        compute_s=sum(r.compute_s for r in results),
+        comm_s=sum(r.comm_s for r in results),
+        param_bytes_per_device=sum(p.local_bytes for p in params),
+        memory_budget_bytes=budget,
+        fallbacks=tuple(fallbacks),
+        num_vars=sum(n for n, _ in solved),
+        solve_s=sum(t for _, t in solved),
+        plan_s=time.perf_counter() - t0,
+        notes=(
+            "costs: joint fwd+bwd graph as traced (no rematerialisation: a parameter gathered "
+            "in forward is not re-gathered in backward); activation memory not modelled",
+        ),
+    )

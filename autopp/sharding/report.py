@@ -1,0 +1,69 @@
+"""A readable report of a :class:`~autopp.sharding.plan.StagePlan`."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from autopp.sharding.plan import StagePlan
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _time(s: float) -> str:
+    return f"{s * 1e3:.3f} ms" if s >= 1e-4 else f"{s * 1e6:.1f} us"
+
+
+def _pl(strs: tuple[str, ...], names: tuple[str, ...]) -> str:
+    return ", ".join(f"{n}:{s}" for n, s in zip(names, strs))
+
+
+def format_plan(plan: StagePlan, max_collectives: int = 40) -> str:
+    names = plan.mesh_dim_names
+    mesh = " x ".join(f"{n}={s}" for n, s in zip(names, plan.mesh_shape))
+    lines = [
+        f"StagePlan on mesh {mesh}, profile {plan.profile}",
+        f"  estimated step time (fwd+bwd, one device): {_time(plan.step_time_s)} "
+        f"= compute {_time(plan.compute_s)} + communication {_time(plan.comm_s)}",
+        f"  parameter memory per device: {_bytes(plan.param_bytes_per_device)}"
+        + (
+            f" (budget {_bytes(plan.memory_budget_bytes)})"
+            if plan.memory_budget_bytes is not None
+            else " (no budget)"
+        ),
+        f"  input placements: {_pl(plan.input_placements, names)}; "
+        f"output placements: {_pl(plan.output_placements, names)}",
+        f"  blocks: {len(plan.blocks)} ({len({b.signature for b in plan.blocks})} distinct), "
+        f"ILP variables {plan.num_vars}, solver {plan.solve_s:.2f} s, planning {plan.plan_s:.2f} s",
+        "",
+        "Parameters (placement per mesh dim):",
+    ]
+    width = max((len(p.fqn) for p in plan.params), default=10)
+    for p in plan.params:
+        lines.append(f"  {p.fqn:<{width}}  {_pl(p.placements, names):<16}  {_bytes(p.local_bytes)}")
+    lines += ["", "Collectives (kind over mesh dim: count, bytes per device, time):"]
+    agg: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    for c in plan.collectives:
+        a = agg[c.kind, c.mesh_dim]
+        a[0] += 1
+        a[1] += c.bytes
+        a[2] += c.time_s
+    for (kind, dim), (n, b, t) in sorted(agg.items(), key=lambda kv: -kv[1][2]):
+        lines.append(f"  {kind:<15} over {dim:<4} x{int(n):<4} {_bytes(b):>12}  {_time(t)}")
+    lines += ["", f"Largest collectives (of {len(plan.collectives)}):"]
+    for c in sorted(plan.collectives, key=lambda c: -c.time_s)[:max_collectives]:
+        where = f"{c.block}:" if c.block else ""
+        lines.append(
+            f"  {c.kind:<15} {c.mesh_dim:<4} {_bytes(c.bytes):>12} {_time(c.time_s):>10}  "
+            f"{where}{c.producer} -> {c.node}"
+        )
+    lines += ["", "Fallbacks (replicated, no DTensor rule):"]
+    lines += [f"  {f}" for f in plan.fallbacks] or ["  none"]
+    if plan.notes:
+        lines += ["", "Notes:"] + [f"  {n}" for n in plan.notes]
+    return "\n".join(lines)

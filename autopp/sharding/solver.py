@@ -1,0 +1,393 @@
+r"""The sharding ILP, solved with HiGHS (highspy).
+
+Notation: nodes :math:`v` of the joint graph, each with options :math:`o \in O_v`
+(strategies.py); edges :math:`e = (u \to v, i)` (argument :math:`i` of :math:`v` produced by
+:math:`u`). On edge :math:`e`, :math:`A_e` are the distinct placements :math:`u` can produce
+and :math:`G_e` the distinct placements :math:`v` can require; :math:`O_u^a` are the options
+of :math:`u` that produce :math:`a`, :math:`O_v^g` those of :math:`v` that require :math:`g`.
+
+.. math::
+
+    \min \; \sum_v \sum_{o} c_{v,o}\, x_{v,o} \;+\; \sum_e \sum_{a \in A_e, g \in G_e}
+        r_e(a, g)\, y_{e,a,g}
+
+    \text{s.t.}\quad \sum_{o \in O_v} x_{v,o} = 1                      \quad\forall v
+        \qquad\text{(\_one\_option\_per\_node)}
+
+    \sum_{g} y_{e,a,g} = \sum_{o \in O_u^a} x_{u,o},\quad
+    \sum_{a} y_{e,a,g} = \sum_{o \in O_v^g} x_{v,o}                   \quad\forall e
+        \qquad\text{(\_edge\_flows)}
+
+    \sum_{p \in \text{params}} \sum_o m_{p,o}\, x_{p,o} \le M
+        \qquad\text{(\_memory\_budget)}
+
+    x \in \{0,1\}, \quad y \ge 0
+
+:math:`c_{v,o}` is the compute time of the option, :math:`r_e(a,g)` the redistribution time
+(costs.py), :math:`m_{p,o}` the per-device bytes of parameter :math:`p` (times a state factor
+for gradient and optimizer state) and :math:`M` the budget. The edge-flow variables carry the
+joint choice of both ends with marginal constraints; their LP relaxation is integral in
+practice (facts.md), which is why this solves fast. When an edge has a single placement on
+one side, its cost is folded onto the other side's :math:`x` and no :math:`y` is made.
+
+Ties are edges too (``_tie_edges``): a parameter's gradient flows into the parameter node,
+which requires its own placement, so the gradient ends reduced in the parameter's placement
+and the reduction (all-reduce / reduce-scatter over dp) is priced; likewise a forward output
+flows into its tangent and a user input's gradient into the input. Input/output/parameter
+constraints restrict the options of those nodes (``_restrict``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import highspy
+import numpy as np
+from torch import fx
+
+from autopp.sharding.costs import Collective, CostModel
+from autopp.sharding.strategies import Option, Strategies, tensor_vals
+
+PlacementSpec = Sequence[Any | None]
+"""Per mesh dim: a torch Placement, or None for "any"."""
+
+
+_SCALE = 1e6
+"""Costs go to the solver in microseconds so its tolerances sit far below one cost unit."""
+
+
+class InfeasiblePlanError(ValueError):
+    """The constraints admit no plan; the message names them."""
+
+
+@dataclass(frozen=True, slots=True)
+class SolveResult:
+    choice: dict[fx.Node, Option]
+    objective_s: float
+    compute_s: float
+    comm_s: float
+    collectives: tuple[tuple[str, str, Collective], ...]
+    """(consumer node, producer node, collective) of every chosen redistribution."""
+    param_bytes: float
+    """Per-device parameter bytes (without the state factor)."""
+    num_vars: int
+    num_binary: int
+    num_rows: int
+    solve_s: float
+    status: str
+    ilp_objective_s: float = float("nan")
+    """The solver's objective; equals :attr:`objective_s` up to tolerances (a consistency
+    check between the ILP and :func:`evaluate`)."""
+
+
+@dataclass(slots=True)
+class Problem:
+    """What to solve: candidates, prices and constraints."""
+
+    strategies: Strategies
+    costs: CostModel
+    restrict: dict[fx.Node, PlacementSpec] = field(default_factory=dict)
+    """Allowed output placements of some nodes (inputs, tangents, parameters)."""
+    restrict_names: dict[fx.Node, str] = field(default_factory=dict)
+    """Human name of each restriction, for error messages."""
+    memory_budget_bytes: float | None = None
+    param_state_factor: float = 1.0
+    time_limit_s: float = 60.0
+    threads: int = 2
+
+
+def _matches(pl: tuple, spec: PlacementSpec) -> bool:
+    return all(s is None or p == s for p, s in zip(pl, spec))
+
+
+class Model:
+    """The ILP of one joint graph over all its options, built once.
+
+    Constraints on inputs, outputs and parameters only change column bounds
+    (:meth:`solve`), so the boundary pairs of a block reuse one model.
+    """
+
+    def __init__(
+        self,
+        strategies: Strategies,
+        costs: CostModel,
+        memory_budget_bytes: float | None = None,
+        param_state_factor: float = 1.0,
+    ):
+        self.st = strategies
+        self.costs = costs
+        self.memory_budget_bytes = memory_budget_bytes
+        self.param_state_factor = param_state_factor
+        self.cost: list[float] = []
+        self.integer: list[bool] = []
+        self.rows: list[tuple[list[int], list[float], float, float]] = []
+        self.options: dict[fx.Node, list[Option]] = {
+            n: ns.options for n, ns in strategies.nodes.items() if ns.options
+        }
+        self.col0: dict[fx.Node, int] = {}
+        self._one_option_per_node()
+        self._edge_flows()
+        self._memory_budget()
+        self._lp = self._to_lp()
+
+    def new_col(self, cost: float, integer: bool) -> int:
+        self.cost.append(cost)
+        self.integer.append(integer)
+        return len(self.cost) - 1
+
+    def _one_option_per_node(self) -> None:
+        for node, opts in self.options.items():
+            ns = self.st.nodes[node]
+            self.col0[node] = len(self.cost)
+            for o in opts:
+                self.new_col(self.costs.compute_time(ns, o), True)
+            self.rows.append((list(range(self.col0[node], len(self.cost))), [1.0] * len(opts), 1, 1))
+
+    def _tie_edges(self):
+        j = self.st.joint
+        ties = [(j.params[f], g) for f, g in j.grads.items() if f in j.params]
+        ties += [(j.tangents[i], o) for i, o in j.outputs.items() if i in j.tangents]
+        ties += [(j.inputs[i], g) for i, g in j.input_grads.items() if i in j.inputs]
+        for target, src in ties:
+            yield target, src, 0, [o.out[0] for o in self.options[target]], None
+
+    def _all_edges(self):
+        for node, opts in self.options.items():
+            ns = self.st.nodes[node]
+            for i, (src, k) in enumerate(ns.edges):
+                yield node, src, k, [o.ins[i] for o in opts], i
+        yield from self._tie_edges()
+
+    def _allowed_pairs(self, dst: fx.Node, i: int | None):
+        """(producer placement, required placement) pairs a follower edge may carry."""
+        ns = self.st.nodes[dst]
+        if i is None or ns.follows is None:
+            return None
+        return {(a, o.ins[i]) for o in self.options[dst] for a in ns.follows.get(o, ())}
+
+    def _edge_flows(self) -> None:
+        memo: dict[tuple, float] = {}  # keyed by object ids: the options outlive this loop
+
+        def price(a, g, shape, dtype) -> float:
+            key = (id(a), id(g), shape, dtype)
+            t = memo.get(key)
+            if t is None:
+                t = memo[key] = self.costs.redistribute(a, g, shape, dtype)[0]
+            return t
+
+        for dst, src, k, need, i in self._all_edges():
+            if src not in self.options:
+                continue
+            val = tensor_vals(src)[k]
+            shape, dtype = tuple(val.shape), val.dtype
+            have: dict[Any, list[int]] = {}
+            for idx, o in enumerate(self.options[src]):
+                have.setdefault(o.out[k], []).append(self.col0[src] + idx)
+            want: dict[Any, list[int]] = {}
+            for idx, pl in enumerate(need):
+                want.setdefault(pl, []).append(self.col0[dst] + idx)
+            pairs = self._allowed_pairs(dst, i)
+            if pairs is None and (len(have) == 1 or len(want) == 1):
+                # One side is fixed: fold the edge's cost onto the other side's choices.
+                for a, acols in have.items():
+                    for g, gcols in want.items():
+                        t = price(a, g, shape, dtype)
+                        for c in gcols if len(have) == 1 else acols:
+                            self.cost[c] += t
+                continue
+            if pairs is None:
+                pairs = [(a, g) for a in have for g in want]
+            else:
+                # A producer placement the follower has no option for (e.g. its view would be
+                # a pruned _StridedShard) is redistributed into any placement it accepts.
+                covered = {a for a, _ in pairs}
+                pairs = [*pairs, *((a, g) for a in have if a not in covered for g in want)]
+            by_a: dict[Any, list[int]] = {a: [] for a in have}
+            by_g: dict[Any, list[int]] = {g: [] for g in want}
+            for a, g in pairs:
+                if a in have and g in want:
+                    c = self.new_col(price(a, g, shape, dtype), False)
+                    by_a[a].append(c)
+                    by_g[g].append(c)
+            for side, groups in ((by_a, have), (by_g, want)):
+                for key, cols in groups.items():
+                    ys = side[key]
+                    self.rows.append((ys + cols, [1.0] * len(ys) + [-1.0] * len(cols), 0, 0))
+
+    def param_bytes(self, node: fx.Node, o: Option) -> float:
+        return self.costs.local_bytes(tensor_vals(node)[0], o.out[0])
+
+    def _memory_budget(self) -> None:
+        budget = self.memory_budget_bytes
+        if budget is None:
+            return
+        f = self.param_state_factor
+        idx, val = [], []
+        for node in self.st.joint.params.values():
+            opts = self.options[node]
+            idx += [self.col0[node] + i for i in range(len(opts))]
+            val += [self.param_bytes(node, o) * f for o in opts]
+        self.rows.append((idx, val, -np.inf, budget))
+
+    def _to_lp(self):
+        n = len(self.cost)
+        lp = highspy.HighsLp()
+        lp.num_col_ = n
+        lp.num_row_ = len(self.rows)
+        lp.col_cost_ = np.asarray(self.cost, dtype=np.float64) * _SCALE
+        lp.col_lower_ = np.zeros(n)
+        lp.col_upper_ = np.ones(n)
+        lp.row_lower_ = np.array([r[2] for r in self.rows], dtype=np.float64)
+        lp.row_upper_ = np.array([r[3] for r in self.rows], dtype=np.float64)
+        starts, index, value = [0], [], []
+        for idx, val, _, _ in self.rows:
+            index += idx
+            value += val
+            starts.append(len(index))
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.start_ = np.asarray(starts, dtype=np.int32)
+        lp.a_matrix_.index_ = np.asarray(index, dtype=np.int32)
+        lp.a_matrix_.value_ = np.asarray(value, dtype=np.float64)
+        lp.a_matrix_.num_col_ = n
+        lp.a_matrix_.num_row_ = len(self.rows)
+        return lp
+
+    @property
+    def num_vars(self) -> int:
+        return len(self.cost)
+
+    def _upper_bounds(self, restrict, names) -> np.ndarray:
+        upper = np.ones(len(self.cost))
+        least = 0.0
+        for node, spec in restrict.items():
+            opts = self.options[node]
+            ok = [_matches(o.out[0], spec) for o in opts]
+            if not any(ok):
+                name = names.get(node, node.name)
+                raise InfeasiblePlanError(
+                    f"constraint {name} admits no placement of {node.name} "
+                    f"(shape {tuple(tensor_vals(node)[0].shape)}, mesh "
+                    f"{self.st.mesh_shape}): a required shard may not divide evenly"
+                )
+            for i, good in enumerate(ok):
+                if not good:
+                    upper[self.col0[node] + i] = 0.0
+        if self.memory_budget_bytes is not None:
+            f = self.param_state_factor
+            for node in self.st.joint.params.values():
+                sizes = [
+                    self.param_bytes(node, o) * f
+                    for i, o in enumerate(self.options[node])
+                    if upper[self.col0[node] + i] > 0
+                ]
+                least += min(sizes)
+            if least > self.memory_budget_bytes:
+                raise InfeasiblePlanError(
+                    f"memory_budget_bytes={self.memory_budget_bytes:.4g} is below the least "
+                    f"parameter memory any plan reaches ({least:.4g} bytes per device with "
+                    f"state factor {f}); raise the budget, use more devices, or relax the "
+                    "parameter constraints"
+                )
+        return upper
+
+    def solve(
+        self,
+        restrict: Mapping[fx.Node, PlacementSpec] | None = None,
+        restrict_names: Mapping[fx.Node, str] | None = None,
+        *,
+        time_limit_s: float = 60.0,
+        threads: int = 2,
+    ) -> SolveResult:
+        """Solve with some nodes' placements restricted; raise InfeasiblePlanError naming them."""
+        restrict, names = dict(restrict or {}), dict(restrict_names or {})
+        upper = self._upper_bounds(restrict, names)
+        ints = np.asarray(self.integer, dtype=bool)
+        x, dt, status, obj = self._run(upper, False, time_limit_s, threads)
+        if x.size and np.any((x[ints] > 1e-6) & (x[ints] < 1 - 1e-6)):
+            x, dt2, status, obj = self._run(upper, True, time_limit_s, threads)
+            dt += dt2
+        elif x.size:
+            status += " (LP relaxation integral)"
+        if x.size == 0:
+            listed = sorted(set(names.values()))
+            if self.memory_budget_bytes is not None:
+                listed.append(f"memory_budget_bytes={self.memory_budget_bytes:.4g}")
+            raise InfeasiblePlanError(
+                f"no sharding plan satisfies the constraints together (solver: {status}); "
+                f"constraints in force: {listed}"
+            )
+        choice: dict[fx.Node, Option] = {}
+        for node, opts in self.options.items():
+            vals = x[self.col0[node] : self.col0[node] + len(opts)]
+            choice[node] = opts[int(np.argmax(vals))]
+        res = evaluate(self, choice, num_vars=self.num_vars, solve_s=dt, status=status)
+        return replace(res, ilp_objective_s=obj)
+
+    def _run(self, upper, integer: bool, time_limit_s: float, threads: int):
+        lp = self._lp
+        lp.col_upper_ = upper
+        kint, kcont = highspy.HighsVarType.kInteger, highspy.HighsVarType.kContinuous
+        lp.integrality_ = [kint if b else kcont for b in self.integer] if integer else []
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("time_limit", float(time_limit_s))
+        h.setOptionValue("threads", int(threads))
+        h.setOptionValue("mip_rel_gap", 1e-6)
+        t0 = time.perf_counter()
+        h.passModel(lp)
+        h.run()
+        dt = time.perf_counter() - t0
+        status = h.modelStatusToString(h.getModelStatus())
+        sol = h.getSolution()
+        if not sol.value_valid:
+            return np.zeros(0), dt, status, 0.0
+        obj = h.getInfo().objective_function_value / _SCALE
+        return np.asarray(sol.col_value), dt, status, obj
+
+
+def solve(prob: Problem) -> SolveResult:
+    """Build and solve one problem (see :class:`Model` to reuse a build)."""
+    model = Model(prob.strategies, prob.costs, prob.memory_budget_bytes, prob.param_state_factor)
+    return model.solve(
+        prob.restrict, prob.restrict_names, time_limit_s=prob.time_limit_s, threads=prob.threads
+    )
+
+
+def evaluate(
+    model: Model,
+    choice: Mapping[fx.Node, Option],
+    *,
+    num_vars: int = 0,
+    solve_s: float = 0.0,
+    status: str = "evaluated",
+) -> SolveResult:
+    """Price a full choice of options under the cost model (what the ILP objective measures)."""
+    costs, st = model.costs, model.st
+    compute = sum(costs.compute_time(st.nodes[n], o) for n, o in choice.items())
+    comm, colls = 0.0, []
+    for dst, src, k, _, i in model._all_edges():
+        if src not in choice or dst not in choice:
+            continue
+        val = tensor_vals(src)[k]
+        a = choice[src].out[k]
+        g = choice[dst].out[0] if i is None else choice[dst].ins[i]
+        t, steps = costs.redistribute(a, g, tuple(val.shape), val.dtype)
+        comm += t
+        colls += [(dst.name, src.name, c) for c in steps]
+    param_bytes = sum(model.param_bytes(n, choice[n]) for n in st.joint.params.values())
+    return SolveResult(
+        choice=dict(choice),
+        objective_s=compute + comm,
+        compute_s=compute,
+        comm_s=comm,
+        collectives=tuple(colls),
+        param_bytes=param_bytes,
+        num_vars=num_vars,
+        num_binary=int(sum(model.integer)),
+        num_rows=len(model.rows),
+        solve_s=solve_s,
+        status=status,
+    )

@@ -1,0 +1,60 @@
+import pytest
+import torch
+
+from autopp.sharding import _torch_private as tp
+from autopp.sharding.costs import CostModel
+from autopp.sharding.profiles import PROFILES, get_profile, mesh_links
+
+R, S0, S1, P = tp.Replicate(), tp.Shard(0), tp.Shard(1), tp.Partial()
+
+
+def test_profiles_by_name_only():
+    assert {"H100", "H200", "A100", "CPU"} <= set(PROFILES)
+    with pytest.raises(ValueError, match="unknown device profile"):
+        get_profile("TPUv9")
+
+
+def test_mesh_links_intra_and_inter_node():
+    h100 = get_profile("H100")
+    links = mesh_links(h100, (32, 8))  # tp inside a node, dp across nodes
+    assert links.bandwidth == (h100.inter_node_bw, h100.intra_node_bw)
+    links = mesh_links(h100, (2, 4))  # all 8 in one node
+    assert links.bandwidth == (h100.intra_node_bw, h100.intra_node_bw)
+
+
+def test_collective_formulas():
+    prof = get_profile("H100")
+    cm = CostModel(prof, (4, 2))
+    shape, dt = (1024, 1024), torch.float32
+    full = 1024 * 1024 * 4
+    bw, lat = cm.links.bandwidth, cm.links.latency
+    t, (c,) = cm.redistribute((S0, R), (R, R), shape, dt)
+    assert c.kind == "all_gather" and c.mesh_dim == 0
+    assert t == pytest.approx(lat[0] + 3 * (full / 4) / bw[0])
+    t, (c,) = cm.redistribute((P, R), (R, R), shape, dt)
+    assert c.kind == "all_reduce" and t == pytest.approx(lat[0] + 2 * 3 / 4 * full / bw[0])
+    t, (c,) = cm.redistribute((P, R), (S0, R), shape, dt)
+    assert c.kind == "reduce_scatter" and t == pytest.approx(lat[0] + 3 / 4 * full / bw[0])
+    t, (c,) = cm.redistribute((R, S0), (R, S1), shape, dt)
+    assert c.kind == "all_to_all" and c.mesh_dim == 1
+    assert cm.redistribute((R, R), (S0, S1), shape, dt) == (0.0, ())  # local slice
+
+
+def test_mm_compute_time_splits_with_sharding(make_mesh):
+    from torch import nn
+
+    from autopp.sharding.strategies import enumerate_strategies
+    from autopp.sharding.trace import trace_joint
+
+    with torch.device("meta"):
+        lin = nn.Linear(1024, 1024, bias=False)
+    j = trace_joint(lin, (torch.empty(4096, 1024, device="meta"),))
+    st = enumerate_strategies(j, make_mesh(2, 2))
+    cm = CostModel(get_profile("H100"), (2, 2))
+    mm = next(ns for n, ns in st.nodes.items() if n.target == torch.ops.aten.mm.default)
+    assert cm.global_flops(mm) == 2 * 4096 * 1024 * 1024
+    times = {o: cm.compute_time(mm, o) for o in mm.options}
+    rep = next(o for o in times if all(p == R for p in o.out[0]) and all(
+        p == R for pl in o.ins for p in pl))
+    split = next(o for o in times if o.out[0] == (S0, S1))
+    assert times[split] == pytest.approx(times[rep] / 4)
