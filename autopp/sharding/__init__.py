@@ -37,8 +37,11 @@ Data path, one module per step:
   option for it, e.g. a pruned ``_StridedShard`` view, any placement it accepts), which
   removes most flow variables. Boundary constraints only change column bounds, so a block's
   model is built once for all its boundary pairs.
-- ``chain.py``: identical blocks (structural signature) are traced once and solved once per
-  boundary pair (batch on dp; replicated or sequence-sharded on tp), then chained by DP.
+- ``chain.py``: a stage is split into units (torchtitan decoder order: ``tok_embeddings``,
+  each of ``layers``, ``norm``+``lm_head``; any other module is one flat unit). Identical
+  units (structural signature) are traced once, their ILP built once and solved once per
+  boundary pair (batch on dp; replicated or sequence-sharded on tp; only pairs a chain can
+  use), then the boundaries are chosen along the chain by DP.
 - ``plan.py`` / ``report.py``: the plan is a frozen dataclass with JSON round trip and a
   printed report (parameter placements, collectives with bytes and time, step time, memory,
   fallbacks).
@@ -54,17 +57,20 @@ Data path, one module per step:
   estimates are comparable.
 - ``_torch_private.py``: the only module importing private torch APIs.
 
-Measured (2-core CPU machine): 8 llama3-8B blocks (dim 4096, seq 2048, batch 32) on a fake
-32×8 mesh with a parameter-memory budget plan in about 6 s (one 59k-variable model, 4 boundary
-solves); the estimate is never above torchtitan's FSDP+TP layout priced by the same model
-(``benchmarks/plan_time.py --compare``).
+Measured (2-core CPU machine, shared): 8 llama3-8B blocks (dim 4096, seq 2048, batch 32) on
+a fake 32×8 mesh with a parameter-memory budget plan in 12-15 s median (one 66k-variable
+model, 4 boundary solves; with the budget row the LP relaxation is no longer integral and
+HiGHS branches, which is most of the time). On 2×4, 8×8 and 32×8 the planned estimate was
+not above torchtitan's FSDP+TP layout priced by the same model
+(``benchmarks/plan_time.py --compare``; tests/sharding/test_torchtitan_ref.py).
 
 Known limits: the cost model counts the joint graph as traced (no re-gather of FSDP
 parameters in backward, no activation memory, no overlap of communication with compute);
-the memory budget covers parameters (× a state factor) only; only the block stack
-(``module.layers``) gets block reuse, other stages are planned as one flat graph; apply is
-the DTensor-executed first version (recompute in backward, no bf16 policy, weights must be
-materialised before ``apply_plan`` rather than initialised shard by shard).
+the memory budget covers parameters (× a state factor) only; only a block-stack stage
+(``module.layers``, with a decoder's embedding/head) gets block reuse, other stages are
+planned as one flat graph; apply is the DTensor-executed first version (recompute in
+backward, no bf16 policy, weights must be materialised before ``apply_plan`` rather than
+initialised shard by shard).
 """
 
 from autopp.sharding.apply import apply_plan

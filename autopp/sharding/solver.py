@@ -26,15 +26,19 @@ of :math:`u` that produce :math:`a`, :math:`O_v^g` those of :math:`v` that requi
 :math:`c_{v,o}` is the compute time of the option, :math:`r_e(a,g)` the redistribution time
 (costs.py), :math:`m_{p,o}` the per-device bytes of parameter :math:`p` (times a state factor
 for gradient and optimizer state) and :math:`M` the budget. The edge-flow variables carry the
-joint choice of both ends with marginal constraints; their LP relaxation is integral in
-practice (facts.md), which is why this solves fast. When an edge has a single placement on
-one side, its cost is folded onto the other side's :math:`x` and no :math:`y` is made.
+joint choice of both ends with marginal constraints; without the memory row their LP
+relaxation is integral in practice (facts.md), so :meth:`Model.solve` solves the LP first and
+branches only when some :math:`x` is fractional. When an edge has a single placement on one
+side, its cost is folded onto the other side's :math:`x` and no :math:`y` is made; on a
+follower edge (single-input op, ``NodeStrategy.follows``) only the pairs its options were
+derived from get a :math:`y` (``_allowed_pairs``).
 
 Ties are edges too (``_tie_edges``): a parameter's gradient flows into the parameter node,
 which requires its own placement, so the gradient ends reduced in the parameter's placement
 and the reduction (all-reduce / reduce-scatter over dp) is priced; likewise a forward output
 flows into its tangent and a user input's gradient into the input. Input/output/parameter
-constraints restrict the options of those nodes (``_restrict``).
+constraints set the upper bound of the excluded options to 0 (``_upper_bounds``), so one
+built model serves every boundary pair of a block.
 """
 
 from __future__ import annotations
@@ -336,6 +340,7 @@ class Model:
         h.setOptionValue("time_limit", float(time_limit_s))
         h.setOptionValue("threads", int(threads))
         h.setOptionValue("mip_rel_gap", 1e-6)
+        h.setOptionValue("mip_heuristic_effort", 0.3)  # measured: finds incumbents sooner
         t0 = time.perf_counter()
         h.passModel(lp)
         h.run()
