@@ -11,7 +11,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopp.auto_stage import (
+    PlannedStage,
     agree_on_plans,
+    boundary_bytes,
     default_profile,
     plan_local_stage,
     stage_input_shapes,
@@ -38,7 +40,7 @@ def pipeline_autoparallel(
     schedule: str = "1F1B",
     n_microbatches: int,
     split: Split = None,
-    parallelize: ParallelizeFn | Literal["auto"] | None = None,
+    parallelize: ParallelizeFn | Literal["auto"] | None = "auto",
     ignore_index: int = -100,
     profile: str | None = None,
     memory_budget_bytes: float | None = None,
@@ -65,12 +67,12 @@ def pipeline_autoparallel(
             and head weighted as one layer each; as many stages as the schedule places on
             pp ranks), an int (that many uniform stages), a layout string such as
             ``"Ettt|tttL"`` (see :mod:`autopp.stage_split`), or explicit module FQNs per stage.
-        parallelize: None (each stage replicated over its sub-mesh, gradients averaged over
+        parallelize: ``"auto"`` (default: the sharding planner chooses each stage's
+            placements over its sub-mesh, see :mod:`autopp.sharding`; plans are cached on
+            disk), None (each stage replicated over its sub-mesh, gradients averaged over
             dp), or a callable ``(stage_module, sub_mesh) -> module`` applying your own
             parallelism (e.g. torchtitan's TP + FSDP). It receives the stage on the meta
-            device and must average gradients over dp (the FSDP/DDP default). ``"auto"``:
-            the sharding planner chooses each stage's placements over its sub-mesh
-            (see :mod:`autopp.sharding`); plans are cached on disk.
+            device and must average gradients over dp (the FSDP/DDP default).
         ignore_index: target value that does not count towards the loss.
         profile: with ``"auto"``, the device profile the planner's cost model assumes
             ("H100", "H200", "A100", "CPU"); default: "CPU" on a cpu mesh, else "H100".
@@ -152,7 +154,7 @@ def _plan_stages(model, fqns_per_stage, stage_ids, sub_mesh, example_inputs, n_m
     x = example_inputs[0]
     mb = x.shape[0] // n_microbatches * dp  # a microbatch, dp-global: what the planner sees
     first = (torch.empty((mb, *x.shape[1:]), dtype=x.dtype, device="meta"),)
-    metas = [build_stage_module(model, f) for f in fqns_per_stage[: max(stage_ids) + 1]]
+    metas = [build_stage_module(model, f) for f in fqns_per_stage[: max(stage_ids) + 2]]
     inputs = stage_input_shapes(metas, first)
     plans = [
         plan_local_stage(metas[s], inputs[s], sub_mesh, profile=profile,
@@ -160,4 +162,10 @@ def _plan_stages(model, fqns_per_stage, stage_ids, sub_mesh, example_inputs, n_m
         for s in stage_ids
     ]
     plans = agree_on_plans(plans, sub_mesh)
-    return {s: (p, inputs[s]) for s, p in zip(stage_ids, plans)}
+    return {
+        s: PlannedStage(
+            plan=p, example_inputs=inputs[s],
+            send_bytes=boundary_bytes(inputs[s + 1][0], dp) if s + 1 < len(inputs) else 0,
+        )
+        for s, p in zip(stage_ids, plans)
+    }

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +35,28 @@ from autopp.sharding import StagePlan, plan_stage
 from autopp.sharding.apply import apply_plan
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedStage:
+    """One local stage's plan and what it was planned with.
+
+    Attributes:
+        plan: the planner's StagePlan for the stage on its sub-mesh.
+        example_inputs: meta tensors of one dp-global microbatch entering the stage.
+        send_bytes: bytes this stage sends to the next one per microbatch, per device (the
+            boundary activation with the batch split over dp and whole over tp); 0 for the
+            last stage.
+    """
+
+    plan: StagePlan
+    example_inputs: tuple[torch.Tensor, ...]
+    send_bytes: int
+
+
+def boundary_bytes(t: torch.Tensor, dp: int) -> int:
+    """Bytes of a dp-global boundary activation held by one device (batch split over dp)."""
+    return t.numel() // dp * t.element_size()
 
 
 def default_profile(device_type: str) -> str:

@@ -125,7 +125,7 @@ class Pipeline:
         if mesh.device_type == "cuda":
             self._device = torch.device("cuda", torch.cuda.current_device())
         self._ignore_index = ignore_index
-        #: With parallelize="auto": {stage id: (StagePlan, meta example inputs)}.
+        #: With parallelize="auto": {stage id: PlannedStage}.
         self._auto_plans = auto_plans
         # Planned stages reduce gradients over dp as a sum (DTensor semantics); replicated
         # and user-parallelized stages average them (the FSDP/DDP convention).
@@ -159,9 +159,14 @@ class Pipeline:
         """A printable summary: stages, their modules, which this rank holds, and with
         parallelize="auto" the head of each local stage's plan report."""
         out = [self.layout.describe()]
-        for s, plan in self.plans.items():
-            head = str(plan).splitlines()[:5]
+        for s, planned in (self._auto_plans or {}).items():
+            head = str(planned.plan).splitlines()[:5]
             out.append(f"  stage {s} plan: " + "\n    ".join(head))
+            if planned.send_bytes:
+                out.append(
+                    f"    sends {planned.send_bytes / 2**10:.1f} KiB per microbatch per device "
+                    f"to stage {s + 1} (batch split over dp, whole over tp)"
+                )
         return "\n".join(out)
 
     # ----------------------------------------------------------------- weights
@@ -181,7 +186,9 @@ class Pipeline:
                     m, plan, sub_mesh, inputs, seed=seed, device=self._device
                 )
                 for m, (plan, inputs) in zip(
-                    self.stage_modules, (self._auto_plans[s] for s in self.layout.stage_ids)
+                    self.stage_modules,
+                    ((self._auto_plans[s].plan, self._auto_plans[s].example_inputs)
+                     for s in self.layout.stage_ids),
                 )
             ]
             self.local_model = fqn_view(
@@ -195,7 +202,7 @@ class Pipeline:
     @property
     def plans(self) -> dict:
         """With parallelize="auto": {stage id: StagePlan} of this rank's stages."""
-        return {s: p for s, (p, _) in (self._auto_plans or {}).items()}
+        return {s: p.plan for s, p in (self._auto_plans or {}).items()}
 
     def _build_schedule(self) -> None:
         pp_group = self.mesh["pp"].get_group()

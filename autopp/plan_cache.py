@@ -2,7 +2,8 @@
 
 A plan is keyed by everything it depends on: the stage module's structure (module types,
 parameter and buffer names, shapes, dtypes), the example input shapes and dtypes, the
-sub-mesh shape and dim names, the device profile and the planner options. Ranks that plan
+sub-mesh shape and dim names, the device profile, the planner options, and the planner's
+own source code. Ranks that plan
 the same stage on one host take a file lock, so one of them solves and the others read its
 result; ranks on other hosts solve the same deterministic problem themselves.
 
@@ -35,6 +36,16 @@ def _describe_tensor(t: Any) -> Any:
     return repr(t)
 
 
+def _planner_source_hash() -> str:
+    """Plans depend on the planner's code: a change to it invalidates the cache."""
+    import autopp.sharding
+
+    h = hashlib.sha256()
+    for f in sorted(Path(autopp.sharding.__file__).parent.glob("*.py")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def plan_key(
     module: nn.Module, example_inputs: Sequence[Any], mesh_shape: Sequence[int],
     mesh_dim_names: Sequence[str], options: dict[str, Any],
@@ -48,6 +59,7 @@ def plan_key(
         "mesh": [list(mesh_shape), list(mesh_dim_names)],
         "options": {k: repr(v) for k, v in sorted(options.items())},
         "torch": torch.__version__,
+        "planner": _planner_source_hash(),
     }
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:32]
 

@@ -5,6 +5,13 @@ Run on 8 CPU processes (gloo), pp=2 x dp=2 x tp=2 (what ``bash scripts/example.s
     .venv/bin/torchrun --standalone --nproc-per-node 8 examples/llama3_pp_dp_tp.py \
         --pp 2 --dp 2 --tp 2 --device cpu
 
+Each stage is sharded over its dp x tp sub-mesh by autopp's planner (``--parallelize auto``,
+the default; plans are printed at start and cached on disk). A dry run plans a big model for
+many ranks on one machine, with no devices::
+
+    .venv/bin/python examples/llama3_pp_dp_tp.py --dry-run --model 8B --pp 4 --dp 8 --tp 8 \
+        --batch-size 64 --seq-len 2048 --microbatches 8
+
 The model is torchtitan's llama3 (``--model``: debugmodel, 1B, 3B, 8B, 70B, 405B) with SDPA
 attention, built on the meta device: each rank materialises only its own stages. It learns
 bytes (token = byte, 0..255) of the Python standard library's sources, or of ``--data FILE``.
@@ -15,6 +22,7 @@ rows. Rank 0 logs loss, throughput, step time, memory and gradient norm, as torc
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import random
 import statistics
@@ -54,6 +62,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--data", default=None, help="train on this file's bytes instead")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--parallelize", default="auto", choices=["auto", "replicate"],
+                   help="auto: the planner shards each stage over its dp x tp sub-mesh; "
+                        "replicate: each stage replicated over its sub-mesh")
+    p.add_argument("--profile", default=None,
+                   help="device profile the planner assumes (H100, H200, A100, CPU); "
+                        "default: CPU on --device cpu, else H100")
+    p.add_argument("--dry-run", action="store_true",
+                   help="plan every stage for pp x dp x tp ranks on this one machine (fake "
+                        "process group, no devices) and print the plans; no training")
     args = p.parse_args()
     if args.split is not None and args.split.isdigit():
         args.split = int(args.split)
@@ -108,8 +125,36 @@ def log0(msg: str) -> None:
         print(msg, flush=True)
 
 
+def print_in_pp_order(pipe, mesh) -> None:
+    """Each pipeline rank's summary (its stages and their plans), printed by its first rank."""
+    pp_rank, dp_rank, tp_rank = mesh.get_coordinate()
+    for r in range(mesh.shape[0]):
+        if pp_rank == r and dp_rank == 0 and tp_rank == 0:
+            print(pipe.describe() if r == 0 else pipe.describe().split("\n", 1)[1], flush=True)
+        dist.barrier()
+
+
+def dry_run(args) -> None:
+    """Plan the whole pipeline on this machine alone and print the report."""
+    from autopp.dry_run import dry_run as plan_pipeline
+
+    report = plan_pipeline(
+        build_model(args.model), pp=args.pp, dp=args.dp, tp=args.tp,
+        schedule=args.schedule, n_microbatches=args.microbatches,
+        global_batch=args.batch_size, seq_len=args.seq_len,
+        profile=args.profile or ("CPU" if args.device == "cpu" else "H100"), split=args.split,
+    )
+    print(report)
+
+
 def main() -> None:
     args = parse_args()
+    logging.basicConfig(
+        level=logging.INFO if int(os.environ.get("RANK", 0)) == 0 else logging.WARNING,
+        format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S",
+    )
+    if args.dry_run:
+        return dry_run(args)
     device = init_distributed(args.device)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -129,6 +174,8 @@ def main() -> None:
         schedule=args.schedule,
         n_microbatches=args.microbatches,
         split=args.split,
+        parallelize="auto" if args.parallelize == "auto" else None,
+        profile=args.profile,
     )
     del model  # the meta-device whole model; each rank keeps only its stages
     pipe.init_weights(seed=args.seed)
@@ -139,7 +186,7 @@ def main() -> None:
 
     log0(f"llama3 {args.model}: {n_params / 1e6:.2f} M parameters; corpus "
          f"{len(corpus) / 2**20:.1f} MiB ({args.data or 'Python stdlib sources'})")
-    log0(pipe.describe())
+    print_in_pp_order(pipe, mesh)
     tokens_per_step = args.batch_size * args.seq_len
     times = []
     for step in range(1, args.steps + 1):

@@ -28,6 +28,7 @@ def _call(mesh, **kw):
         loss_fn=ce_loss,
         schedule="1F1B",
         n_microbatches=2,
+        parallelize=None,
     )
     args.update(kw)
     model = args.pop("model", None) or llama3_meta(4)
