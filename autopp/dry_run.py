@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 
 from autopp.auto_stage import plan_local_stage, stage_input_shapes
 from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
@@ -140,8 +141,8 @@ class DryRunReport:
 
     def memory_per_device_bytes(self, which: str = "planned") -> int:
         """Parameter bytes per device: max over pipeline ranks of the sum over its stages."""
-        b = [s.plan.param_bytes_per_device if which == "planned"
-             else s.torchtitan.param_bytes_per_device for s in self.stages]  # type: ignore[union-attr]
+        plans = [s.plan if which == "planned" else s.torchtitan for s in self.stages]
+        b = [p.param_bytes_per_device for p in plans]  # type: ignore[union-attr]
         return max(sum(b[s] for s in ids) for ids in self.stage_ids_per_rank)
 
     @property
@@ -224,7 +225,7 @@ def format_report(r: DryRunReport) -> str:
            ("torchtitan's per stage (compare)" if r.compare else "none")),
         "",
         f"Stages (time = estimated fwd+bwd of one microbatch on one device; placements per "
-        f"{dims}):",
+        f"{dims}, a|b where layers differ):",
     ]
     for s in r.stages:
         p = s.plan
@@ -284,8 +285,7 @@ def _torchtitan_placements(stage: nn.Module, names: tuple[str, ...]) -> dict:
     for fqn in out:
         if fqn.split(".")[0] in _TT_VOCAB_SHARDED:
             out[fqn] = tuple(
-                torch.distributed.tensor.Shard(0) if n in ("dp", "tp") else
-                torch.distributed.tensor.Replicate() for n in names
+                Shard(0) if n in ("dp", "tp") else Replicate() for n in names
             )
     return out
 

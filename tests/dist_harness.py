@@ -44,11 +44,25 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
             dist.destroy_process_group()
 
 
+_PRELOAD = ["torch", "torch.distributed.pipelining", "torchtitan.models.llama3", "autopp",
+            "tests.models", "tests.pipeline_workers"]
+
+
+def _context():
+    """forkserver with the heavy imports preloaded: each worker starts as a fork of a clean
+    server process (seconds faster than spawn on a 2-core machine), and never of the pytest
+    process, whose state (e.g. a HiGHS solver thread pool left by a planner test) a plain
+    fork would inherit half-broken. AUTOPP_TEST_START=spawn|fork overrides."""
+    method = os.environ.get("AUTOPP_TEST_START", "forkserver")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> list[Any]:
     """Spawn ``world_size`` gloo processes running ``fn``; return their results by rank."""
-    # fork: children inherit the parent's imports (torch, torchtitan), which on a 2-core
-    # machine saves seconds per process; AUTOPP_TEST_START=spawn for a clean start.
-    ctx = mp.get_context(os.environ.get("AUTOPP_TEST_START", "fork"))
+    ctx = _context()
     queue = ctx.SimpleQueue()
     port = _free_port()
     procs = [

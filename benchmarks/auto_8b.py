@@ -1,0 +1,118 @@
+"""llama3-8B on a fake pp=4 × dp=8 × tp=8 mesh (256 ranks): dry run, planned vs torchtitan.
+
+    .venv/bin/python benchmarks/auto_8b.py                 # 8B, 1F1B, 64 x 2048, 8 microbatches
+    .venv/bin/python benchmarks/auto_8b.py --layers 8      # a shallower 8B (same blocks), faster
+
+Plans every pipeline stage of llama3-8B (torchtitan's config, SDPA) over its 8 × 8 sub-mesh with
+the H100 profile, prices torchtitan's manual FSDP+TP layout of the same stages under the same
+cost model (:func:`autopp.dry_run.dry_run` with ``compare=True``; each stage is planned under
+the parameter memory torchtitan's layout uses for it) and prints the pipeline's estimated
+step time for both, as a ratio. It runs twice, each in a fresh process, on one temporary plan
+cache: the first run solves every stage, the second reads them from the cache.
+
+Batch: global 64 sequences of 2048 tokens in 8 microbatches, so one microbatch is a single
+sequence per dp rank (torchtitan's llama3-8B default local batch is 1) and 8 dp-global rows
+for the planner; 8 microbatches for 4 stages keep 1F1B's bubble at (pp−1)/M = 3/8. A larger
+global batch with more microbatches only changes the pipeline formula, not the per-stage
+problems.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def one_run(args) -> None:
+    import logging
+
+    import torch
+    from torchtitan.experiments.graph_trainer.common_utils import (
+        build_decoder_config_for_backend,
+    )
+    from torchtitan.models.llama3 import llama3_configs
+
+    from autopp.dry_run import dry_run
+
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s",
+                        datefmt="%H:%M:%S")
+    cfg = build_decoder_config_for_backend(llama3_configs["8B"], "sdpa")
+    if args.layers is not None:
+        cfg.layers = cfg.layers[: args.layers]
+    with torch.device("meta"):
+        model = cfg.build()
+    t0 = time.perf_counter()
+    report = dry_run(model, pp=args.pp, dp=args.dp, tp=args.tp, schedule=args.schedule,
+                     n_microbatches=args.microbatches, global_batch=args.global_batch,
+                     seq_len=args.seq, profile=args.profile, compare=True)
+    wall = time.perf_counter() - t0
+    print(report, flush=True)
+    print("JSON" + json.dumps({
+        "wall_s": wall,
+        "step_ms": report.step_time_s * 1e3,
+        "torchtitan_step_ms": report.torchtitan_step_time_s * 1e3,
+        "ratio": report.step_time_ratio,
+        "mem_GiB": report.memory_per_device_bytes() / 2**30,
+        "torchtitan_mem_GiB": report.memory_per_device_bytes("torchtitan") / 2**30,
+        "p2p_MiB": report.p2p_bytes_per_step / 2**20,
+        "stages": [{"modules": s.modules, "ms": s.time_s * 1e3,
+                    "torchtitan_ms": s.torchtitan.step_time_s * 1e3,
+                    "plan_s": s.plan_wall_s, "cached": s.cached,
+                    "torchtitan_s": s.torchtitan_wall_s, "torchtitan_cached": s.torchtitan_cached}
+                   for s in report.stages],
+    }), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pp", type=int, default=4)
+    ap.add_argument("--dp", type=int, default=8)
+    ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--schedule", default="1F1B")
+    ap.add_argument("--global-batch", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--profile", default="H100")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="keep only the first N of 8B's 32 layers (faster)")
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        one_run(args)
+        return
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="autopp-plans-") as cache:
+        env = dict(os.environ, AUTOPP_PLAN_CACHE=cache)
+        for name in ("first (solve)", "second (cached)"):
+            proc = subprocess.run([sys.executable, __file__, "--one", *sys.argv[1:]], cwd=ROOT,
+                                  env=env, stdout=subprocess.PIPE, text=True, check=True)
+            lines = proc.stdout.splitlines()
+            if not runs:
+                print("\n".join(ln for ln in lines if not ln.startswith("JSON")))
+            runs.append(json.loads(next(ln for ln in lines if ln.startswith("JSON"))[4:]))
+            print(f"{name} run: {runs[-1]['wall_s']:.1f} s", flush=True)
+    first, second = runs
+    print("\nSummary")
+    print(f"  planned estimated step time {first['step_ms']:.1f} ms, torchtitan FSDP+TP "
+          f"{first['torchtitan_step_ms']:.1f} ms: planned/torchtitan {first['ratio']:.3f}")
+    print(f"  parameter memory per device: planned {first['mem_GiB']:.2f} GiB, torchtitan "
+          f"{first['torchtitan_mem_GiB']:.2f} GiB; p2p per step per device "
+          f"{first['p2p_MiB']:.1f} MiB")
+    print("  planning time per stage (planned + torchtitan reference), first / second run:")
+    for i, (a, b) in enumerate(zip(first["stages"], second["stages"])):
+        print(f"    stage {i} ({a['modules']}): {a['plan_s']:.1f} + {a['torchtitan_s']:.1f} s "
+              f"({'cached' if a['cached'] else 'solved'}) / {b['plan_s']:.2f} + "
+              f"{b['torchtitan_s']:.2f} s ({'cached' if b['cached'] else 'solved'}); "
+              f"{a['ms']:.2f} vs {a['torchtitan_ms']:.2f} ms per microbatch")
+
+
+if __name__ == "__main__":
+    main()
