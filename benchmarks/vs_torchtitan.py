@@ -11,6 +11,8 @@ In one launch it trains llama3 (SDPA attention) for ``--steps`` steps with each 
   parallelism over tp), driven without its Trainer;
 * ``autopp``: ``pipeline_autoparallel`` with ``parallelize=None`` (each stage replicated over
   its dp x tp sub-mesh: the tp ranks compute redundantly);
+* ``autopp-auto``: ``pipeline_autoparallel`` with ``parallelize="auto"`` (autopp's planner
+  shards each stage over its dp x tp sub-mesh; CPU device profile);
 * ``autopp+titan``: ``pipeline_autoparallel`` with a ``parallelize`` callable that applies
   torchtitan's own TP + FSDP to each stage module (like for like with ``torchtitan``).
 
@@ -54,8 +56,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--runs", default="torchtitan,autopp,autopp+titan",
-                   help="comma-separated subset of: torchtitan, autopp, autopp+titan")
+    p.add_argument("--runs", default="torchtitan,autopp,autopp-auto,autopp+titan",
+                   help="comma-separated subset of: torchtitan, autopp, autopp-auto, autopp+titan")
     return p.parse_args()
 
 
@@ -265,12 +267,14 @@ def mean_cross_entropy(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     return cross_entropy_loss(pred, labels) / (labels != IGNORE_INDEX).sum()
 
 
-def run_autopp(args, data: ByteBatches, device: torch.device, *, titan_tp: bool) -> dict:
+def run_autopp(args, data: ByteBatches, device: torch.device, *, mode: str) -> dict:
+    """mode: "replicate" (parallelize=None), "auto" (the planner) or "titan" (torchtitan's
+    TP + FSDP as the parallelize callable)."""
     from autopp import build_world_mesh, pipeline_autoparallel
 
     cfg, parallelism = titan_model_config(args)
-    parallelize = None
-    if titan_tp:
+    parallelize = {"replicate": None, "auto": "auto"}.get(mode)
+    if mode == "titan":
         dims = titan_parallel_dims(parallelism, dist.get_world_size())
         parallelize = titan_parallelize_fn(args, dims, parallelism)
     mesh = build_world_mesh(pp=args.pp, dp=args.dp, tp=args.tp, device_type=device.type)
@@ -309,8 +313,9 @@ def run_autopp(args, data: ByteBatches, device: torch.device, *, titan_tp: bool)
 
 RUNNERS = {
     "torchtitan": run_torchtitan,
-    "autopp": functools.partial(run_autopp, titan_tp=False),
-    "autopp+titan": functools.partial(run_autopp, titan_tp=True),
+    "autopp": functools.partial(run_autopp, mode="replicate"),
+    "autopp-auto": functools.partial(run_autopp, mode="auto"),
+    "autopp+titan": functools.partial(run_autopp, mode="titan"),
 }
 
 
