@@ -21,6 +21,7 @@ from autopp.auto_stage import (
 from autopp.mesh import check_world_mesh, mesh_sizes, stage_sub_mesh
 from autopp.pipeline import ParallelizeFn, Pipeline, PipelineLayout
 from autopp.schedules import (
+    ScheduleInfo,
     check_schedule_config,
     default_n_stages,
     schedule_info,
@@ -93,20 +94,12 @@ def pipeline_autoparallel(
         raise ValueError("this rank is not part of the mesh")
     pp_rank, dp_rank, tp_rank = coords
 
-    info = schedule_info(schedule)
-    n_stages = default_n_stages(schedule, pp) if split is None else None
-    if isinstance(split, int) and not isinstance(split, bool):
-        n_stages = split
-    fqns_per_stage = resolve_split(model, split, n_stages)
-    n_stages = len(fqns_per_stage)
     local_batch = int(example_inputs[0].shape[0]) if example_inputs else None
-    check_schedule_config(
-        schedule,
-        pp=pp,
-        n_stages=n_stages,
-        n_microbatches=n_microbatches,
+    info, fqns_per_stage = split_for_schedule(
+        model, schedule=schedule, split=split, pp=pp, n_microbatches=n_microbatches,
         local_batch_size=local_batch,
     )
+    n_stages = len(fqns_per_stage)
     stage_ids = stage_ids_for_rank(pp_rank, pp, n_stages, info.style)
 
     sub_mesh = stage_sub_mesh(mesh)
@@ -146,6 +139,28 @@ def pipeline_autoparallel(
         replicated=parallelize is None,
         auto_plans=auto_plans,
     )
+
+
+def split_for_schedule(
+    model: nn.Module, *, schedule: str, split: Split, pp: int, n_microbatches: int,
+    local_batch_size: int | None,
+) -> tuple[ScheduleInfo, list[list[str]]]:
+    """The schedule's rules and the model's stages (module FQNs per stage), checked together.
+
+    ``split=None`` gives as many uniform stages as the schedule places on ``pp`` ranks; an
+    int gives that many uniform stages. Raises ValueError for a split, microbatch count or
+    batch size the schedule cannot run.
+    """
+    info = schedule_info(schedule)
+    n_stages = default_n_stages(schedule, pp) if split is None else None
+    if isinstance(split, int) and not isinstance(split, bool):
+        n_stages = split
+    fqns_per_stage = resolve_split(model, split, n_stages)
+    check_schedule_config(
+        schedule, pp=pp, n_stages=len(fqns_per_stage), n_microbatches=n_microbatches,
+        local_batch_size=local_batch_size,
+    )
+    return info, fqns_per_stage
 
 
 def _plan_stages(model, fqns_per_stage, stage_ids, sub_mesh, example_inputs, n_microbatches, dp,

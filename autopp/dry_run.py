@@ -40,13 +40,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
+from autopp.api import split_for_schedule
 from autopp.auto_stage import plan_local_stage, stage_input_shapes
 from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
 from autopp.plan_cache import cache_dir, cached_plan, plan_key
-from autopp.schedules import check_schedule_config, default_n_stages, schedule_info
 from autopp.sharding import StagePlan, plan_stage
 from autopp.sharding.torchtitan_ref import torchtitan_param_placements
-from autopp.stage_split import build_stage_module, resolve_split
+from autopp.stage_split import build_stage_module
 
 logger = logging.getLogger(__name__)
 
@@ -366,14 +366,11 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
     mesh = build_world_mesh(pp=pp, dp=dp, tp=tp, device_type="cpu")
     sub_mesh = stage_sub_mesh(mesh)
 
-    info = schedule_info(schedule)
-    n_stages = default_n_stages(schedule, pp) if split is None else None
-    if isinstance(split, int) and not isinstance(split, bool):
-        n_stages = split
-    fqns_per_stage = resolve_split(model_meta, split, n_stages)
+    info, fqns_per_stage = split_for_schedule(
+        model_meta, schedule=schedule, split=split, pp=pp, n_microbatches=n_microbatches,
+        local_batch_size=global_batch // dp,
+    )
     n_stages = len(fqns_per_stage)
-    check_schedule_config(schedule, pp=pp, n_stages=n_stages, n_microbatches=n_microbatches,
-                          local_batch_size=global_batch // dp)
     ids_per_rank = tuple(tuple(info.stage_ids_for_rank(r, pp, n_stages)) for r in range(pp))
     rank_of = {s: r for r, ids in enumerate(ids_per_rank) for s in ids}
 

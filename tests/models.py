@@ -51,3 +51,23 @@ def reference_step(n_layers: int, tokens, target, seed: int = 0):
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return float(loss), grads, model
+
+
+def reference_adamw_losses(n_layers: int, batch: int, seq: int, *, steps: int, lr: float,
+                           max_norm: float, data_seed0: int = 100) -> list[float]:
+    """Single-process losses of ``steps`` AdamW steps with global-norm clipping; step k
+    trains on ``make_batch(batch, seq, seed=data_seed0 + k)``."""
+    from autopp import init_module_
+
+    model = init_module_(llama3_meta(n_layers), seed=0, device="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        tok, tgt = make_batch(batch, seq, seed=data_seed0 + step)
+        loss = ce_loss(model(tok), tgt)
+        loss.backward()
+        losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad()
+    return losses

@@ -10,10 +10,9 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from tests.dist_harness import run_on_ranks
-from tests.models import ce_loss, llama3_meta, make_batch, reference_step
+from tests.models import make_batch, reference_adamw_losses, reference_step
 from tests.pipeline_workers import checkpoint_resume, run_configs, train_and_round_trip
 from tests.test_pipeline_numerics import BATCH, N_LAYERS, SEQ, _cfg, _check
 
@@ -52,19 +51,9 @@ def test_auto_schedules_and_layouts_match_single_process(reference):
 def test_auto_adamw_20_steps_track_reference():
     cfg = _cfg("1F1B", 2, dp=2, tp=2, parallelize="auto", steps=20, lr=1e-3, max_norm=0.5)
     results = run_on_ranks(train_and_round_trip, 8, cfg)
-    from autopp import init_module_
-
-    model = init_module_(llama3_meta(N_LAYERS), seed=0, device="cpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
-    ref = []
-    for step in range(cfg["steps"]):
-        tok, tgt = make_batch(BATCH, SEQ, seed=100 + step)
-        loss = ce_loss(model(tok), tgt)
-        loss.backward()
-        ref.append(float(loss))
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["max_norm"])
-        opt.step()
-        opt.zero_grad()
+    ref = reference_adamw_losses(
+        N_LAYERS, BATCH, SEQ, steps=cfg["steps"], lr=cfg["lr"], max_norm=cfg["max_norm"]
+    )
     assert ref[-1] < ref[0]
     for r in results:
         assert r["losses"] == pytest.approx(ref, abs=2e-4)

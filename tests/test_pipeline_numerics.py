@@ -64,24 +64,15 @@ def test_pp2_dp2_tp2_replicated_and_manual(reference):
 
 
 def test_adamw_steps_track_reference_and_state_dict_round_trip():
-    from autopp import init_module_
-    from tests.models import ce_loss, llama3_meta
+    from tests.models import reference_adamw_losses
     from tests.pipeline_workers import train_and_round_trip
 
     cfg = _cfg("Interleaved1F1B", 2, dp=2, n_microbatches=2, steps=4, lr=1e-3, max_norm=0.5)
     results = run_on_ranks(train_and_round_trip, 4, cfg)
 
-    model = init_module_(llama3_meta(N_LAYERS), seed=0, device="cpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
-    ref_losses = []
-    for step in range(cfg["steps"]):
-        tok, tgt = make_batch(BATCH, SEQ, seed=100 + step)
-        loss = ce_loss(model(tok), tgt)
-        loss.backward()
-        ref_losses.append(float(loss))
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["max_norm"])
-        opt.step()
-        opt.zero_grad()
+    ref_losses = reference_adamw_losses(
+        N_LAYERS, BATCH, SEQ, steps=cfg["steps"], lr=cfg["lr"], max_norm=cfg["max_norm"]
+    )
     assert ref_losses[-1] < ref_losses[0]
     for r in results:
         assert r["losses"] == pytest.approx(ref_losses, abs=5e-5)
