@@ -67,7 +67,7 @@ def parse_args() -> argparse.Namespace:
                         "replicate: each stage replicated over its sub-mesh")
     p.add_argument("--profile", default=None,
                    help="device profile the planner assumes (H100, H200, A100, CPU); "
-                        "default: CPU on --device cpu, else H100")
+                        "default: CPU on --device cpu, else H100; H100 for --dry-run")
     p.add_argument("--dry-run", action="store_true",
                    help="plan every stage for pp x dp x tp ranks on this one machine (fake "
                         "process group, no devices) and print the plans; no training")
@@ -142,7 +142,7 @@ def dry_run(args) -> None:
         build_model(args.model), pp=args.pp, dp=args.dp, tp=args.tp,
         schedule=args.schedule, n_microbatches=args.microbatches,
         global_batch=args.batch_size, seq_len=args.seq_len,
-        profile=args.profile or ("CPU" if args.device == "cpu" else "H100"), split=args.split,
+        profile=args.profile or "H100", split=args.split,
     )
     print(report)
 
