@@ -220,7 +220,7 @@ def format_report(r: DryRunReport) -> str:
         f"  global batch {r.global_batch} x seq {r.seq_len}, {r.n_microbatches} microbatches: "
         f"{r.microbatch_rows} row(s) per microbatch per dp rank "
         f"({r.microbatch_rows * r.dp} dp-global, what the planner sees)",
-        f"  parameter-memory budget per device: "
+        "  parameter-memory budget per device: "
         + (_bytes(r.memory_budget_bytes) if r.memory_budget_bytes is not None else
            ("torchtitan's per stage (compare)" if r.compare else "none")),
         "",
@@ -258,10 +258,11 @@ def format_report(r: DryRunReport) -> str:
         f"{list(r.stage_ids_per_rank[slow])}); p2p transfers not included",
         f"  parameter memory per device: {_bytes(r.memory_per_device_bytes())} (max over pp "
         f"ranks of the sum over their stages; activations and optimizer state not included)",
-        f"  point-to-point per step, per device: {_bytes(r.p2p_bytes_per_step)} "
-        f"(2 × {r.n_microbatches} microbatches × {_bytes(r.p2p_bytes_per_microbatch)}: "
-        f"activations forward + gradients backward)",
-        f"  planning: " + ", ".join(
+        f"  point-to-point per step, all stage boundaries, one device per boundary: "
+        f"{_bytes(r.p2p_bytes_per_step)} (2 × {r.n_microbatches} microbatches × "
+        f"{_bytes(r.p2p_bytes_per_microbatch)} summed over boundaries: activations forward + "
+        "gradients backward)",
+        "  planning: " + ", ".join(
             f"stage {s.index} {s.plan_wall_s:.1f} s {'cached' if s.cached else 'solved'}"
             for s in r.stages
         ),
