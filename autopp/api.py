@@ -11,13 +11,17 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopp.auto_stage import (
+    BOUNDARIES,
     PlannedStage,
     agree_on_plans,
     boundary_bytes,
+    boundary_kinds,
+    choose_boundaries,
     default_profile,
     plan_local_stage,
     stage_input_shapes,
 )
+from autopp.sharding import get_profile
 from autopp.mesh import check_world_mesh, mesh_sizes, stage_sub_mesh
 from autopp.pipeline import ParallelizeFn, Pipeline, PipelineLayout
 from autopp.schedules import (
@@ -45,6 +49,7 @@ def pipeline_autoparallel(
     ignore_index: int = -100,
     profile: str | None = None,
     memory_budget_bytes: float | None = None,
+    boundary: Literal["auto", "batch", "batch+seq"] = "auto",
 ) -> Pipeline:
     """Pipeline ``model`` over ``mesh``: returns this rank's :class:`~autopp.pipeline.Pipeline`.
 
@@ -78,6 +83,10 @@ def pipeline_autoparallel(
         profile: with ``"auto"``, the device profile the planner's cost model assumes
             ("H100", "H200", "A100", "CPU"); default: "CPU" on a cpu mesh, else "H100".
         memory_budget_bytes: with ``"auto"``, per-device bound on parameter memory.
+        boundary: with ``"auto"``, the placement of activations sent between stages:
+            "auto" (chosen by the planner's cost: stage times plus transfer time), "batch"
+            (batch split over dp, whole over tp) or "batch+seq" (sequence also split over
+            tp: 1/tp of the bytes).
     """
     if parallelize is not None and parallelize != "auto" and not callable(parallelize):
         raise TypeError(f"parallelize must be None, 'auto' or a callable, got {parallelize!r}")
@@ -109,7 +118,7 @@ def pipeline_autoparallel(
         auto_plans = _plan_stages(
             model, fqns_per_stage, stage_ids, sub_mesh, example_inputs, n_microbatches, dp,
             profile=profile or default_profile(mesh.device_type),
-            memory_budget_bytes=memory_budget_bytes,
+            memory_budget_bytes=memory_budget_bytes, boundary=boundary,
         )
     for s in stage_ids:
         m = build_stage_module(model, fqns_per_stage[s])
@@ -164,23 +173,45 @@ def split_for_schedule(
 
 
 def _plan_stages(model, fqns_per_stage, stage_ids, sub_mesh, example_inputs, n_microbatches, dp,
-                 *, profile, memory_budget_bytes):
+                 *, profile, memory_budget_bytes, boundary="auto"):
     """Plan this rank's stages; returns {stage id: (plan, meta example inputs)}."""
     x = example_inputs[0]
     mb = x.shape[0] // n_microbatches * dp  # a microbatch, dp-global: what the planner sees
     first = (torch.empty((mb, *x.shape[1:]), dtype=x.dtype, device="meta"),)
-    metas = [build_stage_module(model, f) for f in fqns_per_stage[: max(stage_ids) + 2]]
+    metas = [build_stage_module(model, f) for f in fqns_per_stage]
     inputs = stage_input_shapes(metas, first)
-    plans = [
-        plan_local_stage(metas[s], inputs[s], sub_mesh, profile=profile,
-                         memory_budget_bytes=memory_budget_bytes, stage_index=s)
-        for s in stage_ids
-    ]
-    plans = agree_on_plans(plans, sub_mesh)
+    tp = sub_mesh["tp"].size()
+    kinds = boundary_kinds(sub_mesh) if boundary == "auto" else (boundary,)
+    if any(k not in BOUNDARIES for k in kinds):
+        raise ValueError(f"boundary must be 'auto', 'batch' or 'batch+seq', got {boundary!r}")
+    link_bw = get_profile(profile).inter_node_bw
+
+    def plan(s: int, k_in: str, k_out: str):
+        return plan_local_stage(
+            metas[s], inputs[s], sub_mesh, profile=profile,
+            memory_budget_bytes=memory_budget_bytes, stage_index=s,
+            boundary_in=k_in, boundary_out=k_out,
+        )
+
+    def send_bytes(s: int, kind: str) -> int:
+        return boundary_bytes(inputs[s + 1][0], dp, tp, kind) if s + 1 < len(inputs) else 0
+
+    # Every rank chooses the same boundaries: it plans (or reads from the cache) every stage
+    # under every boundary pair; each boundary is sent forward and its gradient back.
+    if len(kinds) > 1:
+        chosen = choose_boundaries(
+            len(metas), kinds,
+            stage_time=lambda s, a, b: plan(s, a, b).step_time_s,
+            send_time=lambda s, k: 2 * send_bytes(s, k) / link_bw,
+        )
+    else:
+        chosen = [kinds[0]] * (len(metas) - 1)
+    bound = ["batch", *chosen, "batch"]  # bound[s] = into stage s; bound[s + 1] = out of it
+    plans = agree_on_plans([plan(s, bound[s], bound[s + 1]) for s in stage_ids], sub_mesh)
     return {
         s: PlannedStage(
-            plan=p, example_inputs=inputs[s],
-            send_bytes=boundary_bytes(inputs[s + 1][0], dp) if s + 1 < len(inputs) else 0,
+            plan=p, example_inputs=inputs[s], send_bytes=send_bytes(s, bound[s + 1]),
+            boundary_out=bound[s + 1],
         )
         for s, p in zip(stage_ids, plans)
     }

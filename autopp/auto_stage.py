@@ -27,14 +27,51 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from autopp.init import init_module_
 from autopp.plan_cache import cached_plan, plan_key
 from autopp.sharding import StagePlan, plan_stage
 from autopp.sharding.apply import apply_plan
+from autopp.sharding.plan import from_strs
 
 logger = logging.getLogger(__name__)
+
+
+#: Placements (over dp, tp) an activation may have between two stages: the batch split over
+#: dp and whole over tp, or also its sequence split over tp (1/tp of the bytes to send).
+BOUNDARIES: dict[str, tuple[str, str]] = {"batch": ("S(0)", "R"), "batch+seq": ("S(0)", "S(1)")}
+
+
+def boundary_kinds(sub_mesh: DeviceMesh) -> tuple[str, ...]:
+    """The boundary placements worth comparing on ``sub_mesh`` (one when tp is 1)."""
+    return ("batch", "batch+seq") if sub_mesh["tp"].size() > 1 else ("batch",)
+
+
+def choose_boundaries(
+    n_stages: int, kinds: Sequence[str], stage_time: Any, send_time: Any
+) -> list[str]:
+    """Boundary placement between each pair of stages, minimising the sum over stages of
+    their planned time plus the time to send their boundary forward and back.
+
+    ``stage_time(s, kind_in, kind_out)`` and ``send_time(s, kind)`` give seconds per
+    microbatch; the first stage's input and the last stage's output are "batch". A dynamic
+    program over the chain of boundaries (exact for this sum).
+    """
+    # best[k] = (cost of stages < s with boundary into s of kind k, choices so far)
+    best: dict[str, tuple[float, list[str]]] = {"batch": (0.0, [])}
+    for s in range(n_stages):
+        outs = ("batch",) if s == n_stages - 1 else tuple(kinds)
+        nxt: dict[str, tuple[float, list[str]]] = {}
+        for k_out in outs:
+            cands = [
+                (cost + stage_time(s, k_in, k_out) + (send_time(s, k_out) if s < n_stages - 1 else 0.0),
+                 chosen + ([k_out] if s < n_stages - 1 else []))
+                for k_in, (cost, chosen) in best.items()
+            ]
+            nxt[k_out] = min(cands, key=lambda c: c[0])
+        best = nxt
+    return best["batch"][1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,19 +81,21 @@ class PlannedStage:
     Attributes:
         plan: the planner's StagePlan for the stage on its sub-mesh.
         example_inputs: meta tensors of one dp-global microbatch entering the stage.
-        send_bytes: bytes this stage sends to the next one per microbatch, per device (the
-            boundary activation with the batch split over dp and whole over tp); 0 for the
-            last stage.
+        send_bytes: bytes this stage sends to the next one per microbatch, per device, in
+            the chosen boundary placement; 0 for the last stage.
+        boundary_out: the chosen placement of what it sends (a key of :data:`BOUNDARIES`).
     """
 
     plan: StagePlan
     example_inputs: tuple[torch.Tensor, ...]
     send_bytes: int
+    boundary_out: str = "batch"
 
 
-def boundary_bytes(t: torch.Tensor, dp: int) -> int:
-    """Bytes of a dp-global boundary activation held by one device (batch split over dp)."""
-    return t.numel() // dp * t.element_size()
+def boundary_bytes(t: torch.Tensor, dp: int, tp: int = 1, kind: str = "batch") -> int:
+    """Bytes of a dp-global boundary activation held by one device in placement ``kind``."""
+    split = dp * (tp if kind == "batch+seq" else 1)
+    return t.numel() // split * t.element_size()
 
 
 def default_profile(device_type: str) -> str:
@@ -89,9 +128,16 @@ def plan_local_stage(
     profile: str,
     memory_budget_bytes: float | None,
     stage_index: int,
+    boundary_in: str = "batch",
+    boundary_out: str = "batch",
 ) -> StagePlan:
-    """Plan ``stage`` (meta) over ``sub_mesh``; from the on-disk cache when possible."""
-    options = dict(profile=profile, memory_budget_bytes=memory_budget_bytes)
+    """Plan ``stage`` (meta) over ``sub_mesh``; from the on-disk cache when possible.
+
+    ``boundary_in`` / ``boundary_out`` name the placements of what the stage receives and
+    sends (see :data:`BOUNDARIES`).
+    """
+    options = dict(profile=profile, memory_budget_bytes=memory_budget_bytes,
+                   boundary_in=boundary_in, boundary_out=boundary_out)
     key = plan_key(stage, example_inputs, tuple(sub_mesh.shape), sub_mesh.mesh_dim_names, options)
     t0 = time.perf_counter()
     plan, hit = cached_plan(
@@ -99,6 +145,8 @@ def plan_local_stage(
         lambda: plan_stage(
             stage, example_inputs, sub_mesh, profile=profile,
             memory_budget_bytes=memory_budget_bytes,
+            input_placements=BOUNDARIES[boundary_in],
+            output_placements=BOUNDARIES[boundary_out],
         ),
     )
     logger.info(
@@ -133,20 +181,23 @@ class AutoStage(nn.Module):
     Args:
         sharded: the planner's applied stage (DTensor parameters, plan's collectives).
         mesh: the stage's sub-mesh ("dp", "tp").
-    Inputs and outputs are this rank's shard: the batch split over dp, whole over tp.
+        plan: the stage's plan: its input and output placements are the boundaries.
+    Inputs and outputs are this rank's shard in the plan's boundary placements (the batch
+    split over dp; whole over tp, or the sequence split over tp).
     """
 
-    def __init__(self, sharded: nn.Module, mesh: DeviceMesh):
+    def __init__(self, sharded: nn.Module, mesh: DeviceMesh, plan: StagePlan):
         super().__init__()
         self.sharded = sharded
         self._mesh = mesh
-        self._boundary = [Shard(0)] + [Replicate()] * (mesh.ndim - 1)
+        self._in = list(from_strs(plan.input_placements))
+        self._out = list(from_strs(plan.output_placements))
 
     def forward(self, *xs: torch.Tensor) -> torch.Tensor:
-        dxs = [DTensor.from_local(x, self._mesh, self._boundary, run_check=False) for x in xs]
+        dxs = [DTensor.from_local(x, self._mesh, self._in, run_check=False) for x in xs]
         y = self.sharded(*dxs)
         if isinstance(y, DTensor):
-            y = y.redistribute(self._mesh, self._boundary).to_local()
+            y = y.redistribute(self._mesh, self._out).to_local()
         return y
 
     def named_whole_model_parameters(self):
@@ -161,7 +212,7 @@ def materialize_and_apply(
     import copy
 
     full = init_module_(copy.deepcopy(stage_meta), seed=seed, device=device)
-    return AutoStage(apply_plan(full, plan, sub_mesh, example_inputs), sub_mesh)
+    return AutoStage(apply_plan(full, plan, sub_mesh, example_inputs), sub_mesh, plan)
 
 
 def fqn_view(named: Sequence[tuple[str, nn.Parameter]]) -> nn.Module:

@@ -165,7 +165,9 @@ class Pipeline:
             if planned.send_bytes:
                 out.append(
                     f"    sends {planned.send_bytes / 2**10:.1f} KiB per microbatch per device "
-                    f"to stage {s + 1} (batch split over dp, whole over tp)"
+                    f"to stage {s + 1} (boundary {planned.boundary_out}: "
+                    + ("batch split over dp, sequence over tp)" if planned.boundary_out == "batch+seq"
+                       else "batch split over dp, whole over tp)")
                 )
         return "\n".join(out)
 

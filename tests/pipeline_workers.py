@@ -41,6 +41,7 @@ def one_step(mesh, cfg: dict) -> dict:
         n_microbatches=cfg["n_microbatches"],
         split=cfg.get("split"),
         parallelize=cfg.get("parallelize"),
+        **({"boundary": cfg["boundary"]} if "boundary" in cfg else {}),
     )
     pipe.init_weights(seed=0)
     loss = pipe.step(tok, target=tgt)

@@ -43,6 +43,8 @@ def test_auto_schedules_and_layouts_match_single_process(reference):
     ]
     configs.append(_cfg("1F1B", 4, dp=2, tp=1, parallelize="auto", n_microbatches=4))
     configs.append(_cfg("1F1B", 2, dp=1, tp=4, parallelize="auto", clip=True))
+    # activations sent between stages with their sequence split over tp
+    configs.append(_cfg("1F1B", 2, dp=2, tp=2, parallelize="auto", boundary="batch+seq"))
     # one stage holding the whole model, planned on a 2 x 4 (dp x tp) sub-mesh
     configs.append(_cfg("GPipe", 1, dp=2, tp=4, parallelize="auto", n_microbatches=2))
     _check(run_on_ranks(run_configs, 8, configs), configs, reference)
