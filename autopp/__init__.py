@@ -6,12 +6,15 @@ The public surface is deliberately small:
   stage over its sub-mesh and runs them under a torch.distributed.pipelining schedule.
 - :class:`Pipeline` is what it returns (init_weights, step, eval, parameters, state_dict).
 - :func:`build_world_mesh` builds the ("pp", "dp", "tp") world mesh.
+- :func:`cross_entropy` is the llama-style loss; passed as ``loss_fn`` it lets the planner
+  compute the loss in parallel over tp (loss parallel).
 - :func:`init_module_` initialises a (whole or stage) module exactly as ``Pipeline.init_weights``
   does, for single-process references.
 """
 
 from autopp.api import pipeline_autoparallel
 from autopp.init import init_module_
+from autopp.loss import cross_entropy
 from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
 from autopp.pipeline import Pipeline, PipelineLayout
 
@@ -23,4 +26,5 @@ __all__ = [
     "stage_sub_mesh",
     "init_fake_world",
     "init_module_",
+    "cross_entropy",
 ]

@@ -11,17 +11,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopp.auto_stage import (
-    BOUNDARIES,
     PlannedStage,
     agree_on_plans,
     boundary_bytes,
-    boundary_kinds,
-    choose_boundaries,
     default_profile,
-    plan_local_stage,
+    loss_kinds,
+    plan_pipeline,
     stage_input_shapes,
 )
-from autopp.sharding import get_profile
 from autopp.mesh import check_world_mesh, mesh_sizes, stage_sub_mesh
 from autopp.pipeline import ParallelizeFn, Pipeline, PipelineLayout
 from autopp.schedules import (
@@ -50,6 +47,7 @@ def pipeline_autoparallel(
     profile: str | None = None,
     memory_budget_bytes: float | None = None,
     boundary: Literal["auto", "batch", "batch+seq"] = "auto",
+    loss_parallel: bool | None = None,
 ) -> Pipeline:
     """Pipeline ``model`` over ``mesh``: returns this rank's :class:`~autopp.pipeline.Pipeline`.
 
@@ -87,6 +85,11 @@ def pipeline_autoparallel(
             "auto" (chosen by the planner's cost: stage times plus transfer time), "batch"
             (batch split over dp, whole over tp) or "batch+seq" (sequence also split over
             tp: 1/tp of the bytes).
+        loss_parallel: with ``"auto"`` and ``loss_fn=autopp.cross_entropy``, whether the
+            last stage leaves its logits split on the vocabulary over tp and computes the
+            loss in parallel (torch's ``loss_parallel``) instead of gathering them: None
+            (default: chosen by the planner's cost), True (always) or False (never).
+            ``describe()`` says which was chosen.
     """
     if parallelize is not None and parallelize != "auto" and not callable(parallelize):
         raise TypeError(f"parallelize must be None, 'auto' or a callable, got {parallelize!r}")
@@ -119,7 +122,10 @@ def pipeline_autoparallel(
             model, fqns_per_stage, stage_ids, sub_mesh, example_inputs, n_microbatches, dp,
             profile=profile or default_profile(mesh.device_type),
             memory_budget_bytes=memory_budget_bytes, boundary=boundary,
+            last_kinds=loss_kinds(sub_mesh, loss_fn, loss_parallel),
         )
+    elif loss_parallel:
+        raise ValueError("loss_parallel=True needs parallelize='auto'")
     for s in stage_ids:
         m = build_stage_module(model, fqns_per_stage[s])
         if callable(parallelize):
@@ -173,45 +179,25 @@ def split_for_schedule(
 
 
 def _plan_stages(model, fqns_per_stage, stage_ids, sub_mesh, example_inputs, n_microbatches, dp,
-                 *, profile, memory_budget_bytes, boundary="auto"):
-    """Plan this rank's stages; returns {stage id: (plan, meta example inputs)}."""
+                 *, profile, memory_budget_bytes, boundary="auto", last_kinds=("batch",)):
+    """Plan this rank's stages; returns {stage id: PlannedStage}."""
     x = example_inputs[0]
     mb = x.shape[0] // n_microbatches * dp  # a microbatch, dp-global: what the planner sees
     first = (torch.empty((mb, *x.shape[1:]), dtype=x.dtype, device="meta"),)
     metas = [build_stage_module(model, f) for f in fqns_per_stage]
     inputs = stage_input_shapes(metas, first)
     tp = sub_mesh["tp"].size()
-    kinds = boundary_kinds(sub_mesh) if boundary == "auto" else (boundary,)
-    if any(k not in BOUNDARIES for k in kinds):
-        raise ValueError(f"boundary must be 'auto', 'batch' or 'batch+seq', got {boundary!r}")
-    link_bw = get_profile(profile).inter_node_bw
-
-    def plan(s: int, k_in: str, k_out: str):
-        return plan_local_stage(
-            metas[s], inputs[s], sub_mesh, profile=profile,
-            memory_budget_bytes=memory_budget_bytes, stage_index=s,
-            boundary_in=k_in, boundary_out=k_out,
-        )
-
-    def send_bytes(s: int, kind: str) -> int:
-        return boundary_bytes(inputs[s + 1][0], dp, tp, kind) if s + 1 < len(inputs) else 0
-
-    # Every rank chooses the same boundaries: it plans (or reads from the cache) every stage
-    # under every boundary pair; each boundary is sent forward and its gradient back.
-    if len(kinds) > 1:
-        chosen = choose_boundaries(
-            len(metas), kinds,
-            stage_time=lambda s, a, b: plan(s, a, b).step_time_s,
-            send_time=lambda s, k: 2 * send_bytes(s, k) / link_bw,
-        )
-    else:
-        chosen = [kinds[0]] * (len(metas) - 1)
-    bound = ["batch", *chosen, "batch"]  # bound[s] = into stage s; bound[s + 1] = out of it
-    plans = agree_on_plans([plan(s, bound[s], bound[s + 1]) for s in stage_ids], sub_mesh)
+    bounds, plan_of = plan_pipeline(
+        metas, inputs, sub_mesh, profile=profile,
+        budgets=[memory_budget_bytes] * len(metas), boundary=boundary, last_kinds=last_kinds,
+    )
+    plans = agree_on_plans([plan_of(s) for s in stage_ids], sub_mesh)
     return {
         s: PlannedStage(
-            plan=p, example_inputs=inputs[s], send_bytes=send_bytes(s, bound[s + 1]),
-            boundary_out=bound[s + 1],
+            plan=p, example_inputs=inputs[s],
+            send_bytes=boundary_bytes(inputs[s + 1][0], dp, tp, bounds[s + 1])
+            if s + 1 < len(inputs) else 0,
+            boundary_out=bounds[s + 1],
         )
         for s, p in zip(stage_ids, plans)
     }

@@ -40,7 +40,11 @@ logger = logging.getLogger(__name__)
 
 #: Placements (over dp, tp) an activation may have between two stages: the batch split over
 #: dp and whole over tp, or also its sequence split over tp (1/tp of the bytes to send).
-BOUNDARIES: dict[str, tuple[str, str]] = {"batch": ("S(0)", "R"), "batch+seq": ("S(0)", "S(1)")}
+#: "vocab" is the last stage's output only: logits split on the vocabulary over tp, for a
+#: loss computed in parallel (loss parallel).
+BOUNDARIES: dict[str, tuple[str, str]] = {
+    "batch": ("S(0)", "R"), "batch+seq": ("S(0)", "S(1)"), "vocab": ("S(0)", "S(2)"),
+}
 
 
 def boundary_kinds(sub_mesh: DeviceMesh) -> tuple[str, ...]:
@@ -49,29 +53,61 @@ def boundary_kinds(sub_mesh: DeviceMesh) -> tuple[str, ...]:
 
 
 def choose_boundaries(
-    n_stages: int, kinds: Sequence[str], stage_time: Any, send_time: Any
+    n_stages: int, kinds: Sequence[str], stage_time: Any, send_time: Any,
+    last_kinds: Sequence[str] = ("batch",),
 ) -> list[str]:
-    """Boundary placement between each pair of stages, minimising the sum over stages of
-    their planned time plus the time to send their boundary forward and back.
+    """Placement of every stage boundary, minimising the sum over stages of their planned
+    time plus the time to send their boundary forward and back.
 
     ``stage_time(s, kind_in, kind_out)`` and ``send_time(s, kind)`` give seconds per
-    microbatch; the first stage's input and the last stage's output are "batch". A dynamic
-    program over the chain of boundaries (exact for this sum).
+    microbatch; the first stage's input is "batch", the last stage's output one of
+    ``last_kinds`` (its ``stage_time`` includes the loss). A dynamic program over the chain
+    of boundaries (exact for this sum). Returns ``n_stages + 1`` kinds: into stage 0, between
+    the stages, out of the last stage.
     """
     # best[k] = (cost of stages < s with boundary into s of kind k, choices so far)
-    best: dict[str, tuple[float, list[str]]] = {"batch": (0.0, [])}
+    best: dict[str, tuple[float, list[str]]] = {"batch": (0.0, ["batch"])}
     for s in range(n_stages):
-        outs = ("batch",) if s == n_stages - 1 else tuple(kinds)
+        last = s == n_stages - 1
         nxt: dict[str, tuple[float, list[str]]] = {}
-        for k_out in outs:
+        for k_out in (last_kinds if last else kinds):
             cands = [
-                (cost + stage_time(s, k_in, k_out) + (send_time(s, k_out) if s < n_stages - 1 else 0.0),
-                 chosen + ([k_out] if s < n_stages - 1 else []))
+                (cost + stage_time(s, k_in, k_out) + (0.0 if last else send_time(s, k_out)),
+                 chosen + [k_out])
                 for k_in, (cost, chosen) in best.items()
             ]
             nxt[k_out] = min(cands, key=lambda c: c[0])
         best = nxt
-    return best["batch"][1]
+    return min(best.values(), key=lambda c: c[0])[1]
+
+
+def loss_kinds(sub_mesh: DeviceMesh, loss_fn: Any, loss_parallel: bool | None) -> tuple[str, ...]:
+    """The last stage's output placements to compare: "batch" (logits gathered over tp)
+    and, where the loss can run in parallel, "vocab" (see :mod:`autopp.sharding.loss_cost`).
+
+    ``loss_parallel``: None = choose by cost when ``loss_fn`` is :func:`autopp.cross_entropy`,
+    True = always (raises unless it is and tp > 1), False = never.
+    """
+    from autopp.loss import cross_entropy
+
+    tp = sub_mesh["tp"].size()
+    able = loss_fn is cross_entropy and tp > 1
+    if loss_parallel is True and not able:
+        raise ValueError(
+            "loss_parallel=True needs loss_fn=autopp.cross_entropy and tp > 1 "
+            f"(got tp={tp}, loss_fn={getattr(loss_fn, '__name__', loss_fn)!r}); pass "
+            "loss_parallel=None to let the planner decide"
+        )
+    if loss_parallel is False or not able:
+        return ("batch",)
+    return ("vocab",) if loss_parallel else ("batch", "vocab")
+
+
+def describe_loss(kind: str) -> str:
+    """The plan report's line on how the last stage computes the loss."""
+    if kind == "vocab":
+        return "loss parallel: logits stay split on the vocabulary over tp (no gather)"
+    return "loss on logits gathered over tp"
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +119,8 @@ class PlannedStage:
         example_inputs: meta tensors of one dp-global microbatch entering the stage.
         send_bytes: bytes this stage sends to the next one per microbatch, per device, in
             the chosen boundary placement; 0 for the last stage.
-        boundary_out: the chosen placement of what it sends (a key of :data:`BOUNDARIES`).
+        boundary_out: the chosen placement of what it sends (a key of :data:`BOUNDARIES`);
+            for the last stage, of its logits ("vocab": the loss runs in parallel over tp).
     """
 
     plan: StagePlan
@@ -130,11 +167,13 @@ def plan_local_stage(
     stage_index: int,
     boundary_in: str = "batch",
     boundary_out: str = "batch",
+    timings: dict[int, list] | None = None,
 ) -> StagePlan:
     """Plan ``stage`` (meta) over ``sub_mesh``; from the on-disk cache when possible.
 
     ``boundary_in`` / ``boundary_out`` name the placements of what the stage receives and
-    sends (see :data:`BOUNDARIES`).
+    sends (see :data:`BOUNDARIES`). ``timings[stage_index]`` (if given) accumulates
+    ``[seconds, plans solved, plans read from the cache]``.
     """
     options = dict(profile=profile, memory_budget_bytes=memory_budget_bytes,
                    boundary_in=boundary_in, boundary_out=boundary_out)
@@ -149,11 +188,79 @@ def plan_local_stage(
             output_placements=BOUNDARIES[boundary_out],
         ),
     )
-    logger.info(
-        "stage %d: plan %s in %.1f s (%s)", stage_index, key[:12], time.perf_counter() - t0,
-        "cached" if hit else "solved",
-    )
+    dt = time.perf_counter() - t0
+    logger.info("stage %d: plan %s (%s -> %s) in %.1f s (%s)", stage_index, key[:12],
+                boundary_in, boundary_out, dt, "cached" if hit else "solved")
+    if timings is not None:
+        t = timings.setdefault(stage_index, [0.0, 0, 0])
+        t[0] += dt
+        t[2 if hit else 1] += 1
     return plan
+
+
+def plan_pipeline(
+    metas: Sequence[nn.Module],
+    inputs: Sequence[tuple[torch.Tensor, ...]],
+    sub_mesh: DeviceMesh,
+    *,
+    profile: str,
+    budgets: Sequence[float | None],
+    boundary: str = "auto",
+    last_kinds: Sequence[str] = ("batch",),
+    plan_all: bool = False,
+    timings: dict[int, list] | None = None,
+) -> tuple[list[str], Any]:
+    """Choose every stage boundary's placement (and the last stage's logits placement).
+
+    Args:
+        metas / inputs: all stages on meta and their dp-global microbatch inputs.
+        budgets: per-stage parameter-memory budget (None = none).
+        boundary: "auto" (by cost), "batch" or "batch+seq" for every boundary.
+        last_kinds: the last stage's output placements to compare (:func:`loss_kinds`);
+            its time includes the loss's (:mod:`autopp.sharding.loss_cost`).
+        plan_all: plan every stage under every choice even when there is one (dry runs).
+        timings: see :func:`plan_local_stage`.
+
+    Returns ``(bounds, plan_of)``: ``bounds[s]`` is the placement into stage ``s`` and
+    ``bounds[s + 1]`` out of it (``len(metas) + 1`` entries), and ``plan_of(s)`` the stage's
+    plan under them (from the on-disk cache once computed). Every rank computes the same
+    ``bounds``: each plans (or reads from the cache) every stage under every choice.
+    """
+    from autopp.sharding import get_profile
+    from autopp.sharding.loss_cost import cross_entropy_time_s
+
+    dp, tp = sub_mesh["dp"].size(), sub_mesh["tp"].size()
+    kinds = boundary_kinds(sub_mesh) if boundary == "auto" else (boundary,)
+    if any(k not in BOUNDARIES or k == "vocab" for k in kinds):
+        raise ValueError(f"boundary must be 'auto', 'batch' or 'batch+seq', got {boundary!r}")
+    link_bw = get_profile(profile).inter_node_bw
+    n = len(metas)
+    with torch.no_grad():
+        out = metas[-1](*inputs[-1])
+    logits = out[0] if isinstance(out, tuple) else out
+
+    def plan(s: int, k_in: str, k_out: str) -> StagePlan:
+        return plan_local_stage(
+            metas[s], inputs[s], sub_mesh, profile=profile, memory_budget_bytes=budgets[s],
+            stage_index=s, boundary_in=k_in, boundary_out=k_out, timings=timings,
+        )
+
+    def stage_time(s: int, k_in: str, k_out: str) -> float:
+        t = plan(s, k_in, k_out).step_time_s
+        if s == n - 1 and logits.is_floating_point() and logits.ndim >= 2:
+            t += cross_entropy_time_s(logits, tuple(sub_mesh.shape), tuple(
+                sub_mesh.mesh_dim_names), profile, parallel=k_out == "vocab")
+        return t
+
+    def send_time(s: int, kind: str) -> float:
+        return 2 * boundary_bytes(inputs[s + 1][0], dp, tp, kind) / link_bw
+
+    if len(kinds) > 1 or len(last_kinds) > 1 or plan_all:
+        bounds = choose_boundaries(n, kinds, stage_time, send_time, last_kinds)
+    else:
+        bounds = [kinds[0]] * n + [last_kinds[0]]
+        bounds[0] = "batch"
+    return bounds, lambda s: plan(s, bounds[s], bounds[s + 1])
 
 
 def agree_on_plans(plans: list[StagePlan], sub_mesh: DeviceMesh) -> list[StagePlan]:

@@ -21,8 +21,11 @@ one microbatch and ``M`` microbatches,
 
     step time = Σ_s t_s + (M − 1) · max_r Σ_{s on rank r} t_s
 
-(with one stage per rank the last term is the slowest stage). Point-to-point transfers and
-their overlap are not in it; the bytes are reported separately.
+(with one stage per rank the last term is the slowest stage); ``t_s`` of the last stage
+includes the loss. Point-to-point transfers and their overlap are not in it; the bytes are
+reported separately. Stage boundaries and the last stage's logits placement (loss parallel or
+not) are chosen as :func:`autopp.pipeline_autoparallel` chooses them
+(:func:`autopp.auto_stage.plan_pipeline`).
 """
 
 from __future__ import annotations
@@ -41,10 +44,17 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from autopp.api import split_for_schedule
-from autopp.auto_stage import plan_local_stage, stage_input_shapes
+from autopp.auto_stage import (
+    BOUNDARIES,
+    boundary_bytes,
+    describe_loss,
+    plan_pipeline,
+    stage_input_shapes,
+)
 from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
-from autopp.plan_cache import cache_dir, cached_plan, plan_key
+from autopp.plan_cache import cached_plan, plan_key
 from autopp.sharding import StagePlan, plan_stage
+from autopp.sharding.loss_cost import cross_entropy_time_s
 from autopp.sharding.torchtitan_ref import torchtitan_param_placements
 from autopp.stage_split import build_stage_module
 
@@ -54,6 +64,11 @@ logger = logging.getLogger(__name__)
 #: RowwiseParallel (an Embedding's weight sharded on the vocabulary, dim 0) and the output
 #: projection ColwiseParallel (weight dim 0); ``norm`` is replicated (sequence parallel).
 _TT_VOCAB_SHARDED = ("tok_embeddings", "lm_head", "output")
+
+_BOUNDARY_WORDS = {
+    "batch": "batch split over dp, whole over tp",
+    "batch+seq": "batch split over dp, sequence over tp",
+}
 
 
 @dataclass(frozen=True)
@@ -70,18 +85,24 @@ class StageReport:
     plan_wall_s: float
     cached: bool
     send_shape: tuple[int, ...] | None
-    """Shape of the activation sent to the next stage, local to one device (batch split over
-    dp, whole over tp); None for the last stage."""
+    """Shape of the activation sent to the next stage, local to one device (in the placement
+    :attr:`boundary_out`); None for the last stage."""
     send_bytes: int
     """Bytes one device sends to the next stage per microbatch (0 for the last stage)."""
     torchtitan: StagePlan | None = None
     torchtitan_wall_s: float = 0.0
     torchtitan_cached: bool = False
+    boundary_out: str = "batch"
+    """Placement of what the stage sends (a key of ``autopp.auto_stage.BOUNDARIES``); for the
+    last stage, of its logits ("vocab": loss parallel)."""
+    loss_s: float = 0.0
+    """Last stage: estimated fwd+bwd time of the loss on one microbatch (0 elsewhere)."""
+    torchtitan_loss_s: float = 0.0
 
     @property
     def time_s(self) -> float:
-        """Estimated fwd+bwd time of one microbatch on one device."""
-        return self.plan.step_time_s
+        """Estimated fwd+bwd time of one microbatch on one device (the loss included)."""
+        return self.plan.step_time_s + self.loss_s
 
 
 @dataclass(frozen=True)
@@ -118,8 +139,9 @@ class DryRunReport:
 
     def _times(self, which: str) -> list[float]:
         if which == "planned":
-            return [s.plan.step_time_s for s in self.stages]
-        return [s.torchtitan.step_time_s for s in self.stages]  # type: ignore[union-attr]
+            return [s.time_s for s in self.stages]
+        return [s.torchtitan.step_time_s + s.torchtitan_loss_s  # type: ignore[union-attr]
+                for s in self.stages]
 
     def pipeline_time_s(self, which: str = "planned") -> float:
         """Alpa: Σ_s t_s + (M − 1) · slowest rank's Σ t_s (one microbatch each)."""
@@ -231,21 +253,23 @@ def format_report(r: DryRunReport) -> str:
         p = s.plan
         lines += [
             f"  stage {s.index} (pp rank {s.pp_rank}): {s.modules}",
-            f"    input {' '.join(str(list(x)) for x in s.input_shapes)}; time {_ms(p.step_time_s)}"
-            f" (compute {_ms(p.compute_s)} + comm {_ms(p.comm_s)}); params "
-            f"{_bytes(p.param_bytes_per_device)}/device",
+            f"    input {' '.join(str(list(x)) for x in s.input_shapes)}; time {_ms(s.time_s)}"
+            f" (compute {_ms(p.compute_s)} + comm {_ms(p.comm_s)}"
+            + (f" + loss {_ms(s.loss_s)}" if s.loss_s else "")
+            + f"); params {_bytes(p.param_bytes_per_device)}/device",
             f"    placements: {placement_summary(p)}",
             f"    sends {list(s.send_shape)} = {_bytes(s.send_bytes)} per microbatch to stage "
-            f"{s.index + 1}" if s.send_shape is not None else "    sends nothing (last stage)",
+            f"{s.index + 1} ({_BOUNDARY_WORDS[s.boundary_out]})" if s.send_shape is not None
+            else f"    last stage: {describe_loss(s.boundary_out)}",
             f"    planned in {s.plan_wall_s:.1f} s ({'cached' if s.cached else 'solved'})",
         ]
         if s.torchtitan is not None:
             t = s.torchtitan
             lines.append(
-                f"    torchtitan FSDP+TP: time {_ms(t.step_time_s)} (compute "
+                f"    torchtitan FSDP+TP: time {_ms(t.step_time_s + s.torchtitan_loss_s)} (compute "
                 f"{_ms(t.compute_s)} + comm {_ms(t.comm_s)}), params "
                 f"{_bytes(t.param_bytes_per_device)}/device; planned/torchtitan "
-                f"{p.step_time_s / t.step_time_s:.3f}; priced in {s.torchtitan_wall_s:.1f} s "
+                f"{s.time_s / (t.step_time_s + s.torchtitan_loss_s):.3f}; priced in {s.torchtitan_wall_s:.1f} s "
                 f"({'cached' if s.torchtitan_cached else 'solved'})"
             )
     rank_t = r.rank_times_s()
@@ -291,15 +315,25 @@ def _torchtitan_placements(stage: nn.Module, names: tuple[str, ...]) -> dict:
     return out
 
 
-def _plan_torchtitan(stage, inputs, sub_mesh, profile, index):
-    """torchtitan's layout priced by the planner (activations re-optimised), cached on disk."""
+def _plan_torchtitan(stage, inputs, sub_mesh, profile, index, *, first: bool, last: bool):
+    """torchtitan's layout priced by the planner (activations re-optimised), cached on disk.
+
+    As torchtitan runs it with TP: sequence parallel between blocks, so a stage sends its
+    activation split on the sequence over tp ("batch+seq"), and loss parallel (the logits
+    stay split on the vocabulary, "vocab") at the end.
+    """
     names = tuple(sub_mesh.mesh_dim_names)
-    options = dict(profile=profile, reference="torchtitan FSDP+TP, vocab-sharded embed/head")
+    tp = sub_mesh["tp"].size()
+    b_in = "batch" if first or tp == 1 else "batch+seq"
+    b_out = ("vocab" if last else "batch+seq") if tp > 1 else "batch"
+    options = dict(profile=profile, reference="torchtitan FSDP+TP, vocab-sharded embed/head",
+                   boundary_in=b_in, boundary_out=b_out)
     key = plan_key(stage, inputs, tuple(sub_mesh.shape), names, options)
     t0 = time.perf_counter()
     plan, hit = cached_plan(key, lambda: plan_stage(
         stage, inputs, sub_mesh, profile=profile,
         param_placements=_torchtitan_placements(stage, names),
+        input_placements=BOUNDARIES[b_in], output_placements=BOUNDARIES[b_out],
     ))
     dt = time.perf_counter() - t0
     logger.info("stage %d: torchtitan layout priced in %.1f s (%s)", index, dt,
@@ -321,6 +355,8 @@ def dry_run(
     memory_budget_bytes: float | None = None,
     split=None,
     compare: bool = False,
+    boundary: str = "auto",
+    loss_parallel: bool | None = None,
 ) -> DryRunReport:
     """Plan the pipeline of ``model_meta`` for a pp × dp × tp world on this machine alone.
 
@@ -338,7 +374,10 @@ def dry_run(
             torchtitan's layout uses for it (as ``compare_with_torchtitan`` does), so the
             ratio compares layouts of equal memory.
         compare: also price torchtitan's manual FSDP+TP layout of every stage under the same
-            cost model, and report planned/torchtitan.
+            cost model, and report planned/torchtitan (torchtitan as it runs with TP:
+            sequence-parallel stage boundaries, loss parallel).
+        boundary, loss_parallel: as for :func:`autopp.pipeline_autoparallel` (the loss is
+            taken to be :func:`autopp.cross_entropy`).
     """
     world = pp * dp * tp
     created = False
@@ -354,14 +393,16 @@ def dry_run(
         return _dry_run(model_meta, pp=pp, dp=dp, tp=tp, schedule=schedule,
                         n_microbatches=n_microbatches, global_batch=global_batch,
                         seq_len=seq_len, profile=profile,
-                        memory_budget_bytes=memory_budget_bytes, split=split, compare=compare)
+                        memory_budget_bytes=memory_budget_bytes, split=split, compare=compare,
+                        boundary=boundary, loss_parallel=loss_parallel)
     finally:
         if created:
             dist.destroy_process_group()
 
 
 def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, seq_len,
-             profile, memory_budget_bytes, split, compare) -> DryRunReport:
+             profile, memory_budget_bytes, split, compare, boundary,
+             loss_parallel) -> DryRunReport:
     if global_batch % dp:
         raise ValueError(f"global batch {global_batch} is not divisible by dp={dp}")
     mesh = build_world_mesh(pp=pp, dp=dp, tp=tp, device_type="cpu")
@@ -382,38 +423,58 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
     logger.info("dry run: %d stages on a %s sub-mesh, microbatch %s (dp-global), profile %s",
                 n_stages, tuple(sub_mesh.shape), tuple(first[0].shape), profile)
 
-    stages = []
-    cdir = cache_dir()
+    sub_names = tuple(sub_mesh.mesh_dim_names)
+    tt_plans: list[tuple] = []
+    budgets = []
     for s, (stage, x) in enumerate(zip(metas, inputs)):
-        tt = None
-        tt_s, tt_hit = 0.0, False
-        budget = memory_budget_bytes
         if compare:
-            tt, tt_s, tt_hit = _plan_torchtitan(stage, x, sub_mesh, profile, s)
-            if budget is None:
-                budget = tt.param_bytes_per_device * (1 + 1e-9)
-        options = dict(profile=profile, memory_budget_bytes=budget)
-        key = plan_key(stage, x, tuple(sub_mesh.shape), sub_mesh.mesh_dim_names, options)
-        hit = (cdir / f"{key}.json").exists()  # as plan_local_stage keys it
-        t0 = time.perf_counter()
-        plan = plan_local_stage(stage, x, sub_mesh, profile=profile,
-                                memory_budget_bytes=budget, stage_index=s)
-        dt = time.perf_counter() - t0
+            tt_plans.append(_plan_torchtitan(stage, x, sub_mesh, profile, s, first=s == 0,
+                                             last=s == n_stages - 1))
+        budget = memory_budget_bytes
+        if compare and budget is None:
+            budget = tt_plans[s][0].param_bytes_per_device * (1 + 1e-9)
+        budgets.append(budget)
+    last_kinds = ("batch", "vocab") if tp > 1 and loss_parallel is not False else ("batch",)
+    if loss_parallel and tp > 1:
+        last_kinds = ("vocab",)
+    timings: dict[int, list] = {}
+    bounds, plan_of = plan_pipeline(metas, inputs, sub_mesh, profile=profile, budgets=budgets,
+                                    boundary=boundary, last_kinds=last_kinds, timings=timings)
+    with torch.no_grad():
+        out = metas[-1](*inputs[-1])
+    logits = out[0] if isinstance(out, tuple) else out
+
+    def loss_time(kind: str) -> float:
+        return cross_entropy_time_s(logits, tuple(sub_mesh.shape), sub_names, profile,
+                                    parallel=kind == "vocab")
+
+    stages = []
+    for s, x in enumerate(inputs):
+        plan = plan_of(s)
+        wall, n_solved, _ = timings.get(s, [0.0, 0, 1])
+        kind = bounds[s + 1]
         if s + 1 < n_stages:
-            out = inputs[s + 1][0]
-            shape = (out.shape[0] // dp, *out.shape[1:])
-            send = math.prod(shape) * out.element_size()
+            out_t = inputs[s + 1][0]
+            shape = [out_t.shape[0] // dp, *out_t.shape[1:]]
+            if kind == "batch+seq":
+                shape[1] //= tp
+            shape, send = tuple(shape), boundary_bytes(out_t, dp, tp, kind)
         else:
             shape, send = None, 0
+        last = s == n_stages - 1
         logger.info("stage %d/%d (%s): %.3f ms per microbatch, %s params/device, planned in "
-                    "%.1f s (%s)", s, n_stages, compact_modules(fqns_per_stage[s]),
-                    plan.step_time_s * 1e3, _bytes(plan.param_bytes_per_device), dt,
-                    "cached" if hit else "solved")
+                    "%.1f s (%d solved)", s, n_stages, compact_modules(fqns_per_stage[s]),
+                    plan.step_time_s * 1e3, _bytes(plan.param_bytes_per_device), wall,
+                    n_solved)
+        tt = tt_plans[s] if compare else (None, 0.0, False)
         stages.append(StageReport(
             index=s, pp_rank=rank_of[s], modules=compact_modules(fqns_per_stage[s]),
             input_shapes=tuple(tuple(t.shape) for t in x if isinstance(t, torch.Tensor)),
-            plan=plan, plan_wall_s=dt, cached=hit, send_shape=shape, send_bytes=send,
-            torchtitan=tt, torchtitan_wall_s=tt_s, torchtitan_cached=tt_hit,
+            plan=plan, plan_wall_s=wall, cached=n_solved == 0, send_shape=shape,
+            send_bytes=send, torchtitan=tt[0], torchtitan_wall_s=tt[1], torchtitan_cached=tt[2],
+            boundary_out=kind, loss_s=loss_time(kind) if last else 0.0,
+            torchtitan_loss_s=loss_time("vocab" if tp > 1 else "batch") if last and compare
+            else 0.0,
         ))
     notes = ()
     if compare:

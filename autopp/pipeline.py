@@ -133,6 +133,9 @@ class Pipeline:
         self._loss = TokenWeightedLoss(
             loss_fn=loss_fn, ignore_index=ignore_index, grad_scale=grad_scale
         )
+        last = (auto_plans or {}).get(layout.n_stages - 1)
+        if last is not None and last.boundary_out == "vocab":
+            self._loss.vocab_parallel_mesh = mesh["dp", "tp"]
         self._schedule = None
         self._stages: list[PipelineStage] = []
         self._all_fqns = {f for stage in layout.fqns_per_stage for f in stage}
@@ -169,6 +172,10 @@ class Pipeline:
                     + ("batch split over dp, sequence over tp)" if planned.boundary_out == "batch+seq"
                        else "batch split over dp, whole over tp)")
                 )
+            if s == self.layout.n_stages - 1:
+                from autopp.auto_stage import describe_loss
+
+                out.append(f"    {describe_loss(planned.boundary_out)}")
         return "\n".join(out)
 
     # ----------------------------------------------------------------- weights

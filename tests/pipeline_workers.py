@@ -32,21 +32,25 @@ def one_step(mesh, cfg: dict) -> dict:
     dp_size = mesh.shape[1]
     tok = _dp_slice(tokens, dp_rank, dp_size)
     tgt = _dp_slice(target, dp_rank, dp_size)
+    from autopp import cross_entropy
+
+    extra = {k: cfg[k] for k in ("boundary", "loss_parallel") if k in cfg}
     pipe = pipeline_autoparallel(
         llama3_meta(cfg["n_layers"]),
         mesh,
         example_inputs=(tok,),
-        loss_fn=ce_loss,
+        loss_fn=cross_entropy if "loss_parallel" in cfg else ce_loss,
         schedule=cfg["schedule"],
         n_microbatches=cfg["n_microbatches"],
         split=cfg.get("split"),
         parallelize=cfg.get("parallelize"),
-        **({"boundary": cfg["boundary"]} if "boundary" in cfg else {}),
+        **extra,
     )
     pipe.init_weights(seed=0)
     loss = pipe.step(tok, target=tgt)
     grads = {n: _local(p.grad).detach().clone() for n, p in pipe.named_parameters() if p.grad is not None}
-    out = {"loss": loss, "grads": grads, "stage_ids": pipe.layout.stage_ids}
+    out = {"loss": loss, "grads": grads, "stage_ids": pipe.layout.stage_ids,
+           "describe": pipe.describe()}
     if cfg.get("eval"):
         out["eval_loss"] = pipe.eval(tok, target=tgt)
     if cfg.get("clip"):

@@ -83,3 +83,10 @@ def test_wrong_mesh_dims():
             _call(mesh)
     finally:
         dist.destroy_process_group()
+
+
+def test_loss_parallel_needs_cross_entropy_and_auto(mesh222):
+    with pytest.raises(ValueError, match="loss_parallel=True needs loss_fn=autopp.cross_entropy"):
+        _call(mesh222, parallelize="auto", loss_parallel=True)
+    with pytest.raises(ValueError, match="needs parallelize='auto'"):
+        _call(mesh222, parallelize=None, loss_parallel=True)

@@ -47,7 +47,16 @@ def test_auto_schedules_and_layouts_match_single_process(reference):
     configs.append(_cfg("1F1B", 2, dp=2, tp=2, parallelize="auto", boundary="batch+seq"))
     # one stage holding the whole model, planned on a 2 x 4 (dp x tp) sub-mesh
     configs.append(_cfg("GPipe", 1, dp=2, tp=4, parallelize="auto", n_microbatches=2))
-    _check(run_on_ranks(run_configs, 8, configs), configs, reference)
+    # loss parallel: the last stage's logits stay split on the vocabulary over tp
+    configs.append(_cfg("1F1B", 2, dp=2, tp=2, parallelize="auto", loss_parallel=True,
+                        eval=True))
+    results = run_on_ranks(run_configs, 8, configs)
+    _check(results, configs, reference)
+    last_stage_says = {r[-1]["describe"].splitlines()[-1].strip() for r in results
+                       if 1 in r[-1]["stage_ids"]}
+    assert last_stage_says == {
+        "loss parallel: logits stay split on the vocabulary over tp (no gather)"
+    }
 
 
 def test_auto_adamw_20_steps_track_reference():

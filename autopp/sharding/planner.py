@@ -113,17 +113,47 @@ def _matching(cands: list[tuple], spec: PlacementSpec | None) -> list[tuple]:
     return [c for c in cands if spec is None or all(s is None or p == s for p, s in zip(c, spec))]
 
 
+class _Memo:
+    """This process's traced units, their ILP models and solutions, reused across
+    ``plan_stage`` calls: planning one stage under several boundary placements, or several
+    stages holding identical blocks, traces and solves each distinct unit and boundary pair
+    once. Bounded: cleared when it grows past :attr:`LIMIT` models."""
+
+    LIMIT = 64
+
+    def __init__(self) -> None:
+        self.traced: dict[tuple, TracedBlock] = {}
+        self.models: dict[tuple, Model] = {}
+        self.solves: dict[tuple, Any] = {}
+
+    def trim(self) -> None:
+        if len(self.models) > self.LIMIT or len(self.traced) > self.LIMIT:
+            self.traced.clear()
+            self.models.clear()
+            self.solves.clear()
+
+
+_MEMO = _Memo()
+
+
 def _plan_chain(module, units, x, mesh, names, costs, in_spec, out_spec, fixed,
                 budget, factor, time_limit_s):
     """Plan each distinct unit once per boundary pair, then chain them (chain.py)."""
+    _MEMO.trim()
     kinds: list[int] = []
     reps: list[tuple[Unit, TracedBlock]] = []
     sig_index: dict[tuple, int] = {}
+    unit_keys: list[tuple] = []
     for unit in units:
         sig = unit_signature(unit)
         if sig not in sig_index:
             sig_index[sig] = len(reps)
-            reps.append((unit, trace_unit(unit.module, x, mesh)))
+            ukey = (sig, tuple(x.shape), str(x.dtype), tuple(mesh.shape), names)
+            hit = _MEMO.traced.get(ukey)
+            if hit is None:
+                hit = _MEMO.traced[ukey] = trace_unit(unit.module, x, mesh)
+            reps.append((unit, hit))
+            unit_keys.append(ukey)
         kinds.append(sig_index[sig])
         out = reps[sig_index[sig]][1].joint.outputs[0].meta["val"]
         x = torch.empty(out.shape, dtype=out.dtype, device="meta")
@@ -157,19 +187,28 @@ def _plan_chain(module, units, x, mesh, names, costs, in_spec, out_spec, fixed,
         }
         table[kind] = {}
         errors = []
-        model = Model(traced.strategies, costs, share, factor)
+        mkey = (unit_keys[kind], costs.profile, share, factor)
+        model = _MEMO.models.get(mkey)
+        if model is None:
+            model = _MEMO.models[mkey] = Model(traced.strategies, costs, share, factor)
         solved.append((model.num_vars, 0.0))
+        fixed_key = tuple(sorted(local_fixed.items()))
         for a in ins:
             for b in outs:
-                try:
-                    res = model.solve(
-                        *block_restrictions(traced, a, b, local_fixed), time_limit_s=time_limit_s
-                    )
-                except InfeasiblePlanError as e:
-                    errors.append(str(e))
+                skey = (mkey, a, b, fixed_key, time_limit_s)
+                res = _MEMO.solves.get(skey)
+                if res is None:
+                    try:
+                        res = model.solve(*block_restrictions(traced, a, b, local_fixed),
+                                          time_limit_s=time_limit_s)
+                        solved.append((0, res.solve_s))
+                    except InfeasiblePlanError as e:
+                        res = e
+                    _MEMO.solves[skey] = res
+                if isinstance(res, InfeasiblePlanError):
+                    errors.append(str(res))
                     continue
                 table[kind][a, b] = res
-                solved.append((0, res.solve_s))
         if not table[kind]:
             detail = errors[0] if errors else "no boundary placement fits its shapes"
             raise InfeasiblePlanError(f"unit {unit.name} has no feasible plan: {detail}")

@@ -1,0 +1,58 @@
+"""Cost of the cross-entropy loss at the end of the last stage: on gathered logits, or in
+parallel over tp with the logits left split on the vocabulary (loss parallel).
+
+The last stage's planned graph ends at the logits; which placement it leaves them in is a
+choice between two plans (see :func:`autopp.auto_stage.plan_pipeline`):
+
+* ``"batch"``: logits gathered over tp (the ILP pays the all-gather of a vocabulary-sized
+  tensor); every tp rank then computes the whole loss.
+* ``"vocab"``: logits stay split on the vocabulary over tp (no gather); the loss runs in
+  parallel (torch's ``loss_parallel``): each rank reads 1/tp of the logits and three small
+  all-reduces over tp (max, sum of exponentials, target logit; one float per token) combine
+  them. The backward needs no communication.
+
+This module prices the loss itself for each; the stage's plan prices the rest. The loss is
+memory bound: forward and backward together read and write the fp32 logits about
+:data:`PASSES` times.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from autopp.sharding.profiles import DeviceProfile, get_profile, mesh_links
+
+PASSES = 6
+"""Reads + writes of the fp32 logits by cross entropy's forward and backward (upcast, max,
+sum of exponentials, gradient)."""
+
+
+def cross_entropy_time_s(
+    logits: torch.Tensor,
+    mesh_shape: tuple[int, ...],
+    dim_names: tuple[str, ...],
+    profile: str | DeviceProfile,
+    *,
+    parallel: bool,
+) -> float:
+    """Per-device seconds of cross entropy's forward + backward on one microbatch.
+
+    Args:
+        logits: meta tensor of the dp-global microbatch's logits (vocabulary last).
+        mesh_shape / dim_names: the stage sub-mesh (``("dp", "tp")``).
+        parallel: loss parallel (logits split on the vocabulary over tp) or not.
+    """
+    prof = get_profile(profile)
+    sizes = dict(zip(dim_names, mesh_shape))
+    dp, tp = sizes.get("dp", 1), sizes.get("tp", 1)
+    tokens = math.prod(logits.shape[:-1]) / dp
+    vocab = logits.shape[-1] / (tp if parallel else 1)
+    t = PASSES * tokens * vocab * 4 / prof.mem_bw
+    if parallel and tp > 1:
+        i = dim_names.index("tp")
+        links = mesh_links(prof, tuple(mesh_shape))
+        wire = 2 * (tp - 1) / tp * tokens * 4
+        t += 3 * (links.latency[i] + wire / links.bandwidth[i])
+    return t

@@ -1,0 +1,55 @@
+"""Stage-boundary and loss placements chosen by cost (no processes; fake process group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autopp import build_world_mesh, cross_entropy, init_fake_world, stage_sub_mesh
+from autopp.auto_stage import choose_boundaries, describe_loss, loss_kinds
+from autopp.sharding.loss_cost import cross_entropy_time_s
+
+
+def test_boundary_dp_is_exact_on_a_small_chain():
+    # stage 1 is much cheaper when its input is "b" and its output "a"; sending "b" costs 1
+    table = {
+        (0, "batch", "a"): 5.0, (0, "batch", "b"): 5.5,
+        (1, "a", "a"): 9.0, (1, "a", "b"): 9.0, (1, "b", "a"): 2.0, (1, "b", "b"): 8.0,
+        (2, "a", "batch"): 1.0, (2, "b", "batch"): 4.0, (2, "a", "vocab"): 0.5,
+        (2, "b", "vocab"): 3.0,
+    }
+    send = {"a": 0.1, "b": 1.0}
+    bounds = choose_boundaries(
+        3, ("a", "b"), lambda s, i, o: table[s, i, o], lambda s, k: send[k],
+        last_kinds=("batch", "vocab"),
+    )
+    assert bounds == ["batch", "b", "a", "vocab"]  # 5.5 + 1 + 2 + 0.1 + 0.5 = 9.1
+    # only "batch" allowed at the end
+    assert choose_boundaries(
+        3, ("a", "b"), lambda s, i, o: table[s, i, o], lambda s, k: send[k]
+    )[-1] == "batch"
+
+
+def test_loss_parallel_is_cheaper_for_a_large_vocabulary_on_h100():
+    logits = torch.empty(8, 2048, 128256, device="meta")  # llama3-8B's vocabulary
+    args = ((8, 8), ("dp", "tp"), "H100")
+    par = cross_entropy_time_s(logits, *args, parallel=True)
+    full = cross_entropy_time_s(logits, *args, parallel=False)
+    assert par < full / 4  # 1/tp of the memory traffic plus three small all-reduces
+
+
+def test_loss_kinds():
+    init_fake_world(8)
+    try:
+        sub = stage_sub_mesh(build_world_mesh(pp=2, dp=2, tp=2))
+        assert loss_kinds(sub, cross_entropy, None) == ("batch", "vocab")
+        assert loss_kinds(sub, cross_entropy, True) == ("vocab",)
+        assert loss_kinds(sub, cross_entropy, False) == ("batch",)
+        assert loss_kinds(sub, lambda o, t: o.sum(), None) == ("batch",)
+        with pytest.raises(ValueError, match="needs loss_fn=autopp.cross_entropy and tp > 1"):
+            loss_kinds(sub, lambda o, t: o.sum(), True)
+    finally:
+        dist.destroy_process_group()
+    assert "loss parallel" in describe_loss("vocab")
+    assert "gathered" in describe_loss("batch")
