@@ -4,13 +4,15 @@ Glue between the pipeline and the planner (:mod:`autopp.sharding`):
 
 1. :func:`stage_input_shapes` finds every stage's input (a microbatch, with the dp-global batch
    size the planner works in) by running the meta model stage by stage on meta tensors.
-2. :func:`plan_local_stage` plans a stage on the sub-mesh (cached on disk, see
-   :mod:`autopp.plan_cache`).
-3. :class:`AutoStage` is what torch's ``PipelineStage`` runs: it takes and returns this rank's
-   local tensors (batch sharded over dp, replicated over tp, as the previous and next stages
-   hold them), and in between runs the planned stage on DTensors, whose collectives are the
-   plan's. Gradients of its DTensor parameters come out already reduced over dp (a sum), so
-   the pipeline does not average them again.
+2. :func:`plan_pipeline` chooses the placement of every stage boundary and of the last
+   stage's logits (loss parallel or not) by cost, and :func:`plan_local_stage` plans a stage
+   on the sub-mesh under them (cached on disk, see :mod:`autopp.plan_cache`).
+3. :func:`materialize_and_apply` creates the stage's parameters shard by shard, initialises
+   them and applies the plan; :class:`AutoStage` is what torch's ``PipelineStage`` runs: it
+   takes and returns this rank's local tensors in the boundary placements, and in between
+   runs the planned units' lowered local graphs (collectives explicit). Gradients of its
+   DTensor parameters come out already reduced over dp (a sum), so the pipeline does not
+   average them again; weight gradients are deferred to the schedule's W actions.
 4. :func:`fqn_view` gives the planned parameters back their whole-model names, for
    optimizers, state dicts and checkpoints.
 """
@@ -32,7 +34,8 @@ from torch.distributed.tensor import DTensor
 from autopp.init import init_module_
 from autopp.plan_cache import cached_plan, plan_key
 from autopp.sharding import StagePlan, plan_stage
-from autopp.sharding.apply import apply_plan
+from autopp.sharding.apply import apply_plan, empty_sharded_
+from autopp.sharding.local_run import WeightGradQueue
 from autopp.sharding.plan import from_strs
 
 logger = logging.getLogger(__name__)
@@ -296,11 +299,18 @@ class AutoStage(nn.Module):
     def __init__(self, sharded: nn.Module, mesh: DeviceMesh, plan: StagePlan):
         super().__init__()
         self.sharded = sharded
+        #: Weight-gradient work deferred by the backward: pass ``weight_grads.builder`` as
+        #: the pipeline stage's ``dw_builder`` (zero-bubble schedules run it at W).
+        self.weight_grads = WeightGradQueue()
+        sharded.use_weight_grad_queue(self.weight_grads)
         self._mesh = mesh
         self._in = list(from_strs(plan.input_placements))
         self._out = list(from_strs(plan.output_placements))
 
     def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        # Between a backward and the dw_builder call that claims its work no forward runs, so
+        # anything queued now is from a backward nobody claimed (see WeightGradQueue.discard).
+        self.weight_grads.discard()
         dxs = [DTensor.from_local(x, self._mesh, self._in, run_check=False) for x in xs]
         y = self.sharded(*dxs)
         if isinstance(y, DTensor):
@@ -315,11 +325,18 @@ def materialize_and_apply(
     stage_meta: nn.Module, plan: StagePlan, sub_mesh: DeviceMesh,
     example_inputs: tuple[torch.Tensor, ...], *, seed: int, device: torch.device,
 ) -> AutoStage:
-    """Initialise the whole stage on ``device`` (split-independent init), then shard it."""
+    """Create the stage's parameters shard by shard in the planned placements, initialise
+    them (split-independent init: each parameter's full value exists only while it is
+    initialised and sharded), then run it as planned."""
     import copy
 
-    full = init_module_(copy.deepcopy(stage_meta), seed=seed, device=device)
-    return AutoStage(apply_plan(full, plan, sub_mesh, example_inputs), sub_mesh, plan)
+    stage = empty_sharded_(copy.deepcopy(stage_meta), plan, sub_mesh, device)
+    for mod in stage.modules():  # buffers (e.g. RoPE caches) are small: materialise whole
+        for name, b in list(mod._buffers.items()):
+            if b is not None and b.is_meta:
+                mod._buffers[name] = torch.empty_like(b, device=device)
+    init_module_(stage, seed=seed, device=device)
+    return AutoStage(apply_plan(stage, plan, sub_mesh, example_inputs), sub_mesh, plan)
 
 
 def fqn_view(named: Sequence[tuple[str, nn.Parameter]]) -> nn.Module:

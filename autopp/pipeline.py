@@ -88,14 +88,6 @@ def _compact_fqns(fqns: tuple[str, ...]) -> str:
     return ", ".join(out)
 
 
-def _weight_grads_done_in_backward() -> Callable[[], None]:
-    """A planned stage's backward is one autograd Function that returns weight and input
-    gradients together, which torch's autograd-level I/W split cannot take apart. With this
-    builder, torch runs the full backward at the I action and W has nothing left to do: the
-    zero-bubble and V schedules run correctly, without their weight-gradient deferral."""
-    return lambda: None
-
-
 class Pipeline:
     """This rank's part of a pipelined model. Created by :func:`autopp.pipeline_autoparallel`.
 
@@ -223,7 +215,8 @@ class Pipeline:
                 self._device,
                 group=pp_group,
                 get_mesh=self._get_mesh,
-                dw_builder=_weight_grads_done_in_backward if self._auto_plans else None,
+                # planned stages defer weight gradients themselves (zero-bubble W actions)
+                dw_builder=m.weight_grads.builder if self._auto_plans else None,
             )
             for m, stage_id in zip(self.stage_modules, self.layout.stage_ids)
         ]

@@ -50,7 +50,10 @@ def one_step(mesh, cfg: dict) -> dict:
     loss = pipe.step(tok, target=tgt)
     grads = {n: _local(p.grad).detach().clone() for n, p in pipe.named_parameters() if p.grad is not None}
     out = {"loss": loss, "grads": grads, "stage_ids": pipe.layout.stage_ids,
-           "describe": pipe.describe()}
+           "describe": pipe.describe(),
+           # units' weight gradients computed by the schedule's W work (planned stages)
+           "deferred_w": sum(getattr(m, "weight_grads", None).weight_grads_run
+                             for m in pipe.stage_modules if hasattr(m, "weight_grads"))}
     if cfg.get("eval"):
         out["eval_loss"] = pipe.eval(tok, target=tgt)
     if cfg.get("clip"):

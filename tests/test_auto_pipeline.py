@@ -52,6 +52,10 @@ def test_auto_schedules_and_layouts_match_single_process(reference):
                         eval=True))
     results = run_on_ranks(run_configs, 8, configs)
     _check(results, configs, reference)
+    # planned stages run their blocks' weight gradients as deferred W work: under the
+    # zero-bubble schedule every rank ran some (4 microbatches x at least one block)
+    zbv = configs.index(next(c for c in configs if c["schedule"] == "ZBVZeroBubble"))
+    assert all(r[zbv]["deferred_w"] >= 4 for r in results), [r[zbv]["deferred_w"] for r in results]
     last_stage_says = {r[-1]["describe"].splitlines()[-1].strip() for r in results
                        if 1 in r[-1]["stage_ids"]}
     assert last_stage_says == {

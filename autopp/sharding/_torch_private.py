@@ -263,3 +263,23 @@ def make_spec(mesh: Any, placements: Sequence[Placement], meta: TensorMeta | Non
 
 def tensor_meta(t: torch.Tensor) -> TensorMeta:
     return TensorMeta(shape=t.shape, stride=t.stride(), dtype=t.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lowering a plan to a local graph (lower.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def local_shape(global_shape: Sequence[int], mesh: Any, placements: Sequence[Placement]):
+    """This rank's shard shape of a tensor of ``global_shape`` in ``placements``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return tuple(
+        compute_local_shape_and_global_offset(global_shape, mesh, placements, skip_offset=True)[0]
+    )
+
+
+def has_kernel(op: Any, device: torch.device) -> bool:
+    """Whether ``op`` has a kernel (not only a decomposition) for ``device``'s backend."""
+    key = torch._C._dispatch_key_for_device(device.type)
+    return torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), key)

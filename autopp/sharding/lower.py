@@ -1,7 +1,7 @@
 """Lower a planned joint graph to a local graph with explicit collectives (second version).
 
-:mod:`autopp.sharding.apply` runs a :class:`BlockPlan` by interpreting the joint graph on
-DTensors, node by node. Here the same interpreter (:class:`~autopp.sharding.apply._GraphRunner`)
+:mod:`autopp.sharding.interpret` runs a :class:`BlockPlan` by interpreting the joint graph on
+DTensors, node by node. Here the same interpreter (:class:`~autopp.sharding.interpret.GraphRunner`)
 is traced once with ``make_fx`` (fake tensors, this rank's local shapes): DTensor's
 redistributions become ``_c10d_functional`` collectives on plain tensors and every op runs on
 the local shard, so the result is one flat aten graph, identical in values to the
@@ -32,12 +32,11 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopp.graph import JointSignature, StageGraphs, split_joint_graph
 from autopp.sharding import _torch_private as tp
-from autopp.sharding.apply import _GraphRunner, _to
+from autopp.sharding.interpret import GraphRunner, redistribute_to
 from autopp.sharding.plan import BlockPlan, to_strs
 from autopp.sharding.trace import JointGraph
 
@@ -93,7 +92,7 @@ def lower_joint(joint: JointGraph, bplan: BlockPlan, mesh: Any) -> LocalJoint:
     """Trace ``bplan``'s execution of ``joint`` on ``mesh`` into a local joint graph.
 
     The traced function wraps its local inputs with ``DTensor.from_local`` in their planned
-    placements, runs the plan exactly as :class:`~autopp.sharding.apply.ShardedBlock` does
+    placements, runs the plan exactly as :mod:`autopp.sharding.interpret` does
     (one pass over the whole joint graph: what the interpreter's forward and recomputing
     backward compute together), and returns local tensors: forward outputs in their
     tangent's placement, parameter gradients in their parameter's placement and input
@@ -108,7 +107,7 @@ def lower_joint(joint: JointGraph, bplan: BlockPlan, mesh: Any) -> LocalJoint:
         ValueError: a graph input is planned ``Partial``, the mesh does not match the plan,
             or the joint has no tangent (a last stage; not supported here).
     """
-    runner = _GraphRunner(joint, bplan, mesh, _device(mesh))
+    runner = GraphRunner(joint, bplan, mesh, _device(mesh))
     if not joint.tangents:
         raise ValueError("lower_joint needs a joint with output tangents (a non-last unit)")
     inputs = [joint.inputs[i] for i in sorted(joint.inputs)]
@@ -122,8 +121,7 @@ def lower_joint(joint: JointGraph, bplan: BlockPlan, mesh: Any) -> LocalJoint:
             raise ValueError(f"graph input {node.name} is planned Partial {to_strs(pl)}: inputs "
                              "must be Shard or Replicate")
     vals = [n.meta["val"] for n in nodes]
-    shapes = [tuple(compute_local_shape_and_global_offset(v.shape, mesh, pl, skip_offset=True)[0])
-              for v, pl in zip(vals, placements)]
+    shapes = [tp.local_shape(v.shape, mesh, pl) for v, pl in zip(vals, placements)]
 
     grad_pairs = [(j, joint.grads.get(f)) for f, j in joint.params.items()]
     igrad = [(joint.inputs[i], joint.input_grads[i]) for i in sorted(joint.input_grads)]
@@ -187,13 +185,12 @@ def _missing_kernel_decomps(gm: fx.GraphModule, device: torch.device) -> dict[An
     ``_fused_rms_norm_backward``, which has no CPU kernel); fake tensors never raise, so the
     lowered graph decomposes them while tracing.
     """
-    key = torch._C._dispatch_key_for_device(device.type)
     table = {}
     for node in gm.graph.nodes:
         op = node.target
         if node.op != "call_function" or not tp.is_op_overload(op) or op in table:
             continue
-        if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), key):
+        if not tp.has_kernel(op, device):
             decomp = tp.decomposition(op)
             if decomp is not None:
                 table[op] = decomp
@@ -204,7 +201,7 @@ def _local(value: Any, placements: Sequence[Any]) -> torch.Tensor:
     """``value`` (a DTensor) redistributed to ``placements`` (none Partial), as a local tensor."""
     if any(isinstance(p, tp.Partial) for p in placements):
         raise ValueError(f"graph outputs cannot be returned Partial, planned {to_strs(placements)}")
-    out = _to(value, tuple(placements))
+    out = redistribute_to(value, tuple(placements))
     if isinstance(out, DTensor):
         if tuple(out.placements) != tuple(placements):
             raise AssertionError(f"{out.placements} != {placements}")

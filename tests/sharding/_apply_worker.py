@@ -75,9 +75,11 @@ def main(rank: int, world: int, init_file: str, out_file: str, dp: int, tp: int)
                                                     output_placements=("S(0)", "S(1)"))),
         # a first-and-last stage: tokens in, logits out, embedding and head planned too
         "decoder": ("decoder", tokens, dict()),
+        # the same, run by the reference DTensor interpreter instead of the lowered graphs
+        "decoder_dtensor": ("decoder", tokens, dict(), "dtensor"),
     }
     report = {}
-    for name, (kind, (shape, dtype), kwargs) in configs.items():
+    for name, (kind, (shape, dtype), kwargs, *executor) in configs.items():
         x_meta = torch.empty(shape, dtype=dtype, device="meta")
         text = [None]
         if rank == 0:
@@ -89,7 +91,7 @@ def main(rank: int, world: int, init_file: str, out_file: str, dp: int, tp: int)
         ref = build("cpu", kind)
         torch.manual_seed(1)
         x = torch.randn(shape) if dtype.is_floating_point else torch.randint(0, 2048, shape)
-        sharded = apply_plan(ref, plan, mesh, (x_meta,))
+        sharded = apply_plan(ref, plan, mesh, (x_meta,), executor=(executor or ["graph"])[0])
         out = sharded(x).full_tensor()
         w = torch.randn(out.shape)
         (out * w).sum().backward()

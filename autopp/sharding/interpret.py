@@ -1,0 +1,150 @@
+"""Run a planned unit by interpreting its joint graph on DTensors (the reference executor).
+
+Each node runs on DTensors: before an op its tensor arguments are redistributed to the
+placements the plan requires, after it the result is moved to the planned output placement,
+so the collectives are the plan's (DTensor performs them). Gradients leave the graph
+redistributed to their parameter's placement (the plan ties them), the input gradient to the
+input's. The forward runs only the graph's forward nodes; the backward re-runs the joint graph
+with the incoming gradient as tangent (recomputation: simple and exact, at the cost of a second
+forward).
+
+This is what :mod:`autopp.sharding.lower` traces into a local graph with explicit collectives
+(the default executor, :mod:`autopp.sharding.local_run`); ``apply_plan(..., executor="dtensor")``
+runs it directly, as a slower reference.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch import fx
+from torch.distributed.tensor import DTensor
+
+from autopp.sharding import _torch_private as tp
+from autopp.sharding.plan import BlockPlan, from_strs
+from autopp.sharding.trace import JointGraph
+
+
+def redistribute_to(x: Any, placements: tuple | None) -> Any:
+    """Redistribute ``x`` to ``placements``. Where the plan says ``Partial`` the value stays as
+    DTensor holds it (the same values; DTensor forbids redistributing *to* a Partial)."""
+    if not isinstance(x, DTensor) or placements is None:
+        return x
+    have = tuple(x.placements)
+    target = tuple(h if isinstance(p, tp.Partial) else p for p, h in zip(placements, have))
+    return x if target == have else x.redistribute(x.device_mesh, target)
+
+
+class GraphRunner:
+    """Executes one joint graph on DTensors following a :class:`BlockPlan`."""
+
+    def __init__(self, joint: JointGraph, block: BlockPlan, mesh, device: torch.device):
+        self.joint, self.mesh, self.device = joint, mesh, device
+        self.outs: dict[str, tuple] = {}
+        self.ins: dict[str, tuple] = {}
+        for name, outs, ins in block.nodes:
+            self.outs[name] = tuple(from_strs(o) if o is not None else None for o in outs)
+            self.ins[name] = tuple(from_strs(i) for i in ins)
+        self.fwd_needed = self._ancestors(list(joint.outputs.values()))
+
+    def _ancestors(self, roots: list[fx.Node]) -> set[fx.Node]:
+        seen, stack = set(), list(roots)
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            stack += n.all_input_nodes
+        return seen
+
+    def placement(self, node: fx.Node) -> tuple:
+        return self.outs[node.name][0]
+
+    def run(self, env: dict[fx.Node, Any], only: set[fx.Node] | None) -> dict[fx.Node, Any]:
+        for node in self.joint.gm.graph.nodes:
+            if node.op != "call_function" or (only is not None and node not in only):
+                continue
+            env[node] = self._call(node, env)
+        return env
+
+    def _call(self, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
+        if node.target is operator.getitem:
+            return env[node.args[0]][node.args[1]]
+        need = iter(self.ins.get(node.name, ()))
+        has_tensor_arg = False
+
+        def arg(a):
+            nonlocal has_tensor_arg
+            if isinstance(a, fx.Node):
+                v = env[a]
+                if isinstance(v, torch.Tensor):
+                    has_tensor_arg = True
+                    return redistribute_to(v, next(need, None))
+                return v
+            return a
+
+        args = fx.node.map_arg(node.args, arg)
+        kwargs = dict(fx.node.map_arg(node.kwargs, arg))
+        if "device" in kwargs:
+            kwargs["device"] = self.device
+        if not has_tensor_arg:  # factory op (e.g. a causal mask): replicated everywhere
+            t = node.target(*args, **kwargs)
+            return DTensor.from_local(t, self.mesh, [tp.Replicate()] * self.mesh.ndim,
+                                      run_check=False)
+        if not (tp.has_rule(node.target) or tp.has_decomp_rule(node.target)):
+            # planned as a replicated fallback: run on full tensors
+            local = tp.tree_map(lambda v: v.full_tensor() if isinstance(v, DTensor) else v,
+                               (args, kwargs))
+            out = node.target(*local[0], **local[1])
+            return tp.tree_map(
+                lambda t: DTensor.from_local(t, self.mesh, [tp.Replicate()] * self.mesh.ndim,
+                                             run_check=False)
+                if isinstance(t, torch.Tensor) else t,
+                out,
+            )
+        try:
+            out = node.target(*args, **kwargs)
+        except NotImplementedError:
+            decomp = tp.decomposition(node.target)  # e.g. a fused kernel this backend lacks
+            if decomp is None:
+                raise
+            out = decomp(*args, **kwargs)
+        planned = self.outs.get(node.name)
+        if isinstance(out, DTensor) and planned:
+            out = redistribute_to(out, planned[0])
+        return out
+
+
+class InterpretedBlockFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, runner: GraphRunner, names: list[str], x: DTensor, *state: DTensor):
+        j = runner.joint
+        env: dict[fx.Node, Any] = {j.inputs[0]: redistribute_to(x, runner.placement(j.inputs[0]))}
+        env.update(zip([*j.params.values(), *j.buffers.values()], state))
+        env = runner.run(env, runner.fwd_needed)
+        ctx.runner = runner
+        ctx.save_for_backward(x, *state)
+        out = env[j.outputs[0]]
+        return redistribute_to(out, runner.placement(j.tangents[0]))
+
+    @staticmethod
+    def backward(ctx, grad_out: DTensor):
+        runner: GraphRunner = ctx.runner
+        j = runner.joint
+        x, *state = ctx.saved_tensors
+        env: dict[fx.Node, Any] = {j.inputs[0]: redistribute_to(x, runner.placement(j.inputs[0]))}
+        env.update(zip([*j.params.values(), *j.buffers.values()], state))
+        env[j.tangents[0]] = redistribute_to(grad_out, runner.placement(j.tangents[0]))
+        env = runner.run(env, None)
+        grads = []
+        for fqn, pnode in j.params.items():
+            g = env.get(j.grads[fqn]) if fqn in j.grads else None
+            grads.append(redistribute_to(g, runner.placement(pnode)) if g is not None else None)
+        grads += [None] * len(j.buffers)
+        gx = env.get(j.input_grads.get(0)) if 0 in j.input_grads else None
+        gx = redistribute_to(gx, runner.placement(j.inputs[0])) if gx is not None else None
+        return (None, None, gx, *grads)
+
+
