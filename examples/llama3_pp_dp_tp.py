@@ -30,11 +30,10 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torchtitan.experiments.graph_trainer.common_utils import build_decoder_config_for_backend
 from torchtitan.models.llama3 import llama3_configs
 
-from autopp import build_world_mesh, pipeline_autoparallel
+from autopp import build_world_mesh, cross_entropy, pipeline_autoparallel
 from data import VOCAB_SIZE, ByteBatches, load_corpus
 
 IGNORE_INDEX = -100
@@ -68,6 +67,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile", default=None,
                    help="device profile the planner assumes (H100, H200, A100, CPU); "
                         "default: CPU on --device cpu, else H100; H100 for --dry-run")
+    p.add_argument("--loss-parallel", default="auto", choices=["auto", "on", "off"],
+                   help="with --parallelize auto: keep the logits split on the vocabulary over "
+                        "tp and compute the loss in parallel (auto: the planner's cost decides)")
+    p.add_argument("--boundary", default="auto", choices=["auto", "batch", "batch+seq"],
+                   help="with --parallelize auto: placement of activations between stages")
     p.add_argument("--dry-run", action="store_true",
                    help="plan every stage for pp x dp x tp ranks on this one machine (fake "
                         "process group, no devices) and print the plans; no training")
@@ -95,13 +99,6 @@ def build_model(name: str) -> torch.nn.Module:
         raise ValueError(f"{name}'s vocabulary ({cfg.vocab_size}) is smaller than a byte's")
     with torch.device("meta"):
         return cfg.build()
-
-
-def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over the microbatch's counted tokens."""
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE_INDEX
-    )
 
 
 def lr_factor(step: int, warmup: int, steps: int) -> float:
@@ -142,7 +139,8 @@ def dry_run(args) -> None:
         build_model(args.model), pp=args.pp, dp=args.dp, tp=args.tp,
         schedule=args.schedule, n_microbatches=args.microbatches,
         global_batch=args.batch_size, seq_len=args.seq_len,
-        profile=args.profile or "H100", split=args.split,
+        profile=args.profile or "H100", split=args.split, boundary=args.boundary,
+        loss_parallel={"auto": None, "on": True, "off": False}[args.loss_parallel],
     )
     print(report)
 
@@ -170,12 +168,15 @@ def main() -> None:
         model,
         mesh,
         example_inputs=(example_inputs,),
-        loss_fn=loss_fn,
+        loss_fn=cross_entropy,  # mean next-token CE; the planner may run it in parallel over tp
+        ignore_index=IGNORE_INDEX,
         schedule=args.schedule,
         n_microbatches=args.microbatches,
         split=args.split,
         parallelize="auto" if args.parallelize == "auto" else None,
         profile=args.profile,
+        **(dict(loss_parallel={"auto": None, "on": True, "off": False}[args.loss_parallel],
+                boundary=args.boundary) if args.parallelize == "auto" else {}),
     )
     del model  # the meta-device whole model; each rank keeps only its stages
     pipe.init_weights(seed=args.seed)
