@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autopp.auto_stage import (
     PlannedStage,
@@ -48,6 +49,7 @@ def pipeline_autoparallel(
     memory_budget_bytes: float | None = None,
     boundary: Literal["auto", "batch", "batch+seq"] = "auto",
     loss_parallel: bool | None = None,
+    mixed_precision: MixedPrecisionPolicy | None = None,
 ) -> Pipeline:
     """Pipeline ``model`` over ``mesh``: returns this rank's :class:`~autopp.pipeline.Pipeline`.
 
@@ -90,6 +92,11 @@ def pipeline_autoparallel(
             loss in parallel (torch's ``loss_parallel``) instead of gathering them: None
             (default: chosen by the planner's cost), True (always) or False (never).
             ``describe()`` says which was chosen.
+        mixed_precision: with ``"auto"``, torch's FSDP2 ``MixedPrecisionPolicy``: e.g.
+            ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
+            computes with bf16 parameters (gathered in bf16) and bf16 activations between
+            stages, and reduces parameter gradients in fp32 into the fp32 masters the
+            optimizer updates. None: the parameters' own dtype throughout.
     """
     if parallelize is not None and parallelize != "auto" and not callable(parallelize):
         raise TypeError(f"parallelize must be None, 'auto' or a callable, got {parallelize!r}")
@@ -123,9 +130,15 @@ def pipeline_autoparallel(
             profile=profile or default_profile(mesh.device_type),
             memory_budget_bytes=memory_budget_bytes, boundary=boundary,
             last_kinds=loss_kinds(sub_mesh, loss_fn, loss_parallel),
+            mixed_precision=mixed_precision,
         )
     elif loss_parallel:
         raise ValueError("loss_parallel=True needs parallelize='auto'")
+    elif mixed_precision is not None:
+        raise ValueError(
+            "mixed_precision needs parallelize='auto'; with your own parallelize, apply the "
+            "policy there (e.g. fully_shard(..., mp_policy=...))"
+        )
     for s in stage_ids:
         m = build_stage_module(model, fqns_per_stage[s])
         if callable(parallelize):
@@ -179,17 +192,20 @@ def split_for_schedule(
 
 
 def _plan_stages(model, fqns_per_stage, stage_ids, sub_mesh, example_inputs, n_microbatches, dp,
-                 *, profile, memory_budget_bytes, boundary="auto", last_kinds=("batch",)):
+                 *, profile, memory_budget_bytes, boundary="auto", last_kinds=("batch",),
+                 mixed_precision=None):
     """Plan this rank's stages; returns {stage id: PlannedStage}."""
     x = example_inputs[0]
     mb = x.shape[0] // n_microbatches * dp  # a microbatch, dp-global: what the planner sees
     first = (torch.empty((mb, *x.shape[1:]), dtype=x.dtype, device="meta"),)
     metas = [build_stage_module(model, f) for f in fqns_per_stage]
-    inputs = stage_input_shapes(metas, first)
+    inputs = stage_input_shapes(
+        metas, first, mixed_precision.param_dtype if mixed_precision is not None else None)
     tp = sub_mesh["tp"].size()
     bounds, plan_of = plan_pipeline(
         metas, inputs, sub_mesh, profile=profile,
         budgets=[memory_budget_bytes] * len(metas), boundary=boundary, last_kinds=last_kinds,
+        mixed_precision=mixed_precision,
     )
     plans = agree_on_plans([plan_of(s) for s in stage_ids], sub_mesh)
     return {

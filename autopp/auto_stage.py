@@ -36,6 +36,7 @@ from autopp.plan_cache import cached_plan, plan_key
 from autopp.sharding import StagePlan, plan_stage
 from autopp.sharding.apply import apply_plan, empty_sharded_
 from autopp.sharding.local_run import WeightGradQueue
+from autopp.sharding.precision import CastParams
 from autopp.sharding.plan import from_strs
 
 logger = logging.getLogger(__name__)
@@ -145,18 +146,23 @@ def default_profile(device_type: str) -> str:
 
 @torch.no_grad()
 def stage_input_shapes(
-    stage_modules: Sequence[nn.Module], first_inputs: Sequence[torch.Tensor]
+    stage_modules: Sequence[nn.Module], first_inputs: Sequence[torch.Tensor],
+    compute_dtype: torch.dtype | None = None,
 ) -> list[tuple[torch.Tensor, ...]]:
     """Meta example inputs of every stage, from the first stage's (meta) inputs.
 
-    ``stage_modules`` are all stages of the model, on meta, in order.
+    ``stage_modules`` are all stages of the model, on meta, in order. With mixed precision,
+    ``compute_dtype`` (the policy's ``param_dtype``) is the dtype of the activations the
+    stages exchange.
     """
     inputs: list[tuple[torch.Tensor, ...]] = []
     x: tuple[torch.Tensor, ...] = tuple(t.to("meta") for t in first_inputs)
     for m in stage_modules:
         inputs.append(x)
-        out = m(*x)
+        out = (m if compute_dtype is None else CastParams(m, compute_dtype))(*x)
         x = out if isinstance(out, tuple) else (out,)
+        if compute_dtype is not None:
+            x = tuple(t.to(compute_dtype) if t.is_floating_point() else t for t in x)
     return inputs
 
 
@@ -171,6 +177,7 @@ def plan_local_stage(
     boundary_in: str = "batch",
     boundary_out: str = "batch",
     timings: dict[int, list] | None = None,
+    mixed_precision: Any = None,
 ) -> StagePlan:
     """Plan ``stage`` (meta) over ``sub_mesh``; from the on-disk cache when possible.
 
@@ -180,6 +187,8 @@ def plan_local_stage(
     """
     options = dict(profile=profile, memory_budget_bytes=memory_budget_bytes,
                    boundary_in=boundary_in, boundary_out=boundary_out)
+    if mixed_precision is not None:
+        options["mixed_precision"] = mixed_precision
     key = plan_key(stage, example_inputs, tuple(sub_mesh.shape), sub_mesh.mesh_dim_names, options)
     t0 = time.perf_counter()
     plan, hit = cached_plan(
@@ -189,6 +198,7 @@ def plan_local_stage(
             memory_budget_bytes=memory_budget_bytes,
             input_placements=BOUNDARIES[boundary_in],
             output_placements=BOUNDARIES[boundary_out],
+            mixed_precision=mixed_precision,
         ),
     )
     dt = time.perf_counter() - t0
@@ -212,6 +222,7 @@ def plan_pipeline(
     last_kinds: Sequence[str] = ("batch",),
     plan_all: bool = False,
     timings: dict[int, list] | None = None,
+    mixed_precision: Any = None,
 ) -> tuple[list[str], Any]:
     """Choose every stage boundary's placement (and the last stage's logits placement).
 
@@ -223,6 +234,8 @@ def plan_pipeline(
             its time includes the loss's (:mod:`autopp.sharding.loss_cost`).
         plan_all: plan every stage under every choice even when there is one (dry runs).
         timings: see :func:`plan_local_stage`.
+        mixed_precision: torch's ``MixedPrecisionPolicy`` (see :mod:`autopp.sharding.precision`);
+            ``inputs`` must then already be in its ``param_dtype`` (:func:`stage_input_shapes`).
 
     Returns ``(bounds, plan_of)``: ``bounds[s]`` is the placement into stage ``s`` and
     ``bounds[s + 1]`` out of it (``len(metas) + 1`` entries), and ``plan_of(s)`` the stage's
@@ -238,14 +251,16 @@ def plan_pipeline(
         raise ValueError(f"boundary must be 'auto', 'batch' or 'batch+seq', got {boundary!r}")
     link_bw = get_profile(profile).inter_node_bw
     n = len(metas)
+    pd = mixed_precision.param_dtype if mixed_precision is not None else None
     with torch.no_grad():
-        out = metas[-1](*inputs[-1])
+        out = (metas[-1] if pd is None else CastParams(metas[-1], pd))(*inputs[-1])
     logits = out[0] if isinstance(out, tuple) else out
 
     def plan(s: int, k_in: str, k_out: str) -> StagePlan:
         return plan_local_stage(
             metas[s], inputs[s], sub_mesh, profile=profile, memory_budget_bytes=budgets[s],
             stage_index=s, boundary_in=k_in, boundary_out=k_out, timings=timings,
+            mixed_precision=mixed_precision,
         )
 
     def stage_time(s: int, k_in: str, k_out: str) -> float:

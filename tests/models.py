@@ -41,13 +41,16 @@ def make_batch(batch: int, seq: int, vocab: int = 2048, seed: int = 0):
     return tokens, target
 
 
-def reference_step(n_layers: int, tokens, target, seed: int = 0):
-    """Single-process fp32 loss and gradients (by FQN) of the whole model."""
+def reference_step(n_layers: int, tokens, target, seed: int = 0, param_dtype=None):
+    """Single-process loss and gradients (by FQN) of the whole model: fp32, or with its
+    parameters cast to ``param_dtype`` for the forward (fp32 masters and gradients)."""
     from autopp import init_module_
+    from autopp.sharding.precision import CastParams
 
     model = llama3_meta(n_layers)
     init_module_(model, seed=seed, device="cpu")
-    loss = ce_loss(model(tokens), target)
+    run = model if param_dtype is None else CastParams(model, param_dtype)
+    loss = ce_loss(run(tokens), target)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return float(loss), grads, model

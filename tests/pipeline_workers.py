@@ -35,6 +35,11 @@ def one_step(mesh, cfg: dict) -> dict:
     from autopp import cross_entropy
 
     extra = {k: cfg[k] for k in ("boundary", "loss_parallel") if k in cfg}
+    if cfg.get("bf16"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        extra["mixed_precision"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     pipe = pipeline_autoparallel(
         llama3_meta(cfg["n_layers"]),
         mesh,
@@ -51,6 +56,9 @@ def one_step(mesh, cfg: dict) -> dict:
     grads = {n: _local(p.grad).detach().clone() for n, p in pipe.named_parameters() if p.grad is not None}
     out = {"loss": loss, "grads": grads, "stage_ids": pipe.layout.stage_ids,
            "describe": pipe.describe(),
+           "param_dtypes": sorted({str(p.dtype) for p in pipe.parameters()}),
+           "grad_dtypes": sorted({str(p.grad.dtype) for p in pipe.parameters()
+                                  if p.grad is not None}),
            # units' weight gradients computed by the schedule's W work (planned stages)
            "deferred_w": sum(getattr(m, "weight_grads", None).weight_grads_run
                              for m in pipe.stage_modules if hasattr(m, "weight_grads"))}

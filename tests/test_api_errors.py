@@ -90,3 +90,10 @@ def test_loss_parallel_needs_cross_entropy_and_auto(mesh222):
         _call(mesh222, parallelize="auto", loss_parallel=True)
     with pytest.raises(ValueError, match="needs parallelize='auto'"):
         _call(mesh222, parallelize=None, loss_parallel=True)
+
+
+def test_mixed_precision_needs_auto(mesh222):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    with pytest.raises(ValueError, match="mixed_precision needs parallelize='auto'"):
+        _call(mesh222, mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16))

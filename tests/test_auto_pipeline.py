@@ -81,3 +81,20 @@ def test_auto_checkpoint_resume(tmp_path):
     for r in run_on_ranks(checkpoint_resume, 8, cfg, str(tmp_path / "ckpt")):
         for step, loss in r["resumed"].items():
             assert loss == pytest.approx(r["straight"][step], abs=1e-6), (step, r)
+
+
+def test_auto_mixed_precision_bf16_compute_fp32_masters():
+    """MixedPrecisionPolicy(bf16, fp32): the step follows the single-process model run with
+    bf16 parameters (not the fp32 one), while masters and gradients stay fp32."""
+    import torch
+
+    tokens, target = make_batch(BATCH, SEQ)
+    ref16 = reference_step(N_LAYERS, tokens, target, param_dtype=torch.bfloat16)
+    ref32 = reference_step(N_LAYERS, tokens, target)
+    cfg = _cfg("ZBVZeroBubble", 2, dp=2, tp=2, parallelize="auto", bf16=True)
+    for (r,) in run_on_ranks(run_configs, 8, [cfg]):
+        assert r["param_dtypes"] == r["grad_dtypes"] == ["torch.float32"]
+        assert abs(r["loss"] - ref16[0]) < 3e-4 < abs(r["loss"] - ref32[0])
+        for name, g in r["grads"].items():
+            rel = ((g - ref16[1][name]).norm() / ref16[1][name].norm()).item()
+            assert rel < 0.02, (name, rel)

@@ -27,6 +27,7 @@ from autopp.sharding.interpret import GraphRunner, InterpretedBlockFunction, red
 from autopp.sharding.local_run import LocalBlockFunction, LocalRunner, WeightGradQueue
 from autopp.sharding.lower import lower_joint, split_local
 from autopp.sharding.plan import BlockPlan, StagePlan, from_strs
+from autopp.sharding.precision import maybe_cast
 from autopp.sharding.trace import JointGraph, graph_signature, trace_joint
 
 
@@ -146,7 +147,8 @@ def apply_plan(
         unit = by_name[bplan.prefix]
         if bplan.signature not in traced:
             args = example_inputs if flat else (x,)
-            traced[bplan.signature] = trace_joint(_meta_copy(unit.module), args)
+            traced[bplan.signature] = trace_joint(
+                maybe_cast(_meta_copy(unit.module), plan.param_dtype), args)
         joint = traced[bplan.signature]
         _check(joint, bplan)
         low = None

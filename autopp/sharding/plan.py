@@ -107,6 +107,9 @@ class StagePlan:
     solve_s: float
     plan_s: float
     notes: tuple[str, ...] = field(default=())
+    param_dtype: str | None = None
+    """Mixed precision: the dtype parameters are computed in (their masters keep theirs;
+    gradients are reduced in the master dtype); None = full precision."""
 
     def param_placements(self) -> dict[str, tuple[Any, ...]]:
         """FQN -> torch placements."""

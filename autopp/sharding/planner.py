@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autopp.sharding import _torch_private as tp
 from autopp.sharding.chain import (
@@ -22,6 +23,7 @@ from autopp.sharding.chain import (
     unit_signature,
 )
 from autopp.sharding.costs import CostModel
+from autopp.sharding.precision import check_policy, maybe_cast, reduce_after_cast
 from autopp.sharding.plan import BlockPlan, CollectivePlan, ParamPlan, StagePlan, to_strs
 from autopp.sharding.profiles import DeviceProfile, get_profile
 from autopp.sharding.solver import InfeasiblePlanError, Model, PlacementSpec, SolveResult
@@ -61,6 +63,7 @@ def plan_stage(
     param_state_factor: float = 1.0,
     time_limit_s: float = 60.0,
     reuse_blocks: bool = True,
+    mixed_precision: MixedPrecisionPolicy | None = None,
 ) -> StagePlan:
     """Plan the DP×TP sharding of one stage module on ``mesh`` (its sub-mesh).
 
@@ -77,6 +80,9 @@ def plan_stage(
         time_limit_s: per ILP.
         reuse_blocks: plan a block-stack stage (``module.layers``, plus a torchtitan decoder's
             ``tok_embeddings`` / ``norm`` / ``lm_head``) unit by unit, identical blocks once.
+        mixed_precision: torch's FSDP2 ``MixedPrecisionPolicy``: parameters computed in
+            ``param_dtype``, gradients reduced in ``reduce_dtype`` (see
+            :mod:`autopp.sharding.precision`); None = the parameters' own dtype.
 
     Raises:
         InfeasiblePlanError: the constraints admit no plan (the message names them).
@@ -91,10 +97,13 @@ def plan_stage(
     in_spec = _spec(input_placements, names, shape)
     out_spec = _spec(output_placements, names, shape)
     fixed = {k: _spec(v, names, shape) for k, v in (param_placements or {}).items()}
+    pdtype = check_policy(mixed_precision, module)
     units = stage_units(module) if reuse_blocks else None
     if units is None:
-        joint = trace_joint(module, example_inputs)
+        joint = trace_joint(maybe_cast(module, pdtype), example_inputs)
         traced = TracedBlock(module, joint, enumerate_strategies(joint, mesh), ())
+        if pdtype is not None:
+            reduce_after_cast(traced.strategies)
         model = Model(traced.strategies, costs, memory_budget_bytes, param_state_factor)
         res = model.solve(
             *block_restrictions(traced, in_spec, out_spec, fixed), time_limit_s=time_limit_s
@@ -104,9 +113,9 @@ def plan_stage(
     else:
         parts, solved = _plan_chain(
             module, units, example_inputs[0], mesh, names, costs, in_spec, out_spec, fixed,
-            memory_budget_bytes, param_state_factor, time_limit_s,
+            memory_budget_bytes, param_state_factor, time_limit_s, pdtype,
         )
-    return _assemble(parts, solved, mesh, names, prof, costs, memory_budget_bytes, t0)
+    return _assemble(parts, solved, mesh, names, prof, costs, memory_budget_bytes, t0, pdtype)
 
 
 def _matching(cands: list[tuple], spec: PlacementSpec | None) -> list[tuple]:
@@ -137,7 +146,7 @@ _MEMO = _Memo()
 
 
 def _plan_chain(module, units, x, mesh, names, costs, in_spec, out_spec, fixed,
-                budget, factor, time_limit_s):
+                budget, factor, time_limit_s, pdtype=None):
     """Plan each distinct unit once per boundary pair, then chain them (chain.py)."""
     _MEMO.trim()
     kinds: list[int] = []
@@ -148,10 +157,12 @@ def _plan_chain(module, units, x, mesh, names, costs, in_spec, out_spec, fixed,
         sig = unit_signature(unit)
         if sig not in sig_index:
             sig_index[sig] = len(reps)
-            ukey = (sig, tuple(x.shape), str(x.dtype), tuple(mesh.shape), names)
+            ukey = (sig, tuple(x.shape), str(x.dtype), tuple(mesh.shape), names, pdtype)
             hit = _MEMO.traced.get(ukey)
             if hit is None:
-                hit = _MEMO.traced[ukey] = trace_unit(unit.module, x, mesh)
+                hit = _MEMO.traced[ukey] = trace_unit(maybe_cast(unit.module, pdtype), x, mesh)
+                if pdtype is not None:
+                    reduce_after_cast(hit.strategies)
             reps.append((unit, hit))
             unit_keys.append(ukey)
         kinds.append(sig_index[sig])
@@ -234,7 +245,7 @@ def _node_labels(j, unit: Unit) -> dict[str, str]:
     return labels
 
 
-def _assemble(parts, solved, mesh, names, prof, costs, budget, t0) -> StagePlan:
+def _assemble(parts, solved, mesh, names, prof, costs, budget, t0, pdtype=None) -> StagePlan:
     params, colls, block_plans, fallbacks = [], [], [], []
     for unit, traced, res in parts:
         prefix = unit.name
@@ -284,6 +295,7 @@ def _assemble(parts, solved, mesh, names, prof, costs, budget, t0) -> StagePlan:
         num_vars=sum(n for n, _ in solved),
         solve_s=sum(t for _, t in solved),
         plan_s=time.perf_counter() - t0,
+        param_dtype=pdtype,
         notes=(
             "costs: joint fwd+bwd graph as traced (no rematerialisation: a parameter gathered "
             "in forward is not re-gathered in backward); activation memory not modelled",

@@ -1,0 +1,96 @@
+"""Mixed precision for planned stages: parameters computed in ``param_dtype`` (e.g. bf16),
+gradients reduced in ``reduce_dtype`` (e.g. fp32), masters and optimizer state in fp32.
+
+The policy is torch's own :class:`torch.distributed.fsdp.MixedPrecisionPolicy` (FSDP2's), so
+a torchtitan user passes what they already have. What autopp does with it:
+
+* Tracing: each planned unit is traced through :class:`CastParams`, which casts every
+  floating-point parameter to ``param_dtype`` at the top of the forward. The casts, and
+  their backward casts of the gradients to the master dtype, are nodes of the joint graph,
+  so the planner prices where to gather a parameter (after the cast: half the bytes, as FSDP2
+  does) like any other choice, and the lowered graph runs them.
+* Reduction in ``reduce_dtype``: :func:`reduce_after_cast` pins every gradient cast node to
+  receive its input unredistributed, so a partial gradient (summed over dp, or over tp for a
+  row-parallel weight) is cast first and reduced in ``reduce_dtype``, never in bf16.
+
+Only ``param_dtype`` / ``reduce_dtype`` are honoured; ``reduce_dtype`` must equal the
+parameters' own (master) dtype, since the backward cast goes to the master dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from autopp.sharding.strategies import Strategies
+
+_CASTS = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+
+
+def check_policy(policy: MixedPrecisionPolicy | None, module: nn.Module) -> str | None:
+    """``param_dtype`` as a string (what plans record), or None for full precision.
+
+    Raises ValueError for parts of the policy autopp does not honour.
+    """
+    if policy is None or policy.param_dtype is None:
+        if policy is not None and policy.reduce_dtype not in (None, torch.float32):
+            raise ValueError("mixed_precision: reduce_dtype without param_dtype is not supported")
+        return None
+    masters = {p.dtype for p in module.parameters() if p.is_floating_point()}
+    if policy.reduce_dtype is not None and {policy.reduce_dtype} != masters:
+        raise ValueError(
+            f"mixed_precision.reduce_dtype={policy.reduce_dtype} must equal the parameters' "
+            f"dtype {sorted(map(str, masters))}: gradients are reduced in the master dtype"
+        )
+    if policy.output_dtype is not None:
+        raise ValueError("mixed_precision.output_dtype is not supported; leave it None")
+    return str(policy.param_dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str | None) -> torch.dtype | None:
+    return None if name is None else getattr(torch, name)
+
+
+class CastParams(nn.Module):
+    """Runs ``module`` with its floating-point parameters cast to ``dtype``.
+
+    Shares ``module``'s children (same parameter objects, same FQNs), so traced graphs name
+    parameters exactly as ``module`` does.
+    """
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self._modules.update(module._modules)
+        self._parameters.update(module._parameters)
+        self._buffers.update(module._buffers)
+        object.__setattr__(self, "_inner", module)
+        self._dtype = dtype
+
+    def forward(self, *args: Any) -> Any:
+        params = {
+            n: (p.to(self._dtype) if p.is_floating_point() else p)
+            for n, p in self._inner.named_parameters()
+        }
+        return torch.func.functional_call(self._inner, params, args)
+
+
+def maybe_cast(module: nn.Module, param_dtype: str | None) -> nn.Module:
+    """``module`` itself, or wrapped in :class:`CastParams` for ``param_dtype``."""
+    return module if param_dtype is None else CastParams(module, dtype_of(param_dtype))
+
+
+def reduce_after_cast(strategies: Strategies) -> int:
+    """Pin each gradient-output cast node to take its input unredistributed (so reductions of
+    a partial gradient happen after the cast, in the master dtype). Returns how many."""
+    joint = strategies.joint
+    n = 0
+    for g in joint.grads.values():
+        ns = strategies.nodes.get(g)
+        if ns is None or g.target not in _CASTS or not ns.options or len(ns.edges) != 1:
+            continue
+        ns.follows = {o: (o.ins[0],) for o in ns.options}
+        n += 1
+    return n
