@@ -55,6 +55,7 @@ from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
 from autopp.plan_cache import cached_plan, plan_key
 from autopp.sharding import StagePlan, plan_stage
 from autopp.sharding.loss_cost import cross_entropy_time_s
+from autopp.sharding.precision import CastParams
 from autopp.sharding.torchtitan_ref import torchtitan_param_placements
 from autopp.stage_split import build_stage_module
 
@@ -122,6 +123,8 @@ class DryRunReport:
     stage_ids_per_rank: tuple[tuple[int, ...], ...]
     compare: bool = False
     compare_notes: tuple[str, ...] = field(default=())
+    mixed_precision: str | None = None
+    """The policy, as text (None: full precision)."""
 
     # ---- pipeline figures -------------------------------------------------------------
     @property
@@ -239,7 +242,8 @@ def format_report(r: DryRunReport) -> str:
     lines = [
         f"Dry run: pp={r.pp} x dp={r.dp} x tp={r.tp} ({r.pp * r.dp * r.tp} ranks, fake process "
         f"group), schedule {r.schedule}, {r.n_stages} stages, profile {r.profile}",
-        f"  global batch {r.global_batch} x seq {r.seq_len}, {r.n_microbatches} microbatches: "
+        (f"  mixed precision: {r.mixed_precision}\n" if r.mixed_precision else "")
+        + f"  global batch {r.global_batch} x seq {r.seq_len}, {r.n_microbatches} microbatches: "
         f"{r.microbatch_rows} row(s) per microbatch per dp rank "
         f"({r.microbatch_rows * r.dp} dp-global, what the planner sees)",
         "  parameter-memory budget per device: "
@@ -315,7 +319,8 @@ def _torchtitan_placements(stage: nn.Module, names: tuple[str, ...]) -> dict:
     return out
 
 
-def _plan_torchtitan(stage, inputs, sub_mesh, profile, index, *, first: bool, last: bool):
+def _plan_torchtitan(stage, inputs, sub_mesh, profile, index, *, first: bool, last: bool,
+                     mixed_precision=None):
     """torchtitan's layout priced by the planner (activations re-optimised), cached on disk.
 
     As torchtitan runs it with TP: sequence parallel between blocks, so a stage sends its
@@ -328,12 +333,15 @@ def _plan_torchtitan(stage, inputs, sub_mesh, profile, index, *, first: bool, la
     b_out = ("vocab" if last else "batch+seq") if tp > 1 else "batch"
     options = dict(profile=profile, reference="torchtitan FSDP+TP, vocab-sharded embed/head",
                    boundary_in=b_in, boundary_out=b_out)
+    if mixed_precision is not None:
+        options["mixed_precision"] = mixed_precision
     key = plan_key(stage, inputs, tuple(sub_mesh.shape), names, options)
     t0 = time.perf_counter()
     plan, hit = cached_plan(key, lambda: plan_stage(
         stage, inputs, sub_mesh, profile=profile,
         param_placements=_torchtitan_placements(stage, names),
         input_placements=BOUNDARIES[b_in], output_placements=BOUNDARIES[b_out],
+        mixed_precision=mixed_precision,
     ))
     dt = time.perf_counter() - t0
     logger.info("stage %d: torchtitan layout priced in %.1f s (%s)", index, dt,
@@ -357,6 +365,7 @@ def dry_run(
     compare: bool = False,
     boundary: str = "auto",
     loss_parallel: bool | None = None,
+    mixed_precision=None,
 ) -> DryRunReport:
     """Plan the pipeline of ``model_meta`` for a pp × dp × tp world on this machine alone.
 
@@ -376,8 +385,10 @@ def dry_run(
         compare: also price torchtitan's manual FSDP+TP layout of every stage under the same
             cost model, and report planned/torchtitan (torchtitan as it runs with TP:
             sequence-parallel stage boundaries, loss parallel).
-        boundary, loss_parallel: as for :func:`autopp.pipeline_autoparallel` (the loss is
-            taken to be :func:`autopp.cross_entropy`).
+        boundary, loss_parallel, mixed_precision: as for
+            :func:`autopp.pipeline_autoparallel` (the loss is taken to be
+            :func:`autopp.cross_entropy`); torchtitan's layout is priced under the same
+            mixed-precision policy.
     """
     world = pp * dp * tp
     created = False
@@ -394,7 +405,8 @@ def dry_run(
                         n_microbatches=n_microbatches, global_batch=global_batch,
                         seq_len=seq_len, profile=profile,
                         memory_budget_bytes=memory_budget_bytes, split=split, compare=compare,
-                        boundary=boundary, loss_parallel=loss_parallel)
+                        boundary=boundary, loss_parallel=loss_parallel,
+                        mixed_precision=mixed_precision)
     finally:
         if created:
             dist.destroy_process_group()
@@ -402,7 +414,7 @@ def dry_run(
 
 def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, seq_len,
              profile, memory_budget_bytes, split, compare, boundary,
-             loss_parallel) -> DryRunReport:
+             loss_parallel, mixed_precision) -> DryRunReport:
     if global_batch % dp:
         raise ValueError(f"global batch {global_batch} is not divisible by dp={dp}")
     mesh = build_world_mesh(pp=pp, dp=dp, tp=tp, device_type="cpu")
@@ -419,7 +431,8 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
     mb = global_batch // n_microbatches  # dp-global microbatch: what the planner sees
     first = (torch.empty((mb, seq_len), dtype=torch.long, device="meta"),)
     metas = [build_stage_module(model_meta, f) for f in fqns_per_stage]
-    inputs = stage_input_shapes(metas, first)
+    pd = mixed_precision.param_dtype if mixed_precision is not None else None
+    inputs = stage_input_shapes(metas, first, pd)
     logger.info("dry run: %d stages on a %s sub-mesh, microbatch %s (dp-global), profile %s",
                 n_stages, tuple(sub_mesh.shape), tuple(first[0].shape), profile)
 
@@ -429,7 +442,8 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
     for s, (stage, x) in enumerate(zip(metas, inputs)):
         if compare:
             tt_plans.append(_plan_torchtitan(stage, x, sub_mesh, profile, s, first=s == 0,
-                                             last=s == n_stages - 1))
+                                             last=s == n_stages - 1,
+                                             mixed_precision=mixed_precision))
         budget = memory_budget_bytes
         if compare and budget is None:
             budget = tt_plans[s][0].param_bytes_per_device * (1 + 1e-9)
@@ -439,9 +453,10 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
         last_kinds = ("vocab",)
     timings: dict[int, list] = {}
     bounds, plan_of = plan_pipeline(metas, inputs, sub_mesh, profile=profile, budgets=budgets,
-                                    boundary=boundary, last_kinds=last_kinds, timings=timings)
+                                    boundary=boundary, last_kinds=last_kinds, timings=timings,
+                                    mixed_precision=mixed_precision)
     with torch.no_grad():
-        out = metas[-1](*inputs[-1])
+        out = (metas[-1] if pd is None else CastParams(metas[-1], pd))(*inputs[-1])
     logits = out[0] if isinstance(out, tuple) else out
 
     def loss_time(kind: str) -> float:
@@ -491,4 +506,6 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
         global_batch=global_batch, seq_len=seq_len, profile=profile,
         memory_budget_bytes=memory_budget_bytes, stages=tuple(stages),
         stage_ids_per_rank=ids_per_rank, compare=compare, compare_notes=notes,
+        mixed_precision=None if mixed_precision is None else
+        f"parameters computed in {pd}, gradients reduced in {mixed_precision.reduce_dtype}",
     )

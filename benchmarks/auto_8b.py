@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/auto_8b.py                 # 8B, 1F1B, 64 x 2048, 8 microbatches
     .venv/bin/python benchmarks/auto_8b.py --layers 8      # a shallower 8B (same blocks), faster
+    .venv/bin/python benchmarks/auto_8b.py --bf16          # bf16 compute / fp32 reduction, both
 
 Plans every pipeline stage of llama3-8B (torchtitan's config, SDPA) over its 8 × 8 sub-mesh with
 the H100 profile, prices torchtitan's manual FSDP+TP layout of the same stages under the same
@@ -50,7 +51,13 @@ def one_run(args) -> None:
     with torch.device("meta"):
         model = cfg.build()
     t0 = time.perf_counter()
+    mp = None
+    if args.bf16:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     report = dry_run(model, pp=args.pp, dp=args.dp, tp=args.tp, schedule=args.schedule,
+                     mixed_precision=mp,
                      n_microbatches=args.microbatches, global_batch=args.global_batch,
                      seq_len=args.seq, profile=args.profile, compare=True)
     wall = time.perf_counter() - t0
@@ -59,6 +66,7 @@ def one_run(args) -> None:
         "wall_s": wall,
         "step_ms": report.step_time_s * 1e3,
         "torchtitan_step_ms": report.torchtitan_step_time_s * 1e3,
+        "boundaries": [s.boundary_out for s in report.stages],
         "ratio": report.step_time_ratio,
         "mem_GiB": report.memory_per_device_bytes() / 2**30,
         "torchtitan_mem_GiB": report.memory_per_device_bytes("torchtitan") / 2**30,
@@ -83,6 +91,9 @@ def main() -> None:
     ap.add_argument("--profile", default="H100")
     ap.add_argument("--layers", type=int, default=None,
                     help="keep only the first N of 8B's 32 layers (faster)")
+    ap.add_argument("--bf16", action="store_true",
+                    help="bf16 compute, fp32 gradient reduction (torchtitan's default policy) "
+                         "for both layouts")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -103,6 +114,7 @@ def main() -> None:
     print("\nSummary")
     print(f"  planned estimated step time {first['step_ms']:.1f} ms, torchtitan FSDP+TP "
           f"{first['torchtitan_step_ms']:.1f} ms: planned/torchtitan {first['ratio']:.3f}")
+    print(f"  chosen boundaries (last: logits): {first['boundaries']}")
     print(f"  parameter memory per device: planned {first['mem_GiB']:.2f} GiB, torchtitan "
           f"{first['torchtitan_mem_GiB']:.2f} GiB; p2p per step per device "
           f"{first['p2p_MiB']:.1f} MiB")

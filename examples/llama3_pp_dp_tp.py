@@ -72,6 +72,9 @@ def parse_args() -> argparse.Namespace:
                         "tp and compute the loss in parallel (auto: the planner's cost decides)")
     p.add_argument("--boundary", default="auto", choices=["auto", "batch", "batch+seq"],
                    help="with --parallelize auto: placement of activations between stages")
+    p.add_argument("--mixed-precision", default="none", choices=["none", "bf16"],
+                   help="with --parallelize auto: bf16 compute with fp32 masters and fp32 "
+                        "gradient reduction (torch's MixedPrecisionPolicy)")
     p.add_argument("--dry-run", action="store_true",
                    help="plan every stage for pp x dp x tp ranks on this one machine (fake "
                         "process group, no devices) and print the plans; no training")
@@ -99,6 +102,15 @@ def build_model(name: str) -> torch.nn.Module:
         raise ValueError(f"{name}'s vocabulary ({cfg.vocab_size}) is smaller than a byte's")
     with torch.device("meta"):
         return cfg.build()
+
+
+def mp_policy(args):
+    """torch's MixedPrecisionPolicy for --mixed-precision (None: full precision)."""
+    if args.mixed_precision == "none":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def lr_factor(step: int, warmup: int, steps: int) -> float:
@@ -141,6 +153,7 @@ def dry_run(args) -> None:
         global_batch=args.batch_size, seq_len=args.seq_len,
         profile=args.profile or "H100", split=args.split, boundary=args.boundary,
         loss_parallel={"auto": None, "on": True, "off": False}[args.loss_parallel],
+        mixed_precision=mp_policy(args),
     )
     print(report)
 
@@ -176,7 +189,8 @@ def main() -> None:
         parallelize="auto" if args.parallelize == "auto" else None,
         profile=args.profile,
         **(dict(loss_parallel={"auto": None, "on": True, "off": False}[args.loss_parallel],
-                boundary=args.boundary) if args.parallelize == "auto" else {}),
+                boundary=args.boundary, mixed_precision=mp_policy(args))
+           if args.parallelize == "auto" else {}),
     )
     del model  # the meta-device whole model; each rank keeps only its stages
     pipe.init_weights(seed=args.seed)
