@@ -43,7 +43,7 @@ def pipeline_autoparallel(
     schedule: str = "1F1B",
     n_microbatches: int,
     split: Split = None,
-    parallelize: ParallelizeFn | Literal["auto"] | None = "auto",
+    parallelize: ParallelizeFn | Literal["auto", "autoparallel"] | None = "auto",
     ignore_index: int = -100,
     profile: str | None = None,
     memory_budget_bytes: float | None = None,
@@ -79,6 +79,8 @@ def pipeline_autoparallel(
             dp), or a callable ``(stage_module, sub_mesh) -> module`` applying your own
             parallelism (e.g. torchtitan's TP + FSDP). It receives the stage on the meta
             device and must average gradients over dp (the FSDP/DDP default).
+            ``"autoparallel"`` plans each stage with meta's AutoParallel instead of autopp's
+            planner, when it is installed (see :mod:`autopp.sharding.autoparallel_backend`).
         ignore_index: target value that does not count towards the loss.
         profile: with ``"auto"``, the device profile the planner's cost model assumes
             ("H100", "H200", "A100", "CPU"); default: "CPU" on a cpu mesh, else "H100".
@@ -98,8 +100,10 @@ def pipeline_autoparallel(
             stages, and reduces parameter gradients in fp32 into the fp32 masters the
             optimizer updates. None: the parameters' own dtype throughout.
     """
-    if parallelize is not None and parallelize != "auto" and not callable(parallelize):
-        raise TypeError(f"parallelize must be None, 'auto' or a callable, got {parallelize!r}")
+    if parallelize not in (None, "auto", "autoparallel") and not callable(parallelize):
+        raise TypeError(
+            f"parallelize must be None, 'auto', 'autoparallel' or a callable, got {parallelize!r}"
+        )
     check_world_mesh(mesh)
     if not any(p.is_meta for p in model.parameters()):
         raise ValueError(
@@ -125,8 +129,12 @@ def pipeline_autoparallel(
     modules = []
     auto_plans = None
     if parallelize == "auto":
+        rank_of = [next(r for r in range(pp)
+                        if s in stage_ids_for_rank(r, pp, n_stages, info.style))
+                   for s in range(n_stages)]
         auto_plans = _plan_stages(
             model, fqns_per_stage, stage_ids, sub_mesh, example_inputs, n_microbatches, dp,
+            rank_of=rank_of,
             profile=profile or default_profile(mesh.device_type),
             memory_budget_bytes=memory_budget_bytes, boundary=boundary,
             last_kinds=loss_kinds(sub_mesh, loss_fn, loss_parallel),
@@ -134,6 +142,9 @@ def pipeline_autoparallel(
         )
     elif loss_parallel:
         raise ValueError("loss_parallel=True needs parallelize='auto'")
+    elif parallelize == "autoparallel":
+        parallelize = _autoparallel_fn(model, fqns_per_stage, example_inputs, n_microbatches,
+                                       dp, mixed_precision)
     elif mixed_precision is not None:
         raise ValueError(
             "mixed_precision needs parallelize='auto'; with your own parallelize, apply the "
@@ -169,6 +180,24 @@ def pipeline_autoparallel(
     )
 
 
+def _autoparallel_fn(model, fqns_per_stage, example_inputs, n_microbatches, dp,
+                     mixed_precision):
+    """meta's AutoParallel as the parallelize callable, fed each stage's dp-global inputs."""
+    from autopp.sharding.autoparallel_backend import autoparallel_parallelize
+
+    x = example_inputs[0]
+    first = (torch.empty((x.shape[0] // n_microbatches * dp, *x.shape[1:]), dtype=x.dtype,
+                         device="meta"),)
+    metas = [build_stage_module(model, f) for f in fqns_per_stage]
+    inputs = stage_input_shapes(metas, first)
+    by_fqns = {tuple(sorted(n for n, _ in m.named_parameters())): i for i, m in enumerate(metas)}
+
+    def stage_inputs(stage):
+        return inputs[by_fqns[tuple(sorted(n for n, _ in stage.named_parameters()))]]
+
+    return autoparallel_parallelize(stage_inputs, mixed_precision)
+
+
 def split_for_schedule(
     model: nn.Module, *, schedule: str, split: Split, pp: int, n_microbatches: int,
     local_batch_size: int | None,
@@ -193,7 +222,7 @@ def split_for_schedule(
 
 def _plan_stages(model, fqns_per_stage, stage_ids, sub_mesh, example_inputs, n_microbatches, dp,
                  *, profile, memory_budget_bytes, boundary="auto", last_kinds=("batch",),
-                 mixed_precision=None):
+                 mixed_precision=None, rank_of=None):
     """Plan this rank's stages; returns {stage id: PlannedStage}."""
     x = example_inputs[0]
     mb = x.shape[0] // n_microbatches * dp  # a microbatch, dp-global: what the planner sees
@@ -205,7 +234,7 @@ def _plan_stages(model, fqns_per_stage, stage_ids, sub_mesh, example_inputs, n_m
     bounds, plan_of = plan_pipeline(
         metas, inputs, sub_mesh, profile=profile,
         budgets=[memory_budget_bytes] * len(metas), boundary=boundary, last_kinds=last_kinds,
-        mixed_precision=mixed_precision,
+        mixed_precision=mixed_precision, n_microbatches=n_microbatches, rank_of=rank_of,
     )
     plans = agree_on_plans([plan_of(s) for s in stage_ids], sub_mesh)
     return {

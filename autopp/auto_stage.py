@@ -20,6 +20,7 @@ Glue between the pipeline and the planner (:mod:`autopp.sharding`):
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,31 +59,67 @@ def boundary_kinds(sub_mesh: DeviceMesh) -> tuple[str, ...]:
 
 def choose_boundaries(
     n_stages: int, kinds: Sequence[str], stage_time: Any, send_time: Any,
-    last_kinds: Sequence[str] = ("batch",),
+    last_kinds: Sequence[str] = ("batch",), n_microbatches: int = 1,
+    rank_of: Sequence[int] | None = None,
 ) -> list[str]:
-    """Placement of every stage boundary, minimising the sum over stages of their planned
-    time plus the time to send their boundary forward and back.
+    """Placement of every stage boundary, minimising Alpa's pipeline objective
 
-    ``stage_time(s, kind_in, kind_out)`` and ``send_time(s, kind)`` give seconds per
-    microbatch; the first stage's input is "batch", the last stage's output one of
+        Σ_s (t_s + transfers_s) + (M − 1) · max over pp ranks of Σ_{s on the rank} t_s
+
+    where ``t_s = stage_time(s, kind_in, kind_out)`` and ``send_time(s, kind)`` (seconds per
+    microbatch; each boundary is sent forward and its gradient back) and ``M`` is
+    ``n_microbatches``. The first stage's input is "batch", the last stage's output one of
     ``last_kinds`` (its ``stage_time`` includes the loss). A dynamic program over the chain
-    of boundaries (exact for this sum). Returns ``n_stages + 1`` kinds: into stage 0, between
-    the stages, out of the last stage.
+    of boundaries minimises the sum under a cap on every stage's time; trying each stage time
+    as the cap and scoring each result with the full objective is exact with one stage per
+    pp rank (``rank_of[s]``, default ``s``). Returns ``n_stages + 1`` kinds: into stage 0,
+    between the stages, out of the last stage.
     """
-    # best[k] = (cost of stages < s with boundary into s of kind k, choices so far)
-    best: dict[str, tuple[float, list[str]]] = {"batch": (0.0, ["batch"])}
-    for s in range(n_stages):
-        last = s == n_stages - 1
-        nxt: dict[str, tuple[float, list[str]]] = {}
-        for k_out in (last_kinds if last else kinds):
-            cands = [
-                (cost + stage_time(s, k_in, k_out) + (0.0 if last else send_time(s, k_out)),
-                 chosen + [k_out])
-                for k_in, (cost, chosen) in best.items()
-            ]
-            nxt[k_out] = min(cands, key=lambda c: c[0])
-        best = nxt
-    return min(best.values(), key=lambda c: c[0])[1]
+    memo: dict[tuple, float] = {}
+
+    def t(s: int, a: str, b: str) -> float:
+        if (s, a, b) not in memo:
+            memo[s, a, b] = stage_time(s, a, b)
+        return memo[s, a, b]
+
+    def outs(s: int) -> Sequence[str]:
+        return last_kinds if s == n_stages - 1 else kinds
+
+    def sum_dp(cap: float) -> list[str] | None:
+        # best[k] = (cost of stages < s with boundary into s of kind k, choices so far)
+        best: dict[str, tuple[float, list[str]]] = {"batch": (0.0, ["batch"])}
+        for s in range(n_stages):
+            last = s == n_stages - 1
+            nxt: dict[str, tuple[float, list[str]]] = {}
+            for k_out in outs(s):
+                cands = [
+                    (cost + t(s, k_in, k_out) + (0.0 if last else send_time(s, k_out)),
+                     chosen + [k_out])
+                    for k_in, (cost, chosen) in best.items() if t(s, k_in, k_out) <= cap
+                ]
+                if cands:
+                    nxt[k_out] = min(cands, key=lambda c: c[0])
+            best = nxt
+            if not best:
+                return None
+        return min(best.values(), key=lambda c: c[0])[1]
+
+    ranks = list(rank_of) if rank_of is not None else list(range(n_stages))
+
+    def objective(bounds: list[str]) -> float:
+        ts = [t(s, bounds[s], bounds[s + 1]) for s in range(n_stages)]
+        sends = sum(send_time(s, bounds[s + 1]) for s in range(n_stages - 1))
+        per_rank: dict[int, float] = {}
+        for s, x in enumerate(ts):
+            per_rank[ranks[s]] = per_rank.get(ranks[s], 0.0) + x
+        return sum(ts) + sends + (n_microbatches - 1) * max(per_rank.values())
+
+    candidates = [sum_dp(math.inf)]
+    if n_microbatches > 1:
+        caps = sorted({t(s, a, b) for s in range(n_stages) for a in (kinds if s else ["batch"])
+                       for b in outs(s)})
+        candidates += [sum_dp(cap) for cap in caps]
+    return min((c for c in candidates if c is not None), key=objective)
 
 
 def loss_kinds(sub_mesh: DeviceMesh, loss_fn: Any, loss_parallel: bool | None) -> tuple[str, ...]:
@@ -223,6 +260,8 @@ def plan_pipeline(
     plan_all: bool = False,
     timings: dict[int, list] | None = None,
     mixed_precision: Any = None,
+    n_microbatches: int = 1,
+    rank_of: Sequence[int] | None = None,
 ) -> tuple[list[str], Any]:
     """Choose every stage boundary's placement (and the last stage's logits placement).
 
@@ -234,6 +273,8 @@ def plan_pipeline(
             its time includes the loss's (:mod:`autopp.sharding.loss_cost`).
         plan_all: plan every stage under every choice even when there is one (dry runs).
         timings: see :func:`plan_local_stage`.
+        n_microbatches / rank_of: the pipeline's microbatches and each stage's pp rank, for
+            Alpa's objective (see :func:`choose_boundaries`).
         mixed_precision: torch's ``MixedPrecisionPolicy`` (see :mod:`autopp.sharding.precision`);
             ``inputs`` must then already be in its ``param_dtype`` (:func:`stage_input_shapes`).
 
@@ -274,7 +315,8 @@ def plan_pipeline(
         return 2 * boundary_bytes(inputs[s + 1][0], dp, tp, kind) / link_bw
 
     if len(kinds) > 1 or len(last_kinds) > 1 or plan_all:
-        bounds = choose_boundaries(n, kinds, stage_time, send_time, last_kinds)
+        bounds = choose_boundaries(n, kinds, stage_time, send_time, last_kinds,
+                                   n_microbatches=n_microbatches, rank_of=rank_of)
     else:
         bounds = [kinds[0]] * n + [last_kinds[0]]
         bounds[0] = "batch"

@@ -443,7 +443,9 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
         if compare:
             tt_plans.append(_plan_torchtitan(stage, x, sub_mesh, profile, s, first=s == 0,
                                              last=s == n_stages - 1,
-                                             mixed_precision=mixed_precision))
+                                             mixed_precision=mixed_precision,
+                                    n_microbatches=n_microbatches,
+                                    rank_of=[rank_of[s] for s in range(n_stages)]))
         budget = memory_budget_bytes
         if compare and budget is None:
             budget = tt_plans[s][0].param_bytes_per_device * (1 + 1e-9)
@@ -454,7 +456,9 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
     timings: dict[int, list] = {}
     bounds, plan_of = plan_pipeline(metas, inputs, sub_mesh, profile=profile, budgets=budgets,
                                     boundary=boundary, last_kinds=last_kinds, timings=timings,
-                                    mixed_precision=mixed_precision)
+                                    mixed_precision=mixed_precision,
+                                    n_microbatches=n_microbatches,
+                                    rank_of=[rank_of[s] for s in range(n_stages)])
     with torch.no_grad():
         out = (metas[-1] if pd is None else CastParams(metas[-1], pd))(*inputs[-1])
     logits = out[0] if isinstance(out, tuple) else out

@@ -121,7 +121,11 @@ class Pipeline:
         self._auto_plans = auto_plans
         # Planned stages reduce gradients over dp as a sum (DTensor semantics); replicated
         # and user-parallelized stages average them (the FSDP/DDP convention).
-        grad_scale = 1.0 if auto_plans else float(layout.dp_size)
+        from autopp.sharding.autoparallel_backend import GRADS_SUMMED_OVER_DP
+
+        summed = bool(stage_modules) and all(
+            getattr(m, GRADS_SUMMED_OVER_DP, False) for m in stage_modules)
+        grad_scale = 1.0 if auto_plans or summed else float(layout.dp_size)
         self._loss = TokenWeightedLoss(
             loss_fn=loss_fn, ignore_index=ignore_index, grad_scale=grad_scale
         )

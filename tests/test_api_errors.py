@@ -42,7 +42,7 @@ def test_valid_config_builds_layout(mesh222):
 
 
 def test_parallelize_must_be_none_auto_or_callable(mesh222):
-    with pytest.raises(TypeError, match="parallelize must be None, 'auto' or a callable"):
+    with pytest.raises(TypeError, match="parallelize must be None, 'auto', 'autoparallel' or a callable"):
         _call(mesh222, parallelize="fsdp")
 
 
@@ -97,3 +97,12 @@ def test_mixed_precision_needs_auto(mesh222):
 
     with pytest.raises(ValueError, match="mixed_precision needs parallelize='auto'"):
         _call(mesh222, mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+
+
+def test_autoparallel_backend_missing_is_a_clear_error(mesh222):
+    from autopp.sharding.autoparallel_backend import available
+
+    if available():
+        pytest.skip("meta's AutoParallel is installed here")
+    with pytest.raises(ImportError, match="meta-pytorch's AutoParallel"):
+        _call(mesh222, parallelize="autoparallel")

@@ -31,6 +31,19 @@ def test_boundary_dp_is_exact_on_a_small_chain():
     )[-1] == "batch"
 
 
+def test_boundaries_minimise_alpas_objective_not_the_sum():
+    # two stages: the cheapest sum loads stage 0 heavily; with many microbatches the
+    # slowest stage dominates, so the balanced choice wins
+    table = {(0, "batch", "x"): 1.0, (0, "batch", "y"): 3.0,
+             (1, "x", "batch"): 5.0, (1, "y", "batch"): 3.1}
+    args = (2, ("x", "y"), lambda s, i, o: table[s, i, o], lambda s, k: 0.0)
+    assert choose_boundaries(*args, n_microbatches=1) == ["batch", "x", "batch"]  # 6 < 6.1
+    # M = 8: x gives 6 + 7 * 5 = 41; y gives 6.1 + 7 * 3.1 = 27.8
+    assert choose_boundaries(*args, n_microbatches=8) == ["batch", "y", "batch"]
+    # both stages on one rank (rank_of): the max is over the rank's sum, 6 vs 6.1
+    assert choose_boundaries(*args, n_microbatches=8, rank_of=[0, 0]) == ["batch", "x", "batch"]
+
+
 def test_loss_parallel_is_cheaper_for_a_large_vocabulary_on_h100():
     logits = torch.empty(8, 2048, 128256, device="meta")  # llama3-8B's vocabulary
     args = ((8, 8), ("dp", "tp"), "H100")

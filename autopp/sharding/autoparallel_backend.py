@@ -1,0 +1,84 @@
+"""meta-pytorch's AutoParallel as an optional planner backend (``parallelize="autoparallel"``).
+
+AutoParallel (github.com/meta-pytorch/autoparallel) plans one SPMD mesh with a flat ILP over
+the whole module; it is not on PyPI (the PyPI package named ``autoparallel`` is unrelated and
+must not be installed). When ``autoparallel.api.AutoParallel`` is importable, autopp can hand
+each pipeline stage to it instead of its own planner: each stage is planned over its dp × tp
+sub-mesh with the batch split over dp and whole over tp at both ends (what the neighbouring
+stages exchange), as torchtitan's AutoParallel integration constrains it.
+
+AutoParallel's module computes with DTensor semantics, so its parameter gradients are sums
+over dp (like autopp's own planned stages): :data:`GRADS_SUMMED_OVER_DP` on the returned
+module tells the pipeline not to scale the loss by dp.
+
+Not exercised by autopp's tests: AutoParallel cannot be installed on the machines autopp is
+tested on. Only the error when it is missing is tested.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+
+GRADS_SUMMED_OVER_DP = "_autopp_grads_summed_over_dp"
+"""Attribute set on modules whose parameter gradients come out summed (not averaged) over dp."""
+
+
+def available() -> bool:
+    """Whether ``autoparallel.api.AutoParallel`` can be imported."""
+    if importlib.util.find_spec("autoparallel") is None:
+        return False
+    try:
+        from autoparallel.api import AutoParallel  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def autoparallel_parallelize(
+    stage_inputs: Callable[[nn.Module], Sequence[torch.Tensor]],
+    mixed_precision=None,
+) -> Callable[[nn.Module, DeviceMesh], nn.Module]:
+    """A ``parallelize`` callable ``(stage_on_meta, sub_mesh) -> module`` that plans the stage
+    with AutoParallel.
+
+    Args:
+        stage_inputs: gives a stage's example inputs (dp-global microbatch shapes; AutoParallel
+            traces them on its own fake mode).
+        mixed_precision: torch's ``MixedPrecisionPolicy``, passed to AutoParallel.
+
+    Raises:
+        ImportError: AutoParallel is not installed (autopp's own planner, ``"auto"``, needs
+            nothing extra).
+    """
+    if not available():
+        raise ImportError(
+            "parallelize='autoparallel' needs meta-pytorch's AutoParallel "
+            "(pip install git+https://github.com/meta-pytorch/autoparallel; NOT the PyPI "
+            "package named autoparallel); or use parallelize='auto', autopp's own planner"
+        )
+    from autoparallel.api import AutoParallel
+
+    def parallelize(stage: nn.Module, sub_mesh: DeviceMesh) -> nn.Module:
+        names = tuple(sub_mesh.mesh_dim_names)
+        batch = tuple(Shard(0) if n == "dp" else Replicate() for n in names)
+        inputs = tuple(stage_inputs(stage))
+
+        def input_fn():
+            return inputs if len(inputs) > 1 else inputs[0]
+
+        with AutoParallel(stage, input_fn, sub_mesh, mixed_precision) as autop:
+            autop.add_parameter_memory_constraint(low=None, high=None)
+            autop.add_input_constraints([batch] * len(inputs))
+            autop.add_output_constraints([batch])
+            placement = autop.optimize_placement()
+            module = autop.apply_placement(placement)
+        setattr(module, GRADS_SUMMED_OVER_DP, True)
+        return module
+
+    return parallelize
