@@ -23,6 +23,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -320,7 +321,15 @@ def plan_pipeline(
     else:
         bounds = [kinds[0]] * n + [last_kinds[0]]
         bounds[0] = "batch"
-    return bounds, lambda s: plan(s, bounds[s], bounds[s + 1])
+
+    def plan_of(s: int) -> StagePlan:
+        p = plan(s, bounds[s], bounds[s + 1])
+        if s == n - 1:  # the last stage's plan says how its loss runs
+            loss_s = stage_time(s, bounds[s], bounds[s + 1]) - p.step_time_s
+            p = dataclasses.replace(p, loss=describe_loss(bounds[-1]), loss_s=loss_s)
+        return p
+
+    return bounds, plan_of
 
 
 def agree_on_plans(plans: list[StagePlan], sub_mesh: DeviceMesh) -> list[StagePlan]:

@@ -159,8 +159,8 @@ class Pipeline:
         parallelize="auto" the head of each local stage's plan report."""
         out = [self.layout.describe()]
         for s, planned in (self._auto_plans or {}).items():
-            head = str(planned.plan).splitlines()[:5]
-            out.append(f"  stage {s} plan: " + "\n    ".join(head))
+            report = str(planned.plan).split("\n\n")[0].splitlines()  # the summary lines
+            out.append(f"  stage {s} plan: " + "\n    ".join(report))
             if planned.send_bytes:
                 out.append(
                     f"    sends {planned.send_bytes / 2**10:.1f} KiB per microbatch per device "
@@ -168,10 +168,6 @@ class Pipeline:
                     + ("batch split over dp, sequence over tp)" if planned.boundary_out == "batch+seq"
                        else "batch split over dp, whole over tp)")
                 )
-            if s == self.layout.n_stages - 1:
-                from autopp.auto_stage import describe_loss
-
-                out.append(f"    {describe_loss(planned.boundary_out)}")
         return "\n".join(out)
 
     # ----------------------------------------------------------------- weights

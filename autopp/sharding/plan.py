@@ -110,6 +110,11 @@ class StagePlan:
     param_dtype: str | None = None
     """Mixed precision: the dtype parameters are computed in (their masters keep theirs;
     gradients are reduced in the master dtype); None = full precision."""
+    loss: str | None = None
+    """Last stage of a pipeline: how the loss is computed (loss parallel or on gathered
+    logits); None when the plan does not end in the loss."""
+    loss_s: float = 0.0
+    """Estimated fwd+bwd time of that loss on one device (not in :attr:`step_time_s`)."""
 
     def param_placements(self) -> dict[str, tuple[Any, ...]]:
         """FQN -> torch placements."""

@@ -40,7 +40,8 @@ def format_plan(plan: StagePlan, max_collectives: int = 40) -> str:
          "in the master dtype\n" if plan.param_dtype else "")
         + f"  input placements: {_pl(plan.input_placements, names)}; "
         f"output placements: {_pl(plan.output_placements, names)}",
-        f"  blocks: {len(plan.blocks)} ({len({b.signature for b in plan.blocks})} distinct), "
+        (f"  loss: {plan.loss}, estimated {_time(plan.loss_s)}\n" if plan.loss else "")
+        + f"  blocks: {len(plan.blocks)} ({len({b.signature for b in plan.blocks})} distinct), "
         f"ILP variables {plan.num_vars}, solver {plan.solve_s:.2f} s, planning {plan.plan_s:.2f} s",
         "",
         "Parameters (placement per mesh dim):",
