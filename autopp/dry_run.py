@@ -55,6 +55,7 @@ from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
 from autopp.plan_cache import cached_plan, plan_key
 from autopp.sharding import StagePlan, plan_stage
 from autopp.sharding.loss_cost import cross_entropy_time_s
+from autopp.sharding.memory import activation_bytes_per_microbatch
 from autopp.sharding.precision import CastParams
 from autopp.sharding.torchtitan_ref import torchtitan_param_placements
 from autopp.stage_split import build_stage_module
@@ -99,6 +100,9 @@ class StageReport:
     loss_s: float = 0.0
     """Last stage: estimated fwd+bwd time of the loss on one microbatch (0 elsewhere)."""
     torchtitan_loss_s: float = 0.0
+    activation_bytes: int | None = None
+    """Bytes one microbatch keeps on a device between its forward and backward on this stage
+    (read off the lowered graphs, :mod:`autopp.sharding.memory`); None if not computed."""
 
     @property
     def time_s(self) -> float:
@@ -262,6 +266,9 @@ def format_report(r: DryRunReport) -> str:
             + (f" + loss {_ms(s.loss_s)}" if s.loss_s else "")
             + f"); params {_bytes(p.param_bytes_per_device)}/device",
             f"    placements: {placement_summary(p)}",
+            *([f"    kept for the backward: {_bytes(s.activation_bytes)}/device per microbatch "
+               "in flight (activations and gathered parameters, from the lowered graphs)"]
+              if s.activation_bytes is not None else []),
             f"    sends {list(s.send_shape)} = {_bytes(s.send_bytes)} per microbatch to stage "
             f"{s.index + 1} ({_BOUNDARY_WORDS[s.boundary_out]})" if s.send_shape is not None
             else f"    last stage: {describe_loss(s.boundary_out)}",
@@ -366,6 +373,7 @@ def dry_run(
     boundary: str = "auto",
     loss_parallel: bool | None = None,
     mixed_precision=None,
+    activations: bool = True,
 ) -> DryRunReport:
     """Plan the pipeline of ``model_meta`` for a pp × dp × tp world on this machine alone.
 
@@ -389,6 +397,8 @@ def dry_run(
             :func:`autopp.pipeline_autoparallel` (the loss is taken to be
             :func:`autopp.cross_entropy`); torchtitan's layout is priced under the same
             mixed-precision policy.
+        activations: also lower every stage's plan to local graphs (on the fake process
+            group) and report the bytes a microbatch keeps for its backward.
     """
     world = pp * dp * tp
     created = False
@@ -406,7 +416,7 @@ def dry_run(
                         seq_len=seq_len, profile=profile,
                         memory_budget_bytes=memory_budget_bytes, split=split, compare=compare,
                         boundary=boundary, loss_parallel=loss_parallel,
-                        mixed_precision=mixed_precision)
+                        mixed_precision=mixed_precision, activations=activations)
     finally:
         if created:
             dist.destroy_process_group()
@@ -414,7 +424,7 @@ def dry_run(
 
 def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, seq_len,
              profile, memory_budget_bytes, split, compare, boundary,
-             loss_parallel, mixed_precision) -> DryRunReport:
+             loss_parallel, mixed_precision, activations) -> DryRunReport:
     if global_batch % dp:
         raise ValueError(f"global batch {global_batch} is not divisible by dp={dp}")
     mesh = build_world_mesh(pp=pp, dp=dp, tp=tp, device_type="cpu")
@@ -481,6 +491,12 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
         else:
             shape, send = None, 0
         last = s == n_stages - 1
+        act = None
+        if activations:
+            t0 = time.perf_counter()
+            act = activation_bytes_per_microbatch(metas[s], plan, sub_mesh, x)
+            logger.info("stage %d: lowered to local graphs in %.1f s: %s kept per microbatch",
+                        s, time.perf_counter() - t0, _bytes(act))
         logger.info("stage %d/%d (%s): %.3f ms per microbatch, %s params/device, planned in "
                     "%.1f s (%d solved)", s, n_stages, compact_modules(fqns_per_stage[s]),
                     plan.step_time_s * 1e3, _bytes(plan.param_bytes_per_device), wall,
@@ -491,7 +507,7 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
             input_shapes=tuple(tuple(t.shape) for t in x if isinstance(t, torch.Tensor)),
             plan=plan, plan_wall_s=wall, cached=n_solved == 0, send_shape=shape,
             send_bytes=send, torchtitan=tt[0], torchtitan_wall_s=tt[1], torchtitan_cached=tt[2],
-            boundary_out=kind, loss_s=loss_time(kind) if last else 0.0,
+            boundary_out=kind, loss_s=loss_time(kind) if last else 0.0, activation_bytes=act,
             torchtitan_loss_s=loss_time("vocab" if tp > 1 else "batch") if last and compare
             else 0.0,
         ))

@@ -161,6 +161,11 @@ class Pipeline:
         for s, planned in (self._auto_plans or {}).items():
             report = str(planned.plan).split("\n\n")[0].splitlines()  # the summary lines
             out.append(f"  stage {s} plan: " + "\n    ".join(report))
+            built = dict(zip(self.layout.stage_ids, self.stage_modules)).get(s)
+            if hasattr(built, "sharded"):  # after init_weights: the lowered graphs exist
+                kept = built.sharded.saved_bytes_per_microbatch()
+                out.append(f"    keeps {kept / 2**20:.2f} MiB per microbatch per device for "
+                           "the backward (activations and gathered parameters)")
             if planned.send_bytes:
                 out.append(
                     f"    sends {planned.send_bytes / 2**10:.1f} KiB per microbatch per device "

@@ -28,6 +28,7 @@ def figures(r):
         times=[s.time_s for s in r.stages], send=[s.send_bytes for s in r.stages],
         send_shape=[s.send_shape and list(s.send_shape) for s in r.stages],
         mem=[s.plan.param_bytes_per_device for s in r.stages],
+        act=[s.activation_bytes for s in r.stages],
         step=r.step_time_s, memory=r.memory_per_device_bytes(), p2p=r.p2p_bytes_per_step,
         text=str(r),
     )
@@ -65,6 +66,9 @@ def test_stages_time_and_p2p_bytes(reports):
     assert r["send"] == [rows * SEQ * DIM * 4, 0]
     assert r["p2p"] == 2 * N_MB * rows * SEQ * DIM * 4
     assert r["memory"] == max(r["mem"])
+    # what a microbatch keeps for its backward is at least the stage's own input activation
+    assert all(a >= rows * SEQ * DIM * 4 for a in r["act"]), r["act"]
+    assert "kept for the backward" in r["text"]
     assert "stage 0 (pp rank 0): tok_embeddings, layers.0-2" in r["text"]
     assert "stage 1 (pp rank 1): layers.3-5, norm, lm_head" in r["text"]
     assert "Alpa" in r["text"]

@@ -15,6 +15,7 @@ from full values, or created shard by shard with :func:`empty_sharded_`). Each p
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -110,6 +111,14 @@ class ShardedStage(nn.Module):
             if block._local is not None:
                 block._local.queue = queue
 
+    def saved_bytes_per_microbatch(self) -> int:
+        """Bytes this rank's units keep from a microbatch's forward for its backward
+        (activations and gathered parameters; 0 for the "dtensor" executor)."""
+        from autopp.sharding.memory import saved_bytes
+
+        return sum(saved_bytes(b._local.graphs) for b in self.blocks.values()
+                   if b._local is not None)
+
     def named_planned_parameters(self):
         """(stage FQN, DTensor parameter) pairs, FQNs as in the original module."""
         for block in self.blocks.values():
@@ -132,6 +141,19 @@ def apply_plan(
     """
     if executor not in EXECUTORS:
         raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+    done: list[tuple[str, ShardedBlock]] = []
+    for bplan, unit, joint, lowered in planned_units(
+        module, plan, mesh, example_inputs, lower=executor == "graph"
+    ):
+        done.append((bplan.prefix, ShardedBlock(unit, joint, bplan, mesh, lowered)))
+    return ShardedStage(done, plan, mesh)
+
+
+def planned_units(
+    module: nn.Module, plan: StagePlan, mesh, example_inputs: tuple[Any, ...], *, lower: bool
+) -> Iterator[tuple[BlockPlan, Unit, JointGraph, tuple[Any, Any] | None]]:
+    """Each planned unit of ``module`` with its re-traced joint graph and, with ``lower``,
+    its lowered joint and split graphs (shared by units with the same plan)."""
     if tuple(mesh.shape) != tuple(plan.mesh_shape):
         raise ValueError(f"plan is for mesh {plan.mesh_shape}, got {tuple(mesh.shape)}")
     flat = len(plan.blocks) == 1 and plan.blocks[0].prefix == ""
@@ -140,7 +162,6 @@ def apply_plan(
         raise ValueError("the plan is per unit (blocks) but the module is not a block stack")
     by_name = {u.name: u for u in units}
     x = example_inputs[0]
-    done: list[tuple[str, ShardedBlock]] = []
     traced: dict[str, JointGraph] = {}
     lowered: dict[tuple, tuple[Any, Any]] = {}
     for bplan in plan.blocks:
@@ -152,16 +173,15 @@ def apply_plan(
         joint = traced[bplan.signature]
         _check(joint, bplan)
         low = None
-        if executor == "graph":
+        if lower:
             key = (bplan.signature, bplan.nodes)
             if key not in lowered:
                 local = lower_joint(joint, bplan, mesh)
                 lowered[key] = (local, split_local(local))
             low = lowered[key]
-        done.append((bplan.prefix, ShardedBlock(unit, joint, bplan, mesh, low)))
+        yield bplan, unit, joint, low
         out = joint.outputs[0].meta["val"]
         x = torch.empty(out.shape, dtype=out.dtype, device="meta")
-    return ShardedStage(done, plan, mesh)
 
 
 @torch.no_grad()
