@@ -76,7 +76,10 @@ def export_joint(module: torch.nn.Module, args: tuple[Any, ...]) -> torch.fx.Gra
     node carries ``meta["desc"]`` as a list (forward outputs, then gradients with ``grad_of``).
     Returned after AOT's fake mode is left, so strategy enumeration runs on plain metadata.
     """
+    from autopp.sharding.attention import AttentionAsOneOp
+
     with contextlib.ExitStack() as stack:
+        stack.enter_context(AttentionAsOneOp())  # SDPA stays one op (see attention.py)
         joint = aot_export_joint_with_descriptors(stack, module, args)
         gm = joint.graph_module
     return gm

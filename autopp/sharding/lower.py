@@ -215,7 +215,7 @@ def _check_local(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is not operator.getitem:
             ns = getattr(node.target, "namespace", None)
-            if ns not in ("aten", "_c10d_functional"):
+            if ns not in ("aten", "_c10d_functional", "autopp"):
                 raise AssertionError(f"lowered graph node {node.name} calls {node.target}")
         for v in tp.tree_leaves(node.meta.get("val")):
             if isinstance(v, DTensor):

@@ -1,0 +1,147 @@
+"""Attention as one op in planned graphs, so planned stages run the device's fused kernel.
+
+Traced on meta, ``F.scaled_dot_product_attention`` decomposes into matmuls and a softmax
+(the math backend): a plan made that way does not depend on the tracing device's kernel, but
+the lowered stage would then run math attention everywhere and keep the attention
+probabilities for the backward. Instead, while autopp traces a unit, :class:`AttentionAsOneOp`
+routes SDPA calls (no mask, no dropout) to the custom op ``autopp::sdpa``:
+
+* its sharding rule (registered with DTensor's public ``register_sharding``) splits batch or
+  heads, never the sequence, on each mesh dim, so the planner's candidates for attention are
+  the same on every device;
+* its kernel is ``F.scaled_dot_product_attention`` on the local shards, so at run time the
+  device picks its fused kernel (flash on GPUs, the CPU flash kernel on CPUs);
+* its backward ``autopp::sdpa_backward`` recomputes the probabilities from q, k and v (as
+  flash attention's own backward does) and applies the standard attention gradients, written
+  out in fp32 matmuls, so it runs on any device; the forward saves only q, k and v. (The
+  backward is not a fused kernel: it holds one layer's seq x seq probabilities while it runs.)
+
+FLOPs are registered with torch's FLOP counter, which the planner's cost model reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.experimental import register_sharding
+from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import register_flop_formula
+
+
+@torch.library.custom_op("autopp::sdpa", mutates_args=())
+def sdpa(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
+         enable_gqa: bool) -> Tensor:
+    """Scaled dot-product attention, ``(batch, heads, seq, head_dim)`` layout."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                          enable_gqa=enable_gqa)
+
+
+@sdpa.register_fake
+def _(q, k, v, is_causal, scale, enable_gqa):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+@torch.library.custom_op("autopp::sdpa_backward", mutates_args=())
+def sdpa_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
+                  scale: float, enable_gqa: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`sdpa` w.r.t. q, k, v (the forward is recomputed)."""
+    # A custom op's kernel runs below autograd, so the backward is written out: recompute
+    # the probabilities (in fp32), then the standard attention gradients. Only this call
+    # holds them; nothing of size seq x seq outlives it.
+    n, nkv = q.shape[1], k.shape[1]
+    rep = n // nkv if enable_gqa and nkv != n else 1
+    kk = k.repeat_interleave(rep, dim=1) if rep > 1 else k
+    vv = v.repeat_interleave(rep, dim=1) if rep > 1 else v
+    qf, kf, vf, gf = (t.float() for t in (q, kk, vv, grad))
+    scores = (qf @ kf.transpose(-2, -1)) * scale
+    if is_causal:
+        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    dv = probs.transpose(-2, -1) @ gf
+    dprobs = gf @ vf.transpose(-2, -1)
+    dscores = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True))
+    dq = (dscores @ kf) * scale
+    dk = (dscores.transpose(-2, -1) @ qf) * scale
+    if rep > 1:  # each kv head served `rep` query heads
+        dk = dk.unflatten(1, (nkv, rep)).sum(2)
+        dv = dv.unflatten(1, (nkv, rep)).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@sdpa_backward.register_fake
+def _(grad, q, k, v, is_causal, scale, enable_gqa):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, is_causal, scale, enable_gqa = inputs
+    ctx.save_for_backward(q, k, v)
+    ctx.args = (is_causal, scale, enable_gqa)
+
+
+def _backward(ctx, grad):
+    q, k, v = ctx.saved_tensors
+    dq, dk, dv = sdpa_backward(grad, q, k, v, *ctx.args)
+    return dq, dk, dv, None, None, None
+
+
+sdpa.register_autograd(_backward, setup_context=_setup)
+
+
+def _split_batch_or_heads(n_tensors_out: int, n_tensors_in: int):
+    """Per mesh dim: everything replicated, or batch (dim 0) / heads (dim 1) split alike."""
+    rules = []
+    for p in (Replicate(), Shard(0), Shard(1)):
+        rules.append(([p] * n_tensors_out, [p] * n_tensors_in + [None, None, None]))
+    return rules
+
+
+@register_sharding(torch.ops.autopp.sdpa.default)
+def _sdpa_sharding(q, k, v, is_causal, scale, enable_gqa):
+    return _split_batch_or_heads(1, 3)
+
+
+@register_sharding(torch.ops.autopp.sdpa_backward.default)
+def _sdpa_backward_sharding(grad, q, k, v, is_causal, scale, enable_gqa):
+    return _split_batch_or_heads(3, 4)
+
+
+def _attention_flops(q_shape, k_shape, v_shape) -> int:
+    b, h, lq, d = q_shape
+    lk, dv = k_shape[-2], v_shape[-1]
+    return 2 * b * h * lq * lk * d + 2 * b * h * lq * lk * dv  # q·kᵀ and p·v
+
+
+@register_flop_formula(torch.ops.autopp.sdpa)
+def _sdpa_flop(q_shape, k_shape, v_shape, *args, **kwargs) -> int:
+    return _attention_flops(q_shape, k_shape, v_shape)
+
+
+@register_flop_formula(torch.ops.autopp.sdpa_backward)
+def _sdpa_backward_flop(grad_shape, q_shape, k_shape, v_shape, *args, **kwargs) -> int:
+    return 3 * _attention_flops(q_shape, k_shape, v_shape)  # recompute + two-matmul backward
+
+
+class AttentionAsOneOp(TorchFunctionMode):
+    """While active, SDPA calls without a mask or dropout become ``autopp::sdpa``."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            call = _as_sdpa(*args, **kwargs)
+            if call is not None:
+                return torch.ops.autopp.sdpa(*call)
+        return func(*args, **kwargs)
+
+
+def _as_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+             enable_gqa=False) -> tuple[Any, ...] | None:
+    if attn_mask is not None or dropout_p != 0.0:
+        return None
+    return q, k, v, bool(is_causal), float(scale if scale is not None else q.shape[-1] ** -0.5), \
+        bool(enable_gqa)
