@@ -453,9 +453,7 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
         if compare:
             tt_plans.append(_plan_torchtitan(stage, x, sub_mesh, profile, s, first=s == 0,
                                              last=s == n_stages - 1,
-                                             mixed_precision=mixed_precision,
-                                    n_microbatches=n_microbatches,
-                                    rank_of=[rank_of[s] for s in range(n_stages)]))
+                                             mixed_precision=mixed_precision))
         budget = memory_budget_bytes
         if compare and budget is None:
             budget = tt_plans[s][0].param_bytes_per_device * (1 + 1e-9)
