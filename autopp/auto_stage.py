@@ -216,6 +216,7 @@ def plan_local_stage(
     boundary_out: str = "batch",
     timings: dict[int, list] | None = None,
     mixed_precision: Any = None,
+    n_microbatches: int = 1,
 ) -> StagePlan:
     """Plan ``stage`` (meta) over ``sub_mesh``; from the on-disk cache when possible.
 
@@ -227,6 +228,8 @@ def plan_local_stage(
                    boundary_in=boundary_in, boundary_out=boundary_out)
     if mixed_precision is not None:
         options["mixed_precision"] = mixed_precision
+    if n_microbatches > 1:
+        options["microbatches_per_grad_reduce"] = n_microbatches
     key = plan_key(stage, example_inputs, tuple(sub_mesh.shape), sub_mesh.mesh_dim_names, options)
     t0 = time.perf_counter()
     plan, hit = cached_plan(
@@ -237,6 +240,7 @@ def plan_local_stage(
             input_placements=BOUNDARIES[boundary_in],
             output_placements=BOUNDARIES[boundary_out],
             mixed_precision=mixed_precision,
+            microbatches_per_grad_reduce=n_microbatches,
         ),
     )
     dt = time.perf_counter() - t0
@@ -302,7 +306,7 @@ def plan_pipeline(
         return plan_local_stage(
             metas[s], inputs[s], sub_mesh, profile=profile, memory_budget_bytes=budgets[s],
             stage_index=s, boundary_in=k_in, boundary_out=k_out, timings=timings,
-            mixed_precision=mixed_precision,
+            mixed_precision=mixed_precision, n_microbatches=n_microbatches,
         )
 
     def stage_time(s: int, k_in: str, k_out: str) -> float:
@@ -382,6 +386,10 @@ class AutoStage(nn.Module):
         if isinstance(y, DTensor):
             y = y.redistribute(self._mesh, self._out).to_local()
         return y
+
+    def finish_step(self) -> None:
+        """After the schedule's step: reduce the gradients summed over its microbatches."""
+        self.sharded.flush_grads()
 
     def named_whole_model_parameters(self):
         return self.sharded.named_planned_parameters()

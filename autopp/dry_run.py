@@ -327,12 +327,13 @@ def _torchtitan_placements(stage: nn.Module, names: tuple[str, ...]) -> dict:
 
 
 def _plan_torchtitan(stage, inputs, sub_mesh, profile, index, *, first: bool, last: bool,
-                     mixed_precision=None):
+                     mixed_precision=None, n_microbatches: int = 1):
     """torchtitan's layout priced by the planner (activations re-optimised), cached on disk.
 
     As torchtitan runs it with TP: sequence parallel between blocks, so a stage sends its
     activation split on the sequence over tp ("batch+seq"), and loss parallel (the logits
-    stay split on the vocabulary, "vocab") at the end.
+    stay split on the vocabulary, "vocab") at the end; under PP its FSDP reduces gradients
+    once per step, like autopp's planned stages (priced at 1/M per microbatch).
     """
     names = tuple(sub_mesh.mesh_dim_names)
     tp = sub_mesh["tp"].size()
@@ -342,13 +343,14 @@ def _plan_torchtitan(stage, inputs, sub_mesh, profile, index, *, first: bool, la
                    boundary_in=b_in, boundary_out=b_out)
     if mixed_precision is not None:
         options["mixed_precision"] = mixed_precision
+    options["microbatches_per_grad_reduce"] = n_microbatches
     key = plan_key(stage, inputs, tuple(sub_mesh.shape), names, options)
     t0 = time.perf_counter()
     plan, hit = cached_plan(key, lambda: plan_stage(
         stage, inputs, sub_mesh, profile=profile,
         param_placements=_torchtitan_placements(stage, names),
         input_placements=BOUNDARIES[b_in], output_placements=BOUNDARIES[b_out],
-        mixed_precision=mixed_precision,
+        mixed_precision=mixed_precision, microbatches_per_grad_reduce=n_microbatches,
     ))
     dt = time.perf_counter() - t0
     logger.info("stage %d: torchtitan layout priced in %.1f s (%s)", index, dt,
@@ -453,7 +455,8 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
         if compare:
             tt_plans.append(_plan_torchtitan(stage, x, sub_mesh, profile, s, first=s == 0,
                                              last=s == n_stages - 1,
-                                             mixed_precision=mixed_precision))
+                                             mixed_precision=mixed_precision,
+                                             n_microbatches=n_microbatches))
         budget = memory_budget_bytes
         if compare and budget is None:
             budget = tt_plans[s][0].param_bytes_per_device * (1 + 1e-9)

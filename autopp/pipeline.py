@@ -307,6 +307,9 @@ class Pipeline:
         parameters' ``.grad``; call the optimizer next.
         """
         loss = self._run(inputs, target, train=True)
+        for m in self.stage_modules:  # planned stages reduce their gradients once per step
+            if hasattr(m, "finish_step"):
+                m.finish_step()
         if self._replicated and self.dp_size > 1:
             self._average_grads_over_dp()
         return loss

@@ -104,6 +104,12 @@ class ShardedStage(nn.Module):
             x = block(x)
         return x
 
+    def flush_grads(self) -> None:
+        """Reduce the gradients the units summed over a step (see ``local_run``)."""
+        for block in self.blocks.values():
+            if block._local is not None:
+                block._local.flush()
+
     def use_weight_grad_queue(self, queue: WeightGradQueue | None) -> None:
         """Defer the units' weight gradients to ``queue`` (zero-bubble schedules; see
         :mod:`autopp.sharding.local_run`); None computes them in the backward."""

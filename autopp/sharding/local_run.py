@@ -10,7 +10,10 @@ reduce-grad graph reduces them into their parameters' placements.
 Zero-bubble and V schedules defer weight gradients. torch's ``PipelineStage`` runs the whole
 autograd backward at the I action and calls its ``dw_builder`` right after; with a
 :class:`WeightGradQueue`, each unit's backward runs only its I graph and queues its W graph,
-and the builder hands the queued work of that backward to the schedule's W action.
+and the builder hands the queued work of that backward to the schedule's W action. The W
+work sums each microbatch's unreduced parameter gradients locally; the reduce-grad graph
+runs once per step (:meth:`LocalRunner.flush`), so the gradient reduce-scatters and
+all-reduces happen once per step, not once per microbatch (reduction is linear).
 """
 
 from __future__ import annotations
@@ -34,8 +37,12 @@ class WeightGradQueue:
     schedule's W action runs.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, reduce_once_per_step: bool = True) -> None:
         self.pending: list[Callable[[], None]] = []
+        #: Sum the units' unreduced gradients over a step's microbatches and reduce them
+        #: once at its end (``flush``), as FSDP does under pipelining, instead of reducing
+        #: every microbatch's gradients.
+        self.reduce_once_per_step = reduce_once_per_step
         #: Units' weight-gradient computations run from this queue so far (W work deferred).
         self.weight_grads_run = 0
 
@@ -88,9 +95,13 @@ class LocalBlockFunction(torch.autograd.Function):
             input_grads, live = graphs.backward_input(None, saved, (g,))
 
             def weight_grads() -> None:
-                block.accumulate(params, graphs.reduce_grads(graphs.backward_weight(live)))
+                block.add_param_grads(params, graphs.backward_weight(live))
 
             queue.pending.append(weight_grads)
+            pgrads = [None] * len(params)
+        elif queue is not None:  # no input/weight split (e.g. an embedding): W has no work
+            input_grads, unreduced = graphs.full_backward(None, saved, (g,))
+            queue.pending.append(lambda: block.add_param_grads(params, unreduced))
             pgrads = [None] * len(params)
         else:
             input_grads, unreduced = graphs.full_backward(None, saved, (g,))
@@ -130,9 +141,32 @@ class LocalRunner:
         self.out_shape, self.out_stride = out_meta.shape, out_meta.stride()
         self._buffers = buffers
         self.queue: WeightGradQueue | None = None
+        self._unreduced: list[torch.Tensor] | None = None
+        self._params: tuple[nn.Parameter, ...] = ()
 
     def local_buffers(self) -> list[torch.Tensor]:
         return [b.to_local() for b in self._buffers]
+
+    def add_param_grads(self, params: tuple[nn.Parameter, ...], unreduced: list[torch.Tensor]
+                        ) -> None:
+        """Take one microbatch's unreduced parameter gradients: summed locally when the
+        queue reduces once per step (see :meth:`flush`), else reduced and accumulated now."""
+        if self.queue is None or not self.queue.reduce_once_per_step:
+            self.accumulate(params, self.graphs.reduce_grads(unreduced))
+            return
+        if self._unreduced is None:
+            self._unreduced = [g.clone() for g in unreduced]
+        else:
+            for acc, g in zip(self._unreduced, unreduced):
+                acc.add_(g)
+        self._params = params
+
+    def flush(self) -> None:
+        """Reduce the gradients summed over this step's microbatches (one reduce-scatter /
+        all-reduce per parameter per step) into the parameters' ``.grad``."""
+        if self._unreduced is not None:
+            self.accumulate(self._params, self.graphs.reduce_grads(self._unreduced))
+            self._unreduced, self._params = None, ()
 
     def accumulate(self, params: tuple[nn.Parameter, ...], grads: list[torch.Tensor]) -> None:
         """Add reduced local gradients to the parameters' ``.grad`` (DTensors)."""

@@ -64,6 +64,7 @@ def plan_stage(
     time_limit_s: float = 60.0,
     reuse_blocks: bool = True,
     mixed_precision: MixedPrecisionPolicy | None = None,
+    microbatches_per_grad_reduce: int = 1,
 ) -> StagePlan:
     """Plan the DP×TP sharding of one stage module on ``mesh`` (its sub-mesh).
 
@@ -83,6 +84,9 @@ def plan_stage(
         mixed_precision: torch's FSDP2 ``MixedPrecisionPolicy``: parameters computed in
             ``param_dtype``, gradients reduced in ``reduce_dtype`` (see
             :mod:`autopp.sharding.precision`); None = the parameters' own dtype.
+        microbatches_per_grad_reduce: the pipeline's microbatches per step: planned stages
+            sum their gradients over a step and reduce them once, so reducing a gradient into
+            its parameter's placement costs 1/M of its time per microbatch.
 
     Raises:
         InfeasiblePlanError: the constraints admit no plan (the message names them).
@@ -104,7 +108,8 @@ def plan_stage(
         traced = TracedBlock(module, joint, enumerate_strategies(joint, mesh), ())
         if pdtype is not None:
             reduce_after_cast(traced.strategies)
-        model = Model(traced.strategies, costs, memory_budget_bytes, param_state_factor)
+        model = Model(traced.strategies, costs, memory_budget_bytes, param_state_factor,
+                      grad_reduce_scale=1.0 / microbatches_per_grad_reduce)
         res = model.solve(
             *block_restrictions(traced, in_spec, out_spec, fixed), time_limit_s=time_limit_s
         )
@@ -114,6 +119,7 @@ def plan_stage(
         parts, solved = _plan_chain(
             module, units, example_inputs[0], mesh, names, costs, in_spec, out_spec, fixed,
             memory_budget_bytes, param_state_factor, time_limit_s, pdtype,
+            1.0 / microbatches_per_grad_reduce,
         )
     return _assemble(parts, solved, mesh, names, prof, costs, memory_budget_bytes, t0, pdtype)
 
@@ -146,7 +152,7 @@ _MEMO = _Memo()
 
 
 def _plan_chain(module, units, x, mesh, names, costs, in_spec, out_spec, fixed,
-                budget, factor, time_limit_s, pdtype=None):
+                budget, factor, time_limit_s, pdtype=None, grad_scale=1.0):
     """Plan each distinct unit once per boundary pair, then chain them (chain.py)."""
     _MEMO.trim()
     kinds: list[int] = []
@@ -198,10 +204,11 @@ def _plan_chain(module, units, x, mesh, names, costs, in_spec, out_spec, fixed,
         }
         table[kind] = {}
         errors = []
-        mkey = (unit_keys[kind], costs.profile, share, factor)
+        mkey = (unit_keys[kind], costs.profile, share, factor, grad_scale)
         model = _MEMO.models.get(mkey)
         if model is None:
-            model = _MEMO.models[mkey] = Model(traced.strategies, costs, share, factor)
+            model = _MEMO.models[mkey] = Model(traced.strategies, costs, share, factor,
+                                               grad_reduce_scale=grad_scale)
         solved.append((model.num_vars, 0.0))
         fixed_key = tuple(sorted(local_fixed.items()))
         for a in ins:

@@ -43,6 +43,8 @@ built model serves every boundary pair of a block.
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -120,8 +122,13 @@ class Model:
         costs: CostModel,
         memory_budget_bytes: float | None = None,
         param_state_factor: float = 1.0,
+        grad_reduce_scale: float = 1.0,
     ):
         self.st = strategies
+        #: Factor on the edges that reduce a gradient into its parameter's placement: 1/M
+        #: when the runtime sums M microbatches' gradients and reduces them once per step.
+        self.grad_reduce_scale = grad_reduce_scale
+        self._param_nodes = set(strategies.joint.params.values())
         self.costs = costs
         self.memory_budget_bytes = memory_budget_bytes
         self.param_state_factor = param_state_factor
@@ -187,6 +194,7 @@ class Model:
                 continue
             val = tensor_vals(src)[k]
             shape, dtype = tuple(val.shape), val.dtype
+            scale = self.edge_scale(dst, i)
             have: dict[Any, list[int]] = {}
             for idx, o in enumerate(self.options[src]):
                 have.setdefault(o.out[k], []).append(self.col0[src] + idx)
@@ -198,7 +206,7 @@ class Model:
                 # One side is fixed: fold the edge's cost onto the other side's choices.
                 for a, acols in have.items():
                     for g, gcols in want.items():
-                        t = price(a, g, shape, dtype)
+                        t = price(a, g, shape, dtype) * scale
                         for c in gcols if len(have) == 1 else acols:
                             self.cost[c] += t
                 continue
@@ -213,13 +221,17 @@ class Model:
             by_g: dict[Any, list[int]] = {g: [] for g in want}
             for a, g in pairs:
                 if a in have and g in want:
-                    c = self.new_col(price(a, g, shape, dtype), False)
+                    c = self.new_col(price(a, g, shape, dtype) * scale, False)
                     by_a[a].append(c)
                     by_g[g].append(c)
             for side, groups in ((by_a, have), (by_g, want)):
                 for key, cols in groups.items():
                     ys = side[key]
                     self.rows.append((ys + cols, [1.0] * len(ys) + [-1.0] * len(cols), 0, 0))
+
+    def edge_scale(self, dst: fx.Node, i: int | None) -> float:
+        """Cost factor of an edge: :attr:`grad_reduce_scale` for a gradient-to-parameter tie."""
+        return self.grad_reduce_scale if i is None and dst in self._param_nodes else 1.0
 
     def param_bytes(self, node: fx.Node, o: Option) -> float:
         return self.costs.local_bytes(tensor_vals(node)[0], o.out[0])
@@ -380,8 +392,10 @@ def evaluate(
         a = choice[src].out[k]
         g = choice[dst].out[0] if i is None else choice[dst].ins[i]
         t, steps = costs.redistribute(a, g, tuple(val.shape), val.dtype)
-        comm += t
-        colls += [(dst.name, src.name, c) for c in steps]
+        scale = model.edge_scale(dst, i)
+        comm += t * scale
+        colls += [(dst.name, src.name, dataclasses.replace(c, time_s=c.time_s * scale))
+                  for c in steps]
     param_bytes = sum(model.param_bytes(n, choice[n]) for n in st.joint.params.values())
     return SolveResult(
         choice=dict(choice),
