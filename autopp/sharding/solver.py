@@ -44,6 +44,8 @@ built model serves every boundary pair of a block.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 
 import time
 from collections.abc import Mapping, Sequence
@@ -63,6 +65,28 @@ PlacementSpec = Sequence[Any | None]
 
 _SCALE = 1e6
 """Costs go to the solver in microseconds so its tolerances sit far below one cost unit."""
+
+
+_BANNER_SHOWN = False
+
+
+def _new_highs() -> highspy.Highs:
+    """A HiGHS instance. The first one a process creates prints HiGHS's banner on the C
+    stdout before any option can be set; that one is created with fd 1 pointed at
+    /dev/null, so every rank of a job does not print it."""
+    global _BANNER_SHOWN
+    if _BANNER_SHOWN:
+        return highspy.Highs()
+    _BANNER_SHOWN = True
+    sys.stdout.flush()
+    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        return highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
 
 
 class InfeasiblePlanError(ValueError):
@@ -347,7 +371,7 @@ class Model:
         lp.col_upper_ = upper
         kint, kcont = highspy.HighsVarType.kInteger, highspy.HighsVarType.kContinuous
         lp.integrality_ = [kint if b else kcont for b in self.integer] if integer else []
-        h = highspy.Highs()
+        h = _new_highs()
         h.setOptionValue("output_flag", False)
         h.setOptionValue("time_limit", float(time_limit_s))
         h.setOptionValue("threads", int(threads))
