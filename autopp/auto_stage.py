@@ -19,6 +19,7 @@ Glue between the pipeline and the planner (:mod:`autopp.sharding`):
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -58,6 +59,11 @@ def boundary_kinds(sub_mesh: DeviceMesh) -> tuple[str, ...]:
     return ("batch", "batch+seq") if sub_mesh["tp"].size() > 1 else ("batch",)
 
 
+_EXHAUSTIVE = 4096
+"""Up to this many boundary assignments, :func:`choose_boundaries` scores them all (exact for
+any stage-to-rank placement); beyond it, the capped dynamic program."""
+
+
 def choose_boundaries(
     n_stages: int, kinds: Sequence[str], stage_time: Any, send_time: Any,
     last_kinds: Sequence[str] = ("batch",), n_microbatches: int = 1,
@@ -73,7 +79,9 @@ def choose_boundaries(
     ``last_kinds`` (its ``stage_time`` includes the loss). A dynamic program over the chain
     of boundaries minimises the sum under a cap on every stage's time; trying each stage time
     as the cap and scoring each result with the full objective is exact with one stage per
-    pp rank (``rank_of[s]``, default ``s``). Returns ``n_stages + 1`` kinds: into stage 0,
+    pp rank (``rank_of[s]``, default ``s``). Up to :data:`_EXHAUSTIVE` assignments (e.g. 8
+    stages with two boundary kinds: 256) every one is scored, which is exact for any
+    placement of stages on ranks. Returns ``n_stages + 1`` kinds: into stage 0,
     between the stages, out of the last stage.
     """
     memo: dict[tuple, float] = {}
@@ -115,6 +123,13 @@ def choose_boundaries(
             per_rank[ranks[s]] = per_rank.get(ranks[s], 0.0) + x
         return sum(ts) + sends + (n_microbatches - 1) * max(per_rank.values())
 
+    n_choices = len(kinds) ** (n_stages - 1) * len(last_kinds)
+    if n_microbatches > 1 and n_choices <= _EXHAUSTIVE:  # small: try every assignment
+        return min(
+            (["batch", *mid, last] for mid in itertools.product(kinds, repeat=n_stages - 1)
+             for last in last_kinds),
+            key=objective,
+        )
     candidates = [sum_dp(math.inf)]
     if n_microbatches > 1:
         caps = sorted({t(s, a, b) for s in range(n_stages) for a in (kinds if s else ["batch"])

@@ -44,6 +44,24 @@ def test_boundaries_minimise_alpas_objective_not_the_sum():
     assert choose_boundaries(*args, n_microbatches=8, rank_of=[0, 0]) == ["batch", "x", "batch"]
 
 
+def test_boundaries_exact_with_two_stages_per_rank():
+    # stages 0 and 2 share rank 0 (a loop placement). Boundary kind k after stages 0 and 1:
+    #   x: stage times 1, 1, 5  (sum 7,   rank 0: 6)   -> 7   + 7 * 6   = 49
+    #   y: stage times 3, 2, 2.5 (sum 7.5, rank 0: 5.5) -> 7.5 + 7 * 5.5 = 46
+    #   z: stage times 5, 4, 0.2 (sum 9.2, rank 0: 5.2) -> 9.2 + 7 * 5.2 = 45.6  (best)
+    # mixing kinds makes stage 1 slow. Capping single stage times never proposes z (its
+    # slowest stage, 5, also admits x, whose sum is lower); scoring every assignment does.
+    s0, s1, s2 = {"x": 1.0, "y": 3.0, "z": 5.0}, {"x": 1.0, "y": 2.0, "z": 4.0}, \
+        {"x": 5.0, "y": 2.5, "z": 0.2}
+
+    def t(s, a, b):
+        return s0[b] if s == 0 else (s1[a] if a == b else 100.0) if s == 1 else s2[a]
+
+    args = (3, ("x", "y", "z"), t, lambda s, k: 0.0)
+    assert choose_boundaries(*args, n_microbatches=8, rank_of=[0, 1, 0]) == \
+        ["batch", "z", "z", "batch"]
+
+
 def test_loss_parallel_is_cheaper_for_a_large_vocabulary_on_h100():
     logits = torch.empty(8, 2048, 128256, device="meta")  # llama3-8B's vocabulary
     args = ((8, 8), ("dp", "tp"), "H100")
