@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from autopp.init import init_module_
 from autopp.plan_cache import cached_plan, plan_key
-from autopp.sharding import StagePlan, plan_stage
+from autopp.sharding import InfeasiblePlanError, StagePlan, plan_stage
 from autopp.sharding.apply import apply_plan, empty_sharded_
 from autopp.sharding.local_run import WeightGradQueue
 from autopp.sharding.precision import CastParams
@@ -325,7 +325,10 @@ def plan_pipeline(
         )
 
     def stage_time(s: int, k_in: str, k_out: str) -> float:
-        t = plan(s, k_in, k_out).step_time_s
+        try:
+            t = plan(s, k_in, k_out).step_time_s
+        except InfeasiblePlanError:  # e.g. a sequence tp does not divide: not a candidate
+            return math.inf
         if s == n - 1 and logits.is_floating_point() and logits.ndim >= 2:
             t += cross_entropy_time_s(logits, tuple(sub_mesh.shape), tuple(
                 sub_mesh.mesh_dim_names), profile, parallel=k_out == "vocab")
@@ -340,6 +343,11 @@ def plan_pipeline(
     else:
         bounds = [kinds[0]] * n + [last_kinds[0]]
         bounds[0] = "batch"
+
+    if math.isinf(sum(stage_time(s, bounds[s], bounds[s + 1]) for s in range(n))):
+        plan(0, bounds[0], bounds[1])  # raises the planner's error for the first stage ...
+        for s in range(n):  # ... or the first infeasible one
+            plan(s, bounds[s], bounds[s + 1])
 
     def plan_of(s: int) -> StagePlan:
         p = plan(s, bounds[s], bounds[s + 1])

@@ -43,6 +43,10 @@ out["1F1B"]["ratio"] = r.step_time_ratio
 out["Interleaved1F1B"] = figures(dry_run(llama3_meta(4), pp=2, dp=2, tp=2,
                                          schedule="Interleaved1F1B", n_microbatches=2,
                                          global_batch=8, seq_len=64))
+# a sequence tp does not divide: sequence-split boundaries are not candidates, not an error
+odd = dry_run(llama3_meta(), pp=2, dp=2, tp=2, schedule="1F1B", n_microbatches=2,
+              global_batch=8, seq_len=63)
+out["odd_seq_boundaries"] = [s.boundary_out for s in odd.stages]
 print("JSON" + json.dumps(out))
 """
 
@@ -91,6 +95,10 @@ def test_interleaved_two_stages_per_rank(reports):
     r = reports["Interleaved1F1B"]
     assert r["n_stages"] == 4 and r["ids"] == [[0, 2], [1, 3]]
     assert r["send"][:3] == [GLOBAL_BATCH // DP // N_MB * SEQ * DIM * 4] * 3 and r["send"][3] == 0
+
+
+def test_odd_sequence_falls_back_to_batch_boundaries(reports):
+    assert reports["odd_seq_boundaries"][0] == "batch"
 
 
 def test_compact_modules():

@@ -62,6 +62,15 @@ def test_boundaries_exact_with_two_stages_per_rank():
         ["batch", "z", "z", "batch"]
 
 
+def test_infeasible_boundary_is_skipped():
+    inf = float("inf")
+    table = {(0, "batch", "x"): 2.0, (0, "batch", "y"): inf,
+             (1, "x", "batch"): 2.0, (1, "y", "batch"): 0.1}
+    args = (2, ("x", "y"), lambda s, i, o: table[s, i, o], lambda s, k: 0.0)
+    for m in (1, 8):
+        assert choose_boundaries(*args, n_microbatches=m) == ["batch", "x", "batch"]
+
+
 def test_loss_parallel_is_cheaper_for_a_large_vocabulary_on_h100():
     logits = torch.empty(8, 2048, 128256, device="meta")  # llama3-8B's vocabulary
     args = ((8, 8), ("dp", "tp"), "H100")
