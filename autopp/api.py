@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from autopp.auto_stage import (
+from autopp.auto_plan import (
     PlannedStage,
     agree_on_plans,
     boundary_bytes,
@@ -143,8 +143,10 @@ def pipeline_autoparallel(
     elif loss_parallel:
         raise ValueError("loss_parallel=True needs parallelize='auto'")
     elif parallelize == "autoparallel":
-        parallelize = _autoparallel_fn(model, fqns_per_stage, example_inputs, n_microbatches,
-                                       dp, mixed_precision)
+        from autopp.sharding.autoparallel_backend import autoparallel_stage
+
+        _, ap_inputs = _meta_stage_inputs(model, fqns_per_stage, example_inputs,
+                                          n_microbatches, dp)
     elif mixed_precision is not None:
         raise ValueError(
             "mixed_precision needs parallelize='auto'; with your own parallelize, apply the "
@@ -152,7 +154,9 @@ def pipeline_autoparallel(
         )
     for s in stage_ids:
         m = build_stage_module(model, fqns_per_stage[s])
-        if callable(parallelize):
+        if parallelize == "autoparallel":
+            m = autoparallel_stage(m, sub_mesh, ap_inputs[s], mixed_precision)
+        elif callable(parallelize):
             m = parallelize(m, sub_mesh)
         modules.append(m)
 
@@ -180,22 +184,14 @@ def pipeline_autoparallel(
     )
 
 
-def _autoparallel_fn(model, fqns_per_stage, example_inputs, n_microbatches, dp,
-                     mixed_precision):
-    """meta's AutoParallel as the parallelize callable, fed each stage's dp-global inputs."""
-    from autopp.sharding.autoparallel_backend import autoparallel_parallelize
-
+def _meta_stage_inputs(model, fqns_per_stage, example_inputs, n_microbatches, dp,
+                       compute_dtype=None):
+    """All stages on meta and their inputs for one dp-global microbatch (what planners see)."""
     x = example_inputs[0]
-    first = (torch.empty((x.shape[0] // n_microbatches * dp, *x.shape[1:]), dtype=x.dtype,
-                         device="meta"),)
+    mb = x.shape[0] // n_microbatches * dp
+    first = (torch.empty((mb, *x.shape[1:]), dtype=x.dtype, device="meta"),)
     metas = [build_stage_module(model, f) for f in fqns_per_stage]
-    inputs = stage_input_shapes(metas, first)
-    by_fqns = {tuple(sorted(n for n, _ in m.named_parameters())): i for i, m in enumerate(metas)}
-
-    def stage_inputs(stage):
-        return inputs[by_fqns[tuple(sorted(n for n, _ in stage.named_parameters()))]]
-
-    return autoparallel_parallelize(stage_inputs, mixed_precision)
+    return metas, stage_input_shapes(metas, first, compute_dtype)
 
 
 def split_for_schedule(
@@ -224,12 +220,9 @@ def _plan_stages(model, fqns_per_stage, stage_ids, sub_mesh, example_inputs, n_m
                  *, profile, memory_budget_bytes, boundary="auto", last_kinds=("batch",),
                  mixed_precision=None, rank_of=None):
     """Plan this rank's stages; returns {stage id: PlannedStage}."""
-    x = example_inputs[0]
-    mb = x.shape[0] // n_microbatches * dp  # a microbatch, dp-global: what the planner sees
-    first = (torch.empty((mb, *x.shape[1:]), dtype=x.dtype, device="meta"),)
-    metas = [build_stage_module(model, f) for f in fqns_per_stage]
-    inputs = stage_input_shapes(
-        metas, first, mixed_precision.param_dtype if mixed_precision is not None else None)
+    metas, inputs = _meta_stage_inputs(
+        model, fqns_per_stage, example_inputs, n_microbatches, dp,
+        mixed_precision.param_dtype if mixed_precision is not None else None)
     tp = sub_mesh["tp"].size()
     bounds, plan_of = plan_pipeline(
         metas, inputs, sub_mesh, profile=profile,

@@ -13,7 +13,7 @@ It uses the fake process group (:func:`autopp.mesh.init_fake_world`, set up here
 caller already did), splits the model with the same rules as
 :func:`autopp.pipeline_autoparallel`, finds every stage's input on meta and plans EVERY stage
 (not only one rank's) on the stage sub-mesh, through the on-disk plan cache
-(:func:`autopp.auto_stage.plan_local_stage`). All stage sub-meshes have the same shape, so
+(:func:`autopp.auto_plan.plan_local_stage`). All stage sub-meshes have the same shape, so
 rank 0's sub-mesh stands for all of them.
 
 Pipeline estimate (Alpa's formula): with ``t_s`` the estimated fwd+bwd time of stage ``s`` on
@@ -25,13 +25,12 @@ one microbatch and ``M`` microbatches,
 includes the loss. Point-to-point transfers and their overlap are not in it; the bytes are
 reported separately. Stage boundaries and the last stage's logits placement (loss parallel or
 not) are chosen as :func:`autopp.pipeline_autoparallel` chooses them
-(:func:`autopp.auto_stage.plan_pipeline`).
+(:func:`autopp.auto_plan.plan_pipeline`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import re
 import time
 from collections import defaultdict
@@ -44,8 +43,10 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from autopp.api import split_for_schedule
-from autopp.auto_stage import (
+from autopp.auto_plan import (
     BOUNDARIES,
+    last_stage_output,
+    loss_time_s,
     boundary_bytes,
     describe_loss,
     plan_pipeline,
@@ -54,9 +55,7 @@ from autopp.auto_stage import (
 from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
 from autopp.plan_cache import cached_plan, plan_key
 from autopp.sharding import StagePlan, plan_stage
-from autopp.sharding.loss_cost import cross_entropy_time_s
 from autopp.sharding.memory import activation_bytes_per_microbatch
-from autopp.sharding.precision import CastParams
 from autopp.sharding.torchtitan_ref import torchtitan_param_placements
 from autopp.stage_split import build_stage_module
 
@@ -95,7 +94,7 @@ class StageReport:
     torchtitan_wall_s: float = 0.0
     torchtitan_cached: bool = False
     boundary_out: str = "batch"
-    """Placement of what the stage sends (a key of ``autopp.auto_stage.BOUNDARIES``); for the
+    """Placement of what the stage sends (a key of ``autopp.auto_plan.BOUNDARIES``); for the
     last stage, of its logits ("vocab": loss parallel)."""
     loss_s: float = 0.0
     """Last stage: estimated fwd+bwd time of the loss on one microbatch (0 elsewhere)."""
@@ -448,7 +447,6 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
     logger.info("dry run: %d stages on a %s sub-mesh, microbatch %s (dp-global), profile %s",
                 n_stages, tuple(sub_mesh.shape), tuple(first[0].shape), profile)
 
-    sub_names = tuple(sub_mesh.mesh_dim_names)
     tt_plans: list[tuple] = []
     budgets = []
     for s, (stage, x) in enumerate(zip(metas, inputs)):
@@ -470,14 +468,7 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
                                     mixed_precision=mixed_precision,
                                     n_microbatches=n_microbatches,
                                     rank_of=[rank_of[s] for s in range(n_stages)])
-    with torch.no_grad():
-        out = (metas[-1] if pd is None else CastParams(metas[-1], pd))(*inputs[-1])
-    logits = out[0] if isinstance(out, tuple) else out
-
-    def loss_time(kind: str) -> float:
-        return cross_entropy_time_s(logits, tuple(sub_mesh.shape), sub_names, profile,
-                                    parallel=kind == "vocab")
-
+    logits = last_stage_output(metas, inputs, mixed_precision)
     stages = []
     for s, x in enumerate(inputs):
         plan = plan_of(s)
@@ -508,9 +499,9 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
             input_shapes=tuple(tuple(t.shape) for t in x if isinstance(t, torch.Tensor)),
             plan=plan, plan_wall_s=wall, cached=n_solved == 0, send_shape=shape,
             send_bytes=send, torchtitan=tt[0], torchtitan_wall_s=tt[1], torchtitan_cached=tt[2],
-            boundary_out=kind, loss_s=loss_time(kind) if last else 0.0, activation_bytes=act,
-            torchtitan_loss_s=loss_time("vocab" if tp > 1 else "batch") if last and compare
-            else 0.0,
+            boundary_out=kind, loss_s=plan.loss_s, activation_bytes=act,
+            torchtitan_loss_s=loss_time_s(logits, sub_mesh, profile, "vocab" if tp > 1 else
+                                          "batch") if last and compare else 0.0,
         ))
     notes = ()
     if compare:

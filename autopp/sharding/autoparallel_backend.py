@@ -18,7 +18,7 @@ tested on. Only the error when it is missing is tested.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -40,16 +40,16 @@ def available() -> bool:
     return True
 
 
-def autoparallel_parallelize(
-    stage_inputs: Callable[[nn.Module], Sequence[torch.Tensor]],
+def autoparallel_stage(
+    stage: nn.Module, sub_mesh: DeviceMesh, inputs: Sequence[torch.Tensor],
     mixed_precision=None,
-) -> Callable[[nn.Module, DeviceMesh], nn.Module]:
-    """A ``parallelize`` callable ``(stage_on_meta, sub_mesh) -> module`` that plans the stage
-    with AutoParallel.
+) -> nn.Module:
+    """Plan and apply ``stage`` (on meta) over ``sub_mesh`` with AutoParallel.
 
     Args:
-        stage_inputs: gives a stage's example inputs (dp-global microbatch shapes; AutoParallel
-            traces them on its own fake mode).
+        stage: the stage module on the meta device.
+        sub_mesh: the stage's ("dp", "tp") sub-mesh.
+        inputs: the stage's example inputs for one dp-global microbatch (meta).
         mixed_precision: torch's ``MixedPrecisionPolicy``, passed to AutoParallel.
 
     Raises:
@@ -64,21 +64,18 @@ def autoparallel_parallelize(
         )
     from autoparallel.api import AutoParallel
 
-    def parallelize(stage: nn.Module, sub_mesh: DeviceMesh) -> nn.Module:
-        names = tuple(sub_mesh.mesh_dim_names)
-        batch = tuple(Shard(0) if n == "dp" else Replicate() for n in names)
-        inputs = tuple(stage_inputs(stage))
+    names = tuple(sub_mesh.mesh_dim_names)
+    batch = tuple(Shard(0) if n == "dp" else Replicate() for n in names)
+    inputs = tuple(inputs)
 
-        def input_fn():
-            return inputs if len(inputs) > 1 else inputs[0]
+    def input_fn():
+        return inputs if len(inputs) > 1 else inputs[0]
 
-        with AutoParallel(stage, input_fn, sub_mesh, mixed_precision) as autop:
-            autop.add_parameter_memory_constraint(low=None, high=None)
-            autop.add_input_constraints([batch] * len(inputs))
-            autop.add_output_constraints([batch])
-            placement = autop.optimize_placement()
-            module = autop.apply_placement(placement)
-        setattr(module, GRADS_SUMMED_OVER_DP, True)
-        return module
-
-    return parallelize
+    with AutoParallel(stage, input_fn, sub_mesh, mixed_precision) as autop:
+        autop.add_parameter_memory_constraint(low=None, high=None)
+        autop.add_input_constraints([batch] * len(inputs))
+        autop.add_output_constraints([batch])
+        placement = autop.optimize_placement()
+        module = autop.apply_placement(placement)
+    setattr(module, GRADS_SUMMED_OVER_DP, True)
+    return module

@@ -2,7 +2,7 @@
 parallel over tp with the logits left split on the vocabulary (loss parallel).
 
 The last stage's planned graph ends at the logits; which placement it leaves them in is a
-choice between two plans (see :func:`autopp.auto_stage.plan_pipeline`):
+choice between two plans (see :func:`autopp.auto_plan.plan_pipeline`):
 
 * ``"batch"``: logits gathered over tp (the ILP pays the all-gather of a vocabulary-sized
   tensor); every tp rank then computes the whole loss.

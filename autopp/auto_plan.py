@@ -1,0 +1,379 @@
+"""``parallelize="auto"``, planning side: what every stage of a pipeline runs as.
+
+1. :func:`stage_input_shapes` finds every stage's input (a microbatch, with the dp-global batch
+   size the planner works in) by running the meta model stage by stage on meta tensors.
+2. :func:`plan_pipeline` chooses the placement of every stage boundary and of the last
+   stage's logits (loss parallel or not) by Alpa's objective (:func:`choose_boundaries`), and
+   :func:`plan_local_stage` plans a stage on its sub-mesh under them (cached on disk, see
+   :mod:`autopp.plan_cache`); :func:`agree_on_plans` makes all ranks of a stage hold one plan.
+
+Shared by :func:`autopp.pipeline_autoparallel` and :func:`autopp.dry_run.dry_run`; the
+planned stage's runtime is :mod:`autopp.auto_stage`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopp.plan_cache import cached_plan, plan_key
+from autopp.sharding import InfeasiblePlanError, StagePlan, plan_stage
+from autopp.sharding.precision import CastParams
+
+logger = logging.getLogger(__name__)
+
+
+#: Placements (over dp, tp) an activation may have between two stages: the batch split over
+#: dp and whole over tp, or also its sequence split over tp (1/tp of the bytes to send).
+#: "vocab" is the last stage's output only: logits split on the vocabulary over tp, for a
+#: loss computed in parallel (loss parallel).
+BOUNDARIES: dict[str, tuple[str, str]] = {
+    "batch": ("S(0)", "R"), "batch+seq": ("S(0)", "S(1)"), "vocab": ("S(0)", "S(2)"),
+}
+
+
+def boundary_kinds(sub_mesh: DeviceMesh) -> tuple[str, ...]:
+    """The boundary placements worth comparing on ``sub_mesh`` (one when tp is 1)."""
+    return ("batch", "batch+seq") if sub_mesh["tp"].size() > 1 else ("batch",)
+
+
+_EXHAUSTIVE = 4096
+"""Up to this many boundary assignments, :func:`choose_boundaries` scores them all (exact for
+any stage-to-rank placement); beyond it, the capped dynamic program."""
+
+
+def choose_boundaries(
+    n_stages: int, kinds: Sequence[str], stage_time: Any, send_time: Any,
+    last_kinds: Sequence[str] = ("batch",), n_microbatches: int = 1,
+    rank_of: Sequence[int] | None = None,
+) -> list[str]:
+    """Placement of every stage boundary, minimising Alpa's pipeline objective
+
+        Σ_s (t_s + transfers_s) + (M − 1) · max over pp ranks of Σ_{s on the rank} t_s
+
+    where ``t_s = stage_time(s, kind_in, kind_out)`` and ``send_time(s, kind)`` (seconds per
+    microbatch; each boundary is sent forward and its gradient back) and ``M`` is
+    ``n_microbatches``. The first stage's input is "batch", the last stage's output one of
+    ``last_kinds`` (its ``stage_time`` includes the loss). A dynamic program over the chain
+    of boundaries minimises the sum under a cap on every stage's time; trying each stage time
+    as the cap and scoring each result with the full objective is exact with one stage per
+    pp rank (``rank_of[s]``, default ``s``). Up to :data:`_EXHAUSTIVE` assignments (e.g. 8
+    stages with two boundary kinds: 256) every one is scored, which is exact for any
+    placement of stages on ranks. Returns ``n_stages + 1`` kinds: into stage 0,
+    between the stages, out of the last stage.
+    """
+    memo: dict[tuple, float] = {}
+
+    def t(s: int, a: str, b: str) -> float:
+        if (s, a, b) not in memo:
+            memo[s, a, b] = stage_time(s, a, b)
+        return memo[s, a, b]
+
+    def outs(s: int) -> Sequence[str]:
+        return last_kinds if s == n_stages - 1 else kinds
+
+    def sum_dp(cap: float) -> list[str] | None:
+        # best[k] = (cost of stages < s with boundary into s of kind k, choices so far)
+        best: dict[str, tuple[float, list[str]]] = {"batch": (0.0, ["batch"])}
+        for s in range(n_stages):
+            last = s == n_stages - 1
+            nxt: dict[str, tuple[float, list[str]]] = {}
+            for k_out in outs(s):
+                cands = [
+                    (cost + t(s, k_in, k_out) + (0.0 if last else send_time(s, k_out)),
+                     chosen + [k_out])
+                    for k_in, (cost, chosen) in best.items() if t(s, k_in, k_out) <= cap
+                ]
+                if cands:
+                    nxt[k_out] = min(cands, key=lambda c: c[0])
+            best = nxt
+            if not best:
+                return None
+        return min(best.values(), key=lambda c: c[0])[1]
+
+    ranks = list(rank_of) if rank_of is not None else list(range(n_stages))
+
+    def objective(bounds: list[str]) -> float:
+        ts = [t(s, bounds[s], bounds[s + 1]) for s in range(n_stages)]
+        sends = sum(send_time(s, bounds[s + 1]) for s in range(n_stages - 1))
+        per_rank: dict[int, float] = {}
+        for s, x in enumerate(ts):
+            per_rank[ranks[s]] = per_rank.get(ranks[s], 0.0) + x
+        return sum(ts) + sends + (n_microbatches - 1) * max(per_rank.values())
+
+    n_choices = len(kinds) ** (n_stages - 1) * len(last_kinds)
+    if n_microbatches > 1 and n_choices <= _EXHAUSTIVE:  # small: try every assignment
+        return min(
+            (["batch", *mid, last] for mid in itertools.product(kinds, repeat=n_stages - 1)
+             for last in last_kinds),
+            key=objective,
+        )
+    candidates = [sum_dp(math.inf)]
+    if n_microbatches > 1:
+        caps = sorted({t(s, a, b) for s in range(n_stages) for a in (kinds if s else ["batch"])
+                       for b in outs(s)})
+        candidates += [sum_dp(cap) for cap in caps]
+    return min((c for c in candidates if c is not None), key=objective)
+
+
+def loss_kinds(sub_mesh: DeviceMesh, loss_fn: Any, loss_parallel: bool | None) -> tuple[str, ...]:
+    """The last stage's output placements to compare: "batch" (logits gathered over tp)
+    and, where the loss can run in parallel, "vocab" (see :mod:`autopp.sharding.loss_cost`).
+
+    ``loss_parallel``: None = choose by cost when ``loss_fn`` is :func:`autopp.cross_entropy`,
+    True = always (raises unless it is and tp > 1), False = never.
+    """
+    from autopp.loss import cross_entropy
+
+    tp = sub_mesh["tp"].size()
+    able = loss_fn is cross_entropy and tp > 1
+    if loss_parallel is True and not able:
+        raise ValueError(
+            "loss_parallel=True needs loss_fn=autopp.cross_entropy and tp > 1 "
+            f"(got tp={tp}, loss_fn={getattr(loss_fn, '__name__', loss_fn)!r}); pass "
+            "loss_parallel=None to let the planner decide"
+        )
+    if loss_parallel is False or not able:
+        return ("batch",)
+    return ("vocab",) if loss_parallel else ("batch", "vocab")
+
+
+def describe_loss(kind: str) -> str:
+    """The plan report's line on how the last stage computes the loss."""
+    if kind == "vocab":
+        return "loss parallel: logits stay split on the vocabulary over tp (no gather)"
+    return "loss on logits gathered over tp"
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedStage:
+    """One local stage's plan and what it was planned with.
+
+    Attributes:
+        plan: the planner's StagePlan for the stage on its sub-mesh.
+        example_inputs: meta tensors of one dp-global microbatch entering the stage.
+        send_bytes: bytes this stage sends to the next one per microbatch, per device, in
+            the chosen boundary placement; 0 for the last stage.
+        boundary_out: the chosen placement of what it sends (a key of :data:`BOUNDARIES`);
+            for the last stage, of its logits ("vocab": the loss runs in parallel over tp).
+    """
+
+    plan: StagePlan
+    example_inputs: tuple[torch.Tensor, ...]
+    send_bytes: int
+    boundary_out: str = "batch"
+
+
+def boundary_bytes(t: torch.Tensor, dp: int, tp: int = 1, kind: str = "batch") -> int:
+    """Bytes of a dp-global boundary activation held by one device in placement ``kind``."""
+    split = dp * (tp if kind == "batch+seq" else 1)
+    return t.numel() // split * t.element_size()
+
+
+def default_profile(device_type: str) -> str:
+    """The device profile the planner assumes when none is given, from the mesh's device type."""
+    return "CPU" if device_type == "cpu" else "H100"
+
+
+@torch.no_grad()
+def stage_input_shapes(
+    stage_modules: Sequence[nn.Module], first_inputs: Sequence[torch.Tensor],
+    compute_dtype: torch.dtype | None = None,
+) -> list[tuple[torch.Tensor, ...]]:
+    """Meta example inputs of every stage, from the first stage's (meta) inputs.
+
+    ``stage_modules`` are all stages of the model, on meta, in order. With mixed precision,
+    ``compute_dtype`` (the policy's ``param_dtype``) is the dtype of the activations the
+    stages exchange.
+    """
+    inputs: list[tuple[torch.Tensor, ...]] = []
+    x: tuple[torch.Tensor, ...] = tuple(t.to("meta") for t in first_inputs)
+    for m in stage_modules:
+        inputs.append(x)
+        out = (m if compute_dtype is None else CastParams(m, compute_dtype))(*x)
+        x = out if isinstance(out, tuple) else (out,)
+        if compute_dtype is not None:
+            x = tuple(t.to(compute_dtype) if t.is_floating_point() else t for t in x)
+    return inputs
+
+
+def plan_local_stage(
+    stage: nn.Module,
+    example_inputs: tuple[torch.Tensor, ...],
+    sub_mesh: DeviceMesh,
+    *,
+    profile: str,
+    memory_budget_bytes: float | None,
+    stage_index: int,
+    boundary_in: str = "batch",
+    boundary_out: str = "batch",
+    timings: dict[int, list] | None = None,
+    mixed_precision: Any = None,
+    n_microbatches: int = 1,
+) -> StagePlan:
+    """Plan ``stage`` (meta) over ``sub_mesh``; from the on-disk cache when possible.
+
+    ``boundary_in`` / ``boundary_out`` name the placements of what the stage receives and
+    sends (see :data:`BOUNDARIES`). ``timings[stage_index]`` (if given) accumulates
+    ``[seconds, plans solved, plans read from the cache]``.
+    """
+    options = dict(profile=profile, memory_budget_bytes=memory_budget_bytes,
+                   boundary_in=boundary_in, boundary_out=boundary_out)
+    if mixed_precision is not None:
+        options["mixed_precision"] = mixed_precision
+    if n_microbatches > 1:
+        options["microbatches_per_grad_reduce"] = n_microbatches
+    key = plan_key(stage, example_inputs, tuple(sub_mesh.shape), sub_mesh.mesh_dim_names, options)
+    t0 = time.perf_counter()
+    plan, hit = cached_plan(
+        key,
+        lambda: plan_stage(
+            stage, example_inputs, sub_mesh, profile=profile,
+            memory_budget_bytes=memory_budget_bytes,
+            input_placements=BOUNDARIES[boundary_in],
+            output_placements=BOUNDARIES[boundary_out],
+            mixed_precision=mixed_precision,
+            microbatches_per_grad_reduce=n_microbatches,
+        ),
+    )
+    dt = time.perf_counter() - t0
+    logger.info("stage %d: plan %s (%s -> %s) in %.1f s (%s)", stage_index, key[:12],
+                boundary_in, boundary_out, dt, "cached" if hit else "solved")
+    if timings is not None:
+        t = timings.setdefault(stage_index, [0.0, 0, 0])
+        t[0] += dt
+        t[2 if hit else 1] += 1
+    return plan
+
+
+def plan_pipeline(
+    metas: Sequence[nn.Module],
+    inputs: Sequence[tuple[torch.Tensor, ...]],
+    sub_mesh: DeviceMesh,
+    *,
+    profile: str,
+    budgets: Sequence[float | None],
+    boundary: str = "auto",
+    last_kinds: Sequence[str] = ("batch",),
+    timings: dict[int, list] | None = None,
+    mixed_precision: Any = None,
+    n_microbatches: int = 1,
+    rank_of: Sequence[int] | None = None,
+) -> tuple[list[str], Any]:
+    """Choose every stage boundary's placement (and the last stage's logits placement).
+
+    Args:
+        metas / inputs: all stages on meta and their dp-global microbatch inputs.
+        budgets: per-stage parameter-memory budget (None = none).
+        boundary: "auto" (by cost), "batch" or "batch+seq" for every boundary.
+        last_kinds: the last stage's output placements to compare (:func:`loss_kinds`);
+            its time includes the loss's (:mod:`autopp.sharding.loss_cost`).
+        timings: see :func:`plan_local_stage`.
+        n_microbatches / rank_of: the pipeline's microbatches and each stage's pp rank, for
+            Alpa's objective (see :func:`choose_boundaries`).
+        mixed_precision: torch's ``MixedPrecisionPolicy`` (see :mod:`autopp.sharding.precision`);
+            ``inputs`` must then already be in its ``param_dtype`` (:func:`stage_input_shapes`).
+
+    Returns ``(bounds, plan_of)``: ``bounds[s]`` is the placement into stage ``s`` and
+    ``bounds[s + 1]`` out of it (``len(metas) + 1`` entries), and ``plan_of(s)`` the stage's
+    plan under them (from the on-disk cache once computed). Every rank computes the same
+    ``bounds``: each plans (or reads from the cache) every stage under every choice.
+    """
+    from autopp.sharding import get_profile
+
+    dp, tp = sub_mesh["dp"].size(), sub_mesh["tp"].size()
+    kinds = boundary_kinds(sub_mesh) if boundary == "auto" else (boundary,)
+    if any(k not in BOUNDARIES or k == "vocab" for k in kinds):
+        raise ValueError(f"boundary must be 'auto', 'batch' or 'batch+seq', got {boundary!r}")
+    link_bw = get_profile(profile).inter_node_bw
+    n = len(metas)
+    logits = last_stage_output(metas, inputs, mixed_precision)
+
+    def plan(s: int, k_in: str, k_out: str) -> StagePlan:
+        return plan_local_stage(
+            metas[s], inputs[s], sub_mesh, profile=profile, memory_budget_bytes=budgets[s],
+            stage_index=s, boundary_in=k_in, boundary_out=k_out, timings=timings,
+            mixed_precision=mixed_precision, n_microbatches=n_microbatches,
+        )
+
+    def stage_time(s: int, k_in: str, k_out: str) -> float:
+        try:
+            t = plan(s, k_in, k_out).step_time_s
+        except InfeasiblePlanError:  # e.g. a sequence tp does not divide: not a candidate
+            return math.inf
+        if s == n - 1:
+            t += loss_time_s(logits, sub_mesh, profile, k_out)
+        return t
+
+    def send_time(s: int, kind: str) -> float:
+        return 2 * boundary_bytes(inputs[s + 1][0], dp, tp, kind) / link_bw
+
+    if len(kinds) > 1 or len(last_kinds) > 1:
+        bounds = choose_boundaries(n, kinds, stage_time, send_time, last_kinds,
+                                   n_microbatches=n_microbatches, rank_of=rank_of)
+    else:
+        bounds = [kinds[0]] * n + [last_kinds[0]]
+        bounds[0] = "batch"
+
+    if math.isinf(sum(stage_time(s, bounds[s], bounds[s + 1]) for s in range(n))):
+        for s in range(n):  # no feasible choice: raise the first stage's planner error
+            plan(s, bounds[s], bounds[s + 1])
+
+    def plan_of(s: int) -> StagePlan:
+        p = plan(s, bounds[s], bounds[s + 1])
+        if s == n - 1:  # the last stage's plan says how its loss runs
+            loss_s = stage_time(s, bounds[s], bounds[s + 1]) - p.step_time_s
+            p = dataclasses.replace(p, loss=describe_loss(bounds[-1]), loss_s=loss_s)
+        return p
+
+    return bounds, plan_of
+
+
+@torch.no_grad()
+def last_stage_output(metas: Sequence[nn.Module], inputs: Sequence[tuple[torch.Tensor, ...]],
+                      mixed_precision: Any = None) -> torch.Tensor:
+    """The last stage's (meta) output for its example inputs: the logits the loss reads."""
+    pd = mixed_precision.param_dtype if mixed_precision is not None else None
+    out = (metas[-1] if pd is None else CastParams(metas[-1], pd))(*inputs[-1])
+    return out[0] if isinstance(out, tuple) else out
+
+
+def loss_time_s(logits: torch.Tensor, sub_mesh: DeviceMesh, profile: str, kind: str) -> float:
+    """Estimated fwd+bwd seconds of the loss on ``logits`` (dp-global, meta) in placement
+    ``kind`` ("vocab": loss parallel; else on gathered logits); 0 for non-logit outputs."""
+    from autopp.sharding.loss_cost import cross_entropy_time_s
+
+    if not (logits.is_floating_point() and logits.ndim >= 2):
+        return 0.0
+    return cross_entropy_time_s(logits, tuple(sub_mesh.shape), tuple(sub_mesh.mesh_dim_names),
+                                profile, parallel=kind == "vocab")
+
+
+def agree_on_plans(plans: list[StagePlan], sub_mesh: DeviceMesh) -> list[StagePlan]:
+    """The plans of the sub-mesh's first rank, on every rank of the sub-mesh.
+
+    Ranks on one host already share one solve through the cache's lock; across hosts, a
+    solver may return different but equally good optima, and the ranks of a stage must run
+    the same plan. One small broadcast settles it.
+    """
+    if sub_mesh.size() == 1:
+        return plans
+    group = _flat_group(sub_mesh)
+    box: list[Any] = [[p.to_json() for p in plans]]
+    dist.broadcast_object_list(box, group_src=0, group=group)
+    return [StagePlan.from_json(t) for t in box[0]]
+
+
+def _flat_group(mesh: DeviceMesh):
+    return mesh._flatten().get_group() if mesh.ndim > 1 else mesh.get_group()
