@@ -12,9 +12,16 @@ import os
 import pytest
 
 from tests.dist_harness import run_on_ranks
-from tests.models import make_batch, reference_adamw_losses, reference_step
+from tests.models import make_batch, reference_step
 from tests.pipeline_workers import checkpoint_resume, run_configs, train_and_round_trip
-from tests.test_pipeline_numerics import BATCH, N_LAYERS, SEQ, _cfg, _check
+from tests.test_pipeline_numerics import (
+    BATCH,
+    N_LAYERS,
+    SEQ,
+    _cfg,
+    _check,
+    _check_tracks_adamw_reference,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -65,14 +72,7 @@ def test_auto_schedules_and_layouts_match_single_process(reference):
 
 def test_auto_adamw_20_steps_track_reference():
     cfg = _cfg("1F1B", 2, dp=2, tp=2, parallelize="auto", steps=20, lr=1e-3, max_norm=0.5)
-    results = run_on_ranks(train_and_round_trip, 8, cfg)
-    ref = reference_adamw_losses(
-        N_LAYERS, BATCH, SEQ, steps=cfg["steps"], lr=cfg["lr"], max_norm=cfg["max_norm"]
-    )
-    assert ref[-1] < ref[0]
-    for r in results:
-        assert r["losses"] == pytest.approx(ref, abs=2e-4)
-        assert r["same"] and r["eval_b"] == r["eval_a"] != r["eval_fresh"]
+    _check_tracks_adamw_reference(run_on_ranks(train_and_round_trip, 8, cfg), cfg, abs_tol=2e-4)
 
 
 def test_auto_checkpoint_resume(tmp_path):
@@ -85,9 +85,7 @@ def test_auto_checkpoint_resume(tmp_path):
 
 def test_auto_mixed_precision_bf16_compute_fp32_masters():
     """MixedPrecisionPolicy(bf16, fp32): the step follows the single-process model run with
-    bf16 parameters within bf16 rounding (sharded partial sums round differently), it is not
-    the fp32 computation (fp32 pipelines agree with fp32 to ~1e-6), and masters and gradients
-    stay fp32."""
+    bf16 parameters (not the fp32 one), while masters and gradients stay fp32."""
     import torch
 
     tokens, target = make_batch(BATCH, SEQ)
@@ -96,7 +94,9 @@ def test_auto_mixed_precision_bf16_compute_fp32_masters():
     cfg = _cfg("ZBVZeroBubble", 2, dp=2, tp=2, parallelize="auto", bf16=True)
     for (r,) in run_on_ranks(run_configs, 8, [cfg]):
         assert r["param_dtypes"] == r["grad_dtypes"] == ["torch.float32"]
-        assert abs(r["loss"] - ref16[0]) < 2e-3 and abs(r["loss"] - ref32[0]) > 2e-5, r["loss"]
+        print(f"bf16 pipeline loss {r['loss']:.6f}, bf16 reference {ref16[0]:.6f}, "
+              f"fp32 reference {ref32[0]:.6f}")
+        assert abs(r["loss"] - ref16[0]) < 3e-4 < abs(r["loss"] - ref32[0])
         for name, g in r["grads"].items():
             rel = ((g - ref16[1][name]).norm() / ref16[1][name].norm()).item()
-            assert rel < 0.03, (name, rel)
+            assert rel < 0.02, (name, rel)
