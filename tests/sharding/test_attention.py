@@ -1,0 +1,37 @@
+"""autopp::sdpa (attention kept as one op in planned graphs) equals torch's SDPA, forward and
+backward, and tracing a block keeps it as one op with its own backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autopp.sharding.attention  # noqa: F401  (registers autopp::sdpa)
+
+
+@pytest.mark.parametrize("causal,gqa", [(True, False), (False, False), (True, True)])
+def test_sdpa_matches_torch(causal, gqa):
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 16, 8, requires_grad=True)
+    kv_heads = 2 if gqa else 4
+    k = torch.randn(2, kv_heads, 16, 8, requires_grad=True)
+    v = torch.randn(2, kv_heads, 16, 8, requires_grad=True)
+    ours = torch.ops.autopp.sdpa(q, k, v, causal, 0.3, gqa)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3, enable_gqa=gqa)
+    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
+    g = torch.randn_like(ours)
+    for a, b in zip(torch.autograd.grad(ours, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_traced_block_keeps_attention_as_one_op(stack_of):
+    from autopp.sharding.chain import stage_units
+    from autopp.sharding.trace import trace_joint
+
+    (unit,) = stage_units(stack_of(1))
+    joint = trace_joint(unit.module, (torch.empty(4, 16, 256, device="meta"),))
+    targets = [str(n.target) for n in joint.gm.graph.nodes if n.op == "call_function"]
+    assert targets.count("autopp.sdpa.default") == 1
+    assert targets.count("autopp.sdpa_backward.default") == 1
+    assert not any("softmax" in t for t in targets)  # not decomposed into math attention
