@@ -1,78 +1,39 @@
-"""``parallelize="auto"``, runtime side: a planned stage as a pipeline stage runs it.
+"""``parallelize="auto"``, runtime side: a planned stage as a graph stage of the pipeline.
 
 :func:`materialize_and_apply` creates the stage's parameters shard by shard in the planned
 placements (:mod:`autopp.auto_plan` made the plans), initialises them and applies the plan;
-:class:`AutoStage` is what torch's ``PipelineStage`` runs: it takes and returns this rank's
-local tensors in the boundary placements, and in between runs the planned units' lowered
-local graphs (collectives explicit). Gradients of its DTensor parameters come out already
-reduced over dp (a sum), so the pipeline does not average them again; weight gradients are
-deferred to the schedule's W actions and reduced once per step. :func:`fqn_view` gives the
-planned parameters back their whole-model names, for optimizers, state dicts and checkpoints.
+:func:`planned_graph_stage` lowers the planned stage to one local joint graph (collectives
+explicit), split by :mod:`autopp.graph` into unshard / forward / backward-input /
+backward-weight / reduce-grad graphs, and makes it an :class:`autopp.graph.GraphStage`,
+which torch's schedule runtime drives action by action: parameters are gathered once per
+step (UNSHARD), weight gradients run at the schedule's W actions, gradients are summed
+over the step's microbatches and reduced once (REDUCE_GRAD). Stages exchange this rank's
+local tensors in the plan's boundary placements. :func:`fqn_view` gives the planned
+parameters back their whole-model names, for optimizers, state dicts and checkpoints.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
+from autopp.graph import GraphStage, StageGraphs
 from autopp.init import init_module_
 from autopp.sharding import StagePlan
-from autopp.sharding.apply import apply_plan, empty_sharded_
-from autopp.sharding.local_run import WeightGradQueue
-from autopp.sharding.plan import from_strs
-
-
-class AutoStage(nn.Module):
-    """A planned stage as a pipeline stage runs it: local tensors in, local tensors out.
-
-    Args:
-        sharded: the planner's applied stage (DTensor parameters, plan's collectives).
-        mesh: the stage's sub-mesh ("dp", "tp").
-        plan: the stage's plan: its input and output placements are the boundaries.
-    Inputs and outputs are this rank's shard in the plan's boundary placements (the batch
-    split over dp; whole over tp, or the sequence split over tp).
-    """
-
-    def __init__(self, sharded: nn.Module, mesh: DeviceMesh, plan: StagePlan):
-        super().__init__()
-        self.sharded = sharded
-        #: Weight-gradient work deferred by the backward: pass ``weight_grads.builder`` as
-        #: the pipeline stage's ``dw_builder`` (zero-bubble schedules run it at W).
-        self.weight_grads = WeightGradQueue()
-        sharded.use_weight_grad_queue(self.weight_grads)
-        self._mesh = mesh
-        self._in = list(from_strs(plan.input_placements))
-        self._out = list(from_strs(plan.output_placements))
-
-    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
-        # Between a backward and the dw_builder call that claims its work no forward runs, so
-        # anything queued now is from a backward nobody claimed (see WeightGradQueue.discard).
-        self.weight_grads.discard()
-        dxs = [DTensor.from_local(x, self._mesh, self._in, run_check=False) for x in xs]
-        y = self.sharded(*dxs)
-        if isinstance(y, DTensor):
-            y = y.redistribute(self._mesh, self._out).to_local()
-        return y
-
-    def finish_step(self) -> None:
-        """After the schedule's step: reduce the gradients summed over its microbatches."""
-        self.sharded.flush_grads()
-
-    def named_whole_model_parameters(self):
-        return self.sharded.named_planned_parameters()
+from autopp.sharding.apply import ShardedStage, apply_plan, empty_sharded_
 
 
 def materialize_and_apply(
     stage_meta: nn.Module, plan: StagePlan, sub_mesh: DeviceMesh,
     example_inputs: tuple[torch.Tensor, ...], *, seed: int, device: torch.device,
-) -> AutoStage:
+) -> ShardedStage:
     """Create the stage's parameters shard by shard in the planned placements, initialise
     them (split-independent init: each parameter's full value exists only while it is
-    initialised and sharded), then run it as planned."""
+    initialised and sharded), then apply the plan."""
     import copy
 
     stage = empty_sharded_(copy.deepcopy(stage_meta), plan, sub_mesh, device)
@@ -81,7 +42,51 @@ def materialize_and_apply(
             if b is not None and b.is_meta:
                 mod._buffers[name] = torch.empty_like(b, device=device)
     init_module_(stage, seed=seed, device=device)
-    return AutoStage(apply_plan(stage, plan, sub_mesh, example_inputs), sub_mesh, plan)
+    return apply_plan(stage, plan, sub_mesh, example_inputs)
+
+
+def planned_stage_graphs(
+    sharded: ShardedStage, *, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    compile: bool = False,
+) -> StageGraphs:
+    """The planned stage's split graphs as a pipeline runs them: local tensors in and out
+    (shaped like one microbatch), parameters handed in as local shards and gradients
+    returned as DTensors like their parameters (``state_as_local_shards``), and on the last
+    stage ``loss_fn`` run eagerly on the local output."""
+    local, graphs = sharded.stage_graphs()
+    n_state = local.signature.num_state_inputs
+    placeholders = list(local.gm.graph.find_nodes(op="placeholder"))
+    x_dtype = placeholders[n_state].meta["val"].dtype
+    out_dtype = placeholders[-1].meta["val"].dtype  # the output gradient's
+    graphs = dataclasses.replace(
+        graphs,
+        state_as_local_shards=True,
+        input_meta=(torch.empty(local.input_shapes[n_state], dtype=x_dtype, device="meta")
+                    .requires_grad_(bool(local.signature.input_grad_indices)),),
+        # torch's stage allocates gradient buffers only for values that require grad
+        output_meta=(torch.empty(local.input_shapes[-1], dtype=out_dtype, device="meta")
+                     .requires_grad_(True),),
+        runners={},
+    )
+    if compile:
+        from autopp.graph import compile_stage_graphs
+
+        compile_stage_graphs(graphs)
+    if loss_fn is not None:
+        graphs = graphs.with_eager_loss(loss_fn)
+    return graphs
+
+
+def planned_graph_stage(
+    sharded: ShardedStage, *, stage_index: int, num_stages: int, device: torch.device,
+    group, loss_fn: Callable | None, compile: bool = False,
+) -> GraphStage:
+    """:class:`autopp.graph.GraphStage` running the planned stage ``sharded`` (see
+    :func:`planned_stage_graphs`; ``loss_fn`` only on the last stage)."""
+    is_last = stage_index == num_stages - 1
+    graphs = planned_stage_graphs(sharded, loss_fn=loss_fn if is_last else None, compile=compile)
+    return GraphStage(sharded, graphs, stage_index=stage_index, num_stages=num_stages,
+                      device=device, group=group)
 
 
 def fqn_view(named: Sequence[tuple[str, nn.Parameter]]) -> nn.Module:

@@ -20,7 +20,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from autopp.init import init_module_
 from autopp.loss import TokenWeightedLoss, count_tokens
-from autopp.schedules import build_schedule, forward_only
+from autopp.schedules import build_runtime_schedule, build_schedule, forward_only
 from autopp.stage_split import merge_stage_modules
 
 ParallelizeFn = Callable[[nn.Module, DeviceMesh], nn.Module]
@@ -105,6 +105,7 @@ class Pipeline:
         ignore_index: int,
         replicated: bool,
         auto_plans: dict | None = None,
+        compile: bool = False,
     ) -> None:
         self.layout = layout
         self.mesh = mesh
@@ -133,6 +134,9 @@ class Pipeline:
         if last is not None and last.boundary_out == "vocab":
             self._loss.vocab_parallel_mesh = mesh["dp", "tp"]
         self._schedule = None
+        #: With planned stages: autopp.graph's runtime driving the schedule's actions.
+        self._runtime = None
+        self._compile = compile
         self._stages: list[PipelineStage] = []
         self._all_fqns = {f for stage in layout.fqns_per_stage for f in stage}
 
@@ -162,10 +166,12 @@ class Pipeline:
             report = str(planned.plan).split("\n\n")[0].splitlines()  # the summary lines
             out.append(f"  stage {s} plan: " + "\n    ".join(report))
             built = dict(zip(self.layout.stage_ids, self.stage_modules)).get(s)
-            if hasattr(built, "sharded"):  # after init_weights: the lowered graphs exist
-                kept = built.sharded.saved_bytes_per_microbatch()
+            if hasattr(built, "stage_graphs"):  # after init_weights: the lowered graphs exist
+                kept = built.saved_bytes_per_microbatch()
+                gathered = built.gathered_param_bytes()
                 out.append(f"    keeps {kept / 2**20:.2f} MiB per microbatch per device for "
-                           "the backward (activations and gathered parameters)")
+                           f"the backward (activations), and {gathered / 2**20:.2f} MiB of "
+                           "parameters gathered once per step (UNSHARD to RESHARD)")
             if planned.send_bytes:
                 out.append(
                     f"    sends {planned.send_bytes / 2**10:.1f} KiB per microbatch per device "
@@ -198,7 +204,7 @@ class Pipeline:
                 )
             ]
             self.local_model = fqn_view(
-                [kv for m in self.stage_modules for kv in m.named_whole_model_parameters()]
+                [kv for m in self.stage_modules for kv in m.named_planned_parameters()]
             )
         else:
             for m in self.stage_modules:
@@ -212,6 +218,21 @@ class Pipeline:
 
     def _build_schedule(self) -> None:
         pp_group = self.mesh["pp"].get_group()
+        if self._auto_plans:  # planned stages: graph stages on torch's action runtime
+            from autopp.auto_stage import planned_graph_stage
+            from autopp.graph import attach_graph_runtime
+
+            self._stages = [
+                planned_graph_stage(m, stage_index=stage_id, num_stages=self.layout.n_stages,
+                                    device=self._device, group=pp_group, loss_fn=self._loss,
+                                    compile=self._compile)
+                for m, stage_id in zip(self.stage_modules, self.layout.stage_ids)
+            ]
+            self._schedule = build_runtime_schedule(
+                self.layout.schedule, self._stages, n_microbatches=self.layout.n_microbatches,
+                loss_fn=self._loss, scale_grads=False)
+            self._runtime = attach_graph_runtime(self._schedule)
+            return
         self._stages = [
             PipelineStage(
                 m,
@@ -220,8 +241,6 @@ class Pipeline:
                 self._device,
                 group=pp_group,
                 get_mesh=self._get_mesh,
-                # planned stages defer weight gradients themselves (zero-bubble W actions)
-                dw_builder=m.weight_grads.builder if self._auto_plans else None,
             )
             for m, stage_id in zip(self.stage_modules, self.layout.stage_ids)
         ]
@@ -307,9 +326,6 @@ class Pipeline:
         parameters' ``.grad``; call the optimizer next.
         """
         loss = self._run(inputs, target, train=True)
-        for m in self.stage_modules:  # planned stages reduce their gradients once per step
-            if hasattr(m, "finish_step"):
-                m.finish_step()
         if self._replicated and self.dp_size > 1:
             self._average_grads_over_dp()
         return loss
@@ -331,11 +347,12 @@ class Pipeline:
             self._loss.global_tokens = n
         args = inputs if self.has_first_stage else ()
         kwargs = {"target": target, "losses": losses} if self.has_last_stage else {}
+        runner = self._runtime if self._runtime is not None else self._schedule
         if train:
-            self._schedule.step(*args, **kwargs)
+            runner.step(*args, **kwargs)
         else:
             with forward_only(self._schedule):
-                self._schedule.eval(*args, **kwargs)
+                runner.eval(*args, **kwargs)
         return self._reduce_loss(losses)
 
     def _reduce_loss(self, losses: list[torch.Tensor]) -> float:

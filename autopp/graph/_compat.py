@@ -28,6 +28,7 @@ from torch.utils._pytree import (  # noqa: F401  (torch private pytree)
     tree_flatten,
     tree_leaves,
     tree_map_only,
+    tree_unflatten,
 )
 
 # torch private: pipelining runtime IR -------------------------------------------------
@@ -153,6 +154,22 @@ def use_flat_codegen(gm: fx.GraphModule) -> None:
     """Make ``gm`` take and return flat values (drop AOTAutograd's pytree codegen)."""
     gm.graph._codegen = fx.graph.CodeGen()
     gm.recompile()
+
+
+def local_shard(t: Any) -> Any:
+    """A DTensor's local shard (its inner tensor); other values as they are."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def like_param(local: torch.Tensor, param: Any) -> torch.Tensor:
+    """A local gradient as the parameter's type: a DTensor with the parameter's mesh,
+    placements and global shape when the parameter is one; else the tensor itself."""
+    if not is_dtensor(param):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
 
 
 def schedule_stages(schedule: Any) -> list[Any]:

@@ -43,6 +43,14 @@ class ValueLayouts:
         )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _EagerLoss:
+    """What a last stage with an eager loss keeps for its backward, after the graphs' values."""
+
+    loss: torch.Tensor
+    outputs: list[torch.Tensor]
+
+
 def _run(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, ...]:
     with torch.no_grad():
         out = fn(*args)
@@ -82,6 +90,37 @@ class StageGraphs:
     """Meta tensors shaped like the outputs, the loss on the last stage (when traced)."""
     runners: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
     """Compiled replacements of the graphs above, by name (see :func:`compile_stage_graphs`)."""
+    state_as_local_shards: bool = False
+    """How the schedule runtime hands DTensor parameters and buffers to the graphs: as their
+    local shards (graphs lowered from a sharding plan, collectives explicit), and reduced
+    gradients come back as DTensors like their parameters; False: as torch's subclass
+    flattening (``__tensor_flatten__``: graphs traced on DTensors, e.g. SimpleFSDP)."""
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    """An eager loss after the graphs (see :meth:`with_eager_loss`); None: the graphs end in
+    the stage's outputs (or in the loss, when traced with one)."""
+
+    def with_eager_loss(self, loss_fn: Callable[[Any, Any], torch.Tensor],
+                        loss_meta: torch.Tensor | None = None) -> "StageGraphs":
+        """These graphs as a last stage whose loss runs eagerly after them.
+
+        ``loss_fn(output, target)`` is called on the graphs' output (what :meth:`forward`
+        returns without a loss) under autograd; the backward seeds the graphs' backward with
+        the loss's gradient of that output. Any Python loss works this way, including ones
+        that do not trace (DTensor's ``loss_parallel``, data-dependent weighting). The graphs
+        must have been traced without a loss (with output grads).
+        """
+        if self.convention.signature.is_last:
+            raise ValueError("these graphs were traced with a loss already; trace the stage "
+                             "without loss_fn to run a loss eagerly after it")
+        out = dataclasses.replace(self, loss_fn=loss_fn)
+        out.output_meta = (loss_meta if loss_meta is not None
+                           else torch.empty((), device="meta"),)
+        return out
+
+    @property
+    def ends_in_loss(self) -> bool:
+        """Whether :meth:`forward` returns the stage's loss (traced in, or eager)."""
+        return self.convention.signature.is_last or self.loss_fn is not None
 
     def graphs(self) -> dict[str, fx.GraphModule]:
         """The graph modules that exist, by name."""
@@ -141,7 +180,9 @@ class StageGraphs:
         args += [flat[i] for i in conv.forward_input_indices]
         out = _run(self._fn("forward"), args)
         n = sig.num_outputs
-        return out[:n], out[n : n + conv.num_saved_for_backward]
+        k = conv.num_unsharded_params
+        return out[:n], (*out[n : n + conv.num_saved_for_backward],
+                         *unsharded_params[k : k + conv.num_backward_unsharded])
 
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
                 loss_kwargs: dict[str, Any], *, unsharded_param_values: list[Any],
@@ -155,14 +196,36 @@ class StageGraphs:
         output = self.layouts.outputs.unflatten(outs)
         if self.layouts.outputs.tree_spec is None:  # plain layout: one tensor or a tuple
             output = output[0] if len(output) == 1 else tuple(output)
-        return output, saved
+        if self.loss_fn is None:
+            return output, saved
+        if not torch.is_grad_enabled():  # evaluation: no backward will follow
+            return self.loss_fn(output, target), saved
+        flat, spec = _compat.tree_flatten(output)
+        leaves = [o.detach().requires_grad_(o.is_floating_point()) for o in flat]
+        with torch.enable_grad():
+            loss = self.loss_fn(_compat.tree_unflatten(leaves, spec), target)
+        return loss, (*saved, _EagerLoss(loss, leaves))
+
+    def _loss_grads(self, saved: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """With an eager loss: (saved values of the graphs, gradients of their outputs)."""
+        *saved, eager = saved
+        if not isinstance(eager, _EagerLoss):
+            raise ValueError("the last stage's forward did not run with gradients enabled; "
+                             "run the step's forward and backward under autograd")
+        grads = torch.autograd.grad(eager.loss, eager.outputs, allow_unused=True)
+        grads = tuple(torch.zeros_like(o) if g is None else g
+                      for g, o in zip(grads, eager.outputs))
+        return tuple(saved), grads
 
     def _backward_args(self, saved: Sequence[Any], output_grads: Sequence[Any]) -> list[Any]:
+        if self.loss_fn is not None:
+            saved, output_grads = self._loss_grads(saved)
         conv = self.convention
-        if len(saved) != conv.num_saved_for_backward:
+        n_saved = conv.num_saved_for_backward
+        if len(saved) != n_saved + conv.num_backward_unsharded:
             raise ValueError(
                 f"backward got {len(saved)} saved values, the forward saves "
-                f"{conv.num_saved_for_backward}; pass the values the forward returned."
+                f"{n_saved + conv.num_backward_unsharded}; pass the values the forward returned."
             )
         grads = _compat.flatten_graph_values(list(output_grads))
         if conv.output_grad_inputs and len(grads) != conv.signature.num_output_grads:
@@ -171,7 +234,8 @@ class StageGraphs:
                 f"{conv.signature.num_output_grads} outputs; the next stage's input grads "
                 "must match this stage's outputs."
             )
-        return [*saved, *(grads[i] for i in conv.output_grad_inputs)]
+        supplied = [*saved[n_saved:], *grads]
+        return [*saved[:n_saved], *(supplied[i] for i in conv.output_grad_inputs)]
 
     def full_backward(self, stage_output: Any, saved_values_for_backward: tuple[Any, ...],
                       output_grads_from_next: tuple[Any, ...], *, runtime_validate: bool = False,

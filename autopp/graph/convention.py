@@ -106,15 +106,18 @@ class CallingConvention:
 
     Calls, in schedule order::
 
-        unshard(params[unshard_param_indices])          -> unsharded_params (one per param)
+        unshard(params[unshard_param_indices])          -> unsharded_params
         forward(unsharded_params[:num_unsharded_params],
                 flat_inputs[forward_input_indices])     -> outputs, saved_for_backward
-        full_backward(saved_for_backward, output_grads) -> param_grads, input_grads
+        full_backward(saved_for_backward,
+                      (bwd_unsharded + output_grads)[output_grad_inputs])
+                                                        -> param_grads, input_grads
         backward_input(saved_for_backward, output_grads)-> input_grads, weight_live_ins
         backward_weight(weight_live_ins)                -> param_grads
         reduce_grad(param_grads by reduce_grad_inputs)  -> reduced param grads
 
-    ``flat_inputs`` is ``params + buffers + user_inputs`` (flat, subclasses unwrapped).
+    ``flat_inputs`` is ``params + buffers + user_inputs`` (flat, subclasses unwrapped);
+    ``bwd_unsharded`` are the ``num_backward_unsharded`` unshard outputs after the forward's.
     """
 
     signature: JointSignature
@@ -135,6 +138,11 @@ class CallingConvention:
     """Indices into the unreduced param grads fed to ``reduce_grad`` (empty: no reduce)."""
     num_weight_live_ins: int = 0
     """Values ``backward_input`` hands to ``backward_weight`` (0: backward is not split)."""
+    num_backward_unsharded: int = 0
+    """Unsharded parameter values only the backward reads (after the forward's
+    ``num_unsharded_params`` in the unshard outputs): the forward hands them on with its saved
+    values, by reference, and they precede the output grads in the backward's runtime
+    inputs that ``output_grad_inputs`` indexes."""
 
     @property
     def num_saved_for_backward(self) -> int:

@@ -7,11 +7,14 @@ into one :class:`CallingConvention`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.fx as fx
 
 from autopp.graph import _compat
 from autopp.graph.callables import StageGraphs, ValueLayouts
 from autopp.graph.convention import CallingConvention, JointSignature
+from autopp.graph.peel import peel_param_work
 
 
 def _outputs(gm: fx.GraphModule) -> tuple[object, ...]:
@@ -62,6 +65,7 @@ def split_joint_graph(
     *,
     layouts: ValueLayouts | None = None,
     split_weight_grad: bool = True,
+    peel_params: bool = False,
 ) -> StageGraphs:
     """Split a flat joint forward+backward graph into the stage's callables.
 
@@ -73,6 +77,11 @@ def split_joint_graph(
         layouts: how to rewrap outputs and grads into tensor subclasses; plain by default.
         split_weight_grad: also build the backward-input / backward-weight pair (needed by
             zero-bubble schedules; when the stage has no input grads there is nothing to split).
+        peel_params: move *all* parameter-only work (casts, views, all-gathers in any
+            placement, see :mod:`autopp.graph.peel`) into the unshard graph, so it runs once
+            per step at UNSHARD and every microbatch's forward and backward read the one
+            gathered copy. Default: peel SimpleFSDP's all-gather chains (torchtitan's split,
+            which needs each gathered parameter to be used only through its chain).
 
     Returns:
         StageGraphs with forward, full backward, and where present backward-input,
@@ -84,10 +93,20 @@ def split_joint_graph(
     """
     check_joint_graph(gm, signature)
     gm = _compat.normalize_joint_graph(gm)
+    if peel_params:
+        return _split_peeled(gm, signature, layouts, split_weight_grad)
+    return _split(gm, signature, layouts, split_weight_grad)
+
+
+def _split(gm: fx.GraphModule, signature: JointSignature, layouts: ValueLayouts | None,
+           split_weight_grad: bool, backward_only_extra: tuple[int, ...] = ()) -> StageGraphs:
+    """Partition, peel SimpleFSDP collectives, split I/W. ``backward_only_extra``: more
+    placeholder indices (before the output grads) that only the backward reads; the
+    runtime supplies them ahead of the output grads (see ``CallingConvention``)."""
     fw, bw, meta = _compat.partition_joint_graph(
         gm,
         num_fwd_outputs=signature.num_outputs,
-        backward_only_input_indices=signature.output_grad_input_indices,
+        backward_only_input_indices=(*backward_only_extra, *signature.output_grad_input_indices),
     )
     fsdp_fw = _compat.split_forward_fsdp_collectives(
         fw,
@@ -140,3 +159,37 @@ def split_joint_graph(
         unshard_graph=fsdp_fw.unshard_module,
         reduce_grad_graph=fsdp_bw.reduce_grad_module,
     )
+
+
+def _split_peeled(gm: fx.GraphModule, signature: JointSignature, layouts: ValueLayouts | None,
+                  split_weight_grad: bool) -> StageGraphs:
+    """``split_joint_graph(..., peel_params=True)``: the parameter-only work becomes the
+    unshard graph; the rest is split with the unshard outputs in the place of the
+    parameters (handed to the torchtitan passes as buffers, so they peel nothing more).
+    Unshard outputs the forward reads lead the forward's inputs; those only the backward
+    reads (e.g. a weight gathered transposed for the input gradient) are handed to the
+    backward with the saved values, by reference."""
+    peeled = peel_param_work(gm, signature)
+    n_f, n_fwd = peeled.num_frontier, peeled.num_forward_frontier
+    rest_sig = dataclasses.replace(
+        signature, num_params=0, num_buffers=n_f + signature.num_buffers)
+    graphs = _split(peeled.rest, rest_sig, layouts, split_weight_grad,
+                    backward_only_extra=tuple(range(n_fwd, n_f)))
+    conv = graphs.convention
+    fwd = list(conv.forward_input_indices)
+    if fwd[:n_fwd] != list(range(n_fwd)) or any(i < n_f for i in fwd[n_fwd:]):
+        raise ValueError(
+            "the forward graph does not take the forward's unsharded parameter values as its "
+            f"leading inputs (inputs {fwd[:n_fwd]}); split without peel_params"
+        )
+    shift = signature.num_params - n_f  # rest's flat [frontier, buffers, user inputs] -> ours
+    graphs.convention = dataclasses.replace(
+        conv,
+        signature=signature,
+        num_unsharded_params=n_fwd,
+        num_backward_unsharded=n_f - n_fwd,
+        forward_input_indices=tuple(i + shift for i in fwd[n_fwd:]),
+        unshard_param_indices=peeled.param_indices,
+    )
+    graphs.unshard_graph = peeled.unshard
+    return graphs

@@ -14,6 +14,7 @@ turn, which is what DualPipeV needs to be correct), and the chain check between 
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,11 +53,12 @@ class GraphStage(_compat.GraphPipelineStage):
                 "tensors shaped like one microbatch's inputs and outputs."
             )
         is_last = stage_index == num_stages - 1
-        if graphs.convention.signature.is_last != is_last:
+        if graphs.ends_in_loss != is_last:
             raise ValueError(
                 f"stage {stage_index} of {num_stages} is {'' if is_last else 'not '}the last stage "
-                f"but its graphs were traced {'with' if graphs.convention.signature.is_last else 'without'}"
-                " a loss; trace the last stage with loss_fn and the others without."
+                f"but its graphs {'end' if graphs.ends_in_loss else 'do not end'} in a loss; "
+                "trace the last stage with loss_fn (or add one with graphs.with_eager_loss) and "
+                "the others without."
             )
         super().__init__(
             submodule,
@@ -71,6 +73,54 @@ class GraphStage(_compat.GraphPipelineStage):
 
 
 class _GraphRuntime(_compat.GraphPipelineRuntime):
+    def __init__(self, schedule: Any) -> None:
+        super().__init__(schedule)
+        #: Actions run since the runtime was made, by kind ("F", "B", "I", "W", "UNSHARD",
+        #: "RESHARD", "REDUCE_GRAD", "OVERLAP_F_B"); "W" counts weight-gradient graphs that
+        #: really ran deferred (a W of a stage without an I/W split runs as a full backward).
+        self.action_counts: collections.Counter[str] = collections.Counter()
+
+    def _counted(self, kind: str, handler: Any) -> Any:
+        def run(action: Any, ctx: Any) -> None:
+            if kind == "W":
+                stage = next(s for s in _compat.schedule_stages(self.schedule)
+                             if s.stage_index == action.stage_index)
+                if not stage.graphs.supports_backward_input_weight_split:
+                    self.action_counts["B"] += 1
+                    return handler(action, ctx)
+            self.action_counts[kind] += 1
+            return handler(action, ctx)
+
+        return run
+
+    def _populate_stage_states(self, stage: Any) -> None:
+        super()._populate_stage_states(stage)
+        if self.stage_graphs[stage.stage_index].state_as_local_shards:
+            state = stage.state
+            state.flat_param_values = [_compat.local_shard(p) for _, p in
+                                       stage.submod.named_parameters(remove_duplicate=False)]
+            state.flat_buffer_values = [_compat.local_shard(b) for _, b in
+                                        stage.submod.named_buffers(remove_duplicate=False)]
+
+    def _accumulate_stage_sharded_grads(self, stage: Any) -> None:
+        graphs = self.stage_graphs[stage.stage_index]
+        if not graphs.state_as_local_shards:
+            return super()._accumulate_stage_sharded_grads(stage)
+        self._ensure_reduced_grads(stage)
+        params = stage.state.trainable_params
+        grads = stage.state.sharded_param_grads
+        if not grads:
+            return
+        if len(grads) != len(params):
+            raise ValueError(f"stage {stage.stage_index}: {len(grads)} gradients for "
+                             f"{len(params)} trainable parameters")
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                if g is None:
+                    continue
+                g = _compat.like_param(g, p)
+                p.grad = g if p.grad is None else p.grad + g
+
     def _handle_forward(self, action: Any, ctx: Any) -> None:
         super()._handle_forward(action, ctx)
         stage = next(s for s in _compat.schedule_stages(self.schedule) if s.stage_index == action.stage_index)
@@ -113,17 +163,17 @@ def attach_graph_runtime(schedule: Any) -> _compat.GraphPipelineRuntime:
         raise ValueError(f"every local stage must be a GraphStage, got {bad}")
     runtime = _GraphRuntime(schedule)
     handlers = {
-        _compat.FORWARD: runtime._handle_forward,
-        _compat.FULL_BACKWARD: runtime._handle_full_backward,
-        _compat.BACKWARD_INPUT: runtime._handle_backward_input,
-        _compat.BACKWARD_WEIGHT: runtime._handle_backward_weight,
-        _compat.UNSHARD: runtime._handle_unshard,
-        _compat.RESHARD: runtime._handle_reshard,
-        _compat.REDUCE_GRAD: runtime._handle_reduce_grad,
-        _compat.OVERLAP_F_B: runtime._handle_overlap_fw_bw,
+        _compat.FORWARD: ("F", runtime._handle_forward),
+        _compat.FULL_BACKWARD: ("B", runtime._handle_full_backward),
+        _compat.BACKWARD_INPUT: ("I", runtime._handle_backward_input),
+        _compat.BACKWARD_WEIGHT: ("W", runtime._handle_backward_weight),
+        _compat.UNSHARD: ("UNSHARD", runtime._handle_unshard),
+        _compat.RESHARD: ("RESHARD", runtime._handle_reshard),
+        _compat.REDUCE_GRAD: ("REDUCE_GRAD", runtime._handle_reduce_grad),
+        _compat.OVERLAP_F_B: ("OVERLAP_F_B", runtime._handle_overlap_fw_bw),
     }
-    for kind, fn in handlers.items():
-        schedule.register_custom_function(kind, fn)
+    for kind, (name, fn) in handlers.items():
+        schedule.register_custom_function(kind, runtime._counted(name, fn))
     return runtime
 
 

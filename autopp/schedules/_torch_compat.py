@@ -128,6 +128,41 @@ def new_csv_runtime(
     return runtime
 
 
+def runtime_from_order(
+    stages: list[Any],
+    order: dict[int, list[str | None]],
+    *,
+    n_microbatches: int,
+    loss_fn: Callable[..., Any] | None,
+    scale_grads: bool,
+    **schedule_kwargs: Any,
+) -> Any:
+    """torch's action-list runtime over ``stages``, running the compute-only ``order``
+    (action strings per rank, e.g. a single-stage schedule's ``compute_only_order``).
+
+    As with a CSV file, torch validates the order and adds send/recv, unshard/reshard and
+    grad-reduce steps.
+    """
+    runtime = RUNTIME_SCHEDULE_CLASS(
+        stages=stages,
+        n_microbatches=n_microbatches,
+        loss_fn=loss_fn,
+        scale_grads=scale_grads,
+        **schedule_kwargs,
+    )
+    runtime.pipeline_order = {
+        rank: [None if a is None else _parse(a) for a in row] for rank, row in order.items()
+    }
+    runtime._validate_and_set_stage_mapping(runtime.pipeline_order)
+    runtime._prepare_schedule_with_comms(runtime.pipeline_order)
+    return runtime
+
+
+def is_runtime_class(cls: type) -> bool:
+    """Whether a torch schedule class runs on the action-list runtime."""
+    return issubclass(cls, RUNTIME_SCHEDULE_CLASS)
+
+
 @contextmanager
 def forward_only(schedule: Any) -> Iterator[None]:
     """Run only the forward actions of an action-list (runtime) schedule while inside.

@@ -73,3 +73,57 @@ def build_schedule(
     if not info.multi_stage:
         return info.torch_class(ordered[0], **common, **schedule_kwargs)
     return info.torch_class(ordered, **common, **schedule_kwargs)
+
+
+def build_runtime_schedule(
+    schedule: str | os.PathLike | ScheduleInfo,
+    stages: Sequence[PipelineStage],
+    *,
+    n_microbatches: int,
+    loss_fn: Callable[..., Any] | None,
+    scale_grads: bool,
+    **schedule_kwargs: Any,
+) -> Any:
+    """Like :func:`build_schedule`, but always torch's action-list runtime
+    (``_PipelineScheduleRuntime``), which graph stages need (:mod:`autopp.graph`).
+
+    Multi-stage and CSV schedules are runtimes already; the single-stage GPipe and 1F1B run
+    as their action lists (:func:`single_stage_order`) on the runtime.
+    """
+    built = build_schedule(schedule, stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
+                           scale_grads=scale_grads, **schedule_kwargs)
+    if _torch_compat.is_runtime_class(type(built)):
+        return built
+    rank, pp, _ = _stage_layout(stages)
+    order = single_stage_order(type(built).__name__, pp, n_microbatches)
+    return _torch_compat.runtime_from_order(
+        sorted(stages, key=lambda s: s.stage_index), order, n_microbatches=n_microbatches,
+        loss_fn=loss_fn, scale_grads=scale_grads, **schedule_kwargs)
+
+
+def single_stage_order(torch_class_name: str, pp: int, n_microbatches: int
+                       ) -> dict[int, list[str]]:
+    """The compute actions of torch's single-stage schedules, rank by rank (stage = rank).
+
+    GPipe: every forward, then every backward. 1F1B: rank r runs ``min(M, pp - 1 - r)``
+    warm-up forwards, then alternates one forward and one backward, then the remaining
+    backwards. (torch 2.13's own ``Schedule1F1B.pipeline_order`` is only a picture: on the
+    last rank it starts at microbatch 1, so it cannot be run as an action list.)
+    """
+    M = n_microbatches
+    order: dict[int, list[str]] = {}
+    for r in range(pp):
+        fs = [f"{r}F{i}" for i in range(M)]
+        bs = [f"{r}B{i}" for i in range(M)]
+        if torch_class_name == "ScheduleGPipe":
+            order[r] = fs + bs
+            continue
+        if torch_class_name != "Schedule1F1B":
+            raise ValueError(f"{torch_class_name} is not a single-stage schedule")
+        warm = min(M, pp - 1 - r)
+        row = fs[:warm]
+        for i in range(M - warm):
+            row += [fs[warm + i], bs[i]]
+        row += bs[M - warm:]
+        order[r] = row
+    return order

@@ -1,16 +1,17 @@
-"""Turn a :class:`StagePlan` into a runnable sharded stage.
+"""Turn a :class:`StagePlan` into a sharded stage.
 
 Parameters and buffers become DTensors on the sub-mesh with the planned placements (sharded
-from full values, or created shard by shard with :func:`empty_sharded_`). Each planned unit
-(an embedding, a block, a head, or a whole stage planned flat) then runs one of two ways:
+from full values, or created shard by shard with :func:`empty_sharded_`). The stage then
+runs one of two ways:
 
-* "graph" (default): the plan is lowered once to a local joint graph with explicit
-  collectives (:mod:`autopp.sharding.lower`), split into forward / backward-input /
-  backward-weight / reduce-grad graphs by :mod:`autopp.graph`, and run under autograd
-  (:mod:`autopp.sharding.local_run`); weight gradients can be deferred for zero-bubble
-  schedules.
-* "dtensor": the joint graph interpreted node by node on DTensors
-  (:mod:`autopp.sharding.interpret`), the reference the lowering is traced from.
+* as graphs (what pipelines run): :meth:`ShardedStage.stage_graphs` lowers the whole stage,
+  its units chained, to one local joint graph with explicit collectives
+  (:func:`autopp.sharding.lower.lower_stage`) and splits it with :mod:`autopp.graph` into
+  unshard / forward / backward-input / backward-weight / reduce-grad graphs, which
+  :class:`autopp.graph.GraphStage` runs under torch's schedule runtime;
+* eagerly, under autograd (``stage(x)``): each unit's joint graph interpreted node by node on
+  DTensors (:mod:`autopp.sharding.interpret`), the reference the lowering is traced from
+  and tests compare against.
 """
 
 from __future__ import annotations
@@ -25,33 +26,22 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from autopp.sharding import _torch_private as tp
 from autopp.sharding.chain import Unit, stage_units
 from autopp.sharding.interpret import GraphRunner, InterpretedBlockFunction, redistribute_to
-from autopp.sharding.local_run import LocalBlockFunction, LocalRunner, WeightGradQueue
-from autopp.sharding.lower import lower_joint, split_local
+from autopp.sharding.lower import LocalJoint, LoweredUnit, lower_stage, split_local
 from autopp.sharding.plan import BlockPlan, StagePlan, from_strs
 from autopp.sharding.precision import maybe_cast
 from autopp.sharding.trace import JointGraph, graph_signature, trace_joint
 
 
-EXECUTORS = ("graph", "dtensor")
-"""How a planned unit runs: "graph" (default: its lowered local graphs, collectives explicit,
-:mod:`autopp.sharding.local_run`) or "dtensor" (the reference interpreter on DTensors,
-:mod:`autopp.sharding.interpret`)."""
-
-
 class ShardedBlock(nn.Module):
-    """One planned unit: its parameters and buffers as DTensors, its graph run by the plan.
+    """One planned unit: its parameters and buffers as DTensors, its joint graph and plan."""
 
-    ``lowered`` (executor "graph"): the unit's lowered joint and split graphs, shared by
-    units with the same plan.
-    """
-
-    def __init__(self, unit: Unit, joint: JointGraph, bplan: BlockPlan, mesh,
-                 lowered: tuple[Any, Any] | None = None):
+    def __init__(self, unit: Unit, joint: JointGraph, bplan: BlockPlan, mesh):
         super().__init__()
         device = next(iter(unit.module.parameters())).device
         self.unit = unit
         self._runner = GraphRunner(joint, bplan, mesh, device)
         self._param_names, self._buffer_names, self._fqns = [], [], []
+        self._buffer_fqns: list[str] = []
         self.params = nn.ParameterDict()
         for fqn, node in joint.params.items():
             t = unit.module.get_parameter(fqn)
@@ -72,18 +62,16 @@ class ShardedBlock(nn.Module):
             key = fqn.replace(".", "__")
             self.register_buffer(key, distribute_tensor(t, mesh, self._runner.placement(node)))
             self._buffer_names.append(key)
-        self._local: LocalRunner | None = None
-        if lowered is not None:
-            local, graphs = lowered
-            out = joint.outputs[0].meta["val"]
-            self._local = LocalRunner(graphs, local, mesh,
-                                      [getattr(self, k) for k in self._buffer_names], out)
+            self._buffer_fqns.append(unit.stage_fqn(fqn))
+        self.bplan = bplan
+
+    def lowered_unit(self) -> LoweredUnit:
+        """What :func:`~autopp.sharding.lower.lower_stage` needs of this unit."""
+        return LoweredUnit(self._runner.joint, self.bplan, tuple(self._fqns),
+                           tuple(self._buffer_fqns))
 
     def forward(self, x: DTensor) -> DTensor:
         params = [self.params[k] for k in self._param_names]
-        if self._local is not None:
-            x = redistribute_to(x, self._local.in_placements)
-            return LocalBlockFunction.apply(self._local, x, *params)
         state = params + [getattr(self, k) for k in self._buffer_names]
         return InterpretedBlockFunction.apply(self._runner, self._param_names, x, *state)
 
@@ -96,6 +84,7 @@ class ShardedStage(nn.Module):
         self.plan = plan
         self.mesh = mesh
         self.blocks = nn.ModuleDict({p.replace(".", "__") or "stage": b for p, b in blocks})
+        self._graphs: dict[bool, tuple[LocalJoint, Any]] = {}
 
     def forward(self, x: torch.Tensor) -> DTensor:
         if not isinstance(x, DTensor):  # a global tensor, identical on every rank
@@ -104,26 +93,38 @@ class ShardedStage(nn.Module):
             x = block(x)
         return x
 
-    def flush_grads(self) -> None:
-        """Reduce the gradients the units summed over a step (see ``local_run``)."""
-        for block in self.blocks.values():
-            if block._local is not None:
-                block._local.flush()
+    def stage_graphs(self, *, peel_params: bool = True) -> tuple[LocalJoint, Any]:
+        """The stage lowered to one local joint graph and split into its callables
+        (:class:`autopp.graph.StageGraphs`); made once and cached.
 
-    def use_weight_grad_queue(self, queue: WeightGradQueue | None) -> None:
-        """Defer the units' weight gradients to ``queue`` (zero-bubble schedules; see
-        :mod:`autopp.sharding.local_run`); None computes them in the backward."""
-        for block in self.blocks.values():
-            if block._local is not None:
-                block._local.queue = queue
+        Graph inputs follow this module's ``parameters()`` and ``buffers()`` order (what
+        :class:`autopp.graph.GraphStage` hands them in), then the stage input in the plan's
+        input placements and the output gradient in its output placements. With
+        ``peel_params`` (default), parameter casts and all-gathers form the unshard graph
+        (once per step); see :func:`autopp.sharding.lower.split_local`.
+        """
+        key = bool(peel_params)
+        if key not in self._graphs:
+            local = lower_stage(
+                [b.lowered_unit() for b in self.blocks.values()], self.mesh,
+                from_strs(self.plan.input_placements), from_strs(self.plan.output_placements))
+            self._graphs[key] = (local, split_local(local, peel_params=peel_params))
+        return self._graphs[key]
 
     def saved_bytes_per_microbatch(self) -> int:
-        """Bytes this rank's units keep from a microbatch's forward for its backward
-        (activations and gathered parameters; 0 for the "dtensor" executor)."""
+        """Bytes this rank keeps from a microbatch's forward for its backward (activations;
+        parameters gathered once per step are counted by :meth:`gathered_param_bytes`)."""
         from autopp.sharding.memory import saved_bytes
 
-        return sum(saved_bytes(b._local.graphs) for b in self.blocks.values()
-                   if b._local is not None)
+        return saved_bytes(self.stage_graphs()[1])
+
+    def gathered_param_bytes(self) -> int:
+        """Bytes of the unshard graph's outputs that are not parameters themselves: the
+        gathered (and cast) parameter values a stage holds once between UNSHARD and its
+        last backward, whatever the number of microbatches."""
+        from autopp.sharding.memory import unsharded_bytes
+
+        return unsharded_bytes(self.stage_graphs()[1])
 
     def named_planned_parameters(self):
         """(stage FQN, DTensor parameter) pairs, FQNs as in the original module."""
@@ -133,8 +134,7 @@ class ShardedStage(nn.Module):
 
 
 def apply_plan(
-    module: nn.Module, plan: StagePlan, mesh, example_inputs: tuple[Any, ...],
-    *, executor: str = "graph",
+    module: nn.Module, plan: StagePlan, mesh, example_inputs: tuple[Any, ...]
 ) -> ShardedStage:
     """Shard ``module`` on ``mesh`` following ``plan``.
 
@@ -143,15 +143,12 @@ def apply_plan(
     tensors the plan was made with (the graphs are re-traced on a meta copy to recover the
     planned nodes; their signatures must match the plan's). Every rank must hold the same
     plan: plan on one rank and broadcast it (``plan.to_json()``), since equally good optima
-    may differ between solver runs. ``executor``: see :data:`EXECUTORS`.
+    may differ between solver runs. Run the result as graphs
+    (:meth:`ShardedStage.stage_graphs`) or eagerly (the reference interpreter).
     """
-    if executor not in EXECUTORS:
-        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
     done: list[tuple[str, ShardedBlock]] = []
-    for bplan, unit, joint, lowered in planned_units(
-        module, plan, mesh, example_inputs, lower=executor == "graph"
-    ):
-        done.append((bplan.prefix, ShardedBlock(unit, joint, bplan, mesh, lowered)))
+    for bplan, unit, joint, _ in planned_units(module, plan, mesh, example_inputs, lower=False):
+        done.append((bplan.prefix, ShardedBlock(unit, joint, bplan, mesh)))
     return ShardedStage(done, plan, mesh)
 
 

@@ -110,72 +110,9 @@ def lower_joint(joint: JointGraph, bplan: BlockPlan, mesh: Any) -> LocalJoint:
     runner = GraphRunner(joint, bplan, mesh, _device(mesh))
     if not joint.tangents:
         raise ValueError("lower_joint needs a joint with output tangents (a non-last unit)")
-    inputs = [joint.inputs[i] for i in sorted(joint.inputs)]
-    tangents = [joint.tangents[i] for i in sorted(joint.tangents)]
-    nodes = [*joint.params.values(), *joint.buffers.values(), *inputs, *tangents]
-    placements = [runner.placement(n) for n in nodes]
-    for node, pl in zip(nodes, placements):
-        if len(pl) != mesh.ndim:
-            raise ValueError(f"{node.name} is planned for a {len(pl)}-d mesh, got {mesh.ndim}-d")
-        if any(isinstance(p, tp.Partial) for p in pl):
-            raise ValueError(f"graph input {node.name} is planned Partial {to_strs(pl)}: inputs "
-                             "must be Shard or Replicate")
-    vals = [n.meta["val"] for n in nodes]
-    shapes = [tp.local_shape(v.shape, mesh, pl) for v, pl in zip(vals, placements)]
-
-    grad_pairs = [(j, joint.grads.get(f)) for f, j in joint.params.items()]
-    igrad = [(joint.inputs[i], joint.input_grads[i]) for i in sorted(joint.input_grads)]
-    out_targets = [runner.placement(t) for t in tangents]
-    outs_in = [joint.outputs[i] for i in sorted(joint.tangents)]
-    if len(outs_in) != len(joint.outputs):
-        raise ValueError("every forward output needs a tangent to be lowered")
-
-    def step(*local: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        env: dict[fx.Node, Any] = {
-            n: DTensor.from_local(t, mesh, pl, run_check=False, shape=v.shape, stride=v.stride())
-            for n, t, pl, v in zip(nodes, local, placements, vals)
-        }
-        by_node = dict(zip(nodes, local))
-        env = runner.run(env, None)
-        res: list[torch.Tensor] = []
-        for node, pl in zip(outs_in, out_targets):
-            res.append(_local(env[node], pl))
-        for pnode, g in grad_pairs:
-            if g is None or env.get(g) is None:
-                res.append(torch.zeros_like(by_node[pnode]))
-            else:
-                res.append(_local(env[g], runner.placement(pnode)))
-        for xnode, g in igrad:
-            res.append(_local(env[g], runner.placement(xnode)))
-        return tuple(res)
-
-    with FakeTensorMode():  # make_fx traces in the inputs' fake mode: nothing is allocated
-        examples = [torch.empty(s, dtype=v.dtype, device=_device(mesh)) for s, v in zip(shapes, vals)]
-    decomps = _missing_kernel_decomps(joint.gm, _device(mesh))
-    gm = make_fx(step, decomposition_table=decomps, tracing_mode="fake")(*examples)
-    _check_local(gm)
-
-    out_pls = [to_strs(p) for p in out_targets]
-    out_pls += [to_strs(runner.placement(p)) for p, _ in grad_pairs]
-    out_pls += [to_strs(runner.placement(x)) for x, _ in igrad]
-    sig = JointSignature(
-        num_params=len(joint.params),
-        num_buffers=len(joint.buffers),
-        num_user_inputs=len(inputs),
-        num_output_grads=len(tangents),
-        num_outputs=len(outs_in),
-        num_param_grads=len(joint.params),
-        input_grad_indices=tuple(sorted(joint.inputs).index(i) for i in sorted(joint.input_grads)),
-    )
-    return LocalJoint(
-        gm=gm,
-        signature=sig,
-        param_fqns=tuple(joint.params),
-        buffer_fqns=tuple(joint.buffers),
-        input_shapes=tuple(shapes),
-        input_placements=tuple(to_strs(p) for p in placements),
-        output_placements=tuple(out_pls),
-    )
+    unit = LoweredUnit(joint, bplan, tuple(joint.params), tuple(joint.buffers))
+    return lower_stage([unit], mesh, runner.placement(joint.inputs[0]),
+                       runner.placement(joint.tangents[0]))
 
 
 def _missing_kernel_decomps(gm: fx.GraphModule, device: torch.device) -> dict[Any, Any]:
@@ -223,25 +160,147 @@ def _check_local(gm: fx.GraphModule) -> None:
 
 
 def split_local(
-    local: LocalJoint, *, split_weight_grad: bool = True, peel_unshard: bool = False
+    local: LocalJoint, *, split_weight_grad: bool = True, peel_params: bool = True
 ) -> StageGraphs:
-    """Split a lowered joint with :func:`autopp.graph.split_joint_graph` into forward / full
-    backward / backward-input / backward-weight / reduce-grad callables on local tensors.
+    """Split a lowered joint with :func:`autopp.graph.split_joint_graph` into unshard /
+    forward / full backward / backward-input / backward-weight / reduce-grad callables on
+    local tensors.
 
     The gradient reductions at the end of parameter-gradient chains become the reduce-grad
-    graph (so ``full_backward`` returns unreduced gradients; call ``reduce_grads``).
-    ``peel_unshard`` also moves parameter all-gather chains into an unshard graph
-    (torchtitan's SimpleFSDP split); that needs each such parameter to be used only through
-    its chain, which a planned graph rarely satisfies (the backward re-gathers ``t(w)`` in
-    another placement, so the forward saves ``w`` itself and the split fails). By default
-    the parameters are presented to the split as buffers, so no unshard graph is made; the
-    returned convention carries the true signature. ``local.gm`` is not modified.
+    graph (so ``full_backward`` returns unreduced gradients; call ``reduce_grads``). With
+    ``peel_params`` (default) every parameter-only computation (the mixed-precision cast,
+    views, all-gathers, in every placement the plan uses a parameter in) becomes the unshard
+    graph (:mod:`autopp.graph.peel`): it runs once per step, and the microbatches' forward
+    and backward read its outputs. Without it the parameters are handed to the split as
+    buffers and each microbatch's forward gathers them again (the layout before UNSHARD
+    existed; kept for comparison). ``local.gm`` is not modified.
     """
     sig = local.signature
     gm = fx.GraphModule(local.gm, copy.deepcopy(local.gm.graph))  # the split edits in place
-    if peel_unshard:
-        return split_joint_graph(gm, sig, split_weight_grad=split_weight_grad)
+    if peel_params:
+        return split_joint_graph(gm, sig, split_weight_grad=split_weight_grad, peel_params=True)
     as_buffers = dataclasses.replace(sig, num_params=0, num_buffers=sig.num_state_inputs)
     graphs = split_joint_graph(gm, as_buffers, split_weight_grad=split_weight_grad)
     graphs.convention = dataclasses.replace(graphs.convention, signature=sig)
     return graphs
+
+
+@dataclass(frozen=True, slots=True)
+class LoweredUnit:
+    """One planned unit of a stage, as :func:`lower_stage` chains it."""
+
+    joint: JointGraph
+    """The unit's joint graph (traced on meta with global shapes, as planned)."""
+    plan: BlockPlan
+    """The unit's plan."""
+    param_fqns: tuple[str, ...]
+    """Stage FQNs of the unit's parameters, in ``joint.params`` order."""
+    buffer_fqns: tuple[str, ...]
+    """Stage FQNs of the unit's buffers, in ``joint.buffers`` order."""
+
+
+def lower_stage(units: Sequence[LoweredUnit], mesh: Any, in_placements: tuple,
+                out_placements: tuple) -> LocalJoint:
+    """Trace a whole planned stage (its units in order) into one local joint graph.
+
+    The traced function runs every unit's forward nodes through the plan's interpreter,
+    moving each unit's output to the next unit's planned input placement, returns the last
+    output in ``out_placements``, then runs the units' backward nodes in reverse from the
+    output gradient (in ``out_placements``), each input gradient moved to the previous
+    unit's output placement. Collectives come out explicit, as in :func:`lower_joint`.
+
+    Graph inputs: every unit's parameters then every unit's buffers (units in order, each in
+    its joint's order), the stage input (in ``in_placements``) and the output gradient.
+    Outputs: the stage output, one gradient per parameter (in its planned placement; zeros
+    where there is none) and, when the first unit's input is differentiable, its gradient.
+
+    Raises:
+        ValueError: a parameter, buffer or boundary is planned ``Partial``, or a unit has no
+            output tangent.
+    """
+    dev = _device(mesh)
+    runners = [GraphRunner(u.joint, u.plan, mesh, dev) for u in units]
+    for u in units:
+        if not u.joint.tangents or len(u.joint.outputs) != 1 or len(u.joint.inputs) != 1:
+            raise ValueError("every unit of a stage takes one input and returns one output "
+                             "with a tangent")
+    p_nodes = [(r, n) for u, r in zip(units, runners) for n in u.joint.params.values()]
+    b_nodes = [(r, n) for u, r in zip(units, runners) for n in u.joint.buffers.values()]
+    p_fqns = [f for u in units for f in u.param_fqns]
+    b_fqns = [f for u in units for f in u.buffer_fqns]
+    x_node = units[0].joint.inputs[0]
+    out_node = units[-1].joint.outputs[0]
+    x_pl, out_pl = tuple(in_placements), tuple(out_placements)
+    placements = [r.placement(n) for r, n in p_nodes + b_nodes] + [x_pl, out_pl]
+    vals = [n.meta["val"] for _, n in p_nodes + b_nodes]
+    vals += [x_node.meta["val"], out_node.meta["val"]]
+    names = p_fqns + b_fqns + ["stage input", "stage output gradient"]
+    for name, pl in zip(names, placements):
+        if len(pl) != mesh.ndim:
+            raise ValueError(f"{name} is planned for a {len(pl)}-d mesh, got {mesh.ndim}-d")
+        if any(isinstance(p, tp.Partial) for p in pl):
+            raise ValueError(f"{name} is planned Partial {to_strs(pl)}: stage inputs must be "
+                             "Shard or Replicate")
+    shapes = [tp.local_shape(v.shape, mesh, pl) for v, pl in zip(vals, placements)]
+    n_p, n_b = len(p_nodes), len(b_nodes)
+    has_input_grad = 0 in units[0].joint.input_grads
+
+    def step(*local: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        wrapped = [DTensor.from_local(t, mesh, pl, run_check=False, shape=v.shape,
+                                      stride=v.stride())
+                   for t, pl, v in zip(local, placements, vals)]
+        params_it, bufs_it = iter(wrapped[:n_p]), iter(wrapped[n_p : n_p + n_b])
+        h = wrapped[n_p + n_b]
+        envs = []
+        for u, r in zip(units, runners):
+            j = u.joint
+            env: dict[fx.Node, Any] = {n: next(params_it) for n in j.params.values()}
+            env.update({n: next(bufs_it) for n in j.buffers.values()})
+            env[j.inputs[0]] = redistribute_to(h, r.placement(j.inputs[0]))
+            r.run(env, r.fwd_needed)
+            h = env[j.outputs[0]]
+            envs.append(env)
+        res: list[torch.Tensor] = [_local(h, out_pl)]
+        g = wrapped[-1]
+        grads: list[list[torch.Tensor]] = []
+        for k in reversed(range(len(units))):
+            j, r, env = units[k].joint, runners[k], envs[k]
+            env[j.tangents[0]] = redistribute_to(g, r.placement(j.tangents[0]))
+            r.run(env, {n for n in j.gm.graph.nodes if n not in r.fwd_needed})
+            unit_grads = []
+            for fqn, pnode in j.params.items():
+                gnode = j.grads.get(fqn)
+                if gnode is None or env.get(gnode) is None:
+                    unit_grads.append(torch.zeros_like(env[pnode].to_local()))
+                else:
+                    unit_grads.append(_local(env[gnode], r.placement(pnode)))
+            grads.append(unit_grads)
+            g = env.get(j.input_grads[0]) if 0 in j.input_grads else None
+            if g is not None and k > 0:  # the previous unit's output gradient, in its placement
+                g = redistribute_to(g, runners[k - 1].placement(units[k - 1].joint.tangents[0]))
+        for unit_grads in reversed(grads):
+            res += unit_grads
+        if has_input_grad:
+            res.append(_local(g, x_pl))
+        return tuple(res)
+
+    with FakeTensorMode():
+        examples = [torch.empty(s, dtype=v.dtype, device=dev) for s, v in zip(shapes, vals)]
+    decomps: dict[Any, Any] = {}
+    for u in units:
+        decomps.update(_missing_kernel_decomps(u.joint.gm, dev))
+    gm = make_fx(step, decomposition_table=decomps, tracing_mode="fake")(*examples)
+    _check_local(gm)
+
+    pl_strs = [to_strs(p) for p in placements]
+    out_pls = [to_strs(out_pl)] + pl_strs[:n_p] + ([to_strs(x_pl)] if has_input_grad else [])
+    sig = JointSignature(
+        num_params=n_p, num_buffers=n_b, num_user_inputs=1, num_output_grads=1,
+        num_outputs=1, num_param_grads=n_p,
+        input_grad_indices=(0,) if has_input_grad else (),
+    )
+    return LocalJoint(
+        gm=gm, signature=sig, param_fqns=tuple(p_fqns), buffer_fqns=tuple(b_fqns),
+        input_shapes=tuple(shapes), input_placements=tuple(pl_strs),
+        output_placements=tuple(out_pls),
+    )

@@ -1,10 +1,11 @@
 """Activation memory of a planned stage, read off its lowered graphs (exact, per device).
 
-The forward graph of a lowered unit (:mod:`autopp.sharding.lower`) returns, after its
-outputs, the values its backward needs; their bytes are what one microbatch holds on a device
-from its forward until its backward: activations, and parameters gathered in the forward
-that the backward uses again. Parameters and buffers themselves are not counted (they are
-held anyway). A pipeline holds this once per microbatch in flight on the stage.
+The forward graph of a lowered stage or unit (:mod:`autopp.sharding.lower`) returns, after
+its outputs, the values its backward needs; their bytes are what one microbatch holds on a
+device from its forward until its backward. Parameters, buffers and the unshard graph's
+outputs (gathered parameters, held once per stage for the step, see
+:func:`unsharded_bytes`) are not counted. A pipeline holds this once per microbatch in
+flight on the stage.
 """
 
 from __future__ import annotations
@@ -35,6 +36,22 @@ def saved_bytes(graphs: StageGraphs) -> int:
     for node in outs[sig.num_outputs : sig.num_outputs + conv.num_saved_for_backward]:
         val = node.meta.get("val") if hasattr(node, "meta") else None
         if node in state or not isinstance(val, torch.Tensor):
+            continue
+        total += val.numel() * val.element_size()
+    return total
+
+
+def unsharded_bytes(graphs: StageGraphs) -> int:
+    """Bytes of the unshard graph's outputs that are not parameters themselves: what a stage
+    holds once, from UNSHARD until its last use in the step (gathered or cast parameters)."""
+    ug = graphs.unshard_graph
+    if ug is None:
+        return 0
+    params = set(ug.graph.find_nodes(op="placeholder"))
+    total = 0
+    for node in ug.graph.output_node().args[0]:
+        val = node.meta.get("val")
+        if node in params or not isinstance(val, torch.Tensor):
             continue
         total += val.numel() * val.element_size()
     return total

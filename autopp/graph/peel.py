@@ -1,0 +1,156 @@
+"""Peel a joint graph's parameter-only work (casts, views, all-gathers) into an unshard graph.
+
+In a joint graph traced from a sharded stage, a parameter reaches the compute through a
+chain that depends on the parameter alone: a mixed-precision cast, views or a transpose,
+and all-gathers over the mesh dims it is sharded on. That work is the same for every
+microbatch, so it belongs in the stage's UNSHARD action (once per step), not in every
+microbatch's forward; and since the gathered values are then inputs of the forward, each
+microbatch's saved-for-backward values only *reference* them: one gathered copy per stage
+however many microbatches are in flight.
+
+torchtitan's SimpleFSDP split recognises one all-gather chain per parameter used only
+through it. A planned graph is more general (a parameter gathered in two placements:
+``w`` for the forward, ``t(w)`` for the backward; a parameter both gathered and used
+sharded), so this pass takes every node whose inputs depend on parameters only:
+
+* the *unshard graph* takes the parameters and returns the *frontier*: the parameter-only
+  values that other nodes use (a gathered weight, a gathered transposed weight, or a
+  parameter itself where it is used as it is);
+* the *rest* is the joint graph with the frontier as its leading inputs instead of the
+  parameters (the parameter-only nodes removed).
+
+A parameter-only value that is itself a graph output (e.g. the zero gradient of a parameter
+nothing uses) stays in the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from autopp.graph.convention import JointSignature
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PeeledParams:
+    """The result of :func:`peel_param_work`."""
+
+    unshard: fx.GraphModule
+    """Parameters used (in :attr:`param_indices` order) -> the frontier values."""
+    rest: fx.GraphModule
+    """The joint graph with inputs ``frontier, buffers, user_inputs, output_grads``."""
+    param_indices: tuple[int, ...]
+    """Which flat parameters the unshard graph takes, in its input order."""
+    num_frontier: int
+    """Number of unshard outputs (leading inputs of :attr:`rest`)."""
+    num_forward_frontier: int
+    """The first this many unshard outputs are read by the forward; the others only by the
+    backward."""
+    frontier_is_param: tuple[bool, ...]
+    """Per frontier value: whether it is a parameter itself (no work, no extra memory)."""
+
+
+def peel_param_work(gm: fx.GraphModule, signature: JointSignature) -> PeeledParams:
+    """Split ``gm`` (laid out as ``signature`` says) into an unshard graph and the rest.
+
+    ``gm`` is not modified. See the module docstring for what is peeled.
+    """
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    params = placeholders[: signature.num_params]
+    param_set = set(params)
+    (output,) = gm.graph.find_nodes(op="output")
+    out_args = set(output.all_input_nodes)
+
+    only: dict[fx.Node, bool] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            only[node] = node in param_set
+        elif node.op == "call_function":
+            ins = node.all_input_nodes
+            only[node] = bool(ins) and all(only[i] for i in ins)
+        else:
+            only[node] = False
+    peel = {n for n in gm.graph.nodes if n.op == "call_function" and only[n] and n not in out_args}
+    # keep the set closed under inputs, and tuple-valued nodes with all their users
+    changed = True
+    while changed:
+        changed = False
+        for n in list(peel):
+            bad_input = any(i not in peel and i not in param_set for i in n.all_input_nodes)
+            bad_tuple = _is_tuple(n) and any(u not in peel for u in n.users)
+            if bad_input or bad_tuple:
+                peel.discard(n)
+                changed = True
+
+    def used_outside(n: fx.Node) -> bool:
+        return any(u not in peel for u in n.users)
+
+    frontier = [n for n in gm.graph.nodes
+                if (n in param_set or n in peel) and used_outside(n)]
+    # the forward's frontier first: values a forward output depends on
+    fwd_closure: set[fx.Node] = set()
+    stack = [a for a in _outputs(output)[: signature.num_outputs] if isinstance(a, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n not in fwd_closure:
+            fwd_closure.add(n)
+            stack += n.all_input_nodes
+    in_fwd = [f for f in frontier
+              if any(u not in peel and u.op != "output" and u in fwd_closure for u in f.users)]
+    frontier = in_fwd + [f for f in frontier if f not in in_fwd]
+
+    # unshard graph: the params it needs -> frontier values
+    needed: set[fx.Node] = set()
+    stack = list(frontier)
+    while stack:
+        n = stack.pop()
+        if n in needed:
+            continue
+        needed.add(n)
+        stack += [i for i in n.all_input_nodes]
+    used_params = [p for p in params if p in needed]
+    ug = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for p in used_params:
+        env[p] = ug.placeholder(p.name)
+        env[p].meta = dict(p.meta)
+    for n in gm.graph.nodes:
+        if n in peel and n in needed:
+            env[n] = ug.node_copy(n, lambda a: env[a])
+    ug.output(tuple(env[f] for f in frontier))
+    unshard = fx.GraphModule(gm, ug)
+
+    # rest: frontier placeholders first, then the other inputs, then the non-peeled nodes
+    rg = fx.Graph()
+    renv: dict[fx.Node, fx.Node] = {}
+    for i, f in enumerate(frontier):
+        ph = rg.placeholder(f"unsharded_{i}_{f.name}")
+        ph.meta = dict(f.meta)
+        renv[f] = ph
+    for ph in placeholders[signature.num_params:]:
+        renv[ph] = rg.node_copy(ph)
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output") or n in peel:
+            continue
+        renv[n] = rg.node_copy(n, lambda a: renv[a])
+    rg.node_copy(output, lambda a: renv[a])
+    rest = fx.GraphModule(gm, rg)
+    return PeeledParams(
+        unshard=unshard,
+        rest=rest,
+        param_indices=tuple(params.index(p) for p in used_params),
+        num_frontier=len(frontier),
+        num_forward_frontier=len(in_fwd),
+        frontier_is_param=tuple(f in param_set for f in frontier),
+    )
+
+
+def _outputs(output: fx.Node) -> tuple:
+    vals = output.args[0]
+    return tuple(vals) if isinstance(vals, (tuple, list)) else (vals,)
+
+
+def _is_tuple(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, (tuple, list))
