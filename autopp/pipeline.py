@@ -212,6 +212,22 @@ class Pipeline:
         self._build_schedule()
 
     @property
+    def action_counts(self) -> dict[str, int]:
+        """Planned stages: the schedule actions this rank's graph runtime has run since
+        ``init_weights``, by kind ("F", "B", "I", "W", "UNSHARD", "RESHARD", "REDUCE_GRAD",
+        "OVERLAP_F_B"; "W" counts deferred weight-gradient graphs). Empty otherwise."""
+        return dict(self._runtime.action_counts) if self._runtime is not None else {}
+
+    def count_collectives(self):
+        """Planned stages: from now on count the collectives each schedule action runs, and
+        whether they read parameters (see :class:`autopp.graph.comm_counter.CollectiveCounter`,
+        e.g. ``counter.summary()`` after a step). A diagnostic: it slows steps down."""
+        self._require_built()
+        if self._runtime is None:
+            raise ValueError("count_collectives needs planned stages (parallelize='auto')")
+        return self._runtime.count_collectives()
+
+    @property
     def plans(self) -> dict:
         """With parallelize="auto": {stage id: StagePlan} of this rank's stages."""
         return {s: p.plan for s, p in (self._auto_plans or {}).items()}

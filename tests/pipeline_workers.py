@@ -34,7 +34,7 @@ def one_step(mesh, cfg: dict) -> dict:
     tgt = _dp_slice(target, dp_rank, dp_size)
     from autopp import cross_entropy
 
-    extra = {k: cfg[k] for k in ("boundary", "loss_parallel") if k in cfg}
+    extra = {k: cfg[k] for k in ("boundary", "loss_parallel", "memory_budget_bytes") if k in cfg}
     if cfg.get("bf16"):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -52,6 +52,7 @@ def one_step(mesh, cfg: dict) -> dict:
         **extra,
     )
     pipe.init_weights(seed=0)
+    counter = pipe.count_collectives() if cfg.get("count_collectives") else None
     loss = pipe.step(tok, target=tgt)
     grads = {n: _local(p.grad).detach().clone() for n, p in pipe.named_parameters() if p.grad is not None}
     out = {"loss": loss, "grads": grads, "stage_ids": pipe.layout.stage_ids,
@@ -59,9 +60,17 @@ def one_step(mesh, cfg: dict) -> dict:
            "param_dtypes": sorted({str(p.dtype) for p in pipe.parameters()}),
            "grad_dtypes": sorted({str(p.grad.dtype) for p in pipe.parameters()
                                   if p.grad is not None}),
-           # units' weight gradients computed by the schedule's W work (planned stages)
-           "deferred_w": sum(getattr(m, "weight_grads", None).weight_grads_run
-                             for m in pipe.stage_modules if hasattr(m, "weight_grads"))}
+           # planned stages: weight-gradient graphs the schedule ran as deferred W actions
+           "deferred_w": pipe.action_counts.get("W", 0),
+           "actions": pipe.action_counts}
+    if counter is not None:
+        from autopp.sharding.lower import collective_counts
+
+        out["collectives"] = counter.summary()
+        out["unshard_gathers"] = sum(
+            collective_counts(m.stage_graphs()[1].unshard_graph).get("all_gather_into_tensor", 0)
+            for m in pipe.stage_modules)
+        out["gathered_bytes"] = sum(m.gathered_param_bytes() for m in pipe.stage_modules)
     if cfg.get("eval"):
         out["eval_loss"] = pipe.eval(tok, target=tgt)
     if cfg.get("clip"):

@@ -116,9 +116,16 @@ def partition_joint_graph(
     )
 
 
-def normalize_joint_graph(gm: fx.GraphModule) -> fx.GraphModule:
-    """Dead-code elimination, no-op removal and SimpleFSDP unshard-chain dedup."""
-    for p in (eliminate_dead_code_pass, canonicalize_graph_pass, deduplicate_fsdp_unshard_chains_pass):
+def normalize_joint_graph(gm: fx.GraphModule, *, dedup_unshard_chains: bool = True
+                          ) -> fx.GraphModule:
+    """Dead-code elimination, no-op removal and (``dedup_unshard_chains``) SimpleFSDP
+    unshard-chain dedup. The dedup assumes every all-gather chain from one parameter yields
+    the same value, true of SimpleFSDP and false of planned graphs (a weight gathered as
+    ``w`` and as ``t(w)``: it would feed the transposed weight where the other is used)."""
+    passes = [eliminate_dead_code_pass, canonicalize_graph_pass]
+    if dedup_unshard_chains:
+        passes.append(deduplicate_fsdp_unshard_chains_pass)
+    for p in passes:
         gm = p(gm, None)
     return gm
 

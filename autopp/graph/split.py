@@ -92,10 +92,20 @@ def split_joint_graph(
         ValueError: the graph does not match ``signature`` or has no backward.
     """
     check_joint_graph(gm, signature)
-    gm = _compat.normalize_joint_graph(gm)
+    # SimpleFSDP's chain dedup is only sound for SimpleFSDP graphs; peel_params is for others
+    gm = _compat.normalize_joint_graph(gm, dedup_unshard_chains=not peel_params)
     if peel_params:
         return _split_peeled(gm, signature, layouts, split_weight_grad)
     return _split(gm, signature, layouts, split_weight_grad)
+
+
+def split_joint_graph_keeping_chains(gm: fx.GraphModule, signature: JointSignature, *,
+                                     split_weight_grad: bool = True) -> StageGraphs:
+    """:func:`split_joint_graph` without peeling and without SimpleFSDP's unshard-chain
+    dedup: every parameter all-gather stays where the graph has it (per microbatch)."""
+    check_joint_graph(gm, signature)
+    gm = _compat.normalize_joint_graph(gm, dedup_unshard_chains=False)
+    return _split(gm, signature, None, split_weight_grad)
 
 
 def _split(gm: fx.GraphModule, signature: JointSignature, layouts: ValueLayouts | None,

@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from autopp.graph import _compat
 from autopp.graph.callables import StageGraphs
+from autopp.graph.comm_counter import CollectiveCounter
 
 
 class GraphStage(_compat.GraphPipelineStage):
@@ -79,17 +80,32 @@ class _GraphRuntime(_compat.GraphPipelineRuntime):
         #: "RESHARD", "REDUCE_GRAD", "OVERLAP_F_B"); "W" counts weight-gradient graphs that
         #: really ran deferred (a W of a stage without an I/W split runs as a full backward).
         self.action_counts: collections.Counter[str] = collections.Counter()
+        #: Set by :meth:`count_collectives`: collectives run per action kind.
+        self.collectives: CollectiveCounter | None = None
+
+    def count_collectives(self) -> CollectiveCounter:
+        """From now on, count the collectives every action runs (see
+        :class:`autopp.graph.comm_counter.CollectiveCounter`; slows the step down)."""
+        self.collectives = CollectiveCounter()
+        return self.collectives
 
     def _counted(self, kind: str, handler: Any) -> Any:
         def run(action: Any, ctx: Any) -> None:
-            if kind == "W":
-                stage = next(s for s in _compat.schedule_stages(self.schedule)
-                             if s.stage_index == action.stage_index)
-                if not stage.graphs.supports_backward_input_weight_split:
-                    self.action_counts["B"] += 1
-                    return handler(action, ctx)
-            self.action_counts[kind] += 1
-            return handler(action, ctx)
+            stage = next(s for s in _compat.schedule_stages(self.schedule)
+                         if s.stage_index == action.stage_index)
+            if kind == "W" and not stage.graphs.supports_backward_input_weight_split:
+                kind_run = "B"  # a W without an I/W split runs as the full backward
+            else:
+                kind_run = kind
+            self.action_counts[kind_run] += 1
+            counter = self.collectives
+            if counter is None:
+                return handler(action, ctx)
+            self.ensure_ready(ctx)
+            counter.mark_params(stage.state.flat_param_values)
+            counter.label = kind_run
+            with counter:
+                return handler(action, ctx)
 
         return run
 

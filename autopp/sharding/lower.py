@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopp.graph import JointSignature, StageGraphs, split_joint_graph
+from autopp.graph.split import split_joint_graph_keeping_chains
 from autopp.sharding import _torch_private as tp
 from autopp.sharding.interpret import GraphRunner, redistribute_to
 from autopp.sharding.plan import BlockPlan, to_strs
@@ -180,7 +181,7 @@ def split_local(
     if peel_params:
         return split_joint_graph(gm, sig, split_weight_grad=split_weight_grad, peel_params=True)
     as_buffers = dataclasses.replace(sig, num_params=0, num_buffers=sig.num_state_inputs)
-    graphs = split_joint_graph(gm, as_buffers, split_weight_grad=split_weight_grad)
+    graphs = split_joint_graph_keeping_chains(gm, as_buffers, split_weight_grad=split_weight_grad)
     graphs.convention = dataclasses.replace(graphs.convention, signature=sig)
     return graphs
 

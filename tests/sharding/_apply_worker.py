@@ -50,6 +50,37 @@ def build(device: str, kind: str = "stack") -> nn.Module:
     return stage
 
 
+def run_eager(sharded, plan, mesh, x, w) -> torch.Tensor:
+    """Output (full) of the stage run by the DTensor interpreter; backward of (out * w).sum()
+    leaves DTensor gradients in the parameters."""
+    out = sharded(x).full_tensor()
+    (out * w).sum().backward()
+    return out.detach()
+
+
+def run_graphs(sharded, plan, mesh, x, w) -> torch.Tensor:
+    """The same through the stage's split graphs (unshard, forward, full backward,
+    reduce-grad) on local shards, as the pipeline runtime calls them."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from autopp.graph import _compat
+    from autopp.sharding.plan import from_strs
+
+    local, g = sharded.stage_graphs()
+    in_pl, out_pl = from_strs(plan.input_placements), from_strs(plan.output_placements)
+    params = list(sharded.parameters())
+    unsharded = g.unshard_params([p.to_local() for p in params])
+    outs, saved = g.forward_flat(unsharded, [b.to_local() for b in sharded.buffers()],
+                                 [distribute_tensor(x, mesh, in_pl).to_local()])
+    out = DTensor.from_local(outs[0], mesh, out_pl, run_check=False, shape=w.shape,
+                             stride=w.stride()).full_tensor()
+    _, unreduced = g.full_backward(None, saved, (distribute_tensor(w, mesh, out_pl).to_local(),))
+    for p, grad in zip(params, g.reduce_grads(unreduced)):
+        grad = _compat.like_param(grad, p)
+        p.grad = grad if p.grad is None else p.grad + grad
+    return out
+
+
 def main(rank: int, world: int, init_file: str, out_file: str, dp: int, tp: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     from autopp.sharding import StagePlan, plan_stage
@@ -91,10 +122,12 @@ def main(rank: int, world: int, init_file: str, out_file: str, dp: int, tp: int)
         ref = build("cpu", kind)
         torch.manual_seed(1)
         x = torch.randn(shape) if dtype.is_floating_point else torch.randint(0, 2048, shape)
-        sharded = apply_plan(ref, plan, mesh, (x_meta,), executor=(executor or ["graph"])[0])
-        out = sharded(x).full_tensor()
-        w = torch.randn(out.shape)
-        (out * w).sum().backward()
+        sharded = apply_plan(ref, plan, mesh, (x_meta,))
+        # "graph": the lowered, split stage graphs a pipeline runs; "dtensor": the
+        # reference interpreter under autograd
+        run = run_graphs if (executor or ["graph"])[0] == "graph" else run_eager
+        w = torch.randn(ref(x).shape)
+        out = run(sharded, plan, mesh, x, w)
         ref_out = ref(x)
         (ref_out * w).sum().backward()
         def rel_err(a, b):  # max |a - b|, relative to the reference's magnitude when above 1
@@ -114,9 +147,8 @@ def main(rank: int, world: int, init_file: str, out_file: str, dp: int, tp: int)
             ref_opt.step()
             opt.zero_grad()
             ref_opt.zero_grad()
-            loss = (sharded(x).full_tensor() * w).sum() / w.numel()
+            loss = (run(sharded, plan, mesh, x, w / w.numel()) * w).sum() / w.numel()
             ref_loss = (ref(x) * w).sum() / w.numel()
-            loss.backward()
             ref_loss.backward()
             losses.append((loss.item(), ref_loss.item()))
         report[name] = {
