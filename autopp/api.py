@@ -11,17 +11,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from autopp.auto_plan import (
-    PlannedStage,
-    agree_on_plans,
-    boundary_bytes,
-    default_profile,
-    loss_kinds,
-    plan_pipeline,
-    stage_input_shapes,
+from autopp.backends import (
+    AutoParallel,
+    CompileOptions,
+    Parallelize,
+    ParallelizeFn,
+    PipelineSpec,
+    Planner,
+    PlannerOptions,
+    Replicate,
+    StageBackend,
 )
 from autopp.mesh import check_world_mesh, mesh_sizes, stage_sub_mesh
-from autopp.pipeline import ParallelizeFn, Pipeline, PipelineLayout
+from autopp.pipeline import Pipeline, PipelineLayout
 from autopp.schedules import (
     ScheduleInfo,
     check_schedule_config,
@@ -43,13 +45,14 @@ def pipeline_autoparallel(
     schedule: str = "1F1B",
     n_microbatches: int,
     split: Split = None,
-    parallelize: ParallelizeFn | Literal["auto", "autoparallel"] | None = "auto",
+    parallelize: StageBackend | ParallelizeFn | Literal["auto", "autoparallel"] | None = "auto",
     ignore_index: int = -100,
     profile: str | None = None,
     memory_budget_bytes: float | None = None,
     boundary: Literal["auto", "batch", "batch+seq"] = "auto",
     loss_parallel: bool | None = None,
     mixed_precision: MixedPrecisionPolicy | None = None,
+    compile: bool | CompileOptions = False,
 ) -> Pipeline:
     """Pipeline ``model`` over ``mesh``: returns this rank's :class:`~autopp.pipeline.Pipeline`.
 
@@ -73,37 +76,26 @@ def pipeline_autoparallel(
             and head weighted as one layer each; as many stages as the schedule places on
             pp ranks), an int (that many uniform stages), a layout string such as
             ``"Ettt|tttL"`` (see :mod:`autopp.stage_split`), or explicit module FQNs per stage.
-        parallelize: ``"auto"`` (default: the sharding planner chooses each stage's
-            placements over its sub-mesh, see :mod:`autopp.sharding`; plans are cached on
-            disk), None (each stage replicated over its sub-mesh, gradients averaged over
-            dp), or a callable ``(stage_module, sub_mesh) -> module`` applying your own
-            parallelism (e.g. torchtitan's TP + FSDP). It receives the stage on the meta
-            device and must average gradients over dp (the FSDP/DDP default).
-            ``"autoparallel"`` plans each stage with meta's AutoParallel instead of autopp's
-            planner, when it is installed (see :mod:`autopp.sharding.autoparallel_backend`).
+        parallelize: how each stage is parallelized over its sub-mesh: a
+            :class:`autopp.backends.StageBackend` (``Planner(PlannerOptions(...))``,
+            ``Replicate()``, ``Parallelize(fn)``, ``AutoParallel()``), or a shorthand:
+            ``"auto"`` (default: autopp's planner with the options below; plans are cached
+            on disk), None (replicated, gradients averaged over dp), a callable
+            ``(stage_module, sub_mesh) -> module`` (your own parallelism, e.g. torchtitan's
+            TP + FSDP; it gets the stage on meta and must average gradients over dp), or
+            ``"autoparallel"`` (meta's AutoParallel, when installed).
         ignore_index: target value that does not count towards the loss.
-        profile: with ``"auto"``, the device profile the planner's cost model assumes
-            ("H100", "H200", "A100", "CPU"); default: "CPU" on a cpu mesh, else "H100".
-        memory_budget_bytes: with ``"auto"``, per-device bound on parameter memory.
-        boundary: with ``"auto"``, the placement of activations sent between stages:
-            "auto" (chosen by the planner's cost: stage times plus transfer time), "batch"
-            (batch split over dp, whole over tp) or "batch+seq" (sequence also split over
-            tp: 1/tp of the bytes).
-        loss_parallel: with ``"auto"`` and ``loss_fn=autopp.cross_entropy``, whether the
-            last stage leaves its logits split on the vocabulary over tp and computes the
-            loss in parallel (torch's ``loss_parallel``) instead of gathering them: None
-            (default: chosen by the planner's cost), True (always) or False (never).
-            ``describe()`` says which was chosen.
-        mixed_precision: with ``"auto"``, torch's FSDP2 ``MixedPrecisionPolicy``: e.g.
-            ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
-            computes with bf16 parameters (gathered in bf16) and bf16 activations between
-            stages, and reduces parameter gradients in fp32 into the fp32 masters the
-            optimizer updates. None: the parameters' own dtype throughout.
+        profile, memory_budget_bytes, boundary, loss_parallel, mixed_precision: with
+            ``"auto"``, the fields of :class:`autopp.backends.PlannerOptions` (see there);
+            ``mixed_precision`` also goes to ``"autoparallel"``.
+        compile: with the planner, run each planned stage's graphs through Inductor: True
+            or :class:`autopp.backends.CompileOptions`; False (default): eager.
     """
-    if parallelize not in (None, "auto", "autoparallel") and not callable(parallelize):
-        raise TypeError(
-            f"parallelize must be None, 'auto', 'autoparallel' or a callable, got {parallelize!r}"
-        )
+    backend = resolve_backend(
+        parallelize, profile=profile, memory_budget_bytes=memory_budget_bytes,
+        boundary=boundary, loss_parallel=loss_parallel, mixed_precision=mixed_precision,
+        compile=compile,
+    )
     check_world_mesh(mesh)
     if not any(p.is_meta for p in model.parameters()):
         raise ValueError(
@@ -124,42 +116,18 @@ def pipeline_autoparallel(
     )
     n_stages = len(fqns_per_stage)
     stage_ids = stage_ids_for_rank(pp_rank, pp, n_stages, info.style)
-
     sub_mesh = stage_sub_mesh(mesh)
-    modules = []
-    auto_plans = None
-    if parallelize == "auto":
-        rank_of = [next(r for r in range(pp)
-                        if s in stage_ids_for_rank(r, pp, n_stages, info.style))
-                   for s in range(n_stages)]
-        auto_plans = _plan_stages(
-            model, fqns_per_stage, stage_ids, sub_mesh, example_inputs, n_microbatches, dp,
-            rank_of=rank_of,
-            profile=profile or default_profile(mesh.device_type),
-            memory_budget_bytes=memory_budget_bytes, boundary=boundary,
-            last_kinds=loss_kinds(sub_mesh, loss_fn, loss_parallel),
-            mixed_precision=mixed_precision,
-        )
-    elif loss_parallel:
-        raise ValueError("loss_parallel=True needs parallelize='auto'")
-    elif parallelize == "autoparallel":
-        from autopp.sharding.autoparallel_backend import autoparallel_stage
-
-        _, ap_inputs = _meta_stage_inputs(model, fqns_per_stage, example_inputs,
-                                          n_microbatches, dp)
-    elif mixed_precision is not None:
-        raise ValueError(
-            "mixed_precision needs parallelize='auto'; with your own parallelize, apply the "
-            "policy there (e.g. fully_shard(..., mp_policy=...))"
-        )
-    for s in stage_ids:
-        m = build_stage_module(model, fqns_per_stage[s])
-        if parallelize == "autoparallel":
-            m = autoparallel_stage(m, sub_mesh, ap_inputs[s], mixed_precision)
-        elif callable(parallelize):
-            m = parallelize(m, sub_mesh)
-        modules.append(m)
-
+    rank_of = tuple(
+        next(r for r in range(pp) if s in stage_ids_for_rank(r, pp, n_stages, info.style))
+        for s in range(n_stages)
+    )
+    backend.prepare(PipelineSpec(
+        model=model, fqns_per_stage=tuple(tuple(f) for f in fqns_per_stage),
+        stage_ids=tuple(stage_ids), rank_of=rank_of, mesh=mesh, sub_mesh=sub_mesh,
+        example_inputs=tuple(example_inputs), n_microbatches=n_microbatches, loss_fn=loss_fn,
+    ))
+    modules = [backend.build(s, build_stage_module(model, fqns_per_stage[s]), sub_mesh)
+               for s in stage_ids]
     layout = PipelineLayout(
         schedule=str(schedule),
         n_stages=n_stages,
@@ -173,25 +141,52 @@ def pipeline_autoparallel(
         tp_rank=tp_rank,
         tp_size=tp,
     )
-    return Pipeline(
-        layout=layout,
-        stage_modules=modules,
-        mesh=mesh,
-        loss_fn=loss_fn,
-        ignore_index=ignore_index,
-        replicated=parallelize is None,
-        auto_plans=auto_plans,
+    return Pipeline(layout=layout, stage_modules=modules, mesh=mesh, loss_fn=loss_fn,
+                    ignore_index=ignore_index, backend=backend)
+
+
+def resolve_backend(
+    parallelize: StageBackend | ParallelizeFn | str | None, *, profile: str | None = None,
+    memory_budget_bytes: float | None = None, boundary: str = "auto",
+    loss_parallel: bool | None = None, mixed_precision: MixedPrecisionPolicy | None = None,
+    compile: bool | CompileOptions = False,
+) -> StageBackend:
+    """The :class:`~autopp.backends.StageBackend` for ``parallelize`` and the planner
+    shorthands; a ValueError naming the fix when a shorthand does not apply."""
+    planner_kw = dict(profile=profile, memory_budget_bytes=memory_budget_bytes,
+                      boundary=boundary, loss_parallel=loss_parallel,
+                      mixed_precision=mixed_precision)
+    defaults = PlannerOptions()
+    given = sorted(k for k, v in planner_kw.items() if v != getattr(defaults, k))
+    if isinstance(parallelize, StageBackend):
+        if given or compile:
+            raise ValueError(
+                f"{given + (['compile'] if compile else [])} are shorthands for "
+                "parallelize='auto'; with a backend object set them on it, e.g. "
+                "Planner(PlannerOptions(...), compile=...)")
+        return parallelize
+    if parallelize == "auto":
+        return Planner(PlannerOptions(**planner_kw), compile=compile)
+    if compile:
+        raise ValueError("compile needs the planner (parallelize='auto'): only planned stages "
+                         "run as graphs")
+    if loss_parallel:
+        raise ValueError("loss_parallel=True needs parallelize='auto'")
+    if parallelize == "autoparallel":
+        return AutoParallel(mixed_precision=mixed_precision)
+    if mixed_precision is not None:
+        raise ValueError(
+            "mixed_precision needs parallelize='auto'; with your own parallelize, apply the "
+            "policy there (e.g. fully_shard(..., mp_policy=...))"
+        )
+    if parallelize is None:
+        return Replicate()
+    if callable(parallelize) and not isinstance(parallelize, str):
+        return Parallelize(parallelize)
+    raise TypeError(
+        "parallelize must be a StageBackend, None, 'auto', 'autoparallel' or a callable, "
+        f"got {parallelize!r}"
     )
-
-
-def _meta_stage_inputs(model, fqns_per_stage, example_inputs, n_microbatches, dp,
-                       compute_dtype=None):
-    """All stages on meta and their inputs for one dp-global microbatch (what planners see)."""
-    x = example_inputs[0]
-    mb = x.shape[0] // n_microbatches * dp
-    first = (torch.empty((mb, *x.shape[1:]), dtype=x.dtype, device="meta"),)
-    metas = [build_stage_module(model, f) for f in fqns_per_stage]
-    return metas, stage_input_shapes(metas, first, compute_dtype)
 
 
 def split_for_schedule(
@@ -214,28 +209,3 @@ def split_for_schedule(
         local_batch_size=local_batch_size,
     )
     return info, fqns_per_stage
-
-
-def _plan_stages(model, fqns_per_stage, stage_ids, sub_mesh, example_inputs, n_microbatches, dp,
-                 *, profile, memory_budget_bytes, boundary="auto", last_kinds=("batch",),
-                 mixed_precision=None, rank_of=None):
-    """Plan this rank's stages; returns {stage id: PlannedStage}."""
-    metas, inputs = _meta_stage_inputs(
-        model, fqns_per_stage, example_inputs, n_microbatches, dp,
-        mixed_precision.param_dtype if mixed_precision is not None else None)
-    tp = sub_mesh["tp"].size()
-    bounds, plan_of = plan_pipeline(
-        metas, inputs, sub_mesh, profile=profile,
-        budgets=[memory_budget_bytes] * len(metas), boundary=boundary, last_kinds=last_kinds,
-        mixed_precision=mixed_precision, n_microbatches=n_microbatches, rank_of=rank_of,
-    )
-    plans = agree_on_plans([plan_of(s) for s in stage_ids], sub_mesh)
-    return {
-        s: PlannedStage(
-            plan=p, example_inputs=inputs[s],
-            send_bytes=boundary_bytes(inputs[s + 1][0], dp, tp, bounds[s + 1])
-            if s + 1 < len(inputs) else 0,
-            boundary_out=bounds[s + 1],
-        )
-        for s, p in zip(stage_ids, plans)
-    }

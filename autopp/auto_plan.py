@@ -377,3 +377,44 @@ def agree_on_plans(plans: list[StagePlan], sub_mesh: DeviceMesh) -> list[StagePl
 
 def _flat_group(mesh: DeviceMesh):
     return mesh._flatten().get_group() if mesh.ndim > 1 else mesh.get_group()
+
+
+def meta_stage_inputs(spec: Any, compute_dtype: torch.dtype | None = None
+                      ) -> tuple[list[nn.Module], list[tuple[torch.Tensor, ...]]]:
+    """All stages of ``spec`` (a :class:`autopp.backends.PipelineSpec`) on meta, and their
+    inputs for one dp-global microbatch (what planners see)."""
+    from autopp.stage_split import build_stage_module
+
+    x = spec.example_inputs[0]
+    mb = x.shape[0] // spec.n_microbatches * spec.dp
+    first = (torch.empty((mb, *x.shape[1:]), dtype=x.dtype, device="meta"),)
+    metas = [build_stage_module(spec.model, list(f)) for f in spec.fqns_per_stage]
+    return metas, stage_input_shapes(metas, first, compute_dtype)
+
+
+def plan_stages(spec: Any, *, profile: str, memory_budget_bytes: float | None,
+                boundary: str = "auto", last_kinds: Sequence[str] = ("batch",),
+                mixed_precision: Any = None) -> dict[int, PlannedStage]:
+    """Plan this rank's stages of ``spec`` (a :class:`autopp.backends.PipelineSpec`):
+    boundaries and loss placement for the whole pipeline, then each local stage, agreed
+    across the stage's sub-mesh. Returns {stage id: PlannedStage}."""
+    metas, inputs = meta_stage_inputs(
+        spec, mixed_precision.param_dtype if mixed_precision is not None else None)
+    sub_mesh = spec.sub_mesh
+    dp, tp = sub_mesh["dp"].size(), sub_mesh["tp"].size()
+    bounds, plan_of = plan_pipeline(
+        metas, inputs, sub_mesh, profile=profile,
+        budgets=[memory_budget_bytes] * len(metas), boundary=boundary, last_kinds=last_kinds,
+        mixed_precision=mixed_precision, n_microbatches=spec.n_microbatches,
+        rank_of=list(spec.rank_of),
+    )
+    plans = agree_on_plans([plan_of(s) for s in spec.stage_ids], sub_mesh)
+    return {
+        s: PlannedStage(
+            plan=p, example_inputs=inputs[s],
+            send_bytes=boundary_bytes(inputs[s + 1][0], dp, tp, bounds[s + 1])
+            if s + 1 < len(inputs) else 0,
+            boundary_out=bounds[s + 1],
+        )
+        for s, p in zip(spec.stage_ids, plans)
+    }

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,9 +48,10 @@ def materialize_and_apply(
 
 def planned_stage_graphs(
     sharded: ShardedStage, *, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-    compile: bool = False,
+    compile: Any = False,
 ) -> StageGraphs:
-    """The planned stage's split graphs as a pipeline runs them: local tensors in and out
+    """The planned stage's split graphs as a pipeline runs them (``compile``: False, True or
+    :class:`autopp.backends.CompileOptions`: Inductor): local tensors in and out
     (shaped like one microbatch), parameters handed in as local shards and gradients
     returned as DTensors like their parameters (``state_as_local_shards``), and on the last
     stage ``loss_fn`` run eagerly on the local output."""
@@ -71,7 +73,8 @@ def planned_stage_graphs(
     if compile:
         from autopp.graph import compile_stage_graphs
 
-        compile_stage_graphs(graphs)
+        opts = compile.inductor_options() if hasattr(compile, "inductor_options") else None
+        compile_stage_graphs(graphs, options=opts)
     if loss_fn is not None:
         graphs = graphs.with_eager_loss(loss_fn)
     return graphs
@@ -79,7 +82,7 @@ def planned_stage_graphs(
 
 def planned_graph_stage(
     sharded: ShardedStage, *, stage_index: int, num_stages: int, device: torch.device,
-    group, loss_fn: Callable | None, compile: bool = False,
+    group, loss_fn: Callable | None, compile: Any = False,
 ) -> GraphStage:
     """:class:`autopp.graph.GraphStage` running the planned stage ``sharded`` (see
     :func:`planned_stage_graphs`; ``loss_fn`` only on the last stage)."""

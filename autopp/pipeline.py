@@ -16,15 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
 
-from autopp.init import init_module_
+from autopp.backends import StageBackend
 from autopp.loss import TokenWeightedLoss, count_tokens
 from autopp.schedules import build_runtime_schedule, build_schedule, forward_only
 from autopp.stage_split import merge_stage_modules
-
-ParallelizeFn = Callable[[nn.Module, DeviceMesh], nn.Module]
-
 
 @dataclass(frozen=True, slots=True)
 class PipelineLayout:
@@ -103,41 +99,31 @@ class Pipeline:
         mesh: DeviceMesh,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         ignore_index: int,
-        replicated: bool,
-        auto_plans: dict | None = None,
-        compile: bool = False,
+        backend: StageBackend,
     ) -> None:
         self.layout = layout
         self.mesh = mesh
+        #: How the stages are parallelized (see :mod:`autopp.backends`).
+        self.backend = backend
         self.stage_modules = stage_modules
         #: This rank's stages as one module with whole-model parameter names (a view, no
         #: copies): what optimizers, state dicts and checkpoints see.
         self.local_model = merge_stage_modules(stage_modules)
-        self._replicated = replicated
         self._device = torch.device(mesh.device_type)
         if mesh.device_type == "cuda":
             self._device = torch.device("cuda", torch.cuda.current_device())
         self._ignore_index = ignore_index
-        #: With parallelize="auto": {stage id: PlannedStage}.
-        self._auto_plans = auto_plans
-        # Planned stages reduce gradients over dp as a sum (DTensor semantics); replicated
-        # and user-parallelized stages average them (the FSDP/DDP convention).
-        from autopp.sharding.autoparallel_backend import GRADS_SUMMED_OVER_DP
-
-        summed = bool(stage_modules) and all(
-            getattr(m, GRADS_SUMMED_OVER_DP, False) for m in stage_modules)
-        grad_scale = 1.0 if auto_plans or summed else float(layout.dp_size)
+        # Gradients summed over dp (DTensor semantics) need no dp factor in the loss; the
+        # FSDP/DDP convention averages them, which the loss makes up for.
+        grad_scale = 1.0 if backend.grads_summed_over_dp else float(layout.dp_size)
         self._loss = TokenWeightedLoss(
             loss_fn=loss_fn, ignore_index=ignore_index, grad_scale=grad_scale
         )
-        last = (auto_plans or {}).get(layout.n_stages - 1)
-        if last is not None and last.boundary_out == "vocab":
-            self._loss.vocab_parallel_mesh = mesh["dp", "tp"]
+        self._loss.vocab_parallel_mesh = backend.vocab_parallel_mesh(mesh)
         self._schedule = None
-        #: With planned stages: autopp.graph's runtime driving the schedule's actions.
+        #: With graph stages: autopp.graph's runtime driving the schedule's actions.
         self._runtime = None
-        self._compile = compile
-        self._stages: list[PipelineStage] = []
+        self._stages: list = []
         self._all_fqns = {f for stage in layout.fqns_per_stage for f in stage}
 
     # ----------------------------------------------------------------- properties
@@ -162,23 +148,9 @@ class Pipeline:
         """A printable summary: stages, their modules, which this rank holds, and with
         parallelize="auto" the head of each local stage's plan report."""
         out = [self.layout.describe()]
-        for s, planned in (self._auto_plans or {}).items():
-            report = str(planned.plan).split("\n\n")[0].splitlines()  # the summary lines
-            out.append(f"  stage {s} plan: " + "\n    ".join(report))
-            built = dict(zip(self.layout.stage_ids, self.stage_modules)).get(s)
-            if hasattr(built, "stage_graphs"):  # after init_weights: the lowered graphs exist
-                kept = built.saved_bytes_per_microbatch()
-                gathered = built.gathered_param_bytes()
-                out.append(f"    keeps {kept / 2**20:.2f} MiB per microbatch per device for "
-                           f"the backward (activations), and {gathered / 2**20:.2f} MiB of "
-                           "parameters gathered once per step (UNSHARD to RESHARD)")
-            if planned.send_bytes:
-                out.append(
-                    f"    sends {planned.send_bytes / 2**10:.1f} KiB per microbatch per device "
-                    f"to stage {s + 1} (boundary {planned.boundary_out}: "
-                    + ("batch split over dp, sequence over tp)" if planned.boundary_out == "batch+seq"
-                       else "batch split over dp, whole over tp)")
-                )
+        built = dict(zip(self.layout.stage_ids, self.stage_modules))
+        for sid in self.layout.stage_ids:
+            out += self.backend.describe(sid, built.get(sid))
         return "\n".join(out)
 
     # ----------------------------------------------------------------- weights
@@ -189,26 +161,18 @@ class Pipeline:
         initialised with :func:`autopp.init.init_module_` and the same ``seed``, whatever
         the split and the placements.
         """
-        if self._auto_plans:
-            from autopp.auto_stage import fqn_view, materialize_and_apply
-
-            sub_mesh = self.mesh["dp", "tp"]
-            self.stage_modules = [
-                materialize_and_apply(
-                    m, plan, sub_mesh, inputs, seed=seed, device=self._device
-                )
-                for m, (plan, inputs) in zip(
-                    self.stage_modules,
-                    ((self._auto_plans[s].plan, self._auto_plans[s].example_inputs)
-                     for s in self.layout.stage_ids),
-                )
-            ]
-            self.local_model = fqn_view(
-                [kv for m in self.stage_modules for kv in m.named_planned_parameters()]
-            )
+        sub_mesh = self.mesh["dp", "tp"]
+        self.stage_modules = [
+            self.backend.materialize(sid, m, sub_mesh, seed=seed, device=self._device)
+            for sid, m in zip(self.layout.stage_ids, self.stage_modules)
+        ]
+        named = self.backend.named_parameters(self.stage_modules)
+        if named is None:
+            self.local_model = merge_stage_modules(self.stage_modules)
         else:
-            for m in self.stage_modules:
-                init_module_(m, seed=seed, device=self._device)
+            from autopp.auto_stage import fqn_view
+
+            self.local_model = fqn_view(named)
         self._build_schedule()
 
     @property
@@ -229,44 +193,26 @@ class Pipeline:
 
     @property
     def plans(self) -> dict:
-        """With parallelize="auto": {stage id: StagePlan} of this rank's stages."""
-        return {s: p.plan for s, p in (self._auto_plans or {}).items()}
+        """With the planner: {stage id: StagePlan} of this rank's stages."""
+        return self.backend.plans
 
     def _build_schedule(self) -> None:
         pp_group = self.mesh["pp"].get_group()
-        if self._auto_plans:  # planned stages: graph stages on torch's action runtime
-            from autopp.auto_stage import planned_graph_stage
+        self._stages = [
+            self.backend.pipeline_stage(
+                sid, m, n_stages=self.layout.n_stages, device=self._device, pp_group=pp_group,
+                loss_fn=self._loss, get_mesh=self._get_mesh)
+            for m, sid in zip(self.stage_modules, self.layout.stage_ids)
+        ]
+        common = dict(n_microbatches=self.layout.n_microbatches, loss_fn=self._loss,
+                      scale_grads=False)
+        if self.backend.uses_graph_runtime:  # graph stages on torch's action runtime
             from autopp.graph import attach_graph_runtime
 
-            self._stages = [
-                planned_graph_stage(m, stage_index=stage_id, num_stages=self.layout.n_stages,
-                                    device=self._device, group=pp_group, loss_fn=self._loss,
-                                    compile=self._compile)
-                for m, stage_id in zip(self.stage_modules, self.layout.stage_ids)
-            ]
-            self._schedule = build_runtime_schedule(
-                self.layout.schedule, self._stages, n_microbatches=self.layout.n_microbatches,
-                loss_fn=self._loss, scale_grads=False)
+            self._schedule = build_runtime_schedule(self.layout.schedule, self._stages, **common)
             self._runtime = attach_graph_runtime(self._schedule)
-            return
-        self._stages = [
-            PipelineStage(
-                m,
-                stage_id,
-                self.layout.n_stages,
-                self._device,
-                group=pp_group,
-                get_mesh=self._get_mesh,
-            )
-            for m, stage_id in zip(self.stage_modules, self.layout.stage_ids)
-        ]
-        self._schedule = build_schedule(
-            self.layout.schedule,
-            self._stages,
-            n_microbatches=self.layout.n_microbatches,
-            loss_fn=self._loss,
-            scale_grads=False,
-        )
+        else:
+            self._schedule = build_schedule(self.layout.schedule, self._stages, **common)
 
     def _get_mesh(self, mesh_dim_names: tuple[str, ...], mesh_layout=None) -> DeviceMesh:
         """Resolve the mesh of a DTensor activation received from another stage (torch sends
@@ -342,8 +288,7 @@ class Pipeline:
         parameters' ``.grad``; call the optimizer next.
         """
         loss = self._run(inputs, target, train=True)
-        if self._replicated and self.dp_size > 1:
-            self._average_grads_over_dp()
+        self.backend.after_step(list(self.parameters()), self.mesh)
         return loss
 
     @torch.no_grad()
@@ -380,24 +325,6 @@ class Pipeline:
         if self.dp_size > 1:
             dist.all_reduce(total, group=self.mesh["dp"].get_group())
         return float(total)
-
-    @torch.no_grad()
-    def _average_grads_over_dp(self) -> None:
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if not grads:
-            return
-        group = self.mesh["dp"].get_group()
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for gs in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in gs])
-            dist.all_reduce(flat, group=group)
-            flat /= self.dp_size
-            offset = 0
-            for g in gs:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Clip gradients by the global norm over all stages and shards; returns the norm."""

@@ -13,8 +13,8 @@ In one launch it trains llama3 (SDPA attention) for ``--steps`` steps with each 
   its dp x tp sub-mesh: the tp ranks compute redundantly);
 * ``autopp-auto``: ``pipeline_autoparallel`` with ``parallelize="auto"`` (autopp's planner
   shards each stage over its dp x tp sub-mesh; CPU device profile);
-* ``autopp-auto-dtensor``: the same plans run by the reference DTensor interpreter instead
-  of the lowered local graphs (to measure what lowering buys; not in the default runs);
+* ``autopp-auto-compile``: the same, each planned stage's graphs compiled by Inductor
+  (``compile=True``; the first steps include the cold compile: raise ``--warmup``);
 * ``autopp+titan``: ``pipeline_autoparallel`` with a ``parallelize`` callable that applies
   torchtitan's own TP + FSDP to each stage module (like for like with ``torchtitan``).
 
@@ -270,19 +270,13 @@ def mean_cross_entropy(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
 
 
 def run_autopp(args, data: ByteBatches, device: torch.device, *, mode: str) -> dict:
-    """mode: "replicate" (parallelize=None), "auto" (the planner), "auto-dtensor" (the
-    planner, plans run by the DTensor interpreter) or "titan" (torchtitan's TP + FSDP as the
+    """mode: "replicate" (parallelize=None), "auto" (the planner), "auto-compile" (the
+    planner, stage graphs compiled by Inductor) or "titan" (torchtitan's TP + FSDP as the
     parallelize callable)."""
-    import autopp.auto_stage
     from autopp import build_world_mesh, pipeline_autoparallel
-    from autopp.sharding.apply import apply_plan
-
-    # the executor is not a pipeline option; the benchmark swaps it in to compare the two
-    executor = "dtensor" if mode == "auto-dtensor" else "graph"
-    autopp.auto_stage.apply_plan = functools.partial(apply_plan, executor=executor)
 
     cfg, parallelism = titan_model_config(args)
-    parallelize = {"replicate": None, "auto": "auto", "auto-dtensor": "auto"}.get(mode)
+    parallelize = {"replicate": None, "auto": "auto", "auto-compile": "auto"}.get(mode)
     if mode == "titan":
         dims = titan_parallel_dims(parallelism, dist.get_world_size())
         parallelize = titan_parallelize_fn(args, dims, parallelism)
@@ -299,6 +293,7 @@ def run_autopp(args, data: ByteBatches, device: torch.device, *, mode: str) -> d
         schedule=args.schedule,
         n_microbatches=args.microbatches,
         parallelize=parallelize,
+        **({"compile": True} if mode == "auto-compile" else {}),
     )
     pipe.init_weights(seed=args.seed)
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
@@ -324,7 +319,7 @@ RUNNERS = {
     "torchtitan": run_torchtitan,
     "autopp": functools.partial(run_autopp, mode="replicate"),
     "autopp-auto": functools.partial(run_autopp, mode="auto"),
-    "autopp-auto-dtensor": functools.partial(run_autopp, mode="auto-dtensor"),
+    "autopp-auto-compile": functools.partial(run_autopp, mode="auto-compile"),
     "autopp+titan": functools.partial(run_autopp, mode="titan"),
 }
 

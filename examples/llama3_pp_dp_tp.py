@@ -75,6 +75,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--mixed-precision", default="none", choices=["none", "bf16"],
                    help="with --parallelize auto: bf16 compute with fp32 masters and fp32 "
                         "gradient reduction (torch's MixedPrecisionPolicy)")
+    p.add_argument("--compile", action="store_true",
+                   help="with --parallelize auto: run each planned stage's graphs through "
+                        "Inductor (cold compile: tens of seconds; see README for its effect)")
     p.add_argument("--dry-run", action="store_true",
                    help="plan every stage for pp x dp x tp ranks on this one machine (fake "
                         "process group, no devices) and print the plans; no training")
@@ -189,7 +192,7 @@ def main() -> None:
         parallelize="auto" if args.parallelize == "auto" else None,
         profile=args.profile,
         **(dict(loss_parallel={"auto": None, "on": True, "off": False}[args.loss_parallel],
-                boundary=args.boundary, mixed_precision=mp_policy(args))
+                boundary=args.boundary, mixed_precision=mp_policy(args), compile=args.compile)
            if args.parallelize == "auto" else {}),
     )
     del model  # the meta-device whole model; each rank keeps only its stages

@@ -41,9 +41,21 @@ def test_valid_config_builds_layout(mesh222):
     assert "stage 0 (this rank): tok_embeddings, layers.0-1" in pipe.describe()
 
 
-def test_parallelize_must_be_none_auto_or_callable(mesh222):
-    with pytest.raises(TypeError, match="parallelize must be None, 'auto', 'autoparallel' or a callable"):
+def test_parallelize_must_be_a_backend_or_shorthand(mesh222):
+    from autopp.backends import Planner, PlannerOptions, Replicate
+
+    with pytest.raises(TypeError, match="parallelize must be a StageBackend, None, 'auto', "
+                                        "'autoparallel' or a callable"):
         _call(mesh222, parallelize="fsdp")
+    # planner shorthands belong to "auto"; a backend object carries its own options
+    with pytest.raises(ValueError, match=r"\['memory_budget_bytes'\] are shorthands for "
+                                         r"parallelize='auto'.*Planner\(PlannerOptions"):
+        _call(mesh222, parallelize=Planner(PlannerOptions()), memory_budget_bytes=1e9)
+    with pytest.raises(ValueError, match="compile needs the planner"):
+        _call(mesh222, parallelize=None, compile=True)
+    with pytest.raises(ValueError, match="boundary must be 'auto', 'batch' or 'batch\\+seq'"):
+        PlannerOptions(boundary="seq")
+    assert type(_call(mesh222, parallelize=Replicate()).backend) is Replicate
 
 
 def test_model_must_be_on_meta(mesh222):

@@ -8,6 +8,7 @@ so each distinct stage is solved once per host."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -43,11 +44,14 @@ def reference():
     return reference_step(N_LAYERS, tokens, target)
 
 
+GOLDEN_CSV = str(Path(__file__).parent / "golden" / "interleaved1f1b_pp2_spr2_mb4.csv")
+ALL_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                 "ZBVZeroBubble", "DualPipeV", GOLDEN_CSV]
+
+
 def test_auto_schedules_and_layouts_match_single_process(reference):
-    configs = [
-        _cfg(s, 2, dp=2, tp=2, parallelize="auto", eval=True)
-        for s in ["1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"]
-    ]
+    # planned stages are graph stages on torch's action runtime, for every schedule
+    configs = [_cfg(s, 2, dp=2, tp=2, parallelize="auto", eval=True) for s in ALL_SCHEDULES]
     configs.append(_cfg("1F1B", 4, dp=2, tp=1, parallelize="auto", n_microbatches=4))
     configs.append(_cfg("1F1B", 2, dp=1, tp=4, parallelize="auto", clip=True))
     # activations sent between stages with their sequence split over tp
@@ -63,6 +67,10 @@ def test_auto_schedules_and_layouts_match_single_process(reference):
     # zero-bubble schedule every rank ran some (4 microbatches x at least one block)
     zbv = configs.index(next(c for c in configs if c["schedule"] == "ZBVZeroBubble"))
     assert all(r[zbv]["deferred_w"] >= 4 for r in results), [r[zbv]["deferred_w"] for r in results]
+    for i, cfg in enumerate(configs):  # one UNSHARD and one REDUCE_GRAD per stage per step
+        for r in results:
+            acts, n_local = r[i]["actions"], len(r[i]["stage_ids"])
+            assert acts["UNSHARD"] == acts["REDUCE_GRAD"] == n_local, (cfg["schedule"], acts)
     said = [r[-1]["describe"] for r in results if 1 in r[-1]["stage_ids"]]
     assert said and all(
         "loss: loss parallel: logits stay split on the vocabulary over tp (no gather)" in d
@@ -100,3 +108,25 @@ def test_auto_mixed_precision_bf16_compute_fp32_masters():
         for name, g in r["grads"].items():
             rel = ((g - ref16[1][name]).norm() / ref16[1][name].norm()).item()
             assert rel < 0.02, (name, rel)
+
+
+def test_auto_parameters_gathered_once_per_step():
+    """A parameter-memory budget forces dp-sharded weights. Counted from the running
+    pipeline: every parameter all-gather runs at the stage's UNSHARD action, once per step,
+    none inside a microbatch's forward or backward; the loss and gradients still equal the
+    single-process model's; the gathered copy does not grow with the microbatch count."""
+    batch, seq = 8, 128
+    reference = reference_step(N_LAYERS, *make_batch(batch, seq))
+    configs = [_cfg("1F1B", 2, dp=2, tp=2, parallelize="auto", memory_budget_bytes=4e6,
+                    count_collectives=True, n_microbatches=m, batch=batch, seq=seq)
+               for m in (2, 4)]
+    results = run_on_ranks(run_configs, 8, configs)
+    _check(results, configs, reference)
+    for r in results:
+        for res in r:
+            counts = res["collectives"]
+            assert res["unshard_gathers"] > 0, counts  # the budget made weights dp-sharded
+            assert counts["UNSHARD all_gather_into_tensor params"] == res["unshard_gathers"]
+            assert not [k for k in counts if "params" in k and not k.startswith("UNSHARD")], counts
+            assert res["actions"]["UNSHARD"] == 1
+        assert r[0]["gathered_bytes"] > 0

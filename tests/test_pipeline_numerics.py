@@ -40,7 +40,9 @@ def _check(results_per_rank, configs, reference):
 
 
 def _cfg(schedule, pp, **kw):
-    return dict(schedule=schedule, pp=pp, n_layers=N_LAYERS, batch=BATCH, seq=SEQ, n_microbatches=kw.pop("n_microbatches", 4), **kw)
+    cfg = dict(schedule=schedule, pp=pp, n_layers=N_LAYERS, batch=BATCH, seq=SEQ, n_microbatches=4)
+    cfg.update(kw)
+    return cfg
 
 
 def _check_tracks_adamw_reference(results, cfg, abs_tol):

@@ -140,9 +140,11 @@ def is_runtime_schedule(schedule: Any) -> bool:
     return isinstance(schedule, _PipelineScheduleRuntime)
 
 
-def inductor_compile(gm: fx.GraphModule) -> Any:
-    """Compile one flat FX callable with Inductor (static shapes, whole graph)."""
-    return torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False)
+def inductor_compile(gm: fx.GraphModule, options: dict[str, Any] | None = None) -> Any:
+    """Compile one flat FX callable with Inductor (static shapes, whole graph); ``options``
+    are Inductor config keys for this compilation."""
+    return torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False,
+                         options=options or None)
 
 
 def aot_descriptor_kinds(gm: fx.GraphModule) -> tuple[list[str], list[tuple[str, str | None]]]:

@@ -91,18 +91,19 @@ class _GraphRuntime(_compat.GraphPipelineRuntime):
 
     def _counted(self, kind: str, handler: Any) -> Any:
         def run(action: Any, ctx: Any) -> None:
-            stage = next(s for s in _compat.schedule_stages(self.schedule)
-                         if s.stage_index == action.stage_index)
-            if kind == "W" and not stage.graphs.supports_backward_input_weight_split:
-                kind_run = "B"  # a W without an I/W split runs as the full backward
-            else:
-                kind_run = kind
+            stages = _compat.schedule_stages(self.schedule)
+            kind_run = kind
+            if kind == "W":
+                stage = next(s for s in stages if s.stage_index == action.stage_index)
+                if not stage.graphs.supports_backward_input_weight_split:
+                    kind_run = "B"  # a W without an I/W split runs as the full backward
             self.action_counts[kind_run] += 1
             counter = self.collectives
             if counter is None:
                 return handler(action, ctx)
             self.ensure_ready(ctx)
-            counter.mark_params(stage.state.flat_param_values)
+            for stage in stages:
+                counter.mark_params(stage.state.flat_param_values)
             counter.label = kind_run
             with counter:
                 return handler(action, ctx)

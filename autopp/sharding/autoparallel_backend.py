@@ -8,8 +8,8 @@ sub-mesh with the batch split over dp and whole over tp at both ends (what the n
 stages exchange), as torchtitan's AutoParallel integration constrains it.
 
 AutoParallel's module computes with DTensor semantics, so its parameter gradients are sums
-over dp (like autopp's own planned stages): :data:`GRADS_SUMMED_OVER_DP` on the returned
-module tells the pipeline not to scale the loss by dp.
+over dp (like autopp's own planned stages): the :class:`autopp.backends.AutoParallel`
+backend tells the pipeline not to scale the loss by dp.
 
 Not exercised by autopp's tests: AutoParallel cannot be installed on the machines autopp is
 tested on. Only the error when it is missing is tested.
@@ -25,10 +25,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
-GRADS_SUMMED_OVER_DP = "_autopp_grads_summed_over_dp"
-"""Attribute set on modules whose parameter gradients come out summed (not averaged) over dp."""
-
-
 def available() -> bool:
     """Whether ``autoparallel.api.AutoParallel`` can be imported."""
     if importlib.util.find_spec("autoparallel") is None:
@@ -38,6 +34,15 @@ def available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def missing_error() -> ImportError:
+    """The error for ``parallelize="autoparallel"`` without AutoParallel installed."""
+    return ImportError(
+        "parallelize='autoparallel' needs meta-pytorch's AutoParallel "
+        "(pip install git+https://github.com/meta-pytorch/autoparallel; NOT the PyPI "
+        "package named autoparallel); or use parallelize='auto', autopp's own planner"
+    )
 
 
 def autoparallel_stage(
@@ -57,11 +62,7 @@ def autoparallel_stage(
             nothing extra).
     """
     if not available():
-        raise ImportError(
-            "parallelize='autoparallel' needs meta-pytorch's AutoParallel "
-            "(pip install git+https://github.com/meta-pytorch/autoparallel; NOT the PyPI "
-            "package named autoparallel); or use parallelize='auto', autopp's own planner"
-        )
+        raise missing_error()
     from autoparallel.api import AutoParallel
 
     names = tuple(sub_mesh.mesh_dim_names)
@@ -77,5 +78,4 @@ def autoparallel_stage(
         autop.add_output_constraints([batch])
         placement = autop.optimize_placement()
         module = autop.apply_placement(placement)
-    setattr(module, GRADS_SUMMED_OVER_DP, True)
     return module

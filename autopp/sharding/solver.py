@@ -149,10 +149,14 @@ class Model:
         grad_reduce_scale: float = 1.0,
     ):
         self.st = strategies
-        #: Factor on the edges that reduce a gradient into its parameter's placement: 1/M
-        #: when the runtime sums M microbatches' gradients and reduces them once per step.
+        #: Factor on the edges that run once per step, not once per microbatch: 1/M when the
+        #: pipeline has M microbatches. Those are the edges that reduce a gradient into its
+        #: parameter's placement (the runtime sums the microbatches' gradients and reduces
+        #: them once) and the edges out of parameter-only values (casts, views, gathers of
+        #: weights: the runtime's UNSHARD runs them once per step, see autopp.graph.peel).
         self.grad_reduce_scale = grad_reduce_scale
         self._param_nodes = set(strategies.joint.params.values())
+        self._param_only = _param_only_nodes(strategies.joint.gm, self._param_nodes)
         self.costs = costs
         self.memory_budget_bytes = memory_budget_bytes
         self.param_state_factor = param_state_factor
@@ -218,7 +222,7 @@ class Model:
                 continue
             val = tensor_vals(src)[k]
             shape, dtype = tuple(val.shape), val.dtype
-            scale = self.edge_scale(dst, i)
+            scale = self.edge_scale(dst, i, src)
             have: dict[Any, list[int]] = {}
             for idx, o in enumerate(self.options[src]):
                 have.setdefault(o.out[k], []).append(self.col0[src] + idx)
@@ -253,9 +257,11 @@ class Model:
                     ys = side[key]
                     self.rows.append((ys + cols, [1.0] * len(ys) + [-1.0] * len(cols), 0, 0))
 
-    def edge_scale(self, dst: fx.Node, i: int | None) -> float:
-        """Cost factor of an edge: :attr:`grad_reduce_scale` for a gradient-to-parameter tie."""
-        return self.grad_reduce_scale if i is None and dst in self._param_nodes else 1.0
+    def edge_scale(self, dst: fx.Node, i: int | None, src: fx.Node | None = None) -> float:
+        """Cost factor of an edge: :attr:`grad_reduce_scale` for a gradient-to-parameter tie
+        and for an edge out of a parameter-only value (once per step); else 1."""
+        once_per_step = (i is None and dst in self._param_nodes) or src in self._param_only
+        return self.grad_reduce_scale if once_per_step else 1.0
 
     def param_bytes(self, node: fx.Node, o: Option) -> float:
         return self.costs.local_bytes(tensor_vals(node)[0], o.out[0])
@@ -416,7 +422,7 @@ def evaluate(
         a = choice[src].out[k]
         g = choice[dst].out[0] if i is None else choice[dst].ins[i]
         t, steps = costs.redistribute(a, g, tuple(val.shape), val.dtype)
-        scale = model.edge_scale(dst, i)
+        scale = model.edge_scale(dst, i, src)
         comm += t * scale
         colls += [(dst.name, src.name, dataclasses.replace(c, time_s=c.time_s * scale))
                   for c in steps]
@@ -434,3 +440,18 @@ def evaluate(
         solve_s=solve_s,
         status=status,
     )
+
+
+def _param_only_nodes(gm: fx.GraphModule, params: set[fx.Node]) -> set[fx.Node]:
+    """Nodes computed from parameters alone (the parameters, their casts and views): their
+    redistributions run in the stage's UNSHARD, once per step (see autopp.graph.peel)."""
+    only: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if node in params:
+                only.add(node)
+        elif node.op == "call_function":
+            ins = node.all_input_nodes
+            if ins and all(i in only for i in ins):
+                only.add(node)
+    return only

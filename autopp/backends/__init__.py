@@ -1,0 +1,26 @@
+"""Stage backends: how each pipeline stage is parallelized over its sub-mesh.
+
+Pass one as ``pipeline_autoparallel(..., parallelize=...)``; the older shorthands still work:
+``"auto"`` is :class:`Planner` (with ``profile=``, ``memory_budget_bytes=``, ``boundary=``,
+``loss_parallel=``, ``mixed_precision=`` as its :class:`PlannerOptions`), ``None`` is
+:class:`Replicate`, a callable is :class:`Parallelize`, ``"autoparallel"`` is
+:class:`AutoParallel`. Write your own by subclassing :class:`StageBackend`.
+"""
+
+from autopp.backends.autoparallel import AutoParallel
+from autopp.backends.base import PipelineSpec, StageBackend
+from autopp.backends.planner import CompileOptions, Planner, PlannerOptions
+from autopp.backends.replicate import Replicate
+from autopp.backends.user_fn import Parallelize, ParallelizeFn
+
+__all__ = [
+    "AutoParallel",
+    "CompileOptions",
+    "Parallelize",
+    "ParallelizeFn",
+    "PipelineSpec",
+    "Planner",
+    "PlannerOptions",
+    "Replicate",
+    "StageBackend",
+]

@@ -1,0 +1,113 @@
+"""What a stage backend is: how a pipeline's stages are parallelized over their sub-meshes.
+
+:class:`~autopp.pipeline.Pipeline` does the same things for every backend (split, place,
+schedule, normalise the loss, clip, checkpoint); everything that depends on *how* a stage is
+parallelized is a method of its :class:`StageBackend`: planning before the stages are built,
+building each stage on meta, materialising it, wrapping it as a pipeline stage, what its
+gradients mean over dp, what happens after a step, and how it describes itself.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineSpec:
+    """What a backend may look at before the stages are built."""
+
+    model: nn.Module
+    """The whole model on the meta device."""
+    fqns_per_stage: tuple[tuple[str, ...], ...]
+    """Module FQNs of each stage, in stage order."""
+    stage_ids: tuple[int, ...]
+    """The stages this rank holds."""
+    rank_of: tuple[int, ...]
+    """The pp rank of each stage."""
+    mesh: DeviceMesh
+    """The ("pp", "dp", "tp") world mesh."""
+    sub_mesh: DeviceMesh
+    """This rank's ("dp", "tp") stage sub-mesh."""
+    example_inputs: tuple[torch.Tensor, ...]
+    """The model's inputs for one step on this dp rank (batch on dim 0)."""
+    n_microbatches: int
+    """Microbatches per step."""
+    loss_fn: LossFn
+    """The user's loss (mean over a microbatch's counted tokens)."""
+
+    @property
+    def dp(self) -> int:
+        return self.sub_mesh["dp"].size()
+
+
+class StageBackend(ABC):
+    """How each pipeline stage is parallelized over its sub-mesh (see the module docstring).
+
+    Methods are called in this order: :meth:`prepare` once (all ranks, collective),
+    :meth:`build` per local stage (meta), then at ``Pipeline.init_weights``
+    :meth:`materialize` and :meth:`pipeline_stage` per local stage; :meth:`after_step`
+    after every training step.
+    """
+
+    #: Short name for logs and ``describe()``.
+    name: str = "backend"
+    #: True: the stages are :class:`autopp.graph.GraphStage` s run by autopp.graph's runtime
+    #: on torch's action-list schedule; False: torch ``PipelineStage`` s under autograd.
+    uses_graph_runtime: bool = False
+    #: True: parameter gradients come out summed over dp (DTensor semantics), so the loss is
+    #: not scaled by dp; False: averaged over dp (the FSDP/DDP convention).
+    grads_summed_over_dp: bool = False
+
+    def prepare(self, spec: PipelineSpec) -> None:  # noqa: B027 (optional hook)
+        """Whole-pipeline work before the stages are built (planning); collective."""
+
+    @abstractmethod
+    def build(self, stage_id: int, stage_meta: nn.Module, sub_mesh: DeviceMesh) -> nn.Module:
+        """The stage as the pipeline holds it before ``init_weights`` (still on meta)."""
+
+    @abstractmethod
+    def materialize(self, stage_id: int, module: nn.Module, sub_mesh: DeviceMesh, *,
+                    seed: int, device: torch.device) -> nn.Module:
+        """The stage on ``device`` with initialised weights (same values as the whole model
+        initialised by :func:`autopp.init.init_module_` with ``seed``)."""
+
+    def named_parameters(self, modules: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter]] | None:
+        """(whole-model FQN, parameter) of the materialised local stages, or None when the
+        modules' own ``named_parameters`` already use whole-model FQNs."""
+        return None
+
+    def pipeline_stage(self, stage_id: int, module: nn.Module, *, n_stages: int,
+                       device: torch.device, pp_group: dist.ProcessGroup, loss_fn: LossFn,
+                       get_mesh: Callable[..., DeviceMesh]) -> Any:
+        """The torch pipeline stage running ``module`` (default: an autograd PipelineStage)."""
+        from torch.distributed.pipelining import PipelineStage
+
+        return PipelineStage(module, stage_id, n_stages, device, group=pp_group,
+                             get_mesh=get_mesh)
+
+    def vocab_parallel_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
+        """The mesh the last stage's logits are split over on the vocabulary (loss parallel),
+        or None when it returns whole logits."""
+        return None
+
+    def after_step(self, params: Sequence[nn.Parameter], mesh: DeviceMesh) -> None:  # noqa: B027
+        """After each training step's backward (e.g. average replicated gradients over dp)."""
+
+    def describe(self, stage_id: int, module: nn.Module | None) -> list[str]:
+        """Lines describing how ``stage_id`` is parallelized (``module``: the built stage)."""
+        return []
+
+    @property
+    def plans(self) -> dict[int, Any]:
+        """{stage id: StagePlan} of this rank's stages, for backends that plan."""
+        return {}

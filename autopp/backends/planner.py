@@ -1,0 +1,161 @@
+"""``Planner``: autopp's sharding planner chooses each stage's placements (``"auto"``).
+
+Planning (:mod:`autopp.auto_plan`): every rank plans its own stages over its sub-mesh from
+one dp-global microbatch, choosing the activations' placements between stages and the
+loss placement by the same cost model. Running (:mod:`autopp.auto_stage`): each planned
+stage is lowered to local graphs with explicit collectives and run as an
+:class:`autopp.graph.GraphStage` on torch's action runtime (parameters gathered once per
+step at UNSHARD, weight gradients at W, gradients reduced once at REDUCE_GRAD).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from autopp.backends.base import LossFn, PipelineSpec, StageBackend
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlannerOptions:
+    """What the planner may choose and under which assumptions.
+
+    Attributes:
+        profile: the device profile of the cost model ("H100", "H200", "A100", "CPU");
+            None: "CPU" on a cpu mesh, else "H100".
+        memory_budget_bytes: per-device bound on parameter memory; None: no bound.
+        boundary: placement of activations sent between stages: "auto" (chosen by cost:
+            stage times plus transfer time), "batch" (batch split over dp, whole over tp) or
+            "batch+seq" (sequence also split over tp: 1/tp of the bytes).
+        loss_parallel: with ``loss_fn=autopp.cross_entropy``, whether the last stage keeps
+            its logits split on the vocabulary over tp and computes the loss in parallel:
+            None (chosen by cost), True (always) or False (never).
+        mixed_precision: torch's FSDP2 ``MixedPrecisionPolicy``, e.g. bf16 compute with
+            parameters gathered in bf16 and gradients reduced in fp32 into fp32 masters.
+    """
+
+    profile: str | None = None
+    memory_budget_bytes: float | None = None
+    boundary: Literal["auto", "batch", "batch+seq"] = "auto"
+    loss_parallel: bool | None = None
+    mixed_precision: MixedPrecisionPolicy | None = None
+
+    def __post_init__(self) -> None:
+        if self.boundary not in ("auto", "batch", "batch+seq"):
+            raise ValueError(f"boundary must be 'auto', 'batch' or 'batch+seq', got {self.boundary!r}")
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
+            raise ValueError(f"memory_budget_bytes must be positive, got {self.memory_budget_bytes}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompileOptions:
+    """Inductor compilation of the planned stages' graphs (``compile=``).
+
+    Attributes:
+        bucket_collectives: let Inductor bucket the graphs' all-gathers, reduce-scatters and
+            all-reduces (fewer, larger messages).
+        reorder_for_overlap: let Inductor reorder collectives to overlap them with compute.
+    Both are off by default: on CPU (gloo) collectives are synchronous, so neither helps.
+    """
+
+    bucket_collectives: bool = False
+    reorder_for_overlap: bool = False
+
+    def inductor_options(self) -> dict[str, Any]:
+        """The Inductor config keys these options set (``torch.compile(options=...)``)."""
+        opts: dict[str, Any] = {}
+        if self.bucket_collectives:
+            opts.update(bucket_all_gathers_fx="all", bucket_reduce_scatters_fx="all",
+                        bucket_all_reduces_fx="all")
+        if self.reorder_for_overlap:
+            opts["reorder_for_compute_comm_overlap"] = True
+        return opts
+
+
+@dataclass
+class Planner(StageBackend):
+    """autopp's planner (``parallelize="auto"``); see the module docstring.
+
+    Args:
+        options: what the planner may choose (:class:`PlannerOptions`).
+        compile: run each planned stage's graphs through Inductor: True, or
+            :class:`CompileOptions` for its collective passes; False (default): eager.
+    """
+
+    options: PlannerOptions = field(default_factory=PlannerOptions)
+    compile: bool | CompileOptions = False
+    _planned: dict[int, Any] = field(default_factory=dict, init=False, repr=False)
+    _last_stage: int = field(default=-1, init=False, repr=False)
+
+    name = "planner"
+    uses_graph_runtime = True
+    grads_summed_over_dp = True
+
+    def prepare(self, spec: PipelineSpec) -> None:
+        from autopp.auto_plan import default_profile, loss_kinds, plan_stages
+
+        o = self.options
+        self._last_stage = len(spec.fqns_per_stage) - 1
+        self._planned = plan_stages(
+            spec, profile=o.profile or default_profile(spec.mesh.device_type),
+            memory_budget_bytes=o.memory_budget_bytes, boundary=o.boundary,
+            last_kinds=loss_kinds(spec.sub_mesh, spec.loss_fn, o.loss_parallel),
+            mixed_precision=o.mixed_precision,
+        )
+
+    def build(self, stage_id: int, stage_meta: nn.Module, sub_mesh: DeviceMesh) -> nn.Module:
+        return stage_meta
+
+    def materialize(self, stage_id: int, module: nn.Module, sub_mesh: DeviceMesh, *,
+                    seed: int, device: torch.device) -> nn.Module:
+        from autopp.auto_stage import materialize_and_apply
+
+        planned = self._planned[stage_id]
+        return materialize_and_apply(module, planned.plan, sub_mesh, planned.example_inputs,
+                                     seed=seed, device=device)
+
+    def named_parameters(self, modules: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter]]:
+        return [kv for m in modules for kv in m.named_planned_parameters()]
+
+    def pipeline_stage(self, stage_id: int, module: nn.Module, *, n_stages: int,
+                       device: torch.device, pp_group: dist.ProcessGroup, loss_fn: LossFn,
+                       get_mesh: Callable[..., DeviceMesh]) -> Any:
+        from autopp.auto_stage import planned_graph_stage
+
+        return planned_graph_stage(module, stage_index=stage_id, num_stages=n_stages,
+                                   device=device, group=pp_group, loss_fn=loss_fn,
+                                   compile=self.compile)
+
+    def vocab_parallel_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
+        last = self._planned.get(self._last_stage)
+        return mesh["dp", "tp"] if last is not None and last.boundary_out == "vocab" else None
+
+    def describe(self, stage_id: int, module: nn.Module | None) -> list[str]:
+        planned = self._planned.get(stage_id)
+        if planned is None:
+            return []
+        report = str(planned.plan).split("\n\n")[0].splitlines()  # the summary lines
+        out = [f"  stage {stage_id} plan: " + "\n    ".join(report)]
+        if module is not None and hasattr(module, "stage_graphs"):  # lowered after init
+            kept = module.saved_bytes_per_microbatch()
+            gathered = module.gathered_param_bytes()
+            out.append(f"    keeps {kept / 2**20:.2f} MiB per microbatch per device for the "
+                       f"backward (activations), and {gathered / 2**20:.2f} MiB of parameters "
+                       "gathered once per step (UNSHARD to RESHARD)")
+        if planned.send_bytes:
+            how = ("batch split over dp, sequence over tp)" if planned.boundary_out == "batch+seq"
+                   else "batch split over dp, whole over tp)")
+            out.append(f"    sends {planned.send_bytes / 2**10:.1f} KiB per microbatch per "
+                       f"device to stage {stage_id + 1} (boundary {planned.boundary_out}: {how}")
+        return out
+
+    @property
+    def plans(self) -> dict[int, Any]:
+        return {s: p.plan for s, p in self._planned.items()}
