@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from autopp.sharding import _torch_private as tp
 from autopp.sharding.chain import Unit, stage_units
 from autopp.sharding.interpret import GraphRunner, InterpretedBlockFunction, redistribute_to
-from autopp.sharding.lower import LocalJoint, LoweredUnit, lower_stage, split_local
+from autopp.sharding.lower import LocalJoint, LoweredUnit, lower_joint, lower_stage, split_local
 from autopp.sharding.plan import BlockPlan, StagePlan, from_strs
 from autopp.sharding.precision import maybe_cast
 from autopp.sharding.trace import JointGraph, graph_signature, trace_joint
