@@ -16,14 +16,16 @@ free events. Next to it, per rank, what the lowered graphs say the step keeps:
 * ``gathered``: the unshard graph's outputs (weights gathered once per step at UNSHARD and
   held until RESHARD), independent of the microbatch count;
 * ``acts``: bytes a microbatch keeps for its backward x the microbatches in flight on the
-  rank under the schedule (GPipe: all of them; 1F1B: pp - pp_rank);
+  rank under the schedule (GPipe: all of them; 1F1B: pp - pp_rank); on the last stage
+  also what the eager loss keeps (the logits and cross entropy's log-probabilities);
 * ``grad acc``: the unreduced gradient accumulators (summed over microbatches, reduced once
   per step) plus the reduced gradients the step leaves in ``.grad``.
 
-``measured - acts`` is what the step holds besides activations: it must not grow with the
-number of microbatches (before UNSHARD existed, every microbatch in flight kept its own
-gathered copy of the weights). Transient buffers of one op are not predicted, so measured
-exceeds predicted by a roughly constant amount.
+``unpredicted`` (measured - predicted) is what the graphs do not account for: transient
+buffers of the op running at the peak. It must not grow with the number of microbatches
+(before UNSHARD existed, every microbatch in flight kept its own gathered copy of the
+weights, which would show here). The planner prices gathers once per step, so plans for
+different microbatch counts may shard different weights: compare ``gathered`` too.
 """
 
 from __future__ import annotations
@@ -101,10 +103,15 @@ def measure(args, n_mb: int) -> dict:
     info = schedule_info(args.schedule)
     in_flight = n_mb if info.name in ("GPipe", "LoopedBFS") else min(n_mb, 2 - pp_rank)
     gathered = acts = grads = 0
-    for m in pipe.stage_modules:
-        _, g = m.stage_graphs()
+    for m, sid in zip(pipe.stage_modules, pipe.layout.stage_ids):
+        local, g = m.stage_graphs()
         gathered += m.gathered_param_bytes()
-        acts += m.saved_bytes_per_microbatch() * in_flight
+        per_mb = m.saved_bytes_per_microbatch()
+        if sid == pipe.layout.n_stages - 1:
+            # the eager loss keeps its input (the logits) and what cross entropy saves for
+            # its backward (log-probabilities of the same size) until the microbatch's B
+            per_mb += 2 * torch.Size(local.input_shapes[-1]).numel() * 4
+        acts += per_mb * in_flight
         n_pg = g.convention.signature.num_param_grads
         grads += graph_output_bytes(g.full_backward_graph, 0, n_pg)  # unreduced accumulators
         grads += sum(p.to_local().numel() * p.element_size() for p in m.parameters())
@@ -127,13 +134,15 @@ def main() -> None:
               f"{args.mb_size} x {args.seq_len} tokens per microbatch per dp rank, parameter "
               f"budget {args.budget / mib:.1f} MiB; MiB per rank, peak measured during one step")
         print(f"{'rank':>4s} {'M':>3s} {'measured':>9s} {'predicted':>9s} {'gathered':>9s} "
-              f"{'acts':>7s} {'(in flight)':>11s} {'grad acc':>9s} {'measured-acts':>13s}")
+              f"{'acts':>7s} {'(in flight)':>11s} {'grad acc':>9s} {'measured-acts':>13s} "
+              f"{'unpredicted':>11s}")
         for rank, rs in enumerate(gathered):
             for r in rs:
                 pred = r["gathered"] + r["acts"] + r["grads"]
                 print(f"{rank:4d} {r['n_mb']:3d} {r['peak'] / mib:9.2f} {pred / mib:9.2f} "
                       f"{r['gathered'] / mib:9.2f} {r['acts'] / mib:7.2f} {r['in_flight']:11d} "
-                      f"{r['grads'] / mib:9.2f} {(r['peak'] - r['acts']) / mib:13.2f}")
+                      f"{r['grads'] / mib:9.2f} {(r['peak'] - r['acts']) / mib:13.2f} "
+                      f"{(r['peak'] - pred) / mib:11.2f}")
     dist.destroy_process_group()
 
 

@@ -34,7 +34,7 @@ def one_step(mesh, cfg: dict) -> dict:
     tgt = _dp_slice(target, dp_rank, dp_size)
     from autopp import cross_entropy
 
-    extra = {k: cfg[k] for k in ("boundary", "loss_parallel", "memory_budget_bytes") if k in cfg}
+    extra = {k: cfg[k] for k in ("boundary", "loss_parallel", "memory_budget_bytes", "compile") if k in cfg}
     if cfg.get("bf16"):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 

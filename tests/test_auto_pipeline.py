@@ -129,4 +129,11 @@ def test_auto_parameters_gathered_once_per_step():
             assert counts["UNSHARD all_gather_into_tensor params"] == res["unshard_gathers"]
             assert not [k for k in counts if "params" in k and not k.startswith("UNSHARD")], counts
             assert res["actions"]["UNSHARD"] == 1
+            assert "weights once per step" in res["describe"], res["describe"]
         assert r[0]["gathered_bytes"] > 0
+
+
+def test_auto_compiled_stages_match_single_process(reference):
+    """compile=True: every planned stage's graphs run through Inductor (2 ranks, pp=2)."""
+    configs = [_cfg("1F1B", 2, parallelize="auto", compile=True, eval=True)]
+    _check(run_on_ranks(run_configs, 2, configs), configs, reference)

@@ -144,11 +144,22 @@ class Planner(StageBackend):
         report = str(planned.plan).split("\n\n")[0].splitlines()  # the summary lines
         out = [f"  stage {stage_id} plan: " + "\n    ".join(report)]
         if module is not None and hasattr(module, "stage_graphs"):  # lowered after init
+            from autopp.sharding.memory import gathered_values_per_param
+
             kept = module.saved_bytes_per_microbatch()
             gathered = module.gathered_param_bytes()
             out.append(f"    keeps {kept / 2**20:.2f} MiB per microbatch per device for the "
                        f"backward (activations), and {gathered / 2**20:.2f} MiB of parameters "
                        "gathered once per step (UNSHARD to RESHARD)")
+            local, graphs = module.stage_graphs()
+            per_param = gathered_values_per_param(graphs, local.param_fqns)
+            twice = sorted(f for f, n in per_param.items() if n > 1)
+            if per_param:
+                out.append(f"    gathers {len(per_param)} weights once per step"
+                           + (f"; {len(twice)} of them in two or more placements (the plan "
+                              f"uses them in differently sharded layouts, each gathered once): "
+                              f"{', '.join(twice[:4])}{' ...' if len(twice) > 4 else ''}"
+                              if twice else ""))
         if planned.send_bytes:
             how = ("batch split over dp, sequence over tp)" if planned.boundary_out == "batch+seq"
                    else "batch split over dp, whole over tp)")

@@ -35,14 +35,21 @@ from torch.utils.flop_counter import register_flop_formula
 @torch.library.custom_op("autopp::sdpa", mutates_args=())
 def sdpa(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
          enable_gqa: bool) -> Tensor:
-    """Scaled dot-product attention, ``(batch, heads, seq, head_dim)`` layout."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
-                                          enable_gqa=enable_gqa)
+    """Scaled dot-product attention, ``(batch, heads, seq, head_dim)`` layout.
+
+    The output is always laid out as ``(batch, seq, heads, head_dim)`` in memory (what the
+    fused kernels return for the usual transposed inputs, and what the next reshape to
+    ``(batch, seq, dim)`` wants): the fake kernel must promise the real kernel's strides,
+    or Inductor's stride checks fail."""
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                         enable_gqa=enable_gqa)
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 @sdpa.register_fake
 def _(q, k, v, is_causal, scale, enable_gqa):
-    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+    b, h, s = q.shape[:-1]
+    return q.new_empty((b, s, h, v.shape[-1])).transpose(1, 2)
 
 
 @torch.library.custom_op("autopp::sdpa_backward", mutates_args=())
@@ -56,7 +63,7 @@ def sdpa_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, is_causal: bool
     rep = n // nkv if enable_gqa and nkv != n else 1
     kk = k.repeat_interleave(rep, dim=1) if rep > 1 else k
     vv = v.repeat_interleave(rep, dim=1) if rep > 1 else v
-    qf, kf, vf, gf = (t.float() for t in (q, kk, vv, grad))
+    qf, kf, vf, gf = q.float(), kk.float(), vv.float(), grad.float()
     scores = (qf @ kf.transpose(-2, -1)) * scale
     if is_causal:
         keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
@@ -70,12 +77,14 @@ def sdpa_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, is_causal: bool
     if rep > 1:  # each kv head served `rep` query heads
         dk = dk.unflatten(1, (nkv, rep)).sum(2)
         dv = dv.unflatten(1, (nkv, rep)).sum(2)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    # contiguous, as the fake kernel promises
+    return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(),
+            dv.to(v.dtype).contiguous())
 
 
 @sdpa_backward.register_fake
 def _(grad, q, k, v, is_causal, scale, enable_gqa):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup(ctx, inputs, output):

@@ -73,3 +73,31 @@ def activation_bytes_per_microbatch(
             per_plan[key] = saved_bytes(lowered[1])
         total += per_plan[key]
     return total
+
+
+def gathered_values_per_param(graphs: StageGraphs, param_fqns: tuple[str, ...]) -> dict[str, int]:
+    """For each parameter the unshard graph all-gathers: how many distinct gathered values it
+    makes of it (1: gathered once and used as it is, or transposed locally; 2 or more: the
+    plan uses the weight in several placements, e.g. ``w`` for the forward and ``t(w)``
+    gathered on another dim for the backward, and each is gathered once per step)."""
+    ug = graphs.unshard_graph
+    if ug is None:
+        return {}
+    placeholders = list(ug.graph.find_nodes(op="placeholder"))
+    fqn_of = {ph: param_fqns[i] for ph, i in zip(placeholders, graphs.convention.unshard_param_indices)}
+    counts: dict[str, int] = {}
+    for out in ug.graph.output_node().args[0]:
+        seen, stack, gathered, roots = set(), [out], False, set()
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            gathered |= "all_gather" in str(n.target)
+            if n in fqn_of:
+                roots.add(fqn_of[n])
+            stack += n.all_input_nodes
+        if gathered:
+            for fqn in roots:
+                counts[fqn] = counts.get(fqn, 0) + 1
+    return counts

@@ -35,3 +35,16 @@ def test_traced_block_keeps_attention_as_one_op(stack_of):
     assert targets.count("autopp.sdpa.default") == 1
     assert targets.count("autopp.sdpa_backward.default") == 1
     assert not any("softmax" in t for t in targets)  # not decomposed into math attention
+
+
+def test_custom_ops_pass_opcheck_with_transposed_inputs():
+    """The fake kernels promise the real kernels' shapes and strides (Inductor checks them:
+    a wrong promise fails a compiled planned stage), also for the (batch, seq, heads, dim)
+    storage that llama's q/k/v have."""
+    import autopp.sharding.attention  # noqa: F401  (registers the ops)
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 16, 4, 8).transpose(1, 2) for _ in range(3))
+    g = torch.randn(2, 4, 16, 8)
+    torch.library.opcheck(torch.ops.autopp.sdpa.default, (q, k, v, True, 0.3, False))
+    torch.library.opcheck(torch.ops.autopp.sdpa_backward.default, (g, q, k, v, True, 0.3, False))
