@@ -40,6 +40,11 @@ def one_step(mesh, cfg: dict) -> dict:
 
         extra["mixed_precision"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    parallelize = cfg.get("parallelize")
+    if "planner_options" in cfg:  # a backend object instead of the shorthands
+        from autopp.backends import Planner, PlannerOptions
+
+        parallelize = Planner(PlannerOptions(**cfg["planner_options"]))
     pipe = pipeline_autoparallel(
         llama3_meta(cfg["n_layers"]),
         mesh,
@@ -48,7 +53,7 @@ def one_step(mesh, cfg: dict) -> dict:
         schedule=cfg["schedule"],
         n_microbatches=cfg["n_microbatches"],
         split=cfg.get("split"),
-        parallelize=cfg.get("parallelize"),
+        parallelize=parallelize,
         **extra,
     )
     pipe.init_weights(seed=0)

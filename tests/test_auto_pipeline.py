@@ -93,7 +93,13 @@ def test_auto_checkpoint_resume(tmp_path):
 
 def test_auto_mixed_precision_bf16_compute_fp32_masters():
     """MixedPrecisionPolicy(bf16, fp32): the step follows the single-process model run with
-    bf16 parameters (not the fp32 one), while masters and gradients stay fp32."""
+    bf16 parameters (not the fp32 one), while masters and gradients stay fp32.
+
+    Which reference the step follows is judged on the gradients: every one within 2% of the
+    bf16 reference's and, for at least 3 in 4 parameters, closer to it than to the fp32
+    reference's. The loss alone cannot tell: the two references' losses are 1e-3 apart, and
+    bf16 rounding in a different op layout or plan moves the pipeline's loss by as much
+    (the attention output's memory layout alone moved it by 1.1e-3)."""
     import torch
 
     tokens, target = make_batch(BATCH, SEQ)
@@ -104,25 +110,41 @@ def test_auto_mixed_precision_bf16_compute_fp32_masters():
         assert r["param_dtypes"] == r["grad_dtypes"] == ["torch.float32"]
         print(f"bf16 pipeline loss {r['loss']:.6f}, bf16 reference {ref16[0]:.6f}, "
               f"fp32 reference {ref32[0]:.6f}")
-        assert abs(r["loss"] - ref16[0]) < 3e-4 < abs(r["loss"] - ref32[0])
+        assert abs(r["loss"] - ref16[0]) < 2e-3
+        closer_to_bf16 = 0
         for name, g in r["grads"].items():
-            rel = ((g - ref16[1][name]).norm() / ref16[1][name].norm()).item()
-            assert rel < 0.02, (name, rel)
+            rel16 = ((g - ref16[1][name]).norm() / ref16[1][name].norm()).item()
+            rel32 = ((g - ref32[1][name]).norm() / ref32[1][name].norm()).item()
+            assert rel16 < 0.02, (name, rel16)
+            closer_to_bf16 += rel16 < rel32
+        assert closer_to_bf16 >= 0.75 * len(r["grads"]), (closer_to_bf16, len(r["grads"]))
 
 
 def test_auto_parameters_gathered_once_per_step():
     """A parameter-memory budget forces dp-sharded weights. Counted from the running
     pipeline: every parameter all-gather runs at the stage's UNSHARD action, once per step,
-    none inside a microbatch's forward or backward; the loss and gradients still equal the
-    single-process model's; the gathered copy does not grow with the microbatch count."""
+    none inside a microbatch's forward or backward (reshard_after_forward=False, set on a
+    Planner backend object). Left to the planner under this budget, the kept copy does not
+    fit, so each forward and each backward gathers the weights again instead. The loss and
+    gradients equal the single-process model's either way."""
     batch, seq = 8, 128
     reference = reference_step(N_LAYERS, *make_batch(batch, seq))
-    configs = [_cfg("1F1B", 2, dp=2, tp=2, parallelize="auto", memory_budget_bytes=4e6,
-                    count_collectives=True, n_microbatches=m, batch=batch, seq=seq)
+    configs = [_cfg("1F1B", 2, dp=2, tp=2, count_collectives=True, n_microbatches=m,
+                    batch=batch, seq=seq, planner_options=dict(
+                        memory_budget_bytes=4e6, reshard_after_forward=False))
                for m in (2, 4)]
+    configs.append(_cfg("1F1B", 2, dp=2, tp=2, parallelize="auto", memory_budget_bytes=4e6,
+                        count_collectives=True, n_microbatches=2, batch=batch, seq=seq))
     results = run_on_ranks(run_configs, 8, configs)
     _check(results, configs, reference)
     for r in results:
+        regather = r.pop()
+        counts, n = regather["collectives"], regather["unshard_gathers"]
+        assert "UNSHARD all_gather_into_tensor params" not in counts, counts
+        assert counts["F all_gather_into_tensor params"] == 2 * n, counts  # 2 microbatches
+        assert counts["B all_gather_into_tensor params"] == 2 * n, counts
+        assert "re-gathers its weights for every microbatch" in regather["describe"]
+        assert "would exceed the 3.81 MiB budget" in regather["describe"], regather["describe"]
         for res in r:
             counts = res["collectives"]
             assert res["unshard_gathers"] > 0, counts  # the budget made weights dp-sharded

@@ -39,6 +39,12 @@ class PlannerOptions:
             None (chosen by cost), True (always) or False (never).
         mixed_precision: torch's FSDP2 ``MixedPrecisionPolicy``, e.g. bf16 compute with
             parameters gathered in bf16 and gradients reduced in fp32 into fp32 masters.
+        reshard_after_forward: whether a stage drops its gathered weights after each
+            forward and gathers them again for the backward (FSDP's reshard-after-forward:
+            2 gathers per weight per microbatch, the gathered copy lives only during one
+            forward or backward) instead of gathering once per step and keeping the copy:
+            None (chosen: re-gather only when the parameters plus the kept copy would exceed
+            ``memory_budget_bytes``), True or False.
     """
 
     profile: str | None = None
@@ -46,6 +52,7 @@ class PlannerOptions:
     boundary: Literal["auto", "batch", "batch+seq"] = "auto"
     loss_parallel: bool | None = None
     mixed_precision: MixedPrecisionPolicy | None = None
+    reshard_after_forward: bool | None = None
 
     def __post_init__(self) -> None:
         if self.boundary not in ("auto", "batch", "batch+seq"):
@@ -93,6 +100,7 @@ class Planner(StageBackend):
     compile: bool | CompileOptions = False
     _planned: dict[int, Any] = field(default_factory=dict, init=False, repr=False)
     _last_stage: int = field(default=-1, init=False, repr=False)
+    _regather: dict[int, tuple[bool, str]] = field(default_factory=dict, init=False, repr=False)
 
     name = "planner"
     uses_graph_runtime = True
@@ -129,9 +137,30 @@ class Planner(StageBackend):
                        get_mesh: Callable[..., DeviceMesh]) -> Any:
         from autopp.auto_stage import planned_graph_stage
 
+        regather, why = self._choose_regather(module)
+        self._regather[stage_id] = (regather, why)
         return planned_graph_stage(module, stage_index=stage_id, num_stages=n_stages,
                                    device=device, group=pp_group, loss_fn=loss_fn,
-                                   compile=self.compile)
+                                   compile=self.compile, regather_for_backward=regather)
+
+    def _choose_regather(self, module: nn.Module) -> tuple[bool, str]:
+        """Keep the gathered weights for the step, or re-gather them for every forward and
+        backward (see ``PlannerOptions.reshard_after_forward``); and why."""
+        forced = self.options.reshard_after_forward
+        gathered = module.gathered_param_bytes()
+        mib = 2**20
+        if gathered == 0:
+            return False, "gathers no weights"
+        if forced is not None:
+            return forced, "as asked (reshard_after_forward=%s)" % forced
+        budget = self.options.memory_budget_bytes
+        params = sum(p.to_local().numel() * p.element_size() for p in module.parameters())
+        if budget is not None and params + gathered > budget:
+            return True, (f"keeping the {gathered / mib:.2f} MiB gathered copy on top of "
+                          f"{params / mib:.2f} MiB of parameters would exceed the "
+                          f"{budget / mib:.2f} MiB budget")
+        return False, (f"the {gathered / mib:.2f} MiB gathered copy fits"
+                       + ("" if budget is None else f" the {budget / mib:.2f} MiB budget"))
 
     def vocab_parallel_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
         last = self._planned.get(self._last_stage)
@@ -149,13 +178,21 @@ class Planner(StageBackend):
             kept = module.saved_bytes_per_microbatch()
             gathered = module.gathered_param_bytes()
             out.append(f"    keeps {kept / 2**20:.2f} MiB per microbatch per device for the "
-                       f"backward (activations), and {gathered / 2**20:.2f} MiB of parameters "
-                       "gathered once per step (UNSHARD to RESHARD)")
+                       "backward (activations)")
+            regather, why = self._regather.get(stage_id, (False, ""))
+            if regather:
+                out.append(f"    re-gathers its weights for every microbatch's forward and "
+                           f"backward (reshard after forward; 2 gathers per weight per "
+                           f"microbatch): {why}")
+            elif gathered:
+                out.append(f"    keeps {gathered / 2**20:.2f} MiB of weights gathered once per "
+                           f"step (UNSHARD to RESHARD): {why}")
             local, graphs = module.stage_graphs()
             per_param = gathered_values_per_param(graphs, local.param_fqns)
             twice = sorted(f for f, n in per_param.items() if n > 1)
             if per_param:
-                out.append(f"    gathers {len(per_param)} weights once per step"
+                when = "for every forward and backward" if regather else "once per step"
+                out.append(f"    gathers {len(per_param)} weights {when}"
                            + (f"; {len(twice)} of them in two or more placements (the plan "
                               f"uses them in differently sharded layouts, each gathered once): "
                               f"{', '.join(twice[:4])}{' ...' if len(twice) > 4 else ''}"

@@ -51,6 +51,13 @@ class _EagerLoss:
     outputs: list[torch.Tensor]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Regather:
+    """What a forward with ``regather_for_backward`` keeps instead of gathered values."""
+
+    shards: list[Any]
+
+
 def _run(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, ...]:
     with torch.no_grad():
         out = fn(*args)
@@ -90,6 +97,11 @@ class StageGraphs:
     """Meta tensors shaped like the outputs, the loss on the last stage (when traced)."""
     runners: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
     """Compiled replacements of the graphs above, by name (see :func:`compile_stage_graphs`)."""
+    regather_for_backward: bool = False
+    """FSDP's reshard-after-forward: no gathered copy is kept for the step; each forward runs
+    the unshard graph on the parameter shards and drops its outputs after use, and each
+    backward runs it again for the gathered values it reads (2 gathers per weight per
+    microbatch instead of 1 per step; the gathered copy lives only during one F or B)."""
     state_as_local_shards: bool = False
     """How the schedule runtime hands DTensor parameters and buffers to the graphs: as their
     local shards (graphs lowered from a sharding plan, collectives explicit), and reduced
@@ -160,6 +172,8 @@ class StageGraphs:
         if self.unshard_graph is None:
             return list(flat_param_values)
         args = [flat_param_values[i] for i in conv.unshard_param_indices]
+        if self.regather_for_backward:  # the shards themselves: each F and B gathers anew
+            return args
         return list(_run(self._fn("unshard"), args))
 
     def forward_flat(self, unsharded_params: Sequence[Any], buffers: Sequence[Any],
@@ -172,6 +186,10 @@ class StageGraphs:
                 f"forward got {len(user_inputs)} flat user inputs, the stage was traced with "
                 f"{sig.num_user_inputs}; the previous stage's outputs must match this stage's inputs."
             )
+        shards = None
+        if self.regather_for_backward and self.unshard_graph is not None:
+            shards = list(unsharded_params)  # what unshard_params handed on: the shards
+            unsharded_params = list(_run(self._fn("unshard"), shards))
         # With an unshard graph, its outputs feed the leading forward inputs and the other
         # forward inputs index buffers / user inputs only; without one, they index params too.
         params = unsharded_params if self.unshard_graph is None else [None] * sig.num_params
@@ -181,8 +199,20 @@ class StageGraphs:
         out = _run(self._fn("forward"), args)
         n = sig.num_outputs
         k = conv.num_unsharded_params
-        return out[:n], (*out[n : n + conv.num_saved_for_backward],
-                         *unsharded_params[k : k + conv.num_backward_unsharded])
+        saved = out[n : n + conv.num_saved_for_backward]
+        if shards is not None:  # drop the gathered values; the backward gathers again
+            drop = set(self._saved_unsharded_positions())
+            saved = tuple(None if i in drop else v for i, v in enumerate(saved))
+            return out[:n], (*saved, _Regather(shards))
+        return out[:n], (*saved, *unsharded_params[k : k + conv.num_backward_unsharded])
+
+    def _saved_unsharded_positions(self) -> dict[int, int]:
+        """{position in the saved values: unshard output index} of saved gathered values."""
+        conv = self.convention
+        names = [ph.name for ph in self.forward_graph.graph.find_nodes(op="placeholder")]
+        frontier = {name: i for i, name in enumerate(names[: conv.num_unsharded_params])}
+        return {pos: frontier[name] for pos, name in enumerate(conv.saved_for_backward)
+                if name in frontier}
 
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
                 loss_kwargs: dict[str, Any], *, unsharded_param_values: list[Any],
@@ -222,6 +252,13 @@ class StageGraphs:
             saved, output_grads = self._loss_grads(saved)
         conv = self.convention
         n_saved = conv.num_saved_for_backward
+        if saved and isinstance(saved[-1], _Regather):  # gather again what the backward reads
+            gathered = list(_run(self._fn("unshard"), saved[-1].shards))
+            refill = self._saved_unsharded_positions()
+            saved = [gathered[refill[i]] if i in refill else v
+                     for i, v in enumerate(saved[:n_saved])]
+            k = conv.num_unsharded_params
+            saved += gathered[k : k + conv.num_backward_unsharded]
         if len(saved) != n_saved + conv.num_backward_unsharded:
             raise ValueError(
                 f"backward got {len(saved)} saved values, the forward saves "
