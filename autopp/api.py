@@ -4,12 +4,11 @@ and run them under a torch pipeline schedule."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autopp.backends import (
     AutoParallel,
@@ -24,14 +23,12 @@ from autopp.backends import (
 )
 from autopp.mesh import check_world_mesh, mesh_sizes, stage_sub_mesh
 from autopp.pipeline import Pipeline, PipelineLayout
-from autopp.schedules import (
-    ScheduleInfo,
-    check_schedule_config,
-    default_n_stages,
-    schedule_info,
-    stage_ids_for_rank,
-)
 from autopp.stage_split import build_stage_module, resolve_split
+
+if TYPE_CHECKING:  # torch's FSDP and pipelining cost ~1 s to import: only when used
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from autopp.schedules import ScheduleInfo
 
 Split = int | str | Sequence[Sequence[str]] | None
 
@@ -53,6 +50,7 @@ def pipeline_autoparallel(
     loss_parallel: bool | None = None,
     mixed_precision: MixedPrecisionPolicy | None = None,
     compile: bool | CompileOptions = False,
+    raise_on_nonfinite: bool = False,
 ) -> Pipeline:
     """Pipeline ``model`` over ``mesh``: returns this rank's :class:`~autopp.pipeline.Pipeline`.
 
@@ -90,6 +88,8 @@ def pipeline_autoparallel(
             ``mixed_precision`` also goes to ``"autoparallel"``.
         compile: with the planner, run each planned stage's graphs through Inductor: True
             or :class:`autopp.backends.CompileOptions`; False (default): eager.
+        raise_on_nonfinite: a NaN/inf loss (``step``) or gradient norm (``clip_grad_norm_``)
+            raises FloatingPointError on every rank; False (default): a RuntimeWarning.
     """
     backend = resolve_backend(
         parallelize, profile=profile, memory_budget_bytes=memory_budget_bytes,
@@ -108,6 +108,8 @@ def pipeline_autoparallel(
     if coords is None:
         raise ValueError("this rank is not part of the mesh")
     pp_rank, dp_rank, tp_rank = coords
+
+    from autopp.schedules import stage_ids_for_rank
 
     local_batch = int(example_inputs[0].shape[0]) if example_inputs else None
     info, fqns_per_stage = split_for_schedule(
@@ -142,7 +144,9 @@ def pipeline_autoparallel(
         tp_size=tp,
     )
     return Pipeline(layout=layout, stage_modules=modules, mesh=mesh, loss_fn=loss_fn,
-                    ignore_index=ignore_index, backend=backend)
+                    ignore_index=ignore_index, backend=backend,
+                    input_shapes=tuple(tuple(x.shape) for x in example_inputs),
+                    raise_on_nonfinite=raise_on_nonfinite)
 
 
 def resolve_backend(
@@ -199,6 +203,8 @@ def split_for_schedule(
     int gives that many uniform stages. Raises ValueError for a split, microbatch count or
     batch size the schedule cannot run.
     """
+    from autopp.schedules import check_schedule_config, default_n_stages, schedule_info
+
     info = schedule_info(schedule)
     n_stages = default_n_stages(schedule, pp) if split is None else None
     if isinstance(split, int) and not isinstance(split, bool):

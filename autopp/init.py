@@ -19,7 +19,13 @@ import hashlib
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def _dtensor():
+    """DTensor and distribute_tensor, imported on first use (``import autopp`` stays light)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    return DTensor, distribute_tensor
 
 
 def fqn_seed(seed: int, fqn: str) -> int:
@@ -36,6 +42,7 @@ def _full_like(p: torch.Tensor, device: torch.device) -> torch.Tensor:
 @torch.no_grad()
 def _assign_full(p: torch.Tensor, full: torch.Tensor) -> None:
     """Copy a full-size value into ``p`` (keeping only this rank's shard if ``p`` is a DTensor)."""
+    DTensor, distribute_tensor = _dtensor()
     if isinstance(p, DTensor):
         # src_data_rank=None: every rank holds the same full value, so shard it locally
         # without communication.
@@ -91,6 +98,7 @@ def _init_own_buffers(mod: nn.Module, device: torch.device) -> None:
     init_buffers = getattr(mod, "_init_self_buffers", None)
     if not callable(init_buffers) or not mod._buffers:
         return
+    DTensor, distribute_tensor = _dtensor()
     dtensor_meta = {
         name: (b.device_mesh, b.placements)
         for name, b in mod._buffers.items()

@@ -9,6 +9,8 @@ gradient averaging over dp for replicated stages, and global-norm clipping acros
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -19,7 +21,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopp.backends import StageBackend
 from autopp.loss import TokenWeightedLoss, count_tokens
-from autopp.schedules import build_runtime_schedule, build_schedule, forward_only
 from autopp.stage_split import merge_stage_modules
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +101,8 @@ class Pipeline:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         ignore_index: int,
         backend: StageBackend,
+        input_shapes: tuple[tuple[int, ...], ...] | None = None,
+        raise_on_nonfinite: bool = False,
     ) -> None:
         self.layout = layout
         self.mesh = mesh
@@ -125,6 +128,9 @@ class Pipeline:
         self._runtime = None
         self._stages: list = []
         self._all_fqns = {f for stage in layout.fqns_per_stage for f in stage}
+        self._input_shapes = input_shapes
+        #: A non-finite loss or gradient norm raises FloatingPointError (True) or warns.
+        self.raise_on_nonfinite = raise_on_nonfinite
 
     # ----------------------------------------------------------------- properties
     @property
@@ -197,6 +203,8 @@ class Pipeline:
         return self.backend.plans
 
     def _build_schedule(self) -> None:
+        from autopp.schedules import build_runtime_schedule, build_schedule
+
         pp_group = self.mesh["pp"].get_group()
         self._stages = [
             self.backend.pipeline_stage(
@@ -253,15 +261,19 @@ class Pipeline:
                 raise ValueError(f"state_dict is missing keys of this rank's stages: {missing[:5]}")
         self.local_model.load_state_dict({k: v for k, v in state_dict.items() if k in own}, strict=False)
 
-    def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None, *,
+                        force: bool = False) -> None:
         """Save the model (and optimizer) with torch.distributed.checkpoint; collective.
 
         Keys are whole-model FQNs, so the checkpoint loads into any pp/dp/tp layout and split.
+        A non-finite state is refused (ValueError on every rank) unless ``force``; the
+        checkpoint is written beside ``path`` and renamed into place, so the one already at
+        ``path`` survives a crash or a refusal.
         """
         from autopp.checkpoint import save
 
         self._require_built()
-        save(path, self.local_model, optimizer)
+        save(path, self.local_model, optimizer, force=force)
 
     def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Load a checkpoint written by :meth:`save_checkpoint` (any layout); collective."""
@@ -289,14 +301,45 @@ class Pipeline:
         """
         loss = self._run(inputs, target, train=True)
         self.backend.after_step(list(self.parameters()), self.mesh)
+        self._check_finite("loss", loss)
         return loss
+
+    def _check_finite(self, what: str, value: float) -> None:
+        """A non-finite loss or gradient norm (the same value on every rank): warn, or raise
+        FloatingPointError on every rank when ``raise_on_nonfinite``."""
+        if math.isfinite(value):
+            return
+        msg = (f"the step's {what} is {value} (non-finite): the model or the data diverged; "
+               "lower the learning rate, clip gradients, or check the batch")
+        if self.raise_on_nonfinite:
+            raise FloatingPointError(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
     @torch.no_grad()
     def eval(self, *inputs: torch.Tensor, target: torch.Tensor) -> float:
         """Forward-only loss of the global batch (no gradients), on every rank."""
         return self._run(inputs, target, train=False)
 
+    def _check_inputs(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        """Inputs shaped as the pipeline was built for (``example_inputs``): stages are
+        traced and receive buffers sized for them, so another shape would fail deep in a
+        collective. Checked on every rank before any communication."""
+        if self._input_shapes is None:
+            return
+        got = tuple(tuple(x.shape) for x in inputs)
+        if got != self._input_shapes:
+            raise ValueError(
+                f"step/eval got inputs of shapes {list(got)}, but this pipeline was built for "
+                f"{list(self._input_shapes)} (its example_inputs: this dp rank's batch x "
+                "sequence). Pad or cut the batch to that shape, or build a pipeline for the new "
+                "shape with pipeline_autoparallel(example_inputs=...) (plans are cached on disk, "
+                "so a shape seen before is not planned again)."
+            )
+
     def _run(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, *, train: bool) -> float:
+        from autopp.schedules import forward_only
+
+        self._check_inputs(inputs)
         self._require_built()
         inputs = tuple(x.to(self._device) for x in inputs)
         target = target.to(self._device)
@@ -332,8 +375,9 @@ class Pipeline:
 
         params = [p for p in self.parameters() if p.grad is not None]
         pp_mesh = self.mesh["pp"] if self.layout.pp_size > 1 else None
-        norm = clip_grad_norm_(params, max_norm, norm_type=norm_type, pp_mesh=pp_mesh)
-        return float(norm)
+        norm = float(clip_grad_norm_(params, max_norm, norm_type=norm_type, pp_mesh=pp_mesh))
+        self._check_finite("gradient norm", norm)
+        return norm
 
     def zero_grad(self) -> None:
         for m in self.stage_modules:

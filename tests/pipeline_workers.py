@@ -195,3 +195,36 @@ def checkpoint_resume(rank: int, world_size: int, cfg: dict, path: str) -> dict:
     dist.barrier()
     resumed = run(cfg["resume"], seed=7, first=2, last=4, save_at=None, load=True)
     return {"straight": straight, "resumed": resumed}
+
+
+def guards(rank: int, world_size: int, cfg: dict, path: str) -> dict:
+    """Each guard on real processes: what every rank raised, and that the last good
+    checkpoint survives a refused save."""
+    import math
+
+    pipe, batch = _build(cfg, cfg, seed=0)
+    pipe.raise_on_nonfinite = True
+    tok, tgt = batch(1)
+    out: dict = {"good_loss": pipe.step(tok, target=tgt)}
+    pipe.zero_grad()
+    pipe.save_checkpoint(path)
+
+    def raised(fn) -> str:
+        try:
+            fn()
+        except (ValueError, FloatingPointError) as e:
+            return f"{type(e).__name__}: {e}"
+        return "nothing raised"
+
+    out["shape"] = raised(lambda: pipe.step(tok[:, : tok.shape[1] // 2], target=tgt))
+    with torch.no_grad():  # a diverged model: every parameter of this rank's stages is NaN
+        for p in pipe.parameters():
+            _shard(p).fill_(float("nan"))
+    out["nan_step"] = raised(lambda: pipe.step(tok, target=tgt))
+    out["nan_save"] = raised(lambda: pipe.save_checkpoint(path))
+    pipe.zero_grad()
+    pipe.load_checkpoint(path)  # the good checkpoint is still there
+    out["restored_finite"] = all(bool(torch.isfinite(_shard(p)).all()) for p in pipe.parameters())
+    out["restored_loss"] = pipe.eval(tok, target=tgt)
+    out["finite"] = math.isfinite(out["restored_loss"])
+    return out

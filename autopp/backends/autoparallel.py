@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autopp.backends.base import PipelineSpec, StageBackend
-from autopp.init import init_module_
 
 
 @dataclass
@@ -46,6 +47,8 @@ class AutoParallel(StageBackend):
 
     def materialize(self, stage_id: int, module: nn.Module, sub_mesh: DeviceMesh, *,
                     seed: int, device: torch.device) -> nn.Module:
+        from autopp.init import init_module_
+
         init_module_(module, seed=seed, device=device)
         return module
 

@@ -10,7 +10,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopp.backends.base import StageBackend
-from autopp.init import init_module_
 
 
 class Replicate(StageBackend):
@@ -25,6 +24,8 @@ class Replicate(StageBackend):
 
     def materialize(self, stage_id: int, module: nn.Module, sub_mesh: DeviceMesh, *,
                     seed: int, device: torch.device) -> nn.Module:
+        from autopp.init import init_module_
+
         init_module_(module, seed=seed, device=device)
         return module
 

@@ -9,7 +9,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopp.backends.base import StageBackend
-from autopp.init import init_module_
 
 ParallelizeFn = Callable[[nn.Module, DeviceMesh], nn.Module]
 
@@ -34,6 +33,8 @@ class Parallelize(StageBackend):
 
     def materialize(self, stage_id: int, module: nn.Module, sub_mesh: DeviceMesh, *,
                     seed: int, device: torch.device) -> nn.Module:
+        from autopp.init import init_module_
+
         init_module_(module, seed=seed, device=device)
         return module
 

@@ -1,0 +1,27 @@
+"""Mistakes and divergence are caught with a clear error on every rank, before they turn
+into a hang, a gloo abort or a damaged checkpoint (real processes: 4 gloo ranks, pp2 x dp2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist_harness import run_on_ranks
+from tests.pipeline_workers import guards
+from tests.test_pipeline_numerics import _cfg
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_guards_raise_on_every_rank(tmp_path):
+    cfg = _cfg("1F1B", 2, dp=2, n_microbatches=2, lr=1e-3)
+    results = run_on_ranks(guards, 4, cfg, str(tmp_path / "ckpt"), timeout=300)
+    for r in results:
+        # a sequence length the pipeline was not built for: named, before any collective
+        assert r["shape"].startswith("ValueError: step/eval got inputs of shapes [(4, 8)], "
+                                     "but this pipeline was built for [(4, 16)]"), r["shape"]
+        # a diverged model: the step's loss is NaN on every rank, and the step says so
+        assert r["nan_step"].startswith("FloatingPointError: the step's loss is nan"), r
+        # and its state is not written over the last good checkpoint
+        assert r["nan_save"].startswith("ValueError: refusing to save a non-finite state"), r
+        assert r["restored_finite"] and r["finite"]
+        assert r["restored_loss"] == pytest.approx(r["good_loss"], abs=1e-6)  # same weights
