@@ -18,3 +18,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     "$venv/bin/python" -m pip install -q -e "$root[dev]" >&2
     echo "$want" > "$stamp"
 fi
+# meta's AutoParallel (not on any registry here): installed from the shared wheel when one is
+# beside the checkout, so the AutoParallel backend's tests run; skipped (with the reason
+# printed by pytest) where there is none.
+wheel="$(ls "$root"/../shared/wheels/autoparallel-*.whl 2>/dev/null | head -n 1 || true)"
+if [ -n "$wheel" ] && ! "$venv/bin/python" -c "import autoparallel.api" 2>/dev/null; then
+    echo "[env] installing meta's AutoParallel from $wheel" >&2
+    "$venv/bin/python" -m pip install -q "$wheel" >&2
+fi

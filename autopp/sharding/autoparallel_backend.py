@@ -11,12 +11,18 @@ AutoParallel's module computes with DTensor semantics, so its parameter gradient
 over dp (like autopp's own planned stages): the :class:`autopp.backends.AutoParallel`
 backend tells the pipeline not to scale the loss by dp.
 
-Not exercised by autopp's tests: AutoParallel cannot be installed on the machines autopp is
-tested on. Only the error when it is missing is tested.
+Three things it needs that a pipeline stage does not give by itself: its input function is
+called under its own fake mode with the model on the mesh's device, so inputs are created
+there (not on meta); floating inputs must require grad, or its graph computes no input
+gradient and earlier stages get none; and it crashes on a size-1 mesh dim, so it plans over
+the dims larger than 1 (the module is replicated over the rest). Tested on gloo at
+pp2×dp1×tp2 and pp2×dp2×tp2 against single-process (``tests/test_autoparallel_backend.py``)
+where the wheel in ``../shared/wheels`` is installed (``scripts/env.sh`` installs it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from collections.abc import Sequence
 
@@ -65,17 +71,54 @@ def autoparallel_stage(
         raise missing_error()
     from autoparallel.api import AutoParallel
 
-    names = tuple(sub_mesh.mesh_dim_names)
+    # AutoParallel crashes on size-1 mesh dims (a DTensor view-op KeyError): plan over the
+    # dims larger than 1; the module is then replicated over the others.
+    names = tuple(n for n in sub_mesh.mesh_dim_names if sub_mesh[n].size() > 1)
+    if not names:
+        return stage  # one device: nothing to parallelize
+    mesh = sub_mesh[names] if len(names) > 1 else sub_mesh[names[0]]
     batch = tuple(Shard(0) if n == "dp" else Replicate() for n in names)
-    inputs = tuple(inputs)
+    specs = [(tuple(t.shape), t.dtype) for t in inputs]
+    device = torch.device(sub_mesh.device_type)
 
     def input_fn():
-        return inputs if len(inputs) > 1 else inputs[0]
+        # called by AutoParallel under its fake mode: inputs on the mesh's device; floating
+        # inputs require grad so the traced graph computes their gradient (else the earlier
+        # stages would get none)
+        made = []
+        for shape, dtype in specs:
+            if dtype.is_floating_point:
+                made.append(torch.empty(shape, dtype=dtype, device=device).requires_grad_(True))
+            else:
+                made.append(torch.zeros(shape, dtype=dtype, device=device))
+        return tuple(made) if len(made) > 1 else made[0]
 
-    with AutoParallel(stage, input_fn, sub_mesh, mixed_precision) as autop:
+    with _device_name_for_cost_model(), \
+            AutoParallel(stage, input_fn, mesh, mixed_precision) as autop:
         autop.add_parameter_memory_constraint(low=None, high=None)
-        autop.add_input_constraints([batch] * len(inputs))
+        autop.add_input_constraints([batch] * len(specs))
         autop.add_output_constraints([batch])
         placement = autop.optimize_placement()
         module = autop.apply_placement(placement)
     return module
+
+
+@contextlib.contextmanager
+def _device_name_for_cost_model():
+    """AutoParallel picks its cost model by GPU name; without a GPU, say "H100" (as its own
+    tests do) while it plans."""
+    if torch.cuda.is_available():
+        yield
+        return
+    name = lambda *a, **k: "H100"  # noqa: E731
+    saved = {mod: getattr(mod, "get_device_name", None) for mod in (torch.cuda, torch.cpu)}
+    for mod in saved:
+        mod.get_device_name = name
+    try:
+        yield
+    finally:
+        for mod, fn in saved.items():
+            if fn is None:
+                del mod.get_device_name
+            else:
+                mod.get_device_name = fn

@@ -1,0 +1,33 @@
+"""meta's AutoParallel as the stage backend (``parallelize="autoparallel"``) on real gloo
+processes: the loss and every gradient equal the single-process model's (fp32, 1e-5).
+
+Runs where AutoParallel is installed (``scripts/env.sh`` installs it from
+``../shared/wheels`` when that wheel exists); skipped with the reason otherwise."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopp.sharding.autoparallel_backend import available
+from tests.dist_harness import run_on_ranks
+from tests.models import make_batch, reference_step
+from tests.pipeline_workers import run_configs
+from tests.test_pipeline_numerics import BATCH, N_LAYERS, SEQ, _cfg, _check
+
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(not available(), reason="meta's AutoParallel is not installed (no "
+                       "wheel in ../shared/wheels for scripts/env.sh to install)"),
+]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_step(N_LAYERS, *make_batch(BATCH, SEQ))
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_autoparallel_stages_match_single_process(reference, dp):
+    # dp=1: a size-1 mesh dim, which AutoParallel itself cannot plan over
+    configs = [_cfg("1F1B", 2, dp=dp, tp=2, parallelize="autoparallel", eval=True)]
+    _check(run_on_ranks(run_configs, 2 * dp * 2, configs), configs, reference)
