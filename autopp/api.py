@@ -23,7 +23,7 @@ from autopp.backends import (
 )
 from autopp.mesh import check_world_mesh, mesh_sizes, stage_sub_mesh
 from autopp.pipeline import Pipeline, PipelineLayout
-from autopp.stage_split import build_stage_module, resolve_split
+from autopp.stage_split import build_stage_module, check_stage_forwards, resolve_split
 
 if TYPE_CHECKING:  # torch's FSDP and pipelining cost ~1 s to import: only when used
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -123,6 +123,11 @@ def pipeline_autoparallel(
         next(r for r in range(pp) if s in stage_ids_for_rank(r, pp, n_stages, info.style))
         for s in range(n_stages)
     )
+    if example_inputs:  # a forward that does not skip removed modules fails here, clearly
+        x = example_inputs[0]
+        mb = torch.empty((x.shape[0] // n_microbatches, *x.shape[1:]), dtype=x.dtype,
+                         device="meta")
+        check_stage_forwards([build_stage_module(model, f) for f in fqns_per_stage], (mb,))
     backend.prepare(PipelineSpec(
         model=model, fqns_per_stage=tuple(tuple(f) for f in fqns_per_stage),
         stage_ids=tuple(stage_ids), rank_of=rank_of, mesh=mesh, sub_mesh=sub_mesh,

@@ -28,13 +28,14 @@ from autopp.stage_split.merge import merge_stage_modules
 from autopp.stage_split.layout_string import format_layout, parse_layout
 from autopp.stage_split.resolve import SplitSpec, resolve_split
 from autopp.stage_split.uniform import split_uniform
-from autopp.stage_split.validate import validate_split, validate_stage
+from autopp.stage_split.validate import check_stage_forwards, validate_split, validate_stage
 
 __all__ = [
     "ModelLayout",
     "SplitSpec",
     "StageLayers",
     "build_stage_module",
+    "check_stage_forwards",
     "format_layout",
     "inspect_model",
     "merge_stage_modules",

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+from torch import nn
+
 from autopp.stage_split.layout import ModelLayout
 
 __all__ = ["validate_split", "validate_stage"]
@@ -127,3 +130,24 @@ def _unknown_message(fqn: str, where: str, layout: ModelLayout) -> str:
         f"{where} names {fqn!r}, which the model does not have{hint}. "
         f"The model's modules are: {layout.describe()}"
     )
+
+
+@torch.no_grad()
+def check_stage_forwards(stages: list[nn.Module], first_inputs: tuple[torch.Tensor, ...]) -> None:
+    """Run the stages (on meta, in order) once: a model whose forward calls a module that
+    the split removed from a stage (set to None) fails here with an error that says so,
+    on every rank before any communication, instead of deep inside a schedule."""
+    x = tuple(t.to("meta") for t in first_inputs)
+    for i, stage in enumerate(stages):
+        try:
+            out = stage(*x)
+        except TypeError as e:
+            if "NoneType" not in str(e):
+                raise
+            raise ValueError(
+                f"stage {i}'s forward calls a module that is not on that stage ({e}): the "
+                "split sets the modules a stage does not own to None, so the model's forward "
+                "must skip them (e.g. `h = self.norm(h) if self.norm is not None else h`, as "
+                "torchtitan's decoders do)"
+            ) from e
+        x = out if isinstance(out, tuple) else (out,)
