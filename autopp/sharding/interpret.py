@@ -1,4 +1,4 @@
-"""Run a planned unit by interpreting its joint graph on DTensors (the reference executor).
+"""Run a planned unit by interpreting its joint graph on DTensors (the reference).
 
 Each node runs on DTensors: before an op its tensor arguments are redistributed to the
 placements the plan requires, after it the result is moved to the planned output placement,
@@ -9,8 +9,8 @@ with the incoming gradient as tangent (recomputation: simple and exact, at the c
 forward).
 
 This is what :mod:`autopp.sharding.lower` traces into a local graph with explicit collectives
-(the default executor, :mod:`autopp.sharding.local_run`); ``apply_plan(..., executor="dtensor")``
-runs it directly, as a slower reference.
+(which pipelines run as graph stages); calling a ``ShardedStage`` eagerly runs it directly,
+under autograd, as the slower reference tests compare against.
 """
 
 from __future__ import annotations
