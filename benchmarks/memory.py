@@ -14,7 +14,10 @@ peak of live tensor bytes allocated during the step, from the allocator's alloca
 free events. Next to it, per rank, what the lowered graphs say the step keeps:
 
 * ``gathered``: the unshard graph's outputs (weights gathered once per step at UNSHARD and
-  held until RESHARD), independent of the microbatch count;
+  held until RESHARD), independent of the microbatch count; with
+  ``--reshard-after-forward regather`` they are gathered again for every forward and
+  backward and held only meanwhile, so the same bytes are a transient at whatever moment
+  the gather runs (in GPipe, the first backward: on top of every microbatch's activations);
 * ``acts``: bytes a microbatch keeps for its backward x the microbatches in flight on the
   rank under the schedule (GPipe: all of them; 1F1B: pp - pp_rank); on the last stage
   also what the eager loss keeps (the logits and cross entropy's log-probabilities);
@@ -49,6 +52,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--n-layers", type=int, default=6)
     p.add_argument("--budget", type=float, default=4e6,
                    help="parameter-memory budget per device (bytes): forces dp-sharded weights")
+    p.add_argument("--reshard-after-forward", default="keep", choices=["keep", "regather"],
+                   help="keep the gathered weights for the step (default), or re-gather them "
+                        "for every forward and backward")
     return p.parse_args()
 
 
@@ -84,9 +90,14 @@ def measure(args, n_mb: int) -> dict:
     local = n_mb * args.mb_size
     tokens, target = make_batch(local * 2, args.seq_len)
     tok, tgt = tokens[dp_rank * local:(dp_rank + 1) * local], target[dp_rank * local:(dp_rank + 1) * local]
+    from autopp.backends import Planner, PlannerOptions
+
+    raf = args.reshard_after_forward == "regather"
     pipe = pipeline_autoparallel(
         llama3_meta(args.n_layers), mesh, example_inputs=(tok,), loss_fn=ce_loss,
-        schedule=args.schedule, n_microbatches=n_mb, memory_budget_bytes=args.budget)
+        schedule=args.schedule, n_microbatches=n_mb,
+        parallelize=Planner(PlannerOptions(memory_budget_bytes=args.budget,
+                                           reshard_after_forward=raf)))
     pipe.init_weights(seed=0)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
 
@@ -132,7 +143,8 @@ def main() -> None:
         mib = 2**20
         print(f"llama3 debugmodel ({args.n_layers} layers) pp=2 x dp=2 x tp=2, {args.schedule}, "
               f"{args.mb_size} x {args.seq_len} tokens per microbatch per dp rank, parameter "
-              f"budget {args.budget / mib:.1f} MiB; MiB per rank, peak measured during one step")
+              f"budget {args.budget / mib:.1f} MiB, gathered weights: {args.reshard_after_forward}; "
+              "MiB per rank, peak measured during one step")
         print(f"{'rank':>4s} {'M':>3s} {'measured':>9s} {'predicted':>9s} {'gathered':>9s} "
               f"{'acts':>7s} {'(in flight)':>11s} {'grad acc':>9s} {'measured-acts':>13s} "
               f"{'unpredicted':>11s}")

@@ -41,17 +41,41 @@ def saved_bytes(graphs: StageGraphs) -> int:
     return total
 
 
+_VIEW_OPS = frozenset({
+    "aten.t.default", "aten.transpose.int", "aten.view.default", "aten._unsafe_view.default",
+    "aten.permute.default", "aten.slice.Tensor", "aten.select.int", "aten.split.Tensor",
+    "aten.split_with_sizes.default", "aten.alias.default", "aten.expand.default",
+    "aten.detach.default", "aten.unsqueeze.default", "aten.squeeze.dim",
+    "aten.as_strided.default", "<built-in function getitem>",
+})
+
+
+def _owns_storage(node: Any) -> bool:
+    """Whether an unshard output is new memory (a gather, cast or copy on its way from the
+    parameter), not a view of the parameter itself."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen or n.op == "placeholder":
+            continue
+        seen.add(n)
+        if str(n.target) not in _VIEW_OPS:
+            return True
+        stack += n.all_input_nodes
+    return False
+
+
 def unsharded_bytes(graphs: StageGraphs) -> int:
-    """Bytes of the unshard graph's outputs that are not parameters themselves: what a stage
-    holds once, from UNSHARD until its last use in the step (gathered or cast parameters)."""
+    """Bytes of the unshard graph's outputs that are new memory (gathered or cast weights;
+    not the parameters or views of them): what a stage holds once, from UNSHARD until its
+    last use in the step."""
     ug = graphs.unshard_graph
     if ug is None:
         return 0
-    params = set(ug.graph.find_nodes(op="placeholder"))
     total = 0
     for node in ug.graph.output_node().args[0]:
         val = node.meta.get("val")
-        if node in params or not isinstance(val, torch.Tensor):
+        if not isinstance(val, torch.Tensor) or not _owns_storage(node):
             continue
         total += val.numel() * val.element_size()
     return total
