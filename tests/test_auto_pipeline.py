@@ -93,13 +93,7 @@ def test_auto_checkpoint_resume(tmp_path):
 
 def test_auto_mixed_precision_bf16_compute_fp32_masters():
     """MixedPrecisionPolicy(bf16, fp32): the step follows the single-process model run with
-    bf16 parameters (not the fp32 one), while masters and gradients stay fp32.
-
-    Which reference the step follows is judged on the gradients: every one within 2% of the
-    bf16 reference's and, for at least 3 in 4 parameters, closer to it than to the fp32
-    reference's. The loss alone cannot tell: the two references' losses are 1e-3 apart, and
-    bf16 rounding in a different op layout or plan moves the pipeline's loss by as much
-    (the attention output's memory layout alone moved it by 1.1e-3)."""
+    bf16 parameters (not the fp32 one), while masters and gradients stay fp32."""
     import torch
 
     tokens, target = make_batch(BATCH, SEQ)
@@ -110,13 +104,14 @@ def test_auto_mixed_precision_bf16_compute_fp32_masters():
         assert r["param_dtypes"] == r["grad_dtypes"] == ["torch.float32"]
         print(f"bf16 pipeline loss {r['loss']:.6f}, bf16 reference {ref16[0]:.6f}, "
               f"fp32 reference {ref32[0]:.6f}")
-        assert abs(r["loss"] - ref16[0]) < 2e-3
+        assert abs(r["loss"] - ref16[0]) < 3e-4 < abs(r["loss"] - ref32[0])
         closer_to_bf16 = 0
         for name, g in r["grads"].items():
-            rel16 = ((g - ref16[1][name]).norm() / ref16[1][name].norm()).item()
+            rel = ((g - ref16[1][name]).norm() / ref16[1][name].norm()).item()
+            assert rel < 0.02, (name, rel)
             rel32 = ((g - ref32[1][name]).norm() / ref32[1][name].norm()).item()
-            assert rel16 < 0.02, (name, rel16)
-            closer_to_bf16 += rel16 < rel32
+            closer_to_bf16 += rel < rel32
+        # and the gradients, not only the loss, follow the bf16 run rather than the fp32 one
         assert closer_to_bf16 >= 0.75 * len(r["grads"]), (closer_to_bf16, len(r["grads"]))
 
 

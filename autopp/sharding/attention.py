@@ -37,19 +37,15 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
          enable_gqa: bool) -> Tensor:
     """Scaled dot-product attention, ``(batch, heads, seq, head_dim)`` layout.
 
-    The output is always laid out as ``(batch, seq, heads, head_dim)`` in memory (what the
-    fused kernels return for the usual transposed inputs, and what the next reshape to
-    ``(batch, seq, dim)`` wants): the fake kernel must promise the real kernel's strides,
-    or Inductor's stride checks fail."""
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
-                                         enable_gqa=enable_gqa)
-    return out.transpose(1, 2).contiguous().transpose(1, 2)
+    The output is contiguous, as the fake kernel promises (the fused kernels return other
+    strides for transposed inputs; Inductor checks the promise)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                          enable_gqa=enable_gqa).contiguous()
 
 
 @sdpa.register_fake
 def _(q, k, v, is_causal, scale, enable_gqa):
-    b, h, s = q.shape[:-1]
-    return q.new_empty((b, s, h, v.shape[-1])).transpose(1, 2)
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
 @torch.library.custom_op("autopp::sdpa_backward", mutates_args=())
@@ -77,14 +73,13 @@ def sdpa_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, is_causal: bool
     if rep > 1:  # each kv head served `rep` query heads
         dk = dk.unflatten(1, (nkv, rep)).sum(2)
         dv = dv.unflatten(1, (nkv, rep)).sum(2)
-    # contiguous, as the fake kernel promises
-    return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(),
-            dv.to(v.dtype).contiguous())
+    # each gradient laid out like its input, as the fake kernel promises
+    return tuple(torch.empty_like(t).copy_(d) for t, d in ((q, dq), (k, dk), (v, dv)))
 
 
 @sdpa_backward.register_fake
 def _(grad, q, k, v, is_causal, scale, enable_gqa):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup(ctx, inputs, output):
