@@ -99,15 +99,6 @@ def split_joint_graph(
     return _split(gm, signature, layouts, split_weight_grad)
 
 
-def split_joint_graph_keeping_chains(gm: fx.GraphModule, signature: JointSignature, *,
-                                     split_weight_grad: bool = True) -> StageGraphs:
-    """:func:`split_joint_graph` without peeling and without SimpleFSDP's unshard-chain
-    dedup: every parameter all-gather stays where the graph has it (per microbatch)."""
-    check_joint_graph(gm, signature)
-    gm = _compat.normalize_joint_graph(gm, dedup_unshard_chains=False)
-    return _split(gm, signature, None, split_weight_grad)
-
-
 def _split(gm: fx.GraphModule, signature: JointSignature, layouts: ValueLayouts | None,
            split_weight_grad: bool, backward_only_extra: tuple[int, ...] = ()) -> StageGraphs:
     """Partition, peel SimpleFSDP collectives, split I/W. ``backward_only_extra``: more

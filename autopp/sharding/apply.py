@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopp.sharding import _torch_private as tp
 from autopp.sharding.chain import Unit, stage_units
-from autopp.sharding.interpret import GraphRunner, InterpretedBlockFunction, redistribute_to
+from autopp.sharding.interpret import GraphRunner, InterpretedBlockFunction
 from autopp.sharding.lower import LocalJoint, LoweredUnit, lower_joint, lower_stage, split_local
 from autopp.sharding.plan import BlockPlan, StagePlan, from_strs
 from autopp.sharding.precision import maybe_cast
@@ -84,7 +84,7 @@ class ShardedStage(nn.Module):
         self.plan = plan
         self.mesh = mesh
         self.blocks = nn.ModuleDict({p.replace(".", "__") or "stage": b for p, b in blocks})
-        self._graphs: dict[bool, tuple[LocalJoint, Any]] = {}
+        self._graphs: tuple[LocalJoint, Any] | None = None
 
     def forward(self, x: torch.Tensor) -> DTensor:
         if not isinstance(x, DTensor):  # a global tensor, identical on every rank
@@ -93,23 +93,22 @@ class ShardedStage(nn.Module):
             x = block(x)
         return x
 
-    def stage_graphs(self, *, peel_params: bool = True) -> tuple[LocalJoint, Any]:
+    def stage_graphs(self) -> tuple[LocalJoint, Any]:
         """The stage lowered to one local joint graph and split into its callables
         (:class:`autopp.graph.StageGraphs`); made once and cached.
 
         Graph inputs follow this module's ``parameters()`` and ``buffers()`` order (what
         :class:`autopp.graph.GraphStage` hands them in), then the stage input in the plan's
-        input placements and the output gradient in its output placements. With
-        ``peel_params`` (default), parameter casts and all-gathers form the unshard graph
-        (once per step); see :func:`autopp.sharding.lower.split_local`.
+        input placements and the output gradient in its output placements. Parameter casts
+        and all-gathers form the unshard graph (once per step); see
+        :func:`autopp.sharding.lower.split_local`.
         """
-        key = bool(peel_params)
-        if key not in self._graphs:
+        if self._graphs is None:
             local = lower_stage(
                 [b.lowered_unit() for b in self.blocks.values()], self.mesh,
                 from_strs(self.plan.input_placements), from_strs(self.plan.output_placements))
-            self._graphs[key] = (local, split_local(local, peel_params=peel_params))
-        return self._graphs[key]
+            self._graphs = (local, split_local(local))
+        return self._graphs
 
     def saved_bytes_per_microbatch(self) -> int:
         """Bytes this rank keeps from a microbatch's forward for its backward (activations;

@@ -22,7 +22,6 @@ traced per rank (each rank lowers its own).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,7 +34,6 @@ from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopp.graph import JointSignature, StageGraphs, split_joint_graph
-from autopp.graph.split import split_joint_graph_keeping_chains
 from autopp.sharding import _torch_private as tp
 from autopp.sharding.interpret import GraphRunner, redistribute_to
 from autopp.sharding.plan import BlockPlan, to_strs
@@ -160,30 +158,21 @@ def _check_local(gm: fx.GraphModule) -> None:
                 raise AssertionError(f"lowered graph node {node.name} still holds a DTensor")
 
 
-def split_local(
-    local: LocalJoint, *, split_weight_grad: bool = True, peel_params: bool = True
-) -> StageGraphs:
+def split_local(local: LocalJoint, *, split_weight_grad: bool = True) -> StageGraphs:
     """Split a lowered joint with :func:`autopp.graph.split_joint_graph` into unshard /
     forward / full backward / backward-input / backward-weight / reduce-grad callables on
     local tensors.
 
-    The gradient reductions at the end of parameter-gradient chains become the reduce-grad
-    graph (so ``full_backward`` returns unreduced gradients; call ``reduce_grads``). With
-    ``peel_params`` (default) every parameter-only computation (the mixed-precision cast,
-    views, all-gathers, in every placement the plan uses a parameter in) becomes the unshard
-    graph (:mod:`autopp.graph.peel`): it runs once per step, and the microbatches' forward
-    and backward read its outputs. Without it the parameters are handed to the split as
-    buffers and each microbatch's forward gathers them again (the layout before UNSHARD
-    existed; kept for comparison). ``local.gm`` is not modified.
+    Every parameter-only computation (the mixed-precision cast, views, all-gathers, in every
+    placement the plan uses a parameter in) becomes the unshard graph
+    (``peel_params=True``, :mod:`autopp.graph.peel`): it runs once per step, and the
+    microbatches' forward and backward read its outputs. The gradient reductions at the
+    end of parameter-gradient chains become the reduce-grad graph (so ``full_backward``
+    returns unreduced gradients; call ``reduce_grads``). ``local.gm`` is not modified.
     """
-    sig = local.signature
     gm = fx.GraphModule(local.gm, copy.deepcopy(local.gm.graph))  # the split edits in place
-    if peel_params:
-        return split_joint_graph(gm, sig, split_weight_grad=split_weight_grad, peel_params=True)
-    as_buffers = dataclasses.replace(sig, num_params=0, num_buffers=sig.num_state_inputs)
-    graphs = split_joint_graph_keeping_chains(gm, as_buffers, split_weight_grad=split_weight_grad)
-    graphs.convention = dataclasses.replace(graphs.convention, signature=sig)
-    return graphs
+    return split_joint_graph(gm, local.signature, split_weight_grad=split_weight_grad,
+                             peel_params=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,6 @@ def test_custom_ops_pass_opcheck_with_transposed_inputs():
     """The fake kernels promise the real kernels' shapes and strides (Inductor checks them:
     a wrong promise fails a compiled planned stage), also for the (batch, seq, heads, dim)
     storage that llama's q/k/v have."""
-    import autopp.sharding.attention  # noqa: F401  (registers the ops)
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 16, 4, 8).transpose(1, 2) for _ in range(3))
