@@ -203,7 +203,7 @@ class Pipeline:
         return self.backend.plans
 
     def _build_schedule(self) -> None:
-        from autopp.schedules import build_runtime_schedule, build_schedule
+        from autopp.schedules import build_schedule
 
         pp_group = self.mesh["pp"].get_group()
         self._stages = [
@@ -217,7 +217,8 @@ class Pipeline:
         if self.backend.uses_graph_runtime:  # graph stages on torch's action runtime
             from autopp.graph import attach_graph_runtime
 
-            self._schedule = build_runtime_schedule(self.layout.schedule, self._stages, **common)
+            self._schedule = build_schedule(self.layout.schedule, self._stages, runtime=True,
+                                            **common)
             self._runtime = attach_graph_runtime(self._schedule)
         else:
             self._schedule = build_schedule(self.layout.schedule, self._stages, **common)

@@ -8,14 +8,14 @@ schedules; this package says what each one needs and builds it:
   (:class:`ScheduleInfo`); a path to a CSV file is a schedule too.
 * :func:`default_n_stages`, :func:`stage_ids_for_rank`: how many stages, and which on a rank.
 * :func:`check_schedule_config`: a clear ValueError for sizes a schedule cannot run.
-* :func:`build_schedule`: the torch schedule object for this rank's stages;
-  :func:`build_runtime_schedule`: the same steps on torch's action-list runtime (graph stages).
+* :func:`build_schedule`: the torch schedule object for this rank's stages (``runtime=True``:
+  the same steps on torch's action-list runtime, for graph stages).
 * :func:`dump_schedule_csv`, :func:`read_schedule_csv`, :func:`schedule_order`: schedules as
   values, written to and read from CSV.
 """
 
 from autopp.schedules._torch_compat import forward_only
-from autopp.schedules.build import build_runtime_schedule, build_schedule
+from autopp.schedules.build import build_schedule
 from autopp.schedules.checks import check_batch_size, check_schedule_config, microbatches_ok
 from autopp.schedules.csv_schedules import (
     CsvSchedule,
@@ -40,7 +40,6 @@ __all__ = [
     "Placement",
     "ScheduleInfo",
     "ScheduleOrder",
-    "build_runtime_schedule",
     "build_schedule",
     "check_batch_size",
     "check_schedule_config",

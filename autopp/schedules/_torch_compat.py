@@ -158,11 +158,6 @@ def runtime_from_order(
     return runtime
 
 
-def is_runtime_class(cls: type) -> bool:
-    """Whether a torch schedule class runs on the action-list runtime."""
-    return issubclass(cls, RUNTIME_SCHEDULE_CLASS)
-
-
 @contextmanager
 def forward_only(schedule: Any) -> Iterator[None]:
     """Run only the forward actions of an action-list (runtime) schedule while inside.

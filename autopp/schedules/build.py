@@ -34,6 +34,7 @@ def build_schedule(
     n_microbatches: int,
     loss_fn: Callable[..., Any] | None,
     scale_grads: bool,
+    runtime: bool = False,
     **schedule_kwargs: Any,
 ) -> Any:
     """The torch schedule that runs ``stages`` (this rank's stages) with ``schedule``.
@@ -47,6 +48,10 @@ def build_schedule(
         loss_fn: ``loss_fn(output, target)`` on the last stage; None for forward only.
         scale_grads: passed to torch. True divides gradients by n_microbatches (for a loss
             that averages); autopp passes False and normalises the loss itself.
+        runtime: always return torch's action-list runtime (``_PipelineScheduleRuntime``),
+            which graph stages need (:mod:`autopp.graph`): multi-stage and CSV schedules are
+            runtimes already; GPipe and 1F1B then run as their action lists
+            (:func:`single_stage_order`).
         **schedule_kwargs: passed on to the torch class (e.g. ``backward_requires_autograd``).
 
     Checks the configuration with ``check_schedule_config`` first, and that the stages are the
@@ -70,35 +75,12 @@ def build_schedule(
         return _torch_compat.new_csv_runtime(
             ordered, info.csv.path, **common, **schedule_kwargs
         )
-    if not info.multi_stage:
-        return info.torch_class(ordered[0], **common, **schedule_kwargs)
-    return info.torch_class(ordered, **common, **schedule_kwargs)
-
-
-def build_runtime_schedule(
-    schedule: str | os.PathLike | ScheduleInfo,
-    stages: Sequence[PipelineStage],
-    *,
-    n_microbatches: int,
-    loss_fn: Callable[..., Any] | None,
-    scale_grads: bool,
-    **schedule_kwargs: Any,
-) -> Any:
-    """Like :func:`build_schedule`, but always torch's action-list runtime
-    (``_PipelineScheduleRuntime``), which graph stages need (:mod:`autopp.graph`).
-
-    Multi-stage and CSV schedules are runtimes already; the single-stage GPipe and 1F1B run
-    as their action lists (:func:`single_stage_order`) on the runtime.
-    """
-    built = build_schedule(schedule, stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
-                           scale_grads=scale_grads, **schedule_kwargs)
-    if _torch_compat.is_runtime_class(type(built)):
-        return built
-    rank, pp, _ = _stage_layout(stages)
-    order = single_stage_order(type(built).__name__, pp, n_microbatches)
-    return _torch_compat.runtime_from_order(
-        sorted(stages, key=lambda s: s.stage_index), order, n_microbatches=n_microbatches,
-        loss_fn=loss_fn, scale_grads=scale_grads, **schedule_kwargs)
+    if info.multi_stage:
+        return info.torch_class(ordered, **common, **schedule_kwargs)
+    if runtime:
+        order = single_stage_order(info.torch_class.__name__, pp, n_microbatches)
+        return _torch_compat.runtime_from_order(ordered, order, **common, **schedule_kwargs)
+    return info.torch_class(ordered[0], **common, **schedule_kwargs)
 
 
 def single_stage_order(torch_class_name: str, pp: int, n_microbatches: int
