@@ -78,7 +78,8 @@ class _GraphRuntime(_compat.GraphPipelineRuntime):
         super().__init__(schedule)
         #: Actions run since the runtime was made, by kind ("F", "B", "I", "W", "UNSHARD",
         #: "RESHARD", "REDUCE_GRAD", "OVERLAP_F_B"); "W" counts weight-gradient graphs that
-        #: really ran deferred (a W of a stage without an I/W split runs as a full backward).
+        #: really ran deferred (a W of a stage without an I/W split runs as a full backward,
+        #: counted "B"; its I does nothing, counted "I (nothing to do)").
         self.action_counts: collections.Counter[str] = collections.Counter()
         #: Set by :meth:`count_collectives`: collectives run per action kind.
         self.collectives: CollectiveCounter | None = None
@@ -93,10 +94,11 @@ class _GraphRuntime(_compat.GraphPipelineRuntime):
         def run(action: Any, ctx: Any) -> None:
             stages = _compat.schedule_stages(self.schedule)
             kind_run = kind
-            if kind == "W":
+            if kind in ("I", "W"):
                 stage = next(s for s in stages if s.stage_index == action.stage_index)
                 if not stage.graphs.supports_backward_input_weight_split:
-                    kind_run = "B"  # a W without an I/W split runs as the full backward
+                    # without an I/W split, I does nothing and W runs the full backward
+                    kind_run = "B" if kind == "W" else "I (nothing to do)"
             self.action_counts[kind_run] += 1
             counter = self.collectives
             if counter is None:
