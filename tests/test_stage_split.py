@@ -96,15 +96,17 @@ def test_inspect_module_list() -> None:
 
 
 def test_inspect_errors() -> None:
-    with pytest.raises(ValueError, match=r"no top-level module 'blocks'.*'embed', 'layers'"):
+    with pytest.raises(ValueError, match=r"no module 'blocks'.*'embed', 'layers'"):
         inspect_model(toy_meta(), layers_attr="blocks")
     with pytest.raises(ValueError, match=r"Toy.head is a Linear"):
         inspect_model(toy_meta(), layers_attr="head")
     with pytest.raises(ValueError, match="holds no layers"):
+        inspect_model(toy_meta(n_layers=0), layers_attr="layers")
+    with pytest.raises(ValueError, match="no nn.ModuleList or nn.ModuleDict of repeated blocks"):
         inspect_model(toy_meta(n_layers=0))
     model = toy_meta()
     model.scale = nn.Parameter(torch.ones(1, device="meta"))
-    with pytest.raises(ValueError, match=r"parameters directly on its root module \(\['scale'\]\)"):
+    with pytest.raises(ValueError, match=r"root module\) has parameters directly on it \(\['scale'\]\)"):
         inspect_model(model)
 
 

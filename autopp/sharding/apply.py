@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopp.sharding import _torch_private as tp
-from autopp.sharding.chain import Unit, stage_units
+from autopp.sharding.units import Unit, stage_units
 from autopp.sharding.interpret import GraphRunner, InterpretedBlockFunction
 from autopp.sharding.lower import LocalJoint, LoweredUnit, lower_joint, lower_stage, split_local
 from autopp.sharding.plan import BlockPlan, StagePlan, from_strs

@@ -1,8 +1,9 @@
 """Block reuse: plan each distinct block once per boundary pair, then chain by DP.
 
-A stage that is a stack of identical blocks (torchtitan's ``layers``) is planned as follows:
+A stage cut into units (:mod:`autopp.sharding.units`: pre part, blocks, post part) is
+planned as follows:
 
-1. group blocks by a structural signature (module types, parameter shapes and dtypes), so a
+1. group units by a structural signature (module types, parameter shapes and dtypes), so a
    stack of 8 identical blocks is traced and enumerated once;
 2. for each distinct block and each pair (a, b) of boundary placements from a small set
    ``B`` (batch on dp; replicated or sequence-sharded elsewhere), solve the block's ILP with
@@ -15,11 +16,9 @@ Planning time is ``|B|² × (one block ILP)`` per distinct block, independent of
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -28,112 +27,7 @@ from autopp.sharding import _torch_private as tp
 from autopp.sharding.solver import InfeasiblePlanError, PlacementSpec, SolveResult
 from autopp.sharding.strategies import Strategies, enumerate_strategies
 from autopp.sharding.trace import JointGraph, trace_joint
-
-
-class BlockCall(nn.Module):
-    """Calls ``block(x, *extra_args)``; the traced unit of a block stack."""
-
-    def __init__(self, block: nn.Module, extra_args: tuple[Any, ...]):
-        super().__init__()
-        self.block = block
-        self.extra_args = extra_args
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block(x, *self.extra_args)
-
-
-def default_extra_args(block: nn.Module) -> tuple[Any, ...]:
-    """``None`` for every required positional argument of ``block.forward`` after the first."""
-    params = list(inspect.signature(block.forward).parameters.values())[1:]
-    return tuple(
-        None
-        for p in params
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
-    )
-
-
-def module_signature(module: nn.Module) -> tuple:
-    """Structural key of a module: submodule types and parameter/buffer shapes and dtypes."""
-    mods = tuple((n, type(m).__qualname__) for n, m in module.named_modules())
-    params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters())
-    bufs = tuple((n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers())
-    return mods, params, bufs
-
-
-class EmbedCall(nn.Module):
-    """The embedding unit of a decoder-style stage: ``tok_embeddings(tokens)``."""
-
-    def __init__(self, stage: nn.Module):
-        super().__init__()
-        self.tok_embeddings = stage.tok_embeddings
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.tok_embeddings(tokens)
-
-
-class HeadCall(nn.Module):
-    """The head unit of a decoder-style stage: ``lm_head(norm(h))`` (either may be None)."""
-
-    def __init__(self, stage: nn.Module):
-        super().__init__()
-        self.norm = getattr(stage, "norm", None)
-        skip = getattr(stage, "_skip_lm_head", False)
-        self.lm_head = None if skip else getattr(stage, "lm_head", None)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = self.norm(h) if self.norm is not None else h
-        return self.lm_head(h) if self.lm_head is not None else h
-
-
-@dataclass(frozen=True, slots=True)
-class Unit:
-    """One planned piece of a stage: an embedding, a block, or a head."""
-
-    name: str
-    """"tok_embeddings", "layers.<k>", "head", or "" for a stage planned flat."""
-    module: nn.Module
-    """The module traced for this unit (a wrapper calling the stage's submodule)."""
-    param_prefix: str = ""
-    strip: str = ""
-
-    def stage_fqn(self, fqn: str) -> str:
-        """A parameter's FQN in the stage module, from its FQN in :attr:`module`."""
-        return self.param_prefix + fqn.removeprefix(self.strip)
-
-
-_STAGE_PARTS = ("layers.", "tok_embeddings.", "norm.", "lm_head.")
-
-
-def stage_units(module: nn.Module) -> list[Unit] | None:
-    """Units of a block-stack stage, or None when ``module`` is not one.
-
-    A block stack keeps its parameters under ``module.layers``; a torchtitan decoder stage
-    may also own ``tok_embeddings`` (run first), ``norm`` and ``lm_head`` (run last), as
-    torchtitan's ``Decoder.forward`` orders them. Anything else is planned as one graph.
-    """
-    layers = getattr(module, "layers", None)
-    if not isinstance(layers, (nn.ModuleDict, nn.ModuleList)) or len(layers) == 0:
-        return None
-    if any(not n.startswith(_STAGE_PARTS) for n, _ in module.named_parameters()):
-        return None
-    units = []
-    if getattr(module, "tok_embeddings", None) is not None:
-        units.append(Unit("tok_embeddings", EmbedCall(module)))
-    items = layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers)
-    for k, block in items:
-        call = BlockCall(block, default_extra_args(block))
-        units.append(Unit(f"layers.{k}", call, f"layers.{k}.", "block."))
-    if getattr(module, "norm", None) is not None or getattr(module, "lm_head", None) is not None:
-        units.append(Unit("head", HeadCall(module)))
-    return units
-
-
-def find_block_stack(module: nn.Module) -> list[tuple[str, nn.Module]] | None:
-    """The blocks of a stage planned by units (see :func:`stage_units`), else None."""
-    units = stage_units(module)
-    if units is None:
-        return None
-    return [(u.name, u.module.block) for u in units if isinstance(u.module, BlockCall)]
+from autopp.sharding.units import BlockCall, default_extra_args, module_signature
 
 
 @dataclass(slots=True)
@@ -153,10 +47,6 @@ def trace_unit(unit_module: nn.Module, x: torch.Tensor, mesh) -> TracedBlock:
 
 def trace_block(block: nn.Module, x: torch.Tensor, mesh) -> TracedBlock:
     return trace_unit(BlockCall(block, default_extra_args(block)), x, mesh)
-
-
-def unit_signature(unit: Unit) -> tuple:
-    return (type(unit.module).__qualname__, module_signature(unit.module))
 
 
 def boundary_candidates(

@@ -13,15 +13,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from autopp.sharding import _torch_private as tp
 from autopp.sharding.chain import (
     TracedBlock,
-    Unit,
     block_restrictions,
     boundary_candidates,
     chain_dp,
     param_numel,
-    stage_units,
     trace_unit,
-    unit_signature,
 )
+from autopp.sharding.units import POST, PRE, Unit, stage_units, unit_signature
 from autopp.sharding.costs import CostModel
 from autopp.sharding.precision import check_policy, maybe_cast, reduce_after_cast
 from autopp.sharding.plan import BlockPlan, CollectivePlan, ParamPlan, StagePlan, to_strs
@@ -79,8 +77,9 @@ def plan_stage(
         memory_budget_bytes: per-device bound on parameter bytes × ``param_state_factor``
             (e.g. 4 for fp32 parameters + gradients + Adam's two states).
         time_limit_s: per ILP.
-        reuse_blocks: plan a block-stack stage (``module.layers``, plus a torchtitan decoder's
-            ``tok_embeddings`` / ``norm`` / ``lm_head``) unit by unit, identical blocks once.
+        reuse_blocks: plan a stage with repeated blocks unit by unit (the part before the
+            blocks, each block, the part after; :mod:`autopp.sharding.units`), identical
+            blocks once; a stage whose forward does not fit that pattern is planned flat.
         mixed_precision: torch's FSDP2 ``MixedPrecisionPolicy``: parameters computed in
             ``param_dtype``, gradients reduced in ``reduce_dtype`` (see
             :mod:`autopp.sharding.precision`); None = the parameters' own dtype.
@@ -180,8 +179,8 @@ def _plan_chain(module, units, x, mesh, names, costs, in_spec, out_spec, fixed,
     first_in = last_out = None
     for kind, (unit, traced) in enumerate(reps):
         # the stage's own input (tokens) and output (logits) are not block boundaries
-        ends_in = unit.name == "tok_embeddings"
-        ends_out = unit.name == "head"
+        ends_in = unit.name == PRE
+        ends_out = unit.name == POST
         ins = boundary_candidates(traced, names, in_spec if ends_in else None, pattern=not ends_in)
         outs = boundary_candidates(
             traced, names, out_spec if ends_out else None, output=True, pattern=not ends_out

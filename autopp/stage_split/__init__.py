@@ -1,8 +1,9 @@
 """Stage split: which modules of a model go to which pipeline stage, and the stage modules.
 
-A model's body must be a sequence of blocks in one ``nn.ModuleList``/``nn.ModuleDict`` child
-(``layers``), with top-level modules before it (pre, e.g. ``tok_embeddings``) and after it
-(post, e.g. ``norm``, ``lm_head``): torchtitan decoders and most LLMs. A split is a plain value,
+A model's body must be a sequence of blocks in one ``nn.ModuleList``/``nn.ModuleDict`` (found
+automatically: ``layers`` in torchtitan, ``model.layers`` in Hugging Face style models), with
+modules before it (pre, e.g. ``tok_embeddings``) and after it (post, e.g. ``norm``,
+``lm_head``): torchtitan decoders and most LLMs. A split is a plain value,
 ``list[list[str]]`` of module FQNs per stage, stated in one of three ways:
 
 - uniform by layer count (``split_uniform``, or ``resolve_split(model, n_stages)``), with the
@@ -23,7 +24,7 @@ Example::
 """
 
 from autopp.stage_split.build import StageLayers, build_stage_module
-from autopp.stage_split.layout import ModelLayout, inspect_model
+from autopp.stage_split.layout import ModelLayout, find_layers, inspect_model
 from autopp.stage_split.merge import merge_stage_modules
 from autopp.stage_split.layout_string import format_layout, parse_layout
 from autopp.stage_split.resolve import SplitSpec, resolve_split
@@ -36,6 +37,7 @@ __all__ = [
     "StageLayers",
     "build_stage_module",
     "check_stage_forwards",
+    "find_layers",
     "format_layout",
     "inspect_model",
     "merge_stage_modules",

@@ -3,9 +3,9 @@
 The stage module is a copy of the whole model (``copy.deepcopy``; on the meta device this copies
 no data: llama3 8B takes about 25 ms) with everything the stage does not hold removed:
 
-- pre/post modules not in the stage are set to ``None`` (the model's forward must skip ``None``
-  modules, as torchtitan's ``Decoder.forward`` does for ``tok_embeddings``, ``norm`` and
-  ``lm_head``);
+- pre/post modules not in the stage are set to ``None``, at whatever depth they are (the
+  model's forward must skip ``None`` modules, as torchtitan's ``Decoder.forward`` does for
+  ``tok_embeddings``, ``norm`` and ``lm_head``);
 - layers not in the stage are deleted from the layers container. A ``ModuleDict`` keeps its
   remaining keys. A ``ModuleList`` is replaced by a :class:`StageLayers`, a ``ModuleDict`` keyed
   by the original indices that iterates over its modules like a list, so that ``for layer in
@@ -23,10 +23,10 @@ from collections.abc import Iterator, Sequence
 
 from torch import nn
 
-from autopp.stage_split.layout import ModelLayout, inspect_model
+from autopp.stage_split.layout import ModelLayout, inspect_model, unit_of
 from autopp.stage_split.validate import validate_stage
 
-__all__ = ["StageLayers", "build_stage_module"]
+__all__ = ["LAYERS_ATTR", "StageLayers", "build_stage_module"]
 
 
 class StageLayers(nn.ModuleDict):
@@ -50,7 +50,8 @@ class StageLayers(nn.ModuleDict):
 
 
 def build_stage_module(
-    model: nn.Module, fqns: Sequence[str], *, layers_attr: str = "layers"
+    model: nn.Module, fqns: Sequence[str], *, layers_attr: str | None = None,
+    allow_tied: bool = False,
 ) -> nn.Module:
     """Return a copy of ``model`` that holds only the modules in ``fqns``.
 
@@ -58,7 +59,11 @@ def build_stage_module(
         model: the whole model, normally on the meta device; it is not modified.
         fqns: the stage's modules, e.g. ``["layers.2", "layers.3", "norm", "lm_head"]``: one
             contiguous run of pre modules, layers (``"<layers_attr>.<key>"``) and post modules.
-        layers_attr: name of the top-level ModuleList/ModuleDict holding the layers.
+        layers_attr: path of the ModuleList/ModuleDict holding the layers (``"layers"``,
+            ``"model.layers"``); None finds it (:func:`~autopp.stage_split.layout.find_layers`).
+        allow_tied: keep parameters tied between a module of the stage and one outside it
+            (the pipeline then keeps their copies equal, see :mod:`autopp.tied`); without it
+            such a parameter raises.
 
     Returns:
         The stage module, on the same device as ``model``, running ``model``'s own forward.
@@ -70,12 +75,14 @@ def build_stage_module(
     """
     layout = inspect_model(model, layers_attr)
     kept = set(validate_stage(fqns, layout))
-    _check_no_shared_parameters(model, layout, kept)
+    if not allow_tied:
+        _check_no_shared_parameters(model, layout, kept)
     stage = copy.deepcopy(model)
+    object.__setattr__(stage, LAYERS_ATTR, layout.layers_attr)
     for name in (*layout.pre, *layout.post):
         if name not in kept:
-            setattr(stage, name, None)
-    container = getattr(stage, layers_attr)
+            _set_submodule(stage, name, None)
+    container = stage.get_submodule(layout.layers_attr)
     kept_layers = [
         name for name, fqn in zip(layout.layer_names, layout.layer_fqns) if fqn in kept
     ]
@@ -87,8 +94,19 @@ def build_stage_module(
                 del container[name]
     else:
         kept_modules = {name: container[int(name)] for name in kept_layers}
-        setattr(stage, layers_attr, StageLayers(kept_modules))
+        _set_submodule(stage, layout.layers_attr, StageLayers(kept_modules))
     return stage
+
+
+#: Attribute of a stage module naming the path of its layers container (set by
+#: :func:`build_stage_module`; read by the planner, which plans those layers block by block).
+LAYERS_ATTR = "_autopp_layers_attr"
+
+
+def _set_submodule(root: nn.Module, path: str, value: nn.Module | None) -> None:
+    owner_path, _, leaf = path.rpartition(".")
+    owner = root.get_submodule(owner_path) if owner_path else root
+    setattr(owner, leaf, value)
 
 
 def _check_no_shared_parameters(model: nn.Module, layout: ModelLayout, kept: set[str]) -> None:
@@ -107,8 +125,6 @@ def _check_no_shared_parameters(model: nn.Module, layout: ModelLayout, kept: set
 
 
 def _unit_of(fqn: str, layout: ModelLayout) -> str:
-    """The stage unit (pre/post module name or ``layers.<key>``) a parameter FQN belongs to."""
-    head, _, rest = fqn.partition(".")
-    if head == layout.layers_attr:
-        return f"{head}.{rest.partition('.')[0]}"
-    return head
+    """The stage unit (pre/post module FQN or ``<layers_attr>.<key>``) a parameter FQN
+    belongs to."""
+    return unit_of(fqn, layout)

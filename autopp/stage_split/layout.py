@@ -1,14 +1,17 @@
 """The shape of a model as the stage split sees it: modules before the layers, the layers, after.
 
 A model can be split into pipeline stages when its body is a sequence of blocks held in one
-``nn.ModuleList`` or ``nn.ModuleDict`` child (``layers`` by default), with top-level modules
+``nn.ModuleList`` or ``nn.ModuleDict`` (found automatically, or named by ``layers_attr``:
+``"layers"`` in torchtitan, ``"model.layers"`` in a Hugging Face style model), with modules
 before it (the "pre" modules, e.g. ``tok_embeddings``) and after it (the "post" modules, e.g.
-``norm`` and ``lm_head``). Pre and post are told apart by registration order: children
-registered before the layers container are pre, those registered after it are post. The split
+``norm`` and ``lm_head``). Pre and post are told apart by registration order, at the
+container's level and at every level above it: siblings registered before the container (or
+before the module enclosing it) are pre, those registered after it are post. The split
 assumes that order is also the order in which the model's forward uses them.
 
-Every split is expressed in module FQNs of the whole model: a pre or post module's child name
-(``"norm"``), or ``"<layers_attr>.<key>"`` for one layer (``"layers.3"``).
+Every split is expressed in module FQNs of the whole model: a pre or post module's FQN
+(``"norm"``, ``"model.embed_tokens"``), or ``"<layers_attr>.<key>"`` for one layer
+(``"layers.3"``, ``"model.layers.3"``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["ModelLayout", "inspect_model"]
+__all__ = ["ModelLayout", "find_layers", "inspect_model"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,13 +28,16 @@ class ModelLayout:
     """Which top-level modules a model has, in forward order, for splitting it into stages."""
 
     pre: tuple[str, ...]
-    """Names of the top-level modules registered before the layers container (embeddings)."""
+    """FQNs of the modules registered before the layers container (embeddings), at its level
+    and at every level above it, outermost first."""
     layers_attr: str
-    """Name of the top-level ``nn.ModuleList``/``nn.ModuleDict`` that holds the layers."""
+    """Path of the ``nn.ModuleList``/``nn.ModuleDict`` that holds the layers (``"layers"``,
+    ``"model.layers"``)."""
     layer_names: tuple[str, ...]
     """Keys of the layers in order: ModuleDict keys, or ModuleList indices as strings."""
     post: tuple[str, ...]
-    """Names of the top-level modules registered after the layers container (norm, head)."""
+    """FQNs of the modules registered after the layers container (norm, head), innermost
+    first (``model.norm`` before ``lm_head``)."""
 
     @property
     def n_layers(self) -> int:
@@ -61,27 +67,31 @@ class ModelLayout:
         return ", ".join([*self.pre, *layer_text, *self.post])
 
 
-def inspect_model(model: nn.Module, layers_attr: str = "layers") -> ModelLayout:
+def inspect_model(model: nn.Module, layers_attr: str | None = None) -> ModelLayout:
     """Find the pre modules, layers and post modules of ``model``.
 
     Args:
         model: the whole model, usually on the meta device (nothing is materialised).
-        layers_attr: name of the top-level child that holds the layers as an
-            ``nn.ModuleList`` or ``nn.ModuleDict``.
+        layers_attr: path of the ``nn.ModuleList`` or ``nn.ModuleDict`` that holds the layers,
+            e.g. ``"layers"`` (torchtitan) or ``"model.layers"`` (Hugging Face style, nested).
+            None: found automatically (:func:`find_layers`).
 
     Raises:
-        ValueError: ``model`` has no such child, the child is not a ModuleList/ModuleDict, it
-            holds no layers, or the model has parameters directly on its root module (no stage
-            could own them).
+        ValueError: ``model`` has no such module, it is not a ModuleList/ModuleDict, it holds
+            no layers, or the model has parameters directly on the root or on a module that
+            encloses the layers (no stage could own them).
     """
-    children = dict(model.named_children())
-    if layers_attr not in children:
+    if layers_attr is None:
+        layers_attr = find_layers(model)
+    try:
+        container = model.get_submodule(layers_attr)
+    except AttributeError:
         raise ValueError(
-            f"{type(model).__name__} has no top-level module {layers_attr!r} holding its layers; "
-            f"its top-level modules are {list(children)}. Pass layers_attr= the name of the "
-            "nn.ModuleList or nn.ModuleDict that holds the blocks."
-        )
-    container = children[layers_attr]
+            f"{type(model).__name__} has no module {layers_attr!r} holding its layers; its "
+            f"modules are {_module_list(model)}. Pass layers_attr= the path of the "
+            "nn.ModuleList or nn.ModuleDict that holds the blocks (e.g. 'model.layers'), or "
+            "None to find it automatically."
+        ) from None
     if isinstance(container, nn.ModuleDict):
         layer_names = tuple(container.keys())
     elif isinstance(container, nn.ModuleList):
@@ -93,17 +103,69 @@ def inspect_model(model: nn.Module, layers_attr: str = "layers") -> ModelLayout:
         )
     if not layer_names:
         raise ValueError(f"{type(model).__name__}.{layers_attr} holds no layers")
-    root_params = [name for name, _ in model.named_parameters(recurse=False)]
-    if root_params:
-        raise ValueError(
-            f"{type(model).__name__} has parameters directly on its root module ({root_params}); "
-            "no pipeline stage could own them. Move them into a submodule."
-        )
-    names = list(children)
-    at = names.index(layers_attr)
+    pre: list[str] = []
+    post: list[str] = []
+    parts = layers_attr.split(".")
+    for depth in range(len(parts)):
+        owner_path = ".".join(parts[:depth])
+        owner = model.get_submodule(owner_path) if owner_path else model
+        own = [name for name, _ in owner.named_parameters(recurse=False)]
+        if own:
+            where = f"{type(owner).__name__} ({owner_path or 'the root module'})"
+            raise ValueError(
+                f"{where} has parameters directly on it ({own}) and encloses the layers; no "
+                "pipeline stage could own them. Move them into a submodule."
+            )
+        names = [n for n, c in owner.named_children() if c is not None]
+        at = names.index(parts[depth])
+        prefix = f"{owner_path}." if owner_path else ""
+        pre += [prefix + n for n in names[:at]]
+        post[:0] = [prefix + n for n in names[at + 1 :]]
     return ModelLayout(
-        pre=tuple(names[:at]),
-        layers_attr=layers_attr,
-        layer_names=layer_names,
-        post=tuple(names[at + 1 :]),
+        pre=tuple(pre), layers_attr=layers_attr, layer_names=layer_names, post=tuple(post)
     )
+
+
+def find_layers(model: nn.Module) -> str:
+    """Path of the module that holds ``model``'s repeated blocks.
+
+    The ``nn.ModuleList`` / ``nn.ModuleDict`` whose children hold the most parameters, among
+    those with at least two children of one type (ties: the shallowest). Raises ValueError
+    naming the candidates when there is none.
+    """
+    best: tuple[int, int, str] | None = None
+    for path, mod in model.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.ModuleDict)) or not path:
+            continue
+        children = [c for c in mod.children() if c is not None]
+        types = [type(c) for c in children]
+        if len(children) < 2 or max(types.count(t) for t in types) < 2:
+            continue
+        numel = sum(p.numel() for p in mod.parameters())
+        key = (numel, -path.count("."), path)
+        if best is None or key[:2] > best[:2]:
+            best = key
+    if best is None:
+        raise ValueError(
+            f"{type(model).__name__} has no nn.ModuleList or nn.ModuleDict of repeated blocks "
+            f"to split into pipeline stages; its modules are {_module_list(model)}. Hold the "
+            "blocks in one, or pass layers_attr= its path."
+        )
+    return best[2]
+
+
+def _module_list(model: nn.Module, limit: int = 12) -> list[str]:
+    names = [n for n, _ in model.named_modules() if n and n.count(".") < 2]
+    return names[:limit] + (["..."] if len(names) > limit else [])
+
+
+def unit_of(fqn: str, layout: ModelLayout) -> str:
+    """The split unit (a pre/post module FQN or ``<layers_attr>.<key>``) that holds the
+    parameter or module ``fqn``; ValueError when none does."""
+    if fqn.startswith(layout.layers_attr + "."):
+        key = fqn[len(layout.layers_attr) + 1 :].partition(".")[0]
+        return f"{layout.layers_attr}.{key}"
+    for unit in (*layout.pre, *layout.post):
+        if fqn == unit or fqn.startswith(unit + "."):
+            return unit
+    raise ValueError(f"{fqn} belongs to no unit of the split ({layout.describe()})")

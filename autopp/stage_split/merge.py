@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from autopp.stage_split.build import LAYERS_ATTR
+
 __all__ = ["merge_stage_modules"]
 
 
@@ -25,29 +27,45 @@ class RankModules(nn.Module):
         raise RuntimeError("RankModules is a view of this rank's stages for state dicts; it does not run")
 
 
-def merge_stage_modules(modules: Sequence[nn.Module], *, layers_attr: str = "layers") -> nn.Module:
+def merge_stage_modules(
+    modules: Sequence[nn.Module], *, layers_attr: str | None = None
+) -> nn.Module:
     """One module holding the (disjoint) modules of ``modules`` under their whole-model names.
 
     Args:
         modules: this rank's stage modules, as built by :func:`build_stage_module` (and
-            possibly parallelized); a module name held by two stages raises ValueError.
-        layers_attr: the name of the layers container.
+            possibly parallelized); a module held by two stages raises ValueError.
+        layers_attr: path of the layers container; None reads it off the stage modules
+            (:func:`build_stage_module` records it), else ``"layers"``.
     """
     merged = RankModules()
-    layers = nn.ModuleDict()
     for stage in modules:
-        for name, child in stage.named_children():
-            if child is None:
-                continue
-            if name == layers_attr:
-                for key, layer in child.named_children():
-                    if key in layers:
-                        raise ValueError(f"layer {layers_attr}.{key} is held by two local stages")
-                    layers[key] = layer
-            elif name in merged._modules:
-                raise ValueError(f"module {name!r} is held by two local stages")
-            else:
-                merged.add_module(name, child)
-    if len(layers):
-        merged.add_module(layers_attr, layers)
+        path = layers_attr or getattr(stage, LAYERS_ATTR, "layers")
+        for fqn, child in _held_units(stage, path):
+            *owner_path, leaf = fqn.split(".")
+            owner = merged
+            for part in owner_path:
+                if part not in owner._modules:
+                    owner.add_module(part, nn.ModuleDict() if part == owner_path[-1] else nn.Module())
+                owner = owner._modules[part]
+            if leaf in owner._modules:
+                raise ValueError(f"module {fqn!r} is held by two local stages")
+            owner.add_module(leaf, child)
     return merged
+
+
+def _held_units(stage: nn.Module, layers_attr: str) -> list[tuple[str, nn.Module]]:
+    """(FQN, module) of each split unit ``stage`` holds: its layers, and the modules beside
+    the layers container and beside each module enclosing it."""
+    parts = layers_attr.split(".")
+    out = []
+    for depth in range(len(parts)):
+        owner_path = ".".join(parts[:depth])
+        owner = stage.get_submodule(owner_path) if owner_path else stage
+        prefix = f"{owner_path}." if owner_path else ""
+        for name, child in owner.named_children():
+            if child is not None and name != parts[depth]:
+                out.append((prefix + name, child))
+    container = stage.get_submodule(layers_attr)
+    out += [(f"{layers_attr}.{k}", c) for k, c in container.named_children()]
+    return out

@@ -22,7 +22,7 @@ def resolve_split(
     split: SplitSpec = None,
     n_stages: int | None = None,
     *,
-    layers_attr: str = "layers",
+    layers_attr: str | None = None,
     input_weight: int = 1,
     output_weight: int = 1,
 ) -> list[list[str]]:
@@ -36,7 +36,8 @@ def resolve_split(
             ``[["tok_embeddings", "layers.0"], ["layers.1", "norm", "lm_head"]]``.
         n_stages: the number of stages the caller needs (e.g. pp size × stages per rank);
             checked against the split when given, required when ``split`` is None.
-        layers_attr: name of the model's ModuleList/ModuleDict of layers (ignored for a layout).
+        layers_attr: path of the model's ModuleList/ModuleDict of layers; None finds it
+            (ignored for a layout).
         input_weight, output_weight: weights of the pre/post modules in a uniform split.
 
     Returns:

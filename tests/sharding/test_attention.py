@@ -26,7 +26,7 @@ def test_sdpa_matches_torch(causal, gqa):
 
 
 def test_traced_block_keeps_attention_as_one_op(stack_of):
-    from autopp.sharding.chain import stage_units
+    from autopp.sharding.units import stage_units
     from autopp.sharding.trace import trace_joint
 
     (unit,) = stage_units(stack_of(1))

@@ -61,7 +61,7 @@ def test_decoder_stage_planned_as_embedding_blocks_head(make_mesh):
     tokens = torch.zeros(8, 64, dtype=torch.long, device="meta")
     plan = plan_stage(model, (tokens,), make_mesh(2, 2))
     names = [b.prefix for b in plan.blocks]
-    assert names == ["tok_embeddings", *[f"layers.{i}" for i in range(6)], "head"]
+    assert names == ["pre", *[f"layers.{i}" for i in range(6)], "post"]
     assert len({b.signature for b in plan.blocks}) == 3  # embedding, one block, head
     assert {p.fqn for p in plan.params} == {n for n, _ in model.named_parameters()}
     assert plan.input_placements == ("S(0)", "R") and plan.output_placements == ("S(0)", "R")

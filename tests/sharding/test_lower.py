@@ -11,7 +11,7 @@ from autopp.sharding.plan import from_strs
 
 def test_lowered_block_has_local_shapes_and_collectives(make_mesh, stack_of):
     from autopp.sharding import plan_stage
-    from autopp.sharding.chain import stage_units
+    from autopp.sharding.units import stage_units
     from autopp.sharding.lower import lower_joint, split_local
     from autopp.sharding.trace import trace_joint
 

@@ -8,7 +8,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autopp.sharding import plan_stage
-from autopp.sharding.chain import stage_units
+from autopp.sharding.units import stage_units
 from autopp.sharding.lower import lower_joint
 from autopp.sharding.precision import check_policy, maybe_cast
 from autopp.sharding.trace import trace_joint

@@ -1,0 +1,301 @@
+"""A stage's planned units, read off how the model's own forward calls its modules.
+
+The planner plans a stage unit by unit, identical blocks once (:mod:`autopp.sharding.chain`).
+The units come from the stage module's forward, traced with ``torch.fx`` at module
+boundaries on meta (each block a leaf, nothing run), so any decoder whose blocks repeat takes
+the same path (torchtitan's llama3 and qwen3, a Hugging Face style ``model.layers`` decoder,
+a plain ``nn.Module``); no attribute name is assumed:
+
+- ``pre``: whatever the forward computes from the stage input before the first block
+  (embeddings, scaling, dropout...), as that part of the traced graph;
+- ``<layers_attr>.<key>``: each block, called as the forward calls it: the previous unit's
+  output first, then the forward's other arguments (constants such as ``None`` masks, or
+  tensors computed from buffers and constants only, e.g. a RoPE cache, recomputed per block);
+- ``post``: whatever the forward computes from the last block's output (norm, head).
+
+A forward that does something else between blocks (a block's input that is not the previous
+block's output, a skip connection around the blocks, an argument computed from the stage
+input) or that ``torch.fx`` cannot trace (data-dependent control flow) is planned as one flat
+graph instead; :func:`stage_units` logs why.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+logger = logging.getLogger("autopp")
+
+PRE = "pre"
+POST = "post"
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One planned piece of a stage: the ``pre`` part, a block, or the ``post`` part."""
+
+    name: str
+    """"pre", "<layers_attr>.<key>" (a block), "post", or "" for a stage planned flat."""
+    module: nn.Module
+    """The module traced for this unit; called with one tensor, returns one tensor."""
+    renames: tuple[tuple[str, str], ...] = ()
+    """(prefix in :attr:`module`, prefix in the stage) pairs mapping parameter FQNs; the
+    first that matches applies; none: the FQN is the stage's."""
+
+    def stage_fqn(self, fqn: str) -> str:
+        """A parameter's FQN in the stage module, from its FQN in :attr:`module`."""
+        for old, new in self.renames:
+            if fqn.startswith(old):
+                return new + fqn[len(old):]
+        return fqn
+
+
+@dataclass(frozen=True, slots=True)
+class ExtraRef:
+    """Stands in a block's call arguments for output ``index`` of :attr:`BlockCall.extra`."""
+
+    index: int
+
+
+class BlockCall(nn.Module):
+    """Calls ``block(x, *args, **kwargs)`` as the stage's forward does.
+
+    ``args``/``kwargs`` are constants, or :class:`ExtraRef` for the outputs of
+    :attr:`extra` (a graph computing tensors from the stage's buffers and constants only,
+    e.g. a RoPE cache slice), recomputed on each call.
+    """
+
+    def __init__(self, block: nn.Module, args: tuple[Any, ...] = (),
+                 kwargs: dict[str, Any] | None = None, extra: fx.GraphModule | None = None):
+        super().__init__()
+        self.block = block
+        self.extra = extra
+        self.args = args
+        self.kwargs = dict(kwargs or {})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.extra is None:
+            return self.block(x, *self.args, **self.kwargs)
+        vals = self.extra()
+
+        def fill(a: Any) -> Any:
+            return vals[a.index] if isinstance(a, ExtraRef) else a
+
+        args = fx.node.map_aggregate(self.args, fill)
+        kwargs = fx.node.map_aggregate(self.kwargs, fill)
+        return self.block(x, *args, **kwargs)
+
+
+def default_extra_args(block: nn.Module) -> tuple[Any, ...]:
+    """``None`` for every required positional argument of ``block.forward`` after the first
+    (how a block is called when it is planned alone, without its model's forward)."""
+    params = list(inspect.signature(block.forward).parameters.values())[1:]
+    return tuple(
+        None
+        for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    )
+
+
+def module_signature(module: nn.Module) -> tuple:
+    """Structural key of a module: submodule types, parameter/buffer shapes and dtypes, and
+    for a traced unit its code and call arguments."""
+    mods = tuple((n, type(m).__qualname__) for n, m in module.named_modules())
+    params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters())
+    bufs = tuple((n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers())
+    code = tuple(getattr(m, "code", "") for _, m in module.named_modules()
+                 if isinstance(m, fx.GraphModule))
+    call = (repr(module.args), repr(sorted(module.kwargs.items()))) if isinstance(
+        module, BlockCall) else ()
+    return mods, params, bufs, code, call
+
+
+def unit_signature(unit: Unit) -> tuple:
+    """Units with equal signatures trace to the same graph and are planned once."""
+    return (type(unit.module).__qualname__, module_signature(unit.module))
+
+
+def layers_path(module: nn.Module) -> str | None:
+    """Path of the stage's block container: as recorded by ``build_stage_module``, else
+    ``layers`` if the module has one, else found by
+    :func:`autopp.stage_split.layout.find_layers`; None when there is none."""
+    from autopp.stage_split.build import LAYERS_ATTR
+    from autopp.stage_split.layout import find_layers
+
+    path = getattr(module, LAYERS_ATTR, None)
+    if path is None:
+        if isinstance(getattr(module, "layers", None), (nn.ModuleList, nn.ModuleDict)):
+            path = "layers"
+        else:
+            try:
+                path = find_layers(module)
+            except ValueError:
+                return None
+    try:
+        container = module.get_submodule(path)
+    except AttributeError:
+        return None
+    return path if isinstance(container, (nn.ModuleList, nn.ModuleDict)) else None
+
+
+def stage_units(module: nn.Module) -> list[Unit] | None:
+    """The units of ``module`` (a stage on meta, or materialised: nothing is run), or None
+    when it must be planned as one flat graph (the reason is logged at INFO)."""
+    path = layers_path(module)
+    if path is None:
+        return None
+    container = module.get_submodule(path)
+    blocks = [(k, b) for k, b in container.named_children() if b is not None]
+    if not blocks:
+        return None
+    try:
+        return _units(module, path, blocks)
+    except _Flat as e:
+        logger.info("planning %s as one graph: %s", type(module).__name__, e)
+        return None
+
+
+class _Flat(Exception):
+    """The stage's forward does not fit the pre / blocks / post pattern (the message says why)."""
+
+
+def _capture(module: nn.Module, leaves: set[int]) -> fx.Graph:
+    class Tracer(fx.Tracer):
+        def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+            return id(m) in leaves or super().is_leaf_module(m, qualname)
+
+    sig = inspect.signature(module.forward)
+    params = list(sig.parameters.values())
+    concrete = {}
+    for p in params[1:]:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.default is p.empty:
+            raise _Flat(f"its forward takes a second required argument {p.name!r}")
+        concrete[p.name] = p.default
+    try:
+        return Tracer().trace(module, concrete_args=concrete or None)
+    except Exception as e:  # fx cannot trace it (data-dependent control flow, ...)
+        raise _Flat(f"torch.fx cannot trace its forward at module boundaries ({e})") from e
+
+
+def _ancestors(node: fx.Node, stop: fx.Node | None = None) -> set[fx.Node]:
+    """The nodes ``node`` reads, directly or not (not through ``stop``, nor ``stop`` itself)."""
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        for a in n.all_input_nodes:
+            if a is not stop and a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return seen
+
+
+def _subgraph(graph_nodes: list[fx.Node], inputs: dict[fx.Node, str],
+              outputs: Any, root: nn.Module) -> fx.GraphModule:
+    """A GraphModule over ``root`` running ``graph_nodes`` (in order), with ``inputs`` (node ->
+    placeholder name) as its placeholders and ``outputs`` (a node or nested nodes) returned."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node, name in inputs.items():
+        env[node] = g.placeholder(name)
+    for node in graph_nodes:
+        if node not in env:
+            env[node] = g.node_copy(node, lambda n: env[n])
+    g.output(fx.node.map_arg(outputs, lambda n: env[n]))
+    g.lint()
+    return fx.GraphModule(root, g)
+
+
+def _units(module: nn.Module, path: str, blocks: list[tuple[str, nn.Module]]) -> list[Unit]:
+    graph = _capture(module, {id(b) for _, b in blocks})
+    nodes = list(graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    x = placeholders[0]
+    calls = [n for n in nodes if n.op == "call_module"
+             and n.target.startswith(path + ".") and n.target.count(".") == path.count(".") + 1]
+    want = [f"{path}.{k}" for k, _ in blocks]
+    if [n.target for n in calls] != want:
+        raise _Flat(f"its forward calls the blocks as {[n.target for n in calls]}, not once "
+                    f"each in order ({want})")
+    pos = {n: i for i, n in enumerate(nodes)}
+    side = {n for n in nodes if not ({x, *calls} & (_ancestors(n) | {n}))}
+    # side values: computed from buffers and constants only
+    for prev, call in zip(calls, calls[1:]):
+        if not call.args or call.args[0] is not prev or len(prev.users) != 1:
+            raise _Flat(f"{call.target}'s first argument is not {prev.target}'s output alone")
+    units: list[Unit] = []
+    first = calls[0]
+    if not first.args or not isinstance(first.args[0], fx.Node):
+        raise _Flat(f"{first.target} is not called with a tensor first")
+    h0 = first.args[0]
+    if h0 is not x:
+        pre_nodes = sorted(_ancestors(h0) | {h0}, key=pos.get)
+        if x not in pre_nodes:
+            raise _Flat(f"{first.target}'s input does not depend on the stage input")
+        units.append(Unit(PRE, _subgraph(pre_nodes, {x: "x"}, h0, module)))
+    extras_cache: dict[tuple, tuple] = {}
+    for (key, block), call in zip(blocks, calls):
+        args, kwargs, extra = _block_args(call, side, pos, module, extras_cache)
+        units.append(Unit(f"{path}.{key}", BlockCall(block, args, kwargs, extra),
+                          (("block.", f"{path}.{key}."), ("extra.", ""))))
+    (out_node,) = [n for n in nodes if n.op == "output"]
+    last = calls[-1]
+    out = out_node.args[0]
+    if not isinstance(out, fx.Node):
+        raise _Flat("its forward does not return one tensor")
+    if out is not last:
+        post = _ancestors(out, stop=last) | {out}
+        early = [n for n in post if n.op == "placeholder" or n in calls[:-1]]
+        if early:
+            raise _Flat(f"the part after the blocks reads {early[0].name}, from before them")
+        for n in post - side:
+            bad = [a for a in n.all_input_nodes if a is not last and a not in post]
+            if bad:
+                raise _Flat(f"the part after the blocks reads {bad[0].name}, computed before them")
+        post_nodes = sorted(post, key=pos.get)
+        units.append(Unit(POST, _subgraph(post_nodes, {last: "h"}, out, module)))
+    return units
+
+
+def _block_args(call: fx.Node, side: set[fx.Node], pos: dict, root: nn.Module,
+                cache: dict) -> tuple[tuple, dict, fx.GraphModule | None]:
+    """A block call's arguments after the first: constants as they are, side tensors (from
+    buffers and constants only) as named outputs of one small graph ``extra``."""
+    refs: list[fx.Node] = []
+
+    def ref(a: Any) -> Any:
+        if not isinstance(a, fx.Node):
+            return a
+        if a not in side:
+            raise _Flat(f"{call.target}'s argument {a.name} is computed from the stage input; "
+                        "only constants and values of buffers can be passed to blocks")
+        if a not in refs:
+            refs.append(a)
+        return ExtraRef(refs.index(a))
+
+    args = fx.node.map_aggregate(tuple(call.args[1:]), ref)
+    kwargs = fx.node.map_aggregate(dict(call.kwargs), ref)
+    if not refs:
+        return args, kwargs, None
+    key = tuple(refs)
+    if key not in cache:
+        nodes = sorted(set().union(*(_ancestors(r) | {r} for r in refs)), key=pos.get)
+        cache[key] = (_subgraph(nodes, {}, tuple(refs), root),)
+    return args, kwargs, cache[key][0]
+
+
+def describe_units(units: list[Unit] | None) -> str:
+    """``"pre, layers.0-5 (1 kind), post"``-style summary, for logs and reports."""
+    if units is None:
+        return "one flat graph"
+    kinds = {unit_signature(u) for u in units if isinstance(u.module, BlockCall)}
+    names = [u.name for u in units]
+    return f"{', '.join(names)} ({len(kinds)} distinct block kind(s))"
+
