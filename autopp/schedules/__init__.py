@@ -12,9 +12,16 @@ schedules; this package says what each one needs and builds it:
   the same steps on torch's action-list runtime, for graph stages).
 * :func:`dump_schedule_csv`, :func:`read_schedule_csv`, :func:`schedule_order`: schedules as
   values, written to and read from CSV.
+* :func:`schedule_actions`: every rank's action list as torch's runtime runs it (with
+  send/recv, unshard/reshard, reduce-grad), built without processes (:class:`ScheduleActions`).
+* :func:`simulate_schedule` / :func:`simulate`: one training step simulated from per-stage
+  costs (:class:`StageCost`) and a p2p :class:`Link`: step time, bubbles, memory over time
+  per rank (:class:`SimulationResult`); :func:`write_chrome_trace` and
+  :func:`write_timeline_png` draw it.
 """
 
 from autopp.schedules._torch_compat import forward_only
+from autopp.schedules.actions import ScheduleActions, actions_from_order, schedule_actions
 from autopp.schedules.build import build_schedule
 from autopp.schedules.checks import check_batch_size, check_schedule_config, microbatches_ok
 from autopp.schedules.csv_schedules import (
@@ -33,25 +40,54 @@ from autopp.schedules.registry import (
     default_n_stages,
     schedule_info,
 )
+from autopp.schedules.simulate import (
+    MEMORY_CATEGORIES,
+    ActionEvent,
+    Link,
+    MemoryBreakdown,
+    MemoryTimeline,
+    RankSummary,
+    SimulationResult,
+    StageCost,
+    simulate,
+    simulate_schedule,
+)
+from autopp.schedules.timeline import chrome_trace, write_chrome_trace, write_timeline_png
 
 __all__ = [
+    "MEMORY_CATEGORIES",
     "SCHEDULE_NAMES",
+    "ActionEvent",
     "CsvSchedule",
+    "Link",
+    "MemoryBreakdown",
+    "MemoryTimeline",
     "Placement",
+    "RankSummary",
+    "ScheduleActions",
     "ScheduleInfo",
     "ScheduleOrder",
+    "SimulationResult",
+    "StageCost",
+    "actions_from_order",
     "build_schedule",
     "check_batch_size",
     "check_schedule_config",
     "check_stage_count",
+    "chrome_trace",
     "default_n_stages",
     "dump_schedule_csv",
     "forward_only",
     "is_csv_schedule",
     "microbatches_ok",
     "read_schedule_csv",
+    "schedule_actions",
     "schedule_info",
     "schedule_order",
+    "simulate",
+    "simulate_schedule",
     "stage_ids_for_rank",
+    "write_chrome_trace",
     "write_order_csv",
+    "write_timeline_png",
 ]

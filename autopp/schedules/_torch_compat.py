@@ -193,3 +193,102 @@ def forward_only(schedule: Any) -> Iterator[None]:
         yield
     finally:
         schedule.pipeline_order_with_comms = saved
+
+
+# --- schedules as values without processes (for the schedule simulator) -----------------------
+
+
+class _StageStandIn:
+    """What torch's schedule constructors read of a pipeline stage, and nothing else.
+
+    torch 2.13's multi-stage schedule classes read ``num_stages``, ``group_size``,
+    ``group_rank`` and ``stage_index`` of their stages, look at ``submod`` for compiled modules
+    (zero-bubble and V schedules) and set ``stage_index_to_group_rank``. Every rank computes
+    every rank's order, so the stand-ins of one rank give the whole schedule.
+    """
+
+    __slots__ = ("stage_index", "num_stages", "group_size", "group_rank", "submod",
+                 "stage_index_to_group_rank")
+
+    def __init__(self, stage_index: int, num_stages: int, group_size: int, group_rank: int):
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.group_size = group_size
+        self.group_rank = group_rank
+        self.submod = None
+        self.stage_index_to_group_rank: dict[int, int] = {}
+
+
+def _stand_ins(pp: int, n_stages: int, stage_ids: Sequence[int]) -> list[Any]:
+    return [_StageStandIn(s, n_stages, pp, 0) for s in sorted(stage_ids)]
+
+
+def _as_strings(order: dict[int, list[Any]]) -> dict[int, list[str | None]]:
+    return {rank: [None if a is None else str(a) for a in order[rank]] for rank in sorted(order)}
+
+
+def lowered_named_schedule(
+    torch_class: type, *, pp: int, n_stages: int, n_microbatches: int, style: str
+) -> tuple[dict[int, list[str | None]], dict[int, list[str]], dict[int, int]]:
+    """A multi-stage torch schedule's orders for every rank, built without processes.
+
+    Constructs ``torch_class`` over stand-ins of rank 0's stages (placed with ``style``,
+    "loop" or "v"), exactly as a training rank does, and returns three plain values:
+    the compute-only order per rank (None = idle step), the order torch's runtime actually
+    runs per rank (with UNSHARD/RESHARD, REDUCE_GRAD, SEND_*/RECV_* added by torch's own
+    lowering), and stage index -> pp rank.
+    """
+    stage_ids = rank_to_stage_ids(pp, n_stages, style)[0]
+    schedule = torch_class(
+        _stand_ins(pp, n_stages, stage_ids),
+        n_microbatches=n_microbatches,
+        loss_fn=lambda output, target: output,  # training: a loss (never called here)
+        scale_grads=False,
+    )
+    return (
+        _as_strings(schedule.pipeline_order),
+        _as_strings(schedule.pipeline_order_with_comms),  # type: ignore[arg-type]
+        dict(schedule.stage_index_to_group_rank),
+    )
+
+
+def lowered_compute_order(
+    order: dict[int, Sequence[str | None]], *, pp: int, n_stages: int, n_microbatches: int
+) -> tuple[dict[int, list[str]], dict[int, int]]:
+    """Lower a compute-only order (action strings per rank) as torch's runtime does.
+
+    torch validates the order (ValueError here if it is not a valid schedule), infers which
+    rank holds which stage from it, and adds UNSHARD/RESHARD, REDUCE_GRAD and SEND_*/RECV_*
+    steps. Returns the lowered order per rank and stage index -> pp rank.
+    """
+    stage_to_rank = validate_compute_order(
+        order, pp=pp, n_stages=n_stages, n_microbatches=n_microbatches
+    )
+    first = min(s for s, r in stage_to_rank.items() if r == 0)
+    runtime = runtime_from_order(
+        _stand_ins(pp, n_stages, [first]),
+        {rank: list(row) for rank, row in order.items()},
+        n_microbatches=n_microbatches,
+        loss_fn=lambda output, target: output,
+        scale_grads=False,
+    )
+    lowered = _as_strings(runtime.pipeline_order_with_comms)  # type: ignore[arg-type]
+    return lowered, stage_to_rank  # type: ignore[return-value]
+
+
+def action_parts(text: str) -> list[ComputePart]:
+    """Any action string of torch's runtime as (stage, type, microbatch) steps, in run order.
+
+    "2F0" -> [(2, "F", 0)]; "1UNSHARD" -> [(1, "UNSHARD", None)]; "(0F3;3B1)OVERLAP_F_B" ->
+    [(0, "F", 3), (3, "B", 1)] (torch's runtime runs the two halves one after the other).
+    Raises ValueError for a malformed or empty string.
+    """
+    action = _parse(text)
+    if action is None:
+        raise ValueError("an empty action string is an idle step, not an action")
+    if action.sub_actions is not None:
+        return [
+            (sub.stage_index, sub.computation_type.value, sub.microbatch_index)
+            for sub in action.sub_actions
+        ]
+    return [(action.stage_index, action.computation_type.value, action.microbatch_index)]

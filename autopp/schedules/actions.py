@@ -1,0 +1,185 @@
+"""Every rank's action list for a schedule, as torch's runtime would run it, without processes.
+
+:func:`schedule_actions` gives a :class:`ScheduleActions` value for a schedule name (see
+``SCHEDULE_NAMES``), a compute-only CSV file, or (:func:`actions_from_order`) a compute-only
+order written in Python. The lists are torch's own:
+
+* multi-stage schedules (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble,
+  DualPipeV): torch's class is constructed over stand-in stages (no process group, no
+  module), exactly as every training rank constructs it;
+* GPipe and 1F1B: autopp's :func:`~autopp.schedules.build.single_stage_order`, the order
+  autopp runs them with (torch 2.13's ``Schedule1F1B.pipeline_order`` is only a picture);
+* CSV files and Python orders: the compute steps as written.
+
+Each compute-only order is then lowered by torch's runtime passes, which add UNSHARD /
+RESHARD around a stage's use, one REDUCE_GRAD after a stage's last backward, and a
+SEND_F/RECV_F (SEND_B/RECV_B) pair wherever a forward (backward) crosses to another rank.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+from autopp.schedules import _torch_compat
+from autopp.schedules.build import single_stage_order
+from autopp.schedules.checks import check_schedule_config
+from autopp.schedules.registry import ScheduleInfo, default_n_stages, schedule_info
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduleActions:
+    """A whole pipeline schedule as plain values: what each pp rank runs, in order."""
+
+    name: str
+    """The schedule's name ("1F1B", ...), a CSV file's path, or "custom"."""
+    pp: int
+    """Number of pipeline ranks."""
+    n_stages: int
+    """Number of pipeline stages (``n_stages // pp`` per rank)."""
+    n_microbatches: int
+    """Microbatches per training step."""
+    stage_to_rank: tuple[int, ...]
+    """``stage_to_rank[s]``: the pp rank that holds stage s."""
+    compute: tuple[tuple[str | None, ...], ...]
+    """``compute[r]``: rank r's compute steps as torch action strings ("0F1", "3I0", "0W0",
+    "(0F3;3B1)OVERLAP_F_B"); None is an idle step of the schedule's picture."""
+    lowered: tuple[tuple[str, ...], ...]
+    """``lowered[r]``: what torch's runtime runs on rank r, in order: the compute steps plus
+    "1UNSHARD", "1RESHARD", "1REDUCE_GRAD", "0SEND_F2", "1RECV_F2", "1SEND_B2", "0RECV_B2"."""
+
+    def stage_ids(self, rank: int) -> list[int]:
+        """The stages rank ``rank`` holds, increasing."""
+        return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
+
+    def format(self) -> str:
+        """The lowered lists, one line per rank (for printing)."""
+        return "\n".join(f"rank {r}: {' '.join(row)}" for r, row in enumerate(self.lowered))
+
+
+def _freeze(
+    name: str,
+    *,
+    pp: int,
+    n_stages: int,
+    n_microbatches: int,
+    compute: dict[int, list[str | None]],
+    lowered: dict[int, list[str]],
+    stage_to_rank: dict[int, int],
+) -> ScheduleActions:
+    return ScheduleActions(
+        name=name,
+        pp=pp,
+        n_stages=n_stages,
+        n_microbatches=n_microbatches,
+        stage_to_rank=tuple(stage_to_rank[s] for s in range(n_stages)),
+        compute=tuple(tuple(compute.get(r, ())) for r in range(pp)),
+        lowered=tuple(tuple(lowered.get(r, ())) for r in range(pp)),
+    )
+
+
+@lru_cache(maxsize=256)
+def _named_actions(name: str, pp: int, n_stages: int, n_microbatches: int) -> ScheduleActions:
+    info = schedule_info(name)
+    if info.multi_stage:
+        compute, lowered, stage_to_rank = _torch_compat.lowered_named_schedule(
+            info.torch_class, pp=pp, n_stages=n_stages, n_microbatches=n_microbatches,
+            style=str(info.style),
+        )
+    else:
+        compute = dict(single_stage_order(info.torch_class.__name__, pp, n_microbatches))
+        lowered, stage_to_rank = _torch_compat.lowered_compute_order(
+            compute, pp=pp, n_stages=n_stages, n_microbatches=n_microbatches
+        )
+    return _freeze(info.name, pp=pp, n_stages=n_stages, n_microbatches=n_microbatches,
+                   compute=compute, lowered=lowered, stage_to_rank=stage_to_rank)
+
+
+def schedule_actions(
+    schedule: str | os.PathLike | ScheduleInfo,
+    *,
+    pp: int | None = None,
+    n_microbatches: int | None = None,
+    n_stages: int | None = None,
+) -> ScheduleActions:
+    """Every rank's action list for ``schedule``, as torch's runtime would run it.
+
+    Args:
+        schedule: a name from ``SCHEDULE_NAMES`` (any case), the path of a compute-only CSV
+            file, or a ``ScheduleInfo``.
+        pp: number of pipeline ranks. Required for a named schedule; for a CSV file it is
+            the file's row count (giving another value is an error).
+        n_microbatches: microbatches per step. Required for a named schedule; a CSV file
+            fixes its own.
+        n_stages: pipeline stages in total; default ``default_n_stages(schedule, pp)`` (pp for
+            GPipe and 1F1B, 2 * pp for the others). Stages per rank (v) is ``n_stages // pp``.
+
+    Raises ValueError for an unknown schedule (listing the valid names), a missing pp or
+    n_microbatches, or sizes the schedule cannot run (e.g. Interleaved1F1B with
+    n_microbatches not a whole number of rounds), naming the numbers and a fix.
+    """
+    info = schedule_info(schedule)
+    if info.csv is not None:
+        spec = info.csv
+        pp = spec.pp if pp is None else pp
+        n_microbatches = spec.n_microbatches if n_microbatches is None else n_microbatches
+        n_stages = spec.n_stages if n_stages is None else n_stages
+        check_schedule_config(info, pp=pp, n_stages=n_stages, n_microbatches=n_microbatches)
+        order = {r: list(row) for r, row in enumerate(spec.order)}
+        return actions_from_order(order, n_microbatches=n_microbatches, name=spec.path)
+    if pp is None or n_microbatches is None:
+        raise ValueError(
+            f"schedule {info.name!r} needs pp= (pipeline ranks) and n_microbatches= "
+            f"(microbatches per step); got pp={pp}, n_microbatches={n_microbatches}"
+        )
+    if n_stages is None:
+        n_stages = default_n_stages(info, pp)
+    check_schedule_config(info, pp=pp, n_stages=n_stages, n_microbatches=n_microbatches)
+    return _named_actions(info.name, pp, n_stages, n_microbatches)
+
+
+def actions_from_order(
+    order: dict[int, list[str | None]],
+    *,
+    n_microbatches: int | None = None,
+    name: str = "custom",
+) -> ScheduleActions:
+    """The action lists of a compute-only order written as values (e.g. read from a CSV).
+
+    Args:
+        order: for each pp rank 0..pp-1, its compute steps as torch action strings ("0F0",
+            "1B0", "0I0", "0W0", "(0F3;3B1)OVERLAP_F_B"); None or "" for an idle step.
+        n_microbatches: microbatches per step; default: the number of forwards of stage 0.
+        name: what to call the schedule in results and pictures.
+
+    torch's validator checks the order (ValueError naming what is wrong, e.g. a backward
+    before its forward) and infers the stage placement from it.
+    """
+    if not order or sorted(order) != list(range(len(order))):
+        raise ValueError(
+            f"order must have one row per pp rank 0..pp-1, got rows for ranks {sorted(order)}"
+        )
+    clean = {r: [cell or None for cell in row] for r, row in order.items()}
+    stages: set[int] = set()
+    forwards_0: set[int | None] = set()
+    for row in clean.values():
+        for cell in row:
+            for stage, kind, mb in _torch_compat.compute_parts(cell) if cell else ():
+                stages.add(stage)
+                if stage == 0 and kind == "F":
+                    forwards_0.add(mb)
+    if not stages:
+        raise ValueError("order holds no compute step; write at least one forward per stage")
+    n_stages = max(stages) + 1
+    if n_microbatches is None:
+        n_microbatches = len(forwards_0)
+    pp = len(clean)
+    try:
+        lowered, stage_to_rank = _torch_compat.lowered_compute_order(
+            clean, pp=pp, n_stages=n_stages, n_microbatches=n_microbatches
+        )
+    except ValueError as exc:
+        raise ValueError(f"order {name!r} is not a valid schedule: {exc}") from exc
+    return _freeze(name, pp=pp, n_stages=n_stages, n_microbatches=n_microbatches,
+                   compute=clean, lowered=lowered, stage_to_rank=stage_to_rank)

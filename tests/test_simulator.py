@@ -1,0 +1,315 @@
+"""The schedule simulator (autopp.schedules.simulate) against closed forms worked out by hand.
+
+Every expected value below is a formula from the papers (or a critical path summed by hand),
+never the simulator's own arithmetic. Notation: p pipeline ranks, m microbatches, v stages
+per rank; F, I, W the times of one stage's forward, backward-for-inputs and
+backward-for-weights on one microbatch (B = I + W for a full backward). For v > 1 these are
+times of one stage (a chunk), i.e. the whole model's per-rank time divided by v.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from autopp.schedules import (
+    Link,
+    StageCost,
+    actions_from_order,
+    schedule_actions,
+    simulate,
+    simulate_schedule,
+    write_chrome_trace,
+    write_order_csv,
+    write_timeline_png,
+)
+from autopp.schedules.build import single_stage_order
+
+SIZES = [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)]
+
+
+def cost(f: float, i: float, w: float, **kw) -> StageCost:
+    return StageCost(forward_s=f, backward_input_s=i, backward_weight_s=w, **kw)
+
+
+def close(actual: float, expected: float, rel: float = 0.01) -> bool:
+    return abs(actual - expected) <= rel * abs(expected)
+
+
+# --- bubbles ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["GPipe", "1F1B"])
+@pytest.mark.parametrize("p,m", SIZES)
+def test_gpipe_and_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1(name, p, m):
+    """GPipe (Huang et al. 2019) and 1F1B (PipeDream-Flush, Narayanan et al. 2021): with
+    every stage costing f forward and b backward, the step is (m + p - 1)(f + b), so the
+    bubble fraction is (p - 1) / (m + p - 1) on every rank."""
+    f, b = 1.0, 2.0
+    result = simulate_schedule(name, cost(f, 1.5, 0.5), pp=p, n_microbatches=m)
+    assert close(result.step_time_s, (m + p - 1) * (f + b), rel=1e-9)
+    expected = (p - 1) / (m + p - 1)
+    assert close(result.bubble_fraction, expected)
+    for rank in result.ranks:
+        assert close(rank.bubble_fraction, expected)
+
+
+@pytest.mark.parametrize("v", [2, 3, 4])
+@pytest.mark.parametrize("p,m", SIZES)
+def test_interleaved_1f1b_bubble_matches_narayanan(p, m, v):
+    """Interleaved 1F1B (Narayanan et al. 2021, section 2.2): v chunks per rank, each costing
+    f/v forward and b/v backward, shrink the bubble to (p - 1) / (v m + p - 1)."""
+    f, b = 1.0, 2.0
+    result = simulate_schedule("Interleaved1F1B", cost(f / v, 1.2 / v, 0.8 / v),
+                               pp=p, n_microbatches=m, n_stages=v * p)
+    assert close(result.bubble_fraction, (p - 1) / (v * m + p - 1))
+    # the bubble time itself is (p - 1)(f + b) / v
+    assert close(result.step_time_s - m * (f + b), (p - 1) * (f + b) / v)
+
+
+@pytest.mark.parametrize("f,i,w", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1.5, 0.5)])
+@pytest.mark.parametrize("v", [1, 2, 3])
+@pytest.mark.parametrize("p,m", SIZES)
+def test_interleaved_zero_bubble_matches_zb_h1(f, i, w, v, p, m):
+    """Zero bubble (Qi et al. 2023, section 3.1): ZB-H1 keeps 1F1B's memory and moves the
+    weight gradients W into the cool-down, so its bubble is (p - 1)(F + B - W) with the
+    paper's B = backward for inputs = our I; with F = I = W = t that is (p - 1) t, a third of
+    1F1B's (p - 1)(F + I + W). torch's ScheduleInterleavedZeroBubble with v = 1 is ZB-H1
+    ("ZB1P"); with v > 1 it is ZB-H1 on chunks of 1/v of the work, whose ramp is
+    (p - 1)(F + I - W) / v. The paper's figure assumes W is not longer than F or I (a
+    longer W cannot hide the cool-down), hence the cost cases. Step time:
+    m (F + I + W) + (p - 1)(F + I - W) / v, with F, I, W the whole per-rank times."""
+    c = cost(f / v, i / v, w / v)
+    result = simulate_schedule("InterleavedZeroBubble", c, pp=p, n_microbatches=m,
+                               n_stages=v * p)
+    bubble = (p - 1) * (f + i - w) / v
+    step = m * (f + i + w) + bubble
+    assert close(result.step_time_s, step, rel=1e-9)
+    assert close(result.bubble_fraction, bubble / step)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_zb_h1_bubble_is_a_third_of_1f1b(p):
+    """Qi et al. 2023, figure 3: at F = I = W, ZB-H1's bubble time is 1/3 of 1F1B's."""
+    m = 4 * p
+    c = cost(1.0, 1.0, 1.0)
+    work = 3.0 * m
+    zb = simulate_schedule("InterleavedZeroBubble", c, pp=p, n_microbatches=m, n_stages=p)
+    one_f_one_b = simulate_schedule("1F1B", c, pp=p, n_microbatches=m)
+    assert close(zb.step_time_s - work, (one_f_one_b.step_time_s - work) / 3, rel=1e-9)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("m_of_p", [lambda p: 2 * p - 1, lambda p: 2 * p, lambda p: 4 * p])
+def test_zbv_has_no_bubble_inside_any_rank_at_equal_times(p, m_of_p):
+    """ZB-V (Qi et al. 2023, section 6): with F = I = W = t per chunk and two chunks per rank
+    in a V, no rank ever waits between its first and last action ("zero bubble": the paper
+    counts idle time inside each rank's span, as consecutive steps overlap). What remains in
+    one step is the unavoidable ramp: the last rank starts after p - 1 forwards, so
+    step = (p - 1) t + 2 m (F + I + W) = (6 m + p - 1) t, bubble (p - 1) / (6 m + p - 1).
+    torch's ScheduleZBVZeroBubble warms up with 2 p - 1 microbatches, so this holds for
+    m >= 2 p - 1 (below that torch's schedule does leave gaps; see the next test)."""
+    m = m_of_p(p)
+    t = 1.0
+    result = simulate_schedule("ZBVZeroBubble", cost(t, t, t), pp=p, n_microbatches=m)
+    for rank in result.ranks:
+        assert rank.idle_in_span_s == pytest.approx(0.0, abs=1e-9)
+    assert close(result.step_time_s, (6 * m + p - 1) * t, rel=1e-9)
+    assert close(result.bubble_fraction, (p - 1) / (6 * m + p - 1))
+
+
+def test_zbv_with_too_few_microbatches_is_not_bubble_free():
+    """With m = p < 2 p - 1, torch's ZBV warm-up is cut short and the first rank waits."""
+    p = 4
+    result = simulate_schedule("ZBVZeroBubble", cost(1.0, 1.0, 1.0), pp=p, n_microbatches=p)
+    assert result.ranks[0].idle_in_span_s > 0
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("m_per_p", [2, 4])
+def test_dualpipev_bubble_matches_deepseek_formula(p, m_per_p):
+    """DualPipe (DeepSeek-V3 report, table 2; DualPipeV is its 'cut-in-half' V on p ranks,
+    i.e. DualPipe with PP = 2p): bubble (PP/2 - 1)(F&B + B - 3W) = (p - 1)(F&B + B - 3W),
+    with B a full backward chunk and F&B one overlapped forward + backward pair. torch's
+    runtime (and autopp's) runs the two halves of an OVERLAP_F_B one after the other, so
+    F&B = F + B. With F = I = W = t: B = 2t, F&B = 3t, bubble (p - 1)(3 + 2 - 3) t = 2 (p - 1) t
+    on top of each rank's 2 m (F + I + W) = 6 m t of work."""
+    m = m_per_p * p
+    t = 1.0
+    result = simulate_schedule("DualPipeV", cost(t, t, t), pp=p, n_microbatches=m)
+    f_and_b, b, w = t + 2 * t, 2 * t, t
+    assert close(result.step_time_s, 6 * m * t + (p - 1) * (f_and_b + b - 3 * w), rel=1e-9)
+    for rank in result.ranks:  # work is conserved: overlapped halves are summed, not hidden
+        assert rank.busy_s == pytest.approx(6 * m * t)
+    assert any(e.overlapped for e in result.events)
+
+
+# --- microbatches in flight and memory ----------------------------------------------------
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_1f1b_in_flight_is_min_m_p_minus_stage(p, m):
+    """1F1B: stage s runs p - 1 - s warm-up forwards plus one before its first backward,
+    so it holds min(m, p - s) microbatches' activations at once."""
+    result = simulate_schedule("1F1B", cost(1.0, 1.0, 1.0), pp=p, n_microbatches=m)
+    assert result.max_in_flight == tuple(min(m, p - s) for s in range(p))
+
+
+@pytest.mark.parametrize("p,m", SIZES + [(4, 2), (8, 3)])
+def test_gpipe_in_flight_is_m(p, m):
+    """GPipe runs every forward before any backward: all m microbatches are held."""
+    result = simulate_schedule("GPipe", cost(1.0, 1.0, 1.0), pp=p, n_microbatches=m)
+    assert result.max_in_flight == (m,) * p
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_zb_h1_in_flight_equals_1f1b(p):
+    """Qi et al. 2023: ZB-H1 keeps 1F1B's peak activation memory (p microbatches on the
+    first stage); with W freeing the activations, stage s holds p - s."""
+    result = simulate_schedule("InterleavedZeroBubble", cost(1.0, 1.0, 1.0), pp=p,
+                               n_microbatches=2 * p, n_stages=p)
+    assert result.max_in_flight == tuple(p - s for s in range(p))
+
+
+def test_memory_by_category_1f1b():
+    """Each rank's peak, by hand: parameters P and optimizer O all step, gathered
+    parameters U from UNSHARD to RESHARD, gradients from the first backward (4G before
+    REDUCE_GRAD reduces them to G), and p - s activations A at the end of the first
+    backward, when the gradients are already there."""
+    p, m = 4, 8
+    P, G, O, U, A = 1000, 100, 3000, 500, 10
+    c = cost(1.0, 1.0, 1.0, param_bytes=P, grad_bytes=G, unreduced_grad_bytes=4 * G,
+             optimizer_bytes=O, gathered_param_bytes=U, activation_bytes_per_microbatch=A)
+    result = simulate_schedule("1F1B", c, pp=p, n_microbatches=m)
+    for s, rank in enumerate(result.ranks):
+        peak = rank.memory_at_peak
+        assert (peak.parameters, peak.optimizer, peak.gathered_parameters) == (P, O, U)
+        assert peak.gradients == 4 * G
+        assert peak.activations == (p - s) * A
+        assert rank.peak_bytes == P + O + U + 4 * G + (p - s) * A
+        timeline = result.memory[s]
+        assert timeline.bytes["gradients"][-1] == G  # after REDUCE_GRAD
+        assert timeline.bytes["gathered_parameters"][-1] == 0  # after RESHARD
+        assert timeline.bytes["activations"][-1] == 0
+        assert set(timeline.bytes["parameters"]) == {P}
+        assert set(timeline.bytes["optimizer"]) == {O}
+
+
+def test_split_backward_frees_at_i_what_w_does_not_need():
+    """ZB-H1 with activation_bytes_kept_for_w=K: each microbatch holds A from F to I and K
+    from I to W. Rank p-1 (one stage, the last) runs F0 I0 then W0 later; with K = 0 its
+    activations drop to zero at every I, so at most one microbatch is held there."""
+    p = 4
+    c = cost(1.0, 1.0, 1.0, activation_bytes_per_microbatch=8, activation_bytes_kept_for_w=0)
+    result = simulate_schedule("InterleavedZeroBubble", c, pp=p, n_microbatches=2 * p,
+                               n_stages=p)
+    assert result.ranks[p - 1].peak_by_category.activations == 8
+    kept = simulate_schedule("InterleavedZeroBubble", cost(
+        1.0, 1.0, 1.0, activation_bytes_per_microbatch=8), pp=p, n_microbatches=2 * p,
+        n_stages=p)
+    assert kept.ranks[0].peak_by_category.activations == p * 8
+
+
+# --- communication ------------------------------------------------------------------------
+
+
+def test_1f1b_link_latency_adds_two_hops_on_the_critical_path():
+    """1F1B, p = 2, m = 2. Rank 0 runs F0 F1 B0 B1, rank 1 runs F0 B0 F1 B1. The critical
+    path is rank 0's F0, the hop to rank 1 (L), rank 1's F0 B0 F1 B1 (its F1 arrived at
+    2f + L, before B0 ends at 2f + L + b), the hop back (L), and rank 0's B1:
+    f + L + 2f + 2b + L + b = 3f + 3b + 2L. With n bytes on a link of bandwidth BW each
+    hop is L + n / BW."""
+    f, b, L = 1.0, 2.0, 0.25
+    c = cost(f, 1.5, 0.5)
+    base = simulate_schedule("1F1B", c, pp=2, n_microbatches=2)
+    assert base.step_time_s == pytest.approx(3 * f + 3 * b)
+    slow = simulate_schedule("1F1B", c, pp=2, n_microbatches=2, link=Link(latency_s=L))
+    assert slow.step_time_s == pytest.approx(3 * f + 3 * b + 2 * L)
+    n, bw = 1000, 4000.0
+    sized = simulate_schedule("1F1B", cost(f, 1.5, 0.5, p2p_bytes_per_microbatch=n), pp=2,
+                              n_microbatches=2, link=Link(latency_s=L, bandwidth_bytes_per_s=bw))
+    assert sized.step_time_s == pytest.approx(3 * f + 3 * b + 2 * (L + n / bw))
+
+
+def test_sends_follow_the_stage_placement():
+    """torch sends across ranks only: m sends per forward boundary between ranks. In the V
+    placement stages p-1 and p share the last rank, so there are 2p - 2 boundaries."""
+    p, m = 4, 8
+    v_actions = schedule_actions("ZBVZeroBubble", pp=p, n_microbatches=m)
+    sends = sum("SEND_F" in a for row in v_actions.lowered for a in row)
+    assert sends == m * (2 * p - 2)
+    loop = schedule_actions("Interleaved1F1B", pp=p, n_microbatches=m)
+    sends = sum("SEND_F" in a for row in loop.lowered for a in row)
+    assert sends == m * (2 * p - 1)
+    assert all(row[0].endswith("UNSHARD") for row in loop.lowered)
+    assert sum(a.endswith("REDUCE_GRAD") for row in loop.lowered for a in row) == 2 * p
+
+
+# --- inputs: CSV, orders, errors ----------------------------------------------------------
+
+
+def test_csv_schedule_and_order_simulate_like_the_name(tmp_path):
+    p, m = 4, 8
+    path = tmp_path / "one_f_one_b.csv"
+    write_order_csv(single_stage_order("Schedule1F1B", p, m), path)
+    c = cost(1.0, 1.0, 1.0)
+    by_name = simulate_schedule("1F1B", c, pp=p, n_microbatches=m)
+    by_csv = simulate_schedule(str(path), c)
+    by_order = simulate(actions_from_order(single_stage_order("Schedule1F1B", p, m)), c)
+    assert by_csv.step_time_s == by_name.step_time_s == by_order.step_time_s
+    assert by_csv.actions.lowered == by_name.actions.lowered
+
+
+def test_errors_name_the_problem_and_the_fix():
+    c = cost(1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="valid names are GPipe, 1F1B, Interleaved1F1B"):
+        simulate_schedule("1F2B", c, pp=2, n_microbatches=4)
+    with pytest.raises(ValueError, match="not a multiple of 2; use n_microbatches=8 or 10"):
+        simulate_schedule("Interleaved1F1B", c, pp=4, n_microbatches=9)
+    with pytest.raises(ValueError, match="needs pp= .* and n_microbatches="):
+        simulate_schedule("1F1B", c, pp=2)
+    with pytest.raises(ValueError, match="one per stage; got 3 items"):
+        simulate_schedule("1F1B", [c] * 3, pp=2, n_microbatches=2)
+    with pytest.raises(ValueError, match="forward_s=-1.0: must be a finite number >= 0"):
+        cost(-1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="bandwidth_bytes_per_s=0"):
+        Link(bandwidth_bytes_per_s=0)
+    with pytest.raises(ValueError, match="not a valid schedule|backward"):
+        actions_from_order({0: ["0B0", "0F0"], 1: ["1F0", "1B0"]})
+
+
+# --- export and speed ---------------------------------------------------------------------
+
+
+def test_chrome_trace_and_png(tmp_path):
+    p, m = 4, 8
+    result = simulate_schedule("DualPipeV", cost(1e-3, 1e-3, 1e-3, unshard_s=2e-4,
+                                                 activation_bytes_per_microbatch=2**20,
+                                                 p2p_bytes_per_microbatch=2**16),
+                               pp=p, n_microbatches=m, link=Link(1e-5, 1e9))
+    trace = json.loads(write_chrome_trace(result, tmp_path / "trace.json").read_text())
+    events = trace["traceEvents"]
+    processes = [e for e in events if e["ph"] == "M" and e["name"] == "process_name"]
+    assert sorted(e["pid"] for e in processes) == list(range(p))
+    complete = [e for e in events if e["ph"] == "X"]
+    assert len(complete) == len(result.events)
+    assert {e["pid"] for e in complete} == set(range(p))
+    computes = sum(1 for e in complete if e["cat"] in ("F", "B", "I", "W"))
+    assert computes == 3 * 2 * m * p - sum(  # F, I, W per chunk, minus merged B = I + W
+        1 for e in result.events if e.kind == "B")
+    counters = [e for e in events if e["ph"] == "C"]
+    assert len(counters) == sum(len(t.times_s) for t in result.memory)
+    png = write_timeline_png(result, tmp_path / "timeline.png")
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+def test_simulating_p8_m32_v2_is_fast():
+    c = cost(1.0, 1.0, 1.0, activation_bytes_per_microbatch=1)
+    start = time.perf_counter()
+    result = simulate_schedule("Interleaved1F1B", c, pp=8, n_microbatches=32, n_stages=16)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 1.0, elapsed
+    assert close(result.bubble_fraction, 7 / (2 * 32 + 7))
