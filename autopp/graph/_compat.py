@@ -16,10 +16,13 @@ What is reused from torchtitan's ``graph_trainer.graph_pp`` (torchtitan 0.3.0), 
 - ``minimal_fx_tracer``: make_fx tracing of a stage step with tensor subclasses
   (DTensor) unwrapped into plain tensors, with the layouts to rewrap them.
 - graph cleanup passes (dead code, canonicalisation, SimpleFSDP chain dedup).
+- ``is_mutation_node`` (graph_pp utils) and torch's partitioner op list
+  (``compute_intensive_ops``) for activation recomputation (``autopp.graph.recompute``).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -73,6 +76,7 @@ from torchtitan.experiments.graph_trainer.graph_pp.utils import (  # noqa: F401
     flatten_graph_values,
     graph_pp_value_spec,
     GraphPPValueSpec,
+    is_mutation_node,
     overlap_fw_bw_sub_actions,
 )
 from torchtitan.experiments.graph_trainer.make_fx_tracer import (  # noqa: F401
@@ -128,6 +132,58 @@ def normalize_joint_graph(gm: fx.GraphModule, *, dedup_unshard_chains: bool = Tr
     for p in passes:
         gm = p(gm, None)
     return gm
+
+
+@functools.cache
+def compute_intensive_ops() -> frozenset[Any]:
+    """The op packets torch's min-cut partitioner never recomputes (mm, bmm, addmm,
+    convolution, flash / efficient attention, ...)."""
+    from torch._functorch.partitioners import get_default_op_list
+
+    return frozenset(get_default_op_list().compute_intensive_ops)
+
+
+def is_op_overload(target: Any) -> bool:
+    """Whether an FX call target is a torch operator overload (``aten.mm.default``)."""
+    return isinstance(target, torch._ops.OpOverload)
+
+
+def op_schema(op: Any) -> Any:
+    """An OpOverload's ``FunctionSchema``."""
+    return op._schema
+
+
+def functional_form(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                    ) -> tuple[Any, tuple[Any, ...], dict[str, Any]] | None:
+    """The out-of-place equivalent of an in-place aten call ``op(*args, **kwargs)``:
+    ``(op, args, kwargs)`` of the overload with the same arguments (``add_.Scalar`` ->
+    ``add.Scalar``, ``bernoulli_.float`` -> ``bernoulli.p``), the in-place op's defaults
+    spelled out; None when there is none."""
+    if not is_op_overload(op) or op.namespace != "aten":
+        return None
+    name = op.overloadpacket.__name__
+    packet = getattr(torch.ops.aten, name[:-1], None) if name.endswith("_") else None
+    if packet is None or name.startswith("_"):
+        return None
+
+    def sig(schema: Any) -> list[tuple[str, str, bool]]:
+        return [(a.name, str(a.type), a.kwarg_only) for a in schema.arguments]
+
+    want = sig(op._schema)
+    fn = next((getattr(packet, o) for o in packet.overloads()
+               if not getattr(packet, o)._schema.is_mutable
+               and sig(getattr(packet, o)._schema) == want), None)
+    if fn is None:
+        return None
+    args, kwargs = list(args), dict(kwargs)
+    for i, a in enumerate(op._schema.arguments):
+        given = i < len(args) or a.name in kwargs
+        if not given and a.has_default_value():
+            if a.kwarg_only:
+                kwargs[a.name] = a.default_value
+            elif i == len(args):
+                args.append(a.default_value)
+    return fn, tuple(args), kwargs
 
 
 def is_dtensor(value: Any) -> bool:

@@ -143,6 +143,10 @@ class CallingConvention:
     ``num_unsharded_params`` in the unshard outputs): the forward hands them on with its saved
     values, by reference, and they precede the output grads in the backward's runtime
     inputs that ``output_grad_inputs`` indexes."""
+    recompute: str = "none"
+    """What the backward pieces recompute instead of the forward saving it: ``"none"``,
+    ``"selective"`` or ``"full"`` (see :mod:`autopp.graph.recompute`); it changes which
+    values are saved, not how the callables are called."""
 
     @property
     def num_saved_for_backward(self) -> int:

@@ -15,6 +15,7 @@ from autopp.graph import _compat
 from autopp.graph.callables import StageGraphs, ValueLayouts
 from autopp.graph.convention import CallingConvention, JointSignature
 from autopp.graph.peel import peel_param_work
+from autopp.graph.recompute import check_recompute, Recompute, recompute_in_backward
 
 
 def _outputs(gm: fx.GraphModule) -> tuple[object, ...]:
@@ -66,6 +67,7 @@ def split_joint_graph(
     layouts: ValueLayouts | None = None,
     split_weight_grad: bool = True,
     peel_params: bool = False,
+    recompute: Recompute = "none",
 ) -> StageGraphs:
     """Split a flat joint forward+backward graph into the stage's callables.
 
@@ -82,6 +84,11 @@ def split_joint_graph(
             per step at UNSHARD and every microbatch's forward and backward read the one
             gathered copy. Default: peel SimpleFSDP's all-gather chains (torchtitan's split,
             which needs each gathered parameter to be used only through its chain).
+        recompute: activation recomputation (see :mod:`autopp.graph.recompute`): ``"none"``
+            (save every forward value the backward reads), ``"selective"`` (save matmul and
+            attention outputs, recompute the cheap ops in the backward) or ``"full"`` (save
+            the stage inputs only). Random ops and collectives are always saved. With
+            ``split_weight_grad``, I recomputes what it needs and hands on what W needs.
 
     Returns:
         StageGraphs with forward, full backward, and where present backward-input,
@@ -92,18 +99,22 @@ def split_joint_graph(
         ValueError: the graph does not match ``signature`` or has no backward.
     """
     check_joint_graph(gm, signature)
+    check_recompute(recompute)
     # SimpleFSDP's chain dedup is only sound for SimpleFSDP graphs; peel_params is for others
     gm = _compat.normalize_joint_graph(gm, dedup_unshard_chains=not peel_params)
     if peel_params:
-        return _split_peeled(gm, signature, layouts, split_weight_grad)
-    return _split(gm, signature, layouts, split_weight_grad)
+        return _split_peeled(gm, signature, layouts, split_weight_grad, recompute)
+    return _split(gm, signature, layouts, split_weight_grad, recompute)
 
 
 def _split(gm: fx.GraphModule, signature: JointSignature, layouts: ValueLayouts | None,
-           split_weight_grad: bool, backward_only_extra: tuple[int, ...] = ()) -> StageGraphs:
-    """Partition, peel SimpleFSDP collectives, split I/W. ``backward_only_extra``: more
-    placeholder indices (before the output grads) that only the backward reads; the
-    runtime supplies them ahead of the output grads (see ``CallingConvention``)."""
+           split_weight_grad: bool, recompute: Recompute,
+           backward_only_extra: tuple[int, ...] = ()) -> StageGraphs:
+    """Recompute rewrite, partition, peel SimpleFSDP collectives, split I/W.
+    ``backward_only_extra``: more placeholder indices (before the output grads) that only
+    the backward reads; the runtime supplies them ahead of the output grads (see
+    ``CallingConvention``)."""
+    gm = recompute_in_backward(gm, signature, recompute)
     fw, bw, meta = _compat.partition_joint_graph(
         gm,
         num_fwd_outputs=signature.num_outputs,
@@ -147,6 +158,7 @@ def _split(gm: fx.GraphModule, signature: JointSignature, layouts: ValueLayouts 
         unshard_param_indices=tuple(fsdp_fw.unshard_flat_param_indices),
         reduce_grad_inputs=reduce_inputs,
         num_weight_live_ins=0 if didw is None else len(didw.bw_dw_input_names),
+        recompute=recompute,
     )
     return StageGraphs(
         forward_graph=fsdp_fw.fw_no_fsdp_module,
@@ -163,7 +175,7 @@ def _split(gm: fx.GraphModule, signature: JointSignature, layouts: ValueLayouts 
 
 
 def _split_peeled(gm: fx.GraphModule, signature: JointSignature, layouts: ValueLayouts | None,
-                  split_weight_grad: bool) -> StageGraphs:
+                  split_weight_grad: bool, recompute: Recompute) -> StageGraphs:
     """``split_joint_graph(..., peel_params=True)``: the parameter-only work becomes the
     unshard graph; the rest is split with the unshard outputs in the place of the
     parameters (handed to the torchtitan passes as buffers, so they peel nothing more).
@@ -174,7 +186,7 @@ def _split_peeled(gm: fx.GraphModule, signature: JointSignature, layouts: ValueL
     n_f, n_fwd = peeled.num_frontier, peeled.num_forward_frontier
     rest_sig = dataclasses.replace(
         signature, num_params=0, num_buffers=n_f + signature.num_buffers)
-    graphs = _split(peeled.rest, rest_sig, layouts, split_weight_grad,
+    graphs = _split(peeled.rest, rest_sig, layouts, split_weight_grad, recompute,
                     backward_only_extra=tuple(range(n_fwd, n_f)))
     conv = graphs.convention
     fwd = list(conv.forward_input_indices)

@@ -17,6 +17,7 @@ import torch.nn as nn
 from autopp.graph import _compat
 from autopp.graph.callables import StageGraphs, ValueLayouts
 from autopp.graph.convention import JointSignature
+from autopp.graph.recompute import Recompute
 from autopp.graph.split import split_joint_graph
 
 
@@ -189,12 +190,14 @@ def build_stage_graphs(
     target: Any = None,
     output_grads: Sequence[torch.Tensor] | None = None,
     split_weight_grad: bool = True,
+    recompute: Recompute = "none",
 ) -> StageGraphs:
-    """Trace ``module`` (see :func:`trace_stage`) and split it (see :func:`split_joint_graph`)."""
+    """Trace ``module`` (see :func:`trace_stage`) and split it (see :func:`split_joint_graph`,
+    which ``split_weight_grad`` and ``recompute`` are passed to)."""
     traced = trace_stage(module, args, kwargs, loss_fn=loss_fn, target=target,
                          output_grads=output_grads)
     graphs = split_joint_graph(traced.graph, traced.signature, layouts=traced.layouts,
-                               split_weight_grad=split_weight_grad)
+                               split_weight_grad=split_weight_grad, recompute=recompute)
     graphs.input_meta = traced.input_meta
     graphs.output_meta = traced.output_meta
     return graphs
