@@ -51,13 +51,17 @@ def pipeline_autoparallel(
     mixed_precision: MixedPrecisionPolicy | None = None,
     compile: bool | CompileOptions = False,
     raise_on_nonfinite: bool = False,
+    layers_attr: str | None = None,
 ) -> Pipeline:
     """Pipeline ``model`` over ``mesh``: returns this rank's :class:`~autopp.pipeline.Pipeline`.
 
     Args:
         model: the whole model on the meta device (never materialised whole). Its body is a
-            ``layers`` ModuleList/ModuleDict with modules before it (embedding) and after it
-            (norm, head); its forward must skip modules set to None (torchtitan's decoders do).
+            ModuleList/ModuleDict of repeated blocks (found automatically, see
+            ``layers_attr``) with modules before it (embedding) and after it (norm, head);
+            its forward must skip modules set to None (torchtitan's decoders do). A
+            parameter tied between stages (input embedding = output head) gets a copy on
+            each, kept equal (:mod:`autopp.tied`).
         mesh: the world mesh with dims ("pp", "dp", "tp"), from :func:`autopp.build_world_mesh`.
             Each pipeline rank's stages live on its sub-mesh (dp × tp).
         example_inputs: the model's positional inputs for one step on this dp rank (the local
@@ -90,6 +94,9 @@ def pipeline_autoparallel(
             or :class:`autopp.backends.CompileOptions`; False (default): eager.
         raise_on_nonfinite: a NaN/inf loss (``step``) or gradient norm (``clip_grad_norm_``)
             raises FloatingPointError on every rank; False (default): a RuntimeWarning.
+        layers_attr: path of the ModuleList/ModuleDict holding the blocks (``"layers"``,
+            ``"model.layers"``); None (default): the one whose children hold the most
+            parameters.
     """
     backend = resolve_backend(
         parallelize, profile=profile, memory_budget_bytes=memory_budget_bytes,
@@ -114,7 +121,7 @@ def pipeline_autoparallel(
     local_batch = int(example_inputs[0].shape[0]) if example_inputs else None
     info, fqns_per_stage = split_for_schedule(
         model, schedule=schedule, split=split, pp=pp, n_microbatches=n_microbatches,
-        local_batch_size=local_batch,
+        local_batch_size=local_batch, layers_attr=layers_attr,
     )
     n_stages = len(fqns_per_stage)
     stage_ids = stage_ids_for_rank(pp_rank, pp, n_stages, info.style)
@@ -127,14 +134,21 @@ def pipeline_autoparallel(
         x = example_inputs[0]
         mb = torch.empty((x.shape[0] // n_microbatches, *x.shape[1:]), dtype=x.dtype,
                          device="meta")
-        check_stage_forwards([build_stage_module(model, f) for f in fqns_per_stage], (mb,))
+        check_stage_forwards([build_stage_module(model, f, layers_attr=layers_attr,
+                                                 allow_tied=True) for f in fqns_per_stage],
+                             (mb,))
     backend.prepare(PipelineSpec(
         model=model, fqns_per_stage=tuple(tuple(f) for f in fqns_per_stage),
         stage_ids=tuple(stage_ids), rank_of=rank_of, mesh=mesh, sub_mesh=sub_mesh,
         example_inputs=tuple(example_inputs), n_microbatches=n_microbatches, loss_fn=loss_fn,
     ))
-    modules = [backend.build(s, build_stage_module(model, fqns_per_stage[s]), sub_mesh)
+    modules = [backend.build(s, build_stage_module(model, fqns_per_stage[s],
+                                                   layers_attr=layers_attr, allow_tied=True),
+                           sub_mesh)
                for s in stage_ids]
+    from autopp.tied import find_tied
+
+    tied = find_tied(model, fqns_per_stage, layers_attr)
     layout = PipelineLayout(
         schedule=str(schedule),
         n_stages=n_stages,
@@ -151,7 +165,7 @@ def pipeline_autoparallel(
     return Pipeline(layout=layout, stage_modules=modules, mesh=mesh, loss_fn=loss_fn,
                     ignore_index=ignore_index, backend=backend,
                     input_shapes=tuple(tuple(x.shape) for x in example_inputs),
-                    raise_on_nonfinite=raise_on_nonfinite)
+                    raise_on_nonfinite=raise_on_nonfinite, tied=tied, rank_of=rank_of)
 
 
 def resolve_backend(
@@ -200,7 +214,7 @@ def resolve_backend(
 
 def split_for_schedule(
     model: nn.Module, *, schedule: str, split: Split, pp: int, n_microbatches: int,
-    local_batch_size: int | None,
+    local_batch_size: int | None, layers_attr: str | None = None,
 ) -> tuple[ScheduleInfo, list[list[str]]]:
     """The schedule's rules and the model's stages (module FQNs per stage), checked together.
 
@@ -214,7 +228,7 @@ def split_for_schedule(
     n_stages = default_n_stages(schedule, pp) if split is None else None
     if isinstance(split, int) and not isinstance(split, bool):
         n_stages = split
-    fqns_per_stage = resolve_split(model, split, n_stages)
+    fqns_per_stage = resolve_split(model, split, n_stages, layers_attr=layers_attr)
     check_schedule_config(
         schedule, pp=pp, n_stages=len(fqns_per_stage), n_microbatches=n_microbatches,
         local_batch_size=local_batch_size,

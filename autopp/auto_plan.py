@@ -221,15 +221,19 @@ def plan_local_stage(
     timings: dict[int, list] | None = None,
     mixed_precision: Any = None,
     n_microbatches: int = 1,
+    param_placements: dict[str, tuple[str, ...]] | None = None,
 ) -> StagePlan:
     """Plan ``stage`` (meta) over ``sub_mesh``; from the on-disk cache when possible.
 
     ``boundary_in`` / ``boundary_out`` name the placements of what the stage receives and
     sends (see :data:`BOUNDARIES`). ``timings[stage_index]`` (if given) accumulates
-    ``[seconds, plans solved, plans read from the cache]``.
+    ``[seconds, plans solved, plans read from the cache]``. ``param_placements`` fixes some
+    parameters' placements (stage FQN -> one placement string per mesh dim).
     """
     options = dict(profile=profile, memory_budget_bytes=memory_budget_bytes,
                    boundary_in=boundary_in, boundary_out=boundary_out)
+    if param_placements:
+        options["param_placements"] = sorted(param_placements.items())
     if mixed_precision is not None:
         options["mixed_precision"] = mixed_precision
     if n_microbatches > 1:
@@ -245,6 +249,7 @@ def plan_local_stage(
             output_placements=BOUNDARIES[boundary_out],
             mixed_precision=mixed_precision,
             microbatches_per_grad_reduce=n_microbatches,
+            param_placements=param_placements,
         ),
     )
     dt = time.perf_counter() - t0
@@ -270,6 +275,7 @@ def plan_pipeline(
     mixed_precision: Any = None,
     n_microbatches: int = 1,
     rank_of: Sequence[int] | None = None,
+    param_placements: Sequence[dict[str, tuple[str, ...]]] | None = None,
 ) -> tuple[list[str], Any]:
     """Choose every stage boundary's placement (and the last stage's logits placement).
 
@@ -284,6 +290,7 @@ def plan_pipeline(
             Alpa's objective (see :func:`choose_boundaries`).
         mixed_precision: torch's ``MixedPrecisionPolicy`` (see :mod:`autopp.sharding.precision`);
             ``inputs`` must then already be in its ``param_dtype`` (:func:`stage_input_shapes`).
+        param_placements: per stage, parameters whose placement is fixed (tied copies).
 
     Returns ``(bounds, plan_of)``: ``bounds[s]`` is the placement into stage ``s`` and
     ``bounds[s + 1]`` out of it (``len(metas) + 1`` entries), and ``plan_of(s)`` the stage's
@@ -305,6 +312,7 @@ def plan_pipeline(
             metas[s], inputs[s], sub_mesh, profile=profile, memory_budget_bytes=budgets[s],
             stage_index=s, boundary_in=k_in, boundary_out=k_out, timings=timings,
             mixed_precision=mixed_precision, n_microbatches=n_microbatches,
+            param_placements=param_placements[s] if param_placements else None,
         )
 
     def stage_time(s: int, k_in: str, k_out: str) -> float:
@@ -388,8 +396,26 @@ def meta_stage_inputs(spec: Any, compute_dtype: torch.dtype | None = None
     x = spec.example_inputs[0]
     mb = x.shape[0] // spec.n_microbatches * spec.dp
     first = (torch.empty((mb, *x.shape[1:]), dtype=x.dtype, device="meta"),)
-    metas = [build_stage_module(spec.model, list(f)) for f in spec.fqns_per_stage]
+    metas = [build_stage_module(spec.model, list(f), allow_tied=True)
+             for f in spec.fqns_per_stage]
     return metas, stage_input_shapes(metas, first, compute_dtype)
+
+
+def tied_placements(spec: Any, metas: Sequence[nn.Module], inputs: Sequence[tuple], sub_mesh,
+                    **plan_kw: Any) -> list[dict[str, tuple[str, ...]]]:
+    """Per stage, the placement every copy of a parameter tied across stages must have (the
+    copies' gradients are summed shard by shard, :mod:`autopp.tied`): the one the planner
+    chooses for it on the stage holding its first FQN, planned with batch boundaries."""
+    from autopp.tied import find_tied
+
+    fixed: list[dict[str, tuple[str, ...]]] = [{} for _ in metas]
+    for t in find_tied(spec.model, spec.fqns_per_stage):
+        home = next(s for s, fqn in t.stage_fqns if fqn == t.name)
+        plan = plan_local_stage(metas[home], inputs[home], sub_mesh, stage_index=home, **plan_kw)
+        pl = next(p.placements for p in plan.params if p.fqn == t.name)
+        for s, fqn in t.stage_fqns:
+            fixed[s][fqn] = tuple(pl)
+    return fixed
 
 
 def plan_stages(spec: Any, *, profile: str, memory_budget_bytes: float | None,
@@ -402,11 +428,14 @@ def plan_stages(spec: Any, *, profile: str, memory_budget_bytes: float | None,
         spec, mixed_precision.param_dtype if mixed_precision is not None else None)
     sub_mesh = spec.sub_mesh
     dp, tp = sub_mesh["dp"].size(), sub_mesh["tp"].size()
+    fixed = tied_placements(spec, metas, inputs, sub_mesh, profile=profile,
+                            memory_budget_bytes=memory_budget_bytes,
+                            mixed_precision=mixed_precision, n_microbatches=spec.n_microbatches)
     bounds, plan_of = plan_pipeline(
         metas, inputs, sub_mesh, profile=profile,
         budgets=[memory_budget_bytes] * len(metas), boundary=boundary, last_kinds=last_kinds,
         mixed_precision=mixed_precision, n_microbatches=spec.n_microbatches,
-        rank_of=list(spec.rank_of),
+        rank_of=list(spec.rank_of), param_placements=fixed,
     )
     plans = agree_on_plans([plan_of(s) for s in spec.stage_ids], sub_mesh)
     return {

@@ -121,13 +121,23 @@ def init_module_(module: nn.Module, *, seed: int, device: torch.device | str) ->
 
     Args:
         module: a whole model or a stage module whose parameter names are whole-model FQNs.
-            Parameters may be plain tensors or DTensors (any placements).
+            Parameters may be plain tensors or DTensors (any placements). A parameter tied
+            between modules stays tied and takes the value its last module's initialiser
+            gives it.
         seed: the global seed; the same seed gives the same weights however the model is split.
         device: where the weights live ("cpu", "cuda:0", ...).
     """
     device = torch.device(device)
     if any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers()):
+        tied: dict[int, list[str]] = {}
+        for fqn, p in module.named_parameters(remove_duplicate=False):
+            tied.setdefault(id(p), []).append(fqn)
         module.to_empty(device=device)
+        for fqns in tied.values():  # to_empty makes one tensor per module: tie them again
+            keep = module.get_parameter(fqns[-1])
+            for fqn in fqns[:-1]:
+                owner, _, name = fqn.rpartition(".")
+                (module.get_submodule(owner) if owner else module)._parameters[name] = keep
     for mod_fqn, mod in module.named_modules():
         _init_own_params(mod, mod_fqn, seed, device)
         _init_own_buffers(mod, device)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopp.backends import StageBackend
 from autopp.loss import TokenWeightedLoss, count_tokens
 from autopp.stage_split import merge_stage_modules
+
+if TYPE_CHECKING:
+    from autopp.tied import TiedParameter
 
 @dataclass(frozen=True, slots=True)
 class PipelineLayout:
@@ -103,6 +107,8 @@ class Pipeline:
         backend: StageBackend,
         input_shapes: tuple[tuple[int, ...], ...] | None = None,
         raise_on_nonfinite: bool = False,
+        tied: Sequence[TiedParameter] = (),
+        rank_of: Sequence[int] | None = None,
     ) -> None:
         self.layout = layout
         self.mesh = mesh
@@ -131,6 +137,14 @@ class Pipeline:
         self._input_shapes = input_shapes
         #: A non-finite loss or gradient norm raises FloatingPointError (True) or warns.
         self.raise_on_nonfinite = raise_on_nonfinite
+        #: Parameters tied across stages, kept equal (see :mod:`autopp.tied`); None if none.
+        self._tied = None
+        if tied:
+            from autopp.tied import TiedSync
+
+            if rank_of is None:
+                raise ValueError("tied parameters need rank_of (each stage's pp rank)")
+            self._tied = TiedSync(tied, mesh, rank_of, layout.stage_ids)
 
     # ----------------------------------------------------------------- properties
     @property
@@ -173,13 +187,32 @@ class Pipeline:
             for sid, m in zip(self.layout.stage_ids, self.stage_modules)
         ]
         named = self.backend.named_parameters(self.stage_modules)
+        if self._tied is not None:
+            self._bind_tied()
         if named is None:
             self.local_model = merge_stage_modules(self.stage_modules)
         else:
             from autopp.auto_stage import fqn_view
 
-            self.local_model = fqn_view(named)
+            aliases = self._tied.aliases if self._tied is not None else {}
+            seen: set[str] = set()
+            renamed = []
+            for fqn, p in named:  # a tied copy goes by the parameter's first FQN, once
+                name = aliases.get(fqn, fqn)
+                renamed.append((name if name not in seen else fqn, p))
+                seen.add(renamed[-1][0])
+            self.local_model = fqn_view(renamed)
         self._build_schedule()
+
+    def _bind_tied(self) -> None:
+        """Hand the tied-parameter copies of this rank's stages to the sync and give them one
+        initial value (see :mod:`autopp.tied`)."""
+        by_stage = {}
+        for sid, m in zip(self.layout.stage_ids, self.stage_modules):
+            named = self.backend.named_parameters([m])
+            by_stage[sid] = dict(named if named is not None else m.named_parameters())
+        self._tied.bind(by_stage)
+        self._tied.sync_values()
 
     @property
     def action_counts(self) -> dict[str, int]:
@@ -302,6 +335,8 @@ class Pipeline:
         """
         loss = self._run(inputs, target, train=True)
         self.backend.after_step(list(self.parameters()), self.mesh)
+        if self._tied is not None:
+            self._tied.sync_grads()
         self._check_finite("loss", loss)
         return loss
 
@@ -374,9 +409,14 @@ class Pipeline:
         """Clip gradients by the global norm over all stages and shards; returns the norm."""
         from torchtitan.distributed.utils import clip_grad_norm_
 
-        params = [p for p in self.parameters() if p.grad is not None]
+        dups = self._tied.norm_duplicates() if self._tied is not None else set()
+        params = [p for p in self.parameters() if p.grad is not None and id(p) not in dups]
         pp_mesh = self.mesh["pp"] if self.layout.pp_size > 1 else None
-        norm = float(clip_grad_norm_(params, max_norm, norm_type=norm_type, pp_mesh=pp_mesh))
+        norm = clip_grad_norm_(params, max_norm, norm_type=norm_type, pp_mesh=pp_mesh)
+        if dups:  # tied copies counted once, clipped like the copy that was counted
+            copies = [p for p in self.parameters() if id(p) in dups and p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(copies, max_norm, norm)
+        norm = float(norm)
         self._check_finite("gradient norm", norm)
         return norm
 

@@ -74,3 +74,134 @@ def reference_adamw_losses(n_layers: int, batch: int, seq: int, *, steps: int, l
         opt.step()
         opt.zero_grad()
     return losses
+
+
+# ---------------------------------------------------------------- other decoders
+def qwen3_meta(n_layers: int = 4) -> torch.nn.Module:
+    """torchtitan's qwen3 debugmodel (tied input embedding and output head), SDPA attention."""
+    from torchtitan.experiments.graph_trainer.common_utils import (
+        build_decoder_config_for_backend,
+    )
+    from torchtitan.models.qwen3 import qwen3_configs
+
+    cfg = build_decoder_config_for_backend(qwen3_configs["debugmodel"], "sdpa")
+    cfg.layers = cfg.layers[:n_layers]
+    with torch.device("meta"):
+        return cfg.build()
+
+
+class HFRMSNorm(torch.nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def reset_parameters(self) -> None:
+        torch.nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class HFAttention(torch.nn.Module):
+    def __init__(self, dim: int, n_heads: int):
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, dim // n_heads
+        self.q_proj = torch.nn.Linear(dim, dim, bias=False)
+        self.k_proj = torch.nn.Linear(dim, dim, bias=False)
+        self.v_proj = torch.nn.Linear(dim, dim, bias=False)
+        self.o_proj = torch.nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, position_embeddings: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        cos, sin = position_embeddings[0, :t], position_embeddings[1, :t]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class HFDecoderLayer(torch.nn.Module):
+    def __init__(self, dim: int, n_heads: int, hidden: int):
+        super().__init__()
+        self.input_layernorm = HFRMSNorm(dim)
+        self.self_attn = HFAttention(dim, n_heads)
+        self.post_attention_layernorm = HFRMSNorm(dim)
+        self.gate_proj = torch.nn.Linear(dim, hidden, bias=False)
+        self.up_proj = torch.nn.Linear(dim, hidden, bias=False)
+        self.down_proj = torch.nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: torch.Tensor):
+        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states),
+                                           position_embeddings)
+        x = self.post_attention_layernorm(h)
+        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class HFModel(torch.nn.Module):
+    """The body of a Hugging Face style decoder: blocks at ``model.layers``; the RoPE table
+    (cos and sin) is a buffer of this module, handed to every layer."""
+
+    def __init__(self, vocab: int, dim: int, n_layers: int, n_heads: int, hidden: int,
+                 max_seq: int):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(vocab, dim)
+        self.layers = torch.nn.ModuleList(
+            HFDecoderLayer(dim, n_heads, hidden) for _ in range(n_layers))
+        self.norm = HFRMSNorm(dim)
+        self.head_dim, self.max_seq = dim // n_heads, max_seq
+        self.register_buffer("rope", torch.empty(2, max_seq, dim // n_heads), persistent=False)
+
+    def _init_self_buffers(self, buffer_device=None) -> None:
+        inv = 1.0 / 10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
+        ang = torch.outer(torch.arange(self.max_seq).float(), inv)
+        ang = torch.cat((ang, ang), dim=-1)
+        self.rope = torch.stack((ang.cos(), ang.sin())).to(buffer_device)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
+        for layer in self.layers:
+            h = layer(h, self.rope)
+        return self.norm(h) if self.norm is not None else h
+
+
+class HFForCausalLM(torch.nn.Module):
+    """``model.model.layers`` nesting, as Hugging Face's LlamaForCausalLM."""
+
+    def __init__(self, vocab: int = 2048, dim: int = 64, n_layers: int = 4, n_heads: int = 4,
+                 hidden: int = 128, max_seq: int = 64):
+        super().__init__()
+        self.model = HFModel(vocab, dim, n_layers, n_heads, hidden, max_seq)
+        self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.model(input_ids)
+        return self.lm_head(h) if self.lm_head is not None else h
+
+
+def hf_meta(n_layers: int = 4) -> torch.nn.Module:
+    with torch.device("meta"):
+        return HFForCausalLM(n_layers=n_layers)
+
+
+MODELS = {"llama3": llama3_meta, "qwen3": qwen3_meta, "hf": hf_meta}
+
+
+def reference_step_of(kind: str, n_layers: int, tokens, target, seed: int = 0):
+    """Single-process fp32 loss and gradients (by every FQN, tied ones under each name) of
+    the whole model ``kind`` (see :data:`MODELS`)."""
+    from autopp import init_module_
+
+    model = init_module_(MODELS[kind](n_layers), seed=seed, device="cpu")
+    loss = ce_loss(model(tokens), target)
+    loss.backward()
+    grads = {n: p.grad.detach().clone()
+             for n, p in model.named_parameters(remove_duplicate=False)}
+    return float(loss), grads, model

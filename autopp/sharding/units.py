@@ -108,11 +108,23 @@ def module_signature(module: nn.Module) -> tuple:
     mods = tuple((n, type(m).__qualname__) for n, m in module.named_modules())
     params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters())
     bufs = tuple((n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers())
-    code = tuple(getattr(m, "code", "") for _, m in module.named_modules()
+    code = tuple(_graph_key(m.graph) for _, m in module.named_modules()
                  if isinstance(m, fx.GraphModule))
     call = (repr(module.args), repr(sorted(module.kwargs.items()))) if isinstance(
         module, BlockCall) else ()
     return mods, params, bufs, code, call
+
+
+def _graph_key(graph: fx.Graph) -> tuple:
+    """A graph's structure, independent of its node names."""
+    index = {n: i for i, n in enumerate(graph.nodes)}
+
+    def ref(a: Any) -> Any:
+        return ("node", index[a]) if isinstance(a, fx.Node) else a
+
+    return tuple((n.op, str(n.target), repr(fx.node.map_aggregate(n.args, ref)),
+                  repr(sorted(fx.node.map_aggregate(dict(n.kwargs), ref).items())))
+                 for n in graph.nodes)
 
 
 def unit_signature(unit: Unit) -> tuple:
@@ -261,6 +273,11 @@ def _units(module: nn.Module, path: str, blocks: list[tuple[str, nn.Module]]) ->
                 raise _Flat(f"the part after the blocks reads {bad[0].name}, computed before them")
         post_nodes = sorted(post, key=pos.get)
         units.append(Unit(POST, _subgraph(post_nodes, {last: "h"}, out, module)))
+    owner: dict[int, str] = {}
+    for unit in units:
+        for _, p in unit.module.named_parameters():
+            if owner.setdefault(id(p), unit.name) != unit.name:
+                raise _Flat(f"a parameter is tied between {owner[id(p)]} and {unit.name}")
     return units
 
 

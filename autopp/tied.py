@@ -1,0 +1,182 @@
+"""Parameters tied across pipeline stages (a tied input embedding and output head).
+
+A parameter held by modules of several stages (``tok_embeddings.weight`` is
+``lm_head.weight``) gets one copy on every stage that uses it, as Megatron does for tied
+embeddings. :class:`TiedSync` keeps the copies one parameter:
+
+- **values**: after initialisation every copy takes the value of the copy whose module the
+  whole model initialises last (what :func:`autopp.init.init_module_` of the whole model
+  leaves in the tied parameter), broadcast between the copies' ranks;
+- **gradients**: after each step the copies' gradients are summed (an all-reduce between the
+  ranks that hold them, local shard by local shard: the copies share their placements), so
+  every copy holds the whole model's gradient and identical optimizer steps keep them equal;
+- **gradient norm**: clipping counts one copy (the one under the parameter's first FQN) and
+  scales the others by the same factor;
+- **names**: every copy is named by the parameter's first FQN in state dicts and
+  checkpoints, so a checkpoint stores it once (torch.distributed.checkpoint writes a key held
+  by several ranks once) and loads into any layout.
+
+Copies on ranks of different pipeline stages meet in small process groups: one per
+(dp, tp) coordinate, made of the ranks with that coordinate on the stages' pp ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["TiedParameter", "TiedSync", "find_tied"]
+
+
+@dataclass(frozen=True, slots=True)
+class TiedParameter:
+    """One parameter that several stages hold."""
+
+    fqns: tuple[str, ...]
+    """All its FQNs in the whole model, in model order; ``fqns[0]`` names it in checkpoints."""
+    stage_fqns: tuple[tuple[int, str], ...]
+    """(stage id, the FQN that stage holds it under), in stage order."""
+    init_stage: int
+    """The stage whose copy's initial value every copy takes (holds ``fqns[-1]``)."""
+
+    @property
+    def name(self) -> str:
+        return self.fqns[0]
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return tuple(s for s, _ in self.stage_fqns)
+
+
+def find_tied(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]],
+              layers_attr: str | None = None) -> list[TiedParameter]:
+    """The parameters of ``model`` (meta is fine) held by more than one stage of the split
+    (``layers_attr``: as for :func:`autopp.stage_split.inspect_model`)."""
+    from autopp.stage_split.layout import inspect_model, unit_of
+
+    layout = inspect_model(model, layers_attr)
+    stage_of = {fqn: s for s, fqns in enumerate(fqns_per_stage) for fqn in fqns}
+    groups: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(fqn)
+    out = []
+    for fqns in groups.values():
+        if len(fqns) < 2:
+            continue
+        held: dict[int, str] = {}
+        for fqn in fqns:
+            held.setdefault(stage_of[unit_of(fqn, layout)], fqn)
+        if len(held) < 2:
+            continue
+        init = stage_of[unit_of(fqns[-1], layout)]
+        out.append(TiedParameter(tuple(fqns), tuple(sorted(held.items())), init))
+    return out
+
+
+class TiedSync:
+    """Keeps the copies of tied parameters equal on this rank's stages (see the module doc).
+
+    Args:
+        tied: the pipeline's tied parameters (:func:`find_tied`).
+        mesh: the world mesh ("pp", "dp", "tp").
+        rank_of: the pp rank of each stage.
+        stage_ids: the stages this rank holds.
+
+    Every rank must create it (process groups are made collectively), before
+    :meth:`bind` gives it this rank's stage parameters.
+    """
+
+    def __init__(self, tied: Sequence[TiedParameter], mesh, rank_of: Sequence[int],
+                 stage_ids: Sequence[int]) -> None:
+        self.tied = list(tied)
+        self._stage_ids = set(stage_ids)
+        self._groups: dict[int, tuple[object, int] | None] = {}
+        ranks = mesh.mesh  # pp x dp x tp tensor of global ranks
+        me = dist.get_rank() if dist.is_initialized() else 0
+        for i, t in enumerate(self.tied):
+            pps = sorted({rank_of[s] for s in t.stages})
+            src_pp = rank_of[t.init_stage]
+            self._groups[i] = None
+            if len(pps) < 2:
+                continue
+            for d, k in itertools.product(range(ranks.shape[1]), range(ranks.shape[2])):
+                members = [int(ranks[r, d, k]) for r in pps]
+                group = dist.new_group(members)
+                if me in members:
+                    self._groups[i] = (group, int(ranks[src_pp, d, k]))
+        self._copies: dict[int, list[tuple[int, nn.Parameter]]] = {}
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """{FQN a local stage holds a copy under: the parameter's first FQN} (renames)."""
+        return {fqn: t.name for t in self.tied for s, fqn in t.stage_fqns
+                if s in self._stage_ids and fqn != t.name}
+
+    def bind(self, named_by_stage: dict[int, dict[str, nn.Parameter]]) -> None:
+        """This rank's copies: ``named_by_stage[stage id][stage FQN] = parameter``."""
+        self._copies = {}
+        for i, t in enumerate(self.tied):
+            copies = [(s, named_by_stage[s][fqn]) for s, fqn in t.stage_fqns
+                      if s in self._stage_ids]
+            for s, p in copies:
+                if p is None:
+                    raise ValueError(f"stage {s} holds no parameter for tied {t.fqns}")
+            self._copies[i] = copies
+            if len(copies) > 1:
+                pls = {str(getattr(p, "placements", None)) for _, p in copies}
+                if len(pls) > 1:
+                    raise ValueError(f"tied parameter {t.name}: local copies placed as {pls}")
+
+    @staticmethod
+    def _local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    @torch.no_grad()
+    def sync_values(self) -> None:
+        """Every copy takes the initial value of the copy on :attr:`TiedParameter.init_stage`."""
+        for i, t in enumerate(self.tied):
+            copies = self._copies.get(i, [])
+            if not copies:
+                continue
+            src = next((p for s, p in copies if s == t.init_stage), None)
+            if self._groups[i] is not None:
+                group, src_rank = self._groups[i]
+                buf = self._local(src if src is not None else copies[0][1])
+                dist.broadcast(buf, src=src_rank, group=group)
+                src = src if src is not None else copies[0][1]
+            for _, p in copies:
+                if p is not src:
+                    self._local(p).copy_(self._local(src))
+
+    @torch.no_grad()
+    def sync_grads(self) -> None:
+        """Sum the copies' gradients (local shards) so that every copy holds the total."""
+        for i, _ in enumerate(self.tied):
+            copies = self._copies.get(i, [])
+            if not copies:
+                continue
+            grads = [p.grad for _, p in copies]
+            if any(g is None for g in grads):
+                raise RuntimeError(f"tied parameter {self.tied[i].name} has no gradient on a "
+                                   "stage that uses it; run step() before syncing")
+            total = self._local(grads[0])
+            for g in grads[1:]:
+                total.add_(self._local(g))
+            if self._groups[i] is not None:
+                dist.all_reduce(total, group=self._groups[i][0])
+            for g in grads[1:]:
+                self._local(g).copy_(total)
+
+    def norm_duplicates(self) -> set[int]:
+        """``id`` of every local copy that a global gradient norm must not count again (all
+        but the copy on the stage holding the parameter's first FQN)."""
+        out = set()
+        for i, t in enumerate(self.tied):
+            held = dict(t.stage_fqns)
+            out |= {id(p) for s, p in self._copies.get(i, []) if held[s] != t.name}
+        return out

@@ -1,0 +1,51 @@
+"""Worker for the any-decoder tests: pipelines of qwen3 (tied embeddings) and a Hugging Face
+style nested decoder, trained for two AdamW steps (run under tests.dist_harness)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from tests.models import MODELS, ce_loss, make_batch
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def two_steps(mesh, cfg: dict) -> dict:
+    """Step, clip, AdamW step, step again; the first step's gradients by FQN."""
+    from autopp import pipeline_autoparallel
+
+    tokens, target = make_batch(cfg["batch"], cfg["seq"])
+    dp_rank, dp = mesh.get_coordinate()[1], mesh.shape[1]
+    n = cfg["batch"] // dp
+    tok, tgt = tokens[dp_rank * n:(dp_rank + 1) * n], target[dp_rank * n:(dp_rank + 1) * n]
+    pipe = pipeline_autoparallel(
+        MODELS[cfg["model"]](cfg["n_layers"]), mesh, example_inputs=(tok,), loss_fn=ce_loss,
+        schedule=cfg["schedule"], n_microbatches=cfg["n_microbatches"])
+    pipe.init_weights(seed=0)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=cfg["lr"])
+    losses = [pipe.step(tok, target=tgt)]
+    grads = {name: _full(p.grad).detach().clone() for name, p in pipe.named_parameters()}
+    norm = pipe.clip_grad_norm_(cfg["max_norm"])
+    opt.step()
+    opt.zero_grad()
+    losses.append(pipe.step(tok, target=tgt))
+    return {"losses": losses, "grads": grads, "norm": norm,
+            "units": {sid: [b.prefix for b in plan.blocks] for sid, plan in pipe.plans.items()},
+            "state_keys": sorted(pipe.state_dict()),
+            "values": {name: _full(p).detach().clone() for name, p in pipe.named_parameters()
+                       if "embed" in name or "lm_head" in name}}
+
+
+def run(rank: int, world_size: int, configs: list[dict]) -> list[dict]:
+    from autopp import build_world_mesh
+
+    out = []
+    for cfg in configs:
+        mesh = build_world_mesh(pp=cfg["pp"], dp=cfg["dp"], tp=cfg["tp"])
+        out.append(two_steps(mesh, cfg))
+        dist.barrier()
+    return out

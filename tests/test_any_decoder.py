@@ -1,0 +1,69 @@
+"""Any decoder whose blocks repeat takes the planner's block-reuse path, and parameters tied
+across stages train as one: torchtitan's qwen3 (tied input embedding and output head, on
+different pp ranks) and a Hugging Face style nested decoder (blocks at ``model.layers``, the
+RoPE table handed to every layer) match the single-process model at pp2 × dp2 × tp2 (fp32,
+1e-5) over two AdamW steps with clipping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist_harness import run_on_ranks
+from tests.decoder_workers import run
+from tests.models import MODELS, ce_loss, make_batch
+
+N_LAYERS, BATCH, SEQ, LR, MAX_NORM = 4, 8, 16, 1e-2, 0.5
+
+
+def _reference(kind: str) -> dict:
+    """Loss, gradients (every FQN), global norm and second-step loss of the single-process
+    model under plain torch: init_module_, AdamW, clip_grad_norm_."""
+    from autopp import init_module_
+
+    tokens, target = make_batch(BATCH, SEQ)
+    model = init_module_(MODELS[kind](N_LAYERS), seed=0, device="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    loss = ce_loss(model(tokens), target)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+    opt.step()
+    opt.zero_grad()
+    loss2 = ce_loss(model(tokens), target)
+    return {"losses": [loss.item(), loss2.item()], "grads": grads, "norm": norm}
+
+
+@pytest.mark.multiprocess
+def test_tied_qwen3_and_nested_decoder_match_single_process():
+    configs = [dict(model=kind, pp=2, dp=2, tp=2, schedule="1F1B", n_microbatches=2,
+                    n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=LR, max_norm=MAX_NORM)
+               for kind in ("qwen3", "hf")]
+    results = run_on_ranks(run, 8, configs, timeout=900)
+    for i, cfg in enumerate(configs):
+        ref = _reference(cfg["model"])
+        seen = set()
+        for rank_results in results:
+            res = rank_results[i]
+            assert res["losses"] == pytest.approx(ref["losses"], abs=1e-5), cfg["model"]
+            assert res["norm"] == pytest.approx(ref["norm"], rel=1e-5), cfg["model"]
+            for name, g in res["grads"].items():
+                torch.testing.assert_close(g, ref["grads"][name], atol=1e-5, rtol=1e-4,
+                                           msg=lambda m: f"{cfg['model']} {name}: {m}")
+                seen.add(name)
+            # the block-reuse path: units are the part before the blocks, each block, the
+            # part after, never one flat graph
+            for sid, units in res["units"].items():
+                assert "" not in units and any(".layers." in f".{u}" for u in units), units
+                assert units[0] == "pre" if sid == 0 else units[-1] == "post" if sid == 1 \
+                    else True
+        names = {n for n, _ in MODELS[cfg["model"]](N_LAYERS).named_parameters()}
+        assert seen == names, (cfg["model"], names ^ seen)
+    # tied: the head's copy is named (and checkpointed) as the embedding, once; both copies
+    # keep one value after the optimizer step
+    last = next(r[0] for r in results if "norm.weight" in r[0]["state_keys"])
+    first = next(r[0] for r in results if "norm.weight" not in r[0]["state_keys"])
+    assert "tok_embeddings.weight" in last["state_keys"]
+    assert "lm_head.weight" not in last["state_keys"]
+    torch.testing.assert_close(last["values"]["tok_embeddings.weight"],
+                               first["values"]["tok_embeddings.weight"], atol=0, rtol=0)
