@@ -14,17 +14,22 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def two_steps(mesh, cfg: dict) -> dict:
-    """Step, clip, AdamW step, step again; the first step's gradients by FQN."""
+def two_steps(mesh, cfg: dict, path: str | None = None) -> dict:
+    """Step, clip, AdamW step, step again; the first step's gradients by FQN. With ``path``:
+    save a checkpoint, load it into a fresh pipeline, and compare eval losses."""
     from autopp import pipeline_autoparallel
 
     tokens, target = make_batch(cfg["batch"], cfg["seq"])
     dp_rank, dp = mesh.get_coordinate()[1], mesh.shape[1]
     n = cfg["batch"] // dp
     tok, tgt = tokens[dp_rank * n:(dp_rank + 1) * n], target[dp_rank * n:(dp_rank + 1) * n]
-    pipe = pipeline_autoparallel(
-        MODELS[cfg["model"]](cfg["n_layers"]), mesh, example_inputs=(tok,), loss_fn=ce_loss,
-        schedule=cfg["schedule"], n_microbatches=cfg["n_microbatches"])
+
+    def build():
+        return pipeline_autoparallel(
+            MODELS[cfg["model"]](cfg["n_layers"]), mesh, example_inputs=(tok,),
+            loss_fn=ce_loss, schedule=cfg["schedule"], n_microbatches=cfg["n_microbatches"])
+
+    pipe = build()
     pipe.init_weights(seed=0)
     opt = torch.optim.AdamW(pipe.parameters(), lr=cfg["lr"])
     losses = [pipe.step(tok, target=tgt)]
@@ -33,19 +38,30 @@ def two_steps(mesh, cfg: dict) -> dict:
     opt.step()
     opt.zero_grad()
     losses.append(pipe.step(tok, target=tgt))
-    return {"losses": losses, "grads": grads, "norm": norm,
+    ckpt = {}
+    if path is not None:
+        import torch.distributed.checkpoint as dcp
+
+        pipe.save_checkpoint(path)
+        fresh = build()
+        fresh.init_weights(seed=1)
+        ckpt = {"eval": pipe.eval(tok, target=tgt), "eval_fresh": fresh.eval(tok, target=tgt)}
+        fresh.load_checkpoint(path)
+        ckpt["eval_loaded"] = fresh.eval(tok, target=tgt)
+        ckpt["keys"] = sorted(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    return {"losses": losses, "checkpoint": ckpt, "grads": grads, "norm": norm,
             "units": {sid: [b.prefix for b in plan.blocks] for sid, plan in pipe.plans.items()},
             "state_keys": sorted(pipe.state_dict()),
             "values": {name: _full(p).detach().clone() for name, p in pipe.named_parameters()
                        if "embed" in name or "lm_head" in name}}
 
 
-def run(rank: int, world_size: int, configs: list[dict]) -> list[dict]:
+def run(rank: int, world_size: int, configs: list[dict], path: str) -> list[dict]:
     from autopp import build_world_mesh
 
     out = []
-    for cfg in configs:
+    for i, cfg in enumerate(configs):
         mesh = build_world_mesh(pp=cfg["pp"], dp=cfg["dp"], tp=cfg["tp"])
-        out.append(two_steps(mesh, cfg))
+        out.append(two_steps(mesh, cfg, f"{path}/{i}" if cfg.get("checkpoint") else None))
         dist.barrier()
     return out

@@ -35,11 +35,12 @@ def _reference(kind: str) -> dict:
 
 
 @pytest.mark.multiprocess
-def test_tied_qwen3_and_nested_decoder_match_single_process():
+def test_tied_qwen3_and_nested_decoder_match_single_process(tmp_path):
     configs = [dict(model=kind, pp=2, dp=2, tp=2, schedule="1F1B", n_microbatches=2,
-                    n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=LR, max_norm=MAX_NORM)
+                    n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=LR, max_norm=MAX_NORM,
+                    checkpoint=kind == "qwen3")
                for kind in ("qwen3", "hf")]
-    results = run_on_ranks(run, 8, configs, timeout=900)
+    results = run_on_ranks(run, 8, configs, str(tmp_path), timeout=900)
     for i, cfg in enumerate(configs):
         ref = _reference(cfg["model"])
         seen = set()
@@ -67,3 +68,9 @@ def test_tied_qwen3_and_nested_decoder_match_single_process():
     assert "lm_head.weight" not in last["state_keys"]
     torch.testing.assert_close(last["values"]["tok_embeddings.weight"],
                                first["values"]["tok_embeddings.weight"], atol=0, rtol=0)
+    # the checkpoint stores the tied parameter once, under its first name, and restores both
+    # copies (a fresh pipeline's eval loss becomes the trained one's)
+    ck = last["checkpoint"]
+    assert "model.tok_embeddings.weight" in ck["keys"]
+    assert not [k for k in ck["keys"] if "lm_head" in k]
+    assert ck["eval_loaded"] == pytest.approx(ck["eval"], abs=1e-6) != ck["eval_fresh"]
