@@ -27,7 +27,8 @@ def two_steps(mesh, cfg: dict, path: str | None = None) -> dict:
     def build():
         return pipeline_autoparallel(
             MODELS[cfg["model"]](cfg["n_layers"]), mesh, example_inputs=(tok,),
-            loss_fn=ce_loss, schedule=cfg["schedule"], n_microbatches=cfg["n_microbatches"])
+            loss_fn=ce_loss, schedule=cfg["schedule"], n_microbatches=cfg["n_microbatches"],
+            parallelize=cfg.get("parallelize", "auto"))
 
     pipe = build()
     pipe.init_weights(seed=0)
@@ -50,7 +51,8 @@ def two_steps(mesh, cfg: dict, path: str | None = None) -> dict:
         ckpt["eval_loaded"] = fresh.eval(tok, target=tgt)
         ckpt["keys"] = sorted(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     return {"losses": losses, "checkpoint": ckpt, "grads": grads, "norm": norm,
-            "units": {sid: [b.prefix for b in plan.blocks] for sid, plan in pipe.plans.items()},
+            "units": {sid: [b.prefix for b in plan.blocks]
+                      for sid, plan in (pipe.plans or {}).items()},
             "state_keys": sorted(pipe.state_dict()),
             "values": {name: _full(p).detach().clone() for name, p in pipe.named_parameters()
                        if "embed" in name or "lm_head" in name}}
