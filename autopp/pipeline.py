@@ -191,6 +191,8 @@ class Pipeline:
             self._bind_tied()
         if named is None:
             self.local_model = merge_stage_modules(self.stage_modules)
+            if self._tied is not None:
+                self._tied.rename_state_dict(self.local_model)
         else:
             from autopp.auto_stage import fqn_view
 
@@ -270,8 +272,10 @@ class Pipeline:
         return self.local_model.parameters()
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """(whole-model FQN, parameter) for this rank's stages."""
-        return self.local_model.named_parameters()
+        """(whole-model FQN, parameter) for this rank's stages; a copy of a parameter tied
+        across stages goes by the parameter's first FQN (as in state dicts)."""
+        aliases = self._tied.aliases if self._tied is not None else {}
+        return ((aliases.get(n, n), p) for n, p in self.local_model.named_parameters())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's stages' state, keyed by whole-model FQNs (DTensors where sharded)."""

@@ -113,9 +113,35 @@ class TiedSync:
 
     @property
     def aliases(self) -> dict[str, str]:
-        """{FQN a local stage holds a copy under: the parameter's first FQN} (renames)."""
-        return {fqn: t.name for t in self.tied for s, fqn in t.stage_fqns
-                if s in self._stage_ids and fqn != t.name}
+        """{FQN a local stage holds a copy under: the parameter's first FQN} (renames), for
+        copies on ranks that do not also hold the copy named by the first FQN."""
+        out = {}
+        for t in self.tied:
+            held = {fqn: s for s, fqn in t.stage_fqns if s in self._stage_ids}
+            if t.name not in held:
+                out.update({fqn: t.name for fqn in held})
+        return out
+
+    def rename_state_dict(self, module: nn.Module) -> None:
+        """Make ``module`` (this rank's merged stages) save its tied copies under their
+        first FQN and load them from it (state-dict hooks)."""
+        aliases = self.aliases
+        if not aliases:
+            return
+
+        def save_hook(mod, state_dict, prefix, local_metadata):
+            for own, name in aliases.items():
+                if prefix + own in state_dict:
+                    state_dict[prefix + name] = state_dict.pop(prefix + own)
+            return state_dict
+
+        def load_hook(state_dict, prefix, *args):
+            for own, name in aliases.items():
+                if prefix + name in state_dict:
+                    state_dict[prefix + own] = state_dict.pop(prefix + name)
+
+        module._register_state_dict_hook(save_hook)
+        module._register_load_state_dict_pre_hook(load_hook)
 
     def bind(self, named_by_stage: dict[int, dict[str, nn.Parameter]]) -> None:
         """This rank's copies: ``named_by_stage[stage id][stage FQN] = parameter``."""
