@@ -16,25 +16,25 @@ caller already did), splits the model with the same rules as
 (:func:`autopp.auto_plan.plan_local_stage`). All stage sub-meshes have the same shape, so
 rank 0's sub-mesh stands for all of them.
 
-Pipeline estimate (Alpa's formula): with ``t_s`` the estimated fwd+bwd time of stage ``s`` on
-one microbatch and ``M`` microbatches,
-
-    step time = Σ_s t_s + (M − 1) · max_r Σ_{s on rank r} t_s
-
-(with one stage per rank the last term is the slowest stage); ``t_s`` of the last stage
-includes the loss. Point-to-point transfers and their overlap are not in it; the bytes are
-reported separately. Stage boundaries and the last stage's logits placement (loss parallel or
-not) are chosen as :func:`autopp.pipeline_autoparallel` chooses them
-(:func:`autopp.auto_plan.plan_pipeline`).
+Pipeline estimate: each stage's plan becomes the schedule simulator's
+:class:`~autopp.schedules.StageCost` (:mod:`autopp.estimate`: F / I / W times per microbatch,
+UNSHARD and REDUCE_GRAD per step, point-to-point bytes, and memory: parameters, gradients,
+AdamW state, gathered parameters, activations), and :func:`autopp.schedules.simulate_schedule`
+runs the pipeline's own schedule (torch's action lists) over them with the pp link of the
+device profile. The step time, the bubble and each pp rank's peak memory by category are the
+simulator's; Alpa's closed formula (Σ_s t_s + (M − 1) · slowest rank's Σ t_s) is reported
+beside it. Each rank's peak is checked against the profile's memory minus a reserve. Stage
+boundaries and the last stage's logits placement (loss parallel or not) are chosen as
+:func:`autopp.pipeline_autoparallel` chooses them (:func:`autopp.auto_plan.plan_pipeline`,
+still by the closed formula).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import re
+import os
 import time
-from collections import defaultdict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -46,16 +46,34 @@ from autopp.api import split_for_schedule
 from autopp.auto_plan import (
     BOUNDARIES,
     last_stage_output,
-    loss_time_s,
     boundary_bytes,
-    describe_loss,
+    loss_time_s,
     plan_pipeline,
     stage_input_shapes,
 )
+from autopp.dry_run_format import compact_modules, format_report, placement_summary
+from autopp.estimate import (
+    StageFacts,
+    full_checkpointing_cost,
+    param_dtypes,
+    pp_link,
+    stage_cost,
+    stage_facts,
+    stage_facts_by_rule,
+    state_bytes,
+    usable_bytes,
+)
 from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
 from autopp.plan_cache import cached_plan, plan_key
-from autopp.sharding import StagePlan, plan_stage
-from autopp.sharding.memory import activation_bytes_per_microbatch
+from autopp.schedules import (
+    Link,
+    SimulationResult,
+    StageCost,
+    simulate_schedule,
+    write_chrome_trace,
+    write_timeline_png,
+)
+from autopp.sharding import StagePlan, get_profile, plan_stage
 from autopp.sharding.torchtitan_ref import torchtitan_param_placements
 from autopp.stage_split import build_stage_module
 
@@ -65,12 +83,6 @@ logger = logging.getLogger(__name__)
 #: RowwiseParallel (an Embedding's weight sharded on the vocabulary, dim 0) and the output
 #: projection ColwiseParallel (weight dim 0); ``norm`` is replicated (sequence parallel).
 _TT_VOCAB_SHARDED = ("tok_embeddings", "lm_head", "output")
-
-_BOUNDARY_WORDS = {
-    "batch": "batch split over dp, whole over tp",
-    "batch+seq": "batch split over dp, sequence over tp",
-}
-
 
 @dataclass(frozen=True)
 class StageReport:
@@ -90,23 +102,31 @@ class StageReport:
     :attr:`boundary_out`); None for the last stage."""
     send_bytes: int
     """Bytes one device sends to the next stage per microbatch (0 for the last stage)."""
+    cost: StageCost
+    """What the schedule simulator runs for this stage (:mod:`autopp.estimate`)."""
+    facts: StageFacts
+    """The plan's time by runtime piece and its graph-read memory."""
     torchtitan: StagePlan | None = None
     torchtitan_wall_s: float = 0.0
     torchtitan_cached: bool = False
+    torchtitan_cost: StageCost | None = None
     boundary_out: str = "batch"
     """Placement of what the stage sends (a key of ``autopp.auto_plan.BOUNDARIES``); for the
     last stage, of its logits ("vocab": loss parallel)."""
     loss_s: float = 0.0
     """Last stage: estimated fwd+bwd time of the loss on one microbatch (0 elsewhere)."""
     torchtitan_loss_s: float = 0.0
-    activation_bytes: int | None = None
-    """Bytes one microbatch keeps on a device between its forward and backward on this stage
-    (read off the lowered graphs, :mod:`autopp.sharding.memory`); None if not computed."""
 
     @property
     def time_s(self) -> float:
         """Estimated fwd+bwd time of one microbatch on one device (the loss included)."""
         return self.plan.step_time_s + self.loss_s
+
+    @property
+    def activation_bytes(self) -> int | None:
+        """Bytes one microbatch keeps on a device between its forward and backward on this
+        stage (read off the lowered graphs); None if not computed."""
+        return self.facts.activation_bytes
 
 
 @dataclass(frozen=True)
@@ -124,10 +144,27 @@ class DryRunReport:
     memory_budget_bytes: float | None
     stages: tuple[StageReport, ...]
     stage_ids_per_rank: tuple[tuple[int, ...], ...]
+    simulation: SimulationResult
+    """The schedule simulated over the stages' costs: the step estimate, bubble, memory."""
+    link: Link
+    """The pp link the simulation used."""
+    device_memory_bytes: float
+    """The profile's device memory."""
+    memory_reserve: float
+    """Fraction of the device memory kept back (see :attr:`usable_bytes`)."""
     compare: bool = False
     compare_notes: tuple[str, ...] = field(default=())
     mixed_precision: str | None = None
     """The policy, as text (None: full precision)."""
+    torchtitan_simulation: SimulationResult | None = None
+    checkpointed_simulation: SimulationResult | None = None
+    """The same schedule with full activation checkpointing per block (an estimate; None
+    without graphs)."""
+    checkpoint_working_bytes: tuple[int, ...] = ()
+    """Per pp rank: one block's saved activations, live while it is recomputed (added to
+    :attr:`checkpointed_simulation`'s peaks)."""
+    wall_s: float = 0.0
+    """Seconds the whole dry run took (planning, lowering, simulation)."""
 
     # ---- pipeline figures -------------------------------------------------------------
     @property
@@ -149,25 +186,53 @@ class DryRunReport:
         return [s.torchtitan.step_time_s + s.torchtitan_loss_s  # type: ignore[union-attr]
                 for s in self.stages]
 
-    def pipeline_time_s(self, which: str = "planned") -> float:
-        """Alpa: Σ_s t_s + (M − 1) · slowest rank's Σ t_s (one microbatch each)."""
+    def alpa_time_s(self, which: str = "planned") -> float:
+        """Alpa's closed formula, whatever the schedule: Σ_s t_s + (M − 1) · slowest rank's
+        Σ t_s (one microbatch each)."""
         return sum(self._times(which)) + (self.n_microbatches - 1) * max(self.rank_times_s(which))
+
+    def simulation_of(self, which: str = "planned") -> SimulationResult:
+        sim = self.simulation if which == "planned" else self.torchtitan_simulation
+        if sim is None:
+            raise ValueError("no torchtitan simulation: run the dry run with compare=True")
+        return sim
+
+    def costs_of(self, which: str = "planned") -> list[StageCost]:
+        return [s.cost if which == "planned" else s.torchtitan_cost for s in self.stages]
 
     @property
     def step_time_s(self) -> float:
-        return self.pipeline_time_s("planned")
+        """The simulated step time of the pipeline's schedule."""
+        return self.simulation.step_time_s
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.simulation.bubble_fraction
 
     @property
     def torchtitan_step_time_s(self) -> float | None:
-        return self.pipeline_time_s("torchtitan") if self.compare else None
+        return self.torchtitan_simulation.step_time_s if self.compare else None
 
     @property
     def step_time_ratio(self) -> float | None:
-        """planned / torchtitan estimated pipeline step time (below 1: planned is faster)."""
+        """planned / torchtitan simulated step time (below 1: planned is faster)."""
         tt = self.torchtitan_step_time_s
         return None if not tt else self.step_time_s / tt
 
-    def memory_per_device_bytes(self, which: str = "planned") -> int:
+    @property
+    def usable_bytes(self) -> float:
+        """Device memory minus the reserve: what each rank's simulated peak must fit."""
+        return self.device_memory_bytes * (1 - self.memory_reserve)
+
+    def peak_bytes(self, which: str = "planned") -> list[int]:
+        """Each pp rank's simulated peak memory per device."""
+        return [r.peak_bytes for r in self.simulation_of(which).ranks]
+
+    def fits(self, which: str = "planned") -> list[bool]:
+        """Whether each pp rank's simulated peak fits :attr:`usable_bytes`."""
+        return [p <= self.usable_bytes for p in self.peak_bytes(which)]
+
+    def param_bytes_per_device(self, which: str = "planned") -> int:
         """Parameter bytes per device: max over pipeline ranks of the sum over its stages."""
         plans = [s.plan if which == "planned" else s.torchtitan for s in self.stages]
         b = [p.param_bytes_per_device for p in plans]  # type: ignore[union-attr]
@@ -188,130 +253,19 @@ class DryRunReport:
     def planning_s(self) -> float:
         return sum(s.plan_wall_s + s.torchtitan_wall_s for s in self.stages)
 
+    def write_trace(self, path: str | os.PathLike, which: str = "planned"):
+        """The simulated step as a Chrome / Perfetto trace JSON."""
+        return write_chrome_trace(self.simulation_of(which), path)
+
+    def write_timeline(self, path: str | os.PathLike, which: str = "planned"):
+        """The simulated step as a PNG timeline (one row per pp rank, memory below)."""
+        return write_timeline_png(self.simulation_of(which), path)
+
     def __str__(self) -> str:
         return format_report(self)
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
-
-
-def _ms(s: float) -> str:
-    return f"{s * 1e3:.3f} ms"
-
-
-def compact_modules(fqns: Sequence[str]) -> str:
-    """``["tok_embeddings", "layers.0", ..., "layers.7"]`` -> ``"tok_embeddings, layers.0-7"``."""
-    out: list[str] = []
-    run: list[int] = []
-    prefix = None
-
-    def flush():
-        if run:
-            out.append(f"{prefix}{run[0]}" if len(run) == 1 else f"{prefix}{run[0]}-{run[-1]}")
-            run.clear()
-
-    for f in fqns:
-        m = re.fullmatch(r"(.*\.)(\d+)", f)
-        if m and m.group(1) == prefix and run and int(m.group(2)) == run[-1] + 1:
-            run.append(int(m.group(2)))
-            continue
-        flush()
-        if m:
-            prefix, run[:] = m.group(1), [int(m.group(2))]
-        else:
-            prefix = None
-            out.append(f)
-    flush()
-    return ", ".join(out)
-
-
-def placement_summary(plan: StagePlan) -> str:
-    """Distinct placements by parameter (layer indices folded): ``wqkv S(0)/S(0), ...``."""
-    seen: dict[str, set[str]] = defaultdict(set)
-    for p in plan.params:
-        name = re.sub(r"^layers\.\d+\.", "", p.fqn).removesuffix(".weight")
-        name = name.split(".")[-1]
-        seen[name].add("/".join(p.placements))
-    return ", ".join(f"{n} {'|'.join(sorted(v))}" for n, v in seen.items())
-
-
-def format_report(r: DryRunReport) -> str:
-    dims = "/".join(r.stages[0].plan.mesh_dim_names) if r.stages else "dp/tp"
-    lines = [
-        f"Dry run: pp={r.pp} x dp={r.dp} x tp={r.tp} ({r.pp * r.dp * r.tp} ranks, fake process "
-        f"group), schedule {r.schedule}, {r.n_stages} stages, profile {r.profile}",
-        (f"  mixed precision: {r.mixed_precision}\n" if r.mixed_precision else "")
-        + f"  global batch {r.global_batch} x seq {r.seq_len}, {r.n_microbatches} microbatches: "
-        f"{r.microbatch_rows} row(s) per microbatch per dp rank "
-        f"({r.microbatch_rows * r.dp} dp-global, what the planner sees)",
-        "  parameter-memory budget per device: "
-        + (_bytes(r.memory_budget_bytes) if r.memory_budget_bytes is not None else
-           ("torchtitan's per stage (compare)" if r.compare else "none")),
-        "",
-        f"Stages (time = estimated fwd+bwd of one microbatch on one device; placements per "
-        f"{dims}, a|b where layers differ):",
-    ]
-    for s in r.stages:
-        p = s.plan
-        lines += [
-            f"  stage {s.index} (pp rank {s.pp_rank}): {s.modules}",
-            f"    input {' '.join(str(list(x)) for x in s.input_shapes)}; time {_ms(s.time_s)}"
-            f" (compute {_ms(p.compute_s)} + comm {_ms(p.comm_s)}"
-            + (f" + loss {_ms(s.loss_s)}" if s.loss_s else "")
-            + f"); params {_bytes(p.param_bytes_per_device)}/device",
-            f"    placements: {placement_summary(p)}",
-            *([f"    kept for the backward: {_bytes(s.activation_bytes)}/device per microbatch "
-               "in flight (activations and gathered parameters, from the lowered graphs)"]
-              if s.activation_bytes is not None else []),
-            f"    sends {list(s.send_shape)} = {_bytes(s.send_bytes)} per microbatch to stage "
-            f"{s.index + 1} ({_BOUNDARY_WORDS[s.boundary_out]})" if s.send_shape is not None
-            else f"    last stage: {describe_loss(s.boundary_out)}",
-            f"    planned in {s.plan_wall_s:.1f} s ({'cached' if s.cached else 'solved'})",
-        ]
-        if s.torchtitan is not None:
-            t = s.torchtitan
-            lines.append(
-                f"    torchtitan FSDP+TP: time {_ms(t.step_time_s + s.torchtitan_loss_s)} (compute "
-                f"{_ms(t.compute_s)} + comm {_ms(t.comm_s)}), params "
-                f"{_bytes(t.param_bytes_per_device)}/device; planned/torchtitan "
-                f"{s.time_s / (t.step_time_s + s.torchtitan_loss_s):.3f}; priced in {s.torchtitan_wall_s:.1f} s "
-                f"({'cached' if s.torchtitan_cached else 'solved'})"
-            )
-    rank_t = r.rank_times_s()
-    slow = max(range(r.pp), key=lambda i: rank_t[i])
-    lines += [
-        "",
-        "Pipeline (Alpa's formula: step = Σ_stages t + (M − 1) × slowest pp rank's Σ t):",
-        f"  estimated step time: {_ms(r.step_time_s)} = {_ms(sum(r._times('planned')))} + "
-        f"{r.n_microbatches - 1} × {_ms(rank_t[slow])} (pp rank {slow}, stages "
-        f"{list(r.stage_ids_per_rank[slow])}); p2p transfers not included",
-        f"  parameter memory per device: {_bytes(r.memory_per_device_bytes())} (max over pp "
-        f"ranks of the sum over their stages; activations and optimizer state not included)",
-        f"  point-to-point per step, all stage boundaries, one device per boundary: "
-        f"{_bytes(r.p2p_bytes_per_step)} (2 × {r.n_microbatches} microbatches × "
-        f"{_bytes(r.p2p_bytes_per_microbatch)} summed over boundaries: activations forward + "
-        "gradients backward)",
-        "  planning: " + ", ".join(
-            f"stage {s.index} {s.plan_wall_s:.1f} s {'cached' if s.cached else 'solved'}"
-            for s in r.stages
-        ),
-    ]
-    if r.compare:
-        tt = r.torchtitan_step_time_s
-        lines += [
-            "",
-            "Against torchtitan's manual FSDP+TP layout under the same cost model:",
-            f"  torchtitan estimated step time {_ms(tt)}, parameter memory "
-            f"{_bytes(r.memory_per_device_bytes('torchtitan'))}/device",
-            f"  planned / torchtitan step time: {r.step_time_ratio:.3f}",
-        ]
-        lines += [f"  note: {n}" for n in r.compare_notes]
-    return "\n".join(lines)
+__all__ = ["DryRunReport", "StageReport", "compact_modules", "dry_run", "placement_summary"]
 
 
 def _torchtitan_placements(stage: nn.Module, names: tuple[str, ...]) -> dict:
@@ -375,6 +329,9 @@ def dry_run(
     loss_parallel: bool | None = None,
     mixed_precision=None,
     activations: bool = True,
+    memory_reserve: float = 0.1,
+    trace: str | os.PathLike | None = None,
+    timeline: str | os.PathLike | None = None,
 ) -> DryRunReport:
     """Plan the pipeline of ``model_meta`` for a pp × dp × tp world on this machine alone.
 
@@ -392,14 +349,20 @@ def dry_run(
             torchtitan's layout uses for it (as ``compare_with_torchtitan`` does), so the
             ratio compares layouts of equal memory.
         compare: also price torchtitan's manual FSDP+TP layout of every stage under the same
-            cost model, and report planned/torchtitan (torchtitan as it runs with TP:
-            sequence-parallel stage boundaries, loss parallel).
+            cost model and simulator, and report planned/torchtitan (torchtitan as it runs
+            with TP: sequence-parallel stage boundaries, loss parallel).
         boundary, loss_parallel, mixed_precision: as for
             :func:`autopp.pipeline_autoparallel` (the loss is taken to be
             :func:`autopp.cross_entropy`); torchtitan's layout is priced under the same
             mixed-precision policy.
-        activations: also lower every stage's plan to local graphs (on the fake process
-            group) and report the bytes a microbatch keeps for its backward.
+        activations: lower every stage's plan to local graphs (on the fake process group) to
+            read its activation and gathered-weight memory and split its time into F / I / W
+            (:func:`autopp.estimate.stage_facts`); False: the time split by rule and no
+            activation memory (faster, and the peaks then undercount).
+        memory_reserve: fraction of the profile's device memory not available to the
+            simulated categories (allocator, workspaces, communication buffers).
+        trace, timeline: write the simulated step as a Chrome / Perfetto trace JSON and as a
+            PNG timeline to these paths.
     """
     world = pp * dp * tp
     created = False
@@ -411,21 +374,52 @@ def dry_run(
             f"torch.distributed is initialised with {dist.get_world_size()} ranks, but "
             f"pp={pp} x dp={dp} x tp={tp} needs {world}"
         )
+    usable_bytes(profile, memory_reserve)  # a bad reserve fails before any planning
+    t0 = time.perf_counter()
     try:
-        return _dry_run(model_meta, pp=pp, dp=dp, tp=tp, schedule=schedule,
-                        n_microbatches=n_microbatches, global_batch=global_batch,
-                        seq_len=seq_len, profile=profile,
-                        memory_budget_bytes=memory_budget_bytes, split=split, compare=compare,
-                        boundary=boundary, loss_parallel=loss_parallel,
-                        mixed_precision=mixed_precision, activations=activations)
+        report = _dry_run(model_meta, pp=pp, dp=dp, tp=tp, schedule=schedule,
+                          n_microbatches=n_microbatches, global_batch=global_batch,
+                          seq_len=seq_len, profile=profile,
+                          memory_budget_bytes=memory_budget_bytes, split=split,
+                          compare=compare, boundary=boundary, loss_parallel=loss_parallel,
+                          mixed_precision=mixed_precision, activations=activations,
+                          memory_reserve=memory_reserve)
     finally:
         if created:
             dist.destroy_process_group()
+    report = dataclasses.replace(report, wall_s=time.perf_counter() - t0)
+    if trace is not None:
+        logger.info("simulated step written to %s (Chrome trace)", report.write_trace(trace))
+    if timeline is not None:
+        logger.info("simulated step drawn in %s", report.write_timeline(timeline))
+    return report
+
+
+def _stage_estimate(meta, plan, sub_mesh, x, n_microbatches, *, activations, loss_s,
+                    send, memo) -> tuple[StageFacts, StageCost]:
+    """A stage's facts (from its lowered graphs, or by rule) and its simulator cost."""
+    if activations:
+        facts = stage_facts(meta, plan, sub_mesh, x, n_microbatches, memo=memo)
+    else:
+        facts = stage_facts_by_rule(plan, n_microbatches)
+    cost = stage_cost(plan, facts, state_bytes(plan, param_dtypes(meta)), loss_s=loss_s,
+                      p2p_bytes=send)
+    return facts, cost
+
+
+def _simulate(schedule, costs, *, pp, n_microbatches, rank_of, link) -> SimulationResult:
+    sim = simulate_schedule(schedule, costs, pp=pp, n_microbatches=n_microbatches,
+                            n_stages=len(costs), link=link)
+    placed = tuple(rank_of[s] for s in range(len(costs)))
+    if sim.actions.stage_to_rank != placed:  # the split and the simulator disagree: a bug
+        raise RuntimeError(f"simulated stage placement {sim.actions.stage_to_rank} differs "
+                           f"from the pipeline's {placed}")
+    return sim
 
 
 def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, seq_len,
              profile, memory_budget_bytes, split, compare, boundary,
-             loss_parallel, mixed_precision, activations) -> DryRunReport:
+             loss_parallel, mixed_precision, activations, memory_reserve) -> DryRunReport:
     if global_batch % dp:
         raise ValueError(f"global batch {global_batch} is not divisible by dp={dp}")
     mesh = build_world_mesh(pp=pp, dp=dp, tp=tp, device_type="cpu")
@@ -441,7 +435,7 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
 
     mb = global_batch // n_microbatches  # dp-global microbatch: what the planner sees
     first = (torch.empty((mb, seq_len), dtype=torch.long, device="meta"),)
-    metas = [build_stage_module(model_meta, f) for f in fqns_per_stage]
+    metas = [build_stage_module(model_meta, f, allow_tied=True) for f in fqns_per_stage]
     pd = mixed_precision.param_dtype if mixed_precision is not None else None
     inputs = stage_input_shapes(metas, first, pd)
     logger.info("dry run: %d stages on a %s sub-mesh, microbatch %s (dp-global), profile %s",
@@ -469,12 +463,15 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
                                     n_microbatches=n_microbatches,
                                     rank_of=[rank_of[s] for s in range(n_stages)])
     logits = last_stage_output(metas, inputs, mixed_precision)
+    tt_kind = "batch+seq" if tp > 1 else "batch"  # torchtitan's boundaries (sequence parallel)
+    memo: dict = {}  # lowered unit plans, shared by the stages
     stages = []
     for s, x in enumerate(inputs):
         plan = plan_of(s)
         wall, n_solved, _ = timings.get(s, [0.0, 0, 1])
         kind = bounds[s + 1]
-        if s + 1 < n_stages:
+        last = s == n_stages - 1
+        if not last:
             out_t = inputs[s + 1][0]
             shape = [out_t.shape[0] // dp, *out_t.shape[1:]]
             if kind == "batch+seq":
@@ -482,27 +479,43 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
             shape, send = tuple(shape), boundary_bytes(out_t, dp, tp, kind)
         else:
             shape, send = None, 0
-        last = s == n_stages - 1
-        act = None
-        if activations:
-            t0 = time.perf_counter()
-            act = activation_bytes_per_microbatch(metas[s], plan, sub_mesh, x)
-            logger.info("stage %d: lowered to local graphs in %.1f s: %s kept per microbatch",
-                        s, time.perf_counter() - t0, _bytes(act))
-        logger.info("stage %d/%d (%s): %.3f ms per microbatch, %s params/device, planned in "
-                    "%.1f s (%d solved)", s, n_stages, compact_modules(fqns_per_stage[s]),
-                    plan.step_time_s * 1e3, _bytes(plan.param_bytes_per_device), wall,
-                    n_solved)
-        tt = tt_plans[s] if compare else (None, 0.0, False)
+        t0 = time.perf_counter()
+        facts, cost = _stage_estimate(metas[s], plan, sub_mesh, x, n_microbatches,
+                                      activations=activations, loss_s=plan.loss_s, send=send,
+                                      memo=memo)
+        logger.info("stage %d/%d (%s): %.3f ms per microbatch, %.2f GiB params/device, "
+                    "planned in %.1f s (%d solved), costed in %.1f s", s, n_stages,
+                    compact_modules(fqns_per_stage[s]), plan.step_time_s * 1e3,
+                    plan.param_bytes_per_device / 2**30, wall, n_solved,
+                    time.perf_counter() - t0)
+        tt, tt_cost, tt_loss = (None, 0.0, False), None, 0.0
+        if compare:
+            tt = tt_plans[s]
+            tt_loss = loss_time_s(logits, sub_mesh, profile, "vocab" if tp > 1 else
+                                  "batch") if last else 0.0
+            tt_send = 0 if last else boundary_bytes(inputs[s + 1][0], dp, tp, tt_kind)
+            _, tt_cost = _stage_estimate(metas[s], tt[0], sub_mesh, x, n_microbatches,
+                                         activations=activations, loss_s=tt_loss,
+                                         send=tt_send, memo=memo)
         stages.append(StageReport(
             index=s, pp_rank=rank_of[s], modules=compact_modules(fqns_per_stage[s]),
             input_shapes=tuple(tuple(t.shape) for t in x if isinstance(t, torch.Tensor)),
             plan=plan, plan_wall_s=wall, cached=n_solved == 0, send_shape=shape,
-            send_bytes=send, torchtitan=tt[0], torchtitan_wall_s=tt[1], torchtitan_cached=tt[2],
-            boundary_out=kind, loss_s=plan.loss_s, activation_bytes=act,
-            torchtitan_loss_s=loss_time_s(logits, sub_mesh, profile, "vocab" if tp > 1 else
-                                          "batch") if last and compare else 0.0,
+            send_bytes=send, cost=cost, facts=facts, torchtitan=tt[0],
+            torchtitan_wall_s=tt[1], torchtitan_cached=tt[2], torchtitan_cost=tt_cost,
+            boundary_out=kind, loss_s=plan.loss_s, torchtitan_loss_s=tt_loss,
         ))
+    link = pp_link(profile, (pp, dp, tp))
+    sim_args = dict(pp=pp, n_microbatches=n_microbatches, rank_of=rank_of, link=link)
+    sim = _simulate(schedule, [s.cost for s in stages], **sim_args)
+    tt_sim = _simulate(schedule, [s.torchtitan_cost for s in stages], **sim_args) if compare \
+        else None
+    ck_sim, working = None, ()
+    if activations:
+        ck_sim = _simulate(schedule, [full_checkpointing_cost(s.cost, s.facts) for s in stages],
+                           **sim_args)
+        working = tuple(max(stages[s].facts.largest_unit_activation_bytes for s in ids)
+                        for ids in ids_per_rank)
     notes = ()
     if compare:
         notes = (
@@ -517,7 +530,11 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
         pp=pp, dp=dp, tp=tp, schedule=str(schedule), n_microbatches=n_microbatches,
         global_batch=global_batch, seq_len=seq_len, profile=profile,
         memory_budget_bytes=memory_budget_bytes, stages=tuple(stages),
-        stage_ids_per_rank=ids_per_rank, compare=compare, compare_notes=notes,
+        stage_ids_per_rank=ids_per_rank, simulation=sim, link=link,
+        device_memory_bytes=get_profile(profile).memory_bytes, memory_reserve=memory_reserve,
+        compare=compare, compare_notes=notes,
         mixed_precision=None if mixed_precision is None else
         f"parameters computed in {pd}, gradients reduced in {mixed_precision.reduce_dtype}",
+        torchtitan_simulation=tt_sim, checkpointed_simulation=ck_sim,
+        checkpoint_working_bytes=working,
     )

@@ -7,9 +7,13 @@
 Plans every pipeline stage of llama3-8B (torchtitan's config, SDPA) over its 8 × 8 sub-mesh with
 the H100 profile, prices torchtitan's manual FSDP+TP layout of the same stages under the same
 cost model (:func:`autopp.dry_run.dry_run` with ``compare=True``; each stage is planned under
-the parameter memory torchtitan's layout uses for it) and prints the pipeline's estimated
-step time for both, as a ratio. It runs twice, each in a fresh process, on one temporary plan
-cache: the first run solves every stage, the second reads them from the cache.
+the parameter memory torchtitan's layout uses for it) and prints, for both layouts, the
+pipeline's step time simulated under the schedule (:mod:`autopp.schedules.simulate`, stage
+costs from :mod:`autopp.estimate`), its bubble, and each pp rank's simulated peak memory by
+category (parameters, gradients, AdamW state, gathered parameters, activations without
+checkpointing) against the profile's memory minus 10%. Alpa's closed form is printed beside
+the simulated step. It runs twice, each in a fresh process, on one temporary plan cache: the
+first run solves every stage, the second reads them from the cache.
 
 Batch: global 64 sequences of 2048 tokens in 8 microbatches, so one microbatch is a single
 sequence per dp rank (torchtitan's llama3-8B default local batch is 1) and 8 dp-global rows
@@ -33,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def one_run(args) -> None:
+    import dataclasses
     import logging
 
     import torch
@@ -62,14 +67,26 @@ def one_run(args) -> None:
                      seq_len=args.seq, profile=args.profile, compare=True)
     wall = time.perf_counter() - t0
     print(report, flush=True)
+    def peaks(which):
+        return [{"peak": r.peak_bytes / 2**30,
+                 **{k: v / 2**30 for k, v in dataclasses.asdict(r.memory_at_peak).items()}}
+                for r in report.simulation_of(which).ranks]
+
     print("JSON" + json.dumps({
         "wall_s": wall,
         "step_ms": report.step_time_s * 1e3,
         "torchtitan_step_ms": report.torchtitan_step_time_s * 1e3,
+        "bubble": report.bubble_fraction,
+        "torchtitan_bubble": report.torchtitan_simulation.bubble_fraction,
+        "alpa_ms": report.alpa_time_s() * 1e3,
+        "torchtitan_alpa_ms": report.alpa_time_s("torchtitan") * 1e3,
         "boundaries": [s.boundary_out for s in report.stages],
         "ratio": report.step_time_ratio,
-        "mem_GiB": report.memory_per_device_bytes() / 2**30,
-        "torchtitan_mem_GiB": report.memory_per_device_bytes("torchtitan") / 2**30,
+        "peaks": peaks("planned"),
+        "torchtitan_peaks": peaks("torchtitan"),
+        "usable_GiB": report.usable_bytes / 2**30,
+        "mem_GiB": report.param_bytes_per_device() / 2**30,
+        "torchtitan_mem_GiB": report.param_bytes_per_device("torchtitan") / 2**30,
         "p2p_MiB": report.p2p_bytes_per_step / 2**20,
         "stages": [{"modules": s.modules, "ms": s.time_s * 1e3,
                     "torchtitan_ms": s.torchtitan.step_time_s * 1e3,
@@ -112,8 +129,19 @@ def main() -> None:
             print(f"{name} run: {runs[-1]['wall_s']:.1f} s", flush=True)
     first, second = runs
     print("\nSummary")
-    print(f"  planned estimated step time {first['step_ms']:.1f} ms, torchtitan FSDP+TP "
-          f"{first['torchtitan_step_ms']:.1f} ms: planned/torchtitan {first['ratio']:.3f}")
+    print(f"  simulated step time ({args.schedule}): planned {first['step_ms']:.1f} ms (bubble "
+          f"{first['bubble']:.1%}), torchtitan FSDP+TP {first['torchtitan_step_ms']:.1f} ms "
+          f"(bubble {first['torchtitan_bubble']:.1%}): planned/torchtitan {first['ratio']:.3f}")
+    alpa, tt_alpa = first["alpa_ms"], first["torchtitan_alpa_ms"]
+    print(f"  closed form (Alpa): planned {alpa:.1f} ms, torchtitan {tt_alpa:.1f} ms: "
+          f"{alpa / tt_alpa:.3f}")
+    print(f"  simulated peak memory per device by pp rank, GiB (usable {first['usable_GiB']:.2f}):")
+    cats = ("parameters", "gradients", "optimizer", "gathered_parameters", "activations")
+    print("    layout      rank " + "".join(f"{c[:10]:>11}" for c in cats) + "       peak")
+    for name, key in (("planned", "peaks"), ("torchtitan", "torchtitan_peaks")):
+        for r, m in enumerate(first[key]):
+            print(f"    {name:<11} {r:>4} " + "".join(f"{m[c]:>11.2f}" for c in cats)
+                  + f"{m['peak']:>11.2f}")
     print(f"  chosen boundaries (last: logits): {first['boundaries']}")
     print(f"  parameter memory per device: planned {first['mem_GiB']:.2f} GiB, torchtitan "
           f"{first['torchtitan_mem_GiB']:.2f} GiB; p2p per step per device "

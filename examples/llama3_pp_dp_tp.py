@@ -10,7 +10,10 @@ the default; plans are printed at start and cached on disk). A dry run plans a b
 many ranks on one machine, with no devices::
 
     .venv/bin/python examples/llama3_pp_dp_tp.py --dry-run --model 8B --pp 4 --dp 8 --tp 8 \
-        --batch-size 64 --seq-len 2048 --microbatches 8
+        --batch-size 64 --seq-len 2048 --microbatches 8 --trace step.json --timeline step.png
+
+It reports the simulated step time of the schedule, each pipeline rank's peak memory by
+category and whether it fits the device profile's memory (``--memory-reserve`` kept back).
 
 The model is torchtitan's llama3 (``--model``: debugmodel, 1B, 3B, 8B, 70B, 405B) with SDPA
 attention, built on the meta device: each rank materialises only its own stages. It learns
@@ -80,7 +83,15 @@ def parse_args() -> argparse.Namespace:
                         "Inductor (cold compile: tens of seconds; see README for its effect)")
     p.add_argument("--dry-run", action="store_true",
                    help="plan every stage for pp x dp x tp ranks on this one machine (fake "
-                        "process group, no devices) and print the plans; no training")
+                        "process group, no devices), simulate the schedule over the plans' "
+                        "costs and print the plans, step time and per-rank memory; no training")
+    p.add_argument("--trace", default=None, metavar="PATH.json",
+                   help="with --dry-run: write the simulated step as a Chrome/Perfetto trace")
+    p.add_argument("--timeline", default=None, metavar="PATH.png",
+                   help="with --dry-run: draw the simulated step as a PNG timeline")
+    p.add_argument("--memory-reserve", type=float, default=0.1,
+                   help="with --dry-run: fraction of the device memory kept back when checking "
+                        "that each rank's simulated peak fits")
     args = p.parse_args()
     if args.split is not None and args.split.isdigit():
         args.split = int(args.split)
@@ -156,9 +167,13 @@ def dry_run(args) -> None:
         global_batch=args.batch_size, seq_len=args.seq_len,
         profile=args.profile or "H100", split=args.split, boundary=args.boundary,
         loss_parallel={"auto": None, "on": True, "off": False}[args.loss_parallel],
-        mixed_precision=mp_policy(args),
+        mixed_precision=mp_policy(args), memory_reserve=args.memory_reserve,
+        trace=args.trace, timeline=args.timeline,
     )
     print(report)
+    for what, path in (("trace", args.trace), ("timeline", args.timeline)):
+        if path:
+            print(f"simulated step {what}: {path}")
 
 
 def main() -> None:

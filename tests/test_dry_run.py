@@ -1,10 +1,12 @@
-"""Dry run: a whole pipeline planned on one machine with the fake process group.
+"""Dry run: a whole pipeline planned on one machine with the fake process group, its step
+estimate and memory from the schedule simulator.
 
 The fake process group needs a fresh process, so the dry runs run in a subprocess that prints
 the report's figures as JSON; plans are cached in a temporary directory."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -12,41 +14,55 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from autopp.dry_run import compact_modules
+from autopp.estimate import StageFacts, full_checkpointing_cost, stage_cost, state_bytes
+from autopp.schedules import Link, StageCost, simulate_schedule
+from autopp.sharding.plan import CollectivePlan, ParamPlan, StagePlan
 
 ROOT = Path(__file__).resolve().parents[1]
 
 CODE = r"""
-import json
+import dataclasses, json, sys
 from tests.models import llama3_meta
 from autopp.dry_run import dry_run
 
 def figures(r):
+    sim = r.simulation
     return dict(
         n_stages=r.n_stages, ids=[list(i) for i in r.stage_ids_per_rank],
         times=[s.time_s for s in r.stages], send=[s.send_bytes for s in r.stages],
         send_shape=[s.send_shape and list(s.send_shape) for s in r.stages],
         mem=[s.plan.param_bytes_per_device for s in r.stages],
         act=[s.activation_bytes for s in r.stages],
-        step=r.step_time_s, memory=r.memory_per_device_bytes(), p2p=r.p2p_bytes_per_step,
+        costs=[dataclasses.asdict(s.cost) for s in r.stages],
+        link=dataclasses.asdict(r.link), schedule=r.schedule,
+        step=r.step_time_s, alpa=r.alpa_time_s(), bubble=r.bubble_fraction,
+        peaks=[x.peak_bytes for x in sim.ranks],
+        at_peak=[dataclasses.asdict(x.memory_at_peak) for x in sim.ranks],
+        in_flight=list(sim.max_in_flight), usable=r.usable_bytes, fits=r.fits(),
+        memory=r.param_bytes_per_device(), p2p=r.p2p_bytes_per_step,
         text=str(r),
     )
 
 out = {}
-# 1F1B: one stage per pp rank
+# 1F1B: one stage per pp rank; trace and PNG of the simulated step
 r = dry_run(llama3_meta(), pp=2, dp=2, tp=2, schedule="1F1B", n_microbatches=2,
-            global_batch=8, seq_len=64, compare=True)
+            global_batch=8, seq_len=64, compare=True, trace=sys.argv[1], timeline=sys.argv[2])
 out["1F1B"] = figures(r)
 out["1F1B"]["ratio"] = r.step_time_ratio
+out["1F1B"]["tt_step"] = r.torchtitan_step_time_s
+out["1F1B"]["tt_costs"] = [dataclasses.asdict(c) for c in r.costs_of("torchtitan")]
 # Interleaved1F1B: two stages per pp rank (the fake world is set up again)
 out["Interleaved1F1B"] = figures(dry_run(llama3_meta(4), pp=2, dp=2, tp=2,
                                          schedule="Interleaved1F1B", n_microbatches=2,
                                          global_batch=8, seq_len=64))
 # a sequence tp does not divide: sequence-split boundaries are not candidates, not an error
 odd = dry_run(llama3_meta(), pp=2, dp=2, tp=2, schedule="1F1B", n_microbatches=2,
-              global_batch=8, seq_len=63)
+              global_batch=8, seq_len=63, activations=False)
 out["odd_seq_boundaries"] = [s.boundary_out for s in odd.stages]
+out["odd_by_rule"] = [s.facts.from_graphs for s in odd.stages]
 print("JSON" + json.dumps(out))
 """
 
@@ -55,12 +71,23 @@ GLOBAL_BATCH, DP, N_MB, SEQ, DIM = 8, 2, 2, 64, 256  # debugmodel dim 256, fp32
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    env = dict(os.environ, AUTOPP_PLAN_CACHE=str(tmp_path_factory.mktemp("plans")))
-    proc = subprocess.run([sys.executable, "-c", CODE], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    tmp = tmp_path_factory.mktemp("dry")
+    env = dict(os.environ, AUTOPP_PLAN_CACHE=str(tmp / "plans"))
+    trace, png = tmp / "step.json", tmp / "step.png"
+    proc = subprocess.run([sys.executable, "-c", CODE, str(trace), str(png)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("JSON"))
-    return json.loads(line[4:])
+    out = json.loads(line[4:])
+    out["files"] = (trace, png)
+    return out
+
+
+def _simulate(r, schedule=None, costs=None):
+    return simulate_schedule(schedule or r["schedule"],
+                             [StageCost(**c) for c in (costs or r["costs"])],
+                             pp=len(r["ids"]), n_microbatches=N_MB, n_stages=r["n_stages"],
+                             link=Link(**r["link"]))
 
 
 def test_stages_time_and_p2p_bytes(reports):
@@ -70,25 +97,90 @@ def test_stages_time_and_p2p_bytes(reports):
     rows = GLOBAL_BATCH // DP // N_MB  # local microbatch rows
     assert r["send_shape"] == [[rows, SEQ, DIM], None]
     assert r["send"] == [rows * SEQ * DIM * 4, 0]
+    assert [c["p2p_bytes_per_microbatch"] for c in r["costs"]] == r["send"]
     assert r["p2p"] == 2 * N_MB * rows * SEQ * DIM * 4
     assert r["memory"] == max(r["mem"])
     # what a microbatch keeps for its backward is at least the stage's own input activation
     assert all(a >= rows * SEQ * DIM * 4 for a in r["act"]), r["act"]
+    assert [c["activation_bytes_per_microbatch"] for c in r["costs"]] == r["act"]
     assert "kept for the backward" in r["text"]
     assert "stage 0 (pp rank 0): tok_embeddings, layers.0-2" in r["text"]
     assert "stage 1 (pp rank 1): layers.3-5, norm, lm_head" in r["text"]
-    assert "Alpa" in r["text"]
+    assert "Pipeline, simulated (1F1B" in r["text"] and "closed form (Alpa" in r["text"]
     # compare=True prices torchtitan's layout under the same costs and memory: never better
-    assert 0 < r["ratio"] <= 1.0 + 1e-9 and "torchtitan FSDP+TP" in r["text"]
+    # per stage; the simulated pipelines are compared too
+    assert r["tt_step"] > 0 and r["ratio"] == pytest.approx(r["step"] / r["tt_step"])
+    assert "torchtitan FSDP+TP" in r["text"] and "torchtitan simulated step" in r["text"]
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
-def test_step_time_is_alpas_formula(reports, schedule):
+def test_step_time_is_the_simulators(reports, schedule):
     r = reports[schedule]
+    assert r["step"] == pytest.approx(_simulate(r).step_time_s, rel=1e-12)
+    # the closed formula stays as a secondary figure
     t = r["times"]
     per_rank = [sum(t[s] for s in ids) for ids in r["ids"]]
-    assert r["step"] == pytest.approx(sum(t) + (N_MB - 1) * max(per_rank), rel=1e-12)
+    assert r["alpa"] == pytest.approx(sum(t) + (N_MB - 1) * max(per_rank), rel=1e-12)
     assert r["memory"] == max(sum(r["mem"][s] for s in ids) for ids in r["ids"])
+
+
+def test_torchtitan_step_is_simulated_too(reports):
+    r = reports["1F1B"]
+    assert r["tt_step"] == pytest.approx(_simulate(r, costs=r["tt_costs"]).step_time_s,
+                                         rel=1e-12)
+
+
+def test_schedules_differ_on_the_same_stages(reports):
+    """Same stages and costs, another schedule: another simulated step; the closed form
+    cannot tell them apart."""
+    r = reports["Interleaved1F1B"]
+    looped = _simulate(r, "LoopedBFS").step_time_s
+    zero_bubble = _simulate(r, "InterleavedZeroBubble").step_time_s
+    assert looped != pytest.approx(r["step"], rel=1e-6)
+    assert zero_bubble != pytest.approx(r["step"], rel=1e-6)
+    assert zero_bubble != pytest.approx(looped, rel=1e-6)
+
+
+def test_time_split_adds_up_to_the_plan(reports):
+    """F + I + W per microbatch plus UNSHARD and REDUCE_GRAD at 1/M each is the plan's
+    fwd+bwd time (the loss included); exact for fp32 (no casts run once per step)."""
+    for name in ("1F1B", "Interleaved1F1B"):
+        r = reports[name]
+        for c, t in zip(r["costs"], r["times"]):
+            total = (c["forward_s"] + c["backward_input_s"] + c["backward_weight_s"]
+                     + (c["unshard_s"] + c["reduce_grad_s"]) / N_MB)
+            assert total == pytest.approx(t, rel=1e-9)
+            assert c["forward_s"] > 0 and c["backward_input_s"] > 0 and c["backward_weight_s"] > 0
+    assert reports["odd_by_rule"] == [False, False]
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_memory_categories_add_up_to_the_peak(reports, schedule):
+    r = reports[schedule]
+    for rank, (ids, peak, cats) in enumerate(zip(r["ids"], r["peaks"], r["at_peak"])):
+        assert sum(cats.values()) == peak
+        costs = [r["costs"][s] for s in ids]
+        # static categories: the sum over the rank's stages (fp32 parameters: AdamW's two
+        # fp32 moments are twice the parameter bytes, and there is no master copy)
+        assert cats["parameters"] == sum(r["mem"][s] for s in ids)
+        assert cats["optimizer"] == 2 * cats["parameters"]
+        assert cats["activations"] <= sum(r["in_flight"][s] * c["activation_bytes_per_microbatch"]
+                                          for s, c in zip(ids, costs))
+        assert r["fits"][rank] == (peak <= r["usable"])
+    # 1F1B keeps min(M, pp - s) microbatches in flight on stage s
+    assert reports["1F1B"]["in_flight"] == [2, 1]
+    assert "Memory per device at each pp rank's simulated peak" in reports["1F1B"]["text"]
+
+
+def test_trace_and_timeline_written(reports):
+    trace, png = reports["files"]
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("name") == "0F0" for e in events)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_odd_sequence_falls_back_to_batch_boundaries(reports):
+    assert reports["odd_seq_boundaries"][0] == "batch"
 
 
 def test_interleaved_two_stages_per_rank(reports):
@@ -97,8 +189,49 @@ def test_interleaved_two_stages_per_rank(reports):
     assert r["send"][:3] == [GLOBAL_BATCH // DP // N_MB * SEQ * DIM * 4] * 3 and r["send"][3] == 0
 
 
-def test_odd_sequence_falls_back_to_batch_boundaries(reports):
-    assert reports["odd_seq_boundaries"][0] == "batch"
+def _plan(params, collectives=(), param_dtype="torch.bfloat16") -> StagePlan:
+    return StagePlan(
+        mesh_shape=(4, 2), mesh_dim_names=("dp", "tp"), profile="H100", params=tuple(params),
+        input_placements=("S(0)", "R"), output_placements=("S(0)", "R"), blocks=(),
+        collectives=tuple(collectives), step_time_s=0.0, compute_s=0.0, comm_s=0.0,
+        param_bytes_per_device=sum(p.local_bytes for p in params), memory_budget_bytes=None,
+        fallbacks=(), num_vars=0, solve_s=0.0, plan_s=0.0, param_dtype=param_dtype)
+
+
+def test_state_bytes_by_hand():
+    """A stage of two weights on a dp=4 x tp=2 sub-mesh, bf16 compute.
+
+    ``w``: 64 x 32 stored in fp32, sharded on dp and tp: 64 * 32 / 8 = 256 local elements.
+    ``v``: 128 stored in bf16, replicated: 128 local elements.
+    """
+    w_local, v_local = 64 * 32 // 8, 128
+    plan = _plan([ParamPlan("w", ("S(0)", "S(1)"), w_local * 4),
+                  ParamPlan("v", ("R", "R"), v_local * 2)],
+                 # w's gradient is reduce-scattered over dp from a dp-unsharded fp32 tensor
+                 [CollectivePlan("", "w", "mm_1", "reduce_scatter", "dp", 4 * w_local * 4, 1e-3)])
+    st = state_bytes(plan, {"w": torch.float32, "v": torch.bfloat16})
+    assert st.parameters == 256 * 4 + 128 * 2 == 1280
+    assert st.gradients == 1280  # a gradient has its parameter's dtype and placement
+    assert st.unreduced_gradients == 4 * 256 * 4 + 128 * 2 == 4352
+    # AdamW: fp32 w is its own master: two fp32 moments (8 B); bf16 v: fp32 master + two
+    # fp32 moments (12 B)
+    assert st.optimizer == 256 * 8 + 128 * 12 == 3584
+
+    facts = StageFacts(forward_s=1.0, backward_input_s=2.0, backward_weight_s=1.5,
+                       unshard_s=0.25, reduce_grad_s=0.5, activation_bytes=1000,
+                       kept_for_w_bytes=600, gathered_bytes=4096, checkpoint_bytes=100)
+    c = stage_cost(plan, facts, st, loss_s=0.2, p2p_bytes=64)
+    assert (c.forward_s, c.backward_input_s, c.backward_weight_s) == (1.1, 2.1, 1.5)
+    assert (c.unshard_s, c.reduce_grad_s, c.p2p_bytes_per_microbatch) == (0.25, 0.5, 64)
+    assert (c.param_bytes, c.grad_bytes, c.unreduced_grad_bytes, c.optimizer_bytes) == (
+        1280, 1280, 4352, 3584)
+    assert (c.gathered_param_bytes, c.activation_bytes_per_microbatch,
+            c.activation_bytes_kept_for_w) == (4096, 1000, 600)
+    ck = full_checkpointing_cost(c, facts)  # keeps block inputs, recomputes F before I
+    assert ck.activation_bytes_per_microbatch == 100
+    assert ck.backward_input_s == pytest.approx(2.1 + 1.0)
+    assert dataclasses.replace(ck, activation_bytes_per_microbatch=1000,
+                               backward_input_s=2.1) == c
 
 
 def test_compact_modules():

@@ -1,0 +1,260 @@
+"""The printed form of a dry run (:class:`autopp.dry_run.DryRunReport`): ``str(report)``."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from autopp.auto_plan import describe_loss
+from autopp.schedules import MEMORY_CATEGORIES
+from autopp.sharding import StagePlan
+
+if TYPE_CHECKING:
+    from autopp.dry_run import DryRunReport
+
+_BOUNDARY_WORDS = {
+    "batch": "batch split over dp, whole over tp",
+    "batch+seq": "batch split over dp, sequence over tp",
+}
+
+_NAME = {c: c.replace("_", " ") for c in MEMORY_CATEGORIES}
+_SHORT = {"parameters": "params", "gradients": "grads", "optimizer": "optim",
+          "gathered_parameters": "gathered", "activations": "acts"}
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def _unit(peak: float) -> tuple[float, str]:
+    return (2**30, "GiB") if peak >= 2**30 else (2**20, "MiB")
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3f} ms"
+
+
+def compact_modules(fqns: Sequence[str]) -> str:
+    """``["tok_embeddings", "layers.0", ..., "layers.7"]`` -> ``"tok_embeddings, layers.0-7"``."""
+    out: list[str] = []
+    run: list[int] = []
+    prefix = None
+
+    def flush():
+        if run:
+            out.append(f"{prefix}{run[0]}" if len(run) == 1 else f"{prefix}{run[0]}-{run[-1]}")
+            run.clear()
+
+    for f in fqns:
+        m = re.fullmatch(r"(.*\.)(\d+)", f)
+        if m and m.group(1) == prefix and run and int(m.group(2)) == run[-1] + 1:
+            run.append(int(m.group(2)))
+            continue
+        flush()
+        if m:
+            prefix, run[:] = m.group(1), [int(m.group(2))]
+        else:
+            prefix = None
+            out.append(f)
+    flush()
+    return ", ".join(out)
+
+
+def placement_summary(plan: StagePlan) -> str:
+    """Distinct placements by parameter (layer indices folded): ``wqkv S(0)/S(0), ...``."""
+    seen: dict[str, set[str]] = defaultdict(set)
+    for p in plan.params:
+        name = re.sub(r"^layers\.\d+\.", "", p.fqn).removesuffix(".weight")
+        name = name.split(".")[-1]
+        seen[name].add("/".join(p.placements))
+    return ", ".join(f"{n} {'|'.join(sorted(v))}" for n, v in seen.items())
+
+
+def _split_line(c, from_graphs: bool) -> str:
+    how = "from the graphs" if from_graphs else "by rule: a third each"
+    return (f"    per microbatch F {_ms(c.forward_s)}, I {_ms(c.backward_input_s)}, W "
+            f"{_ms(c.backward_weight_s)} ({how}); per step unshard {_ms(c.unshard_s)}, "
+            f"reduce-grad {_ms(c.reduce_grad_s)}")
+
+
+def _stage_lines(r: DryRunReport) -> list[str]:
+    lines = []
+    for s in r.stages:
+        p = s.plan
+        c = s.cost
+        lines += [
+            f"  stage {s.index} (pp rank {s.pp_rank}): {s.modules}",
+            f"    input {' '.join(str(list(x)) for x in s.input_shapes)}; time {_ms(s.time_s)}"
+            f" (compute {_ms(p.compute_s)} + comm {_ms(p.comm_s)}"
+            + (f" + loss {_ms(s.loss_s)}" if s.loss_s else "")
+            + f"); params {_bytes(p.param_bytes_per_device)}/device",
+            _split_line(c, s.facts.from_graphs),
+            f"    placements: {placement_summary(p)}",
+            *([f"    kept for the backward: {_bytes(s.activation_bytes)}/device per microbatch "
+               "in flight (saved activations, from the lowered graphs); gathered/cast weights "
+               f"{_bytes(c.gathered_param_bytes)} once per step"]
+              if s.activation_bytes is not None else []),
+            f"    sends {list(s.send_shape)} = {_bytes(s.send_bytes)} per microbatch to stage "
+            f"{s.index + 1} ({_BOUNDARY_WORDS[s.boundary_out]})" if s.send_shape is not None
+            else f"    last stage: {describe_loss(s.boundary_out)}",
+            f"    planned in {s.plan_wall_s:.1f} s ({'cached' if s.cached else 'solved'})",
+        ]
+        if s.torchtitan is not None:
+            t = s.torchtitan
+            tt_time = t.step_time_s + s.torchtitan_loss_s
+            lines.append(
+                f"    torchtitan FSDP+TP: time {_ms(tt_time)} (compute {_ms(t.compute_s)} + "
+                f"comm {_ms(t.comm_s)}), params {_bytes(t.param_bytes_per_device)}/device; "
+                f"planned/torchtitan {s.time_s / tt_time:.3f}; priced in "
+                f"{s.torchtitan_wall_s:.1f} s ({'cached' if s.torchtitan_cached else 'solved'})"
+            )
+    return lines
+
+
+def memory_table(r: DryRunReport, which: str = "planned") -> list[str]:
+    """Each pp rank's memory at its simulated peak, by category, and whether it fits."""
+    sim = r.simulation_of(which)
+    usable = r.usable_bytes
+    div, unit = _unit(max(x.peak_bytes for x in sim.ranks))
+    head = f"  {unit:<4} rank stages" + "".join(f"{_SHORT[c]:>10}" for c in MEMORY_CATEGORIES)
+    lines = [head + "      peak  in flight  fits"]
+    for rank in sim.ranks:
+        m = rank.memory_at_peak
+        flight = ",".join(str(sim.max_in_flight[s]) for s in rank.stages)
+        fits = "yes" if rank.peak_bytes <= usable else \
+            f"no (+{_gib(rank.peak_bytes - usable)} GiB)"
+        lines.append(
+            f"  {rank.rank:>9} {str(list(rank.stages)):<7}"
+            + "".join(f"{getattr(m, c) / div:>10.2f}" for c in MEMORY_CATEGORIES)
+            + f"{rank.peak_bytes / div:>10.2f}  {flight:>9}  {fits}")
+    return lines
+
+
+def fit_lines(r: DryRunReport, which: str = "planned") -> list[str]:
+    """Why each rank that does not fit does not: its largest category at the peak."""
+    sim, costs = r.simulation_of(which), r.costs_of(which)
+    lines = []
+    for rank in sim.ranks:
+        if rank.peak_bytes <= r.usable_bytes:
+            continue
+        m = rank.memory_at_peak
+        top = max(MEMORY_CATEGORIES, key=lambda c: getattr(m, c))
+        detail = ""
+        if top == "activations":
+            parts = [f"stage {s}: {sim.max_in_flight[s]} microbatches in flight x "
+                     f"{_gib(costs[s].activation_bytes_per_microbatch)} GiB"
+                     for s in rank.stages]
+            detail = " (" + "; ".join(parts) + ")"
+        lines.append(
+            f"  rank {rank.rank} does not fit: peak {_gib(rank.peak_bytes)} GiB > "
+            f"{_gib(r.usable_bytes)} GiB usable by {_gib(rank.peak_bytes - r.usable_bytes)} "
+            f"GiB; {_NAME[top]} dominate with {_gib(getattr(m, top))} GiB "
+            f"({getattr(m, top) / rank.peak_bytes:.0%} of the peak){detail}")
+    return lines
+
+
+def _pipeline_lines(r: DryRunReport) -> list[str]:
+    sim = r.simulation
+    rank_t = r.rank_times_s()
+    slow = max(range(r.pp), key=lambda i: rank_t[i])
+    link = r.link
+    bw = ("no limit" if link.bandwidth_bytes_per_s == float("inf")
+          else f"{link.bandwidth_bytes_per_s / 1e9:.0f} GB/s")
+    lines = [
+        "",
+        f"Pipeline, simulated ({sim.actions.name}: torch's action lists for {r.pp} pp ranks, "
+        f"{r.n_stages} stages, {r.n_microbatches} microbatches; p2p link {bw}, "
+        f"{link.latency_s * 1e6:.0f} us):",
+        f"  estimated step time: {_ms(r.step_time_s)}; bubble {sim.bubble_fraction:.1%} "
+        "(idle share of all ranks' time)",
+        "  per rank: " + "; ".join(
+            f"{x.rank}: busy {_ms(x.busy_s)}, bubble {x.bubble_fraction:.1%}" for x in sim.ranks),
+        f"  closed form (Alpa, any schedule): {_ms(r.alpa_time_s())} = "
+        f"{_ms(sum(r._times('planned')))} + {r.n_microbatches - 1} x {_ms(rank_t[slow])} "
+        f"(pp rank {slow}); p2p not included",
+        "",
+        f"Memory per device at each pp rank's simulated peak (usable: {_gib(r.usable_bytes)} GiB"
+        f" = {r.profile} {r.device_memory_bytes / 1e9:.0f} GB minus a {r.memory_reserve:.0%} "
+        "reserve; AdamW state = fp32 moments (+ fp32 master for sub-fp32 parameters); "
+        "activations with no checkpointing; the loss, p2p buffers and fragmentation are not "
+        "counted):",
+        *memory_table(r),
+        *fit_lines(r),
+    ]
+    ck = r.checkpointed_simulation
+    if ck is not None:
+        peaks = [x.peak_bytes + w for x, w in zip(ck.ranks, r.checkpoint_working_bytes)]
+        over = [x for x, p in zip(ck.ranks, peaks) if p > r.usable_bytes]
+        verdict = "all fit"
+        if over:
+            m = max(over, key=lambda x: x.peak_bytes).memory_at_peak
+            rest = {c: getattr(m, c) for c in MEMORY_CATEGORIES if c != "activations"}
+            top = max(rest, key=rest.get)
+            verdict = (f"{len(over)} of {len(peaks)} ranks do not fit; at the largest peak "
+                       f"{_NAME[top]} {_gib(rest[top])} GiB, all but activations "
+                       f"{_gib(sum(rest.values()))} GiB")
+        div, unit = _unit(max(peaks))
+        lines += [
+            f"  with full activation checkpointing per block (estimate, not planned: each "
+            f"block's input kept, its forward recomputed in the backward): step "
+            f"{_ms(ck.step_time_s)} ({ck.step_time_s / r.step_time_s - 1:+.1%}), peak per rank "
+            + ", ".join(f"{p / div:.2f}" for p in peaks)
+            + f" {unit}, one block's saved activations "
+            f"during its recompute included ({verdict})",
+        ]
+    lines += [
+        f"  point-to-point per step, all stage boundaries, one device per boundary: "
+        f"{_bytes(r.p2p_bytes_per_step)} (2 x {r.n_microbatches} microbatches x "
+        f"{_bytes(r.p2p_bytes_per_microbatch)} summed over boundaries)",
+        "  planning: " + ", ".join(
+            f"stage {s.index} {s.plan_wall_s:.1f} s {'cached' if s.cached else 'solved'}"
+            for s in r.stages) + f"; dry run in total {r.wall_s:.1f} s (planning, lowering "
+        "for memory and the F/I/W split, simulation)",
+    ]
+    return lines
+
+
+def format_report(r: DryRunReport) -> str:
+    dims = "/".join(r.stages[0].plan.mesh_dim_names) if r.stages else "dp/tp"
+    lines = [
+        f"Dry run: pp={r.pp} x dp={r.dp} x tp={r.tp} ({r.pp * r.dp * r.tp} ranks, fake process "
+        f"group), schedule {r.schedule}, {r.n_stages} stages, profile {r.profile}",
+        (f"  mixed precision: {r.mixed_precision}\n" if r.mixed_precision else "")
+        + f"  global batch {r.global_batch} x seq {r.seq_len}, {r.n_microbatches} microbatches: "
+        f"{r.microbatch_rows} row(s) per microbatch per dp rank "
+        f"({r.microbatch_rows * r.dp} dp-global, what the planner sees)",
+        "  parameter-memory budget per device: "
+        + (_bytes(r.memory_budget_bytes) if r.memory_budget_bytes is not None else
+           ("torchtitan's per stage (compare)" if r.compare else "none")),
+        "",
+        f"Stages (time = estimated fwd+bwd of one microbatch on one device; placements per "
+        f"{dims}, a|b where layers differ):",
+        *_stage_lines(r),
+        *_pipeline_lines(r),
+    ]
+    if r.compare:
+        tt = r.torchtitan_simulation
+        lines += [
+            "",
+            "Against torchtitan's manual FSDP+TP layout under the same cost model and simulator:",
+            f"  torchtitan simulated step time {_ms(tt.step_time_s)} (bubble "
+            f"{tt.bubble_fraction:.1%}; closed form {_ms(r.alpa_time_s('torchtitan'))}), "
+            f"parameter memory {_bytes(r.param_bytes_per_device('torchtitan'))}/device",
+            f"  planned / torchtitan step time: {r.step_time_ratio:.3f} (simulated), "
+            f"{r.alpa_time_s() / r.alpa_time_s('torchtitan'):.3f} (closed form)",
+            "  torchtitan's memory per device at each rank's peak:",
+            *memory_table(r, "torchtitan"),
+            *fit_lines(r, "torchtitan"),
+        ]
+        lines += [f"  note: {n}" for n in r.compare_notes]
+    return "\n".join(lines)

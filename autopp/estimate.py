@@ -1,0 +1,373 @@
+"""What a planned stage costs the schedule simulator: one :class:`~autopp.schedules.StageCost`
+per stage, derived from its :class:`~autopp.sharding.StagePlan` (and its lowered graphs).
+
+Time. A plan's ``step_time_s`` is the cost model's sum over the stage's joint
+forward+backward graph: each node's compute in its chosen placement plus each chosen
+redistribution, with the once-per-step ones (gathers of parameters, reductions of gradients)
+priced at 1/M of their time (M microbatches). :func:`stage_facts` re-traces each unit's
+joint graph and puts every priced item in the runtime piece that runs it:
+
+* UNSHARD (once per step): nodes computed from parameters alone (casts, views, their
+  gathers: the solver's "parameter-only" nodes, which autopp.graph peels into the unshard
+  graph) and every redistribution out of one, at M times its 1/M price;
+* REDUCE_GRAD (once per step): the redistribution of each gradient into its parameter's
+  placement, at M times its 1/M price;
+* F: every other node not computed from an output gradient, and the redistribution into the
+  stage's output placement;
+* I: nodes computed from an output gradient that the input gradient needs, and the
+  redistribution of the input gradient into the input's placement;
+* W: the remaining backward nodes (what only the parameter gradients need);
+
+a redistribution belongs where the node that consumes it runs. The last stage's loss
+(priced outside the plan) counts half in F and half in I. So
+``F + I + W + (unshard + reduce_grad) / M == plan.step_time_s + loss`` up to the casts
+(parameter-only compute, priced per microbatch by the plan but run once per step).
+Without graphs (:func:`stage_facts_by_rule`): F = I = W = a third of the per-microbatch time
+(a matmul's backward is two matmuls of its size, one for each gradient), gathers and casts
+not told apart from F.
+
+Memory (bytes on one device; :func:`state_bytes` for the parameter-sized ones):
+
+* parameters: the plan's local bytes, in the parameters' stored dtype;
+* gradients: the same (a gradient has its parameter's dtype and placement); before
+  REDUCE_GRAD, the size each gradient has before its reduction (the input of its first
+  reducing collective, e.g. dp times larger before a reduce-scatter over dp);
+* optimizer (AdamW): two fp32 moments per local parameter element, plus an fp32 master
+  copy when parameters are stored in less than 4 bytes (with torch's
+  ``MixedPrecisionPolicy`` the stored parameters are the fp32 masters: no copy);
+* gathered parameters: the unshard graphs' outputs that are new memory (gathers and casts,
+  :func:`autopp.sharding.memory.unsharded_bytes`), held from UNSHARD to RESHARD;
+* activations: what each unit's lowered forward saves for its backward
+  (:func:`autopp.sharding.memory.saved_bytes`), per microbatch in flight; what the
+  backward-weight graphs take (``kept_for_w_bytes``) stays from I until W.
+
+With full activation checkpointing per block (not planned yet; reported as an estimate) a
+microbatch keeps only each unit's input in its planned placement, the backward recomputes
+each unit's forward first (I grows by F), and one unit's saved values exist at a time
+while it is recomputed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from autopp.schedules import Link, StageCost
+from autopp.sharding.plan import StagePlan, from_strs
+
+PHASES = ("F", "I", "W", "unshard", "reduce_grad")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageFacts:
+    """A planned stage's time by runtime piece and its graph-read memory (one device)."""
+
+    forward_s: float
+    """F on one microbatch, loss excluded."""
+    backward_input_s: float
+    """I on one microbatch, loss excluded."""
+    backward_weight_s: float
+    """W on one microbatch."""
+    unshard_s: float
+    """One UNSHARD (once per step): parameter casts and gathers."""
+    reduce_grad_s: float
+    """One REDUCE_GRAD (once per step)."""
+    activation_bytes: int | None = None
+    """Saved for the backward per microbatch (None: no graphs read)."""
+    kept_for_w_bytes: int | None = None
+    """Held from the end of I to the end of W per microbatch (None: all activations)."""
+    gathered_bytes: int = 0
+    """New memory the unshard graphs make (gathered or cast weights), once per step."""
+    checkpoint_bytes: int | None = None
+    """Full activation checkpointing per unit: each unit's input, per microbatch."""
+    largest_unit_activation_bytes: int = 0
+    """The most one unit saves for its backward (recomputed one unit at a time)."""
+    from_graphs: bool = False
+    """Whether the split and memory were read off the graphs (else the rule)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateBytes:
+    """Per-step state of a stage on one device, bytes."""
+
+    parameters: int
+    gradients: int
+    """After REDUCE_GRAD (sharded as the parameters)."""
+    unreduced_gradients: int
+    """Accumulated over the step's microbatches before REDUCE_GRAD."""
+    optimizer: int
+
+
+def state_bytes(plan: StagePlan, param_dtypes: Mapping[str, torch.dtype]) -> StateBytes:
+    """Parameters, gradients and AdamW state of ``plan`` on one device (see module doc).
+
+    ``param_dtypes``: FQN -> the stored parameter's dtype (the stage module's, on meta)."""
+    unreduced_in: dict[str, int] = {}
+    fqns = {p.fqn for p in plan.params}
+    for c in plan.collectives:
+        if c.node in fqns:  # a gradient redistributed into its parameter's placement
+            unreduced_in[c.node] = max(unreduced_in.get(c.node, 0), c.bytes)
+    params = grads = unreduced = opt = 0
+    for p in plan.params:
+        dtype = param_dtypes[p.fqn]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = p.local_bytes // itemsize
+        params += p.local_bytes
+        grads += p.local_bytes
+        unreduced += max(p.local_bytes, unreduced_in.get(p.fqn, 0))
+        opt += numel * (8 + (4 if itemsize < 4 else 0))
+    return StateBytes(parameters=params, gradients=grads, unreduced_gradients=unreduced,
+                      optimizer=opt)
+
+
+def stage_cost(plan: StagePlan, facts: StageFacts, state: StateBytes, *, loss_s: float = 0.0,
+               p2p_bytes: int = 0) -> StageCost:
+    """The simulator's :class:`StageCost` of a stage (``loss_s``: its loss, last stage)."""
+    return StageCost(
+        forward_s=facts.forward_s + loss_s / 2,
+        backward_input_s=facts.backward_input_s + loss_s / 2,
+        backward_weight_s=facts.backward_weight_s,
+        unshard_s=facts.unshard_s,
+        reduce_grad_s=facts.reduce_grad_s,
+        activation_bytes_per_microbatch=facts.activation_bytes or 0,
+        activation_bytes_kept_for_w=facts.kept_for_w_bytes,
+        p2p_bytes_per_microbatch=p2p_bytes,
+        param_bytes=state.parameters,
+        grad_bytes=state.gradients,
+        unreduced_grad_bytes=state.unreduced_gradients,
+        optimizer_bytes=state.optimizer,
+        gathered_param_bytes=facts.gathered_bytes,
+    )
+
+
+def full_checkpointing_cost(cost: StageCost, facts: StageFacts) -> StageCost:
+    """``cost`` with full activation checkpointing per unit (see module doc): a microbatch
+    keeps the units' inputs; I (or B) recomputes the forward first (the loss is not
+    recomputed); what W reads stays as it was."""
+    kept = facts.checkpoint_bytes if facts.checkpoint_bytes is not None else 0
+    return replace(cost, activation_bytes_per_microbatch=kept,
+                   backward_input_s=cost.backward_input_s + facts.forward_s,
+                   backward_s=None if cost.backward_s is None else
+                   cost.backward_s + facts.forward_s)
+
+
+# ---- time split by rule (no graphs) --------------------------------------------------------
+
+
+def stage_facts_by_rule(plan: StagePlan, n_microbatches: int) -> StageFacts:
+    """F = I = W = a third of the plan's per-microbatch time; REDUCE_GRAD from the plan's
+    gradient redistributions; UNSHARD from its redistributions out of a parameter itself
+    (casts and views of parameters stay in F). No memory from graphs."""
+    fqns = {p.fqn for p in plan.params}
+    reduce = sum(c.time_s for c in plan.collectives if c.node in fqns)
+    gather = sum(c.time_s for c in plan.collectives
+                 if c.producer in fqns and c.node not in fqns)
+    per_mb = max(plan.step_time_s - reduce - gather, 0.0)
+    return StageFacts(forward_s=per_mb / 3, backward_input_s=per_mb / 3,
+                      backward_weight_s=per_mb / 3, unshard_s=gather * n_microbatches,
+                      reduce_grad_s=reduce * n_microbatches)
+
+
+# ---- time split and memory from the graphs -------------------------------------------------
+
+
+def _phase_of_nodes(joint) -> dict[fx.Node, str]:
+    """Each node of a unit's joint graph -> "unshard", "F", "I" or "W" (see module doc)."""
+    from autopp.sharding.solver import _param_only_nodes
+
+    gm = joint.gm
+    param_only = _param_only_nodes(gm, set(joint.params.values()))
+    tangents = set(joint.tangents.values())
+    backward: set[fx.Node] = set()
+    for n in gm.graph.nodes:  # topological order
+        if n in tangents or (n.op == "call_function"
+                             and any(a in backward for a in n.all_input_nodes)):
+            backward.add(n)
+    for_input: set[fx.Node] = set()
+    stack = list(joint.input_grads.values())
+    while stack:
+        n = stack.pop()
+        if n in for_input or n not in backward:
+            continue
+        for_input.add(n)
+        stack += n.all_input_nodes
+    phase = {}
+    for n in gm.graph.nodes:
+        if n in param_only:
+            phase[n] = "unshard"
+        elif n in backward:
+            phase[n] = "I" if n in for_input else "W"
+        else:
+            phase[n] = "F"
+    return phase
+
+
+def _unit_phase_times(joint, unit, bplan, plan: StagePlan, costs, n_microbatches: int
+                      ) -> dict[str, float]:
+    """Seconds of one unit by phase (once-per-step phases at their whole price); ``costs``:
+    the planner's CostModel for the plan's profile and mesh."""
+    import operator
+
+    from autopp.sharding.strategies import NodeStrategy, Option, _tensor_args, tensor_vals
+
+    phase = _phase_of_nodes(joint)
+    out = dict.fromkeys(PHASES, 0.0)
+    by_name = {n.name: n for n in joint.gm.graph.nodes}
+    for name, outs, ins in bplan.nodes:
+        node = by_name[name]
+        if (node.op != "call_function" or node.target is operator.getitem
+                or not tensor_vals(node) or not _tensor_args(node)):
+            continue
+        ns = NodeStrategy(node, "op", [(a, 0) for a in _tensor_args(node)])
+        opt = Option(tuple(None if o is None else from_strs(o) for o in outs),
+                     tuple(from_strs(i) for i in ins))
+        out[phase[node]] += costs.compute_time(ns, opt)
+    # consumers and producers as the plan names them (planner._node_labels)
+    label = {n.name: unit.stage_fqn(f) for f, n in [*joint.params.items(), *joint.buffers.items()]}
+    label.update({n.name: f"input{i}" for i, n in joint.inputs.items()})
+    label.update({n.name: f"output{i}" for i, n in joint.tangents.items()})
+    node_of = {label.get(n.name, n.name): n for n in joint.gm.graph.nodes}
+    fqns = {p.fqn for p in plan.params}
+    for c in plan.collectives:
+        if c.block != bplan.prefix:
+            continue
+        if c.node in fqns:
+            out["reduce_grad"] += c.time_s * n_microbatches
+            continue
+        producer = node_of.get(c.producer)
+        if producer is not None and phase.get(producer) == "unshard":
+            out["unshard"] += c.time_s * n_microbatches
+        elif c.node.startswith("output") and c.node not in by_name:
+            out["F"] += c.time_s  # the unit's output into its planned output placement
+        elif c.node.startswith("input") and c.node not in by_name:
+            out["I"] += c.time_s  # the input gradient into the input's placement
+        else:
+            out[phase.get(node_of.get(c.node), "F")] += c.time_s
+    return out
+
+
+def _input_bytes(gm: fx.GraphModule) -> int:
+    """Bytes of a graph's tensor inputs."""
+    total = 0
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        val = ph.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            total += val.numel() * val.element_size()
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class _UnitFacts:
+    """One unit plan's share of :class:`StageFacts`, and its output (the next unit's input)."""
+
+    times: Mapping[str, float]
+    saved: int
+    kept_for_w: int
+    gathered: int
+    input_bytes: int
+    output: tuple[tuple[int, ...], torch.dtype]
+
+
+def _unit_facts(joint, unit, bplan, plan: StagePlan, mesh, costs, n_microbatches: int
+                ) -> _UnitFacts:
+    from autopp.sharding.lower import lower_joint, split_local
+    from autopp.sharding.memory import saved_bytes, unsharded_bytes
+
+    graphs = split_local(lower_joint(joint, bplan, mesh))
+    saved = saved_bytes(graphs)
+    w = graphs.backward_weight_graph
+    x = joint.inputs[0].meta["val"] if 0 in joint.inputs else None
+    x_bytes = 0 if x is None else costs.local_bytes(x, from_strs(bplan.input_placements))
+    out = joint.outputs[0].meta["val"]
+    return _UnitFacts(
+        times=_unit_phase_times(joint, unit, bplan, plan, costs, n_microbatches),
+        saved=saved, kept_for_w=saved if w is None else _input_bytes(w),
+        gathered=unsharded_bytes(graphs),
+        input_bytes=int(x_bytes),
+        output=(tuple(out.shape), out.dtype),
+    )
+
+
+def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: tuple[Any, ...],
+                n_microbatches: int, *, memo: dict | None = None) -> StageFacts:
+    """Time by runtime piece and memory of the planned stage ``module`` (on meta) on one
+    device of ``mesh`` (fake process groups work). Each distinct unit plan is traced and
+    lowered once; ``memo`` (any dict, e.g. one per dry run) carries them across stages."""
+    from autopp.sharding.costs import CostModel
+    from autopp.sharding.precision import maybe_cast
+    from autopp.sharding.profiles import get_profile
+    from autopp.sharding.trace import graph_signature, trace_joint
+    from autopp.sharding.units import Unit, stage_units
+
+    if tuple(mesh.shape) != tuple(plan.mesh_shape):
+        raise ValueError(f"plan is for mesh {plan.mesh_shape}, got {tuple(mesh.shape)}")
+    memo = {} if memo is None else memo
+    costs = CostModel(get_profile(plan.profile), tuple(plan.mesh_shape))
+    flat = len(plan.blocks) == 1 and plan.blocks[0].prefix == ""
+    units = [Unit("", module)] if flat else stage_units(module)
+    if units is None:
+        raise ValueError("the plan is per unit (blocks) but the module is not a block stack")
+    by_name = {u.name: u for u in units}
+    x = example_inputs[0]
+    traced: dict[str, Any] = {}
+    times = dict.fromkeys(PHASES, 0.0)
+    acts = kept_w = gathered = ckpt = largest = 0
+    for bplan in plan.blocks:  # as autopp.sharding.apply.planned_units walks them
+        key = (bplan.signature, bplan.nodes, plan.profile, tuple(plan.mesh_shape),
+               plan.param_dtype, n_microbatches)
+        if key not in memo:  # identical blocks with one plan: traced and lowered once
+            unit = by_name[bplan.prefix]
+            if bplan.signature not in traced:
+                traced[bplan.signature] = trace_joint(
+                    maybe_cast(unit.module, plan.param_dtype), example_inputs if flat else (x,))
+            joint = traced[bplan.signature]
+            if graph_signature(joint) != bplan.signature:
+                raise ValueError(f"block {bplan.prefix or '<stage>'} traces to a different "
+                                 "graph than the one planned: re-plan it")
+            memo[key] = _unit_facts(joint, unit, bplan, plan, mesh, costs, n_microbatches)
+        f = memo[key]
+        for k, v in f.times.items():
+            times[k] += v
+        acts += f.saved
+        kept_w += f.kept_for_w
+        gathered += f.gathered
+        ckpt += f.input_bytes
+        largest = max(largest, f.saved)
+        x = torch.empty(f.output[0], dtype=f.output[1], device="meta")
+    return StageFacts(
+        forward_s=times["F"], backward_input_s=times["I"], backward_weight_s=times["W"],
+        unshard_s=times["unshard"], reduce_grad_s=times["reduce_grad"],
+        activation_bytes=acts, kept_for_w_bytes=kept_w, gathered_bytes=gathered,
+        checkpoint_bytes=ckpt, largest_unit_activation_bytes=largest, from_graphs=True,
+    )
+
+
+def param_dtypes(module: nn.Module) -> dict[str, torch.dtype]:
+    """FQN -> stored dtype of each parameter of ``module``."""
+    return {n: p.dtype for n, p in module.named_parameters()}
+
+
+def pp_link(profile: Any, mesh_shape: tuple[int, ...]) -> Link:
+    """The point-to-point link between neighbouring pp ranks of a ``(pp, dp, tp)`` mesh: each
+    device sends its shard to its counterpart, over the link the profile gives the pp dim
+    (inter-node when a pp rank's dp × tp devices fill a node)."""
+    from autopp.sharding.profiles import get_profile, mesh_links
+
+    links = mesh_links(get_profile(profile), tuple(mesh_shape))
+    return Link(latency_s=links.latency[0], bandwidth_bytes_per_s=links.bandwidth[0])
+
+
+def usable_bytes(profile: Any, reserve: float) -> float:
+    """Device memory left for the categories the simulator counts: the profile's memory
+    minus ``reserve`` (a fraction, for the allocator, workspaces, communication buffers and
+    what is not modelled)."""
+    from autopp.sharding.profiles import get_profile
+
+    if not 0 <= reserve < 1 or not math.isfinite(reserve):
+        raise ValueError(f"memory reserve {reserve!r} must be a fraction in [0, 1)")
+    return get_profile(profile).memory_bytes * (1 - reserve)
