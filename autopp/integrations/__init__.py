@@ -1,0 +1,1 @@
+"""Integrations of autopp with training frameworks (imported only on demand)."""

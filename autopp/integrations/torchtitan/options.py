@@ -1,0 +1,46 @@
+"""``AutoppOptions``: the ``[autopp]`` section of a torchtitan job config (``--autopp.*``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(kw_only=True, slots=True)
+class AutoppOptions:
+    """How autopp pipelines and shards the model inside torchtitan's Trainer.
+
+    The mesh, schedule, microbatches and split come from torchtitan's own ``[parallelism]``
+    and ``[training]`` sections; these fields are what only autopp has.
+    """
+
+    parallelize: Literal["auto", "replicate"] = "auto"
+    """How each stage is parallelized over its dp x tp sub-mesh: "auto" (autopp's planner)
+    or "replicate" (each stage replicated, gradients averaged over dp). For torchtitan's
+    own FSDP + TP, use the ``*_torchtitan`` configs of this module's registry."""
+
+    split: str | None = None
+    """An autopp layout string ("Ett|tt|tt|tL") or a number of stages; None: the split
+    torchtitan's ``pipeline_llm`` would make from ``parallelism.module_fqns_per_model_part``,
+    ``pipeline_parallel_layers_per_stage`` and ``pipeline_parallel_{first,last}_stage_less_layers``."""
+
+    profile: str | None = None
+    """Device profile of the planner's cost model ("H100", "H200", "A100", "CPU"); None:
+    "CPU" on CPU processes, else "H100"."""
+
+    boundary: Literal["auto", "batch", "batch+seq"] = "auto"
+    """Placement of activations sent between stages (planner)."""
+
+    loss_parallel: Literal["auto", "on", "off"] = "auto"
+    """Keep the logits split on the vocabulary over tp (planner, cross entropy only)."""
+
+    memory_budget_gib: float | None = None
+    """Per-device bound on parameter memory for the planner; None: no bound."""
+
+    seed: int = 0
+    """Seed of autopp's split-independent initialisation (used when no checkpoint loads)."""
+
+    per_document_positions: bool = False
+    """Pass the dataloader's per-document ``positions`` to the model. autopp pipelines take
+    the token ids only, so this must stay False with autopp (the model then uses positions
+    0..seq_len-1); the ``*_torchtitan`` configs may set it."""

@@ -1,0 +1,260 @@
+"""autopp as torchtitan's ``pipelining_fn``: what torchtitan's Trainer drives with PP.
+
+torchtitan's Trainer calls ``model_spec.pipelining_fn(model, parallel_dims=..., training=...,
+parallelism=..., ..., loss_fn=...)`` and expects ``(schedule, model_parts, has_first_stage,
+has_last_stage)``. :func:`pipeline_autopp` builds an autopp :class:`~autopp.Pipeline` from
+torchtitan's config and returns:
+
+- :class:`AutoppSchedule`: ``step(arg_mbs=, kwarg_mbs=, target_mbs=, losses=, ...)`` (the
+  call torchtitan's ``pp_forward_backward_step`` makes) joins the microbatches into this dp
+  rank's batch and runs ``Pipeline.step``;
+- one :class:`AutoppModelPart` per rank: the rank's stages under whole-model FQNs (the same
+  parameter objects), which torchtitan's optimizer, LR scheduler, gradient clipping and
+  checkpointer use as they are. Its state dict runs the whole model's state-dict hooks, so
+  checkpoints have torchtitan's keys (fused QKV saved as wq/wk/wv) and load across
+  layouts, and between autopp and torchtitan's own runs;
+- ``has_first_stage = has_last_stage = True`` on every rank: every rank hands its tokens
+  and labels to the schedule (autopp sends them where they are needed) and gets the loss.
+
+Mapping from torchtitan's config: mesh pp x (dp_replicate * dp_shard) x tp (torchtitan's rank
+order, so each rank's batch is the one torchtitan's dataloader gives it);
+``pipeline_parallel_schedule`` (or ``_csv``); microbatches = ``local_batch_size //
+pipeline_parallel_microbatch_size``; the stage split torchtitan's ``pipeline_llm`` makes
+(or ``--autopp.split``); ``mixed_precision_param`` bfloat16 -> autopp's mixed precision;
+``activation_checkpoint`` none / selective / full -> the planner's recompute. What autopp
+cannot honour raises ValueError here, at startup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopp.integrations.torchtitan import _compat
+from autopp.integrations.torchtitan.options import AutoppOptions
+
+
+class AutoppModelPart(nn.Module):
+    """This rank's autopp stages as one module with whole-model parameter names.
+
+    Its children are the pipeline's merged stage view (``Pipeline.local_model``), so its
+    parameters are the trained ones. ``state_dict`` / ``load_state_dict`` run the state-dict
+    hooks the whole model (on meta) has at those FQNs. The weights are created and
+    initialised by autopp when the part is built: ``to_empty`` and ``init_weights`` (which
+    torchtitan's Trainer calls next) leave them alone. It is run by :class:`AutoppSchedule`,
+    not called.
+    """
+
+    def __init__(self, pipeline, whole_model: nn.Module) -> None:
+        super().__init__()
+        for name, child in pipeline.local_model.named_children():
+            self.add_module(name, child)
+        for name, p in pipeline.local_model.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        object.__setattr__(self, "pipeline", pipeline)  # not a submodule
+        own = {n for n, _ in self.named_modules()}
+        hooked = [(fqn, m) for fqn, m in whole_model.named_modules() if fqn and fqn in own
+                  and (_compat.has_state_dict_hooks(m))]
+        object.__setattr__(self, "_hooked_modules", hooked)  # meta modules, not submodules
+        self.register_state_dict_post_hook(AutoppModelPart._model_post_hooks)
+        self.register_load_state_dict_pre_hook(AutoppModelPart._model_pre_hooks)
+
+    @staticmethod
+    def _model_post_hooks(module, state_dict, prefix, local_metadata) -> None:
+        for fqn, original in module._hooked_modules:
+            for hook in _compat.state_dict_post_hooks(original):
+                hook(original, state_dict, f"{prefix}{fqn}.", local_metadata)
+
+    @staticmethod
+    def _model_pre_hooks(module, state_dict, prefix, local_metadata, strict, missing,
+                         unexpected, errors) -> None:
+        for fqn, original in module._hooked_modules:
+            for hook in _compat.load_state_dict_pre_hooks(original):
+                hook(state_dict, f"{prefix}{fqn}.", local_metadata, strict, missing,
+                     unexpected, errors)
+
+    def to_empty(self, *, device=None, recurse: bool = True):  # noqa: ARG002
+        return self  # materialised by autopp already
+
+    def init_weights(self, buffer_device=None) -> None:  # noqa: ARG002
+        pass  # initialised by autopp (or loaded by torchtitan's checkpointer next)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("an autopp model part runs through its schedule "
+                           "(AutoppSchedule.step), not by calling it")
+
+
+class AutoppSchedule:
+    """torchtitan's view of the pipeline schedule, running :meth:`autopp.Pipeline.step`.
+
+    The loss appended to ``losses`` is this rank's share of the global-batch mean loss
+    (the mean divided by the dp degree), so that torchtitan's sum over its loss mesh gives
+    the exact global mean.
+    """
+
+    def __init__(self, pipeline, *, dp_size: int) -> None:
+        self.pipeline = pipeline
+        self.dp_size = dp_size
+
+    @staticmethod
+    def _batch(arg_mbs, kwarg_mbs, target_mbs) -> tuple[torch.Tensor, torch.Tensor]:
+        if arg_mbs is None or target_mbs is None:
+            raise ValueError("autopp's schedule needs every rank's tokens and labels")
+        extra = sorted({k for kw in (kwarg_mbs or []) for k in kw})
+        if extra:
+            raise ValueError(
+                f"autopp pipelines take the token ids only, got model kwargs {extra}; "
+                "keep --autopp.per_document_positions off")
+        if any(len(a) != 1 for a in arg_mbs):
+            raise ValueError("autopp's schedule expects one positional input (tokens)")
+        return torch.cat([a[0] for a in arg_mbs]), torch.cat(list(target_mbs))
+
+    def step(self, *args, arg_mbs: Sequence[tuple[torch.Tensor, ...]] | None = None,
+             kwarg_mbs: Sequence[dict[str, Any]] | None = None,
+             target_mbs: Sequence[torch.Tensor] | None = None, losses: list | None = None,
+             loss_kwargs: dict[str, Any] | None = None, return_outputs: bool = False,
+             **kwargs) -> None:
+        if args or kwargs:
+            raise TypeError("AutoppSchedule.step takes torchtitan's microbatch lists "
+                            "(arg_mbs=, target_mbs=, ...)")
+        if return_outputs:
+            raise ValueError("autopp's schedule does not return outputs")
+        del loss_kwargs  # autopp counts the global tokens itself
+        inputs, target = self._batch(arg_mbs, kwarg_mbs, target_mbs)
+        loss = self.pipeline.step(inputs, target=target)
+        if losses is not None:
+            losses.append(torch.tensor(loss / self.dp_size, dtype=torch.float32,
+                                       device=inputs.device))
+
+    def eval(self, *args, **kwargs) -> None:
+        raise NotImplementedError(
+            "torchtitan's validator sums per-token losses; autopp's eval returns the mean. "
+            "Run with --validator.enable false")
+
+
+def _loss_for_autopp(loss_fn):
+    """autopp's loss (mean over a microbatch's counted tokens) from torchtitan's
+    ``loss_fn(pred, labels, global_valid_tokens) -> (sum / global_valid_tokens, metrics)``."""
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss, IGNORE_INDEX
+
+    from autopp import cross_entropy
+    from autopp.loss import count_tokens
+
+    if isinstance(loss_fn, ChunkedLossWrapper):
+        raise ValueError(
+            "ChunkedLossWrapper needs the lm_head outside the pipeline; with autopp use "
+            "CrossEntropyLoss.Config (the *_autopp configs do)")
+    if type(loss_fn) is CrossEntropyLoss:  # the planner may run it in parallel over tp
+        return cross_entropy
+
+    def mean_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        n = count_tokens(labels, IGNORE_INDEX).clamp(min=1)
+        return loss_fn(pred, labels, n)[0]
+
+    return mean_loss
+
+
+def _recompute(ac_config) -> str:
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    if ac_config is None:
+        return "none"
+    if isinstance(ac_config, FullAC.Config):
+        return "full"
+    if isinstance(ac_config, SelectiveAC.Config):
+        return "selective"
+    raise ValueError("autopp maps activation_checkpoint none, selective and full to its "
+                     f"recompute; got {type(ac_config).__qualname__}")
+
+
+def _check_supported(parallel_dims, training) -> None:
+    problems = []
+    if parallel_dims.cp > 1:
+        problems.append("context parallelism (context_parallel_degree > 1)")
+    if parallel_dims.ep > 1:
+        problems.append("expert parallelism (expert_parallel_degree > 1)")
+    batch = parallel_dims.dp_replicate * parallel_dims.dp_shard
+    if training.global_batch_size > 0 and training.global_batch_size != training.local_batch_size * batch:
+        problems.append("gradient accumulation (global_batch_size != local_batch_size x dp): "
+                        "autopp normalises the loss over one step's global batch")
+    if problems:
+        raise ValueError("autopp's pipeline does not support " + "; ".join(problems))
+
+
+def pipeline_autopp(
+    model: nn.Module, *, parallel_dims, training, parallelism, compile_config, ac_config,
+    dump_folder: str, device: torch.device, model_config, parallelize_fn, loss_fn,
+    options: AutoppOptions | None = None,
+) -> tuple[AutoppSchedule, list[nn.Module], bool, bool]:
+    """torchtitan ``pipelining_fn`` running the model as an autopp pipeline (module doc)."""
+    del dump_folder, parallelize_fn
+    import autopp
+    from autopp.api import split_for_schedule
+    from autopp.backends import Planner, PlannerOptions, Replicate
+    from autopp.tied import find_tied
+    from torchtitan.tools.logging import logger
+
+    options = options or AutoppOptions()
+    _check_supported(parallel_dims, training)
+    dp = parallel_dims.dp_replicate * parallel_dims.dp_shard
+    mesh = autopp.build_world_mesh(pp=parallel_dims.pp, dp=dp, tp=parallel_dims.tp,
+                                   device_type=device.type)
+    _check_same_ranks(mesh, parallel_dims)
+
+    split: Any
+    if options.split is not None:
+        split = int(options.split) if options.split.isdigit() else options.split
+    else:
+        split = _compat.torchtitan_stage_fqns(parallel_dims, parallelism, model_config)
+    schedule = parallelism.pipeline_parallel_schedule_csv or parallelism.pipeline_parallel_schedule
+    n_microbatches = training.local_batch_size // parallelism.pipeline_parallel_microbatch_size
+    tokens = torch.zeros(training.local_batch_size, training.seq_len, dtype=torch.long)
+    _, fqns_per_stage = split_for_schedule(
+        model, schedule=schedule, split=split, pp=parallel_dims.pp,
+        n_microbatches=n_microbatches, local_batch_size=training.local_batch_size)
+    if find_tied(model, fqns_per_stage, None):
+        raise ValueError("parameters tied across stages: torchtitan's gradient clipping would "
+                         "count them twice; not supported through torchtitan's Trainer yet")
+
+    if options.parallelize == "auto":
+        mp = None
+        if training.mixed_precision_param == "bfloat16":
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                      reduce_dtype=torch.float32)
+        backend = Planner(PlannerOptions(
+            profile=options.profile or ("CPU" if device.type == "cpu" else "H100"),
+            memory_budget_bytes=(None if options.memory_budget_gib is None
+                                 else options.memory_budget_gib * 2**30),
+            boundary=options.boundary,
+            loss_parallel={"auto": None, "on": True, "off": False}[options.loss_parallel],
+            mixed_precision=mp, recompute=_recompute(ac_config)),
+            compile=bool(compile_config.enable and "model" in compile_config.components))
+    else:
+        backend = Replicate()
+
+    pipe = autopp.pipeline_autoparallel(
+        model, mesh, example_inputs=(tokens,), loss_fn=_loss_for_autopp(loss_fn),
+        schedule=schedule, n_microbatches=n_microbatches, split=split, parallelize=backend,
+    )
+    pipe.init_weights(seed=options.seed)
+    logger.info("autopp plan:\n%s", pipe.describe())
+    part = AutoppModelPart(pipe, model)
+    return AutoppSchedule(pipe, dp_size=dp), [part], True, True
+
+
+def _check_same_ranks(mesh, parallel_dims) -> None:
+    """autopp's (pp, dp, tp) coordinates of this rank equal torchtitan's (pp, batch, tp), so
+    each rank trains on the batch torchtitan's dataloader gives it."""
+    pp_rank, dp_rank, tp_rank = mesh.get_coordinate()
+    theirs = []
+    for name in ("pp", "batch", "tp"):
+        sub = parallel_dims.get_optional_mesh(name)
+        theirs.append(sub.get_local_rank() if sub is not None else 0)
+    if tuple(theirs) != (pp_rank, dp_rank, tp_rank):
+        raise RuntimeError(f"autopp's mesh coordinates {(pp_rank, dp_rank, tp_rank)} differ from "
+                           f"torchtitan's (pp, batch, tp) {tuple(theirs)}")

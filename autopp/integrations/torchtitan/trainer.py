@@ -1,0 +1,100 @@
+"""``AutoppTrainer``: torchtitan's Trainer with an ``[autopp]`` config section.
+
+The training loop, data, loss, optimizer, LR schedule, clipping, checkpointing, metrics and
+profiler are torchtitan's own, unchanged. The subclass only:
+
+- adds ``--autopp.*`` options (:class:`AutoppOptions`) and hands them to autopp's
+  ``pipelining_fn`` (:func:`~autopp.integrations.torchtitan.pipelining.pipeline_autopp`);
+- on a machine without an accelerator, points torchtitan's device globals at the CPU, and
+  on torch 2.13 provides the ``torch.distributed.set_timeout`` torchtitan calls, for the
+  job's lifetime (:mod:`autopp.integrations.torchtitan.environment`);
+- writes the stand-in tokenizer and dataset when the config points at them
+  (:mod:`autopp.integrations.torchtitan.assets`);
+- drops the dataloader's per-document ``positions`` unless
+  ``--autopp.per_document_positions`` (autopp pipelines take token ids only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torchtitan.tools.logging import logger
+from torchtitan.trainer import Trainer
+
+from autopp.integrations.torchtitan.options import AutoppOptions
+from autopp.integrations.torchtitan.pipelining import pipeline_autopp
+
+#: Where the configs of this registry look for the tokenizer and dataset.
+ASSETS_ROOT = "./outputs/autopp_assets"
+TOKENIZER_PATH = f"{ASSETS_ROOT}/tokenizer"
+DATASET_PATH = f"{ASSETS_ROOT}/c4_test"
+
+
+class AutoppTrainer(Trainer):
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        autopp: AutoppOptions = field(default_factory=AutoppOptions)
+        """autopp's options (``--autopp.*``); used when the model spec's pipelining_fn
+        is autopp's."""
+
+    def __init__(self, config: Config):
+        from autopp.integrations.torchtitan import environment as env
+
+        self._restore = [env.use_set_timeout()]
+        try:
+            if env.needs_cpu_device():
+                if config.profiler.enable_memory_snapshot:
+                    raise ValueError("--profiler.enable_memory_snapshot records CUDA "
+                                     "allocations; there is no CUDA device here")
+                self._restore.append(env.use_cpu_device())
+            self._prepare(config)
+            super().__init__(config)
+        except BaseException:
+            self._undo_environment()
+            raise
+
+    @staticmethod
+    def _prepare(config: Config) -> None:
+        if (config.hf_assets_path == TOKENIZER_PATH
+                or getattr(config.dataloader, "dataset_path", None) == DATASET_PATH):
+            from autopp.integrations.torchtitan.assets import ensure_assets
+
+            ensure_assets(ASSETS_ROOT)
+        spec = config.model_spec
+        if spec is not None and spec.pipelining_fn is pipeline_autopp:
+            if (config.parallelism.pipeline_parallel_degree == 1
+                    and not config.checkpoint.create_seed_checkpoint):
+                logger.warning("pipeline_parallel_degree 1: torchtitan's Trainer calls no "
+                               "pipelining_fn, so autopp is not used; the model is "
+                               "parallelized by torchtitan's own parallelize_fn")
+            if config.autopp.per_document_positions:
+                raise ValueError("autopp pipelines take the token ids only: "
+                                 "--autopp.per_document_positions must stay off")
+            if config.validator.enable:
+                raise ValueError("torchtitan's validator is not supported with autopp's "
+                                 "pipeline yet: set --validator.enable false")
+            config.model_spec = dataclasses.replace(
+                spec, pipelining_fn=functools.partial(pipeline_autopp, options=config.autopp))
+
+    def post_dataloading_process(self, input_dict: dict[str, torch.Tensor],
+                                 labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        if not self.config.autopp.per_document_positions:
+            input_dict = {k: v for k, v in input_dict.items() if k != "positions"}
+        return super().post_dataloading_process(input_dict, labels)
+
+    def _undo_environment(self) -> None:
+        while self._restore:
+            self._restore.pop()()
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._undo_environment()
+
+
+__all__ = ["AutoppTrainer", "ASSETS_ROOT", "TOKENIZER_PATH", "DATASET_PATH"]
