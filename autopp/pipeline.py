@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopp.backends import StageBackend
 from autopp.loss import TokenWeightedLoss, count_tokens
 from autopp.stage_split import merge_stage_modules
+from autopp.stage_split.merge import replay_state_dict_hooks
 
 if TYPE_CHECKING:
     from autopp.tied import TiedParameter
@@ -182,6 +183,7 @@ class Pipeline:
         the split and the placements.
         """
         sub_mesh = self.mesh["dp", "tp"]
+        built = list(self.stage_modules)  # as built (the model's own modules and hooks)
         self.stage_modules = [
             self.backend.materialize(sid, m, sub_mesh, seed=seed, device=self._device)
             for sid, m in zip(self.layout.stage_ids, self.stage_modules)
@@ -204,6 +206,7 @@ class Pipeline:
                 renamed.append((name if name not in seen else fqn, p))
                 seen.add(renamed[-1][0])
             self.local_model = fqn_view(renamed)
+            replay_state_dict_hooks(self.local_model, built)
         self._build_schedule()
 
     def _bind_tied(self) -> None:

@@ -14,7 +14,7 @@ from torch import nn
 
 from autopp.stage_split.build import LAYERS_ATTR
 
-__all__ = ["merge_stage_modules"]
+__all__ = ["merge_stage_modules", "replay_state_dict_hooks"]
 
 
 class RankModules(nn.Module):
@@ -69,3 +69,29 @@ def _held_units(stage: nn.Module, layers_attr: str) -> list[tuple[str, nn.Module
     container = stage.get_submodule(layers_attr)
     out += [(f"{layers_attr}.{k}", c) for k, c in container.named_children()]
     return out
+
+
+def replay_state_dict_hooks(view: nn.Module, modules: Sequence[nn.Module]) -> None:
+    """Give ``view`` (a module tree of this rank's parameters under whole-model FQNs that is
+    not made of the stage modules themselves, e.g. planned parameters) the state-dict hooks
+    the stage ``modules`` (on meta is fine) have at the same FQNs, replayed with the right
+    prefix: torchtitan's fused QKV is then saved as ``wq``/``wk``/``wv`` and loaded back, as
+    with any other backend. Uses torch's ``_state_dict_hooks`` and
+    ``_load_state_dict_pre_hooks`` (no public accessor)."""
+    hooked = [(fqn, m) for stage in modules for fqn, m in stage.named_modules()
+              if fqn and (m._state_dict_hooks or m._load_state_dict_pre_hooks)]
+    if not hooked:
+        return
+
+    def post(module, state_dict, prefix, local_metadata):
+        for fqn, original in hooked:
+            for hook in list(original._state_dict_hooks.values()):
+                hook(original, state_dict, f"{prefix}{fqn}.", local_metadata)
+
+    def pre(module, state_dict, prefix, *args):
+        for fqn, original in hooked:
+            for hook in list(original._load_state_dict_pre_hooks.values()):
+                hook(state_dict, f"{prefix}{fqn}.", *args)
+
+    view.register_state_dict_post_hook(post)
+    view.register_load_state_dict_pre_hook(pre)
