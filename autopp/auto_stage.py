@@ -4,7 +4,8 @@
 placements (:mod:`autopp.auto_plan` made the plans), initialises them and applies the plan;
 :func:`planned_graph_stage` lowers the planned stage to one local joint graph (collectives
 explicit), split by :mod:`autopp.graph` into unshard / forward / backward-input /
-backward-weight / reduce-grad graphs, and makes it an :class:`autopp.graph.GraphStage`,
+backward-weight / reduce-grad graphs (the backward pieces recomputing forward values as
+``PlannerOptions.recompute`` says), and makes it an :class:`autopp.graph.GraphStage`,
 which torch's schedule runtime drives action by action: parameters are gathered once per
 step (UNSHARD), weight gradients run at the schedule's W actions, gradients are summed
 over the step's microbatches and reduced once (REDUCE_GRAD). Stages exchange this rank's
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopp.graph import GraphStage, StageGraphs
+from autopp.graph import GraphStage, Recompute, StageGraphs
 from autopp.init import init_module_
 from autopp.sharding import StagePlan
 from autopp.sharding.apply import ShardedStage, apply_plan, empty_sharded_
@@ -31,10 +32,13 @@ from autopp.sharding.apply import ShardedStage, apply_plan, empty_sharded_
 def materialize_and_apply(
     stage_meta: nn.Module, plan: StagePlan, sub_mesh: DeviceMesh,
     example_inputs: tuple[torch.Tensor, ...], *, seed: int, device: torch.device,
+    recompute: Recompute = "none",
 ) -> ShardedStage:
     """Create the stage's parameters shard by shard in the planned placements, initialise
     them (split-independent init: each parameter's full value exists only while it is
-    initialised and sharded), then apply the plan."""
+    initialised and sharded), then apply the plan. ``recompute``: what the stage's backward
+    pieces recompute instead of saving (:mod:`autopp.graph.recompute`), for every graph
+    :meth:`ShardedStage.stage_graphs` makes (and so the pipeline runs)."""
     import copy
 
     stage = empty_sharded_(copy.deepcopy(stage_meta), plan, sub_mesh, device)
@@ -43,14 +47,17 @@ def materialize_and_apply(
             if b is not None and b.is_meta:
                 mod._buffers[name] = torch.empty_like(b, device=device)
     init_module_(stage, seed=seed, device=device)
-    return apply_plan(stage, plan, sub_mesh, example_inputs)
+    sharded = apply_plan(stage, plan, sub_mesh, example_inputs)
+    sharded.recompute = recompute
+    return sharded
 
 
 def planned_stage_graphs(
     sharded: ShardedStage, *, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
     compile: Any = False, regather_for_backward: bool = False,
 ) -> StageGraphs:
-    """The planned stage's split graphs as a pipeline runs them (``compile``: False, True or
+    """The planned stage's split graphs as a pipeline runs them (recomputing as
+    ``sharded.recompute`` says; ``compile``: False, True or
     :class:`autopp.backends.CompileOptions`: Inductor): local tensors in and out
     (shaped like one microbatch), parameters handed in as local shards and gradients
     returned as DTensors like their parameters (``state_as_local_shards``), and on the last

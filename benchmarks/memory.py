@@ -1,39 +1,46 @@
-"""Measured peak tensor memory of a planned pipeline, next to what its graphs say it keeps.
+"""Measured peak tensor memory of a planned pipeline, next to the schedule simulator's prediction.
 
 Launch (8 CPU processes, gloo)::
 
     .venv/bin/torchrun --standalone --nproc-per-node 8 benchmarks/memory.py \
-        --schedule GPipe --microbatches 2,8
+        --schedule 1F1B,Interleaved1F1B --recompute none,selective,full
 
-For each microbatch count it builds llama3 debugmodel at pp=2 x dp=2 x tp=2 with autopp's
-planner under a parameter-memory budget small enough that weights are sharded over dp (the
-FSDP-like case whose gathered copies matter), keeps the microbatch size fixed (the global
-batch grows with the count), runs one AdamW step to create gradients and optimizer state,
-then measures one more training step with torch's profiler (``profile_memory=True``): the
-peak of live tensor bytes allocated during the step, from the allocator's allocation and
-free events. Next to it, per rank, what the lowered graphs say the step keeps:
+For each configuration (schedule x microbatch count x recomputation) it builds llama3
+debugmodel at pp=2 x dp=2 x tp=2 with autopp's planner under a parameter-memory budget small
+enough that weights are sharded over dp (the FSDP-like case whose gathered copies matter),
+``PlannerOptions(recompute=...)``, a fixed microbatch size (the global batch grows with the
+count), runs one step and one AdamW step (gradients, optimizer state, receive buffers and
+lowered graphs now exist), then measures one more training step:
 
-* ``gathered``: the unshard graph's outputs (weights gathered once per step at UNSHARD and
-  held until RESHARD), independent of the microbatch count; with
-  ``--reshard-after-forward regather`` they are gathered again for every forward and
-  backward and held only meanwhile, so the same bytes are a transient at whatever moment
-  the gather runs (in GPipe, the first backward: on top of every microbatch's activations);
-* ``acts``: bytes a microbatch keeps for its backward x the microbatches in flight on the
-  rank under the schedule (GPipe: all of them; 1F1B: pp - pp_rank); on the last stage
-  also what the eager loss keeps (the logits and cross entropy's log-probabilities);
-* ``grad acc``: the unreduced gradient accumulators (summed over microbatches, reduced once
-  per step) plus the reduced gradients the step leaves in ``.grad``.
+* ``measured`` = the live tensor bytes when the step starts (every CPU tensor storage the
+  process holds, counted once: parameters, buffers, optimizer state, receive buffers, and
+  anything else) + the peak of live tensor bytes allocated during the step above that level,
+  from the profiler's allocator events (``profile_memory=True``).
+* ``predicted`` = :func:`autopp.schedules.simulate_schedule` on the schedule's real action
+  lists, with one :class:`~autopp.schedules.StageCost` per stage from the planned stages'
+  real numbers: parameter and buffer shards; AdamW's two moments and step per parameter;
+  the reduced gradients and the unreduced accumulators (``full_backward``'s parameter
+  gradients), which the graph runtime keeps until the next step, so both count after
+  REDUCE_GRAD; the unshard graph's gathered weights (UNSHARD to RESHARD); and per
+  microbatch from F to B what the forward saves that is new memory
+  (:func:`~autopp.sharding.memory.saved_bytes` without the stage input, which lives in
+  torch's receive buffer), plus the output the runtime keeps for the backward (last stage:
+  the logits and cross entropy's log-probabilities). Two terms the simulator has no field
+  for are added here: the receive buffers torch allocates once per microbatch (activations
+  in, gradients in: static), and each action's working memory, the peak of what its graph
+  allocates while it runs (:func:`~autopp.sharding.memory.graph_peak_bytes`: the backward's
+  intermediates and new gradients; with recomputation, the recomputed forward), on top of
+  the simulated level during that action.
 
-``unpredicted`` (measured - predicted) is what the graphs do not account for: transient
-buffers of the op running at the peak. It must not grow with the number of microbatches
-(before UNSHARD existed, every microbatch in flight kept its own gathered copy of the
-weights, which would show here). The planner prices gathers once per step, so plans for
-different microbatch counts may shard different weights: compare ``gathered`` too.
+``--details`` prints the prediction's parts at the predicted peak and the measured level
+at the step's start next to the predicted static bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
 import sys
 from pathlib import Path
 
@@ -42,119 +49,273 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+MIB = 2**20
+
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--schedule", default="GPipe")
-    p.add_argument("--microbatches", default="2,8", help="comma-separated counts to measure")
+    p.add_argument("--schedule", default="1F1B,Interleaved1F1B",
+                   help="comma-separated schedules to measure")
+    p.add_argument("--microbatches", default="8", help="comma-separated counts to measure")
+    p.add_argument("--recompute", default="none,full",
+                   help="comma-separated PlannerOptions.recompute values (none, selective, full)")
     p.add_argument("--mb-size", type=int, default=2, help="sequences per microbatch per dp rank")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--n-layers", type=int, default=6)
-    p.add_argument("--budget", type=float, default=4e6,
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--n-layers", type=int, default=8)
+    p.add_argument("--budget", type=float, default=5e6,
                    help="parameter-memory budget per device (bytes): forces dp-sharded weights")
     p.add_argument("--reshard-after-forward", default="keep", choices=["keep", "regather"],
                    help="keep the gathered weights for the step (default), or re-gather them "
-                        "for every forward and backward")
+                        "for every forward and backward (not modelled by the prediction)")
+    p.add_argument("--details", action="store_true", help="print the prediction's parts")
     return p.parse_args()
+
+
+# -- measurement ---------------------------------------------------------------------------
+
+def live_tensor_bytes() -> int:
+    """Bytes of every CPU tensor storage this process holds (each storage once)."""
+    gc.collect()
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor):
+            continue
+        try:
+            st = obj.untyped_storage()
+            if st.device.type == "cpu" and st.data_ptr():
+                storages[st.data_ptr()] = st.nbytes()
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue  # wrapper subclasses (DTensor: its local tensor is counted) and fakes
+    return sum(storages.values())
 
 
 def peak_bytes_during(fn) -> int:
     """Peak of live tensor bytes allocated while ``fn()`` runs (above the level at its
-    start), from the profiler's allocator events."""
+    start), from the profiler's allocator events.
+
+    The profiler records a free only on the threads it follows: a tensor whose last
+    reference goes on one of gloo's threads (a collective's work object letting go of its
+    output) leaves no free event, and counting it live to the end would raise the peak by
+    whatever such tensors accumulate, differently on each run. An allocation at an address
+    still counted live shows that the tensor there was freed: it is counted freed then."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.nbytes())
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        fields = node.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation":
+            events.append((node.start_time_ns, fields.alloc_size, fields.ptr))
+        stack += node.children
+    events.sort(key=lambda e: (e[0], e[1]))  # frees first at equal times
+    held: dict[int, int] = {}
     live = peak = 0
-    for _, n in events:
-        live += n
+    for _, n, ptr in events:
+        if n > 0:
+            live += n - held.get(ptr, 0)  # an unrecorded free of what was there before
+            held[ptr] = n
+        else:
+            live -= held.pop(ptr, -n)
         peak = max(peak, live)
     return peak
 
 
-def graph_output_bytes(gm, first: int, count: int) -> int:
-    outs = gm.graph.output_node().args[0][first : first + count]
-    return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in outs
+# -- prediction ----------------------------------------------------------------------------
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _local_bytes(tensors) -> int:
+    return sum(_nbytes(t.to_local() if hasattr(t, "to_local") else t) for t in tensors)
+
+
+def _out_bytes(gm, first: int, count: int) -> int:
+    outs = gm.graph.output_node().args[0][first: first + count]
+    return sum(_nbytes(n.meta["val"]) for n in outs
                if hasattr(n, "meta") and isinstance(n.meta.get("val"), torch.Tensor))
 
 
-def measure(args, n_mb: int) -> dict:
+def stage_numbers(m, sid: int, local_ids: list[int], n_stages: int, n_mb: int) -> dict:
+    """What one planned stage holds, read off its lowered graphs and its parameters."""
+    from autopp.sharding.memory import graph_peak_bytes, saved_bytes
+
+    local, g = m.stage_graphs()
+    sig = g.convention.signature
+    params = [p for p in m.parameters()]
+    p_bytes = _local_bytes(params)
+    n_state = local.signature.num_state_inputs
+    in_bytes = torch.Size(local.input_shapes[n_state]).numel() * 4 if sid > 0 else 0
+    out_bytes = torch.Size(local.input_shapes[-1]).numel() * 4  # the output's (gradient's) size
+    fw_out = g.forward_graph.graph.output_node().args[0]
+    is_last = sid == n_stages - 1
+    new_saved = saved_bytes(g, include_inputs=False)
+    if is_last:
+        # the eager loss: cross entropy saves the log-probabilities until B; the logits leaf
+        # stays until the step ends (the loss, kept by torch's runtime until then, holds its
+        # autograd graph, whose AccumulateGrad node holds the leaf)
+        acts, to_end_f = new_saved + out_bytes, out_bytes
+    else:
+        # an output sent to another rank stays until the step ends: torch's runtime waits on
+        # its sends only then, and each send holds its tensor; else the runtime keeps it
+        # until the microbatch's backward
+        sent = sid + 1 not in local_ids
+        saved_too = fw_out[0] in set(fw_out[sig.num_outputs:])
+        if sent:
+            acts, to_end_f = new_saved - (out_bytes if saved_too else 0), out_bytes
+        else:
+            acts, to_end_f = new_saved + (0 if saved_too else out_bytes), 0
+    # the input gradient sent back stays until the step ends as well
+    to_end_b = in_bytes if sid > 0 and sid - 1 not in local_ids else 0
+    unreduced = _out_bytes(g.full_backward_graph, 0, sig.num_param_grads)
+    fw_new = _out_bytes(g.forward_graph, 0, len(fw_out))  # its outputs, as allocated
+    loss_grad = out_bytes if is_last else 0  # the logits' gradient the graphs' backward reads
+    work = {
+        "F": max(0, graph_peak_bytes(g.forward_graph) - fw_new),
+        "B": graph_peak_bytes(g.full_backward_graph) + loss_grad,
+    }
+    if g.backward_input_graph is not None:
+        work["I"] = graph_peak_bytes(g.backward_input_graph) + loss_grad
+        work["W"] = graph_peak_bytes(g.backward_weight_graph)
+    if g.unshard_graph is not None:
+        work["UNSHARD"] = max(0, graph_peak_bytes(g.unshard_graph) - m.gathered_param_bytes())
+    if g.reduce_grad_graph is not None:
+        work["REDUCE_GRAD"] = graph_peak_bytes(g.reduce_grad_graph)
+    return dict(
+        params=p_bytes + _local_bytes(m.buffers()),
+        optimizer=2 * p_bytes + 4 * len(params),  # AdamW: exp_avg, exp_avg_sq, step
+        grads=p_bytes, unreduced=unreduced, gathered=m.gathered_param_bytes(), acts=acts,
+        p2p=n_mb * (in_bytes + (out_bytes if not is_last else 0)),
+        to_end_f=to_end_f, to_end_b=to_end_b,
+        work=work, saved_with_inputs=saved_bytes(g),
+    )
+
+
+def predict(numbers: dict[int, dict], schedule: str, pp: int, pp_rank: int, n_mb: int,
+            n_stages: int) -> dict:
+    """Predicted peak bytes of this pp rank: the simulated timeline, the working memory of
+    the action running at each moment on top of it, and the static receive buffers."""
+    from autopp.schedules import StageCost, simulate_schedule
+
+    def cost(s: int) -> StageCost:
+        n = numbers.get(s)
+        times = dict(forward_s=1.0, backward_input_s=1.0, backward_weight_s=1.0)
+        if n is None:  # another rank's stage: only its timing matters here
+            return StageCost(**times)
+        return StageCost(
+            **times, activation_bytes_per_microbatch=n["acts"], param_bytes=n["params"],
+            grad_bytes=n["grads"] + n["unreduced"], unreduced_grad_bytes=n["unreduced"],
+            optimizer_bytes=n["optimizer"], gathered_param_bytes=n["gathered"])
+
+    sim = simulate_schedule(schedule, [cost(s) for s in range(n_stages)], pp=pp,
+                            n_microbatches=n_mb, n_stages=n_stages)
+    tl = sim.memory[pp_rank]
+    totals = tl.total()
+    at = max(range(len(totals)), key=totals.__getitem__)
+    best, what = totals[at], None
+    held = 0  # sent tensors and last-stage logits, kept until the step ends
+    mine = sorted((e for e in sim.events if e.rank == pp_rank and e.stage in numbers),
+                  key=lambda e: (e.start_s, e.end_s))
+    for e in mine:
+        n = numbers[e.stage]
+        if e.kind == "F":
+            held += n["to_end_f"]
+        extra = n["work"].get(e.kind, 0) + held
+        i0 = max(i for i, t in enumerate(tl.times_s) if t <= e.start_s)
+        during = [i0] + [i for i, t in enumerate(tl.times_s) if e.start_s < t < e.end_s]
+        i = max(during, key=totals.__getitem__)
+        if totals[i] + extra > best:
+            best, at, what = totals[i] + extra, i, (e.action, extra)
+        if e.kind in ("B", "I"):
+            held += n["to_end_b"]
+    p2p = sum(n["p2p"] for n in numbers.values())
+    parts = {c: tl.bytes[c][at] for c in tl.bytes}
+    return dict(predicted=best + p2p, p2p=p2p, at_action=what, parts=parts,
+                static=sum(n["params"] + n["optimizer"] for n in numbers.values()) + p2p)
+
+
+def measure(args, schedule: str, n_mb: int, recompute: str) -> dict:
     from autopp import build_world_mesh, pipeline_autoparallel
-    from autopp.schedules import schedule_info
+    from autopp.backends import Planner, PlannerOptions
     from tests.models import ce_loss, llama3_meta, make_batch
 
     mesh = build_world_mesh(pp=2, dp=2, tp=2)
     pp_rank, dp_rank, _ = mesh.get_coordinate()
     local = n_mb * args.mb_size
     tokens, target = make_batch(local * 2, args.seq_len)
-    tok, tgt = tokens[dp_rank * local:(dp_rank + 1) * local], target[dp_rank * local:(dp_rank + 1) * local]
-    from autopp.backends import Planner, PlannerOptions
-
-    raf = args.reshard_after_forward == "regather"
+    tok = tokens[dp_rank * local:(dp_rank + 1) * local].clone()
+    tgt = target[dp_rank * local:(dp_rank + 1) * local].clone()
+    del tokens, target
     pipe = pipeline_autoparallel(
         llama3_meta(args.n_layers), mesh, example_inputs=(tok,), loss_fn=ce_loss,
-        schedule=args.schedule, n_microbatches=n_mb,
-        parallelize=Planner(PlannerOptions(memory_budget_bytes=args.budget,
-                                           reshard_after_forward=raf)))
+        schedule=schedule, n_microbatches=n_mb,
+        parallelize=Planner(PlannerOptions(
+            memory_budget_bytes=args.budget, recompute=recompute,
+            reshard_after_forward=args.reshard_after_forward == "regather")))
     pipe.init_weights(seed=0)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
-
-    def step() -> None:
-        pipe.step(tok, target=tgt)
-        opt.step()
-        pipe.zero_grad()
-
-    step()  # gradients, optimizer state, lowered graphs
+    pipe.step(tok, target=tgt)  # gradients, optimizer state, receive buffers, lowered graphs
+    opt.step()
+    pipe.zero_grad()
     dist.barrier()
+    start = live_tensor_bytes()
     peak = peak_bytes_during(lambda: pipe.step(tok, target=tgt))
     pipe.zero_grad()
 
-    info = schedule_info(args.schedule)
-    in_flight = n_mb if info.name in ("GPipe", "LoopedBFS") else min(n_mb, 2 - pp_rank)
-    gathered = acts = grads = 0
-    for m, sid in zip(pipe.stage_modules, pipe.layout.stage_ids):
-        local, g = m.stage_graphs()
-        gathered += m.gathered_param_bytes()
-        per_mb = m.saved_bytes_per_microbatch()
-        if sid == pipe.layout.n_stages - 1:
-            # the eager loss keeps its input (the logits) and what cross entropy saves for
-            # its backward (log-probabilities of the same size) until the microbatch's B
-            per_mb += 2 * torch.Size(local.input_shapes[-1]).numel() * 4
-        acts += per_mb * in_flight
-        n_pg = g.convention.signature.num_param_grads
-        grads += graph_output_bytes(g.full_backward_graph, 0, n_pg)  # unreduced accumulators
-        grads += sum(p.to_local().numel() * p.element_size() for p in m.parameters())
-    return dict(peak=peak, gathered=gathered, acts=acts, grads=grads, in_flight=in_flight,
-                n_mb=n_mb, pp_rank=pp_rank)
+    n_stages = pipe.layout.n_stages
+    ids = list(pipe.layout.stage_ids)
+    numbers = {sid: stage_numbers(m, sid, ids, n_stages, n_mb)
+               for m, sid in zip(pipe.stage_modules, pipe.layout.stage_ids)}
+    pred = predict(numbers, schedule, 2, pp_rank, n_mb, n_stages)
+    del pipe, opt
+    gc.collect()
+    return dict(schedule=schedule, n_mb=n_mb, recompute=recompute, start=start, peak=peak,
+                measured=start + peak, **pred,
+                acts=sum(n["acts"] for n in numbers.values()),
+                saved=sum(n["saved_with_inputs"] for n in numbers.values()))
 
 
 def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo")
     rows = []
-    for n_mb in (int(m) for m in args.microbatches.split(",")):
-        rows.append(measure(args, n_mb))
+    for schedule, n_mb, recompute in itertools.product(
+            args.schedule.split(","), (int(m) for m in args.microbatches.split(",")),
+            args.recompute.split(",")):
+        rows.append(measure(args, schedule, n_mb, recompute))
         dist.barrier()
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, rows)
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, rows)
     if dist.get_rank() == 0:
-        mib = 2**20
-        print(f"llama3 debugmodel ({args.n_layers} layers) pp=2 x dp=2 x tp=2, {args.schedule}, "
+        print(f"llama3 debugmodel ({args.n_layers} layers) pp=2 x dp=2 x tp=2, "
               f"{args.mb_size} x {args.seq_len} tokens per microbatch per dp rank, parameter "
-              f"budget {args.budget / mib:.1f} MiB, gathered weights: {args.reshard_after_forward}; "
-              "MiB per rank, peak measured during one step")
-        print(f"{'rank':>4s} {'M':>3s} {'measured':>9s} {'predicted':>9s} {'gathered':>9s} "
-              f"{'acts':>7s} {'(in flight)':>11s} {'grad acc':>9s} {'measured-acts':>13s} "
-              f"{'unpredicted':>11s}")
-        for rank, rs in enumerate(gathered):
-            for r in rs:
-                pred = r["gathered"] + r["acts"] + r["grads"]
-                print(f"{rank:4d} {r['n_mb']:3d} {r['peak'] / mib:9.2f} {pred / mib:9.2f} "
-                      f"{r['gathered'] / mib:9.2f} {r['acts'] / mib:7.2f} {r['in_flight']:11d} "
-                      f"{r['grads'] / mib:9.2f} {(r['peak'] - r['acts']) / mib:13.2f} "
-                      f"{(r['peak'] - pred) / mib:11.2f}")
+              f"budget {args.budget / MIB:.1f} MiB; MiB per rank: measured = live at step "
+              "start + profiler peak during the step; predicted = simulator + receive buffers "
+              "+ working memory of the running action; step ratio: the same without what is "
+              "held before the step (measured: its peak above the start; predicted: minus "
+              "parameters, buffers, optimizer state and receive buffers)")
+        print(f"{'config':<28s} {'rank':>4s} {'measured':>9s} {'predicted':>9s} {'ratio':>6s} "
+              f"{'step ratio':>10s} {'acts/mb':>8s} {'peak at':>8s}")
+        for i in range(len(rows)):
+            for rank, rs in enumerate(per_rank):
+                r = rs[i]
+                cfg = f"{r['schedule']} M={r['n_mb']} {r['recompute']}"
+                action = r["at_action"][0] if r["at_action"] else "-"
+                step_ratio = r["peak"] / (r["predicted"] - r["static"])
+                print(f"{cfg:<28s} {rank:4d} {r['measured'] / MIB:9.2f} "
+                      f"{r['predicted'] / MIB:9.2f} {r['measured'] / r['predicted']:6.3f} "
+                      f"{step_ratio:10.3f} {r['acts'] / MIB:8.2f} {action:>8s}")
+                if args.details:
+                    parts = " ".join(f"{k}={v / MIB:.2f}" for k, v in r["parts"].items())
+                    work = r["at_action"][1] / MIB if r["at_action"] else 0.0
+                    print(f"{'':<28s}      start measured {r['start'] / MIB:.2f} vs static "
+                          f"predicted {r['static'] / MIB:.2f}; step peak {r['peak'] / MIB:.2f}; "
+                          f"at the predicted peak: {parts} work={work:.2f} "
+                          f"p2p={r['p2p'] / MIB:.2f}; saved/mb incl. inputs "
+                          f"{r['saved'] / MIB:.2f}")
     dist.destroy_process_group()
 
 

@@ -76,6 +76,13 @@ def one_step(mesh, cfg: dict) -> dict:
             collective_counts(m.stage_graphs()[1].unshard_graph).get("all_gather_into_tensor", 0)
             for m in pipe.stage_modules)
         out["gathered_bytes"] = sum(m.gathered_param_bytes() for m in pipe.stage_modules)
+    if cfg.get("saved_bytes"):  # planned stages: what each keeps per microbatch, as run and
+        from autopp.sharding.memory import saved_bytes  # without recomputation
+
+        out["recompute"] = [m.stage_graphs()[1].convention.recompute for m in pipe.stage_modules]
+        out["saved_bytes"] = [m.saved_bytes_per_microbatch() for m in pipe.stage_modules]
+        out["saved_bytes_none"] = [saved_bytes(m.stage_graphs("none")[1])
+                                   for m in pipe.stage_modules]
     if cfg.get("eval"):
         out["eval_loss"] = pipe.eval(tok, target=tgt)
     if cfg.get("clip"):

@@ -22,6 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    from autopp.graph.recompute import Recompute
+
 from autopp.backends.base import LossFn, PipelineSpec, StageBackend
 
 
@@ -47,6 +49,13 @@ class PlannerOptions:
             copy (False, the default). Correct (tested against single process), but it does
             not lower the measured peak yet (``benchmarks/memory.py``: higher at 8
             microbatches), so the planner does not choose it by itself.
+        recompute: activation recomputation in every planned stage's lowered graphs
+            (:mod:`autopp.graph.recompute`): "none" (the backward reads what the forward
+            saved), "selective" (save matmul and attention outputs, recompute the cheap ops
+            in the backward) or "full" (save only the stage input, recompute the rest in
+            the backward). Collectives are always saved, never re-run. It works under every
+            schedule, the I/W split included (I recomputes; W gets what it needs from I).
+            A user choice for now: the planner does not price it (the plans are the same).
     """
 
     profile: str | None = None
@@ -55,8 +64,16 @@ class PlannerOptions:
     loss_parallel: bool | None = None
     mixed_precision: MixedPrecisionPolicy | None = None
     reshard_after_forward: bool = False
+    recompute: Recompute = "none"
 
     def __post_init__(self) -> None:
+        if self.recompute != "none":  # autopp.graph loads on first use, not with autopp
+            from autopp.graph.recompute import RECOMPUTE_POLICIES
+
+            if self.recompute not in RECOMPUTE_POLICIES:
+                raise ValueError(f"recompute must be one of "
+                                 f"{', '.join(map(repr, RECOMPUTE_POLICIES))}, "
+                                 f"got {self.recompute!r}")
         if self.boundary not in ("auto", "batch", "batch+seq"):
             raise ValueError(f"boundary must be 'auto', 'batch' or 'batch+seq', got {self.boundary!r}")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
@@ -129,7 +146,7 @@ class Planner(StageBackend):
 
         planned = self._planned[stage_id]
         return materialize_and_apply(module, planned.plan, sub_mesh, planned.example_inputs,
-                                     seed=seed, device=device)
+                                     seed=seed, device=device, recompute=self.options.recompute)
 
     def named_parameters(self, modules: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter]]:
         return [kv for m in modules for kv in m.named_planned_parameters()]
@@ -175,8 +192,10 @@ class Planner(StageBackend):
 
             kept = module.saved_bytes_per_microbatch()
             gathered = module.gathered_param_bytes()
+            recompute = ("" if module.recompute == "none"
+                         else f"; recompute={module.recompute!r}: the backward recomputes the rest")
             out.append(f"    keeps {kept / 2**20:.2f} MiB per microbatch per device for the "
-                       "backward (activations)")
+                       f"backward (activations{recompute})")
             regather, why = self._regather.get(stage_id, (False, ""))
             if regather:
                 out.append(f"    re-gathers its weights for every microbatch's forward and "

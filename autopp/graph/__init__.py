@@ -9,6 +9,7 @@ from autopp.graph.aot import from_aot_joint, signature_from_aot_descriptors
 from autopp.graph.callables import StageGraphs, ValueLayouts
 from autopp.graph.compile import compile_stage_graphs
 from autopp.graph.convention import CallingConvention, JointSignature
+from autopp.graph.recompute import RECOMPUTE_POLICIES, Recompute
 from autopp.graph.split import check_joint_graph, split_joint_graph
 from autopp.graph.stage import attach_graph_runtime, check_stage_chain, GraphStage
 from autopp.graph.trace import build_stage_graphs, trace_stage, TracedStage
@@ -17,6 +18,8 @@ __all__ = [
     "CallingConvention",
     "GraphStage",
     "JointSignature",
+    "RECOMPUTE_POLICIES",
+    "Recompute",
     "StageGraphs",
     "TracedStage",
     "ValueLayouts",

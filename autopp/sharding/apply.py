@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from autopp.graph.recompute import Recompute, check_recompute
 from autopp.sharding import _torch_private as tp
 from autopp.sharding.units import Unit, stage_units
 from autopp.sharding.interpret import GraphRunner, InterpretedBlockFunction
@@ -84,7 +85,11 @@ class ShardedStage(nn.Module):
         self.plan = plan
         self.mesh = mesh
         self.blocks = nn.ModuleDict({p.replace(".", "__") or "stage": b for p, b in blocks})
-        self._graphs: tuple[LocalJoint, Any] | None = None
+        # what the backward pieces of stage_graphs() recompute unless told otherwise ("none",
+        # "selective", "full"); the planner backend sets PlannerOptions.recompute here
+        self.recompute: Recompute = "none"
+        self._local: LocalJoint | None = None
+        self._graphs: dict[str, Any] = {}  # split graphs by recompute mode
 
     def forward(self, x: torch.Tensor) -> DTensor:
         if not isinstance(x, DTensor):  # a global tensor, identical on every rank
@@ -93,22 +98,26 @@ class ShardedStage(nn.Module):
             x = block(x)
         return x
 
-    def stage_graphs(self) -> tuple[LocalJoint, Any]:
+    def stage_graphs(self, recompute: Recompute | None = None) -> tuple[LocalJoint, Any]:
         """The stage lowered to one local joint graph and split into its callables
-        (:class:`autopp.graph.StageGraphs`); made once and cached.
+        (:class:`autopp.graph.StageGraphs`); lowered once, split once per ``recompute`` mode
+        (None: :attr:`recompute`, the mode the stage runs with), both cached.
 
         Graph inputs follow this module's ``parameters()`` and ``buffers()`` order (what
         :class:`autopp.graph.GraphStage` hands them in), then the stage input in the plan's
         input placements and the output gradient in its output placements. Parameter casts
-        and all-gathers form the unshard graph (once per step); see
-        :func:`autopp.sharding.lower.split_local`.
+        and all-gathers form the unshard graph (once per step); the backward pieces
+        recompute per ``recompute``; see :func:`autopp.sharding.lower.split_local`.
         """
-        if self._graphs is None:
-            local = lower_stage(
+        mode = self.recompute if recompute is None else recompute
+        check_recompute(mode)
+        if self._local is None:
+            self._local = lower_stage(
                 [b.lowered_unit() for b in self.blocks.values()], self.mesh,
                 from_strs(self.plan.input_placements), from_strs(self.plan.output_placements))
-            self._graphs = (local, split_local(local))
-        return self._graphs
+        if mode not in self._graphs:
+            self._graphs[mode] = split_local(self._local, recompute=mode)
+        return self._local, self._graphs[mode]
 
     def saved_bytes_per_microbatch(self) -> int:
         """Bytes this rank keeps from a microbatch's forward for its backward (activations;

@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autopp.graph import JointSignature, StageGraphs, split_joint_graph
+from autopp.graph import JointSignature, Recompute, StageGraphs, split_joint_graph
 from autopp.sharding import _torch_private as tp
 from autopp.sharding.interpret import GraphRunner, redistribute_to
 from autopp.sharding.plan import BlockPlan, to_strs
@@ -158,7 +158,8 @@ def _check_local(gm: fx.GraphModule) -> None:
                 raise AssertionError(f"lowered graph node {node.name} still holds a DTensor")
 
 
-def split_local(local: LocalJoint, *, split_weight_grad: bool = True) -> StageGraphs:
+def split_local(local: LocalJoint, *, split_weight_grad: bool = True,
+                recompute: Recompute = "none") -> StageGraphs:
     """Split a lowered joint with :func:`autopp.graph.split_joint_graph` into unshard /
     forward / full backward / backward-input / backward-weight / reduce-grad callables on
     local tensors.
@@ -168,11 +169,14 @@ def split_local(local: LocalJoint, *, split_weight_grad: bool = True) -> StageGr
     (``peel_params=True``, :mod:`autopp.graph.peel`): it runs once per step, and the
     microbatches' forward and backward read its outputs. The gradient reductions at the
     end of parameter-gradient chains become the reduce-grad graph (so ``full_backward``
-    returns unreduced gradients; call ``reduce_grads``). ``local.gm`` is not modified.
+    returns unreduced gradients; call ``reduce_grads``). ``recompute`` ("none", "selective"
+    or "full", :mod:`autopp.graph.recompute`): what the backward pieces recompute instead of
+    the forward saving it; the plan's collectives are always saved, never re-run. ``local.gm``
+    is not modified.
     """
     gm = fx.GraphModule(local.gm, copy.deepcopy(local.gm.graph))  # the split edits in place
     return split_joint_graph(gm, local.signature, split_weight_grad=split_weight_grad,
-                             peel_params=True)
+                             peel_params=True, recompute=recompute)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,18 +10,21 @@ flight on the stage.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 from torch import nn
 
-from autopp.graph import StageGraphs
+from autopp.graph import Recompute, StageGraphs
 from autopp.sharding.plan import StagePlan
 
 
-def saved_bytes(graphs: StageGraphs) -> int:
+def saved_bytes(graphs: StageGraphs, *, include_inputs: bool = True) -> int:
     """Bytes the forward of ``graphs`` saves for the backward, on this device, excluding
-    parameters and buffers."""
+    parameters and buffers. ``include_inputs=False`` also leaves out the stage's inputs
+    the forward saves as they are or as views (no new memory when already held, e.g. in a
+    pipeline's receive buffers: what "full" recomputation saves of a middle stage)."""
     conv = graphs.convention
     sig = conv.signature
     fw = graphs.forward_graph
@@ -36,6 +39,8 @@ def saved_bytes(graphs: StageGraphs) -> int:
     for node in outs[sig.num_outputs : sig.num_outputs + conv.num_saved_for_backward]:
         val = node.meta.get("val") if hasattr(node, "meta") else None
         if node in state or not isinstance(val, torch.Tensor):
+            continue
+        if not include_inputs and not _owns_storage(node):  # an input or a view of one
             continue
         total += val.numel() * val.element_size()
     return total
@@ -82,11 +87,14 @@ def unsharded_bytes(graphs: StageGraphs) -> int:
 
 
 def activation_bytes_per_microbatch(
-    module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: tuple[Any, ...]
+    module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: tuple[Any, ...],
+    *, recompute: Recompute = "none",
 ) -> int:
     """Bytes one microbatch keeps on this device of ``mesh`` between the forward and the
-    backward of the planned stage ``module`` (meta is fine; fake process groups work)."""
+    backward of the planned stage ``module`` (meta is fine; fake process groups work), with
+    the backward recomputing per ``recompute`` (see :mod:`autopp.graph.recompute`)."""
     from autopp.sharding.apply import planned_units
+    from autopp.sharding.lower import split_local
 
     per_plan: dict[tuple, int] = {}
     total = 0
@@ -94,7 +102,9 @@ def activation_bytes_per_microbatch(
                                                      lower=True):
         key = (bplan.signature, bplan.nodes)
         if key not in per_plan:
-            per_plan[key] = saved_bytes(lowered[1])
+            graphs = lowered[1] if recompute == "none" else split_local(lowered[0],
+                                                                        recompute=recompute)
+            per_plan[key] = saved_bytes(graphs)
         total += per_plan[key]
     return total
 
@@ -125,3 +135,85 @@ def gathered_values_per_param(graphs: StageGraphs, param_fqns: tuple[str, ...]) 
             for fqn in roots:
                 counts[fqn] = counts.get(fqn, 0) + 1
     return counts
+
+
+def _returns_alias(node: Any) -> bool:
+    """Whether ``node``'s output is (a view of, or written into) one of its inputs, not new
+    memory: views, in-place and out= ops, getitem, and collectives' waits."""
+    target = node.target
+    if "wait_tensor" in str(target):
+        return True
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return str(target) in _VIEW_OPS
+    return bool(getattr(target, "is_view", False)) or any(
+        r.alias_info is not None for r in schema.returns)
+
+
+def op_scratch_bytes(node: Any) -> int:
+    """Bytes an op holds internally while it runs, beyond its inputs and outputs, where that
+    is large and known: ``autopp::sdpa_backward`` (:mod:`autopp.sharding.attention`)
+    recomputes the attention in fp32 and holds up to five ``batch x heads x seq x seq``
+    tensors at once (scores, probabilities, their gradient and two temporaries)."""
+    if "sdpa_backward" not in str(node.target):
+        return 0
+    q, k = (a.meta.get("val") for a in node.args[1:3])
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+        return 0
+    return 5 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * 4
+
+
+def graph_peak_bytes(gm: Any) -> int:
+    """Peak bytes of the tensors ``gm`` allocates while it runs, replayed in node order as
+    fx's generated code runs it (a value is freed after its last reader; views, in-place
+    ops and collective waits share their input's memory). Its inputs are not counted (the
+    caller holds them); its outputs are, and stay to the end. Kernels' internal scratch
+    memory is not seen, except autopp's attention backward's (:func:`op_scratch_bytes`)."""
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    last = {n: max((index[u] for u in n.users), default=index[n]) for n in nodes}
+    for n in gm.graph.output_node().all_input_nodes:
+        last[n] = len(nodes)
+    size: list[int] = []                 # buffer -> bytes
+    refs: list[int] = []                 # buffer -> nodes holding it
+    held: dict[Any, list[int | None]] = {}  # node -> its buffers (None: not a tensor)
+    dies: dict[int, list[Any]] = {}
+    live = peak = 0
+    for i, node in enumerate(nodes):
+        if node.op == "call_function":
+            if node.target is operator.getitem:
+                parent, k = held.get(node.args[0], []), node.args[1]
+                bufs = [parent[k]] if isinstance(k, int) and k < len(parent) else []
+            elif _returns_alias(node):
+                first = node.all_input_nodes[0] if node.all_input_nodes else None
+                bufs = list(held.get(first, []))
+            else:
+                vals = node.meta.get("val")
+                peak = max(peak, live + op_scratch_bytes(node))
+                bufs = []
+                for v in vals if isinstance(vals, (tuple, list)) else (vals,):
+                    if isinstance(v, torch.Tensor):
+                        size.append(v.numel() * v.element_size())
+                        refs.append(0)
+                        live += size[-1]
+                        bufs.append(len(size) - 1)
+                    else:
+                        bufs.append(None)
+                peak = max(peak, live)
+            held[node] = bufs
+            for b in {b for b in bufs if b is not None}:
+                refs[b] += 1
+            dies.setdefault(last[node], []).append(node)
+        for dead in dies.pop(i, ()):
+            for b in {b for b in held[dead] if b is not None}:
+                refs[b] -= 1
+                if refs[b] == 0:
+                    live -= size[b]
+    return peak
+
+
+def workspace_bytes(graphs: StageGraphs) -> dict[str, int]:
+    """:func:`graph_peak_bytes` of each of the stage's graphs, by name ("forward",
+    "full_backward", "backward_input", "backward_weight", "unshard", "reduce_grad"): the
+    memory an action holds while its graph runs, on top of what it was handed."""
+    return {name: graph_peak_bytes(gm) for name, gm in graphs.graphs().items()}
