@@ -25,7 +25,7 @@ lowered graphs now exist), then measures one more training step:
   microbatch from F to B what the forward saves that is new memory
   (:func:`~autopp.sharding.memory.saved_bytes` without the stage input, which lives in
   torch's receive buffer), plus the output the runtime keeps for the backward (last stage:
-  the logits and cross entropy's log-probabilities). Two terms the simulator has no field
+  the logits and cross entropy's log-probabilities, freed at the microbatch's backward). Two terms the simulator has no field
   for are added here: the receive buffers torch allocates once per microbatch (activations
   in, gradients in: static), and each action's working memory, the peak of what its graph
   allocates while it runs (:func:`~autopp.sharding.memory.graph_peak_bytes`: the backward's
@@ -154,10 +154,9 @@ def stage_numbers(m, sid: int, local_ids: list[int], n_stages: int, n_mb: int) -
     is_last = sid == n_stages - 1
     new_saved = saved_bytes(g, include_inputs=False)
     if is_last:
-        # the eager loss: cross entropy saves the log-probabilities until B; the logits leaf
-        # stays until the step ends (the loss, kept by torch's runtime until then, holds its
-        # autograd graph, whose AccumulateGrad node holds the leaf)
-        acts, to_end_f = new_saved + out_bytes, out_bytes
+        # the eager loss: cross entropy saves the log-probabilities until B, and the logits
+        # leaf with them (the runtime keeps a detached loss, which holds neither)
+        acts, to_end_f = new_saved + out_bytes, 0
     else:
         # an output sent to another rank stays until the step ends: torch's runtime waits on
         # its sends only then, and each send holds its tensor; else the runtime keeps it
@@ -216,7 +215,7 @@ def predict(numbers: dict[int, dict], schedule: str, pp: int, pp_rank: int, n_mb
     totals = tl.total()
     at = max(range(len(totals)), key=totals.__getitem__)
     best, what = totals[at], None
-    held = 0  # sent tensors and last-stage logits, kept until the step ends
+    held = 0  # sent tensors, kept until the step ends
     mine = sorted((e for e in sim.events if e.rank == pp_rank and e.stage in numbers),
                   key=lambda e: (e.start_s, e.end_s))
     for e in mine:

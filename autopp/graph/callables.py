@@ -234,7 +234,10 @@ class StageGraphs:
         leaves = [o.detach().requires_grad_(o.is_floating_point()) for o in flat]
         with torch.enable_grad():
             loss = self.loss_fn(_compat.tree_unflatten(leaves, spec), target)
-        return loss, (*saved, _EagerLoss(loss, leaves))
+        # The runtime keeps the returned loss until the step ends; detached, it does not keep
+        # the stage's output (the logits) alive past this microbatch's backward, which reads
+        # the live loss from the saved values.
+        return loss.detach(), (*saved, _EagerLoss(loss, leaves))
 
     def _loss_grads(self, saved: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """With an eager loss: (saved values of the graphs, gradients of their outputs)."""
