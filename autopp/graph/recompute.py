@@ -43,6 +43,7 @@ recomputed activations W needs live from I to W as the saved ones did without re
 from __future__ import annotations
 
 import copy
+import dataclasses
 import operator
 from typing import Literal, get_args
 
@@ -122,6 +123,64 @@ def recompute_in_backward(gm: fx.GraphModule, signature: JointSignature,
     graph.lint()
     gm.recompile()
     return gm
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RecomputeSets:
+    """What :func:`recompute_in_backward` (and so ``split_joint_graph``) does with each
+    forward node of a joint graph under one policy, by node name (see
+    :func:`recompute_sets`)."""
+
+    recompute: str
+    """The policy: ``"none"``, ``"selective"`` or ``"full"``."""
+    must_save: frozenset[str]
+    """Forward ``call_function`` nodes tagged ``MUST_SAVE``: saved whenever the backward
+    needs them (directly or to recompute another node). Under ``"none"``: every forward
+    ``call_function`` node."""
+    saved: frozenset[str]
+    """The forward values the backward reads as they are: the placeholders and ``must_save``
+    nodes it needs (parameters and buffers included: callers drop what they hold anyway)."""
+    recomputed: frozenset[str]
+    """The forward nodes the backward recomputes (empty under ``"none"``)."""
+
+
+def recompute_sets(gm: fx.GraphModule, signature: JointSignature,
+                   recompute: Recompute) -> RecomputeSets:
+    """Which forward nodes of the joint graph ``gm`` are saved for the backward and which
+    are recomputed under ``recompute``: the classification :func:`recompute_in_backward`
+    applies (same helpers, run on a copy; ``gm`` is not modified), for cost models that
+    price a policy without splitting. Names are ``gm``'s node names (an in-place op that
+    the rewrite makes out-of-place appears under its new name)."""
+    check_recompute(recompute)
+    gm = copy.deepcopy(gm)
+    graph = gm.graph
+    pinned = _functionalize_or_pin_mutations(graph) if recompute != "none" else set()
+    (out,) = graph.find_nodes(op="output")
+    outs = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    fwd = _closure(outs[: signature.num_outputs])
+    bwd_only = _closure(outs[signature.num_outputs:]) - fwd
+    if recompute == "none":
+        save = {n for n in fwd if n.op == "call_function"}
+    else:
+        save = _saved_nodes(graph, signature, fwd, pinned, selective=recompute == "selective")
+    saved: set[fx.Node] = set()
+    recomputed: set[fx.Node] = set()
+    stack = [i for n in bwd_only for i in n.all_input_nodes if i in fwd]
+    while stack:  # the walk of recompute_in_backward's ``recomputed``
+        node = stack.pop()
+        if node in saved or node in recomputed:
+            continue
+        if node.op != "call_function" or node in save:
+            saved.add(node)
+        else:
+            recomputed.add(node)
+            stack += node.all_input_nodes
+    return RecomputeSets(
+        recompute=recompute,
+        must_save=frozenset(n.name for n in save),
+        saved=frozenset(n.name for n in saved),
+        recomputed=frozenset(n.name for n in recomputed),
+    )
 
 
 def _closure(values: object) -> set[fx.Node]:

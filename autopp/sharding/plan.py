@@ -81,6 +81,16 @@ class BlockPlan:
     nodes: tuple[tuple[str, tuple[PlacementStrs | None, ...], tuple[PlacementStrs, ...]], ...]
     """(node name, output placements, required input placements) of every graph node."""
     estimated_s: float
+    recompute: str = "none"
+    """The backward's recomputation policy this unit was planned under."""
+    recompute_s: float = 0.0
+    """Forward time its backward recomputes per microbatch (in :attr:`estimated_s`)."""
+    activation_bytes: int = 0
+    """Estimated bytes one microbatch saves for this unit's backward, on one device."""
+    gathered_param_bytes: int = 0
+    """Estimated gathered / cast parameter values it holds once per step."""
+    state_bytes: int = 0
+    """Parameter state as counted (see :attr:`StagePlan.state_bytes`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +125,36 @@ class StagePlan:
     logits); None when the plan does not end in the loss."""
     loss_s: float = 0.0
     """Estimated fwd+bwd time of that loss on one device (not in :attr:`step_time_s`)."""
+    recompute: str = "none"
+    """The backward's activation recomputation ("none", "selective", "full"; see
+    :mod:`autopp.graph.recompute`): what the plan was made for (chosen when
+    :attr:`recompute_requested` is "auto")."""
+    recompute_requested: str = "none"
+    recompute_s: float = 0.0
+    """Estimated forward time the backward recomputes per microbatch, on one device
+    (included in :attr:`step_time_s`, not in :attr:`compute_s`)."""
+    activation_factor: float | None = None
+    """Microbatches in flight the memory row counted activations for (None: activations
+    and gathered parameters were not in the budget)."""
+    activation_bytes: int = 0
+    """Estimated bytes one microbatch saves for the backward on one device, under
+    :attr:`recompute` (the ILP's count off the traced joint graphs)."""
+    gathered_param_bytes: int = 0
+    """Estimated gathered / cast parameter values held once per step (unshard outputs)."""
+    state_bytes: int = 0
+    """Parameter state as counted: parameters × :attr:`param_state_factor`, or with
+    :attr:`optimizer_state_factor`, parameters + optimizer state + gradients (at their
+    larger of reduced and unreduced size)."""
+    memory_bytes: int = 0
+    """What the budget was checked against: state + activation_factor × activations +
+    gathered (the state alone when :attr:`activation_factor` is None)."""
+    param_state_factor: float = 1.0
+    optimizer_state_factor: float | None = None
+    recompute_options: tuple[tuple[str, float | None, float | None, float], ...] = ()
+    """With ``recompute="auto"``: each policy planned, as (policy, estimated step time of its
+    fastest fitting plan, that plan's counted bytes, the least counted bytes found: of its
+    least-memory plan when the budget binds, else of the fastest plan itself); None where
+    nothing fits. Policies after "none" are not planned when none's fastest plan fits."""
 
     def param_placements(self) -> dict[str, tuple[Any, ...]]:
         """FQN -> torch placements."""

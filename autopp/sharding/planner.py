@@ -1,10 +1,36 @@
-"""``plan_stage``: the planner's one-call entry point (trace, enumerate, price, solve, chain)."""
+"""``plan_stage``: the planner's one-call entry point (trace, enumerate, price, solve, chain).
+
+Memory (``memory_budget_bytes``, per device). Each unit's ILP has one memory row
+(:mod:`autopp.sharding.solver`: parameter state, activations × ``activation_factor``,
+gathered parameters). A stage planned flat, or as a single unit, is solved with the budget
+in that row: exact. A stage of several units shares the budget, and the units' plans
+are only additive (each unit is solved per boundary pair and chained), so the budget is
+allocated by a Lagrangian price: every unit is solved minimising time + λ × its counted
+bytes, the chain is chosen by the same sum, and λ is searched (geometrically, from
+0) for the fastest chain whose summed bytes fit. Unlike a split by parameter share, this
+moves memory to where it buys the most time (a block whose activations dominate gets
+recomputed or resharded before the embedding is); unlike "budget minus the others'
+minimum", the chosen plan fits as a whole. λ = 0 first (the time-optimal chain: done if it
+fits), then λ = ∞ (least memory first: if even that does not fit, the plan is infeasible
+and the error names the consumers). The price is exact up to the duality gap of one λ
+for all units (a knapsack's rounding: a few blocks could have used a slower, smaller
+plan).
+
+Recomputation (``recompute``): ``"none"`` / ``"selective"`` / ``"full"`` fix the policy of
+the stage's backward (:mod:`autopp.graph.recompute`: it changes which forward values the
+ILP counts as saved and adds the recomputed nodes' forward time to the objective);
+``"auto"`` plans the stage under each and keeps the fastest that fits (``"none"`` alone when
+its time-optimal plan fits: recomputing only adds time). The choice is per stage, since
+the graph runtime splits a stage with one policy.
+"""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -16,7 +42,6 @@ from autopp.sharding.chain import (
     block_restrictions,
     boundary_candidates,
     chain_dp,
-    param_numel,
     trace_unit,
 )
 from autopp.sharding.units import POST, PRE, Unit, stage_units, unit_signature
@@ -24,11 +49,20 @@ from autopp.sharding.costs import CostModel
 from autopp.sharding.precision import check_policy, maybe_cast, reduce_after_cast
 from autopp.sharding.plan import BlockPlan, CollectivePlan, ParamPlan, StagePlan, to_strs
 from autopp.sharding.profiles import DeviceProfile, get_profile
-from autopp.sharding.solver import InfeasiblePlanError, Model, PlacementSpec, SolveResult
+from autopp.sharding.solver import (
+    InfeasiblePlanError,
+    MemorySpec,
+    Model,
+    PlacementSpec,
+    SolveResult,
+)
 from autopp.sharding.strategies import enumerate_strategies, tensor_vals
 from autopp.sharding.trace import check_on_meta, graph_signature, trace_joint
 
 DEFAULT = "default"
+
+RecomputeChoice = Literal["none", "selective", "full", "auto"]
+MODES = ("none", "selective", "full")
 
 
 def _spec(value: Any, names: Sequence[str], shape: Sequence[int]) -> PlacementSpec | None:
@@ -63,6 +97,9 @@ def plan_stage(
     reuse_blocks: bool = True,
     mixed_precision: MixedPrecisionPolicy | None = None,
     microbatches_per_grad_reduce: int = 1,
+    activation_factor: float | None = None,
+    recompute: RecomputeChoice = "none",
+    optimizer_state_factor: float | None = None,
 ) -> StagePlan:
     """Plan the DP×TP sharding of one stage module on ``mesh`` (its sub-mesh).
 
@@ -74,8 +111,11 @@ def plan_stage(
         input_placements / output_placements: "default" (batch ``S(0)`` on dp, ``R``
             elsewhere), None (free), or one placement per mesh dim (None = any).
         param_placements: FQN -> placement per mesh dim, to fix some parameters.
-        memory_budget_bytes: per-device bound on parameter bytes × ``param_state_factor``
-            (e.g. 4 for fp32 parameters + gradients + Adam's two states).
+        memory_budget_bytes: per-device bound on what the memory row counts (see
+            ``activation_factor``); None = no bound (the memory is still estimated).
+        param_state_factor: parameter state held per parameter byte, all sharded like the
+            parameter (e.g. 4 for fp32 parameters + gradients + Adam's two states); the
+            legacy way to count state, used when ``optimizer_state_factor`` is None.
         time_limit_s: per ILP.
         reuse_blocks: plan a stage with repeated blocks unit by unit (the part before the
             blocks, each block, the part after; :mod:`autopp.sharding.units`), identical
@@ -86,13 +126,34 @@ def plan_stage(
         microbatches_per_grad_reduce: the pipeline's microbatches per step: planned stages
             sum their gradients over a step and reduce them once, so reducing a gradient into
             its parameter's placement costs 1/M of its time per microbatch.
+        activation_factor: microbatches in flight on this stage (from the schedule
+            simulator; 1F1B: min(M, pp - stage index)). Set, the memory row counts the
+            parameter state + the values each microbatch saves for its backward × this
+            factor + the gathered parameters (held once per step). None: the row counts the
+            parameter state only (the legacy parameter-memory budget).
+        recompute: the backward's activation recomputation: "none", "selective" (save
+            matmul / attention outputs), "full" (save the stage's inputs) or "auto" (the
+            fastest of the three that fits the budget, recompute time included; see the
+            module docstring). Recorded in ``StagePlan.recompute``.
+        optimizer_state_factor: explicit state categories instead of
+            ``param_state_factor``: parameters, their gradients (at the larger of the
+            reduced size and the per-step accumulator's, e.g. a dp-sharded weight's full
+            gradient before its reduce-scatter) and this many bytes of optimizer state per
+            parameter byte, sharded like the parameter (AdamW, fp32 parameters: 2.0).
 
     Raises:
-        InfeasiblePlanError: the constraints admit no plan (the message names them).
+        InfeasiblePlanError: the constraints admit no plan (the message names them; over
+            the memory budget: the largest consumers and what would make it fit).
         ValueError: the module or inputs are not on meta, or a constraint is malformed.
     """
     t0 = time.perf_counter()
     check_on_meta(module, example_inputs)
+    if recompute not in (*MODES, "auto"):
+        raise ValueError(f"recompute must be one of {(*MODES, 'auto')}, got {recompute!r}")
+    if optimizer_state_factor is not None and param_state_factor != 1.0:
+        raise ValueError("pass optimizer_state_factor (explicit state categories) or "
+                         "param_state_factor (one factor for all state), not both")
+    memory = MemorySpec(param_state_factor, optimizer_state_factor, activation_factor)
     names = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(mesh.ndim)))
     prof = get_profile(profile)
     costs = CostModel(prof, tuple(mesh.shape))
@@ -102,25 +163,94 @@ def plan_stage(
     fixed = {k: _spec(v, names, shape) for k, v in (param_placements or {}).items()}
     pdtype = check_policy(mixed_precision, module)
     units = stage_units(module) if reuse_blocks else None
+    grad_scale = 1.0 / microbatches_per_grad_reduce
     if units is None:
-        joint = trace_joint(maybe_cast(module, pdtype), example_inputs)
-        traced = TracedBlock(module, joint, enumerate_strategies(joint, mesh), ())
-        if pdtype is not None:
-            reduce_after_cast(traced.strategies)
-        model = Model(traced.strategies, costs, memory_budget_bytes, param_state_factor,
-                      grad_reduce_scale=1.0 / microbatches_per_grad_reduce)
-        res = model.solve(
-            *block_restrictions(traced, in_spec, out_spec, fixed), time_limit_s=time_limit_s
-        )
-        parts = [(Unit("", module), traced, res)]
-        solved = [(model.num_vars, res.solve_s)]
+        stage = _flat_stage(module, example_inputs, mesh, costs, memory, in_spec, out_spec,
+                            fixed, pdtype, grad_scale)
     else:
-        parts, solved = _plan_chain(
-            module, units, example_inputs[0], mesh, names, costs, in_spec, out_spec, fixed,
-            memory_budget_bytes, param_state_factor, time_limit_s, pdtype,
-            1.0 / microbatches_per_grad_reduce,
-        )
-    return _assemble(parts, solved, mesh, names, prof, costs, memory_budget_bytes, t0, pdtype)
+        stage = _unit_stage(module, units, example_inputs[0], mesh, names, costs, memory,
+                            in_spec, out_spec, fixed, pdtype, grad_scale)
+    modes = MODES if recompute == "auto" else (recompute,)
+    chosen, tried = _choose(stage, modes, memory_budget_bytes, memory, time_limit_s)
+    parts = [(stage.units[i], stage.reps[k].traced, res)
+             for i, (k, res) in enumerate(zip(stage.kinds, chosen.results))]
+    plan = _assemble(parts, stage.solved, mesh, names, prof, costs, memory_budget_bytes, t0,
+                     pdtype)
+    return _with_memory(plan, chosen, tried, recompute, memory)
+
+
+# -- the stage as positions of distinct units ------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Rep:
+    """A distinct unit of the stage: its trace, ILP model and candidate boundary pairs."""
+
+    unit: Unit
+    traced: TracedBlock
+    model: Model
+    mkey: tuple
+    pairs: dict[tuple, tuple[dict, dict]]
+    """(input placement, output placement) -> the solver's restrictions and their names."""
+    fixed_key: tuple
+
+
+@dataclass(slots=True)
+class _Stage:
+    units: list[Unit]
+    kinds: list[int]
+    """Per position, the index of its distinct unit in :attr:`reps`."""
+    reps: list[_Rep]
+    first_in: list[tuple]
+    last_out: list[tuple]
+    solved: list[tuple[int, float]]
+    """(ILP variables of each model built, solve seconds of each solve)."""
+    flat: bool
+
+
+@dataclass(slots=True)
+class _Chain:
+    """A chosen plan of the stage under one recomputation policy."""
+
+    recompute: str
+    results: list[SolveResult]
+    """Per position."""
+    pairs: list[tuple]
+    """Per position: its (input, output) boundary placements."""
+    time_s: float
+    memory_bytes: float
+    price: float = 0.0
+    free: bool = False
+    """The time-optimal chain, which fits: the budget does not bind."""
+
+    def total(self, attr: str) -> float:
+        return sum(getattr(r, attr) for r in self.results)
+
+
+class _Priced:
+    """A unit's solution as :func:`chain_dp` sees it: time + price × counted bytes."""
+
+    __slots__ = ("objective_s", "res")
+
+    def __init__(self, res: SolveResult, price: float):
+        self.res = res
+        if math.isinf(price):
+            self.objective_s = res.memory_bytes + 1e-6 * res.objective_s
+        else:
+            self.objective_s = res.objective_s + price * res.memory_bytes
+
+
+def _flat_stage(module, example_inputs, mesh, costs, memory, in_spec, out_spec, fixed,
+                pdtype, grad_scale) -> _Stage:
+    joint = trace_joint(maybe_cast(module, pdtype), example_inputs)
+    traced = TracedBlock(module, joint, enumerate_strategies(joint, mesh), ())
+    if pdtype is not None:
+        reduce_after_cast(traced.strategies)
+    model = Model(traced.strategies, costs, grad_reduce_scale=grad_scale, memory=memory)
+    key = ("in", "out")
+    rep = _Rep(Unit("", module), traced, model, ("flat", id(model)),
+               {key: block_restrictions(traced, in_spec, out_spec, fixed)}, ())
+    return _Stage([rep.unit], [0], [rep], ["in"], ["out"], [(model.num_vars, 0.0)], True)
 
 
 def _matching(cands: list[tuple], spec: PlacementSpec | None) -> list[tuple]:
@@ -134,6 +264,7 @@ class _Memo:
     once. Bounded: cleared when it grows past :attr:`LIMIT` models."""
 
     LIMIT = 64
+    SOLVES_LIMIT = 4096
 
     def __init__(self) -> None:
         self.traced: dict[tuple, TracedBlock] = {}
@@ -145,39 +276,38 @@ class _Memo:
             self.traced.clear()
             self.models.clear()
             self.solves.clear()
+        elif len(self.solves) > self.SOLVES_LIMIT:  # many prices searched: keep the traces
+            self.solves.clear()
 
 
 _MEMO = _Memo()
 
 
-def _plan_chain(module, units, x, mesh, names, costs, in_spec, out_spec, fixed,
-                budget, factor, time_limit_s, pdtype=None, grad_scale=1.0):
-    """Plan each distinct unit once per boundary pair, then chain them (chain.py)."""
+def _unit_stage(module, units, x, mesh, names, costs, memory, in_spec, out_spec, fixed,
+                pdtype, grad_scale) -> _Stage:
+    """Trace each distinct unit once and list the boundary pairs a chain can use."""
     _MEMO.trim()
     kinds: list[int] = []
-    reps: list[tuple[Unit, TracedBlock]] = []
+    reps_traced: list[tuple[Unit, TracedBlock, tuple]] = []
     sig_index: dict[tuple, int] = {}
-    unit_keys: list[tuple] = []
     for unit in units:
         sig = unit_signature(unit)
         if sig not in sig_index:
-            sig_index[sig] = len(reps)
+            sig_index[sig] = len(reps_traced)
             ukey = (sig, tuple(x.shape), str(x.dtype), tuple(mesh.shape), names, pdtype)
             hit = _MEMO.traced.get(ukey)
             if hit is None:
                 hit = _MEMO.traced[ukey] = trace_unit(maybe_cast(unit.module, pdtype), x, mesh)
                 if pdtype is not None:
                     reduce_after_cast(hit.strategies)
-            reps.append((unit, hit))
-            unit_keys.append(ukey)
+            reps_traced.append((unit, hit, ukey))
         kinds.append(sig_index[sig])
-        out = reps[sig_index[sig]][1].joint.outputs[0].meta["val"]
+        out = reps_traced[sig_index[sig]][1].joint.outputs[0].meta["val"]
         x = torch.empty(out.shape, dtype=out.dtype, device="meta")
-    total = param_numel(module)
-    table: dict[int, dict[tuple, SolveResult]] = {}
-    solved: list[tuple[int, float]] = []  # (ILP variables of each model built, solve seconds)
+    solved: list[tuple[int, float]] = []
+    reps: list[_Rep] = []
     first_in = last_out = None
-    for kind, (unit, traced) in enumerate(reps):
+    for kind, (unit, traced, ukey) in enumerate(reps_traced):
         # the stage's own input (tokens) and output (logits) are not block boundaries
         ends_in = unit.name == PRE
         ends_out = unit.name == POST
@@ -195,40 +325,22 @@ def _plan_chain(module, units, x, mesh, names, costs, in_spec, out_spec, fixed,
             ins = first_in
         if all(i == len(kinds) - 1 for i in positions):
             outs = last_out
-        share = None if budget is None else budget * param_numel(traced.module) / total
         local_fixed = {
             f: fixed[unit.stage_fqn(f)]
             for f, _ in traced.module.named_parameters()
             if unit.stage_fqn(f) in fixed
         }
-        table[kind] = {}
-        errors = []
-        mkey = (unit_keys[kind], costs.profile, share, factor, grad_scale)
+        mkey = (ukey, costs.profile, memory, grad_scale)
         model = _MEMO.models.get(mkey)
         if model is None:
-            model = _MEMO.models[mkey] = Model(traced.strategies, costs, share, factor,
-                                               grad_reduce_scale=grad_scale)
+            model = _MEMO.models[mkey] = Model(traced.strategies, costs,
+                                               grad_reduce_scale=grad_scale, memory=memory)
         solved.append((model.num_vars, 0.0))
-        fixed_key = tuple(sorted(local_fixed.items()))
+        pairs = {}
         for a in ins:
             for b in outs:
-                skey = (mkey, a, b, fixed_key, time_limit_s)
-                res = _MEMO.solves.get(skey)
-                if res is None:
-                    try:
-                        res = model.solve(*block_restrictions(traced, a, b, local_fixed),
-                                          time_limit_s=time_limit_s)
-                        solved.append((0, res.solve_s))
-                    except InfeasiblePlanError as e:
-                        res = e
-                    _MEMO.solves[skey] = res
-                if isinstance(res, InfeasiblePlanError):
-                    errors.append(str(res))
-                    continue
-                table[kind][a, b] = res
-        if not table[kind]:
-            detail = errors[0] if errors else "no boundary placement fits its shapes"
-            raise InfeasiblePlanError(f"unit {unit.name} has no feasible plan: {detail}")
+                pairs[a, b] = block_restrictions(traced, a, b, local_fixed)
+        reps.append(_Rep(unit, traced, model, mkey, pairs, tuple(sorted(local_fixed.items()))))
     if not first_in:
         raise InfeasiblePlanError(
             f"input_placements {in_spec} matches no block-boundary placement"
@@ -237,9 +349,181 @@ def _plan_chain(module, units, x, mesh, names, costs, in_spec, out_spec, fixed,
         raise InfeasiblePlanError(
             f"output_placements {out_spec} matches no block-boundary placement"
         )
-    pairs = chain_dp(kinds, table, first_in, last_out)
-    parts = [(unit, reps[k][1], table[k][pair]) for unit, k, pair in zip(units, kinds, pairs)]
-    return parts, solved
+    return _Stage(list(units), kinds, reps, first_in, last_out, solved, False)
+
+
+def _solve(stage: _Stage, kind: int, pair: tuple, mode: str, price: float,
+           budget: float | None, time_limit_s: float, start=None
+           ) -> SolveResult | InfeasiblePlanError:
+    rep = stage.reps[kind]
+    key = (rep.mkey, pair, rep.fixed_key, time_limit_s, mode, price, budget)
+    res = None if stage.flat else _MEMO.solves.get(key)
+    if res is None:
+        try:
+            res = rep.model.solve(*rep.pairs[pair], time_limit_s=time_limit_s,
+                                  recompute=mode, budget=budget, price=price, start=start)
+            stage.solved.append((0, res.solve_s))
+        except InfeasiblePlanError as e:
+            res = e
+        if not stage.flat:
+            _MEMO.solves[key] = res
+    return res
+
+
+def _chain(stage: _Stage, mode: str, price: float, time_limit_s: float,
+           budget: float | None = None) -> _Chain:
+    """The best chain at ``price`` (seconds per counted byte; inf: least memory)."""
+    table: dict[int, dict[tuple, _Priced]] = {}
+    for kind, rep in enumerate(stage.reps):
+        table[kind], errors = {}, []
+        for pair in rep.pairs:
+            res = _solve(stage, kind, pair, mode, price, budget, time_limit_s)
+            if isinstance(res, InfeasiblePlanError):
+                errors.append(str(res))
+            else:
+                table[kind][pair] = _Priced(res, price)
+        if not table[kind]:
+            detail = errors[0] if errors else "no boundary placement fits its shapes"
+            if stage.flat:
+                raise InfeasiblePlanError(detail)
+            raise InfeasiblePlanError(f"unit {rep.unit.name} has no feasible plan: {detail}")
+    pairs = chain_dp(stage.kinds, table, stage.first_in, stage.last_out)
+    results = [table[k][pair].res for k, pair in zip(stage.kinds, pairs)]
+    return _Chain(mode, results, pairs, sum(r.objective_s for r in results),
+                  sum(r.memory_bytes for r in results), price)
+
+
+def _plan_mode(stage: _Stage, mode: str, budget: float | None, time_limit_s: float
+               ) -> tuple[_Chain | None, _Chain]:
+    """(the fastest chain under ``mode`` that fits ``budget`` or None, the least-memory
+    chain found: for the error message)."""
+    fast = _chain(stage, mode, 0.0, time_limit_s)
+    if budget is None or fast.memory_bytes <= budget:
+        fast.free = True
+        return fast, fast
+    least = _chain(stage, mode, math.inf, time_limit_s)
+    if least.memory_bytes > budget:
+        return None, least
+    # Lagrangian price: geometric search between an infeasible and a feasible price
+    best, lo, hi = least, 0.0, math.inf
+    price = fast.time_s / max(fast.memory_bytes, 1.0)
+    for _ in range(12):
+        c = _chain(stage, mode, price, time_limit_s)
+        if c.memory_bytes <= budget:
+            hi = price
+            if c.time_s < best.time_s:
+                best = c
+        else:
+            lo = price
+        if math.isinf(hi):
+            price *= 8
+        elif lo == 0.0:
+            price /= 8
+        elif hi / lo < 1.25:
+            break
+        else:
+            price = math.sqrt(lo * hi)
+    return _polish(stage, mode, budget, best, time_limit_s), least
+
+
+def _polish(stage: _Stage, mode: str, budget: float, best: _Chain, time_limit_s: float
+            ) -> _Chain:
+    """Close the price's gap: each distinct unit (the most time first) whose positions share
+    one boundary pair is solved again with the budget in its row, as what the other
+    positions leave divided by its count, from the current plan as a MIP start."""
+    by_time = sorted(range(len(stage.reps)), key=lambda k: -sum(
+        r.objective_s for r, kk in zip(best.results, stage.kinds) if kk == k))
+    for kind in by_time:
+        at = [i for i, k in enumerate(stage.kinds) if k == kind]
+        pairs = {best.pairs[i] for i in at}
+        if len(pairs) != 1:
+            continue
+        others = sum(r.memory_bytes for i, r in enumerate(best.results) if i not in at)
+        cur = best.results[at[0]]
+        share = (budget - others) / len(at)
+        res = _solve(stage, kind, pairs.pop(), mode, 0.0, share, time_limit_s,
+                     start=cur.choice)
+        if (isinstance(res, InfeasiblePlanError) or res.memory_bytes > share
+                or res.objective_s >= cur.objective_s * (1 - 1e-9)):
+            continue
+        results = [res if k == kind else r for r, k in zip(best.results, stage.kinds)]
+        best = _Chain(mode, results, best.pairs, sum(r.objective_s for r in results),
+                      sum(r.memory_bytes for r in results), best.price)
+    return best
+
+
+def _choose(stage: _Stage, modes: Sequence[str], budget: float | None, memory: MemorySpec,
+            time_limit_s: float) -> tuple[_Chain, list[tuple[str, _Chain | None, _Chain]]]:
+    """The fastest fitting chain over ``modes``, and (mode, fitting chain, least-memory
+    chain) of each mode tried."""
+    tried: list[tuple[str, _Chain | None, _Chain]] = []
+    for mode in modes:
+        fit, least = _plan_mode(stage, mode, budget, time_limit_s)
+        tried.append((mode, fit, least))
+        if mode == "none" and fit is not None and fit.free:
+            break  # the time-optimal plan fits: recomputing could only add time
+    fits = [fit for _, fit, _ in tried if fit is not None]
+    if not fits:
+        others = []
+        if memory.counts_activations:  # what the other policies would need, for the message
+            others = [(m, _chain(stage, m, math.inf, time_limit_s)) for m in MODES
+                      if m not in modes]
+        raise InfeasiblePlanError(_over_budget_message(stage, budget, memory, tried, others))
+    return min(fits, key=lambda c: c.time_s), tried
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.3g} GiB" if abs(b) >= 2**30 else f"{b / 2**20:.3g} MiB"
+
+
+def _over_budget_message(stage: _Stage, budget: float, memory: MemorySpec,
+                         tried: list[tuple[str, _Chain | None, _Chain]],
+                         others: list[tuple[str, _Chain]]) -> str:
+    """Name the largest consumers of the least-memory plan and what would make it fit."""
+    f = memory.activation_factor
+    mode, _, least = min(tried, key=lambda t: t[2].memory_bytes)
+    state, act, gath = (least.total("state_bytes"), least.total("activation_bytes"),
+                        least.total("gathered_bytes"))
+    state_name = ("parameters + gradients + optimizer state"
+                  if memory.optimizer_state_factor is not None
+                  else f"parameters x state factor {memory.param_state_factor:g}")
+    parts = [(state, f"{state_name} {_gib(state)}")]
+    if f is not None:
+        parts.append((act * f, f"activations {_gib(act)} per microbatch x {f:g} in flight "
+                               f"= {_gib(act * f)}"))
+        parts.append((gath, f"gathered parameters {_gib(gath)}"))
+    parts.sort(key=lambda p: -p[0])
+    lines = [
+        f"the stage does not fit memory_budget_bytes={budget:.4g} ({_gib(budget)}) per "
+        f"device: its least-memory plan (recompute={mode!r}) needs "
+        f"{_gib(least.memory_bytes)} ({_gib(least.memory_bytes - budget)} over), largest "
+        "first: " + "; ".join(text for _, text in parts) + "."
+    ]
+    policies = [(m, lm) for m, _, lm in tried if m != mode] + others
+    if policies:
+        lines.append("Least memory under the other recomputation policies: " + "; ".join(
+            f"recompute={m!r} {_gib(lm.memory_bytes)} (activations "
+            f"{_gib(lm.total('activation_bytes'))} per microbatch)"
+            + (" - fits" if lm.memory_bytes <= budget else "") for m, lm in policies) + ".")
+    lines.append("What would make it fit:")
+    fitting = [m for m, lm in others if lm.memory_bytes <= budget]
+    if fitting:
+        lines.append(f"  - activation recomputation: recompute={fitting[-1]!r} (or 'auto')")
+    if f is not None and act > 0:
+        lines.append(f"  - smaller microbatches: activations scale with the microbatch size "
+                     f"(half the size saves ~{_gib(act * f / 2)}); more microbatches per "
+                     "step do not lower the microbatches in flight under 1F1B")
+    n_units = len(stage.kinds)
+    lines.append(f"  - more pipeline stages: this stage's {n_units} unit(s) hold "
+                 f"{_gib(least.memory_bytes)}; half of them would need ~"
+                 f"{_gib(least.memory_bytes / 2)}")
+    lines.append(f"  - more dp / tp devices for the stage: the least-memory plan already shards "
+                 f"parameters, state and activations as far as this mesh allows; twice the "
+                 f"devices roughly halve the {_gib(state + act * (f or 0) + gath)}")
+    if f is None:
+        lines.append("  (activations and gathered parameters are not counted: "
+                     "activation_factor is None)")
+    return "\n".join(lines)
 
 
 def _node_labels(j, unit: Unit) -> dict[str, str]:
@@ -278,7 +562,11 @@ def _assemble(parts, solved, mesh, names, prof, costs, budget, t0, pdtype=None) 
         in_pl = to_strs(res.choice[j.inputs[0]].out[0]) if 0 in j.inputs else ()
         out_pl = to_strs(res.choice[j.tangents[0]].out[0]) if 0 in j.tangents else ()
         block_plans.append(
-            BlockPlan(prefix, graph_signature(j), in_pl, out_pl, nodes, res.objective_s)
+            BlockPlan(prefix, graph_signature(j), in_pl, out_pl, nodes, res.objective_s,
+                      recompute=res.recompute, recompute_s=res.recompute_s,
+                      activation_bytes=int(res.activation_bytes),
+                      gathered_param_bytes=int(res.gathered_bytes),
+                      state_bytes=int(res.state_bytes))
         )
         fallbacks += traced.strategies.fallbacks  # "node: op (reason)", shared by equal units
     fallbacks = list(dict.fromkeys(fallbacks))
@@ -303,7 +591,34 @@ def _assemble(parts, solved, mesh, names, prof, costs, budget, t0, pdtype=None) 
         plan_s=time.perf_counter() - t0,
         param_dtype=pdtype,
         notes=(
-            "costs: joint fwd+bwd graph as traced (no rematerialisation: a parameter gathered "
-            "in forward is not re-gathered in backward); activation memory not modelled",
+            "costs: joint fwd+bwd graph as traced (a parameter gathered in forward is not "
+            "re-gathered in backward); memory: the ILP's estimate per device (activations "
+            "read off the traced joint graph under the recomputation policy)",
         ),
+    )
+
+
+def _with_memory(plan: StagePlan, chosen: _Chain, tried, requested: str,
+                 memory: MemorySpec) -> StagePlan:
+    """``plan`` with the memory estimate and recomputation choice filled in."""
+    from dataclasses import replace
+
+    options = tuple(
+        (mode, None if fit is None else fit.time_s,
+         None if fit is None else float(fit.memory_bytes), float(least.memory_bytes))
+        for mode, fit, least in tried
+    )
+    return replace(
+        plan,
+        recompute=chosen.recompute,
+        recompute_requested=requested,
+        recompute_s=chosen.total("recompute_s"),
+        activation_factor=memory.activation_factor,
+        activation_bytes=int(chosen.total("activation_bytes")),
+        gathered_param_bytes=int(chosen.total("gathered_bytes")),
+        state_bytes=int(chosen.total("state_bytes")),
+        memory_bytes=int(chosen.memory_bytes),
+        param_state_factor=memory.param_state_factor,
+        optimizer_state_factor=memory.optimizer_state_factor,
+        recompute_options=options if requested == "auto" else (),
     )

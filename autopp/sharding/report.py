@@ -23,19 +23,56 @@ def _pl(strs: tuple[str, ...], names: tuple[str, ...]) -> str:
     return ", ".join(f"{n}:{s}" for n, s in zip(names, strs))
 
 
+def _memory_line(plan: StagePlan) -> str:
+    """The memory row's estimate by category."""
+    if plan.optimizer_state_factor is not None:
+        state = (f"parameters + gradients + optimizer state (x{plan.optimizer_state_factor:g}) "
+                 f"{_bytes(plan.state_bytes)}")
+    else:
+        state = f"parameter state (x{plan.param_state_factor:g}) {_bytes(plan.state_bytes)}"
+    act = f"activations {_bytes(plan.activation_bytes)} per microbatch"
+    if plan.activation_factor is None:
+        return f"  memory per device (estimate): {state}; {act} (not in the budget)"
+    budget = ("" if plan.memory_budget_bytes is None
+              else f" (budget {_bytes(plan.memory_budget_bytes)})")
+    return (f"  memory per device (estimate): {state} + {act} x {plan.activation_factor:g} in "
+            f"flight + gathered parameters {_bytes(plan.gathered_param_bytes)} = "
+            f"{_bytes(plan.memory_bytes)}{budget}")
+
+
+def _recompute_line(plan: StagePlan) -> str:
+    """The recomputation policy, how it was chosen and what it costs."""
+    how = " (chosen: recompute='auto')" if plan.recompute_requested == "auto" else ""
+    line = f"  activation recomputation: {plan.recompute}{how}"
+    if plan.recompute != "none":
+        line += f", recomputes {_time(plan.recompute_s)} of forward per microbatch"
+    others = []
+    for mode, t, mem, least in plan.recompute_options:
+        if mode == plan.recompute:
+            continue
+        others.append(f"{mode}: {_time(t)}, {_bytes(mem)}" if t is not None
+                      else f"{mode}: does not fit (least {_bytes(least)})")
+    if others:
+        line += "; " + "; ".join(others)
+    return line
+
+
 def format_plan(plan: StagePlan, max_collectives: int = 40) -> str:
     names = plan.mesh_dim_names
     mesh = " x ".join(f"{n}={s}" for n, s in zip(names, plan.mesh_shape))
     lines = [
         f"StagePlan on mesh {mesh}, profile {plan.profile}",
         f"  estimated step time (fwd+bwd, one device): {_time(plan.step_time_s)} "
-        f"= compute {_time(plan.compute_s)} + communication {_time(plan.comm_s)}",
+        f"= compute {_time(plan.compute_s)} + communication {_time(plan.comm_s)}"
+        + (f" + recomputation {_time(plan.recompute_s)}" if plan.recompute_s else ""),
         f"  parameter memory per device: {_bytes(plan.param_bytes_per_device)}"
         + (
             f" (budget {_bytes(plan.memory_budget_bytes)})"
             if plan.memory_budget_bytes is not None
             else " (no budget)"
         ),
+        _memory_line(plan),
+        _recompute_line(plan),
         (f"  mixed precision: parameters computed in {plan.param_dtype}, gradients reduced "
          "in the master dtype\n" if plan.param_dtype else "")
         + f"  input placements: {_pl(plan.input_placements, names)}; "

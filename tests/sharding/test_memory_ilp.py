@@ -1,0 +1,151 @@
+"""Memory in the sharding ILP: parameter state, activations saved for the backward under a
+recomputation policy (x microbatches in flight), gathered parameters; recompute="auto";
+the budget's error message; the new StagePlan fields' JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from autopp.sharding import InfeasiblePlanError, StagePlan, plan_stage
+
+from .conftest import BlockStack
+
+MODES = ("none", "selective", "full")
+
+
+@pytest.fixture(scope="module")
+def block(llama_debug):
+    return BlockStack(llama_debug, 1)
+
+
+def test_activation_estimate_equals_lowered_graphs(block, make_mesh):
+    """For a dp- and tp-sharded llama3 block (torchtitan's FSDP+TP parameters; activations
+    planned), the plan's activation bytes per microbatch and gathered parameter bytes equal
+    what the lowered, split graphs save / unshard, under each recomputation policy."""
+    from autopp.sharding.lower import lower_joint, split_local
+    from autopp.sharding.memory import saved_bytes, unsharded_bytes
+    from autopp.sharding.torchtitan_ref import torchtitan_param_placements
+    from autopp.sharding.trace import trace_joint
+    from autopp.sharding.units import stage_units
+
+    mesh = make_mesh(2, 2)
+    x = torch.empty(8, 64, 256, device="meta")
+    fixed = torchtitan_param_placements(block, ("dp", "tp"))
+    (unit,) = stage_units(block)
+    joint = trace_joint(unit.module, (x,))
+    seen = {}
+    for mode in MODES:
+        plan = plan_stage(block, (x,), mesh, param_placements=fixed, output_placements=None,
+                          activation_factor=2.0, recompute=mode)
+        (bplan,) = plan.blocks
+        graphs = split_local(lower_joint(joint, bplan, mesh), recompute=mode)
+        lowered, gathered = saved_bytes(graphs), unsharded_bytes(graphs)
+        seen[mode] = (plan.activation_bytes, lowered, plan.gathered_param_bytes, gathered)
+        assert plan.recompute == bplan.recompute == mode
+        assert plan.activation_bytes == pytest.approx(lowered, rel=0.05), seen
+        assert plan.gathered_param_bytes == pytest.approx(gathered, rel=0.05), seen
+        assert plan.memory_bytes == pytest.approx(
+            plan.state_bytes + 2.0 * plan.activation_bytes + plan.gathered_param_bytes)
+    assert seen["none"][3] > 0  # dp-sharded weights are gathered
+    print("estimate vs lowered (activations, gathered):", seen)
+
+
+def test_ilp_row_matches_account_and_recompute_lowers_activations(llama_debug, make_mesh):
+    """(d) none > selective > full in activation bytes (each plan free); and the ILP's
+    memory row, priced, equals the exact walk of the chosen plan."""
+    from autopp.sharding.chain import block_restrictions, boundary_candidates, trace_block
+    from autopp.sharding.costs import CostModel
+    from autopp.sharding.profiles import get_profile
+    from autopp.sharding.solver import MemorySpec, Model
+
+    mesh = make_mesh(2, 2)
+    traced = trace_block(llama_debug.layers["0"], torch.empty(8, 64, 256, device="meta"), mesh)
+    model = Model(traced.strategies, CostModel(get_profile("H100"), (2, 2)),
+                  memory=MemorySpec(activation_factor=1.0, optimizer_state_factor=2.0))
+    a = boundary_candidates(traced, ("dp", "tp"))[0]
+    free = {}
+    for mode in MODES:
+        free[mode] = model.solve(*block_restrictions(traced, a, a), recompute=mode)
+        priced = model.solve(*block_restrictions(traced, a, a), recompute=mode, price=1e-10)
+        assert priced.ilp_memory_bytes == pytest.approx(priced.memory_bytes, rel=1e-6)
+        assert priced.memory_bytes <= free[mode].memory_bytes
+    acts = [free[m].activation_bytes for m in MODES]
+    assert acts[0] > acts[1] > acts[2] > 0, acts
+    assert free["none"].recompute_s == 0 < free["selective"].recompute_s < free["full"].recompute_s
+
+
+def test_budget_forces_sharded_parameters(block, make_mesh):
+    """(b) With AdamW's state counted, a budget below the replicated plan's memory shards the
+    weights over dp (computed sharded: a dp-gathered weight would be held for the step)."""
+    mesh = make_mesh(4, 1)
+    x = torch.empty(8, 16, 256, device="meta")
+    kw = dict(activation_factor=1.0, optimizer_state_factor=2.0)
+    free = plan_stage(block, (x,), mesh, **kw)
+    assert all(p.placements[0] == "R" for p in free.params)  # DDP: the fastest
+    budget = 0.3 * free.memory_bytes
+    tight = plan_stage(block, (x,), mesh, memory_budget_bytes=budget, **kw)
+    assert tight.memory_bytes <= budget
+    assert tight.state_bytes < free.state_bytes / 2
+    weights = [p for p in tight.params if not p.fqn.endswith("norm.weight")]
+    assert all(p.placements[0].startswith("S") for p in weights), tight.params
+    assert tight.step_time_s > free.step_time_s
+    assert "memory per device (estimate)" in str(tight)
+
+
+@pytest.fixture(scope="module")
+def long_seq_auto(block, make_mesh):
+    """A block whose activations dominate: 2 microbatches in flight of batch 8 x seq 512."""
+    x = torch.empty(8, 512, 256, device="meta")
+    mesh = make_mesh(2, 1)
+    kw = dict(activation_factor=2.0, recompute="auto")
+    return x, mesh, kw, plan_stage(block, (x,), mesh, memory_budget_bytes=30e6, **kw)
+
+
+def test_auto_recompute_when_only_recomputation_fits(block, long_seq_auto):
+    """(c) A budget only recomputation meets: "auto" picks selective or full (the fastest
+    that fits), records it and its cost; smaller still raises, naming the activations."""
+    x, mesh, kw, plan = long_seq_auto
+    assert plan.recompute in ("selective", "full") and plan.recompute_requested == "auto"
+    assert plan.memory_bytes <= 30e6 and plan.recompute_s > 0
+    assert plan.step_time_s == pytest.approx(plan.compute_s + plan.comm_s + plan.recompute_s)
+    options = {m: (t, mem, least) for m, t, mem, least in plan.recompute_options}
+    assert options["none"][0] is None and options["none"][2] > 30e6  # none cannot fit
+    fitting = {m: t for m, (t, _, _) in options.items() if t is not None}
+    assert plan.recompute == min(fitting, key=fitting.get)
+    assert f"activation recomputation: {plan.recompute} (chosen: recompute='auto')" in str(plan)
+    free = plan_stage(block, (x,), mesh, **kw)  # no budget: recomputing only costs time
+    assert free.recompute == "none" and free.recompute_s == 0
+    with pytest.raises(InfeasiblePlanError) as err:
+        plan_stage(block, (x,), mesh, memory_budget_bytes=5e6, **kw)
+    msg = str(err.value)
+    for needle in ("activations", "per microbatch x 2 in flight", "recompute='full'",
+                   "smaller microbatches", "more pipeline stages", "more dp / tp"):
+        assert needle in msg, msg
+    with pytest.raises(InfeasiblePlanError, match="recompute='full'.*fits"):
+        kw_none = dict(kw, recompute="none")  # a fixed policy: the message names the others
+        plan_stage(block, (x,), mesh, memory_budget_bytes=10e6, **kw_none)
+
+
+def test_plan_json_keeps_memory_fields_and_loads_old_json(long_seq_auto):
+    """(e) The new fields survive a JSON round trip; JSON written before them still loads."""
+    plan = long_seq_auto[3]
+    assert StagePlan.from_json(plan.to_json()) == plan
+    old = json.loads(plan.to_json())
+    new_stage = ("recompute", "recompute_requested", "recompute_s", "activation_factor",
+                 "activation_bytes", "gathered_param_bytes", "state_bytes", "memory_bytes",
+                 "param_state_factor", "optimizer_state_factor", "recompute_options")
+    new_block = ("recompute", "recompute_s", "activation_bytes", "gathered_param_bytes",
+                 "state_bytes")
+    for k in new_stage:
+        del old[k]
+    for b in old["blocks"]:
+        for k in new_block:
+            del b[k]
+    loaded = StagePlan.from_json(json.dumps(old))
+    assert loaded.recompute == "none" and loaded.activation_factor is None
+    assert loaded.recompute_options == () and loaded.blocks[0].recompute == "none"
+    assert loaded.params == plan.params and loaded.step_time_s == plan.step_time_s
+    str(loaded)  # the report reads old plans too
