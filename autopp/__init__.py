@@ -8,6 +8,8 @@ The public surface is deliberately small:
 - :func:`build_world_mesh` builds the ("pp", "dp", "tp") world mesh.
 - :func:`cross_entropy` is the llama-style loss; passed as ``loss_fn`` it lets the planner
   compute the loss in parallel over tp (loss parallel).
+- :func:`plan_pipeline` plans a whole pipeline into a :class:`PipelinePlan` (a value to save,
+  load, print and run again with ``pipeline_autoparallel(..., plan=...)``).
 - :func:`init_module_` initialises a (whole or stage) module exactly as ``Pipeline.init_weights``
   does, for single-process references.
 """
@@ -17,11 +19,14 @@ from autopp.init import init_module_
 from autopp.loss import cross_entropy
 from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
 from autopp.pipeline import Pipeline, PipelineLayout
+from autopp.pipeline_plan import PipelinePlan, plan_pipeline
 
 __all__ = [
     "pipeline_autoparallel",
     "Pipeline",
     "PipelineLayout",
+    "PipelinePlan",
+    "plan_pipeline",
     "build_world_mesh",
     "stage_sub_mesh",
     "init_fake_world",

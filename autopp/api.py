@@ -3,6 +3,7 @@ and run them under a torch pipeline schedule."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal
 
@@ -28,6 +29,7 @@ from autopp.stage_split import build_stage_module, check_stage_forwards, resolve
 if TYPE_CHECKING:  # torch's FSDP and pipelining cost ~1 s to import: only when used
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    from autopp.pipeline_plan import PipelinePlan
     from autopp.schedules import ScheduleInfo
 
 Split = int | str | Sequence[Sequence[str]] | None
@@ -52,6 +54,7 @@ def pipeline_autoparallel(
     compile: bool | CompileOptions = False,
     raise_on_nonfinite: bool = False,
     layers_attr: str | None = None,
+    plan: PipelinePlan | str | os.PathLike | None = None,
 ) -> Pipeline:
     """Pipeline ``model`` over ``mesh``: returns this rank's :class:`~autopp.pipeline.Pipeline`.
 
@@ -97,11 +100,15 @@ def pipeline_autoparallel(
         layers_attr: path of the ModuleList/ModuleDict holding the blocks (``"layers"``,
             ``"model.layers"``); None (default): the one whose children hold the most
             parameters.
+        plan: run this :class:`autopp.PipelinePlan` (or the plan saved at this path, e.g. by
+            a dry run: ``report.plan.save(path)``) without planning; with the planner only.
+            It must have been made for this model, mesh sizes, schedule, microbatches and
+            input shapes (a ValueError names what differs); ``split=None`` takes its split.
     """
     backend = resolve_backend(
         parallelize, profile=profile, memory_budget_bytes=memory_budget_bytes,
         boundary=boundary, loss_parallel=loss_parallel, mixed_precision=mixed_precision,
-        compile=compile,
+        compile=compile, plan=plan,
     )
     check_world_mesh(mesh)
     if not any(p.is_meta for p in model.parameters()):
@@ -115,6 +122,12 @@ def pipeline_autoparallel(
     if coords is None:
         raise ValueError("this rank is not part of the mesh")
     pp_rank, dp_rank, tp_rank = coords
+    saved = backend.plan if isinstance(backend, Planner) else None
+    if saved is not None:  # before the split: its errors would hide what differs
+        saved.check(model=model, pp=pp, dp=dp, tp=tp, schedule=str(schedule),
+                    n_microbatches=n_microbatches, example_inputs=example_inputs)
+        if split is None:
+            split = [list(f) for f in saved.fqns_per_stage]
 
     from autopp.schedules import stage_ids_for_rank
 
@@ -126,10 +139,7 @@ def pipeline_autoparallel(
     n_stages = len(fqns_per_stage)
     stage_ids = stage_ids_for_rank(pp_rank, pp, n_stages, info.style)
     sub_mesh = stage_sub_mesh(mesh)
-    rank_of = tuple(
-        next(r for r in range(pp) if s in stage_ids_for_rank(r, pp, n_stages, info.style))
-        for s in range(n_stages)
-    )
+    rank_of = stage_ranks_of(info, pp, n_stages)
     if example_inputs:  # a forward that does not skip removed modules fails here, clearly
         x = example_inputs[0]
         mb = torch.empty((x.shape[0] // n_microbatches, *x.shape[1:]), dtype=x.dtype,
@@ -141,6 +151,7 @@ def pipeline_autoparallel(
         model=model, fqns_per_stage=tuple(tuple(f) for f in fqns_per_stage),
         stage_ids=tuple(stage_ids), rank_of=rank_of, mesh=mesh, sub_mesh=sub_mesh,
         example_inputs=tuple(example_inputs), n_microbatches=n_microbatches, loss_fn=loss_fn,
+        schedule=str(schedule),
     ))
     modules = [backend.build(s, build_stage_module(model, fqns_per_stage[s],
                                                    layers_attr=layers_attr, allow_tied=True),
@@ -173,9 +184,19 @@ def resolve_backend(
     memory_budget_bytes: float | None = None, boundary: str = "auto",
     loss_parallel: bool | None = None, mixed_precision: MixedPrecisionPolicy | None = None,
     compile: bool | CompileOptions = False,
+    plan: PipelinePlan | str | os.PathLike | None = None,
 ) -> StageBackend:
-    """The :class:`~autopp.backends.StageBackend` for ``parallelize`` and the planner
-    shorthands; a ValueError naming the fix when a shorthand does not apply."""
+    """The :class:`~autopp.backends.StageBackend` for ``parallelize``, the planner
+    shorthands and ``plan``; a ValueError naming the fix when one does not apply."""
+    if plan is not None:
+        if isinstance(parallelize, Planner):
+            if parallelize.plan is not None:
+                raise ValueError("a plan is given twice: as plan= and as Planner(plan=...); "
+                                 "pass one")
+            parallelize = Planner(parallelize.options, compile=parallelize.compile, plan=plan)
+        elif parallelize != "auto":
+            raise ValueError(f"plan= runs a planned pipeline and needs the planner "
+                             f"(parallelize='auto' or a Planner), got parallelize={parallelize!r}")
     planner_kw = dict(profile=profile, memory_budget_bytes=memory_budget_bytes,
                       boundary=boundary, loss_parallel=loss_parallel,
                       mixed_precision=mixed_precision)
@@ -189,7 +210,7 @@ def resolve_backend(
                 "Planner(PlannerOptions(...), compile=...)")
         return parallelize
     if parallelize == "auto":
-        return Planner(PlannerOptions(**planner_kw), compile=compile)
+        return Planner(PlannerOptions(**planner_kw), compile=compile, plan=plan)
     if compile:
         raise ValueError("compile needs the planner (parallelize='auto'): only planned stages "
                          "run as graphs")
@@ -234,3 +255,13 @@ def split_for_schedule(
         local_batch_size=local_batch_size,
     )
     return info, fqns_per_stage
+
+
+def stage_ranks_of(info: ScheduleInfo, pp: int, n_stages: int) -> tuple[int, ...]:
+    """The pp rank holding each stage under the schedule's placement (loop or V)."""
+    from autopp.schedules import stage_ids_for_rank
+
+    return tuple(
+        next(r for r in range(pp) if s in stage_ids_for_rank(r, pp, n_stages, info.style))
+        for s in range(n_stages)
+    )

@@ -2,13 +2,16 @@
 
 1. :func:`stage_input_shapes` finds every stage's input (a microbatch, with the dp-global batch
    size the planner works in) by running the meta model stage by stage on meta tensors.
-2. :func:`plan_pipeline` chooses the placement of every stage boundary and of the last
+2. :func:`plan_boundaries` chooses the placement of every stage boundary and of the last
    stage's logits (loss parallel or not) by Alpa's objective (:func:`choose_boundaries`), and
    :func:`plan_local_stage` plans a stage on its sub-mesh under them (cached on disk, see
-   :mod:`autopp.plan_cache`); :func:`agree_on_plans` makes all ranks of a stage hold one plan.
+   :mod:`autopp.plan_cache`).
+3. :func:`plan_whole_pipeline` puts them together into one
+   :class:`~autopp.pipeline_plan.PipelinePlan` (cached on disk whole); :func:`planned_stages`
+   reads a rank's stages back out of it.
 
-Shared by :func:`autopp.pipeline_autoparallel` and :func:`autopp.dry_run.dry_run`; the
-planned stage's runtime is :mod:`autopp.auto_stage`.
+Shared by :func:`autopp.plan_pipeline`, :func:`autopp.pipeline_autoparallel` and
+:func:`autopp.dry_run.dry_run`; the planned stage's runtime is :mod:`autopp.auto_stage`.
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopp.plan_cache import cached_plan, plan_key
+from autopp.pipeline_plan import PipelinePlan, PlanOptions, model_fingerprint
+from autopp.plan_cache import cached_pipeline_plan, cached_plan, pipeline_plan_key, plan_key
 from autopp.sharding import InfeasiblePlanError, StagePlan, plan_stage
 from autopp.sharding.precision import CastParams
 
@@ -262,7 +265,7 @@ def plan_local_stage(
     return plan
 
 
-def plan_pipeline(
+def plan_boundaries(
     metas: Sequence[nn.Module],
     inputs: Sequence[tuple[torch.Tensor, ...]],
     sub_mesh: DeviceMesh,
@@ -368,82 +371,135 @@ def loss_time_s(logits: torch.Tensor, sub_mesh: DeviceMesh, profile: str, kind: 
                                 profile, parallel=kind == "vocab")
 
 
-def agree_on_plans(plans: list[StagePlan], sub_mesh: DeviceMesh) -> list[StagePlan]:
-    """The plans of the sub-mesh's first rank, on every rank of the sub-mesh.
+def stage_meta_inputs(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]],
+                      first_input: torch.Tensor, n_microbatches: int, dp: int,
+                      compute_dtype: torch.dtype | None = None
+                      ) -> tuple[list[nn.Module], list[tuple[torch.Tensor, ...]]]:
+    """All stages of ``model`` on meta, and their inputs for one dp-global microbatch (what
+    planners see); ``first_input``: the model's first input for one step on one dp rank."""
+    from autopp.stage_split import build_stage_module
 
-    Ranks on one host already share one solve through the cache's lock; across hosts, a
-    solver may return different but equally good optima, and the ranks of a stage must run
-    the same plan. One small broadcast settles it.
-    """
-    if sub_mesh.size() == 1:
-        return plans
-    group = _flat_group(sub_mesh)
-    box: list[Any] = [[p.to_json() for p in plans]]
-    dist.broadcast_object_list(box, group_src=0, group=group)
-    return [StagePlan.from_json(t) for t in box[0]]
-
-
-def _flat_group(mesh: DeviceMesh):
-    return mesh._flatten().get_group() if mesh.ndim > 1 else mesh.get_group()
+    x = first_input
+    mb = x.shape[0] // n_microbatches * dp
+    first = (torch.empty((mb, *x.shape[1:]), dtype=x.dtype, device="meta"),)
+    metas = [build_stage_module(model, list(f), allow_tied=True) for f in fqns_per_stage]
+    return metas, stage_input_shapes(metas, first, compute_dtype)
 
 
 def meta_stage_inputs(spec: Any, compute_dtype: torch.dtype | None = None
                       ) -> tuple[list[nn.Module], list[tuple[torch.Tensor, ...]]]:
-    """All stages of ``spec`` (a :class:`autopp.backends.PipelineSpec`) on meta, and their
-    inputs for one dp-global microbatch (what planners see)."""
-    from autopp.stage_split import build_stage_module
-
-    x = spec.example_inputs[0]
-    mb = x.shape[0] // spec.n_microbatches * spec.dp
-    first = (torch.empty((mb, *x.shape[1:]), dtype=x.dtype, device="meta"),)
-    metas = [build_stage_module(spec.model, list(f), allow_tied=True)
-             for f in spec.fqns_per_stage]
-    return metas, stage_input_shapes(metas, first, compute_dtype)
+    """:func:`stage_meta_inputs` of ``spec`` (a :class:`autopp.backends.PipelineSpec`)."""
+    return stage_meta_inputs(spec.model, spec.fqns_per_stage, spec.example_inputs[0],
+                             spec.n_microbatches, spec.dp, compute_dtype)
 
 
-def tied_placements(spec: Any, metas: Sequence[nn.Module], inputs: Sequence[tuple], sub_mesh,
-                    **plan_kw: Any) -> list[dict[str, tuple[str, ...]]]:
+def tied_placements(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]],
+                    metas: Sequence[nn.Module], inputs: Sequence[tuple], sub_mesh,
+                    budgets: Sequence[float | None], **plan_kw: Any
+                    ) -> list[dict[str, tuple[str, ...]]]:
     """Per stage, the placement every copy of a parameter tied across stages must have (the
     copies' gradients are summed shard by shard, :mod:`autopp.tied`): the one the planner
     chooses for it on the stage holding its first FQN, planned with batch boundaries."""
     from autopp.tied import find_tied
 
     fixed: list[dict[str, tuple[str, ...]]] = [{} for _ in metas]
-    for t in find_tied(spec.model, spec.fqns_per_stage):
+    for t in find_tied(model, fqns_per_stage):
         home = next(s for s, fqn in t.stage_fqns if fqn == t.name)
-        plan = plan_local_stage(metas[home], inputs[home], sub_mesh, stage_index=home, **plan_kw)
+        plan = plan_local_stage(metas[home], inputs[home], sub_mesh, stage_index=home,
+                                memory_budget_bytes=budgets[home], **plan_kw)
         pl = next(p.placements for p in plan.params if p.fqn == t.name)
         for s, fqn in t.stage_fqns:
             fixed[s][fqn] = tuple(pl)
     return fixed
 
 
-def plan_stages(spec: Any, *, profile: str, memory_budget_bytes: float | None,
-                boundary: str = "auto", last_kinds: Sequence[str] = ("batch",),
-                mixed_precision: Any = None) -> dict[int, PlannedStage]:
-    """Plan this rank's stages of ``spec`` (a :class:`autopp.backends.PipelineSpec`):
-    boundaries and loss placement for the whole pipeline, then each local stage, agreed
-    across the stage's sub-mesh. Returns {stage id: PlannedStage}."""
-    metas, inputs = meta_stage_inputs(
-        spec, mixed_precision.param_dtype if mixed_precision is not None else None)
-    sub_mesh = spec.sub_mesh
+def plan_whole_pipeline(
+    model: nn.Module, *, pp: int, fqns_per_stage: Sequence[Sequence[str]],
+    stage_ranks: Sequence[int], sub_mesh: DeviceMesh, schedule: str, n_microbatches: int,
+    example_inputs: Sequence[torch.Tensor], options: Any, loss_fn: Any,
+    budgets: Sequence[float | None] | None = None, timings: dict[int, list] | None = None,
+    use_cache: bool = True,
+) -> tuple[PipelinePlan, bool]:
+    """Plan every stage of a split pipeline into one :class:`~autopp.pipeline_plan.PipelinePlan`
+    (without estimates): tied parameters' placements, then boundaries and loss placement by
+    Alpa's objective with each stage planned under them (:func:`plan_boundaries`).
+
+    Args:
+        model: the whole model on meta; ``fqns_per_stage`` its split, ``stage_ranks`` each
+            stage's pp rank (of ``pp``), ``sub_mesh`` a stage's ("dp", "tp") sub-mesh
+            (all have the same shape).
+        schedule, n_microbatches: the pipeline's; ``example_inputs`` the model's inputs for
+            one step on one dp rank.
+        options: :class:`autopp.backends.PlannerOptions`; ``loss_fn`` the pipeline's loss
+            (it decides whether the loss may run in parallel, :func:`loss_kinds`).
+        budgets: per-stage parameter-memory budget; None: ``options.memory_budget_bytes``.
+        timings: see :func:`plan_local_stage` (untouched when the whole plan is cached).
+        use_cache: read and write the whole plan in the on-disk cache (stage plans are
+            always cached).
+
+    Returns ``(plan, was_cached)``. The plan depends on nothing else (and the planning code,
+    which :mod:`autopp.plan_cache` hashes into the key).
+    """
+    profile = options.profile or default_profile(sub_mesh.device_type)
+    last_kinds = loss_kinds(sub_mesh, loss_fn, options.loss_parallel)
+    record = PlanOptions.of(options, profile)
+    n = len(fqns_per_stage)
+    budgets = list(budgets) if budgets is not None else [options.memory_budget_bytes] * n
     dp, tp = sub_mesh["dp"].size(), sub_mesh["tp"].size()
-    fixed = tied_placements(spec, metas, inputs, sub_mesh, profile=profile,
-                            memory_budget_bytes=memory_budget_bytes,
-                            mixed_precision=mixed_precision, n_microbatches=spec.n_microbatches)
-    bounds, plan_of = plan_pipeline(
-        metas, inputs, sub_mesh, profile=profile,
-        budgets=[memory_budget_bytes] * len(metas), boundary=boundary, last_kinds=last_kinds,
-        mixed_precision=mixed_precision, n_microbatches=spec.n_microbatches,
-        rank_of=list(spec.rank_of), param_placements=fixed,
-    )
-    plans = agree_on_plans([plan_of(s) for s in spec.stage_ids], sub_mesh)
+    fqns = tuple(tuple(f) for f in fqns_per_stage)
+    fingerprint = model_fingerprint(model)
+    mp = options.mixed_precision
+
+    def solve() -> PipelinePlan:
+        metas, inputs = stage_meta_inputs(model, fqns, example_inputs[0], n_microbatches, dp,
+                                          record.compute_dtype)
+        plan_kw = dict(profile=profile, mixed_precision=mp, n_microbatches=n_microbatches)
+        fixed = tied_placements(model, fqns, metas, inputs, sub_mesh, budgets, **plan_kw)
+        bounds, plan_of = plan_boundaries(
+            metas, inputs, sub_mesh, profile=profile, budgets=budgets, boundary=options.boundary,
+            last_kinds=last_kinds, timings=timings, mixed_precision=mp,
+            n_microbatches=n_microbatches, rank_of=list(stage_ranks), param_placements=fixed,
+        )
+        return PipelinePlan(
+            model=fingerprint, pp=pp, dp=dp, tp=tp, schedule=str(schedule),
+            n_microbatches=n_microbatches,
+            input_shapes=tuple(tuple(int(d) for d in x.shape) for x in example_inputs),
+            input_dtypes=tuple(str(x.dtype) for x in example_inputs),
+            fqns_per_stage=fqns, stage_ranks=tuple(stage_ranks),
+            stage_plans=tuple(plan_of(s) for s in range(n)), boundaries=tuple(bounds),
+            recompute=(options.recompute,) * n,
+            tied_placements=tuple(tuple(sorted(d.items())) for d in fixed), options=record,
+        )
+
+    if not use_cache:
+        return solve(), False
+    key = pipeline_plan_key({
+        "model": fingerprint, "pp": pp, "split": fqns, "stage_ranks": list(stage_ranks),
+        "sub_mesh": [list(sub_mesh.shape), list(sub_mesh.mesh_dim_names)],
+        "schedule": str(schedule), "n_microbatches": n_microbatches,
+        "inputs": [[list(x.shape), str(x.dtype)] for x in example_inputs],
+        "options": dataclasses.asdict(record), "recompute": options.recompute,
+        "last_kinds": list(last_kinds), "budgets": budgets,
+    })
+    t0 = time.perf_counter()
+    plan, hit = cached_pipeline_plan(key, solve)
+    logger.info("pipeline plan %s: %d stages in %.1f s (%s)", key[9:21], n,
+                time.perf_counter() - t0, "cached" if hit else "planned")
+    return plan, hit
+
+
+def planned_stages(plan: PipelinePlan, spec: Any) -> dict[int, PlannedStage]:
+    """This rank's stages of ``plan`` for ``spec`` (a :class:`autopp.backends.PipelineSpec`),
+    with the meta inputs the runtime lowers them for. {stage id: PlannedStage}."""
+    _, inputs = meta_stage_inputs(spec, plan.options.compute_dtype)
+    dp, tp = spec.dp, spec.sub_mesh["tp"].size()
+    bounds = plan.boundaries
     return {
         s: PlannedStage(
-            plan=p, example_inputs=inputs[s],
+            plan=plan.stage_plans[s], example_inputs=inputs[s],
             send_bytes=boundary_bytes(inputs[s + 1][0], dp, tp, bounds[s + 1])
             if s + 1 < len(inputs) else 0,
             boundary_out=bounds[s + 1],
         )
-        for s, p in zip(spec.stage_ids, plans)
+        for s in spec.stage_ids
     }

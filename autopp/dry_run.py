@@ -25,8 +25,11 @@ device profile. The step time, the bubble and each pp rank's peak memory by cate
 simulator's; Alpa's closed formula (Σ_s t_s + (M − 1) · slowest rank's Σ t_s) is reported
 beside it. Each rank's peak is checked against the profile's memory minus a reserve. Stage
 boundaries and the last stage's logits placement (loss parallel or not) are chosen as
-:func:`autopp.pipeline_autoparallel` chooses them (:func:`autopp.auto_plan.plan_pipeline`,
-still by the closed formula).
+:func:`autopp.pipeline_autoparallel` chooses them, by the same code
+(:func:`autopp.auto_plan.plan_whole_pipeline`, still by the closed formula): the report's
+:attr:`DryRunReport.plan` is the :class:`~autopp.pipeline_plan.PipelinePlan` a job would run,
+with the simulator's estimates added; ``report.plan.save(path)`` and
+``pipeline_autoparallel(..., plan=path)`` run it without planning again.
 """
 
 from __future__ import annotations
@@ -42,15 +45,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from autopp.api import split_for_schedule
+from autopp.api import split_for_schedule, stage_ranks_of
 from autopp.auto_plan import (
     BOUNDARIES,
-    last_stage_output,
     boundary_bytes,
+    last_stage_output,
     loss_time_s,
-    plan_pipeline,
-    stage_input_shapes,
+    plan_whole_pipeline,
+    stage_meta_inputs,
 )
+from autopp.backends import PlannerOptions
 from autopp.dry_run_format import compact_modules, format_report, placement_summary
 from autopp.estimate import (
     StageFacts,
@@ -63,7 +67,9 @@ from autopp.estimate import (
     state_bytes,
     usable_bytes,
 )
+from autopp.loss import cross_entropy
 from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
+from autopp.pipeline_plan import PipelineEstimates, PipelinePlan
 from autopp.plan_cache import cached_plan, plan_key
 from autopp.schedules import (
     Link,
@@ -75,7 +81,6 @@ from autopp.schedules import (
 )
 from autopp.sharding import StagePlan, get_profile, plan_stage
 from autopp.sharding.torchtitan_ref import torchtitan_param_placements
-from autopp.stage_split import build_stage_module
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +170,9 @@ class DryRunReport:
     :attr:`checkpointed_simulation`'s peaks)."""
     wall_s: float = 0.0
     """Seconds the whole dry run took (planning, lowering, simulation)."""
+    plan: PipelinePlan | None = None
+    """The pipeline's plan, as :func:`autopp.pipeline_autoparallel` would run it, with the
+    simulated estimates (``plan.save(path)``; run it with ``plan=path``)."""
 
     # ---- pipeline figures -------------------------------------------------------------
     @property
@@ -431,15 +439,15 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
     )
     n_stages = len(fqns_per_stage)
     ids_per_rank = tuple(tuple(info.stage_ids_for_rank(r, pp, n_stages)) for r in range(pp))
-    rank_of = {s: r for r, ids in enumerate(ids_per_rank) for s in ids}
+    stage_ranks = stage_ranks_of(info, pp, n_stages)
+    rank_of = dict(enumerate(stage_ranks))
 
-    mb = global_batch // n_microbatches  # dp-global microbatch: what the planner sees
-    first = (torch.empty((mb, seq_len), dtype=torch.long, device="meta"),)
-    metas = [build_stage_module(model_meta, f, allow_tied=True) for f in fqns_per_stage]
+    local = (torch.empty((global_batch // dp, seq_len), dtype=torch.long, device="meta"),)
     pd = mixed_precision.param_dtype if mixed_precision is not None else None
-    inputs = stage_input_shapes(metas, first, pd)
+    metas, inputs = stage_meta_inputs(model_meta, fqns_per_stage, local[0], n_microbatches,
+                                      dp, pd)
     logger.info("dry run: %d stages on a %s sub-mesh, microbatch %s (dp-global), profile %s",
-                n_stages, tuple(sub_mesh.shape), tuple(first[0].shape), profile)
+                n_stages, tuple(sub_mesh.shape), tuple(inputs[0][0].shape), profile)
 
     tt_plans: list[tuple] = []
     budgets = []
@@ -453,21 +461,22 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
         if compare and budget is None:
             budget = tt_plans[s][0].param_bytes_per_device * (1 + 1e-9)
         budgets.append(budget)
-    last_kinds = ("batch", "vocab") if tp > 1 and loss_parallel is not False else ("batch",)
-    if loss_parallel and tp > 1:
-        last_kinds = ("vocab",)
+    options = PlannerOptions(profile=profile, memory_budget_bytes=memory_budget_bytes,
+                             boundary=boundary, mixed_precision=mixed_precision,
+                             loss_parallel=None if loss_parallel and tp == 1 else loss_parallel)
     timings: dict[int, list] = {}
-    bounds, plan_of = plan_pipeline(metas, inputs, sub_mesh, profile=profile, budgets=budgets,
-                                    boundary=boundary, last_kinds=last_kinds, timings=timings,
-                                    mixed_precision=mixed_precision,
-                                    n_microbatches=n_microbatches,
-                                    rank_of=[rank_of[s] for s in range(n_stages)])
+    pplan, _ = plan_whole_pipeline(
+        model_meta, pp=pp, fqns_per_stage=fqns_per_stage, stage_ranks=stage_ranks,
+        sub_mesh=sub_mesh, schedule=str(schedule), n_microbatches=n_microbatches,
+        example_inputs=local, options=options, loss_fn=cross_entropy, budgets=budgets,
+        timings=timings)
+    bounds = pplan.boundaries
     logits = last_stage_output(metas, inputs, mixed_precision)
     tt_kind = "batch+seq" if tp > 1 else "batch"  # torchtitan's boundaries (sequence parallel)
     memo: dict = {}  # lowered unit plans, shared by the stages
     stages = []
     for s, x in enumerate(inputs):
-        plan = plan_of(s)
+        plan = pplan.stage_plans[s]
         wall, n_solved, _ = timings.get(s, [0.0, 0, 1])
         kind = bounds[s + 1]
         last = s == n_stages - 1
@@ -526,7 +535,18 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
                 "the given parameter-memory budget" if memory_budget_bytes is not None else
                 "the parameter memory torchtitan's layout uses for it"),
         )
+    peaks = [r.peak_bytes for r in sim.ranks]
+    pplan = dataclasses.replace(pplan, estimates=PipelineEstimates(
+        step_time_s=sim.step_time_s, bubble_fraction=sim.bubble_fraction,
+        alpa_time_s=(sum(s.time_s for s in stages) + (n_microbatches - 1) * max(
+            sum(stages[s].time_s for s in ids) for ids in ids_per_rank)),
+        stage_time_s=tuple(s.time_s for s in stages), peak_bytes=tuple(peaks),
+        memory_at_peak=tuple(tuple(dataclasses.asdict(r.memory_at_peak).items())
+                             for r in sim.ranks),
+        usable_bytes=usable_bytes(profile, memory_reserve),
+    ))
     return DryRunReport(
+        plan=pplan,
         pp=pp, dp=dp, tp=tp, schedule=str(schedule), n_microbatches=n_microbatches,
         global_batch=global_batch, seq_len=seq_len, profile=profile,
         memory_budget_bytes=memory_budget_bytes, stages=tuple(stages),

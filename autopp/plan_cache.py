@@ -1,11 +1,19 @@
-"""On-disk cache of stage sharding plans, so a restart does not solve again.
+"""On-disk cache of plans, so a restart does not solve again.
 
-A plan is keyed by everything it depends on: the stage module's structure (module types,
-parameter and buffer names, shapes, dtypes), the example input shapes and dtypes, the
-sub-mesh shape and dim names, the device profile, the planner options, and the planner's
-own source code. Ranks that plan
-the same stage on one host take a file lock, so one of them solves and the others read its
-result; ranks on other hosts solve the same deterministic problem themselves.
+Two kinds of entries, each keyed by everything it depends on:
+
+- a stage's :class:`~autopp.sharding.StagePlan` (:func:`plan_key`, :func:`cached_plan`): the
+  stage module's structure (module types, parameter and buffer names, shapes, dtypes), the
+  example input shapes and dtypes, the sub-mesh shape and dim names, the device profile, the
+  planner options;
+- a whole :class:`~autopp.pipeline_plan.PipelinePlan` (:func:`pipeline_plan_key`,
+  :func:`cached_pipeline_plan`): the model's fingerprint, the split and stage placement, the
+  mesh, schedule, microbatches, input shapes and planner options (without estimates).
+
+Both keys also hold torch's version and the hash of the planning code
+(:func:`planner_source_files`: the sharding planner, and the code that plans boundaries,
+loss placement and tied parameters). Processes on one host that need the same entry take a
+file lock, so one of them solves and the others read its result.
 
 The directory is ``$AUTOPP_PLAN_CACHE`` if set, else ``~/.cache/autopp/plans``.
 """
@@ -18,12 +26,16 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
 
-from autopp.sharding import StagePlan
+if TYPE_CHECKING:
+    from autopp.pipeline_plan import PipelinePlan
+    from autopp.sharding import StagePlan
+
+T = TypeVar("T")
 
 
 def cache_dir() -> Path:
@@ -36,14 +48,28 @@ def _describe_tensor(t: Any) -> Any:
     return repr(t)
 
 
-def _planner_source_hash() -> str:
-    """Plans depend on the planner's code: a change to it invalidates the cache."""
-    import autopp.sharding
+def planner_source_files() -> list[Path]:
+    """The code a plan depends on: the sharding planner (``autopp/sharding/*.py``), the
+    boundary, loss and tied-parameter planning (``auto_plan.py``, ``tied.py``), the pipeline
+    plan (``pipeline_plan.py``) and the stage split (``autopp/stage_split/*.py``)."""
+    root = Path(__file__).parent
+    return [*sorted((root / "sharding").glob("*.py")), root / "auto_plan.py",
+            root / "pipeline_plan.py", root / "tied.py",
+            *sorted((root / "stage_split").glob("*.py"))]
 
+
+def _planner_source_hash() -> str:
+    """Plans depend on the planning code: a change to it invalidates the cache."""
     h = hashlib.sha256()
-    for f in sorted(Path(autopp.sharding.__file__).parent.glob("*.py")):
+    for f in planner_source_files():
+        h.update(f.name.encode())
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
+
+
+def _hash(desc: dict[str, Any]) -> str:
+    desc = {**desc, "torch": torch.__version__, "planner": _planner_source_hash()}
+    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def plan_key(
@@ -51,24 +77,24 @@ def plan_key(
     mesh_dim_names: Sequence[str], options: dict[str, Any],
 ) -> str:
     """A stable hash of what a stage plan depends on."""
-    desc = {
+    return _hash({
         "modules": [[n, type(m).__qualname__] for n, m in module.named_modules()],
         "params": [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in module.named_parameters()],
         "buffers": [[n, list(b.shape), str(b.dtype)] for n, b in module.named_buffers()],
         "inputs": [_describe_tensor(x) for x in example_inputs],
         "mesh": [list(mesh_shape), list(mesh_dim_names)],
         "options": {k: repr(v) for k, v in sorted(options.items())},
-        "torch": torch.__version__,
-        "planner": _planner_source_hash(),
-    }
-    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:32]
+    })
 
 
-def cached_plan(key: str, solve: Callable[[], StagePlan]) -> tuple[StagePlan, bool]:
-    """The plan stored under ``key``, or ``solve()``'s (stored for next time).
+def pipeline_plan_key(desc: dict[str, Any]) -> str:
+    """A stable hash of what a whole pipeline plan depends on (``desc``: JSON values, see
+    :func:`autopp.auto_plan.plan_whole_pipeline`), torch's version and the planning code."""
+    return "pipeline-" + _hash({"pipeline": desc})
 
-    Returns ``(plan, was_cached)``. One process per host solves a given key at a time.
-    """
+
+def _cached(key: str, solve: Callable[[], T], load: Callable[[Path], T],
+            save: Callable[[T, Path], None]) -> tuple[T, bool]:
     d = cache_dir()
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{key}.json"
@@ -76,11 +102,30 @@ def cached_plan(key: str, solve: Callable[[], StagePlan]) -> tuple[StagePlan, bo
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if path.exists():
-                return StagePlan.load(path), True
-            plan = solve()
+                return load(path), True
+            value = solve()
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            plan.save(tmp)
+            save(value, tmp)
             tmp.replace(path)
-            return plan, False
+            return value, False
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def cached_plan(key: str, solve: Callable[[], StagePlan]) -> tuple[StagePlan, bool]:
+    """The stage plan stored under ``key``, or ``solve()``'s (stored for next time).
+
+    Returns ``(plan, was_cached)``. One process per host solves a given key at a time.
+    """
+    from autopp.sharding import StagePlan
+
+    return _cached(key, solve, StagePlan.load, lambda p, path: p.save(path))
+
+
+def cached_pipeline_plan(key: str, solve: Callable[[], PipelinePlan]
+                         ) -> tuple[PipelinePlan, bool]:
+    """The whole pipeline plan stored under ``key`` (:func:`pipeline_plan_key`), or
+    ``solve()``'s; as :func:`cached_plan`."""
+    from autopp.pipeline_plan import PipelinePlan
+
+    return _cached(key, solve, PipelinePlan.load, lambda p, path: p.save(path))

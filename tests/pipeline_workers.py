@@ -45,6 +45,21 @@ def one_step(mesh, cfg: dict) -> dict:
         from autopp.backends import Planner, PlannerOptions
 
         parallelize = Planner(PlannerOptions(**cfg["planner_options"]))
+    if "plan" in cfg:  # a saved PipelinePlan (or None): count what this rank plans
+        import autopp.auto_plan as auto_plan
+
+        planners = {f: getattr(auto_plan, f) for f in ("plan_whole_pipeline", "plan_local_stage")}
+        calls: dict[str, int] = dict.fromkeys(planners, 0)
+
+        def counted(name):
+            def call(*a, **k):
+                calls[name] += 1
+                return planners[name](*a, **k)
+            return call
+
+        for f in planners:
+            setattr(auto_plan, f, counted(f))
+        extra["plan"] = cfg["plan"]
     pipe = pipeline_autoparallel(
         llama3_meta(cfg["n_layers"]),
         mesh,
@@ -83,6 +98,11 @@ def one_step(mesh, cfg: dict) -> dict:
         out["saved_bytes"] = [m.saved_bytes_per_microbatch() for m in pipe.stage_modules]
         out["saved_bytes_none"] = [saved_bytes(m.stage_graphs("none")[1])
                                    for m in pipe.stage_modules]
+    if "plan" in cfg:
+        for f, fn in planners.items():
+            setattr(auto_plan, f, fn)
+        out["plan_source"], out["planning_calls"] = pipe.backend.plan_source, calls
+        out["pipeline_plan"] = pipe.backend.pipeline_plan.to_json()
     if cfg.get("eval"):
         out["eval_loss"] = pipe.eval(tok, target=tgt)
     if cfg.get("clip"):

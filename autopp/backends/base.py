@@ -44,6 +44,8 @@ class PipelineSpec:
     """Microbatches per step."""
     loss_fn: LossFn
     """The user's loss (mean over a microbatch's counted tokens)."""
+    schedule: str = ""
+    """The schedule's name (or CSV path)."""
 
     @property
     def dp(self) -> int:

@@ -1,15 +1,19 @@
 """``Planner``: autopp's sharding planner chooses each stage's placements (``"auto"``).
 
-Planning (:mod:`autopp.auto_plan`): every rank plans its own stages over its sub-mesh from
-one dp-global microbatch, choosing the activations' placements between stages and the
-loss placement by the same cost model. Running (:mod:`autopp.auto_stage`): each planned
-stage is lowered to local graphs with explicit collectives and run as an
+Planning (:mod:`autopp.pipeline_plan`, :mod:`autopp.auto_plan`): rank 0 of the world plans
+the whole pipeline (or reads it from the on-disk cache) into one
+:class:`~autopp.pipeline_plan.PipelinePlan` and broadcasts it; every stage is planned over its
+sub-mesh from one dp-global microbatch, with the activations' placements between stages and
+the loss placement chosen by the same cost model. ``Planner(plan=...)`` runs a saved plan
+instead, without planning. Running (:mod:`autopp.auto_stage`): each planned stage is
+lowered to local graphs with explicit collectives and run as an
 :class:`autopp.graph.GraphStage` on torch's action runtime (parameters gathered once per
 step at UNSHARD, weight gradients at W, gradients reduced once at REDUCE_GRAD).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -23,6 +27,7 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from autopp.graph.recompute import Recompute
+    from autopp.pipeline_plan import PipelinePlan
 
 from autopp.backends.base import LossFn, PipelineSpec, StageBackend
 
@@ -113,10 +118,19 @@ class Planner(StageBackend):
         options: what the planner may choose (:class:`PlannerOptions`).
         compile: run each planned stage's graphs through Inductor: True, or
             :class:`CompileOptions` for its collective passes; False (default): eager.
+        plan: a :class:`~autopp.pipeline_plan.PipelinePlan` (or the path of a saved one) to
+            run instead of planning: checked against the pipeline (model, mesh, schedule,
+            microbatches, inputs, split, loss) at ``prepare``; its planning options are the
+            plan's (a differing one set in ``options`` is an error).
     """
 
     options: PlannerOptions = field(default_factory=PlannerOptions)
     compile: bool | CompileOptions = False
+    plan: PipelinePlan | str | os.PathLike | None = None
+    #: Where the pipeline plan came from: "given" (``plan=``), "planned" or "cached" (on
+    #: this rank, rank 0 of the world), "from rank 0" (broadcast); "" before ``prepare``.
+    plan_source: str = field(default="", init=False)
+    _pipeline_plan: Any = field(default=None, init=False, repr=False)
     _planned: dict[int, Any] = field(default_factory=dict, init=False, repr=False)
     _last_stage: int = field(default=-1, init=False, repr=False)
     _regather: dict[int, tuple[bool, str]] = field(default_factory=dict, init=False, repr=False)
@@ -125,17 +139,40 @@ class Planner(StageBackend):
     uses_graph_runtime = True
     grads_summed_over_dp = True
 
-    def prepare(self, spec: PipelineSpec) -> None:
-        from autopp.auto_plan import default_profile, loss_kinds, plan_stages
+    def __post_init__(self) -> None:
+        if self.plan is not None:
+            from autopp.pipeline_plan import as_pipeline_plan
 
-        o = self.options
+            self.plan = as_pipeline_plan(self.plan)
+            conflicts = self.plan.options.conflicts(self.options)
+            if self.options.recompute != "none" and set(self.plan.recompute) != {
+                    self.options.recompute}:
+                conflicts.append(f"recompute: the plan has {sorted(set(self.plan.recompute))}, "
+                                 f"the options {self.options.recompute!r}")
+            if conflicts:
+                raise ValueError(
+                    "the saved plan was made with other planner options: "
+                    + "; ".join(conflicts) + ". Leave them out (the plan's apply), or plan "
+                    "again with them (drop plan=)")
+
+    def prepare(self, spec: PipelineSpec) -> None:
+        from autopp.auto_plan import planned_stages
+        from autopp.mesh import mesh_sizes
+
         self._last_stage = len(spec.fqns_per_stage) - 1
-        self._planned = plan_stages(
-            spec, profile=o.profile or default_profile(spec.mesh.device_type),
-            memory_budget_bytes=o.memory_budget_bytes, boundary=o.boundary,
-            last_kinds=loss_kinds(spec.sub_mesh, spec.loss_fn, o.loss_parallel),
-            mixed_precision=o.mixed_precision,
-        )
+        if self.plan is not None:
+            sizes = mesh_sizes(spec.mesh)
+            self.plan.check(
+                model=spec.model, pp=sizes["pp"], dp=sizes["dp"], tp=sizes["tp"],
+                schedule=spec.schedule, n_microbatches=spec.n_microbatches,
+                example_inputs=spec.example_inputs, fqns_per_stage=spec.fqns_per_stage,
+                stage_ranks=spec.rank_of, loss_fn=spec.loss_fn)
+            self._pipeline_plan, self.plan_source = self.plan, "given"
+        else:
+            from autopp.pipeline_plan import plan_for_spec
+
+            self._pipeline_plan, self.plan_source = plan_for_spec(spec, self.options)
+        self._planned = planned_stages(self._pipeline_plan, spec)
 
     def build(self, stage_id: int, stage_meta: nn.Module, sub_mesh: DeviceMesh) -> nn.Module:
         return stage_meta
@@ -146,7 +183,8 @@ class Planner(StageBackend):
 
         planned = self._planned[stage_id]
         return materialize_and_apply(module, planned.plan, sub_mesh, planned.example_inputs,
-                                     seed=seed, device=device, recompute=self.options.recompute)
+                                     seed=seed, device=device,
+                                     recompute=self._pipeline_plan.recompute[stage_id])
 
     def named_parameters(self, modules: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter]]:
         return [kv for m in modules for kv in m.named_planned_parameters()]
@@ -224,3 +262,9 @@ class Planner(StageBackend):
     @property
     def plans(self) -> dict[int, Any]:
         return {s: p.plan for s, p in self._planned.items()}
+
+    @property
+    def pipeline_plan(self) -> PipelinePlan | None:
+        """The whole pipeline's plan this backend runs (None before ``prepare``): save it
+        (``.save(path)``) to run it again with ``plan=`` without planning."""
+        return self._pipeline_plan

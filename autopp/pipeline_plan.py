@@ -1,0 +1,472 @@
+"""A whole pipeline's plan as one value, and the one function that makes it.
+
+:class:`PipelinePlan` holds everything a planned pipeline runs with: which model it was made
+for (a structural fingerprint), the mesh, schedule and microbatches, the split and where
+each stage runs, every stage's :class:`~autopp.sharding.StagePlan`, the placements chosen
+between stages and for the loss, the recomputation per stage, the placements of parameters
+tied across stages, and (from a dry run) the simulated estimates. It is frozen, compares
+equal after a JSON round trip, and can be saved, loaded, printed (:meth:`PipelinePlan.describe`)
+and diffed::
+
+    plan = autopp.plan_pipeline(model_on_meta, pp=2, dp=2, tp=2, schedule="1F1B",
+                                n_microbatches=4, global_batch_size=8, seq_len=2048)
+    plan.save("plan.json")
+    ...
+    pipe = autopp.pipeline_autoparallel(model, mesh, ..., plan="plan.json")  # no planning
+
+:func:`plan_pipeline` is the only way plans are made: :func:`autopp.dry_run.dry_run` calls
+its core (:func:`autopp.auto_plan.plan_whole_pipeline`) and adds estimates, and the planner
+backend (:class:`autopp.backends.Planner`) calls it at ``prepare``, so what runs is what a
+dry run plans. In a job, rank 0 of the world plans (or reads the on-disk cache,
+:mod:`autopp.plan_cache`) and broadcasts the plan's JSON; the other ranks do not plan
+(:func:`plan_on_rank0`).
+
+This module imports only the standard library and torch at import time (``import autopp``
+stays light); the planner loads when a plan is made or read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from autopp.backends import PipelineSpec, PlannerOptions
+    from autopp.sharding import StagePlan
+
+#: Version of the JSON layout written by :meth:`PipelinePlan.to_json`.
+FORMAT = 1
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A hash of the model's structure: its class, module names and types, parameter and
+    buffer names, shapes and dtypes, and which parameters are tied (meta is fine). Two
+    builds of one config have the same fingerprint; another depth, width or dtype does not.
+    The forward's code is not part of it."""
+    first: dict[int, str] = {}
+    desc = {
+        "class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "modules": [[n, type(m).__qualname__] for n, m in model.named_modules()],
+        "params": [[n, list(p.shape), str(p.dtype), p.requires_grad, first.setdefault(id(p), n)]
+                   for n, p in model.named_parameters(remove_duplicate=False)],
+        "buffers": [[n, list(b.shape), str(b.dtype)] for n, b in model.named_buffers()],
+    }
+    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanOptions:
+    """The planner options a plan was made with (the planning fields of
+    :class:`autopp.backends.PlannerOptions`, as JSON values)."""
+
+    profile: str
+    """The device profile of the cost model (resolved: never None)."""
+    memory_budget_bytes: float | None = None
+    boundary: str = "auto"
+    loss_parallel: bool | None = None
+    param_dtype: str | None = None
+    """Mixed precision: the policy's ``param_dtype`` (e.g. "torch.bfloat16"); None: off."""
+    reduce_dtype: str | None = None
+    """Mixed precision: the policy's ``reduce_dtype``."""
+
+    @classmethod
+    def of(cls, options: PlannerOptions, profile: str) -> PlanOptions:
+        mp = options.mixed_precision
+        return cls(profile=profile, memory_budget_bytes=options.memory_budget_bytes,
+                   boundary=options.boundary, loss_parallel=options.loss_parallel,
+                   param_dtype=None if mp is None or mp.param_dtype is None else str(mp.param_dtype),
+                   reduce_dtype=None if mp is None or mp.reduce_dtype is None
+                   else str(mp.reduce_dtype))
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype of the activations the stages exchange (None: the parameters')."""
+        return None if self.param_dtype is None else getattr(torch, self.param_dtype.split(".")[-1])
+
+    def conflicts(self, options: PlannerOptions) -> list[str]:
+        """Planning options set on ``options`` (not left at their defaults) that differ
+        from these: a saved plan cannot honour them."""
+        from autopp.backends import PlannerOptions
+
+        default = PlannerOptions()
+        given = PlanOptions.of(options, options.profile or self.profile)
+        out = []
+        for f in ("profile", "memory_budget_bytes", "boundary", "loss_parallel"):
+            if getattr(options, f) != getattr(default, f) and getattr(given, f) != getattr(self, f):
+                out.append(f"{f}: the plan has {getattr(self, f)!r}, the options "
+                           f"{getattr(given, f)!r}")
+        if options.mixed_precision is not None and (given.param_dtype, given.reduce_dtype) != (
+                self.param_dtype, self.reduce_dtype):
+            out.append(f"mixed_precision: the plan has param/reduce dtypes {self.param_dtype}/"
+                       f"{self.reduce_dtype}, the options {given.param_dtype}/{given.reduce_dtype}")
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineEstimates:
+    """What the schedule simulator estimates for a plan (:func:`autopp.dry_run.dry_run`)."""
+
+    step_time_s: float
+    """The simulated step time of the plan's schedule."""
+    bubble_fraction: float
+    """Idle share of all pp ranks' time over the simulated step."""
+    alpa_time_s: float
+    """Alpa's closed formula, for comparison: Σ_s t_s + (M − 1) · slowest rank's Σ t_s."""
+    stage_time_s: tuple[float, ...]
+    """Per stage: one microbatch's forward + backward on one device (the loss included)."""
+    peak_bytes: tuple[int, ...]
+    """Per pp rank: the simulated peak memory per device."""
+    memory_at_peak: tuple[tuple[tuple[str, int], ...], ...]
+    """Per pp rank: (category, bytes) at its peak: parameters, gradients, optimizer,
+    gathered_parameters, activations."""
+    usable_bytes: float
+    """The device memory minus the reserve: what each peak must fit."""
+
+    @property
+    def fits(self) -> tuple[bool, ...]:
+        return tuple(p <= self.usable_bytes for p in self.peak_bytes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelinePlan:
+    """A whole pipeline's plan: what :func:`autopp.pipeline_autoparallel` runs with
+    ``parallelize="auto"``, or with ``plan=`` without planning (see the module docstring)."""
+
+    model: str
+    """:func:`model_fingerprint` of the model it was made for."""
+    pp: int
+    dp: int
+    tp: int
+    schedule: str
+    """A torch schedule name, or the CSV schedule's path."""
+    n_microbatches: int
+    input_shapes: tuple[tuple[int, ...], ...]
+    """The model's inputs for one step on one dp rank (``example_inputs``)."""
+    input_dtypes: tuple[str, ...]
+    fqns_per_stage: tuple[tuple[str, ...], ...]
+    """The split: module FQNs of each stage."""
+    stage_ranks: tuple[int, ...]
+    """The pp rank holding each stage."""
+    stage_plans: tuple[StagePlan, ...]
+    """Each stage's sharding plan over its dp × tp sub-mesh."""
+    boundaries: tuple[str, ...]
+    """Placement into stage ``s`` (``boundaries[s]``) and out of it (``boundaries[s + 1]``):
+    "batch" or "batch+seq" (a key of :data:`autopp.auto_plan.BOUNDARIES`); the last entry
+    is the loss placement ("vocab": loss parallel)."""
+    recompute: tuple[str, ...]
+    """Per stage: the activation recomputation its backward pieces run ("none",
+    "selective", "full")."""
+    tied_placements: tuple[tuple[tuple[str, tuple[str, ...]], ...], ...]
+    """Per stage: (stage FQN, placement per sub-mesh dim) fixed for parameters tied across
+    stages (:func:`autopp.auto_plan.tied_placements`)."""
+    options: PlanOptions
+    """The planner options it was made with."""
+    estimates: PipelineEstimates | None = None
+    """Simulated step time, bubble and memory (from a dry run); None when not estimated."""
+    format: int = FORMAT
+
+    # ---- reading it -------------------------------------------------------------------
+    @property
+    def n_stages(self) -> int:
+        return len(self.fqns_per_stage)
+
+    @property
+    def loss_placement(self) -> str:
+        """"vocab" (loss parallel: logits stay split on the vocabulary over tp) or "batch"."""
+        return self.boundaries[-1]
+
+    def stage_ids_for_rank(self, pp_rank: int) -> tuple[int, ...]:
+        return tuple(s for s, r in enumerate(self.stage_ranks) if r == pp_rank)
+
+    # ---- JSON -----------------------------------------------------------------------------
+    def to_json(self) -> str:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["stage_plans"] = [json.loads(p.to_json()) for p in self.stage_plans]
+        d["options"] = dataclasses.asdict(self.options)
+        d["estimates"] = None if self.estimates is None else dataclasses.asdict(self.estimates)
+        return json.dumps(d, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> PipelinePlan:
+        from autopp.sharding import StagePlan
+
+        d = json.loads(text)
+        if d.get("format") != FORMAT:
+            raise ValueError(f"pipeline plan format {d.get('format')!r} is not {FORMAT}: "
+                             "plan again with this version of autopp")
+        out = {k: _tuples(v) for k, v in d.items()}
+        out["stage_plans"] = tuple(StagePlan.from_json(json.dumps(p)) for p in d["stage_plans"])
+        out["options"] = PlanOptions(**d["options"])
+        if d["estimates"] is not None:
+            out["estimates"] = PipelineEstimates(**{k: _tuples(v)
+                                                    for k, v in d["estimates"].items()})
+        return cls(**out)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> PipelinePlan:
+        return cls.from_json(Path(path).read_text())
+
+    # ---- checking it against a pipeline ----------------------------------------------------
+    def mismatches(
+        self, *, model: nn.Module | None = None, pp: int | None = None, dp: int | None = None,
+        tp: int | None = None, schedule: str | None = None, n_microbatches: int | None = None,
+        example_inputs: Sequence[torch.Tensor] | None = None,
+        fqns_per_stage: Sequence[Sequence[str]] | None = None,
+        stage_ranks: Sequence[int] | None = None, loss_fn: Callable | None = None,
+    ) -> list[str]:
+        """What differs between the plan and the given pipeline (arguments left None are
+        not checked), one phrase each."""
+        out: list[str] = []
+
+        def differ(what: str, mine: Any, theirs: Any) -> None:
+            if theirs is not None and mine != theirs:
+                out.append(f"{what}: the plan has {mine}, this pipeline {theirs}")
+
+        if model is not None:
+            differ("model (structural fingerprint)", self.model, model_fingerprint(model))
+        differ("pp", self.pp, pp)
+        differ("dp", self.dp, dp)
+        differ("tp", self.tp, tp)
+        differ("schedule", self.schedule, None if schedule is None else str(schedule))
+        differ("n_microbatches", self.n_microbatches, n_microbatches)
+        if example_inputs is not None:
+            differ("input shapes", [list(s) for s in self.input_shapes],
+                   [list(x.shape) for x in example_inputs])
+            differ("input dtypes", list(self.input_dtypes), [str(x.dtype) for x in example_inputs])
+        if fqns_per_stage is not None:
+            from autopp.dry_run_format import compact_modules
+
+            mine = [compact_modules(f) for f in self.fqns_per_stage]
+            theirs = [compact_modules(f) for f in fqns_per_stage]
+            if [list(f) for f in self.fqns_per_stage] != [list(f) for f in fqns_per_stage]:
+                out.append(f"split: the plan has {mine}, this pipeline {theirs}")
+        differ("stage placement on pp ranks", list(self.stage_ranks),
+               None if stage_ranks is None else list(stage_ranks))
+        if loss_fn is not None and self.loss_placement == "vocab":
+            from autopp.loss import cross_entropy
+
+            if loss_fn is not cross_entropy:
+                out.append("loss: the plan computes the loss in parallel over tp (loss "
+                           "parallel), which needs loss_fn=autopp.cross_entropy, got "
+                           f"{getattr(loss_fn, '__name__', loss_fn)!r}")
+        return out
+
+    def check(self, **pipeline: Any) -> None:
+        """Raise ValueError naming every difference (see :meth:`mismatches`) and the fix."""
+        diffs = self.mismatches(**pipeline)
+        if diffs:
+            raise ValueError(
+                "the pipeline plan does not match this pipeline: " + "; ".join(diffs)
+                + ". Run it with what it was made for, or plan this pipeline instead: leave "
+                "out plan= (pipeline_autoparallel then plans it), or make a new plan with "
+                "autopp.plan_pipeline(...)"
+            )
+
+    # ---- printing it ----------------------------------------------------------------------
+    def describe(self) -> str:
+        """The plan as text: mesh, schedule, options, each stage, tied parameters, estimates."""
+        from autopp.auto_plan import describe_loss
+        from autopp.dry_run_format import compact_modules, placement_summary
+
+        o = self.options
+        mib = 2**20
+        lines = [
+            f"PipelinePlan for model {self.model}: pp={self.pp} x dp={self.dp} x tp={self.tp}, "
+            f"schedule {self.schedule}, {self.n_microbatches} microbatches, inputs per dp rank "
+            + ", ".join(f"{list(s)} {d}" for s, d in zip(self.input_shapes, self.input_dtypes)),
+            f"  planned with profile {o.profile}, parameter-memory budget "
+            + ("none" if o.memory_budget_bytes is None else f"{o.memory_budget_bytes / mib:.1f} MiB")
+            + f", boundary {o.boundary}, loss_parallel {o.loss_parallel}, "
+            + ("full precision" if o.param_dtype is None
+               else f"parameters computed in {o.param_dtype}, gradients reduced in {o.reduce_dtype}"),
+        ]
+        for s, (fqns, plan) in enumerate(zip(self.fqns_per_stage, self.stage_plans)):
+            lines += [
+                f"  stage {s} (pp rank {self.stage_ranks[s]}): {compact_modules(fqns)}",
+                f"    in {self.boundaries[s]}, out {self.boundaries[s + 1]}; "
+                f"{(plan.step_time_s + plan.loss_s) * 1e3:.3f} ms per microbatch; params "
+                f"{plan.param_bytes_per_device / mib:.2f} MiB/device; recompute "
+                f"{self.recompute[s]}",
+                f"    placements: {placement_summary(plan)}",
+            ]
+        lines.append(f"  {describe_loss(self.loss_placement)}")
+        tied = sorted({(f, "/".join(p)) for d in self.tied_placements for f, p in d})
+        if tied:
+            lines.append("  tied parameters fixed to: " + ", ".join(f"{f} {p}" for f, p in tied))
+        e = self.estimates
+        if e is not None:
+            lines.append(f"  estimated step {e.step_time_s * 1e3:.3f} ms (simulated), bubble "
+                         f"{e.bubble_fraction:.1%}; Alpa's closed form {e.alpa_time_s * 1e3:.3f} ms")
+            for r, (peak, cats) in enumerate(zip(e.peak_bytes, e.memory_at_peak)):
+                lines.append(f"    pp rank {r}: peak {peak / mib:.1f} MiB per device "
+                             f"({', '.join(f'{c} {b / mib:.1f}' for c, b in cats)}); "
+                             + ("fits" if peak <= e.usable_bytes else "does NOT fit")
+                             + f" {e.usable_bytes / mib:.0f} MiB")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def _tuples(x: Any) -> Any:
+    return tuple(_tuples(y) for y in x) if isinstance(x, list) else x
+
+
+def as_pipeline_plan(plan: PipelinePlan | str | os.PathLike) -> PipelinePlan:
+    """``plan``, or the plan saved at that path."""
+    if isinstance(plan, PipelinePlan):
+        return plan
+    if isinstance(plan, (str, os.PathLike)):
+        return PipelinePlan.load(plan)
+    raise TypeError(f"plan must be a PipelinePlan or a path to one, got {type(plan).__name__}")
+
+
+# ---- making one ------------------------------------------------------------------------
+def plan_on_rank0(solve: Callable[[], tuple[PipelinePlan, bool]]) -> tuple[PipelinePlan, str]:
+    """``solve()``'s plan on every rank: rank 0 of the world solves (or reads the cache) and
+    broadcasts the plan's JSON; the other ranks do not plan. An error on rank 0 is raised
+    on every rank. Returns ``(plan, source)``: "planned", "cached" or "from rank 0".
+
+    Without peers (no process group, one rank, or the fake process group, where every
+    process stands for its own rank) this process solves itself."""
+    def local() -> tuple[PipelinePlan, str]:
+        plan, hit = solve()
+        return plan, "cached" if hit else "planned"
+
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return local()
+    if dist.get_rank() == 0:
+        try:
+            plan, source = local()
+        except Exception as e:
+            try:
+                pickle.dumps(e)
+                sent: Any = ("error", e)
+            except Exception:
+                sent = ("error", RuntimeError(f"{type(e).__name__}: {e}"))
+            dist.broadcast_object_list([sent], src=0)
+            raise
+        dist.broadcast_object_list([("plan", plan.to_json())], src=0)
+        return plan, source
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":  # rank 0's exception, raised here too
+        value.add_note("(raised on rank 0 while planning the pipeline; this rank did not plan)")
+        raise value
+    return PipelinePlan.from_json(value), "from rank 0"
+
+
+def plan_for_spec(spec: PipelineSpec, options: PlannerOptions) -> tuple[PipelinePlan, str]:
+    """The plan of ``spec``'s pipeline (a :class:`autopp.backends.PipelineSpec`), made on
+    rank 0 and broadcast (:func:`plan_on_rank0`); what the planner backend runs."""
+    from autopp.auto_plan import plan_whole_pipeline
+    from autopp.mesh import mesh_sizes
+
+    return plan_on_rank0(lambda: plan_whole_pipeline(
+        spec.model, pp=mesh_sizes(spec.mesh)["pp"], fqns_per_stage=spec.fqns_per_stage,
+        stage_ranks=spec.rank_of, sub_mesh=spec.sub_mesh, schedule=spec.schedule,
+        n_microbatches=spec.n_microbatches, example_inputs=spec.example_inputs,
+        options=options, loss_fn=spec.loss_fn,
+    ))
+
+
+def plan_pipeline(
+    model: nn.Module,
+    *,
+    pp: int,
+    dp: int = 1,
+    tp: int = 1,
+    schedule: str = "1F1B",
+    n_microbatches: int,
+    example_inputs: Sequence[torch.Tensor] | None = None,
+    global_batch_size: int | None = None,
+    seq_len: int | None = None,
+    split: Any = None,
+    layers_attr: str | None = None,
+    options: PlannerOptions | None = None,
+    loss_fn: Callable | None = None,
+    mesh: DeviceMesh | None = None,
+) -> PipelinePlan:
+    """Plan the whole pipeline of ``model`` (on meta) for a pp × dp × tp world.
+
+    Args:
+        model: the whole model on the meta device.
+        pp, dp, tp, schedule, n_microbatches, split, layers_attr: as for
+            :func:`autopp.pipeline_autoparallel`.
+        example_inputs: the model's inputs for one step on one dp rank (only shapes and
+            dtypes matter; meta tensors are fine); or give ``global_batch_size`` (all dp
+            ranks) and ``seq_len`` for int64 token ids.
+        options: the planner's options (:class:`autopp.backends.PlannerOptions`); default:
+            its defaults (profile "CPU" on a cpu mesh, else "H100").
+        loss_fn: the loss the pipeline will run with; it decides whether the loss may run in
+            parallel over tp. None: :func:`autopp.cross_entropy`.
+        mesh: the ("pp", "dp", "tp") world mesh to plan on. None: one is built; without a
+            process group the fake one is set up for pp·dp·tp ranks (and torn down after),
+            so this works on one machine with no devices.
+
+    In a job (a real process group), call it on every rank: rank 0 plans, the others
+    receive its plan. Plans are cached on disk (:mod:`autopp.plan_cache`).
+    """
+    from autopp.api import split_for_schedule, stage_ranks_of
+    from autopp.auto_plan import plan_whole_pipeline
+    from autopp.backends import PlannerOptions
+    from autopp.loss import cross_entropy
+    from autopp.mesh import build_world_mesh, init_fake_world, mesh_sizes, stage_sub_mesh
+
+    if example_inputs is None:
+        if global_batch_size is None or seq_len is None:
+            raise ValueError("give example_inputs, or global_batch_size and seq_len")
+        if global_batch_size % dp:
+            raise ValueError(f"global batch {global_batch_size} is not divisible by dp={dp}")
+        example_inputs = (torch.empty((global_batch_size // dp, seq_len), dtype=torch.long,
+                                      device="meta"),)
+    example_inputs = tuple(example_inputs)
+    options = options if options is not None else PlannerOptions()
+    world = pp * dp * tp
+    created = False
+    if mesh is None:
+        if not dist.is_initialized():
+            init_fake_world(world)
+            created = True
+        elif dist.get_world_size() != world:
+            raise ValueError(f"torch.distributed is initialised with {dist.get_world_size()} "
+                             f"ranks, but pp={pp} x dp={dp} x tp={tp} needs {world}")
+    try:
+        if mesh is None:
+            mesh = build_world_mesh(pp=pp, dp=dp, tp=tp, device_type="cuda"
+                                    if dist.get_backend() == "nccl" else "cpu")
+        sizes = mesh_sizes(mesh)
+        if (sizes["pp"], sizes["dp"], sizes["tp"]) != (pp, dp, tp):
+            raise ValueError(f"mesh is pp={sizes['pp']} x dp={sizes['dp']} x tp={sizes['tp']}, "
+                             f"not pp={pp} x dp={dp} x tp={tp}")
+        info, fqns = split_for_schedule(
+            model, schedule=schedule, split=split, pp=pp, n_microbatches=n_microbatches,
+            local_batch_size=int(example_inputs[0].shape[0]), layers_attr=layers_attr)
+        plan, _ = plan_on_rank0(lambda: plan_whole_pipeline(
+            model, pp=pp, fqns_per_stage=fqns, stage_ranks=stage_ranks_of(info, pp, len(fqns)),
+            sub_mesh=stage_sub_mesh(mesh), schedule=str(schedule),
+            n_microbatches=n_microbatches, example_inputs=example_inputs, options=options,
+            loss_fn=loss_fn if loss_fn is not None else cross_entropy))
+    finally:
+        if created:
+            dist.destroy_process_group()
+    return plan

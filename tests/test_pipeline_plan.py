@@ -1,0 +1,166 @@
+"""PipelinePlan: one value for a whole pipeline, made by a dry run, saved, and run again by
+``pipeline_autoparallel(plan=path)`` without planning.
+
+A dry run (fake process group, in a subprocess: it needs a fresh process) plans llama3's
+debugmodel for pp2 x dp2 x tp1 and saves its plan; the plan round-trips through JSON; 4
+gloo processes run it (loss and gradients equal the single-process model's, nothing planned
+at run time) and, in the same launch, plan the same pipeline themselves (rank 0 plans, the
+others receive its plan and plan nothing; the same placements as the dry run's); a plan
+for another configuration is refused with what differs; the cache key follows the
+boundary-planning code."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autopp import PipelinePlan, build_world_mesh, init_fake_world, pipeline_autoparallel
+from tests.models import ce_loss, llama3_meta, make_batch, reference_step
+from tests.test_pipeline_numerics import BATCH, N_LAYERS, SEQ, _cfg, _check
+
+ROOT = Path(__file__).resolve().parents[1]
+DP, N_MB = 2, 4
+
+CODE = r"""
+import sys
+from tests.models import llama3_meta
+from autopp.dry_run import dry_run
+
+r = dry_run(llama3_meta(int(sys.argv[2])), pp=2, dp=2, tp=1, schedule="1F1B",
+            n_microbatches=int(sys.argv[3]), global_batch=int(sys.argv[4]),
+            seq_len=int(sys.argv[5]), profile="CPU", activations=False)
+r.plan.save(sys.argv[1])
+"""
+
+
+@pytest.fixture(scope="module")
+def saved_plan(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("pipeline_plan")
+    path = tmp / "plan.json"
+    env = dict(os.environ, AUTOPP_PLAN_CACHE=str(tmp / "plans"))
+    proc = subprocess.run(
+        [sys.executable, "-c", CODE, str(path), str(N_LAYERS), str(N_MB), str(BATCH), str(SEQ)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return path
+
+
+def test_json_round_trip(saved_plan):
+    from autopp.pipeline_plan import model_fingerprint
+
+    plan = PipelinePlan.load(saved_plan)
+    assert PipelinePlan.from_json(plan.to_json()) == plan
+    assert plan != dataclasses.replace(plan, n_microbatches=8)
+    assert (plan.pp, plan.dp, plan.tp, plan.schedule, plan.n_microbatches) == (2, 2, 1, "1F1B", 4)
+    assert plan.model == model_fingerprint(llama3_meta(N_LAYERS)) != model_fingerprint(
+        llama3_meta(N_LAYERS - 2))
+    assert plan.input_shapes == ((BATCH // DP, SEQ),) and plan.input_dtypes == ("torch.int64",)
+    assert plan.fqns_per_stage[0][0] == "tok_embeddings" and plan.stage_ranks == (0, 1)
+    assert plan.boundaries == ("batch",) * 3 and plan.loss_placement == "batch"
+    assert plan.recompute == ("none", "none") and plan.options.profile == "CPU"
+    assert len(plan.stage_plans) == 2 and plan.stage_plans[1].loss is not None
+    e = plan.estimates  # the dry run's simulation travels with the plan
+    assert e is not None and e.step_time_s > 0 and len(e.peak_bytes) == 2
+    assert [sum(b for _, b in cats) for cats in e.memory_at_peak] == list(e.peak_bytes)
+    text = plan.describe()
+    assert "stage 0 (pp rank 0): tok_embeddings, layers.0-2" in text
+    assert "estimated step" in text and "pp=2 x dp=2 x tp=1" in text
+
+
+@pytest.fixture
+def fake_world():
+    init_fake_world(4)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(plan, pp=2, dp=2, n_microbatches=N_MB, n_layers=N_LAYERS, **kw):
+    mesh = build_world_mesh(pp=pp, dp=dp, tp=4 // pp // dp)
+    return pipeline_autoparallel(
+        llama3_meta(n_layers), mesh, example_inputs=(torch.zeros(BATCH // dp, SEQ, dtype=torch.long),),
+        loss_fn=ce_loss, schedule="1F1B", n_microbatches=n_microbatches, plan=plan, **kw)
+
+
+def test_mismatched_plan_raises(saved_plan, fake_world):
+    from autopp.backends import Planner, PlannerOptions
+
+    with pytest.raises(ValueError, match=r"does not match this pipeline: pp: the plan has 2, "
+                                         r"this pipeline 4; dp: the plan has 2, this pipeline "
+                                         r"1; .*leave out plan="):
+        _run(saved_plan, pp=4, dp=1)
+    with pytest.raises(ValueError, match=r"n_microbatches: the plan has 4, this pipeline 2"):
+        _run(saved_plan, n_microbatches=2)
+    with pytest.raises(ValueError, match=r"model \(structural fingerprint\)"):
+        _run(saved_plan, n_layers=4)
+    with pytest.raises(ValueError, match=r"boundary: the plan has 'auto', the options "
+                                         r"'batch\+seq'"):
+        _run(saved_plan, boundary="batch+seq")
+    with pytest.raises(ValueError, match="plan= runs a planned pipeline and needs the planner"):
+        _run(saved_plan, parallelize=None)
+    # a matching plan is taken as it is: no planning, its split
+    pipe = _run(None, parallelize=Planner(PlannerOptions(), plan=str(saved_plan)))
+    assert pipe.backend.plan_source == "given"
+    assert pipe.backend.pipeline_plan == PipelinePlan.load(saved_plan)
+    assert pipe.layout.fqns_per_stage == PipelinePlan.load(saved_plan).fqns_per_stage
+
+
+def test_cache_key_follows_the_boundary_planning_code(tmp_path, monkeypatch):
+    import autopp.plan_cache as plan_cache
+
+    files = plan_cache.planner_source_files()
+    assert {"auto_plan.py", "pipeline_plan.py"} <= {f.name for f in files}
+
+    def keys():
+        stage = torch.nn.Linear(2, 2, device="meta")
+        return (plan_cache.pipeline_plan_key({"model": "m"}),
+                plan_cache.plan_key(stage, (), (2, 1), ("dp", "tp"), {}))
+
+    before = keys()
+    assert keys() == before
+    changed = tmp_path / "auto_plan.py"
+    original = next(f for f in files if f.name == "auto_plan.py")
+    changed.write_bytes(original.read_bytes() + b"\n# another boundary rule\n")
+    monkeypatch.setattr(plan_cache, "planner_source_files",
+                        lambda: [changed if f == original else f for f in files])
+    after = keys()
+    assert after[0] != before[0] and after[1] != before[1]
+
+
+@pytest.mark.multiprocess
+def test_saved_plan_runs_without_planning(saved_plan):
+    """pp2 x dp2 x tp1 on 4 gloo processes: the saved plan runs (nothing planned), and the
+    same pipeline planned at run time (rank 0 plans, broadcast) has the dry run's placements."""
+    from tests.dist_harness import run_on_ranks
+    from tests.pipeline_workers import run_configs
+
+    reference = reference_step(N_LAYERS, *make_batch(BATCH, SEQ))
+    configs = [_cfg("1F1B", 2, dp=DP, n_microbatches=N_MB, parallelize="auto", plan=str(saved_plan)),
+               _cfg("1F1B", 2, dp=DP, n_microbatches=N_MB, parallelize="auto", plan=None)]
+    results = run_on_ranks(run_configs, 4, configs)
+    _check(results, configs, reference)
+    saved = PipelinePlan.load(saved_plan)
+    for rank, (given, fresh) in enumerate(results):
+        assert given["plan_source"] == "given"
+        assert given["planning_calls"] == {"plan_whole_pipeline": 0, "plan_local_stage": 0}
+        assert PipelinePlan.from_json(given["pipeline_plan"]) == saved
+        if rank == 0:
+            assert fresh["plan_source"] in ("planned", "cached")
+            assert fresh["planning_calls"]["plan_whole_pipeline"] == 1
+        else:
+            assert fresh["plan_source"] == "from rank 0"
+            assert fresh["planning_calls"] == {"plan_whole_pipeline": 0, "plan_local_stage": 0}
+        ran = PipelinePlan.from_json(fresh["pipeline_plan"])
+        assert ran.estimates is None and ran.options == saved.options
+        assert (ran.fqns_per_stage, ran.stage_ranks, ran.boundaries) == (
+            saved.fqns_per_stage, saved.stage_ranks, saved.boundaries)
+        assert [p.params for p in ran.stage_plans] == [p.params for p in saved.stage_plans]
+    assert len({r[1]["pipeline_plan"] for r in results}) == 1  # one plan on every rank
