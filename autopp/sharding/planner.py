@@ -1,35 +1,16 @@
 """``plan_stage``: the planner's one-call entry point (trace, enumerate, price, solve, chain).
 
-Memory (``memory_budget_bytes``, per device). Each unit's ILP has one memory row
-(:mod:`autopp.sharding.solver`: parameter state, activations × ``activation_factor``,
-gathered parameters). A stage planned flat, or as a single unit, is solved with the budget
-in that row: exact. A stage of several units shares the budget, and the units' plans
-are only additive (each unit is solved per boundary pair and chained), so the budget is
-allocated by a Lagrangian price: every unit is solved minimising time + λ × its counted
-bytes, the chain is chosen by the same sum, and λ is searched (geometrically, from
-0) for the fastest chain whose summed bytes fit. Unlike a split by parameter share, this
-moves memory to where it buys the most time (a block whose activations dominate gets
-recomputed or resharded before the embedding is); unlike "budget minus the others'
-minimum", the chosen plan fits as a whole. λ = 0 first (the time-optimal chain: done if it
-fits), then λ = ∞ (least memory first: if even that does not fit, the plan is infeasible
-and the error names the consumers). The price is exact up to the duality gap of one λ
-for all units (a knapsack's rounding: a few blocks could have used a slower, smaller
-plan).
-
-Recomputation (``recompute``): ``"none"`` / ``"selective"`` / ``"full"`` fix the policy of
-the stage's backward (:mod:`autopp.graph.recompute`: it changes which forward values the
-ILP counts as saved and adds the recomputed nodes' forward time to the objective);
-``"auto"`` plans the stage under each and keeps the fastest that fits (``"none"`` alone when
-its time-optimal plan fits: recomputing only adds time). The choice is per stage, since
-the graph runtime splits a stage with one policy.
+It builds the stage as positions of distinct units (:class:`~autopp.sharding.budget.Stage`:
+planned flat, or unit by unit with identical units traced and modelled once, memoised
+across calls in :data:`_MEMO`), lets :func:`autopp.sharding.budget.choose_chain` pick one
+solution per position under the memory budget and the recomputation policy (how: that
+module's docstring), and assembles the chosen solutions into a :class:`StagePlan`.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -37,32 +18,26 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autopp.sharding import _torch_private as tp
+from autopp.sharding.budget import MODES, Chain, DistinctUnit, Stage, choose_chain
 from autopp.sharding.chain import (
     TracedBlock,
     block_restrictions,
     boundary_candidates,
-    chain_dp,
     trace_unit,
 )
 from autopp.sharding.units import POST, PRE, Unit, stage_units, unit_signature
 from autopp.sharding.costs import CostModel
+from autopp.sharding.memory_row import MemorySpec
 from autopp.sharding.precision import check_policy, maybe_cast, reduce_after_cast
 from autopp.sharding.plan import BlockPlan, CollectivePlan, ParamPlan, StagePlan, to_strs
 from autopp.sharding.profiles import DeviceProfile, get_profile
-from autopp.sharding.solver import (
-    InfeasiblePlanError,
-    MemorySpec,
-    Model,
-    PlacementSpec,
-    SolveResult,
-)
+from autopp.sharding.solver import InfeasiblePlanError, Model, PlacementSpec
 from autopp.sharding.strategies import enumerate_strategies, tensor_vals
 from autopp.sharding.trace import check_on_meta, graph_signature, trace_joint
 
 DEFAULT = "default"
 
 RecomputeChoice = Literal["none", "selective", "full", "auto"]
-MODES = ("none", "selective", "full")
 
 
 def _spec(value: Any, names: Sequence[str], shape: Sequence[int]) -> PlacementSpec | None:
@@ -133,8 +108,8 @@ def plan_stage(
             parameter state only (the legacy parameter-memory budget).
         recompute: the backward's activation recomputation: "none", "selective" (save
             matmul / attention outputs), "full" (save the stage's inputs) or "auto" (the
-            fastest of the three that fits the budget, recompute time included; see the
-            module docstring). Recorded in ``StagePlan.recompute``.
+            fastest of the three that fits the budget, recompute time included; see
+            :mod:`autopp.sharding.budget`). Recorded in ``StagePlan.recompute``.
         optimizer_state_factor: explicit state categories instead of
             ``param_state_factor``: parameters, their gradients (at the larger of the
             reduced size and the per-step accumulator's, e.g. a dp-sharded weight's full
@@ -171,7 +146,7 @@ def plan_stage(
         stage = _unit_stage(module, units, example_inputs[0], mesh, names, costs, memory,
                             in_spec, out_spec, fixed, pdtype, grad_scale)
     modes = MODES if recompute == "auto" else (recompute,)
-    chosen, tried = _choose(stage, modes, memory_budget_bytes, memory, time_limit_s)
+    chosen, tried = choose_chain(stage, modes, memory_budget_bytes, memory, time_limit_s)
     parts = [(stage.units[i], stage.reps[k].traced, res)
              for i, (k, res) in enumerate(zip(stage.kinds, chosen.results))]
     plan = _assemble(parts, stage.solved, mesh, names, prof, costs, memory_budget_bytes, t0,
@@ -179,78 +154,20 @@ def plan_stage(
     return _with_memory(plan, chosen, tried, recompute, memory)
 
 
-# -- the stage as positions of distinct units ------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Rep:
-    """A distinct unit of the stage: its trace, ILP model and candidate boundary pairs."""
-
-    unit: Unit
-    traced: TracedBlock
-    model: Model
-    mkey: tuple
-    pairs: dict[tuple, tuple[dict, dict]]
-    """(input placement, output placement) -> the solver's restrictions and their names."""
-    fixed_key: tuple
-
-
-@dataclass(slots=True)
-class _Stage:
-    units: list[Unit]
-    kinds: list[int]
-    """Per position, the index of its distinct unit in :attr:`reps`."""
-    reps: list[_Rep]
-    first_in: list[tuple]
-    last_out: list[tuple]
-    solved: list[tuple[int, float]]
-    """(ILP variables of each model built, solve seconds of each solve)."""
-    flat: bool
-
-
-@dataclass(slots=True)
-class _Chain:
-    """A chosen plan of the stage under one recomputation policy."""
-
-    recompute: str
-    results: list[SolveResult]
-    """Per position."""
-    pairs: list[tuple]
-    """Per position: its (input, output) boundary placements."""
-    time_s: float
-    memory_bytes: float
-    price: float = 0.0
-    free: bool = False
-    """The time-optimal chain, which fits: the budget does not bind."""
-
-    def total(self, attr: str) -> float:
-        return sum(getattr(r, attr) for r in self.results)
-
-
-class _Priced:
-    """A unit's solution as :func:`chain_dp` sees it: time + price × counted bytes."""
-
-    __slots__ = ("objective_s", "res")
-
-    def __init__(self, res: SolveResult, price: float):
-        self.res = res
-        if math.isinf(price):
-            self.objective_s = res.memory_bytes + 1e-6 * res.objective_s
-        else:
-            self.objective_s = res.objective_s + price * res.memory_bytes
+# -- building the stage as positions of distinct units ---------------------------------------
 
 
 def _flat_stage(module, example_inputs, mesh, costs, memory, in_spec, out_spec, fixed,
-                pdtype, grad_scale) -> _Stage:
+                pdtype, grad_scale) -> Stage:
     joint = trace_joint(maybe_cast(module, pdtype), example_inputs)
     traced = TracedBlock(module, joint, enumerate_strategies(joint, mesh), ())
     if pdtype is not None:
         reduce_after_cast(traced.strategies)
     model = Model(traced.strategies, costs, grad_reduce_scale=grad_scale, memory=memory)
     key = ("in", "out")
-    rep = _Rep(Unit("", module), traced, model, ("flat", id(model)),
-               {key: block_restrictions(traced, in_spec, out_spec, fixed)}, ())
-    return _Stage([rep.unit], [0], [rep], ["in"], ["out"], [(model.num_vars, 0.0)], True)
+    rep = DistinctUnit(Unit("", module), traced, model, ("flat", id(model)),
+                       {key: block_restrictions(traced, in_spec, out_spec, fixed)}, ())
+    return Stage([rep.unit], [0], [rep], ["in"], ["out"], [(model.num_vars, 0.0)], True)
 
 
 def _matching(cands: list[tuple], spec: PlacementSpec | None) -> list[tuple]:
@@ -284,7 +201,7 @@ _MEMO = _Memo()
 
 
 def _unit_stage(module, units, x, mesh, names, costs, memory, in_spec, out_spec, fixed,
-                pdtype, grad_scale) -> _Stage:
+                pdtype, grad_scale) -> Stage:
     """Trace each distinct unit once and list the boundary pairs a chain can use."""
     _MEMO.trim()
     kinds: list[int] = []
@@ -305,7 +222,7 @@ def _unit_stage(module, units, x, mesh, names, costs, memory, in_spec, out_spec,
         out = reps_traced[sig_index[sig]][1].joint.outputs[0].meta["val"]
         x = torch.empty(out.shape, dtype=out.dtype, device="meta")
     solved: list[tuple[int, float]] = []
-    reps: list[_Rep] = []
+    reps: list[DistinctUnit] = []
     first_in = last_out = None
     for kind, (unit, traced, ukey) in enumerate(reps_traced):
         # the stage's own input (tokens) and output (logits) are not block boundaries
@@ -340,7 +257,8 @@ def _unit_stage(module, units, x, mesh, names, costs, memory, in_spec, out_spec,
         for a in ins:
             for b in outs:
                 pairs[a, b] = block_restrictions(traced, a, b, local_fixed)
-        reps.append(_Rep(unit, traced, model, mkey, pairs, tuple(sorted(local_fixed.items()))))
+        reps.append(DistinctUnit(unit, traced, model, mkey, pairs,
+                                 tuple(sorted(local_fixed.items()))))
     if not first_in:
         raise InfeasiblePlanError(
             f"input_placements {in_spec} matches no block-boundary placement"
@@ -349,181 +267,10 @@ def _unit_stage(module, units, x, mesh, names, costs, memory, in_spec, out_spec,
         raise InfeasiblePlanError(
             f"output_placements {out_spec} matches no block-boundary placement"
         )
-    return _Stage(list(units), kinds, reps, first_in, last_out, solved, False)
+    return Stage(list(units), kinds, reps, first_in, last_out, solved, False, _MEMO.solves)
 
 
-def _solve(stage: _Stage, kind: int, pair: tuple, mode: str, price: float,
-           budget: float | None, time_limit_s: float, start=None
-           ) -> SolveResult | InfeasiblePlanError:
-    rep = stage.reps[kind]
-    key = (rep.mkey, pair, rep.fixed_key, time_limit_s, mode, price, budget)
-    res = None if stage.flat else _MEMO.solves.get(key)
-    if res is None:
-        try:
-            res = rep.model.solve(*rep.pairs[pair], time_limit_s=time_limit_s,
-                                  recompute=mode, budget=budget, price=price, start=start)
-            stage.solved.append((0, res.solve_s))
-        except InfeasiblePlanError as e:
-            res = e
-        if not stage.flat:
-            _MEMO.solves[key] = res
-    return res
-
-
-def _chain(stage: _Stage, mode: str, price: float, time_limit_s: float,
-           budget: float | None = None) -> _Chain:
-    """The best chain at ``price`` (seconds per counted byte; inf: least memory)."""
-    table: dict[int, dict[tuple, _Priced]] = {}
-    for kind, rep in enumerate(stage.reps):
-        table[kind], errors = {}, []
-        for pair in rep.pairs:
-            res = _solve(stage, kind, pair, mode, price, budget, time_limit_s)
-            if isinstance(res, InfeasiblePlanError):
-                errors.append(str(res))
-            else:
-                table[kind][pair] = _Priced(res, price)
-        if not table[kind]:
-            detail = errors[0] if errors else "no boundary placement fits its shapes"
-            if stage.flat:
-                raise InfeasiblePlanError(detail)
-            raise InfeasiblePlanError(f"unit {rep.unit.name} has no feasible plan: {detail}")
-    pairs = chain_dp(stage.kinds, table, stage.first_in, stage.last_out)
-    results = [table[k][pair].res for k, pair in zip(stage.kinds, pairs)]
-    return _Chain(mode, results, pairs, sum(r.objective_s for r in results),
-                  sum(r.memory_bytes for r in results), price)
-
-
-def _plan_mode(stage: _Stage, mode: str, budget: float | None, time_limit_s: float
-               ) -> tuple[_Chain | None, _Chain]:
-    """(the fastest chain under ``mode`` that fits ``budget`` or None, the least-memory
-    chain found: for the error message)."""
-    fast = _chain(stage, mode, 0.0, time_limit_s)
-    if budget is None or fast.memory_bytes <= budget:
-        fast.free = True
-        return fast, fast
-    least = _chain(stage, mode, math.inf, time_limit_s)
-    if least.memory_bytes > budget:
-        return None, least
-    # Lagrangian price: geometric search between an infeasible and a feasible price
-    best, lo, hi = least, 0.0, math.inf
-    price = fast.time_s / max(fast.memory_bytes, 1.0)
-    for _ in range(12):
-        c = _chain(stage, mode, price, time_limit_s)
-        if c.memory_bytes <= budget:
-            hi = price
-            if c.time_s < best.time_s:
-                best = c
-        else:
-            lo = price
-        if math.isinf(hi):
-            price *= 8
-        elif lo == 0.0:
-            price /= 8
-        elif hi / lo < 1.25:
-            break
-        else:
-            price = math.sqrt(lo * hi)
-    return _polish(stage, mode, budget, best, time_limit_s), least
-
-
-def _polish(stage: _Stage, mode: str, budget: float, best: _Chain, time_limit_s: float
-            ) -> _Chain:
-    """Close the price's gap: each distinct unit (the most time first) whose positions share
-    one boundary pair is solved again with the budget in its row, as what the other
-    positions leave divided by its count, from the current plan as a MIP start."""
-    by_time = sorted(range(len(stage.reps)), key=lambda k: -sum(
-        r.objective_s for r, kk in zip(best.results, stage.kinds) if kk == k))
-    for kind in by_time:
-        at = [i for i, k in enumerate(stage.kinds) if k == kind]
-        pairs = {best.pairs[i] for i in at}
-        if len(pairs) != 1:
-            continue
-        others = sum(r.memory_bytes for i, r in enumerate(best.results) if i not in at)
-        cur = best.results[at[0]]
-        share = (budget - others) / len(at)
-        res = _solve(stage, kind, pairs.pop(), mode, 0.0, share, time_limit_s,
-                     start=cur.choice)
-        if (isinstance(res, InfeasiblePlanError) or res.memory_bytes > share
-                or res.objective_s >= cur.objective_s * (1 - 1e-9)):
-            continue
-        results = [res if k == kind else r for r, k in zip(best.results, stage.kinds)]
-        best = _Chain(mode, results, best.pairs, sum(r.objective_s for r in results),
-                      sum(r.memory_bytes for r in results), best.price)
-    return best
-
-
-def _choose(stage: _Stage, modes: Sequence[str], budget: float | None, memory: MemorySpec,
-            time_limit_s: float) -> tuple[_Chain, list[tuple[str, _Chain | None, _Chain]]]:
-    """The fastest fitting chain over ``modes``, and (mode, fitting chain, least-memory
-    chain) of each mode tried."""
-    tried: list[tuple[str, _Chain | None, _Chain]] = []
-    for mode in modes:
-        fit, least = _plan_mode(stage, mode, budget, time_limit_s)
-        tried.append((mode, fit, least))
-        if mode == "none" and fit is not None and fit.free:
-            break  # the time-optimal plan fits: recomputing could only add time
-    fits = [fit for _, fit, _ in tried if fit is not None]
-    if not fits:
-        others = []
-        if memory.counts_activations:  # what the other policies would need, for the message
-            others = [(m, _chain(stage, m, math.inf, time_limit_s)) for m in MODES
-                      if m not in modes]
-        raise InfeasiblePlanError(_over_budget_message(stage, budget, memory, tried, others))
-    return min(fits, key=lambda c: c.time_s), tried
-
-
-def _gib(b: float) -> str:
-    return f"{b / 2**30:.3g} GiB" if abs(b) >= 2**30 else f"{b / 2**20:.3g} MiB"
-
-
-def _over_budget_message(stage: _Stage, budget: float, memory: MemorySpec,
-                         tried: list[tuple[str, _Chain | None, _Chain]],
-                         others: list[tuple[str, _Chain]]) -> str:
-    """Name the largest consumers of the least-memory plan and what would make it fit."""
-    f = memory.activation_factor
-    mode, _, least = min(tried, key=lambda t: t[2].memory_bytes)
-    state, act, gath = (least.total("state_bytes"), least.total("activation_bytes"),
-                        least.total("gathered_bytes"))
-    state_name = ("parameters + gradients + optimizer state"
-                  if memory.optimizer_state_factor is not None
-                  else f"parameters x state factor {memory.param_state_factor:g}")
-    parts = [(state, f"{state_name} {_gib(state)}")]
-    if f is not None:
-        parts.append((act * f, f"activations {_gib(act)} per microbatch x {f:g} in flight "
-                               f"= {_gib(act * f)}"))
-        parts.append((gath, f"gathered parameters {_gib(gath)}"))
-    parts.sort(key=lambda p: -p[0])
-    lines = [
-        f"the stage does not fit memory_budget_bytes={budget:.4g} ({_gib(budget)}) per "
-        f"device: its least-memory plan (recompute={mode!r}) needs "
-        f"{_gib(least.memory_bytes)} ({_gib(least.memory_bytes - budget)} over), largest "
-        "first: " + "; ".join(text for _, text in parts) + "."
-    ]
-    policies = [(m, lm) for m, _, lm in tried if m != mode] + others
-    if policies:
-        lines.append("Least memory under the other recomputation policies: " + "; ".join(
-            f"recompute={m!r} {_gib(lm.memory_bytes)} (activations "
-            f"{_gib(lm.total('activation_bytes'))} per microbatch)"
-            + (" - fits" if lm.memory_bytes <= budget else "") for m, lm in policies) + ".")
-    lines.append("What would make it fit:")
-    fitting = [m for m, lm in others if lm.memory_bytes <= budget]
-    if fitting:
-        lines.append(f"  - activation recomputation: recompute={fitting[-1]!r} (or 'auto')")
-    if f is not None and act > 0:
-        lines.append(f"  - smaller microbatches: activations scale with the microbatch size "
-                     f"(half the size saves ~{_gib(act * f / 2)}); more microbatches per "
-                     "step do not lower the microbatches in flight under 1F1B")
-    n_units = len(stage.kinds)
-    lines.append(f"  - more pipeline stages: this stage's {n_units} unit(s) hold "
-                 f"{_gib(least.memory_bytes)}; half of them would need ~"
-                 f"{_gib(least.memory_bytes / 2)}")
-    lines.append(f"  - more dp / tp devices for the stage: the least-memory plan already shards "
-                 f"parameters, state and activations as far as this mesh allows; twice the "
-                 f"devices roughly halve the {_gib(state + act * (f or 0) + gath)}")
-    if f is None:
-        lines.append("  (activations and gathered parameters are not counted: "
-                     "activation_factor is None)")
-    return "\n".join(lines)
+# -- assembling the chosen solutions into a StagePlan ----------------------------------------
 
 
 def _node_labels(j, unit: Unit) -> dict[str, str]:
@@ -598,7 +345,7 @@ def _assemble(parts, solved, mesh, names, prof, costs, budget, t0, pdtype=None) 
     )
 
 
-def _with_memory(plan: StagePlan, chosen: _Chain, tried, requested: str,
+def _with_memory(plan: StagePlan, chosen: Chain, tried, requested: str,
                  memory: MemorySpec) -> StagePlan:
     """``plan`` with the memory estimate and recomputation choice filled in."""
     from dataclasses import replace

@@ -19,7 +19,7 @@ of :math:`u` that produce :math:`a`, :math:`O_v^g` those of :math:`v` that requi
         \qquad\text{(\_edge\_flows)}
 
     \text{State} + f \cdot \text{Act} + \text{Gath} \le M
-        \qquad\text{(\_terms\_for, one row per recomputation policy)}
+        \qquad\text{(MemoryRow.terms, one row per recomputation policy)}
 
     \text{objective} \mathrel{+}= \text{Recomp} \;(+\; \lambda \cdot \text{the row, when
         priced instead of bounded})
@@ -32,47 +32,12 @@ joint choice of both ends with marginal constraints; without the memory row thei
 relaxation is integral in practice (facts.md), so :meth:`Model.solve` solves the LP first and
 branches only when some :math:`x` is fractional.
 
-The memory row (:class:`MemorySpec`, per device, bytes; :meth:`Model.account` walks a
-chosen plan and counts the same categories exactly, which is what plans report):
-
-* State (``_state_terms``). Legacy (``optimizer_state_factor=None``):
-  :math:`\sum_p \sum_o s\, m_{p,o} x_{p,o}` with :math:`m_{p,o}` the parameter's local
-  bytes and :math:`s` = ``param_state_factor`` (everything sharded like the parameter).
-  Explicit categories: :math:`\sum_p [(1 + s_{opt}) \sum_o m_{p,o} x_{p,o} + G_p]`,
-  :math:`G_p \ge \sum_o m_{p,o} x_{p,o}`, :math:`G_p \ge \sum_o m_{\nabla p,o}
-  x_{\nabla p,o}`: parameters, optimizer state sharded like them, and the gradient at the
-  larger of its reduced size and its size before reduction (the step's accumulator, e.g. dp
-  times a dp-sharded parameter: gradients are reduced once per step).
-* Act (``_activation_terms``), only when ``activation_factor`` :math:`f` is set: the
-  forward values the backward reads, under the recomputation policy of
-  :func:`autopp.graph.recompute.recompute_sets` (``"none"``: every forward value a backward
-  node reads; ``"selective"`` / ``"full"``: its ``MUST_SAVE`` values and inputs reached from
-  the backward through recomputed nodes), each at :math:`\sum_o b_{u,o} x_{u,o}` (local
-  bytes in the chosen placement). Parameter-only values (views, casts of weights: the
-  unshard graph's) are state, not activations. A recomputing backward never re-runs a
-  collective: on an edge :math:`e` into a recomputed node whose pair :math:`(a, g)` runs one,
-  the collective's output is saved, :math:`\sum_{(a,g)} b_e(a,g)\, y_{e,a,g}`, and the
-  producer is not needed through that edge. That cut is exact where a saved value is needed
-  only through one edge into a node the backward surely recomputes (a row-parallel
-  matmul's partial output before its all-reduce: counted :math:`\sum_{(a,g)\,\text{no
-  collective}} b_u(a)\, y_{e,a,g}`); deeper cuts are not modelled (the producers are
-  counted as needed: an upper bound; :meth:`Model.account` walks the chosen plan exactly).
-  A recomputed node adds :math:`\sum_o c_{v,o} x_{v,o}` to the objective (the backward
-  runs it again; also counted where a cut makes it unnecessary).
-* Gath (``_gathered_terms``), with ``activation_factor`` set: the parameter-only values
-  other nodes read (the unshard graph's outputs, held once per step), per distinct
-  (value, required placement :math:`g`): :math:`W_{s,g} \ge \sum_{o \in O_d^g} x_{d,o} -
-  \sum_{o: out = g} x_{s,o}` (redistributed for a reader :math:`d`) and :math:`W_{s,g} \ge
-  \sum_{o \in O_d^g} x_{d,o} + w_s - 1` with :math:`w_s` = 1 when :math:`s` is new memory
-  already (a cast, or a view of a gathered value); a parameter or a view of one read in its
-  own placement costs nothing. Counted at :math:`b_s(g) W_{s,g}`.
-
-The auxiliary variables :math:`G_p, W_{s,g}, w_s` are continuous and only bounded below;
-priced (below) they sit at their bounds, and with integral :math:`x` the row then equals
-:meth:`Model.account` up to the deeper cuts above (``SolveResult.ilp_memory_bytes`` vs
-``memory_bytes``). :meth:`Model.solve` takes the budget as the row's bound, or a price per
-byte added to the objective instead (Lagrangian: the row stays out of the constraints, so
-the LP relaxation stays integral in practice; planner.py searches the price).
+The memory row and the recomputation costs (State, Act, Gath, Recomp: what each counts, and
+:meth:`Model.account`, the exact count of a chosen plan that plans report) are
+:mod:`autopp.sharding.memory_row`'s. :meth:`Model.solve` takes the budget as the row's
+bound, or a price per byte added to the objective instead (Lagrangian: the row stays out of
+the constraints, so the LP relaxation stays integral in practice; budget.py searches the
+price).
 
 Edges: when an edge has a single placement on one side, its cost is folded onto the other
 side's :math:`x` and no :math:`y` is made; on a follower edge (single-input op,
@@ -91,7 +56,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 import os
 import sys
 import time
@@ -104,7 +68,8 @@ import numpy as np
 from torch import fx
 
 from autopp.sharding.costs import Collective, CostModel
-from autopp.sharding.strategies import VIEW_OPS, Option, Strategies, tensor_vals
+from autopp.sharding.memory_row import MemoryAccount, MemoryRow, MemorySpec, Recompute, Terms
+from autopp.sharding.strategies import Option, Strategies, tensor_vals
 
 PlacementSpec = Sequence[Any | None]
 """Per mesh dim: a torch Placement, or None for "any"."""
@@ -140,50 +105,8 @@ class InfeasiblePlanError(ValueError):
     """The constraints admit no plan; the message names them."""
 
 
-Recompute = str
-"""A recomputation policy: ``"none"``, ``"selective"`` or ``"full"`` (see
-:mod:`autopp.graph.recompute`)."""
-
 _MIB = float(2**20)
 """The memory row is in MiB, so its coefficients sit near the cost columns' scale."""
-
-
-@dataclass(frozen=True, slots=True)
-class MemorySpec:
-    """What the per-device memory row counts (module docstring, "The memory row")."""
-
-    param_state_factor: float = 1.0
-    """Legacy state: bytes held per parameter byte, all sharded like the parameter
-    (parameters, gradients, optimizer state; e.g. 4 for fp32 AdamW). Only when
-    :attr:`optimizer_state_factor` is None."""
-    optimizer_state_factor: float | None = None
-    """Explicit state categories: optimizer state bytes per parameter byte, sharded like the
-    parameter (AdamW with fp32 parameters: 2.0), plus the parameters and their gradients
-    (at the larger of the reduced and the unreduced size)."""
-    activation_factor: float | None = None
-    """Microbatches in flight on the stage: activations count this many times and gathered
-    parameters once. None: neither is counted (the legacy parameter-only row)."""
-
-    @property
-    def counts_activations(self) -> bool:
-        return self.activation_factor is not None
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryAccount:
-    """Per-device bytes of one choice (:meth:`Model.account`)."""
-
-    state_bytes: float
-    """Parameters and their state as :class:`MemorySpec` counts them."""
-    activation_bytes: float
-    """Saved for the backward by one microbatch (before the activation factor)."""
-    gathered_bytes: float
-    """Parameter-only values other nodes read (gathered / cast weights), once per step."""
-    recompute_s: float
-    """Compute time of the forward nodes the backward recomputes (one microbatch)."""
-    counted_bytes: float
-    """What the memory row counts: state + factor × activations + gathered (or the state
-    alone without an activation factor)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,39 +162,6 @@ def _matches(pl: tuple, spec: PlacementSpec) -> bool:
     return all(s is None or p == s for p, s in zip(pl, spec))
 
 
-@dataclass(slots=True)
-class _Terms:
-    """The memory row and recomputation costs of one policy: extra (continuous) columns
-    after the model's own, rows over both, and per-column coefficients."""
-
-    first_col: int
-    upper: list[float] = field(default_factory=list)
-    rows: list[tuple[list[int], list[float], float, float]] = field(default_factory=list)
-    state: dict[int, float] = field(default_factory=dict)
-    act: dict[int, float] = field(default_factory=dict)
-    gathered: dict[int, float] = field(default_factory=dict)
-    rtime: dict[int, float] = field(default_factory=dict)
-    """Seconds of recomputation per column (objective)."""
-    lp: Any = None
-    row_upper: Any = None
-
-    def col(self, upper: float = np.inf) -> int:
-        self.upper.append(upper)
-        return self.first_col + len(self.upper) - 1
-
-    def row(self, coefs: Mapping[int, float] | list[tuple[int, float]], lo: float,
-            hi: float = np.inf) -> None:
-        items = coefs.items() if isinstance(coefs, Mapping) else coefs
-        merged: dict[int, float] = {}
-        for c, v in items:
-            merged[c] = merged.get(c, 0.0) + v
-        self.rows.append((list(merged), list(merged.values()), lo, hi))
-
-
-def _add(d: dict[int, float], col: int, v: float) -> None:
-    d[col] = d.get(col, 0.0) + v
-
-
 class Model:
     """The ILP of one joint graph over all its options, built once.
 
@@ -317,8 +207,8 @@ class Model:
         self._one_option_per_node()
         self.num_x = len(self.cost)  # the option columns come first
         self._edge_flows()
-        self._terms: dict[str, _Terms] = {}
-        self._structure: dict[str, tuple] = {}
+        #: The memory row and recomputation costs, per recomputation policy.
+        self.memory_row = MemoryRow(self)
 
     def new_col(self, cost: float, integer: bool) -> int:
         self.cost.append(cost)
@@ -419,274 +309,20 @@ class Model:
     def param_bytes(self, node: fx.Node, o: Option) -> float:
         return self.costs.local_bytes(tensor_vals(node)[0], o.out[0])
 
-    # -- memory ----------------------------------------------------------------------------
-
-    def _out_bytes(self, node: fx.Node, o: Option) -> float:
-        """Local bytes of all of ``node``'s tensor outputs under option ``o``."""
-        return sum(self.costs.local_bytes(v, pl) for v, pl in zip(tensor_vals(node), o.out)
-                   if v is not None and pl is not None)
-
-    def _collective_out_bytes(self, src: fx.Node, k: int, a: Any, g: Any) -> float:
-        """Local bytes of the last collective's output when ``src``'s output ``k`` moves from
-        ``a`` to ``g`` (0 when the move runs no collective): what a recomputing backward
-        saves instead of re-running the collective."""
-        val = tensor_vals(src)[k]
-        steps = self.costs.redistribute(a, g, tuple(val.shape), val.dtype)[1]
-        if not steps:
-            return 0.0
-        last = steps[-1]
-        n = self.costs.mesh_shape[last.mesh_dim]
-        return {"all_gather": last.bytes * n, "reduce_scatter": last.bytes / n}.get(
-            last.kind, float(last.bytes))
-
-    def _is_state(self, node: fx.Node) -> bool:
-        """Parameters, buffers and parameter-only values: not activations."""
-        j = self.st.joint
-        return node in self._param_only or (node.op == "placeholder"
-                                             and node not in j.inputs.values())
-
-    def _policy_structure(self, recompute: Recompute) -> tuple:
-        """(forward nodes the backward reads directly, MUST_SAVE nodes, nodes reachable
-        from the backward) of ``recompute``, from :func:`autopp.graph.recompute.recompute_sets`
-        on this joint graph."""
-        hit = self._structure.get(recompute)
-        if hit is not None:
-            return hit
-        from autopp.graph.aot import from_aot_joint
-        from autopp.graph.recompute import RecomputeSets, recompute_sets
-
-        gm = self.st.joint.gm
-        try:
-            flat, sig = from_aot_joint(gm)
-        except ValueError:  # a joint without a usable signature (e.g. no backward)
-            if recompute != "none":
-                raise
-            flat = sig = None
-        if sig is None:
-            names = {n.name for n in gm.graph.nodes if n.op == "call_function"}
-            sets = RecomputeSets("none", frozenset(names), frozenset(), frozenset())
-        else:
-            sets = recompute_sets(flat, sig, recompute)
-        by_name = {n.name: n for n in gm.graph.nodes}
-        j = self.st.joint
-        fwd = _closure(list(j.outputs.values()))
-        outs = [a for a in gm.graph.output_node().all_input_nodes]
-        bwd_only = _closure(outs) - fwd
-        direct = {i for n in bwd_only for i in n.all_input_nodes if i in fwd}
-        must = {by_name[n] for n in sets.must_save if n in by_name}
-        reach = {by_name[n] for n in sets.saved | sets.recomputed if n in by_name}
-        if sig is None:
-            reach = set(direct)
-        hit = self._structure[recompute] = (direct, must, reach)
-        return hit
-
-    def _is_saved_kind(self, node: fx.Node, must: set[fx.Node]) -> bool:
-        return node.op != "call_function" or node in must
-
-    def _terms_for(self, recompute: Recompute) -> _Terms:
-        t = self._terms.get(recompute)
-        if t is None:
-            t = self._terms[recompute] = _Terms(first_col=len(self.cost))
-            self._state_terms(t)
-            if self.memory.counts_activations or recompute != "none":
-                self._activation_terms(t, recompute)
-            if self.memory.counts_activations:
-                self._gathered_terms(t)
-        return t
-
-    def _state_terms(self, t: _Terms) -> None:
-        spec, j = self.memory, self.st.joint
-        explicit = spec.optimizer_state_factor is not None
-        f = 1.0 + spec.optimizer_state_factor if explicit else spec.param_state_factor
-        for fqn, node in j.params.items():
-            pcols = [(self.col0[node] + i, self.param_bytes(node, o))
-                     for i, o in enumerate(self.options[node])]
-            for c, b in pcols:
-                _add(t.state, c, b * f)
-            if not explicit:
-                continue
-            grad = j.grads.get(fqn)
-            g = t.col()
-            t.state[g] = 1.0
-            t.row([(g, 1.0)] + [(c, -b) for c, b in pcols], 0.0)
-            if grad is not None and grad in self.options:
-                t.row([(g, 1.0)] + [(self.col0[grad] + i, -self.param_bytes(grad, o))
-                                    for i, o in enumerate(self.options[grad])], 0.0)
-
-    def _activation_terms(self, t: _Terms, recompute: Recompute) -> None:
-        direct, must, reach = self._policy_structure(recompute)
-        nodes = [n for n in self.st.joint.gm.graph.nodes
-                 if n in reach and not self._is_state(n) and n in self.options]
-        known = set(nodes)
-        reasons: dict[fx.Node, list[tuple[fx.Node, int]]] = {n: [] for n in nodes}
-        for v in nodes:
-            if not self._is_saved_kind(v, must):
-                for i, (src, _) in enumerate(self.st.nodes[v].edges):
-                    if src in known:
-                        reasons[src].append((v, i))
-        for n in nodes:
-            opts = [(self.col0[n] + i, o) for i, o in enumerate(self.options[n])]
-            if self._is_saved_kind(n, must):
-                why = reasons[n]
-                if (n not in direct and len(why) == 1 and why[0][0] in direct
-                        and len(tensor_vals(n)) == 1 and self.edge_cols.get(why[0])):
-                    # needed only by one surely recomputed node: saved unless that edge runs
-                    # a collective (whose output is saved instead, counted below)
-                    v, i = why[0]
-                    k = self.st.nodes[v].edges[i][1]
-                    for c, a, g in self.edge_cols[v, i]:
-                        if not self._collective_out_bytes(n, k, a, g):
-                            _add(t.act, c, self.costs.local_bytes(tensor_vals(n)[k], a))
-                else:
-                    for c, o in opts:
-                        _add(t.act, c, self._out_bytes(n, o))
-                continue
-            ns = self.st.nodes[n]
-            for c, o in opts:
-                _add(t.rtime, c, self.costs.compute_time(ns, o))
-            for i, (src, k) in enumerate(ns.edges):
-                if src in known:
-                    for c, a, g in self.edge_cols.get((n, i), ()):
-                        _add(t.act, c, self._collective_out_bytes(src, k, a, g))
-
-    def _gathered_terms(self, t: _Terms) -> None:
-        owned: dict[fx.Node, int | float] = {}  # 0.0 / 1.0 constants or a column
-        for n in self.st.joint.gm.graph.nodes:
-            if n not in self._param_only or n not in self.options:
-                continue
-            ns = self.st.nodes[n]
-            if n.op == "placeholder":
-                owned[n] = 0.0
-            elif (n.target in VIEW_OPS or n.target is operator.getitem) and len(ns.edges) == 1 \
-                    and ns.edges[0][0] in owned:
-                p = owned[ns.edges[0][0]]
-                moved = [(c, 1.0) for c, a, g in self.edge_cols.get((n, 0), ()) if a != g]
-                if p == 1.0:
-                    owned[n] = 1.0
-                elif not moved and p == 0.0:
-                    owned[n] = 0.0
-                else:
-                    w = owned[n] = t.col(1.0)
-                    if moved:
-                        t.row([(w, 1.0)] + [(c, -1.0) for c, _ in moved], 0.0)
-                    if not isinstance(p, float):
-                        t.row([(w, 1.0), (p, -1.0)], 0.0)
-            else:
-                owned[n] = 1.0
-        shared: dict[tuple, int] = {}
-        for d, opts in self.options.items():
-            if d in self._param_only:
-                continue
-            for i, (s, k) in enumerate(self.st.nodes[d].edges):
-                if s not in owned:
-                    continue
-                by_g: dict[Any, list[int]] = {}
-                for idx, o in enumerate(opts):
-                    by_g.setdefault(o.ins[i], []).append(self.col0[d] + idx)
-                for g, dcols in by_g.items():
-                    key = (s, k, g)
-                    w = shared.get(key)
-                    if w is None:
-                        w = shared[key] = t.col()
-                        t.gathered[w] = self.costs.local_bytes(tensor_vals(s)[k], g)
-                    reads = [(c, -1.0) for c in dcols]
-                    same = [(self.col0[s] + idx, 1.0)
-                            for idx, o in enumerate(self.options[s]) if o.out[k] == g]
-                    t.row([(w, 1.0)] + reads + same, 0.0)
-                    ow = owned[s]
-                    if ow == 1.0:
-                        t.row([(w, 1.0)] + reads, 0.0)
-                    elif not isinstance(ow, float):
-                        t.row([(w, 1.0)] + reads + [(ow, -1.0)], -1.0)
-
-    def _memory_coefs(self, t: _Terms) -> dict[int, float]:
-        """Bytes per column of the memory row."""
-        coefs = dict(t.state)
-        f = self.memory.activation_factor
-        if f is not None:
-            for c, v in t.act.items():
-                _add(coefs, c, v * f)
-            for c, v in t.gathered.items():
-                _add(coefs, c, v)
-        return coefs
-
     def account(self, choice: Mapping[fx.Node, Option], recompute: Recompute = "none"
                 ) -> MemoryAccount:
         """Memory and recomputation of a full choice, exactly as the memory row counts them
-        (see the module docstring), by walking the graph."""
-        spec, j, costs = self.memory, self.st.joint, self.costs
-        state = 0.0
-        explicit = spec.optimizer_state_factor is not None
-        f = 1.0 + spec.optimizer_state_factor if explicit else spec.param_state_factor
-        for fqn, node in j.params.items():
-            pb = self.param_bytes(node, choice[node])
-            state += pb * f
-            if explicit:
-                grad = j.grads.get(fqn)
-                gb = self.param_bytes(grad, choice[grad]) if grad in choice else 0.0
-                state += max(pb, gb)
-        act = rtime = 0.0
-        if spec.counts_activations or recompute != "none":
-            direct, must, _ = self._policy_structure(recompute)
-            seen: set[fx.Node] = set()
-            stack = [n for n in direct if not self._is_state(n) and n in choice]
-            while stack:
-                n = stack.pop()
-                if n in seen:
-                    continue
-                seen.add(n)
-                if self._is_saved_kind(n, must):
-                    act += self._out_bytes(n, choice[n])
-                    continue
-                ns = self.st.nodes[n]
-                rtime += costs.compute_time(ns, choice[n])
-                for i, (src, k) in enumerate(ns.edges):
-                    if self._is_state(src) or src not in choice:
-                        continue
-                    cut = self._collective_out_bytes(src, k, choice[src].out[k],
-                                                     choice[n].ins[i])
-                    if cut:
-                        act += cut
-                    else:
-                        stack.append(src)
-        gathered = 0.0
-        if spec.counts_activations:
-            owned: dict[fx.Node, bool] = {}
-            for n in j.gm.graph.nodes:
-                if n not in self._param_only or n not in choice:
-                    continue
-                ns = self.st.nodes[n]
-                if n.op == "placeholder":
-                    owned[n] = False
-                elif (n.target in VIEW_OPS or n.target is operator.getitem) \
-                        and len(ns.edges) == 1 and ns.edges[0][0] in owned:
-                    p, k = ns.edges[0]
-                    owned[n] = owned[p] or choice[p].out[k] != choice[n].ins[0]
-                else:
-                    owned[n] = True
-            held: set[tuple] = set()
-            for d, o in choice.items():
-                if d in self._param_only:
-                    continue
-                for i, (s, k) in enumerate(self.st.nodes[d].edges):
-                    if s in owned:
-                        g = o.ins[i]
-                        if (s, k, g) not in held and (owned[s] or choice[s].out[k] != g):
-                            held.add((s, k, g))
-                            gathered += costs.local_bytes(tensor_vals(s)[k], g)
-        counted = state
-        if spec.activation_factor is not None:
-            counted += spec.activation_factor * act + gathered
-        return MemoryAccount(state, act, gathered, rtime, counted)
+        (:meth:`MemoryRow.account`)."""
+        return self.memory_row.account(choice, recompute)
 
-    def _lp_for(self, t: _Terms):
+    def _lp_for(self, t: Terms):
         """The LP of the model plus ``t``'s columns and rows and the memory row (last)."""
         if t.lp is not None:
             return t.lp
         n_base = len(self.cost)
         n = n_base + len(t.upper)
         rows = self.rows + t.rows
-        mem = self._memory_coefs(t)
+        mem = self.memory_row.coefs(t)
         rows = rows + [(list(mem), [v / _MIB for v in mem.values()], -np.inf, np.inf)]
         lp = highspy.HighsLp()
         lp.num_col_ = n
@@ -708,7 +344,7 @@ class Model:
         t.lp = lp
         return lp
 
-    def _costs_for(self, t: _Terms, price: float) -> np.ndarray:
+    def _costs_for(self, t: Terms, price: float) -> np.ndarray:
         """Objective per column, in microseconds: time (+ recomputation) + price × bytes
         (``price``: seconds per byte; ``inf``: memory first, time only as a tie-break)."""
         n = len(self.cost) + len(t.upper)
@@ -719,7 +355,7 @@ class Model:
         if price == 0:
             return time * _SCALE
         mem = np.zeros(n)
-        for c, v in self._memory_coefs(t).items():
+        for c, v in self.memory_row.coefs(t).items():
             mem[c] = v
         if math.isinf(price):
             return mem / 1024 + time * _SCALE * 1e-3  # KiB; 100 us of time weigh 0.1 KiB
@@ -786,7 +422,7 @@ class Model:
         if budget == "default":
             budget = self.memory_budget_bytes
         restrict, names = dict(restrict or {}), dict(restrict_names or {})
-        t = self._terms_for(recompute)
+        t = self.memory_row.terms(recompute)
         upper = np.concatenate([self._upper_bounds(restrict, names, budget),
                                 np.asarray(t.upper, dtype=np.float64)])
         lp = self._lp_for(t)
@@ -823,7 +459,7 @@ class Model:
             choice[node] = opts[int(np.argmax(vals))]
         res = evaluate(self, choice, num_vars=self.num_vars, solve_s=dt, status=status,
                        recompute=recompute)
-        mem = self._memory_coefs(t)
+        mem = self.memory_row.coefs(t)
         ilp_mem = float(sum(v * x[c] for c, v in mem.items()))
         return replace(res, ilp_objective_s=obj if price == 0 else float("nan"),
                        ilp_memory_bytes=ilp_mem, num_vars=len(integer))
@@ -907,17 +543,6 @@ def evaluate(
         gathered_bytes=acc.gathered_bytes,
         memory_bytes=acc.counted_bytes,
     )
-
-
-def _closure(roots: Sequence[fx.Node]) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = [r for r in roots if isinstance(r, fx.Node)]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack += n.all_input_nodes
-    return seen
 
 
 def _param_only_nodes(gm: fx.GraphModule, params: set[fx.Node]) -> set[fx.Node]:

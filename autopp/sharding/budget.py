@@ -1,0 +1,291 @@
+"""A stage's plan as a chain of unit plans under a memory budget and a recomputation policy.
+
+:func:`choose_chain` takes the stage as positions of distinct units (:class:`Stage`, built
+by :mod:`autopp.sharding.planner`, each distinct unit with its ILP model and candidate
+boundary pairs) and picks one solution per position: the best chain at a memory price, the
+search for that price, the polish that closes its gap, the recomputation policy, and the
+over-budget error that names the largest consumers.
+
+Memory (``memory_budget_bytes``, per device). Each unit's ILP has one memory row
+(:mod:`autopp.sharding.memory_row`: parameter state, activations × ``activation_factor``,
+gathered parameters). A stage planned flat, or as a single unit, is solved with the budget
+in that row: exact. A stage of several units shares the budget, and the units' plans
+are only additive (each unit is solved per boundary pair and chained), so the budget is
+allocated by a Lagrangian price: every unit is solved minimising time + λ × its counted
+bytes, the chain is chosen by the same sum, and λ is searched (geometrically, from
+0) for the fastest chain whose summed bytes fit. Unlike a split by parameter share, this
+moves memory to where it buys the most time (a block whose activations dominate gets
+recomputed or resharded before the embedding is); unlike "budget minus the others'
+minimum", the chosen plan fits as a whole. λ = 0 first (the time-optimal chain: done if it
+fits), then λ = ∞ (least memory first: if even that does not fit, the plan is infeasible
+and the error names the consumers). The price is exact up to the duality gap of one λ
+for all units (a knapsack's rounding: a few blocks could have used a slower, smaller
+plan).
+
+Recomputation (``recompute``): ``"none"`` / ``"selective"`` / ``"full"`` fix the policy of
+the stage's backward (:mod:`autopp.graph.recompute`: it changes which forward values the
+ILP counts as saved and adds the recomputed nodes' forward time to the objective);
+``"auto"`` plans the stage under each and keeps the fastest that fits (``"none"`` alone when
+its time-optimal plan fits: recomputing only adds time). The choice is per stage, since
+the graph runtime splits a stage with one policy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autopp.sharding.chain import TracedBlock, chain_dp
+from autopp.sharding.memory_row import MemorySpec
+from autopp.sharding.solver import InfeasiblePlanError, Model, SolveResult
+from autopp.sharding.units import Unit
+
+MODES = ("none", "selective", "full")
+"""The recomputation policies (``"auto"`` tries each)."""
+
+
+# -- the stage as positions of distinct units ------------------------------------------------
+
+
+@dataclass(slots=True)
+class DistinctUnit:
+    """A distinct unit of the stage: its trace, ILP model and candidate boundary pairs."""
+
+    unit: Unit
+    traced: TracedBlock
+    model: Model
+    mkey: tuple
+    pairs: dict[tuple, tuple[dict, dict]]
+    """(input placement, output placement) -> the solver's restrictions and their names."""
+    fixed_key: tuple
+
+
+@dataclass(slots=True)
+class Stage:
+    """What :func:`choose_chain` plans: the stage's units in order, each position an index
+    into its distinct units, and the boundary placements its ends allow."""
+
+    units: list[Unit]
+    kinds: list[int]
+    """Per position, the index of its distinct unit in :attr:`reps`."""
+    reps: list[DistinctUnit]
+    first_in: list[tuple]
+    last_out: list[tuple]
+    solved: list[tuple[int, float]]
+    """(ILP variables of each model built, solve seconds of each solve)."""
+    flat: bool
+    solves: dict[tuple, Any] | None = None
+    """Solutions by (unit, boundary pair, policy, price, budget), kept across ``plan_stage``
+    calls (the planner's memo); None: not kept (a flat stage)."""
+
+
+@dataclass(slots=True)
+class Chain:
+    """A chosen plan of the stage under one recomputation policy."""
+
+    recompute: str
+    results: list[SolveResult]
+    """Per position."""
+    pairs: list[tuple]
+    """Per position: its (input, output) boundary placements."""
+    time_s: float
+    memory_bytes: float
+    price: float = 0.0
+    free: bool = False
+    """The time-optimal chain, which fits: the budget does not bind."""
+
+    def total(self, attr: str) -> float:
+        return sum(getattr(r, attr) for r in self.results)
+
+
+# -- the chain at a price, the price search, the policy --------------------------------------
+
+
+class _Priced:
+    """A unit's solution as :func:`chain_dp` sees it: time + price × counted bytes."""
+
+    __slots__ = ("objective_s", "res")
+
+    def __init__(self, res: SolveResult, price: float):
+        self.res = res
+        if math.isinf(price):
+            self.objective_s = res.memory_bytes + 1e-6 * res.objective_s
+        else:
+            self.objective_s = res.objective_s + price * res.memory_bytes
+
+
+def _solve(stage: Stage, kind: int, pair: tuple, mode: str, price: float,
+           budget: float | None, time_limit_s: float, start=None
+           ) -> SolveResult | InfeasiblePlanError:
+    rep = stage.reps[kind]
+    key = (rep.mkey, pair, rep.fixed_key, time_limit_s, mode, price, budget)
+    res = None if stage.solves is None else stage.solves.get(key)
+    if res is None:
+        try:
+            res = rep.model.solve(*rep.pairs[pair], time_limit_s=time_limit_s,
+                                  recompute=mode, budget=budget, price=price, start=start)
+            stage.solved.append((0, res.solve_s))
+        except InfeasiblePlanError as e:
+            res = e
+        if stage.solves is not None:
+            stage.solves[key] = res
+    return res
+
+
+def _chain(stage: Stage, mode: str, price: float, time_limit_s: float,
+           budget: float | None = None) -> Chain:
+    """The best chain at ``price`` (seconds per counted byte; inf: least memory)."""
+    table: dict[int, dict[tuple, _Priced]] = {}
+    for kind, rep in enumerate(stage.reps):
+        table[kind], errors = {}, []
+        for pair in rep.pairs:
+            res = _solve(stage, kind, pair, mode, price, budget, time_limit_s)
+            if isinstance(res, InfeasiblePlanError):
+                errors.append(str(res))
+            else:
+                table[kind][pair] = _Priced(res, price)
+        if not table[kind]:
+            detail = errors[0] if errors else "no boundary placement fits its shapes"
+            if stage.flat:
+                raise InfeasiblePlanError(detail)
+            raise InfeasiblePlanError(f"unit {rep.unit.name} has no feasible plan: {detail}")
+    pairs = chain_dp(stage.kinds, table, stage.first_in, stage.last_out)
+    results = [table[k][pair].res for k, pair in zip(stage.kinds, pairs)]
+    return Chain(mode, results, pairs, sum(r.objective_s for r in results),
+                  sum(r.memory_bytes for r in results), price)
+
+
+def _plan_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: float
+               ) -> tuple[Chain | None, Chain]:
+    """(the fastest chain under ``mode`` that fits ``budget`` or None, the least-memory
+    chain found: for the error message)."""
+    fast = _chain(stage, mode, 0.0, time_limit_s)
+    if budget is None or fast.memory_bytes <= budget:
+        fast.free = True
+        return fast, fast
+    least = _chain(stage, mode, math.inf, time_limit_s)
+    if least.memory_bytes > budget:
+        return None, least
+    # Lagrangian price: geometric search between an infeasible and a feasible price
+    best, lo, hi = least, 0.0, math.inf
+    price = fast.time_s / max(fast.memory_bytes, 1.0)
+    for _ in range(12):
+        c = _chain(stage, mode, price, time_limit_s)
+        if c.memory_bytes <= budget:
+            hi = price
+            if c.time_s < best.time_s:
+                best = c
+        else:
+            lo = price
+        if math.isinf(hi):
+            price *= 8
+        elif lo == 0.0:
+            price /= 8
+        elif hi / lo < 1.25:
+            break
+        else:
+            price = math.sqrt(lo * hi)
+    return _polish(stage, mode, budget, best, time_limit_s), least
+
+
+def _polish(stage: Stage, mode: str, budget: float, best: Chain, time_limit_s: float
+            ) -> Chain:
+    """Close the price's gap: each distinct unit (the most time first) whose positions share
+    one boundary pair is solved again with the budget in its row, as what the other
+    positions leave divided by its count, from the current plan as a MIP start."""
+    by_time = sorted(range(len(stage.reps)), key=lambda k: -sum(
+        r.objective_s for r, kk in zip(best.results, stage.kinds) if kk == k))
+    for kind in by_time:
+        at = [i for i, k in enumerate(stage.kinds) if k == kind]
+        pairs = {best.pairs[i] for i in at}
+        if len(pairs) != 1:
+            continue
+        others = sum(r.memory_bytes for i, r in enumerate(best.results) if i not in at)
+        cur = best.results[at[0]]
+        share = (budget - others) / len(at)
+        res = _solve(stage, kind, pairs.pop(), mode, 0.0, share, time_limit_s,
+                     start=cur.choice)
+        if (isinstance(res, InfeasiblePlanError) or res.memory_bytes > share
+                or res.objective_s >= cur.objective_s * (1 - 1e-9)):
+            continue
+        results = [res if k == kind else r for r, k in zip(best.results, stage.kinds)]
+        best = Chain(mode, results, best.pairs, sum(r.objective_s for r in results),
+                      sum(r.memory_bytes for r in results), best.price)
+    return best
+
+
+def choose_chain(stage: Stage, modes: Sequence[str], budget: float | None,
+                 memory: MemorySpec, time_limit_s: float
+                 ) -> tuple[Chain, list[tuple[str, Chain | None, Chain]]]:
+    """The fastest fitting chain over ``modes``, and (mode, fitting chain, least-memory
+    chain) of each mode tried."""
+    tried: list[tuple[str, Chain | None, Chain]] = []
+    for mode in modes:
+        fit, least = _plan_mode(stage, mode, budget, time_limit_s)
+        tried.append((mode, fit, least))
+        if mode == "none" and fit is not None and fit.free:
+            break  # the time-optimal plan fits: recomputing could only add time
+    fits = [fit for _, fit, _ in tried if fit is not None]
+    if not fits:
+        others = []
+        if memory.counts_activations:  # what the other policies would need, for the message
+            others = [(m, _chain(stage, m, math.inf, time_limit_s)) for m in MODES
+                      if m not in modes]
+        raise InfeasiblePlanError(_over_budget_message(stage, budget, memory, tried, others))
+    return min(fits, key=lambda c: c.time_s), tried
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.3g} GiB" if abs(b) >= 2**30 else f"{b / 2**20:.3g} MiB"
+
+
+def _over_budget_message(stage: Stage, budget: float, memory: MemorySpec,
+                         tried: list[tuple[str, Chain | None, Chain]],
+                         others: list[tuple[str, Chain]]) -> str:
+    """Name the largest consumers of the least-memory plan and what would make it fit."""
+    f = memory.activation_factor
+    mode, _, least = min(tried, key=lambda t: t[2].memory_bytes)
+    state, act, gath = (least.total("state_bytes"), least.total("activation_bytes"),
+                        least.total("gathered_bytes"))
+    state_name = ("parameters + gradients + optimizer state"
+                  if memory.optimizer_state_factor is not None
+                  else f"parameters x state factor {memory.param_state_factor:g}")
+    parts = [(state, f"{state_name} {_gib(state)}")]
+    if f is not None:
+        parts.append((act * f, f"activations {_gib(act)} per microbatch x {f:g} in flight "
+                               f"= {_gib(act * f)}"))
+        parts.append((gath, f"gathered parameters {_gib(gath)}"))
+    parts.sort(key=lambda p: -p[0])
+    lines = [
+        f"the stage does not fit memory_budget_bytes={budget:.4g} ({_gib(budget)}) per "
+        f"device: its least-memory plan (recompute={mode!r}) needs "
+        f"{_gib(least.memory_bytes)} ({_gib(least.memory_bytes - budget)} over), largest "
+        "first: " + "; ".join(text for _, text in parts) + "."
+    ]
+    policies = [(m, lm) for m, _, lm in tried if m != mode] + others
+    if policies:
+        lines.append("Least memory under the other recomputation policies: " + "; ".join(
+            f"recompute={m!r} {_gib(lm.memory_bytes)} (activations "
+            f"{_gib(lm.total('activation_bytes'))} per microbatch)"
+            + (" - fits" if lm.memory_bytes <= budget else "") for m, lm in policies) + ".")
+    lines.append("What would make it fit:")
+    fitting = [m for m, lm in others if lm.memory_bytes <= budget]
+    if fitting:
+        lines.append(f"  - activation recomputation: recompute={fitting[-1]!r} (or 'auto')")
+    if f is not None and act > 0:
+        lines.append(f"  - smaller microbatches: activations scale with the microbatch size "
+                     f"(half the size saves ~{_gib(act * f / 2)}); more microbatches per "
+                     "step do not lower the microbatches in flight under 1F1B")
+    n_units = len(stage.kinds)
+    lines.append(f"  - more pipeline stages: this stage's {n_units} unit(s) hold "
+                 f"{_gib(least.memory_bytes)}; half of them would need ~"
+                 f"{_gib(least.memory_bytes / 2)}")
+    lines.append(f"  - more dp / tp devices for the stage: the least-memory plan already shards "
+                 f"parameters, state and activations as far as this mesh allows; twice the "
+                 f"devices roughly halve the {_gib(state + act * (f or 0) + gath)}")
+    if f is None:
+        lines.append("  (activations and gathered parameters are not counted: "
+                     "activation_factor is None)")
+    return "\n".join(lines)
