@@ -225,13 +225,17 @@ def plan_local_stage(
     mixed_precision: Any = None,
     n_microbatches: int = 1,
     param_placements: dict[str, tuple[str, ...]] | None = None,
+    memory: dict[str, Any] | None = None,
 ) -> StagePlan:
     """Plan ``stage`` (meta) over ``sub_mesh``; from the on-disk cache when possible.
 
     ``boundary_in`` / ``boundary_out`` name the placements of what the stage receives and
     sends (see :data:`BOUNDARIES`). ``timings[stage_index]`` (if given) accumulates
     ``[seconds, plans solved, plans read from the cache]``. ``param_placements`` fixes some
-    parameters' placements (stage FQN -> one placement string per mesh dim).
+    parameters' placements (stage FQN -> one placement string per mesh dim). ``memory``:
+    :func:`~autopp.sharding.plan_stage`'s whole-memory accounting (``activation_factor``,
+    ``recompute``, ``optimizer_state_factor``); without it ``memory_budget_bytes`` bounds
+    parameter bytes only.
     """
     options = dict(profile=profile, memory_budget_bytes=memory_budget_bytes,
                    boundary_in=boundary_in, boundary_out=boundary_out)
@@ -241,6 +245,8 @@ def plan_local_stage(
         options["mixed_precision"] = mixed_precision
     if n_microbatches > 1:
         options["microbatches_per_grad_reduce"] = n_microbatches
+    if memory:
+        options["memory"] = sorted(memory.items())
     key = plan_key(stage, example_inputs, tuple(sub_mesh.shape), sub_mesh.mesh_dim_names, options)
     t0 = time.perf_counter()
     plan, hit = cached_plan(
@@ -253,6 +259,7 @@ def plan_local_stage(
             mixed_precision=mixed_precision,
             microbatches_per_grad_reduce=n_microbatches,
             param_placements=param_placements,
+            **(memory or {}),
         ),
     )
     dt = time.perf_counter() - t0
@@ -279,6 +286,7 @@ def plan_boundaries(
     n_microbatches: int = 1,
     rank_of: Sequence[int] | None = None,
     param_placements: Sequence[dict[str, tuple[str, ...]]] | None = None,
+    memory: Sequence[dict[str, Any] | None] | None = None,
 ) -> tuple[list[str], Any]:
     """Choose every stage boundary's placement (and the last stage's logits placement).
 
@@ -294,6 +302,7 @@ def plan_boundaries(
         mixed_precision: torch's ``MixedPrecisionPolicy`` (see :mod:`autopp.sharding.precision`);
             ``inputs`` must then already be in its ``param_dtype`` (:func:`stage_input_shapes`).
         param_placements: per stage, parameters whose placement is fixed (tied copies).
+        memory: per stage, the whole-memory accounting (see :func:`plan_local_stage`).
 
     Returns ``(bounds, plan_of)``: ``bounds[s]`` is the placement into stage ``s`` and
     ``bounds[s + 1]`` out of it (``len(metas) + 1`` entries), and ``plan_of(s)`` the stage's
@@ -316,6 +325,7 @@ def plan_boundaries(
             stage_index=s, boundary_in=k_in, boundary_out=k_out, timings=timings,
             mixed_precision=mixed_precision, n_microbatches=n_microbatches,
             param_placements=param_placements[s] if param_placements else None,
+            memory=memory[s] if memory else None,
         )
 
     def stage_time(s: int, k_in: str, k_out: str) -> float:
@@ -395,7 +405,8 @@ def meta_stage_inputs(spec: Any, compute_dtype: torch.dtype | None = None
 
 def tied_placements(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]],
                     metas: Sequence[nn.Module], inputs: Sequence[tuple], sub_mesh,
-                    budgets: Sequence[float | None], **plan_kw: Any
+                    budgets: Sequence[float | None],
+                    memory: Sequence[dict[str, Any] | None] | None = None, **plan_kw: Any
                     ) -> list[dict[str, tuple[str, ...]]]:
     """Per stage, the placement every copy of a parameter tied across stages must have (the
     copies' gradients are summed shard by shard, :mod:`autopp.tied`): the one the planner
@@ -406,11 +417,46 @@ def tied_placements(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]],
     for t in find_tied(model, fqns_per_stage):
         home = next(s for s, fqn in t.stage_fqns if fqn == t.name)
         plan = plan_local_stage(metas[home], inputs[home], sub_mesh, stage_index=home,
-                                memory_budget_bytes=budgets[home], **plan_kw)
+                                memory_budget_bytes=budgets[home],
+                                memory=memory[home] if memory else None, **plan_kw)
         pl = next(p.placements for p in plan.params if p.fqn == t.name)
         for s, fqn in t.stage_fqns:
             fixed[s][fqn] = tuple(pl)
     return fixed
+
+
+def in_flight_per_stage(schedule: str, pp: int, n_microbatches: int, n_stages: int
+                        ) -> tuple[int, ...]:
+    """Per stage, the most microbatches whose activations the schedule keeps at once (the
+    schedule simulator on torch's own action lists, equal stage times)."""
+    from autopp.schedules import StageCost, simulate_schedule
+
+    unit = StageCost(forward_s=1.0, backward_input_s=1.0, backward_weight_s=1.0,
+                     activation_bytes_per_microbatch=1)
+    sim = simulate_schedule(schedule, [unit] * n_stages, pp=pp, n_microbatches=n_microbatches,
+                            n_stages=n_stages)
+    return tuple(max(1, k) for k in sim.max_in_flight)
+
+
+def memory_budgets(options: Any, profile: str, schedule: str, pp: int, n_microbatches: int,
+                   stage_ranks: Sequence[int]) -> tuple[list[float], list[dict[str, Any]]]:
+    """Per stage, the memory budget and the whole-memory accounting the planner uses: the
+    device's memory (the profile's, less ``options.memory_reserve``) or
+    ``options.memory_budget_bytes``, shared equally by the stages of a pp rank; the
+    activations of the microbatches the schedule keeps in flight on the stage
+    (:func:`in_flight_per_stage`); AdamW's two moments as optimizer state; the recompute
+    mode asked for."""
+    from autopp.sharding import get_profile
+
+    n = len(stage_ranks)
+    device = (options.memory_budget_bytes if options.memory_budget_bytes is not None
+              else get_profile(profile).memory_bytes * (1 - options.memory_reserve))
+    per_rank = [list(stage_ranks).count(r) for r in stage_ranks]
+    in_flight = in_flight_per_stage(schedule, pp, n_microbatches, n)
+    budgets = [device / k for k in per_rank]
+    memory = [dict(activation_factor=float(f), recompute=options.recompute,
+                   optimizer_state_factor=2.0) for f in in_flight]
+    return budgets, memory
 
 
 def plan_whole_pipeline(
@@ -444,7 +490,11 @@ def plan_whole_pipeline(
     last_kinds = loss_kinds(sub_mesh, loss_fn, options.loss_parallel)
     record = PlanOptions.of(options, profile)
     n = len(fqns_per_stage)
-    budgets = list(budgets) if budgets is not None else [options.memory_budget_bytes] * n
+    if budgets is None:
+        budgets, memory = memory_budgets(options, profile, schedule, pp, n_microbatches,
+                                         stage_ranks)
+    else:  # explicit per-stage budgets: parameter bytes only (the dry run's comparisons)
+        budgets, memory = list(budgets), None
     dp, tp = sub_mesh["dp"].size(), sub_mesh["tp"].size()
     fqns = tuple(tuple(f) for f in fqns_per_stage)
     fingerprint = model_fingerprint(model)
@@ -454,20 +504,23 @@ def plan_whole_pipeline(
         metas, inputs = stage_meta_inputs(model, fqns, example_inputs[0], n_microbatches, dp,
                                           record.compute_dtype)
         plan_kw = dict(profile=profile, mixed_precision=mp, n_microbatches=n_microbatches)
-        fixed = tied_placements(model, fqns, metas, inputs, sub_mesh, budgets, **plan_kw)
+        fixed = tied_placements(model, fqns, metas, inputs, sub_mesh, budgets, memory,
+                                **plan_kw)
         bounds, plan_of = plan_boundaries(
             metas, inputs, sub_mesh, profile=profile, budgets=budgets, boundary=options.boundary,
             last_kinds=last_kinds, timings=timings, mixed_precision=mp,
             n_microbatches=n_microbatches, rank_of=list(stage_ranks), param_placements=fixed,
+            memory=memory,
         )
+        stage_plans = tuple(plan_of(s) for s in range(n))
         return PipelinePlan(
             model=fingerprint, pp=pp, dp=dp, tp=tp, schedule=str(schedule),
             n_microbatches=n_microbatches,
             input_shapes=tuple(tuple(int(d) for d in x.shape) for x in example_inputs),
             input_dtypes=tuple(str(x.dtype) for x in example_inputs),
             fqns_per_stage=fqns, stage_ranks=tuple(stage_ranks),
-            stage_plans=tuple(plan_of(s) for s in range(n)), boundaries=tuple(bounds),
-            recompute=(options.recompute,) * n,
+            stage_plans=stage_plans, boundaries=tuple(bounds),
+            recompute=tuple(getattr(p, "recompute", "none") or "none" for p in stage_plans),
             tied_placements=tuple(tuple(sorted(d.items())) for d in fixed), options=record,
         )
 
@@ -479,7 +532,7 @@ def plan_whole_pipeline(
         "schedule": str(schedule), "n_microbatches": n_microbatches,
         "inputs": [[list(x.shape), str(x.dtype)] for x in example_inputs],
         "options": dataclasses.asdict(record), "recompute": options.recompute,
-        "last_kinds": list(last_kinds), "budgets": budgets,
+        "last_kinds": list(last_kinds), "budgets": budgets, "memory": memory,
     })
     t0 = time.perf_counter()
     plan, hit = cached_pipeline_plan(key, solve)

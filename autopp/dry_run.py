@@ -468,7 +468,8 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
     pplan, _ = plan_whole_pipeline(
         model_meta, pp=pp, fqns_per_stage=fqns_per_stage, stage_ranks=stage_ranks,
         sub_mesh=sub_mesh, schedule=str(schedule), n_microbatches=n_microbatches,
-        example_inputs=local, options=options, loss_fn=cross_entropy, budgets=budgets,
+        example_inputs=local, options=options, loss_fn=cross_entropy,
+        budgets=budgets if compare else None,  # None: the device memory, all categories
         timings=timings)
     bounds = pplan.boundaries
     logits = last_stage_output(metas, inputs, mixed_precision)

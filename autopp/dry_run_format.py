@@ -101,8 +101,11 @@ def _stage_lines(r: DryRunReport) -> list[str]:
             _split_line(c, s.facts.from_graphs),
             f"    placements: {placement_summary(p)}",
             *([f"    kept for the backward: {_bytes(s.activation_bytes)}/device per microbatch "
-               "in flight (saved activations, from the lowered graphs); gathered/cast weights "
-               f"{_bytes(c.gathered_param_bytes)} once per step"]
+               "in flight (saved activations, from the lowered graphs; recompute "
+               f"{p.recompute or 'none'}"
+               + (f", chosen from {p.recompute_requested!r}" if getattr(
+                   p, "recompute_requested", "") == "auto" else "")
+               + f"); gathered/cast weights {_bytes(c.gathered_param_bytes)} once per step"]
               if s.activation_bytes is not None else []),
             f"    sends {list(s.send_shape)} = {_bytes(s.send_bytes)} per microbatch to stage "
             f"{s.index + 1} ({_BOUNDARY_WORDS[s.boundary_out]})" if s.send_shape is not None
@@ -186,7 +189,8 @@ def _pipeline_lines(r: DryRunReport) -> list[str]:
         f"Memory per device at each pp rank's simulated peak (usable: {_gib(r.usable_bytes)} GiB"
         f" = {r.profile} {r.device_memory_bytes / 1e9:.0f} GB minus a {r.memory_reserve:.0%} "
         "reserve; AdamW state = fp32 moments (+ fp32 master for sub-fp32 parameters); "
-        "activations with no checkpointing; the loss, p2p buffers and fragmentation are not "
+        "activations under each stage's planned recomputation; the loss, p2p buffers and "
+        "fragmentation are not "
         "counted):",
         *memory_table(r),
         *fit_lines(r),
@@ -233,9 +237,11 @@ def format_report(r: DryRunReport) -> str:
         + f"  global batch {r.global_batch} x seq {r.seq_len}, {r.n_microbatches} microbatches: "
         f"{r.microbatch_rows} row(s) per microbatch per dp rank "
         f"({r.microbatch_rows * r.dp} dp-global, what the planner sees)",
-        "  parameter-memory budget per device: "
-        + (_bytes(r.memory_budget_bytes) if r.memory_budget_bytes is not None else
-           ("torchtitan's per stage (compare)" if r.compare else "none")),
+        ("  parameter-memory budget per device: torchtitan's per stage (compare)" if r.compare
+         else "  memory budget per device (parameters, gradients, AdamW state, gathered "
+         "weights, activations x microbatches in flight): "
+         + (_bytes(r.memory_budget_bytes) if r.memory_budget_bytes is not None
+            else f"the device's memory less {r.memory_reserve:.0%}")),
         "",
         f"Stages (time = estimated fwd+bwd of one microbatch on one device; placements per "
         f"{dims}, a|b where layers differ):",

@@ -248,6 +248,8 @@ def _unit_phase_times(joint, unit, bplan, plan: StagePlan, costs, n_microbatches
             out["I"] += c.time_s  # the input gradient into the input's placement
         else:
             out[phase.get(node_of.get(c.node), "F")] += c.time_s
+    # recomputation: the backward-input piece re-runs the forward values it recomputes
+    out["I"] += getattr(bplan, "recompute_s", 0.0)
     return out
 
 
@@ -278,7 +280,7 @@ def _unit_facts(joint, unit, bplan, plan: StagePlan, mesh, costs, n_microbatches
     from autopp.sharding.lower import lower_joint, split_local
     from autopp.sharding.memory import saved_bytes, unsharded_bytes
 
-    graphs = split_local(lower_joint(joint, bplan, mesh))
+    graphs = split_local(lower_joint(joint, bplan, mesh), recompute=plan.recompute or "none")
     saved = saved_bytes(graphs)
     w = graphs.backward_weight_graph
     x = joint.inputs[0].meta["val"] if 0 in joint.inputs else None
@@ -319,7 +321,7 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
     acts = kept_w = gathered = ckpt = largest = 0
     for bplan in plan.blocks:  # as autopp.sharding.apply.planned_units walks them
         key = (bplan.signature, bplan.nodes, plan.profile, tuple(plan.mesh_shape),
-               plan.param_dtype, n_microbatches)
+               plan.param_dtype, n_microbatches, plan.recompute)
         if key not in memo:  # identical blocks with one plan: traced and lowered once
             unit = by_name[bplan.prefix]
             if bplan.signature not in traced:

@@ -75,6 +75,10 @@ class PlanOptions:
     profile: str
     """The device profile of the cost model (resolved: never None)."""
     memory_budget_bytes: float | None = None
+    """The budget asked for (None: the device's memory less ``memory_reserve``)."""
+    memory_reserve: float = 0.1
+    recompute: str = "auto"
+    """The recomputation asked for; what each stage got is ``PipelinePlan.recompute``."""
     boundary: str = "auto"
     loss_parallel: bool | None = None
     param_dtype: str | None = None
@@ -86,6 +90,7 @@ class PlanOptions:
     def of(cls, options: PlannerOptions, profile: str) -> PlanOptions:
         mp = options.mixed_precision
         return cls(profile=profile, memory_budget_bytes=options.memory_budget_bytes,
+                   memory_reserve=options.memory_reserve, recompute=options.recompute,
                    boundary=options.boundary, loss_parallel=options.loss_parallel,
                    param_dtype=None if mp is None or mp.param_dtype is None else str(mp.param_dtype),
                    reduce_dtype=None if mp is None or mp.reduce_dtype is None
@@ -104,7 +109,8 @@ class PlanOptions:
         default = PlannerOptions()
         given = PlanOptions.of(options, options.profile or self.profile)
         out = []
-        for f in ("profile", "memory_budget_bytes", "boundary", "loss_parallel"):
+        for f in ("profile", "memory_budget_bytes", "memory_reserve", "boundary",
+                  "loss_parallel"):
             if getattr(options, f) != getattr(default, f) and getattr(given, f) != getattr(self, f):
                 out.append(f"{f}: the plan has {getattr(self, f)!r}, the options "
                            f"{getattr(given, f)!r}")

@@ -39,7 +39,13 @@ class PlannerOptions:
     Attributes:
         profile: the device profile of the cost model ("H100", "H200", "A100", "CPU");
             None: "CPU" on a cpu mesh, else "H100".
-        memory_budget_bytes: per-device bound on parameter memory; None: no bound.
+        memory_budget_bytes: per-device memory the plan must fit: parameters, gradients,
+            AdamW state, gathered parameters, and the activations of every microbatch in
+            flight on the stage under the schedule (the schedule simulator's count); shared
+            equally by a rank's stages. None: the profile's device memory less
+            ``memory_reserve``.
+        memory_reserve: the share of the device's memory left out of the default budget
+            (allocator fragmentation, communication buffers, the loss): 0.1.
         boundary: placement of activations sent between stages: "auto" (chosen by cost:
             stage times plus transfer time), "batch" (batch split over dp, whole over tp) or
             "batch+seq" (sequence also split over tp: 1/tp of the bytes).
@@ -54,31 +60,36 @@ class PlannerOptions:
             copy (False, the default). Correct (tested against single process), but it does
             not lower the measured peak yet (``benchmarks/memory.py``: higher at 8
             microbatches), so the planner does not choose it by itself.
-        recompute: activation recomputation in every planned stage's lowered graphs
-            (:mod:`autopp.graph.recompute`): "none" (the backward reads what the forward
-            saved), "selective" (save matmul and attention outputs, recompute the cheap ops
-            in the backward) or "full" (save only the stage input, recompute the rest in
-            the backward). Collectives are always saved, never re-run. It works under every
-            schedule, the I/W split included (I recomputes; W gets what it needs from I).
-            A user choice for now: the planner does not price it (the plans are the same).
+        recompute: activation recomputation in the planned stages' lowered graphs
+            (:mod:`autopp.graph.recompute`): "auto" (default: per stage, the fastest of the
+            modes below whose plan fits the memory budget; "none" when it fits), "none" (the
+            backward reads what the forward saved), "selective" (save matmul and attention
+            outputs, recompute the cheap ops in the backward) or "full" (save only the stage
+            input, recompute the rest in the backward). Collectives are always saved, never
+            re-run. It works under every schedule, the I/W split included (I recomputes; W
+            gets what it needs from I). The planner prices the recomputed forward.
     """
 
     profile: str | None = None
     memory_budget_bytes: float | None = None
+    memory_reserve: float = 0.1
     boundary: Literal["auto", "batch", "batch+seq"] = "auto"
     loss_parallel: bool | None = None
     mixed_precision: MixedPrecisionPolicy | None = None
     reshard_after_forward: bool = False
-    recompute: Recompute = "none"
+    recompute: Recompute | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
-        if self.recompute != "none":  # autopp.graph loads on first use, not with autopp
+        if self.recompute not in ("auto", "none"):  # autopp.graph loads on first use only
             from autopp.graph.recompute import RECOMPUTE_POLICIES
 
             if self.recompute not in RECOMPUTE_POLICIES:
-                raise ValueError(f"recompute must be one of "
+                raise ValueError(f"recompute must be one of 'auto', "
                                  f"{', '.join(map(repr, RECOMPUTE_POLICIES))}, "
                                  f"got {self.recompute!r}")
+        if not 0 <= self.memory_reserve < 1:
+            raise ValueError(f"memory_reserve is a share of the device memory in [0, 1), "
+                             f"got {self.memory_reserve}")
         if self.boundary not in ("auto", "batch", "batch+seq"):
             raise ValueError(f"boundary must be 'auto', 'batch' or 'batch+seq', got {self.boundary!r}")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
@@ -145,7 +156,7 @@ class Planner(StageBackend):
 
             self.plan = as_pipeline_plan(self.plan)
             conflicts = self.plan.options.conflicts(self.options)
-            if self.options.recompute != "none" and set(self.plan.recompute) != {
+            if self.options.recompute not in ("none", "auto") and set(self.plan.recompute) != {
                     self.options.recompute}:
                 conflicts.append(f"recompute: the plan has {sorted(set(self.plan.recompute))}, "
                                  f"the options {self.options.recompute!r}")
