@@ -9,7 +9,10 @@ torchtitan finds :mod:`.config_registry` from ``--module``. Its Trainer (subclas
 add the ``--autopp.*`` options, CPU / torch 2.13 support and the stand-in data:
 :mod:`.trainer`) drives an autopp pipeline through torchtitan's ``pipelining_fn`` hook
 (:mod:`.pipelining`); torchtitan's data, loss, optimizer, LR schedule, clipping,
-checkpointer, metrics and profiler are used as they are. ``--config
+checkpointer, metrics and profiler are used as they are. autopp's plan and the schedule
+simulator's predictions (step time, bubble, memory, tokens/s) are logged at startup, and the
+predicted tps next to the measured one from the second metrics line on
+(:mod:`.estimates`). ``--config
 llama3_debugmodel_torchtitan`` runs the same job with torchtitan's own manual
 PP x FSDP x TP (:mod:`.reference`).
 

@@ -37,6 +37,13 @@ class AutoppOptions:
     memory_budget_gib: float | None = None
     """Per-device bound on parameter memory for the planner; None: no bound."""
 
+    estimate: Literal["graphs", "rule", "off"] = "graphs"
+    """The simulator's predictions logged at startup (step time, bubble, peak memory per
+    device by category, tokens/s) and the predicted tps logged next to the measured one
+    after each metrics line from the second on: "graphs" (each stage's plan lowered to read
+    its activation memory, as ``autopp.dry_run`` does; about a second for small models),
+    "rule" (no lowering, activations not counted), "off"."""
+
     seed: int = 0
     """Seed of autopp's split-independent initialisation (used when no checkpoint loads)."""
 

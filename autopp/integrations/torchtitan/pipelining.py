@@ -23,10 +23,16 @@ pipeline_parallel_microbatch_size``; the stage split torchtitan's ``pipeline_llm
 (or ``--autopp.split``); ``mixed_precision_param`` bfloat16 -> autopp's mixed precision;
 ``activation_checkpoint`` none / selective / full -> the planner's recompute. What autopp
 cannot honour raises ValueError here, at startup.
+
+At startup it logs the plan (``autopp plan:``, this rank's stages), then the whole
+pipeline's plan with the schedule simulator's estimates and one ``autopp predicted`` line:
+simulated step time, bubble, peak memory per device by category, tokens/s per device
+(:mod:`autopp.integrations.torchtitan.estimates`, ``--autopp.estimate``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -95,9 +101,13 @@ class AutoppSchedule:
     the exact global mean.
     """
 
-    def __init__(self, pipeline, *, dp_size: int) -> None:
+    def __init__(self, pipeline, *, dp_size: int, plan=None) -> None:
         self.pipeline = pipeline
         self.dp_size = dp_size
+        #: The whole pipeline's :class:`~autopp.pipeline_plan.PipelinePlan` with the
+        #: simulator's estimates (``--autopp.estimate``); None with ``parallelize
+        #: replicate``. ``plan.save(path)`` keeps it.
+        self.plan = plan
 
     @staticmethod
     def _batch(arg_mbs, kwarg_mbs, target_mbs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,8 +253,36 @@ def pipeline_autopp(
     )
     pipe.init_weights(seed=options.seed)
     logger.info("autopp plan:\n%s", pipe.describe())
+    plan = _estimated_plan(backend, model, mesh, options, logger)
     part = AutoppModelPart(pipe, model)
-    return AutoppSchedule(pipe, dp_size=dp), [part], True, True
+    return AutoppSchedule(pipe, dp_size=dp, plan=plan), [part], True, True
+
+
+def _estimated_plan(backend, model: nn.Module, mesh, options: AutoppOptions, logger):
+    """The planner's whole-pipeline plan with the simulator's estimates (computed on rank 0,
+    broadcast), logged; the plan without them when they are off or fail; None without a
+    plan (``--autopp.parallelize replicate``)."""
+    from autopp.integrations.torchtitan.estimates import (
+        estimate_plan,
+        estimates_on_rank0,
+        startup_summary,
+    )
+    from autopp.mesh import stage_sub_mesh
+
+    plan = getattr(backend, "pipeline_plan", None)
+    if plan is None or options.estimate == "off":
+        return plan
+    estimates, why = estimates_on_rank0(lambda: estimate_plan(
+        plan, model, stage_sub_mesh(mesh), mode=options.estimate).estimates)
+    if estimates is None:
+        logger.warning("autopp: no simulated estimates for the plan (%s)", why)
+        return plan
+    plan = dataclasses.replace(plan, estimates=estimates)
+    logger.info("autopp pipeline plan (%s plan, estimates simulated with profile %s):\n%s",
+                getattr(backend, "plan_source", "") or "given", plan.options.profile,
+                plan.describe())
+    logger.info(startup_summary(plan, mesh.get_coordinate()[0]))
+    return plan
 
 
 def _check_same_ranks(mesh, parallel_dims) -> None:

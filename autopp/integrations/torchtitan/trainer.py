@@ -11,7 +11,9 @@ profiler are torchtitan's own, unchanged. The subclass only:
 - writes the stand-in tokenizer and dataset when the config points at them
   (:mod:`autopp.integrations.torchtitan.assets`);
 - drops the dataloader's per-document ``positions`` unless
-  ``--autopp.per_document_positions`` (autopp pipelines take token ids only).
+  ``--autopp.per_document_positions`` (autopp pipelines take token ids only);
+- logs autopp's predicted tps next to torchtitan's measured one after each metrics line
+  from the second on (:mod:`autopp.integrations.torchtitan.estimates`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class AutoppTrainer(Trainer):
                 self._restore.append(env.use_cpu_device())
             self._prepare(config)
             super().__init__(config)
+            self._predicted = self._predict_tps()
         except BaseException:
             self._undo_environment()
             raise
@@ -79,6 +82,18 @@ class AutoppTrainer(Trainer):
                                  "pipeline yet: set --validator.enable false")
             config.model_spec = dataclasses.replace(
                 spec, pipelining_fn=functools.partial(pipeline_autopp, options=config.autopp))
+
+    def _predict_tps(self):
+        """After each metrics line (from the second), the predicted tps next to the measured
+        one (:class:`~autopp.integrations.torchtitan.estimates.PredictedThroughput`)."""
+        from autopp.integrations.torchtitan.estimates import PredictedThroughput, predicted_tps
+        from autopp.integrations.torchtitan.pipelining import AutoppSchedule
+
+        schedule = getattr(self, "pp_schedule", None)
+        plan = getattr(schedule, "plan", None) if isinstance(schedule, AutoppSchedule) else None
+        if plan is None or predicted_tps(plan) is None:
+            return None
+        return PredictedThroughput(self.metrics_processor, plan, logger=logger)
 
     def post_dataloading_process(self, input_dict: dict[str, torch.Tensor],
                                  labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:

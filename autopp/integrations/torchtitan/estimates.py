@@ -1,0 +1,177 @@
+"""autopp's predictions in torchtitan's log: the simulated step, memory and tokens/s.
+
+At startup :func:`estimate_plan` gives the planner's :class:`~autopp.pipeline_plan.PipelinePlan`
+the schedule simulator's estimates, as :func:`autopp.dry_run.dry_run` does for its plan,
+without planning again: each stage's plan becomes a :class:`~autopp.schedules.StageCost`
+(:mod:`autopp.estimate`: F / I / W times, UNSHARD / REDUCE_GRAD, point-to-point bytes, and
+memory: parameters, gradients, AdamW state, gathered weights, activations read off the
+lowered graphs) and :func:`autopp.schedules.simulate_schedule` runs the pipeline's own
+schedule over them. Rank 0 computes them and broadcasts them (:func:`estimates_on_rank0`);
+the figures are the planner's device profile's ("CPU" on CPU processes), so next to a
+measured run they are informative, not a check.
+
+:class:`PredictedThroughput` prints, after torchtitan's metrics line, the predicted tokens
+per second per device next to the measured one (torchtitan's ``tps``: the tokens of this
+dp rank's batch over the step time and the non-data-parallel degree, i.e. the global batch
+tokens per step over the world size and the step time), from the second metrics line on
+(the first interval holds the first step's lazy initialisation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+#: How estimates are made: "graphs" (lower every stage's plan to read its activation memory
+#: and split its time into F / I / W, as the dry run does), "rule" (F = I = W = a third of
+#: the plan's time, no activation memory: cheaper, the peaks undercount), "off".
+EstimateMode = Literal["graphs", "rule", "off"]
+
+
+def estimate_plan(plan, model: nn.Module, sub_mesh, *, mode: EstimateMode = "graphs"):
+    """``plan`` (a :class:`~autopp.pipeline_plan.PipelinePlan`) with simulated estimates.
+
+    ``model``: the whole model on meta; ``sub_mesh``: a stage's ("dp", "tp") sub-mesh (the
+    real one or a fake one; all stages' have the same shape). A plan that has estimates
+    already (e.g. a dry run's) is returned as it is."""
+    from autopp.auto_plan import boundary_bytes, stage_meta_inputs
+    from autopp.estimate import (
+        param_dtypes,
+        pp_link,
+        stage_cost,
+        stage_facts,
+        stage_facts_by_rule,
+        state_bytes,
+        usable_bytes,
+    )
+    from autopp.pipeline_plan import PipelineEstimates
+    from autopp.schedules import simulate_schedule
+
+    if plan.estimates is not None:
+        return plan
+    if mode not in ("graphs", "rule"):
+        raise ValueError(f"estimate mode {mode!r}: 'graphs' or 'rule'")
+    dp, tp, M = plan.dp, plan.tp, plan.n_microbatches
+    dtype = getattr(torch, plan.input_dtypes[0].split(".")[-1])
+    first = torch.empty(plan.input_shapes[0], dtype=dtype, device="meta")
+    metas, inputs = stage_meta_inputs(model, plan.fqns_per_stage, first, M, dp,
+                                      plan.options.compute_dtype)
+    memo: dict = {}
+    costs, times = [], []
+    for s, (meta, x, splan) in enumerate(zip(metas, inputs, plan.stage_plans)):
+        facts = (stage_facts(meta, splan, sub_mesh, x, M, memo=memo) if mode == "graphs"
+                 else stage_facts_by_rule(splan, M))
+        send = (boundary_bytes(inputs[s + 1][0], dp, tp, plan.boundaries[s + 1])
+                if s + 1 < len(inputs) else 0)
+        costs.append(stage_cost(splan, facts, state_bytes(splan, param_dtypes(meta)),
+                                loss_s=splan.loss_s, p2p_bytes=send))
+        times.append(splan.step_time_s + splan.loss_s)
+    profile = plan.options.profile
+    sim = simulate_schedule(plan.schedule, costs, pp=plan.pp, n_microbatches=M,
+                            n_stages=len(costs), link=pp_link(profile, (plan.pp, dp, tp)))
+    placed = tuple(plan.stage_ranks)
+    if sim.actions.stage_to_rank != placed:
+        raise RuntimeError(f"simulated stage placement {sim.actions.stage_to_rank} differs "
+                           f"from the plan's {placed}")
+    per_rank = [sum(times[s] for s in plan.stage_ids_for_rank(r)) for r in range(plan.pp)]
+    return dataclasses.replace(plan, estimates=PipelineEstimates(
+        step_time_s=sim.step_time_s, bubble_fraction=sim.bubble_fraction,
+        alpa_time_s=sum(times) + (M - 1) * max(per_rank),
+        stage_time_s=tuple(times), peak_bytes=tuple(r.peak_bytes for r in sim.ranks),
+        memory_at_peak=tuple(tuple(dataclasses.asdict(r.memory_at_peak).items())
+                             for r in sim.ranks),
+        usable_bytes=usable_bytes(profile, plan.options.memory_reserve),
+    ))
+
+
+def estimates_on_rank0(compute: Callable[[], Any]) -> tuple[Any, str | None]:
+    """``compute()`` on rank 0 of the world, broadcast to every rank: ``(value, None)``, or
+    ``(None, why)`` when it failed (on rank 0; the job goes on without estimates). Without
+    peers (no process group, one rank, the fake group) this process computes it."""
+    def local() -> tuple[Any, str | None]:
+        try:
+            return compute(), None
+        except Exception as e:  # estimates are informative: never stop the job
+            return None, f"{type(e).__name__}: {e}"
+
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return local()
+    box = [local() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def tokens_per_step_per_device(plan) -> int:
+    """Tokens of one step's global batch over the world size (torchtitan's tps numerator:
+    one dp rank's batch tokens over the non-data-parallel degree pp x tp)."""
+    return math.prod(plan.input_shapes[0]) // (plan.pp * plan.tp)
+
+
+def predicted_tps(plan) -> float | None:
+    """Tokens per second per device at the simulated step time (None without estimates)."""
+    e = plan.estimates
+    if e is None or e.step_time_s <= 0:
+        return None
+    return tokens_per_step_per_device(plan) / e.step_time_s
+
+
+def startup_summary(plan, pp_rank: int) -> str:
+    """One line: the simulated step, bubble, this pp rank's peak by category, the tps."""
+    e = plan.estimates
+    mib = 2**20
+    peak, cats = e.peak_bytes[pp_rank], e.memory_at_peak[pp_rank]
+    peaks = ", ".join(f"{p / mib:.1f}" for p in e.peak_bytes)
+    return (f"autopp predicted (profile {plan.options.profile}, schedule {plan.schedule} "
+            f"simulated): step {e.step_time_s * 1e3:.3f} ms, bubble {e.bubble_fraction:.1%}, "
+            f"tps {predicted_tps(plan):,.0f} per device "
+            f"({tokens_per_step_per_device(plan):,} tokens per step per device); "
+            f"peak memory per device {peak / mib:.1f} MiB on this pp rank {pp_rank} ("
+            + ", ".join(f"{c} {b / mib:.1f}" for c, b in cats)
+            + f"), by pp rank [{peaks}] MiB, "
+            + ("fits" if peak <= e.usable_bytes else "does NOT fit")
+            + f" {e.usable_bytes / mib:.0f} MiB")
+
+
+class PredictedThroughput:
+    """Wraps a torchtitan ``MetricsProcessor``'s ``log``: after its metrics line, from the
+    second line on, logs the predicted tps next to the measured one, and passes
+    ``autopp/predicted_tps`` to its TensorBoard / WandB loggers."""
+
+    def __init__(self, metrics_processor, plan, *, logger) -> None:
+        self.metrics = metrics_processor
+        self.plan = plan
+        self.tps = predicted_tps(plan)
+        self.logger = logger
+        self.lines = 0
+        self._log = metrics_processor.log
+        metrics_processor.log = self.log  # this instance only
+
+    def _measured_tps(self) -> float:
+        m = self.metrics
+        dt = time.perf_counter() - m.time_last_log
+        return m.ntokens_since_last_log / (dt * m.parallel_dims.non_data_parallel_size)
+
+    def log(self, step: int, *args, extra_metrics: dict[str, Any] | None = None, **kwargs):
+        measured = self._measured_tps()
+        extra = dict(extra_metrics or {})
+        extra["autopp/predicted_tps"] = self.tps
+        out = self._log(step, *args, extra_metrics=extra, **kwargs)
+        self.lines += 1
+        if self.lines > 1:  # the first interval holds the first step's lazy initialisation
+            self.logger.info(
+                f"step: {step:2}  autopp tps predicted: {self.tps:,.0f}  measured: "
+                f"{measured:,.0f}  measured/predicted: {measured / self.tps:.2f}  "
+                f"(simulated step {self.plan.estimates.step_time_s * 1e3:.3f} ms, profile "
+                f"{self.plan.options.profile})")
+        return out
+
+    def unwrap(self) -> None:
+        if self.metrics.log == self.log:
+            self.metrics.log = self._log
