@@ -67,9 +67,10 @@ def test_graph_peak_bytes_replays_allocations_and_frees():
 
 @pytest.mark.multiprocess
 def test_recompute_selective_and_full_match_single_process(reference):
-    # tp: the forward's all-reduces are saved, never re-run in the backward
-    configs = [_planned(s, r, dp=1, tp=2) for s in ("1F1B", "ZBVZeroBubble")
-               for r in ("selective", "full")]
+    # tp with sequence-parallel stage boundaries: the forward's reductions are saved, never
+    # re-run; its all-gathers of activations are gathered again in the backward
+    configs = [_planned(s, r, dp=1, tp=2, boundary="batch+seq")
+               for s in ("1F1B", "ZBVZeroBubble") for r in ("selective", "full")]
     # dp with weights sharded over it (a budget below what replicated weights need, all
     # memory counted): whatever the plan gathers, it gathers at UNSHARD (the planner, which
     # now counts gathered weights, may compute on the shards instead; gathers at UNSHARD

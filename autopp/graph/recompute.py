@@ -19,8 +19,14 @@ In every mode some nodes are always saved (``MUST_SAVE``), never recomputed sile
 
 * random ops (``nondeterministic_seeded``, e.g. dropout, rand; an attention op with
   ``dropout_p=0`` is not random): a recomputed mask would differ from the forward's;
-* collectives (``_c10d_functional`` and friends, their waits included): recomputing would
-  add communication to the backward, and its ranks would have to agree to it;
+* collectives (``_c10d_functional`` and friends, their waits included) other than the
+  all-gathers of activations: a reduction's output (all-reduce, reduce-scatter,
+  all-to-all) is no larger than its input, so saving it costs no more than saving what it
+  reads, and re-running it would add communication for nothing. An all-gather of an
+  activation (a sequence-parallel input gathered for a matmul) is the opposite: its output
+  is the group size times its input, so the recomputing backward gathers it again from
+  the saved shard, as Megatron-LM does with sequence parallelism. Every rank of the group
+  runs the same backward graph, so the re-gather is matched on all of them;
 * values computed from parameters and buffers alone through a collective (SimpleFSDP's
   all-gather chains, kept whole as torchtitan's FSDP split expects). Other parameter-only
   values (a transposed or cast weight) follow the policy like activations; with
@@ -227,11 +233,26 @@ def _is_collective(node: fx.Node) -> bool:
     return getattr(node.target, "namespace", None) in _COLLECTIVE_NAMESPACES
 
 
+_REGATHERED = frozenset({"all_gather_into_tensor", "all_gather_into_tensor_out"})
+
+
+def _is_regathered(node: fx.Node) -> bool:
+    """An all-gather, or the wait of one: recomputed (gathered again) in the backward."""
+    name = node.target.overloadpacket.__name__
+    if name == "wait_tensor" and node.args and isinstance(node.args[0], fx.Node):
+        src = node.args[0]
+        return _is_collective(src) and src.target.overloadpacket.__name__ in _REGATHERED
+    return name in _REGATHERED
+
+
 def _never_recomputed(node: fx.Node) -> bool:
-    """Random ops, collectives, and calls of anything but a torch operator."""
+    """Random ops, collectives other than all-gathers of activations (parameter chains
+    are kept by ``_saved_nodes``), and calls of anything but a torch operator."""
     target = node.target
-    if not _compat.is_op_overload(target) or _is_collective(node):
+    if not _compat.is_op_overload(target):
         return True
+    if _is_collective(node):
+        return not _is_regathered(node)
     if torch.Tag.nondeterministic_seeded in target.tags:
         return not _no_dropout(node)
     return False

@@ -26,10 +26,12 @@ per device, bytes):
   node reads; ``"selective"`` / ``"full"``: its ``MUST_SAVE`` values and inputs reached from
   the backward through recomputed nodes), each at :math:`\sum_o b_{u,o} x_{u,o}` (local
   bytes in the chosen placement). Parameter-only values (views, casts of weights: the
-  unshard graph's) are state, not activations. A recomputing backward never re-runs a
-  collective: on an edge :math:`e` into a recomputed node whose pair :math:`(a, g)` runs one,
-  the collective's output is saved, :math:`\sum_{(a,g)} b_e(a,g)\, y_{e,a,g}`, and the
-  producer is not needed through that edge. That cut is exact where a saved value is needed
+  unshard graph's) are state, not activations. A recomputing backward re-runs the
+  all-gathers of activations (from their saved input: their time is recomputation) and
+  never re-runs a reduction: on an edge :math:`e` into a recomputed node whose pair
+  :math:`(a, g)` runs a reduction (before any trailing all-gathers), that collective's
+  output is saved, :math:`\sum_{(a,g)} b_e(a,g)\, y_{e,a,g}`, and the producer is not
+  needed through that edge. That cut is exact where a saved value is needed
   only through one edge into a node the backward surely recomputes (a row-parallel
   matmul's partial output before its all-reduce: counted :math:`\sum_{(a,g)\,\text{no
   collective}} b_u(a)\, y_{e,a,g}`); deeper cuts are not modelled (the producers are
@@ -165,18 +167,25 @@ class MemoryRow:
         return sum(self.costs.local_bytes(v, pl) for v, pl in zip(tensor_vals(node), o.out)
                    if v is not None and pl is not None)
 
-    def _collective_out_bytes(self, src: fx.Node, k: int, a: Any, g: Any) -> float:
-        """Local bytes of the last collective's output when ``src``'s output ``k`` moves from
-        ``a`` to ``g`` (0 when the move runs no collective): what a recomputing backward
-        saves instead of re-running the collective."""
+    def _edge_cut(self, src: fx.Node, k: int, a: Any, g: Any) -> tuple[float, float]:
+        """What a recomputing backward does when ``src``'s output ``k`` moves from ``a`` to
+        ``g`` into a recomputed node: (bytes saved at the cut, seconds of re-gathering).
+
+        Trailing all-gathers are run again from their saved input (their time is
+        recomputation); the output of the last collective before them (a reduction) is
+        saved instead of re-run: that is the cut. 0 bytes: no cut, ``src`` itself is
+        needed (no collective but all-gathers)."""
         val = tensor_vals(src)[k]
-        steps = self.costs.redistribute(a, g, tuple(val.shape), val.dtype)[1]
+        steps = list(self.costs.redistribute(a, g, tuple(val.shape), val.dtype)[1])
+        regather = 0.0
+        while steps and steps[-1].kind == "all_gather":
+            regather += steps.pop().time_s
         if not steps:
-            return 0.0
+            return 0.0, regather
         last = steps[-1]
         n = self.costs.mesh_shape[last.mesh_dim]
-        return {"all_gather": last.bytes * n, "reduce_scatter": last.bytes / n}.get(
-            last.kind, float(last.bytes))
+        return ({"reduce_scatter": last.bytes / n}.get(last.kind, float(last.bytes)),
+                regather)
 
     def _is_state(self, node: fx.Node) -> bool:
         """Parameters, buffers and parameter-only values: not activations."""
@@ -274,7 +283,7 @@ class MemoryRow:
                     v, i = why[0]
                     k = self.st.nodes[v].edges[i][1]
                     for c, a, g in self.edge_cols[v, i]:
-                        if not self._collective_out_bytes(n, k, a, g):
+                        if not self._edge_cut(n, k, a, g)[0]:
                             _add(t.act, c, self.costs.local_bytes(tensor_vals(n)[k], a))
                 else:
                     for c, o in opts:
@@ -286,7 +295,10 @@ class MemoryRow:
             for i, (src, k) in enumerate(ns.edges):
                 if src in known:
                     for c, a, g in self.edge_cols.get((n, i), ()):
-                        _add(t.act, c, self._collective_out_bytes(src, k, a, g))
+                        cut, regather = self._edge_cut(src, k, a, g)
+                        _add(t.act, c, cut)
+                        if regather:
+                            _add(t.rtime, c, regather)
 
     def _gathered_terms(self, t: Terms) -> None:
         owned: dict[fx.Node, int | float] = {}  # 0.0 / 1.0 constants or a column
@@ -382,8 +394,9 @@ class MemoryRow:
                 for i, (src, k) in enumerate(ns.edges):
                     if self._is_state(src) or src not in choice:
                         continue
-                    cut = self._collective_out_bytes(src, k, choice[src].out[k],
-                                                     choice[n].ins[i])
+                    cut, regather = self._edge_cut(src, k, choice[src].out[k],
+                                                   choice[n].ins[i])
+                    rtime += regather
                     if cut:
                         act += cut
                     else:

@@ -53,6 +53,41 @@ def test_activation_estimate_equals_lowered_graphs(block, make_mesh):
     print("estimate vs lowered (activations, gathered):", seen)
 
 
+def test_sequence_parallel_recompute_regathers_instead_of_saving(block, make_mesh):
+    """Sequence-parallel block (torchtitan's TP: activations split on the sequence over tp,
+    all-gathered before the column-parallel matmuls). A recomputing backward gathers them
+    again from the saved shard rather than saving the gathered tp x larger value: the
+    lowered backward runs all-gathers, "selective" saves less than "none" and "full" less
+    than "selective", and the ILP's count equals the lowered graphs' bytes in each mode."""
+    from torch.distributed.tensor import Shard
+
+    from autopp.sharding.lower import lower_joint, split_local
+    from autopp.sharding.memory import saved_bytes
+    from autopp.sharding.torchtitan_ref import torchtitan_param_placements
+    from autopp.sharding.trace import trace_joint
+    from autopp.sharding.units import stage_units
+
+    mesh = make_mesh(1, 4)
+    x = torch.empty(2, 64, 256, device="meta")
+    seq = (Shard(0), Shard(1))
+    fixed = torchtitan_param_placements(block, ("dp", "tp"))
+    (unit,) = stage_units(block)
+    joint = trace_joint(unit.module, (x,))
+    seen = {}
+    for mode in MODES:
+        plan = plan_stage(block, (x,), mesh, param_placements=fixed, input_placements=seq,
+                          output_placements=seq, activation_factor=1.0, recompute=mode)
+        (bplan,) = plan.blocks
+        graphs = split_local(lower_joint(joint, bplan, mesh), recompute=mode)
+        backward = [n for g in (graphs.full_backward_graph,)
+                    for n in g.graph.nodes if "all_gather" in str(n.target)]
+        seen[mode] = (plan.activation_bytes, saved_bytes(graphs), len(backward))
+        assert plan.activation_bytes == pytest.approx(seen[mode][1], rel=0.05), seen
+    assert seen["none"][1] > seen["selective"][1] > seen["full"][1], seen
+    assert seen["selective"][2] > seen["none"][2], seen  # the backward gathers again
+    print("sequence parallel (ILP, lowered, backward all-gathers):", seen)
+
+
 def test_ilp_row_matches_account_and_recompute_lowers_activations(llama_debug, make_mesh):
     """(d) none > selective > full in activation bytes (each plan free); and the ILP's
     memory row, priced, equals the exact walk of the chosen plan."""
