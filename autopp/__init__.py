@@ -10,6 +10,8 @@ The public surface is deliberately small:
   compute the loss in parallel over tp (loss parallel).
 - :func:`plan_pipeline` plans a whole pipeline into a :class:`PipelinePlan` (a value to save,
   load, print and run again with ``pipeline_autoparallel(..., plan=...)``).
+- :func:`search` finds the fastest layouts (pp × dp × tp, schedule, microbatches, split,
+  recomputation) of a model for a number of devices, ranked by simulated step time.
 - :func:`init_module_` initialises a (whole or stage) module exactly as ``Pipeline.init_weights``
   does, for single-process references.
 """
@@ -27,9 +29,20 @@ __all__ = [
     "PipelineLayout",
     "PipelinePlan",
     "plan_pipeline",
+    "search",
+    "SearchReport",
     "build_world_mesh",
     "stage_sub_mesh",
     "init_fake_world",
     "init_module_",
     "cross_entropy",
 ]
+
+
+def __getattr__(name: str):
+    """``search`` and ``SearchReport`` load the search (and the planner) on first use."""
+    if name in ("search", "SearchReport"):
+        from autopp import layout_search
+
+        return getattr(layout_search, name)
+    raise AttributeError(f"module 'autopp' has no attribute {name!r}")

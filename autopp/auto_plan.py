@@ -445,13 +445,19 @@ def memory_budgets(options: Any, profile: str, schedule: str, pp: int, n_microba
     ``options.memory_budget_bytes``, shared equally by the stages of a pp rank; the
     activations of the microbatches the schedule keeps in flight on the stage
     (:func:`in_flight_per_stage`); AdamW's two moments as optimizer state; the recompute
-    mode asked for."""
+    mode asked for. With ``options.parameter_budget_bytes``: that bound on parameter bytes
+    alone (shared the same way), nothing else counted, recomputation as asked ("auto":
+    none, since nothing counts activations)."""
     from autopp.sharding import get_profile
 
     n = len(stage_ranks)
+    per_rank = [list(stage_ranks).count(r) for r in stage_ranks]
+    if options.parameter_budget_bytes is not None:
+        mode = "none" if options.recompute == "auto" else options.recompute
+        return ([options.parameter_budget_bytes / k for k in per_rank],
+                [dict(recompute=mode) for _ in range(n)])
     device = (options.memory_budget_bytes if options.memory_budget_bytes is not None
               else get_profile(profile).memory_bytes * (1 - options.memory_reserve))
-    per_rank = [list(stage_ranks).count(r) for r in stage_ranks]
     in_flight = in_flight_per_stage(schedule, pp, n_microbatches, n)
     budgets = [device / k for k in per_rank]
     memory = [dict(activation_factor=float(f), recompute=options.recompute,

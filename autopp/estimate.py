@@ -357,11 +357,15 @@ def param_dtypes(module: nn.Module) -> dict[str, torch.dtype]:
 def pp_link(profile: Any, mesh_shape: tuple[int, ...]) -> Link:
     """The point-to-point link between neighbouring pp ranks of a ``(pp, dp, tp)`` mesh: each
     device sends its shard to its counterpart, over the link the profile gives the pp dim
-    (inter-node when a pp rank's dp × tp devices fill a node)."""
+    (inter-node when a pp rank's dp × tp devices fill a node). A profile with a measured
+    point-to-point link (``p2p_bw`` / ``p2p_latency`` set) gives those figures instead."""
     from autopp.sharding.profiles import get_profile, mesh_links
 
-    links = mesh_links(get_profile(profile), tuple(mesh_shape))
-    return Link(latency_s=links.latency[0], bandwidth_bytes_per_s=links.bandwidth[0])
+    prof = get_profile(profile)
+    links = mesh_links(prof, tuple(mesh_shape))
+    latency = links.latency[0] if prof.p2p_latency is None else prof.p2p_latency
+    bandwidth = links.bandwidth[0] if prof.p2p_bw is None else prof.p2p_bw
+    return Link(latency_s=latency, bandwidth_bytes_per_s=bandwidth)
 
 
 def usable_bytes(profile: Any, reserve: float) -> float:

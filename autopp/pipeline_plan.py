@@ -77,6 +77,8 @@ class PlanOptions:
     memory_budget_bytes: float | None = None
     """The budget asked for (None: the device's memory less ``memory_reserve``)."""
     memory_reserve: float = 0.1
+    parameter_budget_bytes: float | None = None
+    """The parameter-only budget asked for instead (None: not used)."""
     recompute: str = "auto"
     """The recomputation asked for; what each stage got is ``PipelinePlan.recompute``."""
     boundary: str = "auto"
@@ -90,7 +92,9 @@ class PlanOptions:
     def of(cls, options: PlannerOptions, profile: str) -> PlanOptions:
         mp = options.mixed_precision
         return cls(profile=profile, memory_budget_bytes=options.memory_budget_bytes,
-                   memory_reserve=options.memory_reserve, recompute=options.recompute,
+                   memory_reserve=options.memory_reserve,
+                   parameter_budget_bytes=options.parameter_budget_bytes,
+                   recompute=options.recompute,
                    boundary=options.boundary, loss_parallel=options.loss_parallel,
                    param_dtype=None if mp is None or mp.param_dtype is None else str(mp.param_dtype),
                    reduce_dtype=None if mp is None or mp.reduce_dtype is None
@@ -109,8 +113,8 @@ class PlanOptions:
         default = PlannerOptions()
         given = PlanOptions.of(options, options.profile or self.profile)
         out = []
-        for f in ("profile", "memory_budget_bytes", "memory_reserve", "boundary",
-                  "loss_parallel"):
+        for f in ("profile", "memory_budget_bytes", "memory_reserve",
+                  "parameter_budget_bytes", "boundary", "loss_parallel"):
             if getattr(options, f) != getattr(default, f) and getattr(given, f) != getattr(self, f):
                 out.append(f"{f}: the plan has {getattr(self, f)!r}, the options "
                            f"{getattr(given, f)!r}")

@@ -119,41 +119,38 @@ def test_auto_mixed_precision_bf16_compute_fp32_masters():
 
 
 def test_auto_parameters_gathered_once_per_step():
-    """A memory budget (all memory counted) makes weights dp-sharded. Counted from the running
-    pipeline: every parameter all-gather runs at the stage's UNSHARD action, once per step,
-    none inside a microbatch's forward or backward (set on a Planner backend object). With
-    reshard_after_forward=True each forward and each backward gathers them again instead.
+    """A parameter-only budget (``parameter_budget_bytes``) forces dp-sharded weights.
+    Counted from the running pipeline: every parameter all-gather runs at the stage's
+    UNSHARD action, once per step, none inside a microbatch's forward or backward (set on a
+    Planner backend object). With reshard_after_forward=True each forward and each backward
+    gathers them again instead.
     The loss and gradients equal the single-process model's either way."""
     batch, seq = 8, 128
     reference = reference_step(N_LAYERS, *make_batch(batch, seq))
     configs = [_cfg("1F1B", 2, dp=2, tp=2, count_collectives=True, n_microbatches=m,
                     batch=batch, seq=seq, planner_options=dict(
-                        memory_budget_bytes=3e7, reshard_after_forward=False))
+                        parameter_budget_bytes=4e6, reshard_after_forward=False))
                for m in (2, 4)]
     configs.append(_cfg("1F1B", 2, dp=2, tp=2, count_collectives=True, n_microbatches=2,
                         batch=batch, seq=seq, planner_options=dict(
-                            memory_budget_bytes=3e7, reshard_after_forward=True)))
+                            parameter_budget_bytes=4e6, reshard_after_forward=True)))
     results = run_on_ranks(run_configs, 8, configs)
     _check(results, configs, reference)
-    # Whatever the plan gathers, it gathers once per step at UNSHARD (or, re-gathering, per
-    # forward and backward). With all memory counted the planner now prefers computing on
-    # dp-sharded weights to gathering them, so a budget no longer forces gathers here; the
-    # UNSHARD path itself is covered by tests/graph (SimpleFSDP and peeled stages).
     for r in results:
         regather = r.pop()
         counts, n = regather["collectives"], regather["unshard_gathers"]
         assert "UNSHARD all_gather_into_tensor params" not in counts, counts
-        assert counts.get("F all_gather_into_tensor params", 0) == 2 * n, counts  # 2 microbatches
-        assert counts.get("B all_gather_into_tensor params", 0) == 2 * n, counts
-        if n:
-            assert "re-gathers its weights for every microbatch" in regather["describe"]
+        assert counts["F all_gather_into_tensor params"] == 2 * n, counts  # 2 microbatches
+        assert counts["B all_gather_into_tensor params"] == 2 * n, counts
+        assert "re-gathers its weights for every microbatch" in regather["describe"]
         for res in r:
             counts = res["collectives"]
-            assert counts.get("UNSHARD all_gather_into_tensor params", 0) == res["unshard_gathers"]
+            assert res["unshard_gathers"] > 0, counts  # the budget made weights dp-sharded
+            assert counts["UNSHARD all_gather_into_tensor params"] == res["unshard_gathers"]
             assert not [k for k in counts if "params" in k and not k.startswith("UNSHARD")], counts
             assert res["actions"]["UNSHARD"] == 1
-            if res["unshard_gathers"]:
-                assert "weights once per step" in res["describe"], res["describe"]
+            assert "weights once per step" in res["describe"], res["describe"]
+        assert r[0]["gathered_bytes"] > 0
 
 
 def test_auto_compiled_stages_match_single_process(reference):

@@ -71,12 +71,10 @@ def test_recompute_selective_and_full_match_single_process(reference):
     # re-run; its all-gathers of activations are gathered again in the backward
     configs = [_planned(s, r, dp=1, tp=2, boundary="batch+seq")
                for s in ("1F1B", "ZBVZeroBubble") for r in ("selective", "full")]
-    # dp with weights sharded over it (a budget below what replicated weights need, all
-    # memory counted): whatever the plan gathers, it gathers at UNSHARD (the planner, which
-    # now counts gathered weights, may compute on the shards instead; gathers at UNSHARD
-    # are asserted in test_auto_pipeline's test_auto_parameters_gathered_once_per_step)
-    configs += [_planned("1F1B", "full", dp=2, tp=1, memory_budget_bytes=3e7),
-                _planned("ZBVZeroBubble", "selective", dp=2, tp=1, memory_budget_bytes=4e7)]
+    # dp with weights sharded over it (a parameter-only budget forces it; ZBV's two stages
+    # per rank share theirs): the gathers stay in UNSHARD
+    configs += [_planned("1F1B", "full", dp=2, tp=1, parameter_budget_bytes=7e6),
+                _planned("ZBVZeroBubble", "selective", dp=2, tp=1, parameter_budget_bytes=7e6)]
     for cfg in configs[-2:]:
         cfg["count_collectives"] = True
     results = run_on_ranks(run_configs, 4, configs)
@@ -93,6 +91,9 @@ def test_recompute_selective_and_full_match_single_process(reference):
                             if "params" in k and not k.startswith("UNSHARD")], res["collectives"]
             if cfg["schedule"] == "ZBVZeroBubble":  # W really deferred, under recomputation
                 assert res["deferred_w"] >= 4, (cfg, res["actions"])
+        if cfg.get("count_collectives"):  # the budget made some weights dp-sharded
+            assert any(r[i]["unshard_gathers"] > 0 for r in results), (
+                cfg, [r[i]["unshard_gathers"] for r in results])
     # "full" keeps less than "selective" for the same stage
     by = {(c["schedule"], c["planner_options"]["recompute"]): i for i, c in enumerate(configs)
           if c["tp"] == 2}

@@ -46,6 +46,11 @@ class PlannerOptions:
             ``memory_reserve``.
         memory_reserve: the share of the device's memory left out of the default budget
             (allocator fragmentation, communication buffers, the loss): 0.1.
+        parameter_budget_bytes: instead of the whole-memory budget, a per-device bound on
+            the parameters' own bytes alone (no gradients, optimizer state, gathered copies
+            or activations): a ZeRO-3 / FSDP-style storage cap that makes the planner shard
+            weights over dp and gather them once per step at UNSHARD. Not with
+            ``memory_budget_bytes``; None (default): the whole-memory budget.
         boundary: placement of activations sent between stages: "auto" (chosen by cost:
             stage times plus transfer time), "batch" (batch split over dp, whole over tp) or
             "batch+seq" (sequence also split over tp: 1/tp of the bytes).
@@ -73,6 +78,7 @@ class PlannerOptions:
     profile: str | None = None
     memory_budget_bytes: float | None = None
     memory_reserve: float = 0.1
+    parameter_budget_bytes: float | None = None
     boundary: Literal["auto", "batch", "batch+seq"] = "auto"
     loss_parallel: bool | None = None
     mixed_precision: MixedPrecisionPolicy | None = None
@@ -94,6 +100,13 @@ class PlannerOptions:
             raise ValueError(f"boundary must be 'auto', 'batch' or 'batch+seq', got {self.boundary!r}")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
             raise ValueError(f"memory_budget_bytes must be positive, got {self.memory_budget_bytes}")
+        if self.parameter_budget_bytes is not None:
+            if self.parameter_budget_bytes <= 0:
+                raise ValueError(f"parameter_budget_bytes must be positive, got "
+                                 f"{self.parameter_budget_bytes}")
+            if self.memory_budget_bytes is not None:
+                raise ValueError("set memory_budget_bytes (all memory) or "
+                                 "parameter_budget_bytes (parameters alone), not both")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

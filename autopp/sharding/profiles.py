@@ -1,17 +1,29 @@
 """Device profiles: what the cost model assumes about a device and its links.
 
 Chosen by configuration (a name or a :class:`DeviceProfile`), never by querying the local
-device: a plan made on a CPU machine for H100s is the plan the H100s get.
+device unless asked to: a plan made on a CPU machine for H100s is the plan the H100s get.
+The one exception is explicit: the name ``"measure"`` measures the machine at hand (see
+:mod:`autopp.sharding.measure`) and gives a profile named ``"measured-<hash>"``, stored as
+JSON in :func:`profile_cache_dir` so that the name resolves in any process on that host.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 from dataclasses import dataclass, replace
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
-ProfileName = Literal["H100", "H200", "A100", "CPU"]
+ProfileName = Literal["H100", "H200", "A100", "CPU", "measure"]
+
+MEASURE = "measure"
+"""The profile name that measures this machine (or reads its cached measurement)."""
+MEASURED_PREFIX = "measured-"
+"""Names of measured profiles: this prefix and a hash of what was measured."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -40,6 +52,11 @@ class DeviceProfile:
     """Latency of one collective step inside a node, s."""
     inter_node_latency: float = 20e-6
     """Latency of one collective step across nodes, s."""
+    p2p_bw: float | None = None
+    """Bandwidth of a point-to-point send between neighbouring pipeline ranks, bytes/s;
+    None: the pp dim's collective link (:func:`mesh_links`) is used."""
+    p2p_latency: float | None = None
+    """Latency of one point-to-point send, s; None: the pp dim's collective link latency."""
 
     def flops(self, dtype: torch.dtype) -> float:
         peak = self.flops_bf16 if dtype in (torch.bfloat16, torch.float16) else self.flops_fp32
@@ -90,17 +107,111 @@ PROFILES: dict[str, DeviceProfile] = {
 }
 
 
+_REGISTERED: dict[str, DeviceProfile] = {}
+
+
+def register_profile(profile: DeviceProfile) -> DeviceProfile:
+    """Make ``profile`` resolvable by its name in this process (``get_profile(profile.name)``).
+
+    A later registration under the same name replaces the earlier one. The built-in names
+    (:data:`PROFILES`) and ``"measure"`` cannot be registered. Returns ``profile``.
+    """
+    if not isinstance(profile, DeviceProfile):
+        raise TypeError(f"register_profile takes a DeviceProfile, got {type(profile).__name__}")
+    if profile.name in PROFILES or profile.name == MEASURE:
+        raise ValueError(
+            f"profile name {profile.name!r} is reserved (built-in profiles {sorted(PROFILES)} "
+            f"and {MEASURE!r}); give the profile another name, e.g. "
+            f"with_overrides(profile, name='my-{profile.name}')"
+        )
+    _REGISTERED[profile.name] = profile
+    return profile
+
+
+def profile_cache_dir() -> Path:
+    """Where measured profiles are stored: ``$AUTOPP_PROFILE_CACHE`` if set, else
+    ``~/.cache/autopp/profiles``."""
+    return Path(os.environ.get("AUTOPP_PROFILE_CACHE",
+                               Path.home() / ".cache" / "autopp" / "profiles"))
+
+
+def save_profile(profile: DeviceProfile, path: Path | None = None,
+                 details: dict[str, Any] | None = None) -> Path:
+    """Write ``profile`` as JSON and return the path.
+
+    Args:
+        profile: the profile to store.
+        path: the file; default ``profile_cache_dir() / f"{profile.name}.json"``.
+        details: JSON values stored beside the profile (e.g. the raw timings of a
+            measurement); :func:`load_profile` ignores them.
+    """
+    if path is None:
+        path = profile_cache_dir() / f"{profile.name}.json"
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"format": 1, "profile": dataclasses.asdict(profile), "details": details or {}}
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
+    tmp.replace(path)
+    return path
+
+
+def load_profile(name_or_path: str | Path) -> DeviceProfile:
+    """Read a profile written by :func:`save_profile`: a file path, or a profile name looked
+    up in :func:`profile_cache_dir`. The profile is registered (:func:`register_profile`)."""
+    path = Path(name_or_path)
+    if path.suffix != ".json":
+        path = profile_cache_dir() / f"{name_or_path}.json"
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(
+            f"no stored profile {str(name_or_path)!r}: {path} does not exist. Measure it on "
+            f"the machine it describes (get_profile({MEASURE!r}) or "
+            "autopp.sharding.measure.measure_profile()), copy its JSON file into "
+            f"{path.parent}, or point $AUTOPP_PROFILE_CACHE at the directory that holds it"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"profile file {path} is not valid JSON ({e}); delete it and "
+                         "measure again") from None
+    known = {f.name for f in dataclasses.fields(DeviceProfile)}
+    fields = doc.get("profile") if isinstance(doc, dict) else None
+    if not isinstance(fields, dict) or not set(fields) <= known:
+        raise ValueError(f"profile file {path} does not hold a DeviceProfile (expected "
+                         f"{{'profile': {{...}}}} with fields {sorted(known)}); delete it and "
+                         "measure again")
+    if path != Path(name_or_path) and fields.get("name") != str(name_or_path):
+        raise ValueError(f"profile file {path} holds profile {fields.get('name')!r}, not "
+                         f"{str(name_or_path)!r}; rename or delete the file")
+    return register_profile(DeviceProfile(**fields))
+
+
 def get_profile(profile: str | DeviceProfile) -> DeviceProfile:
-    """A profile by name ("H100", "H200", "A100", "CPU") or the profile itself."""
+    """A profile by name or the profile itself.
+
+    Names: the built-in ``"H100"``, ``"H200"``, ``"A100"``, ``"CPU"``; names registered
+    with :func:`register_profile`; ``"measure"``: this machine's measured profile for
+    the default world size (read from the cache, measured if absent; see
+    :func:`autopp.sharding.measure.measure_profile`); ``"measured-<hash>"``: a measured
+    profile stored in :func:`profile_cache_dir`.
+    """
     if isinstance(profile, DeviceProfile):
         return profile
-    try:
+    if profile in PROFILES:
         return PROFILES[profile]
-    except KeyError:
-        raise ValueError(
-            f"unknown device profile {profile!r}; choose one of {sorted(PROFILES)} or pass a "
-            "DeviceProfile"
-        ) from None
+    if profile in _REGISTERED:
+        return _REGISTERED[profile]
+    if profile == MEASURE:
+        from autopp.sharding.measure import measure_profile
+
+        return measure_profile()
+    if isinstance(profile, str) and profile.startswith(MEASURED_PREFIX):
+        return load_profile(profile)
+    raise ValueError(
+        f"unknown device profile {profile!r}; choose one of {sorted(PROFILES)}, "
+        f"{MEASURE!r} (measure this machine), a name given to register_profile "
+        f"({sorted(_REGISTERED)}), or pass a DeviceProfile"
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,183 @@
+"""What one unit (the pre modules, one layer, the post modules) costs on a (dp, tp) sub-mesh,
+from the planner's own plans of two probe stages, and how it scales with the microbatch.
+
+For a sub-mesh shape the search plans, with :func:`autopp.auto_plan.plan_local_stage` (so
+through the on-disk plan cache), the probe stages ``[pre, first layer]`` and
+``[last layer, post]`` at one reference microbatch, under each recomputation policy it
+considers, with no memory budget (each unit's time-optimal plan under that policy; the
+memory is counted, not bounded). Every layer is taken to cost what the first layer does (a
+decoder whose blocks repeat). Each :class:`UnitCost` is then split into what scales with the
+microbatch (compute, activation redistributions, saved activations) and what does not
+(parameters and their state, gathered weights, the once-per-step parameter gathers and
+gradient reductions), so a candidate with another microbatch count reuses the plan: the
+placements the ILP chose at the reference microbatch are kept, their time rescaled. The
+search's ranking is therefore an estimate; the plan of a chosen layout
+(:func:`autopp.plan_pipeline`) is planned exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopp.estimate import StateBytes, param_dtypes, state_bytes
+from autopp.sharding.plan import StagePlan
+
+__all__ = ["ShapeCosts", "UnitCost", "probe_costs"]
+
+
+@dataclass(frozen=True, slots=True)
+class UnitCost:
+    """One unit on one device of its sub-mesh, at the reference microbatch."""
+
+    per_microbatch_s: float
+    """Forward + backward of one microbatch (compute, activation redistributions and the
+    recomputed forward, if any): scales with the microbatch."""
+    recompute_s: float
+    """Of which the recomputed forward (runs in the backward)."""
+    unshard_s: float
+    """Parameter gathers and casts, once per step."""
+    reduce_grad_s: float
+    """Gradient reductions, once per step."""
+    activation_bytes: float
+    """Saved for the backward per microbatch: scales with the microbatch."""
+    gathered_bytes: float
+    """Gathered / cast weights held for the step."""
+    state: StateBytes
+    """Parameters, gradients (reduced and before reduction) and AdamW state."""
+
+    def __add__(self, other: UnitCost) -> UnitCost:
+        return UnitCost(
+            self.per_microbatch_s + other.per_microbatch_s,
+            self.recompute_s + other.recompute_s, self.unshard_s + other.unshard_s,
+            self.reduce_grad_s + other.reduce_grad_s,
+            self.activation_bytes + other.activation_bytes,
+            self.gathered_bytes + other.gathered_bytes,
+            StateBytes(**{f.name: getattr(self.state, f.name) + getattr(other.state, f.name)
+                          for f in dataclasses.fields(StateBytes)}))
+
+    def scaled(self, factor: float) -> UnitCost:
+        """At ``factor`` times the reference microbatch."""
+        return dataclasses.replace(self, per_microbatch_s=self.per_microbatch_s * factor,
+                                   recompute_s=self.recompute_s * factor,
+                                   activation_bytes=self.activation_bytes * factor)
+
+    def state_total(self) -> float:
+        s = self.state
+        return s.parameters + max(s.gradients, s.unreduced_gradients) + s.optimizer
+
+
+ZERO = UnitCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, StateBytes(parameters=0, gradients=0,
+                                                          unreduced_gradients=0, optimizer=0))
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeCosts:
+    """The units of a model on one (dp, tp) sub-mesh at a reference microbatch, per
+    recomputation policy (:func:`probe_costs`)."""
+
+    dp: int
+    tp: int
+    rows: int
+    """dp-global rows of the reference microbatch."""
+    boundary: str
+    """The stage-boundary placement the probes were planned with."""
+    pre: dict[str, UnitCost]
+    layer: dict[str, UnitCost]
+    post: dict[str, UnitCost]
+    loss_s: float
+    """The loss of one reference microbatch (last stage)."""
+    hidden_bytes: float
+    """A layer's output for the reference microbatch (dp-global): what stages send."""
+    planning_s: float
+    solved: int
+    """Stage plans solved (the rest came from the plan cache)."""
+
+
+def _unit_cost(plan: StagePlan, prefix: str, fqns: set[str], dtypes: dict[str, torch.dtype],
+               n_microbatches: int) -> UnitCost:
+    (bp,) = [b for b in plan.blocks if b.prefix == prefix]
+    params = tuple(p for p in plan.params if p.fqn in fqns)
+    mine = dataclasses.replace(plan, params=params,
+                               collectives=tuple(c for c in plan.collectives
+                                                 if c.block == prefix))
+    gather = sum(c.time_s for c in mine.collectives if c.producer in fqns and c.node not in fqns)
+    reduce = sum(c.time_s for c in mine.collectives if c.node in fqns)
+    return UnitCost(
+        per_microbatch_s=max(bp.estimated_s - gather - reduce, 0.0),
+        recompute_s=bp.recompute_s,
+        unshard_s=gather * n_microbatches, reduce_grad_s=reduce * n_microbatches,
+        activation_bytes=float(bp.activation_bytes),
+        gathered_bytes=float(bp.gathered_param_bytes),
+        state=state_bytes(mine, dtypes),
+    )
+
+
+def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.Tensor,
+                n_microbatches: int, profile: str, boundary: str, loss_kind: str,
+                modes: Sequence[str], mixed_precision: Any = None) -> ShapeCosts:
+    """Plan the probe stages of ``model`` on ``sub_mesh`` and read each unit's cost.
+
+    Args:
+        model: the whole model on meta; ``layout`` its :class:`~autopp.stage_split.ModelLayout`.
+        sub_mesh: a ("dp", "tp") DeviceMesh (fake process group).
+        tokens: the model's input for one step on one dp rank (meta), ``n_microbatches``
+            the reference microbatch count it is cut into.
+        profile: device profile name; ``boundary``: the placement between stages
+            ("batch" or "batch+seq"); ``loss_kind``: the last stage's output placement
+            ("batch", or "vocab" for loss parallel).
+        modes: recomputation policies to plan ("none", "selective", "full").
+        mixed_precision: torch's ``MixedPrecisionPolicy`` or None.
+    """
+    import time
+
+    from autopp.auto_plan import (last_stage_output, loss_time_s, plan_local_stage,
+                                  stage_meta_inputs)
+
+    t0 = time.perf_counter()
+    dp, tp = sub_mesh["dp"].size(), sub_mesh["tp"].size()
+    layers = layout.layer_fqns
+    first = [*layout.pre, layers[0]]
+    last = [layers[-1], *layout.post]
+    probes = [first, last] if len(layers) > 1 else [[*layout.pre, layers[0], *layout.post]]
+    pd = getattr(mixed_precision, "param_dtype", None)
+    metas, inputs = stage_meta_inputs(model, probes, tokens, n_microbatches, dp, pd)
+    timings: dict[int, list] = {}
+    out: dict[str, dict[str, UnitCost]] = {"pre": {}, "layer": {}, "post": {}}
+    for mode in modes:
+        memory = dict(activation_factor=1.0, recompute=mode, optimizer_state_factor=2.0)
+        plans = []
+        for s, (meta, x) in enumerate(zip(metas, inputs)):
+            k_in = "batch" if s == 0 else boundary
+            k_out = loss_kind if s == len(metas) - 1 else boundary
+            plans.append(plan_local_stage(
+                meta, x, sub_mesh, profile=profile, memory_budget_bytes=None, stage_index=s,
+                boundary_in=k_in, boundary_out=k_out, timings=timings,
+                mixed_precision=mixed_precision, n_microbatches=n_microbatches,
+                memory=memory))
+        first_plan, last_plan = plans[0], plans[-1]
+        d0, d1 = param_dtypes(metas[0]), param_dtypes(metas[-1])
+        layer0 = {f for f in d0 if f.startswith(layers[0] + ".")}
+        out["layer"][mode] = _unit_cost(first_plan, layers[0], layer0, d0, n_microbatches)
+        pre = {f for f in d0 if f not in layer0}
+        out["pre"][mode] = (_unit_cost(first_plan, "pre", pre, d0, n_microbatches)
+                            if any(b.prefix == "pre" for b in first_plan.blocks) else ZERO)
+        lastl = {f for f in d1 if f.startswith(layers[-1] + ".")}
+        post = {f for f in d1 if f not in lastl and f not in pre}
+        out["post"][mode] = (_unit_cost(last_plan, "post", post, d1, n_microbatches)
+                             if any(b.prefix == "post" for b in last_plan.blocks) else ZERO)
+    logits = last_stage_output(metas, inputs, mixed_precision)
+    return ShapeCosts(
+        dp=dp, tp=tp, rows=int(inputs[0][0].shape[0]), boundary=boundary,
+        pre=out["pre"], layer=out["layer"], post=out["post"],
+        loss_s=loss_time_s(logits, sub_mesh, profile, loss_kind),
+        hidden_bytes=float(inputs[-1][0].numel() * inputs[-1][0].element_size())
+        if len(probes) > 1 else 0.0,
+        planning_s=time.perf_counter() - t0,
+        solved=sum(t[1] for t in timings.values()),
+    )

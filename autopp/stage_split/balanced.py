@@ -1,0 +1,120 @@
+"""Split by cost: stage boundaries that balance the per-layer costs (Alpa's stage DP).
+
+Every stage holds at least one layer; the pre modules (embedding) go with the first layer
+and the post modules (norm, head) with the last, each at its own cost, so a heavy head makes
+the last stage hold fewer layers (uneven layer counts where that balances time).
+
+:func:`balanced_cuts` is the dynamic programme over a sequence of unit costs: it minimises
+the slowest stage (the pipeline's steady-state period) and, among splits with the same
+slowest stage, the sum of squared stage times (so the other stages are balanced too), subject
+to a per-stage feasibility test (memory). It runs in O(stages × units²) over prefix sums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from autopp.stage_split.layout import ModelLayout
+
+__all__ = ["balanced_cuts", "split_balanced"]
+
+Fits = Callable[[int, int, int], bool]
+"""``fits(stage, first, end)``: whether units ``first .. end-1`` fit as stage ``stage``."""
+StageCostFn = Callable[[int, int, int], float]
+"""``stage_cost(stage, first, end)``: the cost of units ``first .. end-1`` as stage ``stage``."""
+
+
+def balanced_cuts(costs: Sequence[float], n_stages: int, *, fits: Fits | None = None,
+                  stage_cost: StageCostFn | None = None) -> list[int] | None:
+    """Cut ``len(costs)`` units into ``n_stages`` contiguous, non-empty stages.
+
+    Args:
+        costs: each unit's cost (seconds per microbatch), in order.
+        n_stages: number of stages.
+        fits: per-stage feasibility (e.g. memory); None: every stage fits.
+        stage_cost: ``stage_cost(stage, first, end)``, the cost of units ``first .. end-1``
+            as stage ``stage`` when it is not their sum (e.g. a recomputation policy chosen
+            per stage to fit its memory; ``inf``: does not fit); None: the sum of ``costs``.
+
+    Returns:
+        The ``n_stages + 1`` cut indices (0 first, ``len(costs)`` last) of the split that
+        minimises the slowest stage, then the sum of squared stage costs; None when no split
+        satisfies ``fits``.
+    """
+    n = len(costs)
+    if not 1 <= n_stages <= n:
+        raise ValueError(f"cannot cut {n} units into {n_stages} non-empty stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    inf = (float("inf"), float("inf"))
+
+    def cost(s: int, i: int, j: int) -> float:
+        if fits is not None and not fits(s, i, j):
+            return float("inf")
+        return prefix[j] - prefix[i] if stage_cost is None else stage_cost(s, i, j)
+
+    # best[s][j]: (slowest, sum of squares) of units 0..j-1 in s+1 stages; arg for the cut
+    best = [[inf] * (n + 1) for _ in range(n_stages)]
+    arg = [[-1] * (n + 1) for _ in range(n_stages)]
+    for j in range(1, n - n_stages + 2):
+        c = cost(0, 0, j)
+        if c < float("inf"):
+            best[0][j] = (c, c * c)
+    for s in range(1, n_stages):
+        for j in range(s + 1, n - (n_stages - s - 1) + 1):
+            cur, cut = inf, -1
+            for i in range(s, j):
+                prev = best[s - 1][i]
+                if prev is inf or prev[0] == float("inf"):
+                    continue
+                c = cost(s, i, j)
+                if c == float("inf"):
+                    continue
+                cand = (max(prev[0], c), prev[1] + c * c)
+                if cand < cur:
+                    cur, cut = cand, i
+            best[s][j], arg[s][j] = cur, cut
+    if best[n_stages - 1][n][0] == float("inf"):
+        return None
+    cuts = [n]
+    j = n
+    for s in range(n_stages - 1, 0, -1):
+        j = arg[s][j]
+        cuts.append(j)
+    cuts.append(0)
+    return cuts[::-1]
+
+
+def split_balanced(layout: ModelLayout, n_stages: int, *, layer_costs: Sequence[float],
+                   pre_cost: float = 0.0, post_cost: float = 0.0,
+                   fits: Fits | None = None) -> list[list[str]] | None:
+    """FQNs per stage of the cost-balanced split of a model.
+
+    Args:
+        layout: the model's layout (:func:`autopp.stage_split.inspect_model`).
+        n_stages: number of stages (all virtual stages, for looped schedules).
+        layer_costs: each layer's cost, in order (seconds per microbatch).
+        pre_cost / post_cost: the cost of the pre modules (embedding) and of the post
+            modules (final norm, head): added to the first and the last layer's.
+        fits: per-stage feasibility over layer indices (see :func:`balanced_cuts`).
+
+    Returns:
+        For each stage, the module FQNs it holds, in model order; None when nothing fits.
+    """
+    if len(layer_costs) != layout.n_layers:
+        raise ValueError(f"{len(layer_costs)} layer costs for {layout.n_layers} layers")
+    if n_stages > layout.n_layers:
+        raise ValueError(f"cannot split {layout.n_layers} layers into {n_stages} stages: "
+                         "every stage holds at least one layer; use fewer stages")
+    costs = [float(c) for c in layer_costs]
+    costs[0] += pre_cost
+    costs[-1] += post_cost
+    cuts = balanced_cuts(costs, n_stages, fits=fits)
+    if cuts is None:
+        return None
+    layers = layout.layer_fqns
+    stages = [list(layers[a:b]) for a, b in zip(cuts, cuts[1:])]
+    stages[0] = [*layout.pre, *stages[0]]
+    stages[-1] = [*stages[-1], *layout.post]
+    return stages
