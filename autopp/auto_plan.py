@@ -237,6 +237,9 @@ def plan_local_stage(
     ``recompute``, ``optimizer_state_factor``); without it ``memory_budget_bytes`` bounds
     parameter bytes only.
     """
+    from autopp.sharding import get_profile
+
+    profile = get_profile(profile).name  # "measure" -> this machine's measured profile
     options = dict(profile=profile, memory_budget_bytes=memory_budget_bytes,
                    boundary_in=boundary_in, boundary_out=boundary_out)
     if param_placements:
@@ -319,23 +322,31 @@ def plan_boundaries(
     n = len(metas)
     logits = last_stage_output(metas, inputs, mixed_precision)
 
-    def plan(s: int, k_in: str, k_out: str) -> StagePlan:
+    def plan(s: int, k_in: str, k_out: str, budgeted: bool = True) -> StagePlan:
         return plan_local_stage(
-            metas[s], inputs[s], sub_mesh, profile=profile, memory_budget_bytes=budgets[s],
+            metas[s], inputs[s], sub_mesh, profile=profile,
+            memory_budget_bytes=budgets[s] if budgeted else None,
             stage_index=s, boundary_in=k_in, boundary_out=k_out, timings=timings,
             mixed_precision=mixed_precision, n_microbatches=n_microbatches,
             param_placements=param_placements[s] if param_placements else None,
             memory=memory[s] if memory else None,
         )
 
+    whole = bool(memory) and any(m and m.get("activation_factor") is not None for m in memory)
+
+    def loss_s(s: int, k_out: str) -> float:
+        return loss_time_s(logits, sub_mesh, profile, k_out) if s == n - 1 else 0.0
+
     def stage_time(s: int, k_in: str, k_out: str) -> float:
+        # With the whole memory counted, boundaries are compared on each stage's
+        # time-optimal plan (no budget: one solve per unit, no price search); only the
+        # chosen boundaries are planned under the budget (plan_of). A parameter-only budget
+        # is cheap to honour: it bounds the comparison too.
         try:
-            t = plan(s, k_in, k_out).step_time_s
+            t = plan(s, k_in, k_out, budgeted=not whole).step_time_s
         except InfeasiblePlanError:  # e.g. a sequence tp does not divide: not a candidate
             return math.inf
-        if s == n - 1:
-            t += loss_time_s(logits, sub_mesh, profile, k_out)
-        return t
+        return t + loss_s(s, k_out)
 
     def send_time(s: int, kind: str) -> float:
         return 2 * boundary_bytes(inputs[s + 1][0], dp, tp, kind) / link_bw
@@ -349,13 +360,13 @@ def plan_boundaries(
 
     if math.isinf(sum(stage_time(s, bounds[s], bounds[s + 1]) for s in range(n))):
         for s in range(n):  # no feasible choice: raise the first stage's planner error
-            plan(s, bounds[s], bounds[s + 1])
+            plan(s, bounds[s], bounds[s + 1], budgeted=not whole)
 
     def plan_of(s: int) -> StagePlan:
         p = plan(s, bounds[s], bounds[s + 1])
         if s == n - 1:  # the last stage's plan says how its loss runs
-            loss_s = stage_time(s, bounds[s], bounds[s + 1]) - p.step_time_s
-            p = dataclasses.replace(p, loss=describe_loss(bounds[-1]), loss_s=loss_s)
+            p = dataclasses.replace(p, loss=describe_loss(bounds[-1]),
+                                    loss_s=loss_s(s, bounds[-1]))
         return p
 
     return bounds, plan_of
@@ -492,7 +503,10 @@ def plan_whole_pipeline(
     Returns ``(plan, was_cached)``. The plan depends on nothing else (and the planning code,
     which :mod:`autopp.plan_cache` hashes into the key).
     """
-    profile = options.profile or default_profile(sub_mesh.device_type)
+    from autopp.sharding import get_profile
+
+    # resolved: "measure" -> this machine's measured profile, by its own name
+    profile = get_profile(options.profile or default_profile(sub_mesh.device_type)).name
     last_kinds = loss_kinds(sub_mesh, loss_fn, options.loss_parallel)
     record = PlanOptions.of(options, profile)
     n = len(fqns_per_stage)

@@ -26,8 +26,10 @@ Recomputation (``recompute``): ``"none"`` / ``"selective"`` / ``"full"`` fix the
 the stage's backward (:mod:`autopp.graph.recompute`: it changes which forward values the
 ILP counts as saved and adds the recomputed nodes' forward time to the objective);
 ``"auto"`` plans the stage under each and keeps the fastest that fits (``"none"`` alone when
-its time-optimal plan fits: recomputing only adds time). The choice is per stage, since
-the graph runtime splits a stage with one policy.
+its time-optimal plan fits: recomputing only adds time); a policy whose time-optimal plan
+is no faster than a fitting plan already found is not searched further (that time bounds
+every plan of the policy from below). The choice is per stage, since the graph runtime
+splits a stage with one policy.
 """
 
 from __future__ import annotations
@@ -157,11 +159,11 @@ def _chain(stage: Stage, mode: str, price: float, time_limit_s: float,
                   sum(r.memory_bytes for r in results), price)
 
 
-def _plan_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: float
-               ) -> tuple[Chain | None, Chain]:
+def _plan_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: float,
+               fast: Chain | None = None) -> tuple[Chain | None, Chain]:
     """(the fastest chain under ``mode`` that fits ``budget`` or None, the least-memory
-    chain found: for the error message)."""
-    fast = _chain(stage, mode, 0.0, time_limit_s)
+    chain found: for the error message). ``fast``: the mode's chain at price 0, if known."""
+    fast = fast or _chain(stage, mode, 0.0, time_limit_s)
     if budget is None or fast.memory_bytes <= budget:
         fast.free = True
         return fast, fast
@@ -183,11 +185,16 @@ def _plan_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: floa
             price *= 8
         elif lo == 0.0:
             price /= 8
-        elif hi / lo < 1.25:
+        elif hi / lo < _PRICE_TOLERANCE:
             break
         else:
             price = math.sqrt(lo * hi)
     return _polish(stage, mode, budget, best, time_limit_s), least
+
+
+_PRICE_TOLERANCE = 2.0
+"""The price search stops when the feasible and infeasible prices are this close (a factor):
+each step re-solves every unit, and :func:`_polish` closes the remaining gap per unit."""
 
 
 def _polish(stage: Stage, mode: str, budget: float, best: Chain, time_limit_s: float
@@ -222,9 +229,15 @@ def choose_chain(stage: Stage, modes: Sequence[str], budget: float | None,
     """The fastest fitting chain over ``modes``, and (mode, fitting chain, least-memory
     chain) of each mode tried."""
     tried: list[tuple[str, Chain | None, Chain]] = []
+    best: Chain | None = None
     for mode in modes:
-        fit, least = _plan_mode(stage, mode, budget, time_limit_s)
+        fast = _chain(stage, mode, 0.0, time_limit_s)
+        if best is not None and fast.time_s >= best.time_s:
+            continue  # its fastest plan, fitting or not, is no faster than one that fits
+        fit, least = _plan_mode(stage, mode, budget, time_limit_s, fast)
         tried.append((mode, fit, least))
+        if fit is not None and (best is None or fit.time_s < best.time_s):
+            best = fit
         if mode == "none" and fit is not None and fit.free:
             break  # the time-optimal plan fits: recomputing could only add time
     fits = [fit for _, fit, _ in tried if fit is not None]

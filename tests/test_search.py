@@ -1,0 +1,112 @@
+"""``autopp.search``: the layouts it considers (hand-checked), its messages for inputs nothing
+can train, and an end-to-end search of the debug model whose best layout, planned exactly
+by the dry run, simulates to the step time the search predicted for it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from autopp.layout_search import Layout, enumerate_layouts
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plan_cache(tmp_path_factory):
+    old = os.environ.get("AUTOPP_PLAN_CACHE")
+    os.environ["AUTOPP_PLAN_CACHE"] = str(tmp_path_factory.mktemp("plans"))
+    yield
+    if old is None:
+        os.environ.pop("AUTOPP_PLAN_CACHE")
+    else:
+        os.environ["AUTOPP_PLAN_CACHE"] = old
+
+
+def test_layouts_of_eight_devices_by_hand():
+    layouts, rejected = enumerate_layouts(world_size=8, global_batch=16, n_layers=4,
+                                          devices_per_node=8, schedules=("1F1B",),
+                                          microbatch_choices=2)
+    # (pp, dp, tp): pp*dp*tp = 8, pp <= 4 layers, dp | 16; 1F1B needs m >= pp, m | 16/dp
+    expected = set()
+    for tp in (1, 2, 4, 8):
+        for pp in (1, 2, 4, 8):
+            if 8 % (tp * pp) or pp > 4:
+                continue
+            dp = 8 // (tp * pp)
+            local = 16 // dp
+            ms = [m for m in (1, 2, 4, 8, 16) if local % m == 0 and m >= pp]
+            picked = []
+            for m in ms:
+                if not picked or m >= 2 * picked[-1]:
+                    picked.append(m)
+            expected |= {Layout(pp, dp, tp, "1F1B", 1, m) for m in picked[:2]}
+    assert set(layouts) == expected
+    assert ("pp8 dp1 tp1", "pp=8 is more than the model's 4 layers") in rejected
+
+
+def test_tp_stays_in_a_node_and_v_schedules_need_two_stages_per_rank():
+    layouts, rejected = enumerate_layouts(world_size=16, global_batch=64, n_layers=8,
+                                          devices_per_node=4,
+                                          schedules=("ZBVZeroBubble", "Interleaved1F1B"))
+    assert max(lay.tp for lay in layouts) == 4
+    assert any("tp=8 spans nodes" in r for _, r in rejected)
+    assert all(lay.stages_per_rank == 2 for lay in layouts if lay.pp > 1)
+    assert all(lay.n_stages <= 8 for lay in layouts)
+
+
+def test_world_size_that_factors_into_nothing_valid():
+    # 13 devices: tp 13 spans nodes, pp 13 exceeds 6 layers, dp 13 does not divide 8
+    with pytest.raises(ValueError, match="no pp x dp x tp layout of 13 devices") as e:
+        enumerate_layouts(world_size=13, global_batch=8, n_layers=6, devices_per_node=8)
+    assert "What would work" in str(e.value) and "world size such as" in str(e.value)
+
+
+def test_global_batch_too_small_for_any_pipeline():
+    # tp at most 2 per node: 8 devices need pp >= 2 or dp >= 2; 1 sequence cannot feed either
+    with pytest.raises(ValueError, match="cannot make the >= 2 microbatches|not divisible"):
+        enumerate_layouts(world_size=8, global_batch=1, n_layers=6, devices_per_node=2)
+
+
+@pytest.fixture(scope="module")
+def debug_model():
+    import torch
+
+    from tests.models import llama3_meta
+
+    torch.manual_seed(0)
+    return llama3_meta(6)
+
+
+def test_model_that_fits_nowhere(debug_model):
+    import autopp
+    from autopp.sharding.profiles import PROFILES, register_profile, with_overrides
+
+    tiny = with_overrides(PROFILES["H100"], name="H100-1MiB", memory_bytes=2**20)
+    register_profile(tiny)
+    report = autopp.search(debug_model, world_size=4, global_batch=8, seq_len=64,
+                           profile="H100-1MiB", schedules=("1F1B",), tp_sizes=(1, 2))
+    assert report.results == ()
+    assert all("does not fit" in r for _, r in report.rejected if "GiB" in r)
+    with pytest.raises(ValueError, match="no layout of 4 devices fits.*What would make it fit"):
+        report.best
+
+
+def test_search_debug_model_best_layout_simulates_as_predicted(debug_model):
+    import autopp
+
+    report = autopp.search(debug_model, world_size=8, global_batch=16, seq_len=64,
+                           profile="H100", schedules=("1F1B", "Interleaved1F1B"),
+                           microbatch_choices=2)
+    print(report)
+    times = [c.step_time_s for c in report.results]
+    assert times == sorted(times) and len(times) >= 4
+    for c in report.results:
+        layers = [f for stage in c.fqns_per_stage for f in stage if f.startswith("layers.")]
+        assert layers == [f"layers.{i}" for i in range(6)]
+        assert c.fits and 0 < c.mfu < 1 and len(c.recompute) == c.layout.n_stages
+    best = report.best
+    dry = report.plan(0)  # the exact plan of the best layout: every stage, every boundary
+    assert dry.plan.fqns_per_stage == best.fqns_per_stage
+    # the search rescales probe plans; the dry run plans each stage exactly
+    assert dry.step_time_s == pytest.approx(best.step_time_s, rel=0.35), (
+        dry.step_time_s, best.step_time_s)
