@@ -108,5 +108,7 @@ def test_search_debug_model_best_layout_simulates_as_predicted(debug_model):
     dry = report.plan(0)  # the exact plan of the best layout: every stage, every boundary
     assert dry.plan.fqns_per_stage == best.fqns_per_stage
     # the search rescales probe plans; the dry run plans each stage exactly
-    assert dry.step_time_s == pytest.approx(best.step_time_s, rel=0.35), (
+    print(f"best {best.layout}: search {best.step_time_s * 1e3:.3f} ms, "
+          f"planned exactly {dry.step_time_s * 1e3:.3f} ms")
+    assert dry.step_time_s == pytest.approx(best.step_time_s, rel=0.15), (
         dry.step_time_s, best.step_time_s)
