@@ -15,6 +15,17 @@ many ranks on one machine, with no devices::
 It reports the simulated step time of the schedule, each pipeline rank's peak memory by
 category and whether it fits the device profile's memory (``--memory-reserve`` kept back).
 
+A search chooses the layout (pp x dp x tp, schedule, microbatches, split, recomputation) for
+a number of devices, prints the fastest candidates, plans the best one exactly and writes it
+(``--save-plan``, JSON) with its simulated step (``--trace``/``--timeline``)::
+
+    .venv/bin/python examples/llama3_pp_dp_tp.py --search --model 70B --world 512 \
+        --batch-size 512 --seq-len 8192 --mixed-precision bf16 --save-plan best.json
+
+``--plan best.json`` trains with a saved plan (its layout, schedule and split); launched
+without ``--pp/--dp/--tp`` (and no ``--plan``), the example searches for the world size
+torchrun gives it, on rank 0, and trains with the best layout.
+
 The model is torchtitan's llama3 (``--model``: debugmodel, 1B, 3B, 8B, 70B, 405B) with SDPA
 attention, built on the meta device: each rank materialises only its own stages. It learns
 bytes (token = byte, 0..255) of the Python standard library's sources, or of ``--data FILE``.
@@ -45,9 +56,11 @@ IGNORE_INDEX = -100
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="debugmodel", choices=list(llama3_configs))
-    p.add_argument("--pp", type=int, default=2, help="pipeline-parallel degree")
-    p.add_argument("--dp", type=int, default=2, help="data-parallel degree")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree")
+    p.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel degree")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree "
+                   "(none of the three: searched for the world size, or 2 x 2 x 2 for "
+                   "--dry-run)")
     p.add_argument("--schedule", default="1F1B",
                    help="GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, "
                         "ZBVZeroBubble, DualPipeV, or a schedule .csv file")
@@ -92,6 +105,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--memory-reserve", type=float, default=0.1,
                    help="with --dry-run: fraction of the device memory kept back when checking "
                         "that each rank's simulated peak fits")
+    p.add_argument("--search", action="store_true",
+                   help="search the layout for --world devices on this machine (fake process "
+                        "group), print the fastest candidates and plan the best exactly")
+    p.add_argument("--world", type=int, default=None,
+                   help="with --search: the number of devices (default: pp x dp x tp)")
+    p.add_argument("--top", type=int, default=10, help="with --search: candidates printed")
+    p.add_argument("--save-plan", default=None, metavar="PATH.json",
+                   help="with --search or --dry-run: write the planned pipeline (JSON)")
+    p.add_argument("--plan", default=None, metavar="PATH.json",
+                   help="train with this saved plan (its pp, dp, tp, schedule, microbatches "
+                        "and split) instead of planning")
     args = p.parse_args()
     if args.split is not None and args.split.isdigit():
         args.split = int(args.split)
@@ -157,10 +181,79 @@ def print_in_pp_order(pipe, mesh) -> None:
         dist.barrier()
 
 
+def _layout_defaults(args, world: int | None = None) -> None:
+    """--pp/--dp/--tp not given: 2 x 2 x 2 (dry run), or what --world implies for tp=dp=1."""
+    if args.pp is None and args.dp is None and args.tp is None:
+        args.pp, args.dp, args.tp = 2, 2, 2
+    args.pp, args.dp, args.tp = args.pp or 1, args.dp or 1, args.tp or 1
+
+
+def run_search(model, args, world: int):
+    """autopp.search for ``world`` devices; prints the table and returns the report."""
+    import autopp
+
+    profile = args.profile or ("H100" if args.search or args.device == "cuda" else "CPU")
+    report = autopp.search(model, world_size=world, global_batch=args.batch_size,
+                           seq_len=args.seq_len, profile=profile,
+                           mixed_precision=mp_policy(args), memory_reserve=args.memory_reserve)
+    print(report)
+    return report
+
+
+def search(args) -> None:
+    """Search the layout for --world devices, plan the best exactly, print and save it."""
+    world = args.world or ((args.pp or 1) * (args.dp or 1) * (args.tp or 1))
+    if world <= 1 and not args.world:
+        raise SystemExit("--search needs --world N (the number of devices to lay out)")
+    model = build_model(args.model)
+    report = run_search(model, args, world)
+    if not report.results:
+        raise SystemExit(report.no_fit_message())
+    exact = report.plan(0, trace=args.trace, timeline=args.timeline,
+                        memory_reserve=args.memory_reserve)
+    print("\nThe best layout, planned exactly (every stage under the device memory):")
+    print(exact)
+    if args.save_plan:
+        print(f"plan written to {exact.plan.save(args.save_plan)}")
+    for what, path in (("trace", args.trace), ("timeline", args.timeline)):
+        if path:
+            print(f"simulated step {what}: {path}")
+
+
+def _search_in_child(model_name: str, args_dict: dict, world: int) -> str:
+    """Run in a fresh process (its own fake process group): the best plan, as JSON."""
+    args = argparse.Namespace(**args_dict)
+    report = run_search(build_model(model_name), args, world)
+    return report.plan(0, memory_reserve=args.memory_reserve).plan.to_json()
+
+
+def searched_plan(args, world: int):
+    """Rank 0 searches (in a child process, off the job's process group) and every rank
+    gets the best plan."""
+    import multiprocessing
+
+    from autopp import PipelinePlan
+
+    box = [None]
+    if dist.get_rank() == 0:
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            box[0] = pool.apply(_search_in_child, (args.model, vars(args), world))
+    dist.broadcast_object_list(box, src=0)
+    return PipelinePlan.from_json(box[0])
+
+
+def use_plan(args, plan) -> None:
+    """Take the layout, schedule, microbatches and split from a plan."""
+    args.pp, args.dp, args.tp = plan.pp, plan.dp, plan.tp
+    args.schedule, args.microbatches = plan.schedule, plan.n_microbatches
+    args.split = [list(f) for f in plan.fqns_per_stage]
+
+
 def dry_run(args) -> None:
     """Plan the whole pipeline on this machine alone and print the report."""
     from autopp.dry_run import dry_run as plan_pipeline
 
+    _layout_defaults(args)
     report = plan_pipeline(
         build_model(args.model), pp=args.pp, dp=args.dp, tp=args.tp,
         schedule=args.schedule, n_microbatches=args.microbatches,
@@ -171,6 +264,8 @@ def dry_run(args) -> None:
         trace=args.trace, timeline=args.timeline,
     )
     print(report)
+    if args.save_plan:
+        print(f"plan written to {report.plan.save(args.save_plan)}")
     for what, path in (("trace", args.trace), ("timeline", args.timeline)):
         if path:
             print(f"simulated step {what}: {path}")
@@ -182,11 +277,25 @@ def main() -> None:
         level=logging.INFO if int(os.environ.get("RANK", 0)) == 0 else logging.WARNING,
         format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S",
     )
+    if args.search:
+        return search(args)
     if args.dry_run:
         return dry_run(args)
     device = init_distributed(args.device)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
+    plan = None
+    if args.plan:
+        from autopp import PipelinePlan
+
+        plan = PipelinePlan.load(args.plan)
+    elif args.pp is None and args.dp is None and args.tp is None:
+        plan = searched_plan(args, dist.get_world_size())
+    if plan is not None:
+        use_plan(args, plan)
+        log0(f"layout from the plan: pp={plan.pp} dp={plan.dp} tp={plan.tp} "
+             f"{plan.schedule} with {plan.n_microbatches} microbatches")
+    _layout_defaults(args)
     mesh = build_world_mesh(pp=args.pp, dp=args.dp, tp=args.tp, device_type=args.device)
 
     corpus = load_corpus(args.data)
@@ -204,6 +313,7 @@ def main() -> None:
         schedule=args.schedule,
         n_microbatches=args.microbatches,
         split=args.split,
+        plan=plan,
         parallelize="auto" if args.parallelize == "auto" else None,
         profile=args.profile,
         **(dict(loss_parallel={"auto": None, "on": True, "off": False}[args.loss_parallel],
