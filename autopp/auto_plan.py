@@ -17,6 +17,7 @@ Shared by :func:`autopp.plan_pipeline`, :func:`autopp.pipeline_autoparallel` and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -436,6 +437,7 @@ def tied_placements(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]],
     return fixed
 
 
+@functools.lru_cache(maxsize=1024)
 def in_flight_per_stage(schedule: str, pp: int, n_microbatches: int, n_stages: int
                         ) -> tuple[int, ...]:
     """Per stage, the most microbatches whose activations the schedule keeps at once (the

@@ -47,9 +47,9 @@ def _divisors(n: int) -> list[int]:
 
 def _microbatch_counts(local: int, n_stages: int, pp: int, schedule: str, limit: int
                        ) -> list[int]:
-    """Up to ``limit`` microbatch counts: from the fewest the schedule fills the pipeline
-    with (one per stage; 1 without a pipeline), doubling, each dividing the local batch."""
-    low = n_stages if pp > 1 else 1
+    """Up to ``limit`` microbatch counts the schedule accepts: from pp (one per pp rank; 1
+    without a pipeline) doubling, each dividing the local batch."""
+    low = pp  # one microbatch per pp rank fills the pipeline (the schedule may ask more)
     valid = [m for m in _divisors(local) if m >= low
              and microbatches_ok(schedule, pp=pp, n_stages=n_stages, n_microbatches=m)]
     out: list[int] = []
@@ -121,8 +121,8 @@ def enumerate_layouts(
                     ms = _microbatch_counts(local, pp * v, pp, name, microbatch_choices)
                     if not ms:
                         rejected.append((f"{family} {name}", (
-                            f"{local} sequences per dp rank cannot make the >= {pp * v} "
-                            f"microbatches {name} needs for {pp * v} stages")))
+                            f"{local} sequences per dp rank cannot make the microbatches "
+                            f"{name} needs for {pp * v} stages on {pp} ranks")))
                         continue
                     layouts += [Layout(pp, dp, tp, info.name, v, m) for m in ms]
     if not layouts:

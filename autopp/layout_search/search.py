@@ -21,8 +21,10 @@ How it works (docs/design.md, "Configuration search"):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -175,23 +177,18 @@ class _Pricer:
         self.peak_flops = profile.flops_bf16 if dtype in (torch.bfloat16, torch.float16) \
             else profile.flops_fp32
 
-    def probe(self, dp: int, tp: int, pp: int, m_ref: int) -> ShapeCosts:
-        from autopp.mesh import build_world_mesh, stage_sub_mesh
-
-        key = (dp, tp)
-        if key not in self.shapes:
-            mesh = build_world_mesh(pp=pp, dp=dp, tp=tp, device_type="cpu")
-            sub = stage_sub_mesh(mesh)
-            local = self.global_batch // dp
-            tokens = torch.empty((local, self.seq_len), dtype=torch.long, device="meta")
-            self.shapes[key] = probe_costs(
-                self.model, self.layout, sub, tokens=tokens, n_microbatches=m_ref,
-                profile=self.profile.name, boundary="batch+seq" if tp > 1 else "batch",
-                loss_kind="vocab" if tp > 1 else "batch", modes=self.modes,
-                mixed_precision=self.mp)
-            # a layer's output per device: batch split over dp, sequence over tp
-            self.send[key] = self.shapes[key].hidden_bytes / dp / tp
-        return self.shapes[key]
+    def add(self, shape: ShapeCosts) -> None:
+        """Take a probe's costs (merged with those of other recompute policies)."""
+        key = (shape.dp, shape.tp)
+        old = self.shapes.get(key)
+        if old is not None:
+            shape = dataclasses.replace(
+                shape, pre={**old.pre, **shape.pre}, layer={**old.layer, **shape.layer},
+                post={**old.post, **shape.post}, planning_s=old.planning_s + shape.planning_s,
+                solved=old.solved + shape.solved)
+        self.shapes[key] = shape
+        # a layer's output per device: batch split over dp, sequence over tp
+        self.send[key] = shape.hidden_bytes / shape.dp / shape.tp
 
     def price(self, lay: Layout, shape: ShapeCosts) -> Candidate | str:
         from autopp.auto_plan import in_flight_per_stage
@@ -199,12 +196,13 @@ class _Pricer:
         from autopp.schedules import StageCost, simulate_schedule
 
         n, L = lay.n_stages, self.layout.n_layers
+        modes = [m for m in self.modes if m in shape.layer]
         ref_rows = shape.rows
         rows = self.global_batch // lay.n_microbatches
         f = rows / ref_rows
-        layer = {m: shape.layer[m].scaled(f) for m in self.modes}
-        pre = {m: shape.pre[m].scaled(f) for m in self.modes}
-        post = {m: shape.post[m].scaled(f) for m in self.modes}
+        layer = {m: shape.layer[m].scaled(f) for m in modes}
+        pre = {m: shape.pre[m].scaled(f) for m in modes}
+        post = {m: shape.post[m].scaled(f) for m in modes}
         loss = shape.loss_s * f
         in_flight = in_flight_per_stage(lay.schedule, lay.pp, lay.n_microbatches, n)
         budget = self.usable / lay.stages_per_rank
@@ -227,7 +225,7 @@ class _Pricer:
             hit = memo.get(key)
             if hit is None:
                 hit = (math.inf, "")
-                for mode in self.modes:
+                for mode in modes:
                     u = unit_sum(s, k, mode)
                     mem = u.state_total() + u.gathered_bytes + in_flight[s] * u.activation_bytes
                     if mem <= budget:
@@ -242,16 +240,16 @@ class _Pricer:
         cuts = balanced_cuts([1.0] * L, n,
                              stage_cost=lambda s, i, j: best_mode(s, j - i)[0])
         if cuts is None:
-            u = unit_sum(0, max(1, L // n), self.modes[-1])
+            u = unit_sum(0, max(1, L // n), modes[-1])
             need = u.state_total() + u.gathered_bytes + in_flight[0] * u.activation_bytes
-            return (f"does not fit: even with recompute={self.modes[-1]!r} the first stage "
+            return (f"does not fit: even with recompute={modes[-1]!r} the first stage "
                     f"needs ~{need / 2**30:.1f} GiB of {budget / 2**30:.1f} GiB "
                     f"({in_flight[0]} microbatches in flight)")
         counts = [b - a for a, b in zip(cuts, cuts[1:])]
-        modes = [best_mode(s, k)[1] for s, k in enumerate(counts)]
+        chosen = [best_mode(s, k)[1] for s, k in enumerate(counts)]
         send = self.send[(lay.dp, lay.tp)] * f
         costs = []
-        for s, (k, mode) in enumerate(zip(counts, modes)):
+        for s, (k, mode) in enumerate(zip(counts, chosen)):
             u = unit_sum(s, k, mode)
             base = max(u.per_microbatch_s - u.recompute_s, 0.0) / 3
             ls = loss if s == n - 1 else 0.0
@@ -282,12 +280,55 @@ class _Pricer:
         step = sim.step_time_s
         return Candidate(
             layout=lay, fqns_per_stage=tuple(tuple(x) for x in fqns),
-            layers_per_stage=tuple(counts), recompute=tuple(modes), step_time_s=step,
+            layers_per_stage=tuple(counts), recompute=tuple(chosen), step_time_s=step,
             bubble_fraction=sim.bubble_fraction,
             tokens_per_s_per_device=tokens / step / world,
             mfu=6 * self.n_params * tokens / step / (world * self.peak_flops),
             peak_bytes=peaks, usable_bytes=self.usable, largest=largest, simulation=sim,
         )
+
+
+_JOB: dict[str, Any] = {}
+"""What probe jobs read: set before the worker processes are forked (they inherit it)."""
+
+
+def _probe_job(dp: int, tp: int, pp: int, m_ref: int, modes: tuple[str, ...]
+               ) -> ShapeCosts | str:
+    """Probe one sub-mesh (in a worker process or this one): its costs, or why not."""
+    from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
+
+    j = _JOB
+    if not dist.is_initialized():
+        init_fake_world(j["world"])
+    try:
+        sub = stage_sub_mesh(build_world_mesh(pp=pp, dp=dp, tp=tp, device_type="cpu"))
+        tokens = torch.empty((j["global_batch"] // dp, j["seq_len"]), dtype=torch.long,
+                             device="meta")
+        return probe_costs(j["model"], j["layout"], sub, tokens=tokens, n_microbatches=m_ref,
+                           profile=j["profile"], boundary="batch+seq" if tp > 1 else "batch",
+                           loss_kind="vocab" if tp > 1 else "batch", modes=modes,
+                           mixed_precision=j["mp"])
+    except Exception as e:  # noqa: BLE001 - a sub-mesh the planner cannot plan
+        return f"the planner could not plan this sub-mesh: {e}".split("\n")[0]
+
+
+def _run_probes(jobs: list[tuple], workers: int, done: Any) -> list[ShapeCosts | str]:
+    """Run probe jobs, on ``workers`` forked processes when more than one."""
+    if workers <= 1 or len(jobs) <= 1:
+        out = []
+        for job in jobs:
+            out.append(_probe_job(*job))
+            done(job)
+        return out
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(min(workers, len(jobs))) as pool:
+        pending = [pool.apply_async(_probe_job, job) for job in jobs]
+        out = []
+        for job, p in zip(jobs, pending):
+            out.append(p.get())
+            done(job)
+        return out
 
 
 def search(
@@ -306,6 +347,7 @@ def search(
     microbatch_choices: int = 3,
     max_results: int | None = None,
     layers_attr: str | None = None,
+    workers: int | None = None,
 ) -> SearchReport:
     """Find the fastest layouts of ``model_meta`` on ``world_size`` devices.
 
@@ -328,11 +370,14 @@ def search(
         microbatch_choices: microbatch counts tried per layout (fewest first, doubling).
         max_results: keep only this many feasible layouts (None: all).
         layers_attr: path of the model's block container (None: found).
+        workers: processes probing sub-meshes at once (None: up to 2, this machine's cores
+            permitting; 1: in this process). Probes under "none" come first; the other
+            recomputation policies are probed only on sub-meshes where some layout does not
+            fit without them.
 
     Returns a :class:`SearchReport`; raises ValueError when no layout exists at all.
     """
     from autopp.estimate import usable_bytes
-    from autopp.mesh import init_fake_world
     from autopp.sharding.profiles import get_profile
     from autopp.stage_split import inspect_model
 
@@ -347,52 +392,76 @@ def search(
         world_size=world_size, global_batch=global_batch, n_layers=layout_info.n_layers,
         devices_per_node=prof.devices_per_node, schedules=schedules, tp_sizes=tp_sizes,
         pp_sizes=pp_sizes, microbatch_choices=microbatch_choices)
-    created = False
-    if not dist.is_initialized():
-        init_fake_world(world_size)
-        created = True
-    elif dist.get_world_size() != world_size:
+    if dist.is_initialized() and dist.get_world_size() != world_size:
         raise ValueError(f"torch.distributed is initialised with {dist.get_world_size()} ranks; "
                          f"the search needs a fake world of {world_size}")
+    workers = min(2, os.cpu_count() or 1) if workers is None else workers
     pricer = _Pricer(model_meta, layout_info, global_batch=global_batch, seq_len=seq_len,
                      profile=prof, mixed_precision=mixed_precision, modes=tuple(recompute),
                      usable=usable)
     families: dict[tuple[int, int], list[Layout]] = {}
     for lay in layouts:
         families.setdefault((lay.dp, lay.tp), []).append(lay)
-    results: list[Candidate] = []
-    rej = list(rejected)
-    done, last_log = 0, time.perf_counter()
-    logger.info("search: %d layouts over %d sub-mesh shapes (%d left out before pricing)",
-                len(layouts), len(families), len(rejected))
-    try:
-        for i, ((dp, tp), fam) in enumerate(sorted(families.items())):
+    _JOB.update(model=model_meta, layout=layout_info, world=world_size,
+                global_batch=global_batch, seq_len=seq_len, profile=prof.name,
+                mp=mixed_precision)
+    logger.info("search: %d layouts over %d sub-mesh shapes (%d left out before pricing), "
+                "%d probe process(es)", len(layouts), len(families), len(rejected), workers)
+    progress = {"n": 0, "total": 0, "last": time.perf_counter()}
+
+    def done(job: tuple) -> None:
+        progress["n"] += 1
+        now = time.perf_counter()
+        if now - progress["last"] > 5 or progress["n"] == progress["total"]:
+            logger.info("search: probed %d/%d sub-meshes (dp=%d tp=%d, recompute %s), %.1f s",
+                        progress["n"], progress["total"], job[0], job[1], "/".join(job[4]),
+                        now - t0)
+            progress["last"] = now
+
+    def probe(keys: list[tuple[int, int]], modes: tuple[str, ...]) -> dict:
+        jobs = []
+        for dp, tp in keys:
+            fam = families[dp, tp]
             m_ref = sorted(lay.n_microbatches for lay in fam)[len(fam) // 2]
-            try:
-                shape = pricer.probe(dp, tp, fam[0].pp, m_ref)
-            except Exception as e:  # noqa: BLE001 - a sub-mesh the planner cannot plan
-                reason = f"the planner could not plan this sub-mesh: {e}".split("\n")[0]
-                rej += [(str(lay), reason) for lay in fam]
-                done += len(fam)
+            jobs.append((dp, tp, fam[0].pp, m_ref, modes))
+        progress["n"], progress["total"] = 0, len(jobs)
+        return dict(zip(keys, _run_probes(jobs, workers, done)))
+
+    priced: dict[Layout, Candidate | str] = {}
+
+    def price(keys: list[tuple[int, int]], shapes: dict) -> None:
+        for key in keys:
+            got = shapes[key]
+            if isinstance(got, str):
+                priced.update((lay, got) for lay in families[key])
                 continue
-            for lay in fam:
-                c = pricer.price(lay, shape)
-                if isinstance(c, str):
-                    rej.append((str(lay), c))
-                else:
-                    results.append(c)
-                done += 1
-            now = time.perf_counter()
-            if now - last_log > 5 or i == len(families) - 1:
-                best = min(results, key=lambda c: c.step_time_s) if results else None
-                logger.info("search: %d/%d layouts priced (sub-mesh %d/%d), %.1f s; best so "
-                            "far %s", done, len(layouts), i + 1, len(families), now - t0,
-                            f"{best.layout} {best.step_time_s * 1e3:.1f} ms" if best else
-                            "none fits")
-                last_log = now
+            pricer.add(got)
+            for lay in families[key]:
+                priced[lay] = pricer.price(lay, pricer.shapes[key])
+        fits = [c for c in priced.values() if not isinstance(c, str)]
+        best = min(fits, key=lambda c: c.step_time_s) if fits else None
+        logger.info("search: %d/%d layouts priced, %.1f s; best so far %s", len(priced),
+                    len(layouts), time.perf_counter() - t0,
+                    f"{best.layout} {best.step_time_s * 1e3:.1f} ms" if best else "none fits")
+
+    created = not dist.is_initialized()  # in-process probes set up a fake world
+    keys = sorted(families)
+    first = ("none",) if "none" in recompute else tuple(recompute)
+    rest = tuple(m for m in recompute if m not in first)
+    try:
+        price(keys, probe(keys, first))
+        again = [k for k in keys if rest and k in pricer.shapes and any(
+            isinstance(priced[lay], str) and priced[lay].startswith("does not fit")
+            for lay in families[k])]
+        if again:
+            logger.info("search: %d sub-mesh(es) have layouts that do not fit without "
+                        "recomputation: probing recompute %s", len(again), "/".join(rest))
+            price(again, probe(again, rest))
     finally:
-        if created:
+        if created and dist.is_initialized():
             dist.destroy_process_group()
+    results = [c for c in priced.values() if not isinstance(c, str)]
+    rej = list(rejected) + [(str(lay), c) for lay, c in priced.items() if isinstance(c, str)]
     results.sort(key=lambda c: c.step_time_s)
     if max_results is not None:
         results = results[:max_results]

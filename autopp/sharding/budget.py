@@ -118,6 +118,11 @@ class _Priced:
             self.objective_s = res.objective_s + price * res.memory_bytes
 
 
+_SEARCH_GAP = 1e-3
+"""Relative MIP gap of the price search's solves at a positive price (intermediate: the
+chosen chain is polished at the solver's default gap)."""
+
+
 def _solve(stage: Stage, kind: int, pair: tuple, mode: str, price: float,
            budget: float | None, time_limit_s: float, start=None
            ) -> SolveResult | InfeasiblePlanError:
@@ -125,9 +130,11 @@ def _solve(stage: Stage, kind: int, pair: tuple, mode: str, price: float,
     key = (rep.mkey, pair, rep.fixed_key, time_limit_s, mode, price, budget)
     res = None if stage.solves is None else stage.solves.get(key)
     if res is None:
+        gap = _SEARCH_GAP if 0 < price < math.inf else 1e-6
         try:
             res = rep.model.solve(*rep.pairs[pair], time_limit_s=time_limit_s,
-                                  recompute=mode, budget=budget, price=price, start=start)
+                                  recompute=mode, budget=budget, price=price, start=start,
+                                  rel_gap=gap)
             stage.solved.append((0, res.solve_s))
         except InfeasiblePlanError as e:
             res = e

@@ -411,6 +411,7 @@ class Model:
         budget: float | None | str = "default",
         price: float = 0.0,
         start: Mapping[fx.Node, Option] | None = None,
+        rel_gap: float = 1e-6,
     ) -> SolveResult:
         """Solve with some nodes' placements restricted; raise InfeasiblePlanError naming them.
 
@@ -418,7 +419,8 @@ class Model:
         bytes per device for the memory row (``"default"``: the model's
         ``memory_budget_bytes``; None: no bound). ``price``: seconds per byte of the memory
         row added to the objective (Lagrangian; ``inf``: least memory first). ``start``: a
-        feasible choice to start branching from (a MIP incumbent)."""
+        feasible choice to start branching from (a MIP incumbent). ``rel_gap``: the MIP's
+        relative optimality gap (looser for the price search's intermediate solves)."""
         if budget == "default":
             budget = self.memory_budget_bytes
         restrict, names = dict(restrict or {}), dict(restrict_names or {})
@@ -431,7 +433,8 @@ class Model:
         lp.col_cost_ = self._costs_for(t, price)
         integer = self.integer + [False] * len(t.upper)
         ints = np.asarray(integer, dtype=bool)
-        x, dt, status, obj = self._run(lp, upper, integer, False, time_limit_s, threads)
+        x, dt, status, obj = self._run(lp, upper, integer, False, time_limit_s, threads,
+                                       rel_gap=rel_gap)
         if x.size and np.any((x[ints] > 1e-6) & (x[ints] < 1 - 1e-6)):
             hint = None
             if start is not None:  # x columns of a feasible choice: 1 chosen, 0 the others
@@ -441,7 +444,7 @@ class Model:
                         vals[self.col0[n] + self.options[n].index(o)] = 1.0
                 hint = (np.arange(self.num_x, dtype=np.int32), vals)
             x, dt2, status, obj = self._run(lp, upper, integer, True, time_limit_s, threads,
-                                            hint)
+                                            hint, rel_gap=rel_gap)
             dt += dt2
         elif x.size:
             status += " (LP relaxation integral)"
@@ -465,7 +468,7 @@ class Model:
                        ilp_memory_bytes=ilp_mem, num_vars=len(integer))
 
     def _run(self, lp, upper, integer: list[bool], as_mip: bool, time_limit_s: float,
-             threads: int, hint=None):
+             threads: int, hint=None, rel_gap: float = 1e-6):
         lp.col_upper_ = upper
         kint, kcont = highspy.HighsVarType.kInteger, highspy.HighsVarType.kContinuous
         lp.integrality_ = [kint if b else kcont for b in integer] if as_mip else []
@@ -473,7 +476,7 @@ class Model:
         h.setOptionValue("output_flag", False)
         h.setOptionValue("time_limit", float(time_limit_s))
         h.setOptionValue("threads", int(threads))
-        h.setOptionValue("mip_rel_gap", 1e-6)
+        h.setOptionValue("mip_rel_gap", float(rel_gap))
         h.setOptionValue("mip_heuristic_effort", 0.3)  # measured: finds incumbents sooner
         t0 = time.perf_counter()
         h.passModel(lp)
