@@ -52,6 +52,7 @@ WORLD = 8
 SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "GPipe")
 STEP_RE = re.compile(r"^step\s+(\d+)\s.*step_time\s+([0-9.]+)s", re.M)
 DONE_RE = re.compile(r"^done: (\d+) steps, median step ([0-9.]+)s", re.M)
+ERROR_RE = re.compile(r"\b[A-Za-z]*(Error|Exception)\b: ")
 TOP1_TOLERANCE = 0.10
 
 
@@ -227,6 +228,7 @@ def plan_config(report, i: int, workdir: Path) -> dict:
                 layers_per_stage=list(c.layers_per_stage), recompute=list(c.recompute),
                 predicted_search_s=c.step_time_s,
                 predicted_plan_s=est.step_time_s if est is not None else math.nan,
+                bubble_plan=est.bubble_fraction if est is not None else math.nan,
                 plan=str(path), plan_s=time.perf_counter() - t0)
 
 
@@ -265,7 +267,8 @@ def launch(args, cfg: dict, workdir: Path) -> dict:
     out = dict(log=str(log), launch_s=wall, step_times_s=times)
     if rc != 0 or len(times) < args.steps:
         lines = text.strip().splitlines()
-        errs = [ln for ln in lines if "Error" in ln or "error" in ln] or lines[-1:]
+        errs = ([ln for ln in lines if ERROR_RE.search(ln) and "ChildFailedError" not in ln]
+                or [ln for ln in lines if "Error" in ln] or lines[-1:])
         out["error"] = f"exit {rc}, {len(times)}/{args.steps} steps; " + (
             errs[-1].strip() if errs else "no output")
         return out
@@ -312,8 +315,14 @@ def summarise(args, rows: list[dict], failures: list[dict], report) -> dict:
 
 
 def markdown(s: dict) -> str:
+    if s["top1_measured_s"] is None or s["fastest_measured_s"] is None:
+        fails = "".join(f"\n- failed: rank {f['rank']} {f['config']}: {f['error']}"
+                        for f in s["failures"])
+        return ("# autopp.search vs measured\n\nthe search's rank 1 (or every configuration) "
+                f"failed to run: no comparison{fails}\n")
     head = ("| search rank | configuration | predicted (search) s | predicted (exact plan) s "
-            "| measured median s | measured / predicted | predicted order | measured order |")
+            "| simulated bubble | measured median s | measured / predicted (search) "
+            "| measured / predicted (plan) | predicted order | measured order |")
     lines = [
         f"# autopp.search vs measured: llama3 {s['model']}, {s['world_size']} gloo ranks, "
         f"global batch {s['global_batch']} x seq {s['seq_len']}",
@@ -323,14 +332,15 @@ def markdown(s: dict) -> str:
         "(includes gradient clipping and AdamW, not in the prediction)",
         "",
         head,
-        "|" + "---|" * 8,
+        "|" + "---|" * 10,
     ]
     for r in sorted(s["rows"], key=lambda r: r["rank"]):
         if "measured_s" not in r:
             continue
         lines.append(
             f"| {r['rank']} | {r['config']} | {r['predicted_search_s']:.3f} | "
-            f"{r['predicted_plan_s']:.3f} | {r['measured_s']:.3f} | {r['ratio_search']:.2f} | "
+            f"{r['predicted_plan_s']:.3f} | {r['bubble_plan']:.0%} | {r['measured_s']:.3f} | "
+            f"{r['ratio_search']:.2f} | {r['ratio_plan']:.2f} | "
             f"{r['predicted_order']:g} | {r['measured_order']:g} |")
     lines += [
         "",

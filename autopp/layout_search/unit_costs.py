@@ -27,6 +27,7 @@ from torch import nn
 
 from autopp.estimate import StateBytes, param_dtypes, state_bytes
 from autopp.sharding.plan import StagePlan
+from autopp.sharding.profiles import get_profile, mesh_links
 
 __all__ = ["ShapeCosts", "UnitCost", "probe_costs"]
 
@@ -37,7 +38,7 @@ class UnitCost:
 
     per_microbatch_s: float
     """Forward + backward of one microbatch (compute, activation redistributions and the
-    recomputed forward, if any): scales with the microbatch."""
+    recomputed forward, if any): scales with the microbatch, but for ``latency_s``."""
     recompute_s: float
     """Of which the recomputed forward (runs in the backward)."""
     unshard_s: float
@@ -50,6 +51,8 @@ class UnitCost:
     """Gathered / cast weights held for the step."""
     state: StateBytes
     """Parameters, gradients (reduced and before reduction) and AdamW state."""
+    latency_s: float = 0.0
+    """Of ``per_microbatch_s``, the activation collectives' fixed latency (does not scale)."""
 
     def __add__(self, other: UnitCost) -> UnitCost:
         return UnitCost(
@@ -59,11 +62,14 @@ class UnitCost:
             self.activation_bytes + other.activation_bytes,
             self.gathered_bytes + other.gathered_bytes,
             StateBytes(**{f.name: getattr(self.state, f.name) + getattr(other.state, f.name)
-                          for f in dataclasses.fields(StateBytes)}))
+                          for f in dataclasses.fields(StateBytes)}),
+            self.latency_s + other.latency_s)
 
     def scaled(self, factor: float) -> UnitCost:
-        """At ``factor`` times the reference microbatch."""
-        return dataclasses.replace(self, per_microbatch_s=self.per_microbatch_s * factor,
+        """At ``factor`` times the reference microbatch (collective latency unscaled)."""
+        fixed = min(self.latency_s, self.per_microbatch_s)
+        return dataclasses.replace(self, per_microbatch_s=fixed + (self.per_microbatch_s - fixed)
+                                   * factor,
                                    recompute_s=self.recompute_s * factor,
                                    activation_bytes=self.activation_bytes * factor)
 
@@ -73,7 +79,8 @@ class UnitCost:
 
 
 ZERO = UnitCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, StateBytes(parameters=0, gradients=0,
-                                                          unreduced_gradients=0, optimizer=0))
+                                                          unreduced_gradients=0, optimizer=0),
+                0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +115,10 @@ def _unit_cost(plan: StagePlan, prefix: str, fqns: set[str], dtypes: dict[str, t
                                                  if c.block == prefix))
     gather = sum(c.time_s for c in mine.collectives if c.producer in fqns and c.node not in fqns)
     reduce = sum(c.time_s for c in mine.collectives if c.node in fqns)
+    links = mesh_links(get_profile(plan.profile), tuple(plan.mesh_shape))
+    dims = list(plan.mesh_dim_names)
+    latency = sum(links.latency[dims.index(c.mesh_dim)] for c in mine.collectives
+                  if c.node not in fqns and c.producer not in fqns and c.mesh_dim in dims)
     return UnitCost(
         per_microbatch_s=max(bp.estimated_s - gather - reduce, 0.0),
         recompute_s=bp.recompute_s,
@@ -115,6 +126,7 @@ def _unit_cost(plan: StagePlan, prefix: str, fqns: set[str], dtypes: dict[str, t
         activation_bytes=float(bp.activation_bytes),
         gathered_bytes=float(bp.gathered_param_bytes),
         state=state_bytes(mine, dtypes),
+        latency_s=latency,
     )
 
 
