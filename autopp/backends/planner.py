@@ -70,9 +70,10 @@ class PlannerOptions:
             modes below whose plan fits the memory budget; "none" when it fits), "none" (the
             backward reads what the forward saved), "selective" (save matmul and attention
             outputs, recompute the cheap ops in the backward) or "full" (save only the stage
-            input, recompute the rest in the backward). Collectives are always saved, never
-            re-run. It works under every schedule, the I/W split included (I recomputes; W
-            gets what it needs from I). The planner prices the recomputed forward.
+            input, recompute the rest in the backward). Reductions are always saved, never
+            re-run; all-gathers of activations are gathered again in the backward. It works
+            under every schedule, the I/W split included (I recomputes; W gets what it needs
+            from I). The planner prices the recomputed forward.
     """
 
     profile: str | None = None

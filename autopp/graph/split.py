@@ -87,7 +87,8 @@ def split_joint_graph(
         recompute: activation recomputation (see :mod:`autopp.graph.recompute`): ``"none"``
             (save every forward value the backward reads), ``"selective"`` (save matmul and
             attention outputs, recompute the cheap ops in the backward) or ``"full"`` (save
-            the stage inputs only). Random ops and collectives are always saved. With
+            the stage inputs only). Random ops and reductions are always saved;
+            all-gathers of activations are gathered again. With
             ``split_weight_grad``, I recomputes what it needs and hands on what W needs.
 
     Returns:

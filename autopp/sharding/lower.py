@@ -171,7 +171,8 @@ def split_local(local: LocalJoint, *, split_weight_grad: bool = True,
     end of parameter-gradient chains become the reduce-grad graph (so ``full_backward``
     returns unreduced gradients; call ``reduce_grads``). ``recompute`` ("none", "selective"
     or "full", :mod:`autopp.graph.recompute`): what the backward pieces recompute instead of
-    the forward saving it; the plan's collectives are always saved, never re-run. ``local.gm``
+    the forward saving it; the plan's reductions are always saved, its all-gathers of activations
+    gathered again. ``local.gm``
     is not modified.
     """
     gm = fx.GraphModule(local.gm, copy.deepcopy(local.gm.graph))  # the split edits in place
