@@ -95,7 +95,14 @@ def pipeline_plan_key(desc: dict[str, Any]) -> str:
 
 def _cached(key: str, solve: Callable[[], T], load: Callable[[Path], T],
             save: Callable[[T, Path], None]) -> tuple[T, bool]:
-    d = cache_dir()
+    return cached_file(cache_dir(), key, solve, load, save)
+
+
+def cached_file(d: Path, key: str, solve: Callable[[], T], load: Callable[[Path], T],
+                save: Callable[[T, Path], None]) -> tuple[T, bool]:
+    """``load(d / f"{key}.json")``, or ``solve()``'s value saved there (written to a
+    temporary file, then renamed); one process per host solves a key at a time (a lock file
+    beside it). Returns ``(value, was_cached)``."""
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{key}.json"
     with open(d / f"{key}.lock", "w") as lock:

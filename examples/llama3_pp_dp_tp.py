@@ -212,9 +212,14 @@ def search(args) -> None:
     exact = report.plan(0, trace=args.trace, timeline=args.timeline,
                         memory_reserve=args.memory_reserve)
     print("\nThe best layout, planned exactly (every stage under the device memory):")
-    print(exact)
+    print_dry_run(exact, args)
+
+
+def print_dry_run(report, args) -> None:
+    """A dry run's report, and where its plan, trace and timeline were written."""
+    print(report)
     if args.save_plan:
-        print(f"plan written to {exact.plan.save(args.save_plan)}")
+        print(f"plan written to {report.plan.save(args.save_plan)}")
     for what, path in (("trace", args.trace), ("timeline", args.timeline)):
         if path:
             print(f"simulated step {what}: {path}")
@@ -263,12 +268,7 @@ def dry_run(args) -> None:
         mixed_precision=mp_policy(args), memory_reserve=args.memory_reserve,
         trace=args.trace, timeline=args.timeline,
     )
-    print(report)
-    if args.save_plan:
-        print(f"plan written to {report.plan.save(args.save_plan)}")
-    for what, path in (("trace", args.trace), ("timeline", args.timeline)):
-        if path:
-            print(f"simulated step {what}: {path}")
+    print_dry_run(report, args)
 
 
 def main() -> None:

@@ -7,7 +7,6 @@ so each distinct stage is solved once per host."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -24,18 +23,9 @@ from tests.test_pipeline_numerics import (
     _check_tracks_adamw_reference,
 )
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("fresh_plan_cache")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def plan_cache(tmp_path_factory):
-    old = os.environ.get("AUTOPP_PLAN_CACHE")
-    os.environ["AUTOPP_PLAN_CACHE"] = str(tmp_path_factory.mktemp("plans"))
-    yield
-    if old is None:
-        os.environ.pop("AUTOPP_PLAN_CACHE")
-    else:
-        os.environ["AUTOPP_PLAN_CACHE"] = old
 
 
 @pytest.fixture(scope="module")

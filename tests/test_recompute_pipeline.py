@@ -8,7 +8,6 @@ one process: the option's validation, and the graph-replay memory count the memo
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
@@ -17,15 +16,7 @@ from tests.models import make_batch, reference_step
 from tests.pipeline_workers import run_configs
 from tests.test_pipeline_numerics import BATCH, N_LAYERS, SEQ, _cfg, _check
 
-@pytest.fixture(scope="module", autouse=True)
-def plan_cache(tmp_path_factory):
-    old = os.environ.get("AUTOPP_PLAN_CACHE")
-    os.environ["AUTOPP_PLAN_CACHE"] = str(tmp_path_factory.mktemp("plans"))
-    yield
-    if old is None:
-        os.environ.pop("AUTOPP_PLAN_CACHE")
-    else:
-        os.environ["AUTOPP_PLAN_CACHE"] = old
+pytestmark = pytest.mark.usefixtures("fresh_plan_cache")
 
 
 @pytest.fixture(scope="module")

@@ -4,22 +4,13 @@ by the dry run, simulates to the step time the search predicted for it."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
 from autopp.layout_search import Layout, enumerate_layouts
 
 
-@pytest.fixture(scope="module", autouse=True)
-def plan_cache(tmp_path_factory):
-    old = os.environ.get("AUTOPP_PLAN_CACHE")
-    os.environ["AUTOPP_PLAN_CACHE"] = str(tmp_path_factory.mktemp("plans"))
-    yield
-    if old is None:
-        os.environ.pop("AUTOPP_PLAN_CACHE")
-    else:
-        os.environ["AUTOPP_PLAN_CACHE"] = old
+pytestmark = pytest.mark.usefixtures("fresh_plan_cache")
 
 
 def test_layouts_of_eight_devices_by_hand():

@@ -28,7 +28,6 @@ stored as JSON in :func:`autopp.sharding.profiles.profile_cache_dir`, where
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -485,21 +484,16 @@ def measure_profile(*, world_size: int = DEFAULT_WORLD_SIZE, backend: str | None
     name = measured_name(world_size=world_size, backend=backend, device=device)
     if not cache:
         return register_profile(_measure(name, world_size, backend, device, timeout_s)[0])
+    from autopp.plan_cache import cached_file
+
     directory = profile_cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{name}.json"
-    with open(directory / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if path.exists():
-                logger.info("measured profile %s read from %s", name, path)
-                return load_profile(path)
-            profile, details = _measure(name, world_size, backend, device, timeout_s)
-            save_profile(profile, path, details)
-            logger.info("measured profile %s stored in %s", name, path)
-            return register_profile(profile)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    (profile, _), hit = cached_file(
+        directory, name, lambda: _measure(name, world_size, backend, device, timeout_s),
+        lambda path: (load_profile(path), None),
+        lambda value, path: save_profile(value[0], path, value[1]))
+    logger.info("measured profile %s %s %s", name, "read from" if hit else "stored in",
+                directory / f"{name}.json")
+    return register_profile(profile)
 
 
 def _measure(name: str, world_size: int, backend: str, device: str,
