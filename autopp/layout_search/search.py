@@ -196,7 +196,7 @@ class _Pricer:
         from autopp.schedules import StageCost, simulate_schedule
 
         n, L = lay.n_stages, self.layout.n_layers
-        modes = [m for m in self.modes if m in shape.layer]
+        modes = [m for m in shape.layer]  # policies, and their "@lean" variants, probed
         ref_rows = shape.rows
         rows = self.global_batch // lay.n_microbatches
         f = rows / ref_rows
@@ -240,17 +240,21 @@ class _Pricer:
         cuts = balanced_cuts([1.0] * L, n,
                              stage_cost=lambda s, i, j: best_mode(s, j - i)[0])
         if cuts is None:
-            u = unit_sum(0, max(1, L // n), modes[-1])
-            need = u.state_total() + u.gathered_bytes + in_flight[0] * u.activation_bytes
-            return (f"does not fit: even with recompute={modes[-1]!r} the first stage "
-                    f"needs ~{need / 2**30:.1f} GiB of {budget / 2**30:.1f} GiB "
-                    f"({in_flight[0]} microbatches in flight)")
+            def need(mode: str) -> float:
+                u = unit_sum(0, max(1, L // n), mode)
+                return u.state_total() + u.gathered_bytes + in_flight[0] * u.activation_bytes
+
+            least = min(modes, key=need)
+            lean = ", weights sharded as far as they go" if "@" in least else ""
+            return (f"does not fit: even its least-memory plan probed (recompute="
+                    f"{least.split('@')[0]!r}{lean}) needs ~{need(least) / 2**30:.1f} GiB for the first stage of "
+                    f"{budget / 2**30:.1f} GiB ({in_flight[0]} microbatches in flight)")
         counts = [b - a for a, b in zip(cuts, cuts[1:])]
-        chosen = [best_mode(s, k)[1] for s, k in enumerate(counts)]
+        chosen = [best_mode(s, k)[1].split("@")[0] for s, k in enumerate(counts)]
         send = self.send[(lay.dp, lay.tp)] * f
         costs = []
-        for s, (k, mode) in enumerate(zip(counts, chosen)):
-            u = unit_sum(s, k, mode)
+        for s, k in enumerate(counts):
+            u = unit_sum(s, k, best_mode(s, k)[1])
             base = max(u.per_microbatch_s - u.recompute_s, 0.0) / 3
             ls = loss if s == n - 1 else 0.0
             costs.append(StageCost(
@@ -446,8 +450,11 @@ def search(
 
     created = not dist.is_initialized()  # in-process probes set up a fake world
     keys = sorted(families)
-    first = ("none",) if "none" in recompute else tuple(recompute)
-    rest = tuple(m for m in recompute if m not in first)
+    # time-optimal probes under "none" first; where a layout does not fit, the other
+    # policies and the least-memory ("@lean": weights sharded as far as they go) probes
+    first = ("none",) if "none" in recompute else tuple(recompute[:1])
+    rest = tuple(m for m in recompute if m not in first) + tuple(
+        f"{m}@lean" for m in recompute if m != "selective")
     try:
         price(keys, probe(keys, first))
         again = [k for k in keys if rest and k in pricer.shapes and any(

@@ -143,7 +143,9 @@ def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.T
         profile: device profile name; ``boundary``: the placement between stages
             ("batch" or "batch+seq"); ``loss_kind``: the last stage's output placement
             ("batch", or "vocab" for loss parallel).
-        modes: recomputation policies to plan ("none", "selective", "full").
+        modes: recomputation policies to plan ("none", "selective", "full"); a policy
+            with ``"@lean"`` appended is planned for least memory (weights sharded as far as
+            the mesh allows, time breaking ties) rather than least time.
         mixed_precision: torch's ``MixedPrecisionPolicy`` or None.
     """
     import time
@@ -162,7 +164,10 @@ def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.T
     timings: dict[int, list] = {}
     out: dict[str, dict[str, UnitCost]] = {"pre": {}, "layer": {}, "post": {}}
     for mode in modes:
-        memory = dict(activation_factor=1.0, recompute=mode, optimizer_state_factor=2.0)
+        policy, _, lean = mode.partition("@")
+        memory = dict(activation_factor=1.0, recompute=policy, optimizer_state_factor=2.0)
+        if lean:
+            memory["memory_price"] = float("inf")
         plans = []
         for s, (meta, x) in enumerate(zip(metas, inputs)):
             k_in = "batch" if s == 0 else boundary

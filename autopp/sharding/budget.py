@@ -166,6 +166,11 @@ def _chain(stage: Stage, mode: str, price: float, time_limit_s: float,
                   sum(r.memory_bytes for r in results), price)
 
 
+def chain_at_price(stage: Stage, mode: str, price: float, time_limit_s: float) -> Chain:
+    """The best chain of ``stage`` under ``mode`` for time + ``price`` × counted bytes."""
+    return _chain(stage, mode, price, time_limit_s)
+
+
 def _plan_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: float,
                fast: Chain | None = None) -> tuple[Chain | None, Chain]:
     """(the fastest chain under ``mode`` that fits ``budget`` or None, the least-memory

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autopp.sharding import _torch_private as tp
-from autopp.sharding.budget import MODES, Chain, DistinctUnit, Stage, choose_chain
+from autopp.sharding.budget import MODES, Chain, DistinctUnit, Stage, chain_at_price, choose_chain
 from autopp.sharding.chain import (
     TracedBlock,
     block_restrictions,
@@ -75,6 +75,7 @@ def plan_stage(
     activation_factor: float | None = None,
     recompute: RecomputeChoice = "none",
     optimizer_state_factor: float | None = None,
+    memory_price: float = 0.0,
 ) -> StagePlan:
     """Plan the DP×TP sharding of one stage module on ``mesh`` (its sub-mesh).
 
@@ -115,6 +116,9 @@ def plan_stage(
             reduced size and the per-step accumulator's, e.g. a dp-sharded weight's full
             gradient before its reduce-scatter) and this many bytes of optimizer state per
             parameter byte, sharded like the parameter (AdamW, fp32 parameters: 2.0).
+        memory_price: plan for time + this many seconds per counted byte instead of under
+            a budget (``inf``: the least-memory plan, time breaking ties); one recompute
+            mode, no budget. The configuration search's memory-lean probes use it.
 
     Raises:
         InfeasiblePlanError: the constraints admit no plan (the message names them; over
@@ -146,7 +150,13 @@ def plan_stage(
         stage = _unit_stage(module, units, example_inputs[0], mesh, names, costs, memory,
                             in_spec, out_spec, fixed, pdtype, grad_scale)
     modes = MODES if recompute == "auto" else (recompute,)
-    chosen, tried = choose_chain(stage, modes, memory_budget_bytes, memory, time_limit_s)
+    if memory_price:
+        if recompute == "auto" or memory_budget_bytes is not None:
+            raise ValueError("memory_price plans one recompute mode without a budget")
+        chosen = chain_at_price(stage, recompute, memory_price, time_limit_s)
+        tried = [(recompute, chosen, chosen)]
+    else:
+        chosen, tried = choose_chain(stage, modes, memory_budget_bytes, memory, time_limit_s)
     parts = [(stage.units[i], stage.reps[k].traced, res)
              for i, (k, res) in enumerate(zip(stage.kinds, chosen.results))]
     plan = _assemble(parts, stage.solved, mesh, names, prof, costs, memory_budget_bytes, t0,
