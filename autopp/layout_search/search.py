@@ -245,7 +245,7 @@ class _Pricer:
                 return u.state_total() + u.gathered_bytes + in_flight[0] * u.activation_bytes
 
             least = min(modes, key=need)
-            lean = ", weights sharded as far as they go" if "@" in least else ""
+            lean = ", memory-lean placements" if "@" in least else ""
             return (f"does not fit: even its least-memory plan probed (recompute="
                     f"{least.split('@')[0]!r}{lean}) needs ~{need(least) / 2**30:.1f} GiB for the first stage of "
                     f"{budget / 2**30:.1f} GiB ({in_flight[0]} microbatches in flight)")

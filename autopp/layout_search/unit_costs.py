@@ -29,7 +29,12 @@ from autopp.estimate import StateBytes, param_dtypes, state_bytes
 from autopp.sharding.plan import StagePlan
 from autopp.sharding.profiles import get_profile, mesh_links
 
-__all__ = ["ShapeCosts", "UnitCost", "probe_costs"]
+__all__ = ["LEAN_PRICE", "ShapeCosts", "UnitCost", "probe_costs"]
+
+LEAN_PRICE = 8.0
+"""Memory-lean probes pay this many times the time-optimal plan's seconds per counted byte
+(weights get dp-sharded, activations recomputed or resharded, where that buys memory
+cheaply)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,8 +149,9 @@ def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.T
             ("batch" or "batch+seq"); ``loss_kind``: the last stage's output placement
             ("batch", or "vocab" for loss parallel).
         modes: recomputation policies to plan ("none", "selective", "full"); a policy
-            with ``"@lean"`` appended is planned for least memory (weights sharded as far as
-            the mesh allows, time breaking ties) rather than least time.
+            with ``"@lean"`` appended is planned for time + a price on memory
+            (:data:`LEAN_PRICE` times the time-optimal plan's seconds per byte, where the
+            exact planner's price search starts its second step) rather than least time.
         mixed_precision: torch's ``MixedPrecisionPolicy`` or None.
     """
     import time
@@ -166,17 +172,23 @@ def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.T
     for mode in modes:
         policy, _, lean = mode.partition("@")
         memory = dict(activation_factor=1.0, recompute=policy, optimizer_state_factor=2.0)
-        if lean:
-            memory["memory_price"] = float("inf")
         plans = []
         for s, (meta, x) in enumerate(zip(metas, inputs)):
             k_in = "batch" if s == 0 else boundary
             k_out = loss_kind if s == len(metas) - 1 else boundary
-            plans.append(plan_local_stage(
-                meta, x, sub_mesh, profile=profile, memory_budget_bytes=None, stage_index=s,
-                boundary_in=k_in, boundary_out=k_out, timings=timings,
-                mixed_precision=mixed_precision, n_microbatches=n_microbatches,
-                memory=memory))
+
+            def plan(mem: dict) -> StagePlan:
+                return plan_local_stage(
+                    meta, x, sub_mesh, profile=profile, memory_budget_bytes=None,
+                    stage_index=s, boundary_in=k_in, boundary_out=k_out, timings=timings,
+                    mixed_precision=mixed_precision, n_microbatches=n_microbatches,
+                    memory=mem)
+
+            p = plan(memory)
+            if lean:  # LEAN_PRICE x the time-optimal plan's own seconds per byte
+                price = LEAN_PRICE * p.step_time_s / max(p.memory_bytes, 1)
+                p = plan({**memory, "memory_price": price})
+            plans.append(p)
         first_plan, last_plan = plans[0], plans[-1]
         d0, d1 = param_dtypes(metas[0]), param_dtypes(metas[-1])
         layer0 = {f for f in d0 if f.startswith(layers[0] + ".")}
