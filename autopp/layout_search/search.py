@@ -282,6 +282,11 @@ class _Pricer:
         world = lay.pp * lay.dp * lay.tp
         tokens = self.global_batch * self.seq_len
         step = sim.step_time_s
+        cores = self.profile.shared_cores
+        if cores:  # ranks share the CPU: rates were measured with every rank busy, so an
+            # idle rank's cores go to the others; the machine's total work bounds the step
+            mean_busy = sum(r.busy_s for r in sim.ranks) / len(sim.ranks)
+            step = max(mean_busy, step * min(1.0, cores / world))
         return Candidate(
             layout=lay, fqns_per_stage=tuple(tuple(x) for x in fqns),
             layers_per_stage=tuple(counts), recompute=tuple(chosen), step_time_s=step,

@@ -533,6 +533,8 @@ def _measure(name: str, world_size: int, backend: str, device: str,
         inter_node_latency=coll_fit.latency_s,
         p2p_bw=p2p_fit.bandwidth,
         p2p_latency=p2p_fit.latency_s,
+        shared_cores=(os.cpu_count() if device == "cpu" and world_size > (os.cpu_count() or 1)
+                      else None),
     )
     details = {
         "host": socket.gethostname(), "device": _device_description(device),

@@ -57,6 +57,9 @@ class DeviceProfile:
     None: the pp dim's collective link (:func:`mesh_links`) is used."""
     p2p_latency: float | None = None
     """Latency of one point-to-point send, s; None: the pp dim's collective link latency."""
+    shared_cores: int | None = None
+    """CPU cores that all ranks share (a measured CPU profile with more ranks than cores;
+    its rates were measured with every rank busy at once); None: a device per rank."""
 
     def flops(self, dtype: torch.dtype) -> float:
         peak = self.flops_bf16 if dtype in (torch.bfloat16, torch.float16) else self.flops_fp32
