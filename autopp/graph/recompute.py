@@ -96,8 +96,8 @@ def recompute_in_backward(gm: fx.GraphModule, signature: JointSignature,
     pinned = _functionalize_or_pin_mutations(graph)
     (out,) = graph.find_nodes(op="output")
     outs = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
-    fwd = _closure(outs[: signature.num_outputs])
-    bwd_only = _closure(outs[signature.num_outputs:]) - fwd
+    fwd = closure(outs[: signature.num_outputs])
+    bwd_only = closure(outs[signature.num_outputs:]) - fwd
     save = _saved_nodes(graph, signature, fwd, pinned, selective=recompute == "selective")
     for node in fwd:
         if node.op == "call_function":
@@ -163,8 +163,8 @@ def recompute_sets(gm: fx.GraphModule, signature: JointSignature,
     pinned = _functionalize_or_pin_mutations(graph) if recompute != "none" else set()
     (out,) = graph.find_nodes(op="output")
     outs = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
-    fwd = _closure(outs[: signature.num_outputs])
-    bwd_only = _closure(outs[signature.num_outputs:]) - fwd
+    fwd = closure(outs[: signature.num_outputs])
+    bwd_only = closure(outs[signature.num_outputs:]) - fwd
     if recompute == "none":
         save = {n for n in fwd if n.op == "call_function"}
     else:
@@ -189,7 +189,8 @@ def recompute_sets(gm: fx.GraphModule, signature: JointSignature,
     )
 
 
-def _closure(values: object) -> set[fx.Node]:
+def closure(values: object) -> set[fx.Node]:
+    """The FX nodes among ``values`` and everything they are computed from."""
     seen: set[fx.Node] = set()
     stack = [v for v in values if isinstance(v, fx.Node)]  # type: ignore[union-attr]
     while stack:

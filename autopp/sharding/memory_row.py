@@ -55,7 +55,7 @@ priced they sit at their bounds, and with integral :math:`x` the row then equals
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -201,7 +201,7 @@ class MemoryRow:
         if hit is not None:
             return hit
         from autopp.graph.aot import from_aot_joint
-        from autopp.graph.recompute import RecomputeSets, recompute_sets
+        from autopp.graph.recompute import RecomputeSets, closure, recompute_sets
 
         gm = self.st.joint.gm
         try:
@@ -217,9 +217,9 @@ class MemoryRow:
             sets = recompute_sets(flat, sig, recompute)
         by_name = {n.name: n for n in gm.graph.nodes}
         j = self.st.joint
-        fwd = _closure(list(j.outputs.values()))
+        fwd = closure(list(j.outputs.values()))
         outs = [a for a in gm.graph.output_node().all_input_nodes]
-        bwd_only = _closure(outs) - fwd
+        bwd_only = closure(outs) - fwd
         direct = {i for n in bwd_only for i in n.all_input_nodes if i in fwd}
         must = {by_name[n] for n in sets.must_save if n in by_name}
         reach = {by_name[n] for n in sets.saved | sets.recomputed if n in by_name}
@@ -431,13 +431,3 @@ class MemoryRow:
             counted += spec.activation_factor * act + gathered
         return MemoryAccount(state, act, gathered, rtime, counted)
 
-
-def _closure(roots: Sequence[fx.Node]) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = [r for r in roots if isinstance(r, fx.Node)]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack += n.all_input_nodes
-    return seen
