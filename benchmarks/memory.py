@@ -6,7 +6,8 @@ Launch (8 CPU processes, gloo)::
         --schedule 1F1B,Interleaved1F1B --recompute none,selective,full
 
 For each configuration (schedule x microbatch count x recomputation) it builds llama3
-debugmodel at pp=2 x dp=2 x tp=2 with autopp's planner under a parameter-memory budget small
+debugmodel at pp=2 x dp=2 x tp=2 with autopp's planner under a parameter-only budget
+(``parameter_budget_bytes``, shared by a rank's stages: give Interleaved1F1B twice) small
 enough that weights are sharded over dp (the FSDP-like case whose gathered copies matter),
 ``PlannerOptions(recompute=...)``, a fixed microbatch size (the global batch grows with the
 count), runs one step and one AdamW step (gradients, optimizer state, receive buffers and
@@ -63,7 +64,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--n-layers", type=int, default=8)
     p.add_argument("--budget", type=float, default=5e6,
-                   help="parameter-memory budget per device (bytes): forces dp-sharded weights")
+                   help="parameter_budget_bytes per device (parameters alone): forces "
+                        "dp-sharded weights")
     p.add_argument("--reshard-after-forward", default="keep", choices=["keep", "regather"],
                    help="keep the gathered weights for the step (default), or re-gather them "
                         "for every forward and backward (not modelled by the prediction)")
@@ -252,7 +254,7 @@ def measure(args, schedule: str, n_mb: int, recompute: str) -> dict:
         llama3_meta(args.n_layers), mesh, example_inputs=(tok,), loss_fn=ce_loss,
         schedule=schedule, n_microbatches=n_mb,
         parallelize=Planner(PlannerOptions(
-            memory_budget_bytes=args.budget, recompute=recompute,
+            parameter_budget_bytes=args.budget, recompute=recompute,
             reshard_after_forward=args.reshard_after_forward == "regather")))
     pipe.init_weights(seed=0)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
