@@ -440,15 +440,14 @@ def tied_placements(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]],
 @functools.lru_cache(maxsize=1024)
 def in_flight_per_stage(schedule: str, pp: int, n_microbatches: int, n_stages: int
                         ) -> tuple[int, ...]:
-    """Per stage, the most microbatches whose activations the schedule keeps at once (the
-    schedule simulator on torch's own action lists, equal stage times)."""
-    from autopp.schedules import StageCost, simulate_schedule
+    """Per stage, the most microbatches whose activations the schedule keeps at once, read
+    off torch's own action lists (:func:`autopp.schedules.simulate.max_in_flight`)."""
+    from autopp.schedules.actions import compute_order
+    from autopp.schedules.simulate import max_in_flight
 
-    unit = StageCost(forward_s=1.0, backward_input_s=1.0, backward_weight_s=1.0,
-                     activation_bytes_per_microbatch=1)
-    sim = simulate_schedule(schedule, [unit] * n_stages, pp=pp, n_microbatches=n_microbatches,
-                            n_stages=n_stages)
-    return tuple(max(1, k) for k in sim.max_in_flight)
+    compute, _ = compute_order(schedule, pp=pp, n_microbatches=n_microbatches,
+                               n_stages=n_stages)
+    return tuple(max(1, k) for k in max_in_flight(compute, n_stages))
 
 
 def memory_budgets(options: Any, profile: str, schedule: str, pp: int, n_microbatches: int,

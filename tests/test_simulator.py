@@ -173,6 +173,27 @@ def test_zb_h1_in_flight_equals_1f1b(p):
     assert result.max_in_flight == tuple(p - s for s in range(p))
 
 
+@pytest.mark.parametrize("name,p,m,v", [
+    ("1F1B", 4, 8, 1), ("GPipe", 4, 4, 1), ("Interleaved1F1B", 4, 8, 2),
+    ("ZBVZeroBubble", 4, 8, 2), ("InterleavedZeroBubble", 2, 4, 2), ("DualPipeV", 4, 8, 2)])
+def test_in_flight_from_the_order_alone_equals_the_simulated(name, p, m, v):
+    """The search reads in-flight counts off the action order; the simulator, from event
+    times, with unequal stage costs, agrees."""
+    from autopp.schedules.simulate import max_in_flight
+
+    from autopp.schedules.actions import compute_order
+
+    acts = schedule_actions(name, pp=p, n_microbatches=m, n_stages=p * v)
+    costs = [cost(1.0 + 0.3 * s, 1.5 + 0.1 * s, 0.7, activation_bytes_per_microbatch=1)
+             for s in range(p * v)]
+    simulated = simulate(acts, costs).max_in_flight
+    assert max_in_flight(acts.compute, p * v) == simulated
+    # and from the compute order built without torch's lowering to comms
+    compute, stage_to_rank = compute_order(name, pp=p, n_microbatches=m, n_stages=p * v)
+    assert compute == acts.compute and stage_to_rank == acts.stage_to_rank
+    assert max_in_flight(compute, p * v) == simulated
+
+
 def test_memory_by_category_1f1b():
     """Each rank's peak, by hand: parameters P and optimizer O all step, gathered
     parameters U from UNSHARD to RESHARD, gradients from the first backward (4G before

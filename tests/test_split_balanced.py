@@ -57,6 +57,35 @@ def test_matches_brute_force(seed):
         assert all(fits(s, a, b) for s, (a, b) in enumerate(zip(got, got[1:]))) if fits else True
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_stage_table_matches_brute_force(seed):
+    """Stages priced by a table (stage, units held), as the search does: a first and a last
+    stage heavier per unit, and a memory cap on units per stage, against enumeration."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+    n = rng.randint(3, 9)
+    k = rng.randint(1, n)
+    cap = rng.choice([n, 3, 2])
+    rate = [rng.choice([1.0, 1.5, 2.0]) if s in (0, k - 1) else 1.0 for s in range(k)]
+    table = [[u * rate[s] if 0 < u <= cap else math.inf for u in range(n + 1)]
+             for s in range(k)]
+    got = balanced_cuts([1.0] * n, k, stage_table=table)
+    best = None
+    for inner in itertools.combinations(range(1, n), k - 1):
+        cuts = [0, *inner, n]
+        t = [table[s][b - a] for s, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+        key = (max(t), sum(x * x for x in t))
+        if math.isfinite(key[0]) and (best is None or key < best):
+            best = key
+    if best is None:
+        assert got is None
+    else:
+        t = [table[s][b - a] for s, (a, b) in enumerate(zip(got, got[1:]))]
+        assert (max(t), sum(x * x for x in t)) == pytest.approx(best)
+
+
 def test_infeasible_memory_returns_none():
     # every stage may hold at most 1 unit, 4 units, 2 stages: impossible
     assert balanced_cuts([1, 1, 1, 1], 2, fits=lambda s, a, b: b - a <= 1) is None

@@ -21,7 +21,7 @@ How it works (docs/design.md, "Configuration search"):
 
 from __future__ import annotations
 
-import dataclasses
+import bisect
 import logging
 import math
 import os
@@ -35,41 +35,14 @@ import torch.distributed as dist
 from torch import nn
 
 from autopp.layout_search.layouts import DEFAULT_SCHEDULES, Layout, enumerate_layouts
-from autopp.layout_search.unit_costs import ZERO, ShapeCosts, UnitCost, probe_costs
+from autopp.layout_search.pricing import Candidate, Pricer, Split
+from autopp.layout_search.unit_costs import ShapeCosts, probe_costs
 
 __all__ = ["Candidate", "SearchReport", "search"]
 
 logger = logging.getLogger(__name__)
 
 _MODES = ("none", "selective", "full")
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """A priced layout (a row of :class:`SearchReport`)."""
-
-    layout: Layout
-    fqns_per_stage: tuple[tuple[str, ...], ...]
-    """The split: module FQNs per stage."""
-    layers_per_stage: tuple[int, ...]
-    recompute: tuple[str, ...]
-    """Per stage, the recomputation policy that fits."""
-    step_time_s: float
-    bubble_fraction: float
-    tokens_per_s_per_device: float
-    mfu: float
-    """Model FLOPs utilisation: 6 × parameters × tokens per step over the step time and the
-    devices' peak (the profile's, in the compute dtype); attention's own FLOPs not counted."""
-    peak_bytes: tuple[int, ...]
-    """Per pp rank, the simulated peak."""
-    usable_bytes: float
-    largest: str
-    """The largest memory consumers at the fullest rank's peak."""
-    simulation: Any = field(default=None, compare=False, repr=False)
-
-    @property
-    def fits(self) -> bool:
-        return max(self.peak_bytes) <= self.usable_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +99,7 @@ class SearchReport:
             f"Search: {self.world_size} devices ({self.profile}), global batch "
             f"{self.global_batch} x seq {self.seq_len}: {self.n_evaluated} layouts priced on "
             f"{self.n_submeshes} sub-mesh shapes ({self.stage_plans_solved} probe stage plans "
-            f"solved), {len(self.results)} fit; {self.search_s:.1f} s",
+            f"solved), the {len(self.results)} fastest that fit ranked; {self.search_s:.1f} s",
         ]
         if self.results:
             lines += [self.table(), "", f"best: {self.best.layout}; largest memory at its "
@@ -154,149 +127,6 @@ class SearchReport:
                        split=[list(f) for f in c.fqns_per_stage], **dry_run_kwargs)
 
 
-def _largest(mem: Any) -> str:
-    parts = sorted(((getattr(mem, k), k.replace("_", " ")) for k in (
-        "parameters", "gradients", "optimizer", "gathered_parameters", "activations")),
-        reverse=True)
-    return ", ".join(f"{name} {b / 2**30:.1f} GiB" for b, name in parts[:2] if b)
-
-
-class _Pricer:
-    """Prices layouts from probe costs (one per sub-mesh shape)."""
-
-    def __init__(self, model: nn.Module, layout_info: Any, *, global_batch: int, seq_len: int,
-                 profile: Any, mixed_precision: Any, modes: Sequence[str], usable: float):
-        self.model, self.layout = model, layout_info
-        self.global_batch, self.seq_len = global_batch, seq_len
-        self.profile, self.mp, self.modes, self.usable = profile, mixed_precision, modes, usable
-        self.shapes: dict[tuple[int, int], ShapeCosts] = {}
-        self.send: dict[tuple[int, int], float] = {}
-        self.n_params = sum(p.numel() for p in model.parameters())
-        dtype = getattr(mixed_precision, "param_dtype", None) or next(
-            model.parameters()).dtype
-        self.peak_flops = profile.flops_bf16 if dtype in (torch.bfloat16, torch.float16) \
-            else profile.flops_fp32
-
-    def add(self, shape: ShapeCosts) -> None:
-        """Take a probe's costs (merged with those of other recompute policies)."""
-        key = (shape.dp, shape.tp)
-        old = self.shapes.get(key)
-        if old is not None:
-            shape = dataclasses.replace(
-                shape, pre={**old.pre, **shape.pre}, layer={**old.layer, **shape.layer},
-                post={**old.post, **shape.post}, planning_s=old.planning_s + shape.planning_s,
-                solved=old.solved + shape.solved)
-        self.shapes[key] = shape
-        # a layer's output per device: batch split over dp, sequence over tp
-        self.send[key] = shape.hidden_bytes / shape.dp / shape.tp
-
-    def price(self, lay: Layout, shape: ShapeCosts) -> Candidate | str:
-        from autopp.auto_plan import in_flight_per_stage
-        from autopp.estimate import pp_link
-        from autopp.schedules import StageCost, simulate_schedule
-
-        n, L = lay.n_stages, self.layout.n_layers
-        modes = [m for m in shape.layer]  # policies, and their "@lean" variants, probed
-        ref_rows = shape.rows
-        rows = self.global_batch // lay.n_microbatches
-        f = rows / ref_rows
-        layer = {m: shape.layer[m].scaled(f) for m in modes}
-        pre = {m: shape.pre[m].scaled(f) for m in modes}
-        post = {m: shape.post[m].scaled(f) for m in modes}
-        loss = shape.loss_s * f
-        in_flight = in_flight_per_stage(lay.schedule, lay.pp, lay.n_microbatches, n)
-        budget = self.usable / lay.stages_per_rank
-
-        def unit_sum(s: int, k: int, mode: str) -> UnitCost:
-            c = layer[mode]
-            total = ZERO
-            for _ in range(k):
-                total = total + c
-            if s == 0:
-                total = total + pre[mode]
-            if s == n - 1:
-                total = total + post[mode]
-            return total
-
-        memo: dict[tuple[int, int, bool, bool], tuple[float, str]] = {}
-
-        def best_mode(s: int, k: int) -> tuple[float, str]:
-            key = (min(in_flight[s], 1 << 30), k, s == 0, s == n - 1)
-            hit = memo.get(key)
-            if hit is None:
-                hit = (math.inf, "")
-                for mode in modes:
-                    u = unit_sum(s, k, mode)
-                    mem = u.state_total() + u.gathered_bytes + in_flight[s] * u.activation_bytes
-                    if mem <= budget:
-                        t = u.per_microbatch_s + (loss if s == n - 1 else 0.0)
-                        if t < hit[0]:
-                            hit = (t, mode)
-                memo[key] = hit
-            return hit
-
-        from autopp.stage_split.balanced import balanced_cuts
-
-        cuts = balanced_cuts([1.0] * L, n,
-                             stage_cost=lambda s, i, j: best_mode(s, j - i)[0])
-        if cuts is None:
-            def need(mode: str) -> float:
-                u = unit_sum(0, max(1, L // n), mode)
-                return u.state_total() + u.gathered_bytes + in_flight[0] * u.activation_bytes
-
-            least = min(modes, key=need)
-            lean = ", memory-lean placements" if "@" in least else ""
-            return (f"does not fit: even its least-memory plan probed (recompute="
-                    f"{least.split('@')[0]!r}{lean}) needs ~{need(least) / 2**30:.1f} GiB for the first stage of "
-                    f"{budget / 2**30:.1f} GiB ({in_flight[0]} microbatches in flight)")
-        counts = [b - a for a, b in zip(cuts, cuts[1:])]
-        chosen = [best_mode(s, k)[1].split("@")[0] for s, k in enumerate(counts)]
-        send = self.send[(lay.dp, lay.tp)] * f
-        costs = []
-        for s, k in enumerate(counts):
-            u = unit_sum(s, k, best_mode(s, k)[1])
-            base = max(u.per_microbatch_s - u.recompute_s, 0.0) / 3
-            ls = loss if s == n - 1 else 0.0
-            costs.append(StageCost(
-                forward_s=base + ls / 2, backward_input_s=base + u.recompute_s + ls / 2,
-                backward_weight_s=base, unshard_s=u.unshard_s, reduce_grad_s=u.reduce_grad_s,
-                activation_bytes_per_microbatch=int(u.activation_bytes),
-                p2p_bytes_per_microbatch=int(send) if s < n - 1 else 0,
-                param_bytes=int(u.state.parameters), grad_bytes=int(u.state.gradients),
-                unreduced_grad_bytes=int(u.state.unreduced_gradients),
-                optimizer_bytes=int(u.state.optimizer), gathered_param_bytes=int(u.gathered_bytes),
-            ))
-        link = pp_link(self.profile, (lay.pp, lay.dp, lay.tp))
-        sim = simulate_schedule(lay.schedule, costs, pp=lay.pp, n_microbatches=lay.n_microbatches,
-                                n_stages=n, link=link)
-        peaks = tuple(r.peak_bytes for r in sim.ranks)
-        worst = max(range(len(peaks)), key=lambda r: peaks[r])
-        largest = _largest(sim.ranks[worst].memory_at_peak)
-        if peaks[worst] > self.usable:
-            return (f"does not fit: pp rank {worst} peaks at {peaks[worst] / 2**30:.1f} GiB > "
-                    f"{self.usable / 2**30:.1f} GiB usable ({largest})")
-        layers = self.layout.layer_fqns
-        fqns = [list(layers[a:b]) for a, b in zip(cuts, cuts[1:])]
-        fqns[0] = [*self.layout.pre, *fqns[0]]
-        fqns[-1] = [*fqns[-1], *self.layout.post]
-        world = lay.pp * lay.dp * lay.tp
-        tokens = self.global_batch * self.seq_len
-        step = sim.step_time_s
-        cores = self.profile.shared_cores
-        if cores:  # ranks share the CPU: rates were measured with every rank busy, so an
-            # idle rank's cores go to the others; the machine's total work bounds the step
-            mean_busy = sum(r.busy_s for r in sim.ranks) / len(sim.ranks)
-            step = max(mean_busy, step * min(1.0, cores / world))
-        return Candidate(
-            layout=lay, fqns_per_stage=tuple(tuple(x) for x in fqns),
-            layers_per_stage=tuple(counts), recompute=tuple(chosen), step_time_s=step,
-            bubble_fraction=sim.bubble_fraction,
-            tokens_per_s_per_device=tokens / step / world,
-            mfu=6 * self.n_params * tokens / step / (world * self.peak_flops),
-            peak_bytes=peaks, usable_bytes=self.usable, largest=largest, simulation=sim,
-        )
-
-
 _JOB: dict[str, Any] = {}
 """What probe jobs read: set before the worker processes are forked (they inherit it)."""
 
@@ -321,23 +151,120 @@ def _probe_job(dp: int, tp: int, pp: int, m_ref: int, modes: tuple[str, ...]
         return f"the planner could not plan this sub-mesh: {e}".split("\n")[0]
 
 
-def _run_probes(jobs: list[tuple], workers: int, done: Any) -> list[ShapeCosts | str]:
-    """Run probe jobs, on ``workers`` forked processes when more than one."""
-    if workers <= 1 or len(jobs) <= 1:
-        out = []
-        for job in jobs:
-            out.append(_probe_job(*job))
-            done(job)
-        return out
-    import multiprocessing
+def _worth_more_memory(priced: dict, families: dict, pricer: Pricer, keys: list
+                       ) -> list[tuple[int, int]]:
+    """The sub-meshes worth probing under recomputation and memory-lean placements: those
+    with a layout that does not fit whose step with unlimited memory (a lower bound:
+    recomputing and memory-lean placements only add time; first the busiest rank's compute,
+    then, if that does not settle it, simulated) beats the best layout that fits. The
+    others' layouts are dominated: their reason says so."""
+    fits = [c for c in priced.values() if not isinstance(c, str)]
+    best = min(fits, key=lambda c: c.step_time_s) if fits else None
+    again = []
+    for key in keys:
+        if key not in pricer.shapes:
+            continue  # the planner could not plan it at all
+        worth = False
+        for lay in families[key]:
+            why = priced[lay]
+            if not (isinstance(why, str) and why.startswith("does not fit")):
+                continue
+            sp = pricer.split(lay, usable=math.inf) if best is not None else None
+            if sp is None or isinstance(sp, str):
+                worth = True
+                break
+            bound = sp.bound_s  # the busiest rank's compute; then the simulated step
+            if bound < best.step_time_s:
+                bound = pricer.simulate(sp).step_time_s
+            if bound < best.step_time_s:
+                worth = True
+                break
+            priced[lay] = (f"{why}; not probed with recomputation: even with unlimited memory "
+                           f"its step is at least {bound * 1e3:.1f} ms, no faster than "
+                           f"{best.layout} ({best.step_time_s * 1e3:.1f} ms) that fits")
+        if worth:
+            again.append(key)
+    return again
 
-    with multiprocessing.get_context("fork").Pool(min(workers, len(jobs))) as pool:
-        pending = [pool.apply_async(_probe_job, job) for job in jobs]
-        out = []
-        for job, p in zip(jobs, pending):
-            out.append(p.get())
+
+def _probe_worker(jobs: Any, results: Any, wid: int) -> None:
+    """A probe process: runs jobs until it reads None. It keeps its traced units and ILP
+    models (the planner's in-process memo) between jobs, so a sub-mesh probed again under
+    other recomputation policies is not traced again."""
+    while (job := jobs.get()) is not None:
+        results.put((wid, job, _probe_job(*job)))
+
+
+class _ProbePool:
+    """Probe jobs on forked worker processes (or in this process when ``workers`` <= 1).
+
+    A sub-mesh probed again goes back to the worker that probed it (its traces are there)
+    unless another worker is idle with nothing of its own to do."""
+
+    def __init__(self, workers: int):
+        self.n = workers
+        self.home: dict[tuple[int, int], int] = {}
+        self.procs: list[Any] = []
+        if workers > 1:
+            import multiprocessing
+
+            ctx = multiprocessing.get_context("fork")
+            self.results = ctx.Queue()
+            self.queues = [ctx.Queue() for _ in range(workers)]
+            self.procs = [ctx.Process(target=_probe_worker, args=(q, self.results, w),
+                                      daemon=True) for w, q in enumerate(self.queues)]
+            for proc in self.procs:
+                proc.start()
+
+    def run(self, jobs: list[tuple], done: Any) -> list[ShapeCosts | str]:
+        if not self.procs:
+            out = []
+            for job in jobs:
+                out.append(_probe_job(*job))
+                done(job)
+            return out
+        import queue
+
+        own: list[list[tuple]] = [[] for _ in range(self.n)]
+        free: list[tuple] = []
+        for job in jobs:
+            w = self.home.get(job[:2])
+            (own[w] if w is not None else free).append(job)
+        got: dict[tuple, ShapeCosts | str] = {}
+        idle = list(range(self.n))
+
+        def give(w: int) -> None:
+            mine = own[w] or free or max(own, key=len)
+            if mine:
+                job = mine.pop(0)
+                self.home[job[:2]] = w
+                self.queues[w].put(job)
+                idle.remove(w)
+
+        for w in list(idle):
+            give(w)
+        while len(got) < len(jobs):
+            try:
+                w, job, res = self.results.get(timeout=5.0)
+            except queue.Empty:
+                dead = [p.pid for p in self.procs if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"search: probe worker process(es) {dead} died "
+                                       "(out of memory?); retry with workers=1") from None
+                continue
+            got[job] = res
+            idle.append(w)
             done(job)
-        return out
+            give(w)
+        return [got[job] for job in jobs]
+
+    def close(self) -> None:
+        for q in getattr(self, "queues", []):
+            q.put(None)
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
 
 
 def search(
@@ -354,7 +281,7 @@ def search(
     recompute: Sequence[str] = ("none", "selective", "full"),
     memory_reserve: float = 0.1,
     microbatch_choices: int = 3,
-    max_results: int | None = None,
+    max_results: int | None = 20,
     layers_attr: str | None = None,
     workers: int | None = None,
 ) -> SearchReport:
@@ -377,7 +304,10 @@ def search(
         memory_reserve: share of each device's memory kept out of the plan (allocator,
             buffers).
         microbatch_choices: microbatch counts tried per layout (fewest first, doubling).
-        max_results: keep only this many feasible layouts (None: all).
+        max_results: rank this many of the fastest feasible layouts. Layouts are simulated
+            least lower bound first (the busiest pp rank's compute); one whose bound is no
+            faster than the ``max_results``-th fastest simulated so far is left out as
+            dominated, unsimulated (its reason gives the bound). None: every layout.
         layers_attr: path of the model's block container (None: found).
         workers: processes probing sub-meshes at once (None: up to 2, this machine's cores
             permitting; 1: in this process). Probes under "none" come first; the other
@@ -405,9 +335,8 @@ def search(
         raise ValueError(f"torch.distributed is initialised with {dist.get_world_size()} ranks; "
                          f"the search needs a fake world of {world_size}")
     workers = min(2, os.cpu_count() or 1) if workers is None else workers
-    pricer = _Pricer(model_meta, layout_info, global_batch=global_batch, seq_len=seq_len,
-                     profile=prof, mixed_precision=mixed_precision, modes=tuple(recompute),
-                     usable=usable)
+    pricer = Pricer(model_meta, layout_info, global_batch=global_batch, seq_len=seq_len,
+                    profile=prof, mixed_precision=mixed_precision, usable=usable)
     families: dict[tuple[int, int], list[Layout]] = {}
     for lay in layouts:
         families.setdefault((lay.dp, lay.tp), []).append(lay)
@@ -434,11 +363,12 @@ def search(
             m_ref = sorted(lay.n_microbatches for lay in fam)[len(fam) // 2]
             jobs.append((dp, tp, fam[0].pp, m_ref, modes))
         progress["n"], progress["total"] = 0, len(jobs)
-        return dict(zip(keys, _run_probes(jobs, workers, done)))
+        return dict(zip(keys, pool.run(jobs, done)))
 
     priced: dict[Layout, Candidate | str] = {}
 
     def price(keys: list[tuple[int, int]], shapes: dict) -> None:
+        splits: list[Split] = []
         for key in keys:
             got = shapes[key]
             if isinstance(got, str):
@@ -446,11 +376,32 @@ def search(
                 continue
             pricer.add(got)
             for lay in families[key]:
-                priced[lay] = pricer.price(lay, pricer.shapes[key])
+                sp = pricer.split(lay)
+                if isinstance(sp, str):
+                    priced[lay] = sp
+                else:
+                    priced.pop(lay, None)
+                    splits.append(sp)
+        # least bound first; stop simulating what cannot make the max_results fastest
+        steps = sorted(c.step_time_s for c in priced.values() if not isinstance(c, str))
+        dominated = 0
+        for sp in sorted(splits, key=lambda sp: sp.bound_s):
+            if max_results is not None and len(steps) >= max_results and \
+                    sp.bound_s >= steps[max_results - 1]:
+                priced[sp.layout] = (
+                    f"dominated: its step is at least {sp.bound_s * 1e3:.1f} ms (its busiest "
+                    f"pp rank's compute alone), no faster than the {max_results} fastest "
+                    f"(up to {steps[max_results - 1] * 1e3:.1f} ms)")
+                dominated += 1
+                continue
+            got = priced[sp.layout] = pricer.simulate(sp)
+            if not isinstance(got, str):
+                bisect.insort(steps, got.step_time_s)
         fits = [c for c in priced.values() if not isinstance(c, str)]
         best = min(fits, key=lambda c: c.step_time_s) if fits else None
-        logger.info("search: %d/%d layouts priced, %.1f s; best so far %s", len(priced),
-                    len(layouts), time.perf_counter() - t0,
+        logger.info("search: %d/%d layouts priced (%d simulated, %d dominated), %.1f s; best "
+                    "so far %s", len(priced), len(layouts), len(splits) - dominated, dominated,
+                    time.perf_counter() - t0,
                     f"{best.layout} {best.step_time_s * 1e3:.1f} ms" if best else "none fits")
 
     created = not dist.is_initialized()  # in-process probes set up a fake world
@@ -460,16 +411,17 @@ def search(
     first = ("none",) if "none" in recompute else tuple(recompute[:1])
     rest = tuple(m for m in recompute if m not in first) + tuple(
         f"{m}@lean" for m in recompute if m != "selective")
+    pool = _ProbePool(workers)
     try:
         price(keys, probe(keys, first))
-        again = [k for k in keys if rest and k in pricer.shapes and any(
-            isinstance(priced[lay], str) and priced[lay].startswith("does not fit")
-            for lay in families[k])]
+        again = _worth_more_memory(priced, families, pricer, keys) if rest else []
         if again:
             logger.info("search: %d sub-mesh(es) have layouts that do not fit without "
-                        "recomputation: probing recompute %s", len(again), "/".join(rest))
+                        "recomputation and could beat the best that fits: probing recompute "
+                        "%s", len(again), "/".join(rest))
             price(again, probe(again, rest))
     finally:
+        pool.close()
         if created and dist.is_initialized():
             dist.destroy_process_group()
     results = [c for c in priced.values() if not isinstance(c, str)]

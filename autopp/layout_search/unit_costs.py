@@ -70,6 +70,15 @@ class UnitCost:
                           for f in dataclasses.fields(StateBytes)}),
             self.latency_s + other.latency_s)
 
+    def times(self, k: int) -> UnitCost:
+        """``k`` of this unit in one stage (``k`` layers)."""
+        return UnitCost(
+            self.per_microbatch_s * k, self.recompute_s * k, self.unshard_s * k,
+            self.reduce_grad_s * k, self.activation_bytes * k, self.gathered_bytes * k,
+            StateBytes(**{f.name: getattr(self.state, f.name) * k
+                          for f in dataclasses.fields(StateBytes)}),
+            self.latency_s * k)
+
     def scaled(self, factor: float) -> UnitCost:
         """At ``factor`` times the reference microbatch (collective latency unscaled)."""
         fixed = min(self.latency_s, self.per_microbatch_s)

@@ -10,6 +10,8 @@ renames or moves any of these should need changes in this file only.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -252,6 +254,31 @@ def lowered_named_schedule(
     )
 
 
+def named_compute_order(
+    torch_class: type, *, pp: int, n_stages: int, n_microbatches: int, style: str
+) -> tuple[dict[int, list[str | None]], dict[int, int]]:
+    """A multi-stage torch schedule's compute-only order per rank and stage index -> pp rank,
+    without torch's lowering (which adds the comms and costs O(actions²) in
+    ``_add_unshard_reshard``: seconds at pp=64): the class is constructed with its
+    ``_prepare_schedule_with_comms`` skipped."""
+    no_comms = _NO_COMMS.get(torch_class)
+    if no_comms is None:
+        no_comms = _NO_COMMS[torch_class] = type(
+            f"{torch_class.__name__}ComputeOnly", (torch_class,),
+            {"_prepare_schedule_with_comms": lambda self, *args, **kwargs: None})
+    stage_ids = rank_to_stage_ids(pp, n_stages, style)[0]
+    schedule = no_comms(
+        _stand_ins(pp, n_stages, stage_ids),
+        n_microbatches=n_microbatches,
+        loss_fn=lambda output, target: output,
+        scale_grads=False,
+    )
+    return _as_strings(schedule.pipeline_order), dict(schedule.stage_index_to_group_rank)
+
+
+_NO_COMMS: dict[type, type] = {}
+
+
 def lowered_compute_order(
     order: dict[int, Sequence[str | None]], *, pp: int, n_stages: int, n_microbatches: int
 ) -> tuple[dict[int, list[str]], dict[int, int]]:
@@ -276,7 +303,8 @@ def lowered_compute_order(
     return lowered, stage_to_rank  # type: ignore[return-value]
 
 
-def action_parts(text: str) -> list[ComputePart]:
+@functools.lru_cache(maxsize=1 << 16)
+def action_parts(text: str) -> tuple[ComputePart, ...]:
     """Any action string of torch's runtime as (stage, type, microbatch) steps, in run order.
 
     "2F0" -> [(2, "F", 0)]; "1UNSHARD" -> [(1, "UNSHARD", None)]; "(0F3;3B1)OVERLAP_F_B" ->
@@ -287,8 +315,8 @@ def action_parts(text: str) -> list[ComputePart]:
     if action is None:
         raise ValueError("an empty action string is an idle step, not an action")
     if action.sub_actions is not None:
-        return [
+        return tuple(
             (sub.stage_index, sub.computation_type.value, sub.microbatch_index)
             for sub in action.sub_actions
-        ]
-    return [(action.stage_index, action.computation_type.value, action.microbatch_index)]
+        )
+    return ((action.stage_index, action.computation_type.value, action.microbatch_index),)

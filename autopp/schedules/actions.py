@@ -79,6 +79,28 @@ def _freeze(
     )
 
 
+@lru_cache(maxsize=1024)
+def compute_order(schedule: str | os.PathLike, *, pp: int, n_microbatches: int, n_stages: int
+                  ) -> tuple[tuple[tuple[str | None, ...], ...], tuple[int, ...]]:
+    """A named schedule's compute steps per rank (torch's action strings, None idle) and the
+    pp rank of each stage, without torch's lowering to comms (cheap where
+    :func:`schedule_actions` takes seconds: pp=64 and more)."""
+    info = schedule_info(schedule)
+    if info.csv is not None:  # a file's order: as lowered
+        acts = schedule_actions(info, pp=pp, n_microbatches=n_microbatches, n_stages=n_stages)
+        return acts.compute, acts.stage_to_rank
+    check_schedule_config(info, pp=pp, n_stages=n_stages, n_microbatches=n_microbatches)
+    if info.multi_stage:
+        compute, stage_to_rank = _torch_compat.named_compute_order(
+            info.torch_class, pp=pp, n_stages=n_stages, n_microbatches=n_microbatches,
+            style=str(info.style))
+    else:
+        compute = dict(single_stage_order(info.torch_class.__name__, pp, n_microbatches))
+        stage_to_rank = {s: s for s in range(n_stages)}
+    return (tuple(tuple(compute.get(r, ())) for r in range(pp)),
+            tuple(stage_to_rank[s] for s in range(n_stages)))
+
+
 @lru_cache(maxsize=256)
 def _named_actions(name: str, pp: int, n_stages: int, n_microbatches: int) -> ScheduleActions:
     info = schedule_info(name)

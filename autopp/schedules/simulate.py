@@ -179,7 +179,16 @@ def _stage_costs(costs: StageCost | Sequence[StageCost], n_stages: int) -> list[
 _Op = tuple[str, int, int | None, str, bool]
 
 
+_OPS_CACHE: dict[int, tuple[ScheduleActions, list[list[_Op]]]] = {}
+
+
 def _ops(actions: ScheduleActions) -> list[list[_Op]]:
+    """Each rank's steps (cached per action-list object: the named schedules' are)."""
+    hit = _OPS_CACHE.get(id(actions))
+    if hit is not None and hit[0] is actions:
+        return hit[1]
+    if len(_OPS_CACHE) > 512:
+        _OPS_CACHE.clear()
     out: list[list[_Op]] = []
     for row in actions.lowered:
         ops: list[_Op] = []
@@ -190,7 +199,31 @@ def _ops(actions: ScheduleActions) -> list[list[_Op]]:
                 label = text if not overlapped else f"{stage}{kind}{mb}"
                 ops.append((kind, stage, mb, label, overlapped))
         out.append(ops)
+    _OPS_CACHE[id(actions)] = (actions, out)
     return out
+
+
+def max_in_flight(compute: Sequence[Sequence[str | None]], n_stages: int) -> tuple[int, ...]:
+    """Per stage, the most microbatches whose activations are held at once: forwards run
+    less backwards done (B, or W after I: a split backward keeps activations until W).
+
+    ``compute``: each rank's compute steps as torch's action strings (None idle), e.g.
+    :attr:`ScheduleActions.compute` or :func:`~autopp.schedules.actions.compute_order`. A
+    stage's steps run in its rank's list order, so this is what :func:`simulate` reports as
+    ``max_in_flight`` (when I keeps activations for W) at any stage times."""
+    count = [0] * n_stages
+    best = [0] * n_stages
+    for row in compute:
+        for text in row:
+            if text is None:
+                continue
+            for s, kind, _ in _torch_compat.action_parts(text):
+                if kind == "F":
+                    count[s] += 1
+                    best[s] = max(best[s], count[s])
+                elif kind in ("B", "W"):
+                    count[s] -= 1
+    return tuple(best)
 
 
 def simulate(

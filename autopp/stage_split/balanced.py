@@ -7,12 +7,15 @@ the last stage hold fewer layers (uneven layer counts where that balances time).
 :func:`balanced_cuts` is the dynamic programme over a sequence of unit costs: it minimises
 the slowest stage (the pipeline's steady-state period) and, among splits with the same
 slowest stage, the sum of squared stage times (so the other stages are balanced too), subject
-to a per-stage feasibility test (memory). It runs in O(stages × units²) over prefix sums.
+to a per-stage feasibility test (memory). It runs in O(stages × units²), vectorised over the
+cut positions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from autopp.stage_split.layout import ModelLayout
 
@@ -25,7 +28,8 @@ StageCostFn = Callable[[int, int, int], float]
 
 
 def balanced_cuts(costs: Sequence[float], n_stages: int, *, fits: Fits | None = None,
-                  stage_cost: StageCostFn | None = None) -> list[int] | None:
+                  stage_cost: StageCostFn | None = None,
+                  stage_table: Sequence[Sequence[float]] | None = None) -> list[int] | None:
     """Cut ``len(costs)`` units into ``n_stages`` contiguous, non-empty stages.
 
     Args:
@@ -35,52 +39,62 @@ def balanced_cuts(costs: Sequence[float], n_stages: int, *, fits: Fits | None = 
         stage_cost: ``stage_cost(stage, first, end)``, the cost of units ``first .. end-1``
             as stage ``stage`` when it is not their sum (e.g. a recomputation policy chosen
             per stage to fit its memory; ``inf``: does not fit); None: the sum of ``costs``.
+        stage_table: instead of ``stage_cost`` when the units are alike:
+            ``stage_table[stage][k]``, the cost of stage ``stage`` holding ``k`` units
+            (``inf``: does not fit).
 
     Returns:
         The ``n_stages + 1`` cut indices (0 first, ``len(costs)`` last) of the split that
-        minimises the slowest stage, then the sum of squared stage costs; None when no split
-        satisfies ``fits``.
+        minimises the slowest stage, then the sum of squared stage costs (the first cut
+        wins a tie); None when no split satisfies ``fits``.
     """
     n = len(costs)
     if not 1 <= n_stages <= n:
         raise ValueError(f"cannot cut {n} units into {n_stages} non-empty stages")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-    inf = (float("inf"), float("inf"))
-
-    def cost(s: int, i: int, j: int) -> float:
-        if fits is not None and not fits(s, i, j):
-            return float("inf")
-        return prefix[j] - prefix[i] if stage_cost is None else stage_cost(s, i, j)
-
-    # best[s][j]: (slowest, sum of squares) of units 0..j-1 in s+1 stages; arg for the cut
-    best = [[inf] * (n + 1) for _ in range(n_stages)]
-    arg = [[-1] * (n + 1) for _ in range(n_stages)]
-    for j in range(1, n - n_stages + 2):
-        c = cost(0, 0, j)
-        if c < float("inf"):
-            best[0][j] = (c, c * c)
+    # cost[s, i, j]: units i .. j-1 as stage s (inf where j <= i or it does not fit)
+    i_idx, j_idx = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
+    span = j_idx - i_idx
+    if stage_table is not None:
+        table = np.asarray(stage_table, dtype=np.float64)
+        if table.shape != (n_stages, n + 1):
+            raise ValueError(f"stage_table must be {n_stages} x {n + 1}, got {table.shape}")
+        cost = np.where(span > 0, table[:, np.clip(span, 0, n)], np.inf)
+    else:
+        prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, dtype=np.float64))])
+        base = np.where(span > 0, prefix[None, :] - prefix[:, None], np.inf)
+        cost = np.repeat(base[None], n_stages, axis=0)
+        if fits is not None or stage_cost is not None:
+            for s in range(n_stages):
+                for i in range(n):
+                    for j in range(i + 1, n + 1):
+                        if fits is not None and not fits(s, i, j):
+                            cost[s, i, j] = np.inf
+                        elif stage_cost is not None:
+                            cost[s, i, j] = stage_cost(s, i, j)
+    # best[j]: (slowest, sum of squares) of units 0..j-1 in s+1 stages; arg: the last cut
+    last = n - n_stages + 1  # stage 0 ends at most here
+    ok = (np.arange(n + 1) >= 1) & (np.arange(n + 1) <= last)
+    slow = np.where(ok, cost[0, 0], np.inf)
+    squares = np.where(np.isfinite(slow), slow * slow, np.inf)
+    args = np.full((n_stages, n + 1), -1)
     for s in range(1, n_stages):
-        for j in range(s + 1, n - (n_stages - s - 1) + 1):
-            cur, cut = inf, -1
-            for i in range(s, j):
-                prev = best[s - 1][i]
-                if prev is inf or prev[0] == float("inf"):
-                    continue
-                c = cost(s, i, j)
-                if c == float("inf"):
-                    continue
-                cand = (max(prev[0], c), prev[1] + c * c)
-                if cand < cur:
-                    cur, cut = cand, i
-            best[s][j], arg[s][j] = cur, cut
-    if best[n_stages - 1][n][0] == float("inf"):
+        c = cost[s]
+        valid = (i_idx >= s) & (i_idx < j_idx) & (j_idx <= n - (n_stages - s - 1))
+        cand = np.where(valid, np.maximum(slow[:, None], c), np.inf)
+        low = cand.min(axis=0)
+        tie = (cand == low[None, :]) & np.isfinite(low)[None, :]
+        sq = np.where(tie, squares[:, None] + c * c, np.inf)
+        arg = sq.argmin(axis=0)
+        found = np.isfinite(low)
+        args[s] = np.where(found, arg, -1)
+        slow = low
+        squares = np.where(found, sq[arg, np.arange(n + 1)], np.inf)
+    if not np.isfinite(slow[n]):
         return None
     cuts = [n]
     j = n
     for s in range(n_stages - 1, 0, -1):
-        j = arg[s][j]
+        j = int(args[s][j])
         cuts.append(j)
     cuts.append(0)
     return cuts[::-1]

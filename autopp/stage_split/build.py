@@ -1,7 +1,7 @@
 """Building one pipeline stage's module from the whole model, without materialising it.
 
-The stage module is a copy of the whole model (``copy.deepcopy``; on the meta device this copies
-no data: llama3 8B takes about 25 ms) with everything the stage does not hold removed:
+The stage module is a copy of the whole model (``copy.deepcopy`` of what the stage keeps; on the
+meta device this copies no data) with everything the stage does not hold removed:
 
 - pre/post modules not in the stage are set to ``None``, at whatever depth they are (the
   model's forward must skip ``None`` modules, as torchtitan's ``Decoder.forward`` does for
@@ -77,7 +77,13 @@ def build_stage_module(
     kept = set(validate_stage(fqns, layout))
     if not allow_tied:
         _check_no_shared_parameters(model, layout, kept)
-    stage = copy.deepcopy(model)
+    # modules the stage drops are not copied (the memo maps them to themselves); they are
+    # removed from the copy below, so nothing of the original stays in it
+    container = model.get_submodule(layout.layers_attr)
+    dropped = [model.get_submodule(n) for n in (*layout.pre, *layout.post) if n not in kept]
+    dropped += [container[int(n)] if isinstance(container, nn.ModuleList) else container[n]
+                for n, fqn in zip(layout.layer_names, layout.layer_fqns) if fqn not in kept]
+    stage = copy.deepcopy(model, memo={id(m): m for m in dropped if m is not None})
     object.__setattr__(stage, LAYERS_ATTR, layout.layers_attr)
     for name in (*layout.pre, *layout.post):
         if name not in kept:

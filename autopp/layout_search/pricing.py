@@ -1,0 +1,252 @@
+"""Pricing a layout from its sub-mesh's probe costs: the split, the recomputation policy per
+stage, a lower bound on the step, and the schedule simulator's step and memory.
+
+Pricing is in two parts so the search can leave out dominated layouts cheaply:
+
+1. :meth:`Pricer.split`: costs rescaled to the layout's microbatch; per stage and per
+   number of layers held, the fastest probed policy whose memory (state + gathered weights
+   + activations × the microbatches the schedule keeps in flight there) fits, as a table;
+   Alpa's stage DP over it (:func:`~autopp.stage_split.balanced.balanced_cuts`); each
+   stage's :class:`~autopp.schedules.StageCost`; and a lower bound on the step: the
+   busiest pp rank's compute (no bubble, no communication).
+2. :meth:`Pricer.simulate`: torch's action lists for the schedule through the simulator
+   (:func:`autopp.schedules.simulate_schedule`) for the step, the bubble and each pp rank's
+   peak memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from autopp.layout_search.layouts import Layout
+from autopp.layout_search.unit_costs import ShapeCosts, UnitCost
+
+__all__ = ["Candidate", "Pricer", "Split"]
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A priced layout (a row of :class:`~autopp.layout_search.search.SearchReport`)."""
+
+    layout: Layout
+    fqns_per_stage: tuple[tuple[str, ...], ...]
+    """The split: module FQNs per stage."""
+    layers_per_stage: tuple[int, ...]
+    recompute: tuple[str, ...]
+    """Per stage, the recomputation policy that fits."""
+    step_time_s: float
+    bubble_fraction: float
+    tokens_per_s_per_device: float
+    mfu: float
+    """Model FLOPs utilisation: 6 × parameters × tokens per step over the step time and the
+    devices' peak (the profile's, in the compute dtype); attention's own FLOPs not counted."""
+    peak_bytes: tuple[int, ...]
+    """Per pp rank, the simulated peak."""
+    usable_bytes: float
+    largest: str
+    """The largest memory consumers at the fullest rank's peak."""
+    simulation: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def fits(self) -> bool:
+        return max(self.peak_bytes) <= self.usable_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """A layout's split and stage costs, before simulation (:meth:`Pricer.split`)."""
+
+    layout: Layout
+    cuts: tuple[int, ...]
+    """Layer indices where stages start (0 first, the layer count last)."""
+    recompute: tuple[str, ...]
+    costs: tuple[Any, ...]
+    """Per stage, its :class:`~autopp.schedules.StageCost`."""
+    bound_s: float
+    """No step of this split is shorter: the busiest pp rank's compute, nothing else."""
+    usable: float
+
+
+def _largest(mem: Any) -> str:
+    parts = sorted(((getattr(mem, k), k.replace("_", " ")) for k in (
+        "parameters", "gradients", "optimizer", "gathered_parameters", "activations")),
+        reverse=True)
+    return ", ".join(f"{name} {b / 2**30:.1f} GiB" for b, name in parts[:2] if b)
+
+
+def _linear(u: UnitCost) -> dict[str, float]:
+    """What the memory and time of ``k`` such units add up from (each scales with k)."""
+    s = u.state
+    return dict(t=u.per_microbatch_s, params=s.parameters, grads=s.gradients,
+                unreduced=s.unreduced_gradients, opt=s.optimizer, gathered=u.gathered_bytes,
+                act=u.activation_bytes)
+
+
+class Pricer:
+    """Prices layouts from probe costs (one :class:`ShapeCosts` per sub-mesh shape)."""
+
+    def __init__(self, model: nn.Module, layout_info: Any, *, global_batch: int, seq_len: int,
+                 profile: Any, mixed_precision: Any, usable: float):
+        self.layout = layout_info
+        self.global_batch, self.seq_len = global_batch, seq_len
+        self.profile, self.usable = profile, usable
+        self.shapes: dict[tuple[int, int], ShapeCosts] = {}
+        self.n_params = sum(p.numel() for p in model.parameters())
+        dtype = getattr(mixed_precision, "param_dtype", None) or next(
+            model.parameters()).dtype
+        self.peak_flops = profile.flops_bf16 if dtype in (torch.bfloat16, torch.float16) \
+            else profile.flops_fp32
+
+    def add(self, shape: ShapeCosts) -> None:
+        """Take a probe's costs (merged with those of other recompute policies)."""
+        key = (shape.dp, shape.tp)
+        old = self.shapes.get(key)
+        if old is not None:
+            shape = dataclasses.replace(
+                shape, pre={**old.pre, **shape.pre}, layer={**old.layer, **shape.layer},
+                post={**old.post, **shape.post}, planning_s=old.planning_s + shape.planning_s,
+                solved=old.solved + shape.solved)
+        self.shapes[key] = shape
+
+    def split(self, lay: Layout, usable: float | None = None) -> Split | str:
+        """The layout's split and stage costs, or why it does not fit. ``usable``: the
+        device memory (None: the search's; ``inf``: unbounded, for a lower bound)."""
+        from autopp.auto_plan import in_flight_per_stage
+        from autopp.schedules import StageCost
+        from autopp.schedules.actions import compute_order
+        from autopp.stage_split.balanced import balanced_cuts
+
+        shape = self.shapes[lay.dp, lay.tp]
+        usable = self.usable if usable is None else usable
+        n, L, m = lay.n_stages, self.layout.n_layers, lay.n_microbatches
+        modes = list(shape.layer)  # policies, and their "@lean" variants, probed
+        f = self.global_batch / m / shape.rows
+        layer = {md: shape.layer[md].scaled(f) for md in modes}
+        pre = {md: shape.pre[md].scaled(f) for md in modes}
+        post = {md: shape.post[md].scaled(f) for md in modes}
+        loss = shape.loss_s * f
+        in_flight = in_flight_per_stage(lay.schedule, lay.pp, m, n)
+        budget = usable / lay.stages_per_rank
+        ks = np.arange(L + 1, dtype=np.float64)
+
+        def need_and_time(kind: tuple[int, bool, bool]) -> tuple[np.ndarray, np.ndarray]:
+            """(bytes, seconds) per policy (rows) and layers held (columns)."""
+            held, first, last = kind
+            need, time = [], []
+            for md in modes:
+                a = _linear(layer[md])
+                b = {k: 0.0 for k in a}
+                for end, on in ((pre[md], first), (post[md], last)):
+                    if on:
+                        b = {k: v + _linear(end)[k] for k, v in b.items()}
+                col = {k: a[k] * ks + b[k] for k in a}
+                need.append(col["params"] + np.maximum(col["grads"], col["unreduced"])
+                            + col["opt"] + col["gathered"] + held * col["act"])
+                time.append(col["t"] + (loss if last else 0.0))
+            return np.array(need), np.array(time)
+
+        kinds = [(in_flight[s], s == 0, s == n - 1) for s in range(n)]
+        tables: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        for kind in set(kinds):
+            need, time = need_and_time(kind)
+            t = np.where(need <= budget, time, np.inf)
+            best = t.argmin(axis=0)
+            cost = t[best, np.arange(L + 1)]
+            cost[0] = np.inf  # every stage holds a layer
+            tables[kind] = (cost, best, need)
+        cuts = balanced_cuts([1.0] * L, n, stage_table=[tables[k][0] for k in kinds])
+        if cuts is None:  # name the stage of the even split that is furthest over
+            even = balanced_cuts([1.0] * L, n)
+            over = []
+            for s, (a, b) in enumerate(zip(even, even[1:])):
+                need = tables[kinds[s]][2][:, b - a]
+                i = int(need.argmin())
+                over.append((float(need[i]), s, b - a, modes[i]))
+            got, s, k, least = max(over)
+            lean = ", memory-lean placements" if "@" in least else ""
+            return (f"does not fit: stage {s} ({k} layers) needs ~{got / 2**30:.1f} GiB of "
+                    f"{budget / 2**30:.1f} GiB even under its least-memory plan probed "
+                    f"(recompute={least.split('@')[0]!r}{lean}; {in_flight[s]} microbatches "
+                    "in flight), and no split does better")
+        send = shape.hidden_bytes / shape.dp / shape.tp * f  # batch over dp, sequence over tp
+        costs, chosen, work = [], [], [0.0] * lay.pp
+        _, stage_to_rank = compute_order(lay.schedule, pp=lay.pp, n_microbatches=m, n_stages=n)
+        for s, (a, b) in enumerate(zip(cuts, cuts[1:])):
+            mode = modes[int(tables[kinds[s]][1][b - a])]
+            u = layer[mode].times(b - a)
+            if s == 0:
+                u = u + pre[mode]
+            if s == n - 1:
+                u = u + post[mode]
+            base = max(u.per_microbatch_s - u.recompute_s, 0.0) / 3
+            ls = loss if s == n - 1 else 0.0
+            costs.append(StageCost(
+                forward_s=base + ls / 2, backward_input_s=base + u.recompute_s + ls / 2,
+                backward_weight_s=base, unshard_s=u.unshard_s, reduce_grad_s=u.reduce_grad_s,
+                activation_bytes_per_microbatch=int(u.activation_bytes),
+                p2p_bytes_per_microbatch=int(send) if s < n - 1 else 0,
+                param_bytes=int(u.state.parameters), grad_bytes=int(u.state.gradients),
+                unreduced_grad_bytes=int(u.state.unreduced_gradients),
+                optimizer_bytes=int(u.state.optimizer), gathered_param_bytes=int(u.gathered_bytes),
+            ))
+            chosen.append(mode.split("@")[0])
+            work[stage_to_rank[s]] += m * (3 * base + u.recompute_s + ls)
+        return Split(lay, tuple(cuts), tuple(chosen), tuple(costs),
+                     self._step(max(work), sum(work) / len(work), lay), usable)
+
+    def _step(self, critical_s: float, mean_busy_s: float, lay: Layout) -> float:
+        """The step from the critical path and the ranks' mean busy time: the critical path
+        on devices; on a measured CPU profile whose ranks share the cores, an idle rank's
+        cores go to the others (rates were measured with every rank busy), so the machine's
+        total work bounds the step."""
+        cores = self.profile.shared_cores
+        if not cores:
+            return critical_s
+        world = lay.pp * lay.dp * lay.tp
+        return max(mean_busy_s, critical_s * min(1.0, cores / world))
+
+    def simulate(self, sp: Split) -> Candidate | str:
+        """Simulate a split's schedule: its candidate, or why its peak memory does not fit."""
+        from autopp.estimate import pp_link
+        from autopp.schedules import simulate_schedule
+
+        lay = sp.layout
+        link = pp_link(self.profile, (lay.pp, lay.dp, lay.tp))
+        sim = simulate_schedule(lay.schedule, list(sp.costs), pp=lay.pp,
+                                n_microbatches=lay.n_microbatches, n_stages=lay.n_stages,
+                                link=link)
+        peaks = tuple(r.peak_bytes for r in sim.ranks)
+        worst = max(range(len(peaks)), key=lambda r: peaks[r])
+        largest = _largest(sim.ranks[worst].memory_at_peak)
+        if peaks[worst] > sp.usable:
+            return (f"does not fit: pp rank {worst} peaks at {peaks[worst] / 2**30:.1f} GiB > "
+                    f"{sp.usable / 2**30:.1f} GiB usable ({largest})")
+        layers = self.layout.layer_fqns
+        cuts = sp.cuts
+        fqns = [list(layers[a:b]) for a, b in zip(cuts, cuts[1:])]
+        fqns[0] = [*self.layout.pre, *fqns[0]]
+        fqns[-1] = [*fqns[-1], *self.layout.post]
+        world = lay.pp * lay.dp * lay.tp
+        tokens = self.global_batch * self.seq_len
+        step = self._step(sim.step_time_s, sum(r.busy_s for r in sim.ranks) / len(sim.ranks),
+                          lay)
+        return Candidate(
+            layout=lay, fqns_per_stage=tuple(tuple(x) for x in fqns),
+            layers_per_stage=tuple(b - a for a, b in zip(cuts, cuts[1:])),
+            recompute=sp.recompute, step_time_s=step, bubble_fraction=sim.bubble_fraction,
+            tokens_per_s_per_device=tokens / step / world,
+            mfu=6 * self.n_params * tokens / step / (world * self.peak_flops),
+            peak_bytes=peaks, usable_bytes=sp.usable, largest=largest, simulation=sim,
+        )
+
+    def price(self, lay: Layout, usable: float | None = None) -> Candidate | str:
+        """Split and simulate (see :meth:`split`)."""
+        sp = self.split(lay, usable)
+        return sp if isinstance(sp, str) else self.simulate(sp)
+
