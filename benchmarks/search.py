@@ -51,15 +51,25 @@ def _search(args) -> dict:
     out = {"search_s": report.search_s, "best": str(report.best.layout),
            "best_step_s": report.best.step_time_s, "hand": {}}
     for name, h in HAND.items():
-        mine = [c for c in report.results if c.layout.tp == h["tp"] and c.layout.pp == h["pp"]
-                and c.layout.schedule in h["schedules"]]
-        if mine:
-            c = min(mine, key=lambda c: c.step_time_s)
+        # the search leaves dominated layouts out unsimulated: price each hand layout by a
+        # search restricted to it (untimed; the probes come from the plan cache)
+        if h["pp"] * h["tp"] > args.world or args.world % (h["pp"] * h["tp"]):
+            out["hand"][name] = (None, "not a layout of this world")
+            continue
+        try:
+            mine = autopp.search(build_model(args.model), world_size=args.world,
+                                 global_batch=args.batch_size, seq_len=args.seq_len,
+                                 profile="H100", mixed_precision=mp, tp_sizes=(h["tp"],),
+                                 pp_sizes=(h["pp"],), schedules=h["schedules"],
+                                 max_results=None)
+        except ValueError as e:  # no layout at all
+            out["hand"][name] = (None, str(e).split(":")[0])
+            continue
+        if mine.results:
+            c = mine.results[0]
             out["hand"][name] = (str(c.layout), c.step_time_s)
         else:
-            why = [r for lay, r in report.rejected if lay.startswith(
-                f"pp{h['pp']} dp{args.world // (h['pp'] * h['tp'])} tp{h['tp']}")]
-            out["hand"][name] = (None, why[0] if why else "not a layout of this world")
+            out["hand"][name] = (None, mine.rejected[0][1] if mine.rejected else "no layout")
     return out
 
 

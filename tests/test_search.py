@@ -103,3 +103,29 @@ def test_search_debug_model_best_layout_simulates_as_predicted(debug_model):
           f"planned exactly {dry.step_time_s * 1e3:.3f} ms")
     assert dry.step_time_s == pytest.approx(best.step_time_s, rel=0.15), (
         dry.step_time_s, best.step_time_s)
+
+
+def test_llama3_8b_head_on_512_dp_ranks_is_planned():
+    """llama3-8B's head on a dp=512 sub-mesh (a 2 TiB replicated-logits option beside
+    one-byte terms) made HiGHS's presolve call the unit infeasible, and the search left
+    FSDP over 512 ranks out as "could not plan"; the solver now solves such a model again
+    without presolve."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torchtitan.experiments.graph_trainer.common_utils import (
+        build_decoder_config_for_backend,
+    )
+    from torchtitan.models.llama3 import llama3_configs
+
+    import autopp
+
+    with torch.device("meta"):
+        model = build_decoder_config_for_backend(llama3_configs["8B"], "sdpa").build()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    report = autopp.search(model, world_size=512, global_batch=512, seq_len=8192,
+                           profile="H100", mixed_precision=mp, tp_sizes=(1,), pp_sizes=(1,),
+                           schedules=("1F1B",), microbatch_choices=1, recompute=("none",),
+                           workers=1)
+    reasons = [r for _, r in report.rejected]
+    assert not any("could not plan" in r for r in reasons), reasons
+    assert report.results or any(r.startswith("does not fit") for r in reasons), reasons

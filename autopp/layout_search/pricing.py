@@ -170,10 +170,21 @@ class Pricer:
                 over.append((float(need[i]), s, b - a, modes[i]))
             got, s, k, least = max(over)
             lean = ", memory-lean placements" if "@" in least else ""
+            u = layer[least].times(k)
+            u = u + pre[least] if s == 0 else u
+            u = u + post[least] if s == n - 1 else u
+            st = u.state
+            grads = ("gradients before their once-per-step reduction", st.unreduced_gradients) \
+                if st.unreduced_gradients > st.gradients else ("gradients", st.gradients)
+            parts = sorted([("parameters", st.parameters), grads, ("optimizer state", st.optimizer),
+                            ("gathered weights", u.gathered_bytes),
+                            (f"activations x {in_flight[s]} in flight",
+                             in_flight[s] * u.activation_bytes)], key=lambda p: -p[1])
+            largest = ", ".join(f"{name} {b / 2**30:.1f} GiB" for name, b in parts[:3] if b)
             return (f"does not fit: stage {s} ({k} layers) needs ~{got / 2**30:.1f} GiB of "
                     f"{budget / 2**30:.1f} GiB even under its least-memory plan probed "
-                    f"(recompute={least.split('@')[0]!r}{lean}; {in_flight[s]} microbatches "
-                    "in flight), and no split does better")
+                    f"(recompute={least.split('@')[0]!r}{lean}: {largest}), and no split "
+                    "does better")
         send = shape.hidden_bytes / shape.dp / shape.tp * f  # batch over dp, sequence over tp
         costs, chosen, work = [], [], [0.0] * lay.pp
         _, stage_to_rank = compute_order(lay.schedule, pp=lay.pp, n_microbatches=m, n_stages=n)

@@ -151,40 +151,41 @@ def _probe_job(dp: int, tp: int, pp: int, m_ref: int, modes: tuple[str, ...]
         return f"the planner could not plan this sub-mesh: {e}".split("\n")[0]
 
 
-def _worth_more_memory(priced: dict, families: dict, pricer: Pricer, keys: list
-                       ) -> list[tuple[int, int]]:
-    """The sub-meshes worth probing under recomputation and memory-lean placements: those
-    with a layout that does not fit whose step with unlimited memory (a lower bound:
-    recomputing and memory-lean placements only add time; first the busiest rank's compute,
-    then, if that does not settle it, simulated) beats the best layout that fits. The
-    others' layouts are dominated: their reason says so."""
-    fits = [c for c in priced.values() if not isinstance(c, str)]
-    best = min(fits, key=lambda c: c.step_time_s) if fits else None
-    again = []
+def _unfit_bounds(priced: dict, families: dict, pricer: Pricer, keys: list,
+                  best_s: float) -> dict[tuple[int, int], dict[Layout, float]]:
+    """Per sub-mesh, a lower bound on the step of each layout that does not fit without
+    recomputation: its step with unlimited memory (recomputing and memory-lean placements
+    only add time). First the busiest rank's compute; the most promising layouts are then
+    simulated until one beats ``best_s`` (the best that fits): a sub-mesh whose least bound
+    does not is dominated, not worth probing again."""
+    out: dict[tuple[int, int], dict[Layout, float]] = {}
     for key in keys:
         if key not in pricer.shapes:
             continue  # the planner could not plan it at all
-        worth = False
-        for lay in families[key]:
-            why = priced[lay]
-            if not (isinstance(why, str) and why.startswith("does not fit")):
-                continue
-            sp = pricer.split(lay, usable=math.inf) if best is not None else None
-            if sp is None or isinstance(sp, str):
-                worth = True
+        unfit = [lay for lay in families[key] if isinstance(priced[lay], str)
+                 and priced[lay].startswith("does not fit")]
+        if not unfit:
+            continue
+        splits = {lay: pricer.split(lay, usable=math.inf) for lay in unfit}
+        cheap = {lay: 0.0 if isinstance(sp, str) else sp.bound_s for lay, sp in splits.items()}
+        bounds = dict(cheap)
+        for lay in sorted(unfit, key=cheap.__getitem__):
+            if cheap[lay] >= best_s:
                 break
-            bound = sp.bound_s  # the busiest rank's compute; then the simulated step
-            if bound < best.step_time_s:
-                bound = pricer.simulate(sp).step_time_s
-            if bound < best.step_time_s:
-                worth = True
+            sp = splits[lay]
+            if not isinstance(sp, str):
+                bounds[lay] = pricer.simulate(sp).step_time_s
+            if bounds[lay] < best_s:
                 break
-            priced[lay] = (f"{why}; not probed with recomputation: even with unlimited memory "
-                           f"its step is at least {bound * 1e3:.1f} ms, no faster than "
-                           f"{best.layout} ({best.step_time_s * 1e3:.1f} ms) that fits")
-        if worth:
-            again.append(key)
-    return again
+        out[key] = bounds
+    return out
+
+
+def _dominated(priced: dict, bounds: dict[Layout, float], best: Candidate) -> None:
+    for lay, bound in bounds.items():
+        priced[lay] = (f"{priced[lay]}; not probed with recomputation: even with unlimited "
+                       f"memory its step is at least {bound * 1e3:.1f} ms, no faster than "
+                       f"{best.layout} ({best.step_time_s * 1e3:.1f} ms) that fits")
 
 
 def _probe_worker(jobs: Any, results: Any, wid: int) -> None:
@@ -216,12 +217,18 @@ class _ProbePool:
             for proc in self.procs:
                 proc.start()
 
-    def run(self, jobs: list[tuple], done: Any) -> list[ShapeCosts | str]:
+    def run(self, jobs: list[tuple], done: Any, keep: Any = None
+            ) -> dict[tuple, ShapeCosts | str]:
+        """Results by job, in ``jobs`` order where workers are free; ``done(job, result)``
+        as each arrives; ``keep(job)``, asked as a job is about to start: False skips it
+        (no result)."""
+        keep = keep or (lambda job: True)
         if not self.procs:
-            out = []
+            out = {}
             for job in jobs:
-                out.append(_probe_job(*job))
-                done(job)
+                if keep(job):
+                    out[job] = _probe_job(*job)
+                    done(job, out[job])
             return out
         import queue
 
@@ -234,16 +241,17 @@ class _ProbePool:
         idle = list(range(self.n))
 
         def give(w: int) -> None:
-            mine = own[w] or free or max(own, key=len)
-            if mine:
+            while (mine := own[w] or free or max(own, key=len)):
                 job = mine.pop(0)
-                self.home[job[:2]] = w
-                self.queues[w].put(job)
-                idle.remove(w)
+                if keep(job):
+                    self.home[job[:2]] = w
+                    self.queues[w].put(job)
+                    idle.remove(w)
+                    return
 
         for w in list(idle):
             give(w)
-        while len(got) < len(jobs):
+        while len(idle) < self.n:
             try:
                 w, job, res = self.results.get(timeout=5.0)
             except queue.Empty:
@@ -254,9 +262,9 @@ class _ProbePool:
                 continue
             got[job] = res
             idle.append(w)
-            done(job)
+            done(job, res)
             give(w)
-        return [got[job] for job in jobs]
+        return got
 
     def close(self) -> None:
         for q in getattr(self, "queues", []):
@@ -347,7 +355,7 @@ def search(
                 "%d probe process(es)", len(layouts), len(families), len(rejected), workers)
     progress = {"n": 0, "total": 0, "last": time.perf_counter()}
 
-    def done(job: tuple) -> None:
+    def done(job: tuple, result: Any = None) -> None:
         progress["n"] += 1
         now = time.perf_counter()
         if now - progress["last"] > 5 or progress["n"] == progress["total"]:
@@ -356,14 +364,26 @@ def search(
                         now - t0)
             progress["last"] = now
 
-    def probe(keys: list[tuple[int, int]], modes: tuple[str, ...]) -> dict:
+    def probe(keys: list[tuple[int, int]], modes: tuple[str, ...], keep: Any = None,
+              on_result: Any = None) -> dict:
         jobs = []
         for dp, tp in keys:
             fam = families[dp, tp]
             m_ref = sorted(lay.n_microbatches for lay in fam)[len(fam) // 2]
             jobs.append((dp, tp, fam[0].pp, m_ref, modes))
         progress["n"], progress["total"] = 0, len(jobs)
-        return dict(zip(keys, pool.run(jobs, done)))
+
+        def finished(job: tuple, result: Any) -> None:
+            done(job)
+            if on_result is not None:
+                on_result(job[:2], result)
+
+        got = pool.run(jobs, finished, keep)
+        return {job[:2]: res for job, res in got.items()}
+
+    def best_fit() -> Candidate | None:
+        fits = [c for c in priced.values() if not isinstance(c, str)]
+        return min(fits, key=lambda c: c.step_time_s) if fits else None
 
     priced: dict[Layout, Candidate | str] = {}
 
@@ -397,8 +417,7 @@ def search(
             got = priced[sp.layout] = pricer.simulate(sp)
             if not isinstance(got, str):
                 bisect.insort(steps, got.step_time_s)
-        fits = [c for c in priced.values() if not isinstance(c, str)]
-        best = min(fits, key=lambda c: c.step_time_s) if fits else None
+        best = best_fit()
         logger.info("search: %d/%d layouts priced (%d simulated, %d dominated), %.1f s; best "
                     "so far %s", len(priced), len(layouts), len(splits) - dominated, dominated,
                     time.perf_counter() - t0,
@@ -414,12 +433,29 @@ def search(
     pool = _ProbePool(workers)
     try:
         price(keys, probe(keys, first))
-        again = _worth_more_memory(priced, families, pricer, keys) if rest else []
-        if again:
+        best = best_fit()
+        bounds = _unfit_bounds(priced, families, pricer, keys,
+                               best.step_time_s if best else math.inf) if rest else {}
+        least = {key: min(b.values()) for key, b in bounds.items()}
+        for key in [k for k in bounds if best is not None and least[k] >= best.step_time_s]:
+            _dominated(priced, bounds.pop(key), best)
+        if bounds:
             logger.info("search: %d sub-mesh(es) have layouts that do not fit without "
                         "recomputation and could beat the best that fits: probing recompute "
-                        "%s", len(again), "/".join(rest))
-            price(again, probe(again, rest))
+                        "%s, most promising first", len(bounds), "/".join(rest))
+            skipped = []
+
+            def keep(job: tuple) -> bool:  # the best may have improved since
+                now = best_fit()
+                if now is None or least[job[:2]] < now.step_time_s:
+                    return True
+                skipped.append(job[:2])
+                return False
+
+            probe(sorted(bounds, key=least.__getitem__), rest, keep,
+                  lambda key, res: price([key], {key: res}))
+            for key in skipped:
+                _dominated(priced, bounds[key], best_fit())
     finally:
         pool.close()
         if created and dist.is_initialized():

@@ -483,6 +483,12 @@ class Model:
         if hint is not None:
             h.setSolution(len(hint[0]), *hint)
         h.run()
+        if h.getModelStatus() == highspy.HighsModelStatus.kInfeasible:
+            # HiGHS's presolve can call a feasible model infeasible when its values span
+            # many orders of magnitude (a dp=512 head's 2 TiB replicated logits beside 1-byte
+            # terms); solving again without presolve settles it
+            h.setOptionValue("presolve", "off")
+            h.run()
         dt = time.perf_counter() - t0
         status = h.modelStatusToString(h.getModelStatus())
         sol = h.getSolution()
