@@ -41,7 +41,12 @@ def test_tp_stays_in_a_node_and_v_schedules_need_two_stages_per_rank():
                                           schedules=("ZBVZeroBubble", "Interleaved1F1B"))
     assert max(lay.tp for lay in layouts) == 4
     assert any("tp=8 spans nodes" in r for _, r in rejected)
-    assert all(lay.stages_per_rank == 2 for lay in layouts if lay.pp > 1)
+    assert all(lay.stages_per_rank == 2 for lay in layouts
+               if lay.pp > 1 and lay.schedule == "ZBVZeroBubble")
+    # a looped schedule tries 2, 3 and 4 stages per rank, as far as the 8 layers go
+    looped = {(lay.pp, lay.stages_per_rank) for lay in layouts
+              if lay.schedule == "Interleaved1F1B"}
+    assert {(2, 2), (2, 3), (2, 4), (4, 2)} <= looped and (4, 3) not in looped
     assert all(lay.n_stages <= 8 for lay in layouts)
 
 

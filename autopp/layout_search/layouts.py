@@ -65,6 +65,7 @@ def enumerate_layouts(
     *, world_size: int, global_batch: int, n_layers: int, devices_per_node: int,
     schedules: Sequence[str] = DEFAULT_SCHEDULES, tp_sizes: Sequence[int] | None = None,
     pp_sizes: Sequence[int] | None = None, microbatch_choices: int = 3,
+    stages_per_rank: Sequence[int] = (2, 3, 4),
 ) -> tuple[list[Layout], list[tuple[str, str]]]:
     """Every layout to consider, and (layout family, reason) for each one left out.
 
@@ -77,6 +78,8 @@ def enumerate_layouts(
         tp_sizes / pp_sizes: restrict tp / pp (None: every divisor that fits).
         microbatch_choices: microbatch counts per (pp, dp, tp, schedule): the fewest that
             fills the pipeline, then doubling.
+        stages_per_rank: stages per pp rank tried for the looped multi-stage schedules
+            (Interleaved1F1B, InterleavedZeroBubble); the V schedules hold exactly 2.
 
     Raises:
         ValueError: no layout at all; the message says what would work.
@@ -110,17 +113,21 @@ def enumerate_layouts(
             local = global_batch // dp
             for name in schedules if pp > 1 else ("1F1B",):
                 info = schedule_info(name)
-                v_options = ([info.default_stages_per_rank] if info.multi_stage else [1])
+                v_options = [1]
+                if info.multi_stage and pp > 1:
+                    hi = info.max_stages_per_rank or max(stages_per_rank)
+                    v_options = [v for v in stages_per_rank
+                                 if info.min_stages_per_rank <= v <= hi] or [
+                        info.default_stages_per_rank]
                 for v in v_options:
-                    if pp == 1:
-                        v = 1
                     if pp * v > n_layers:
-                        rejected.append((f"{family} {name}", f"{pp * v} stages is more than "
-                                                             f"the model's {n_layers} layers"))
+                        rejected.append((f"{family} {name}{f' x{v}' if v > 1 else ''}",
+                                         f"{pp * v} stages is more than the model's "
+                                         f"{n_layers} layers"))
                         continue
                     ms = _microbatch_counts(local, pp * v, pp, name, microbatch_choices)
                     if not ms:
-                        rejected.append((f"{family} {name}", (
+                        rejected.append((f"{family} {name}{f' x{v}' if v > 1 else ''}", (
                             f"{local} sequences per dp rank cannot make the microbatches "
                             f"{name} needs for {pp * v} stages on {pp} ranks")))
                         continue

@@ -289,6 +289,7 @@ def search(
     recompute: Sequence[str] = ("none", "selective", "full"),
     memory_reserve: float = 0.1,
     microbatch_choices: int = 3,
+    stages_per_rank: Sequence[int] = (2, 3, 4),
     max_results: int | None = 20,
     layers_attr: str | None = None,
     workers: int | None = None,
@@ -312,6 +313,8 @@ def search(
         memory_reserve: share of each device's memory kept out of the plan (allocator,
             buffers).
         microbatch_choices: microbatch counts tried per layout (fewest first, doubling).
+        stages_per_rank: stages per pp rank tried for the looped multi-stage schedules
+            (Interleaved1F1B, InterleavedZeroBubble); the V schedules hold exactly 2.
         max_results: rank this many of the fastest feasible layouts. Layouts are simulated
             least lower bound first (the busiest pp rank's compute); one whose bound is no
             faster than the ``max_results``-th fastest simulated so far is left out as
@@ -338,7 +341,8 @@ def search(
     layouts, rejected = enumerate_layouts(
         world_size=world_size, global_batch=global_batch, n_layers=layout_info.n_layers,
         devices_per_node=prof.devices_per_node, schedules=schedules, tp_sizes=tp_sizes,
-        pp_sizes=pp_sizes, microbatch_choices=microbatch_choices)
+        pp_sizes=pp_sizes, microbatch_choices=microbatch_choices,
+        stages_per_rank=stages_per_rank)
     if dist.is_initialized() and dist.get_world_size() != world_size:
         raise ValueError(f"torch.distributed is initialised with {dist.get_world_size()} ranks; "
                          f"the search needs a fake world of {world_size}")
