@@ -134,3 +134,25 @@ def test_llama3_8b_head_on_512_dp_ranks_is_planned():
     reasons = [r for _, r in report.rejected]
     assert not any("could not plan" in r for r in reasons), reasons
     assert report.results or any(r.startswith("does not fit") for r in reasons), reasons
+
+
+def test_pruning_keeps_the_best_and_bounds_hold(debug_model):
+    """Left-out layouts are dominated: the search with pruning finds the same best layout as
+    the one that simulates every layout, and each layout it left out as dominated simulates,
+    in the full search, to no less than the bound it was left out with."""
+    import re
+
+    import autopp
+
+    kw = dict(world_size=8, global_batch=16, seq_len=64, profile="H100",
+              schedules=("1F1B", "Interleaved1F1B", "ZBVZeroBubble"), microbatch_choices=2)
+    pruned = autopp.search(debug_model, max_results=3, **kw)
+    full = autopp.search(debug_model, max_results=None, **kw)
+    assert pruned.best.layout == full.best.layout
+    assert pruned.best.step_time_s == full.best.step_time_s
+    steps = {str(c.layout): c.step_time_s for c in full.results}
+    dominated = [(lay, float(re.search(r"at least ([\d.e+-]+) ms", why).group(1)))
+                 for lay, why in pruned.rejected if why.startswith("dominated")]
+    assert dominated, "the debug model's search left nothing out: the test checks nothing"
+    for lay, bound_ms in dominated:
+        assert steps[lay] * 1e3 >= bound_ms * (1 - 1e-3), (lay, steps[lay], bound_ms)

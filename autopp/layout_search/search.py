@@ -181,11 +181,17 @@ def _unfit_bounds(priced: dict, families: dict, pricer: Pricer, keys: list,
     return out
 
 
+def _ms(seconds: float) -> str:
+    """Milliseconds to four significant digits at least."""
+    ms = seconds * 1e3
+    return f"{ms:.1f}" if ms >= 1000 else f"{ms:.4g}"
+
+
 def _dominated(priced: dict, bounds: dict[Layout, float], best: Candidate) -> None:
     for lay, bound in bounds.items():
         priced[lay] = (f"{priced[lay]}; not probed with recomputation: even with unlimited "
-                       f"memory its step is at least {bound * 1e3:.1f} ms, no faster than "
-                       f"{best.layout} ({best.step_time_s * 1e3:.1f} ms) that fits")
+                       f"memory its step is at least {_ms(bound)} ms, no faster than "
+                       f"{best.layout} ({_ms(best.step_time_s)} ms) that fits")
 
 
 def _probe_worker(jobs: Any, results: Any, wid: int) -> None:
@@ -413,9 +419,9 @@ def search(
             if max_results is not None and len(steps) >= max_results and \
                     sp.bound_s >= steps[max_results - 1]:
                 priced[sp.layout] = (
-                    f"dominated: its step is at least {sp.bound_s * 1e3:.1f} ms (its busiest "
+                    f"dominated: its step is at least {_ms(sp.bound_s)} ms (its busiest "
                     f"pp rank's compute alone), no faster than the {max_results} fastest "
-                    f"(up to {steps[max_results - 1] * 1e3:.1f} ms)")
+                    f"(up to {_ms(steps[max_results - 1])} ms)")
                 dominated += 1
                 continue
             got = priced[sp.layout] = pricer.simulate(sp)
