@@ -134,6 +134,13 @@ class StageReport:
         return self.facts.activation_bytes
 
 
+def _step_of(sim: SimulationResult, profile: str, world: int) -> float:
+    from autopp.estimate import contended_step_s
+
+    busy = [r.busy_s for r in sim.ranks]
+    return contended_step_s(sim.step_time_s, sum(busy) / max(len(busy), 1), profile, world)
+
+
 @dataclass(frozen=True)
 class DryRunReport:
     """A planned pipeline: per-stage plans and the pipeline's estimates. ``str()`` prints it."""
@@ -210,8 +217,9 @@ class DryRunReport:
 
     @property
     def step_time_s(self) -> float:
-        """The simulated step time of the pipeline's schedule."""
-        return self.simulation.step_time_s
+        """The simulated step time of the pipeline's schedule (on a measured CPU profile
+        whose ranks share the cores, contended: :func:`autopp.estimate.contended_step_s`)."""
+        return _step_of(self.simulation, self.profile, self.pp * self.dp * self.tp)
 
     @property
     def bubble_fraction(self) -> float:
@@ -219,7 +227,8 @@ class DryRunReport:
 
     @property
     def torchtitan_step_time_s(self) -> float | None:
-        return self.torchtitan_simulation.step_time_s if self.compare else None
+        return _step_of(self.torchtitan_simulation, self.profile,
+                        self.pp * self.dp * self.tp) if self.compare else None
 
     @property
     def step_time_ratio(self) -> float | None:
@@ -538,7 +547,7 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
         )
     peaks = [r.peak_bytes for r in sim.ranks]
     pplan = dataclasses.replace(pplan, estimates=PipelineEstimates(
-        step_time_s=sim.step_time_s, bubble_fraction=sim.bubble_fraction,
+        step_time_s=_step_of(sim, profile, pp * dp * tp), bubble_fraction=sim.bubble_fraction,
         alpa_time_s=(sum(s.time_s for s in stages) + (n_microbatches - 1) * max(
             sum(stages[s].time_s for s in ids) for ids in ids_per_rank)),
         stage_time_s=tuple(s.time_s for s in stages), peak_bytes=tuple(peaks),

@@ -368,6 +368,22 @@ def pp_link(profile: Any, mesh_shape: tuple[int, ...]) -> Link:
     return Link(latency_s=latency, bandwidth_bytes_per_s=bandwidth)
 
 
+def contended_step_s(critical_s: float, mean_busy_s: float, profile: Any, world: int) -> float:
+    """The step of a pipeline from its simulated critical path and its ranks' mean busy time.
+
+    On devices it is the critical path. On a measured CPU profile whose ranks share the
+    machine's cores (``shared_cores``: more ranks than cores), rates were measured with every
+    rank busy, so a rank idle in a bubble gives its cores to the others: the step is the
+    larger of the machine's total work (the mean busy time) and the critical path at the
+    uncontended rate (× cores / ranks)."""
+    from autopp.sharding.profiles import get_profile
+
+    cores = get_profile(profile).shared_cores
+    if not cores:
+        return critical_s
+    return max(mean_busy_s, critical_s * min(1.0, cores / world))
+
+
 def usable_bytes(profile: Any, reserve: float) -> float:
     """Device memory left for the categories the simulator counts: the profile's memory
     minus ``reserve`` (a fraction, for the allocator, workspaces, communication buffers and

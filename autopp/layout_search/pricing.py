@@ -212,15 +212,10 @@ class Pricer:
                      self._step(max(work), sum(work) / len(work), lay), usable)
 
     def _step(self, critical_s: float, mean_busy_s: float, lay: Layout) -> float:
-        """The step from the critical path and the ranks' mean busy time: the critical path
-        on devices; on a measured CPU profile whose ranks share the cores, an idle rank's
-        cores go to the others (rates were measured with every rank busy), so the machine's
-        total work bounds the step."""
-        cores = self.profile.shared_cores
-        if not cores:
-            return critical_s
-        world = lay.pp * lay.dp * lay.tp
-        return max(mean_busy_s, critical_s * min(1.0, cores / world))
+        from autopp.estimate import contended_step_s
+
+        return contended_step_s(critical_s, mean_busy_s, self.profile,
+                                lay.pp * lay.dp * lay.tp)
 
     def simulate(self, sp: Split) -> Candidate | str:
         """Simulate a split's schedule: its candidate, or why its peak memory does not fit."""
