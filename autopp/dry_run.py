@@ -60,7 +60,9 @@ from autopp.estimate import (
     StageFacts,
     full_checkpointing_cost,
     param_dtypes,
+    pipeline_estimates,
     pp_link,
+    simulated_step_s,
     stage_cost,
     stage_facts,
     stage_facts_by_rule,
@@ -69,7 +71,7 @@ from autopp.estimate import (
 )
 from autopp.loss import cross_entropy
 from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
-from autopp.pipeline_plan import PipelineEstimates, PipelinePlan
+from autopp.pipeline_plan import PipelinePlan
 from autopp.plan_cache import cached_plan, plan_key
 from autopp.schedules import (
     Link,
@@ -132,13 +134,6 @@ class StageReport:
         """Bytes one microbatch keeps on a device between its forward and backward on this
         stage (read off the lowered graphs); None if not computed."""
         return self.facts.activation_bytes
-
-
-def _step_of(sim: SimulationResult, profile: str, world: int) -> float:
-    from autopp.estimate import contended_step_s
-
-    busy = [r.busy_s for r in sim.ranks]
-    return contended_step_s(sim.step_time_s, sum(busy) / max(len(busy), 1), profile, world)
 
 
 @dataclass(frozen=True)
@@ -219,7 +214,7 @@ class DryRunReport:
     def step_time_s(self) -> float:
         """The simulated step time of the pipeline's schedule (on a measured CPU profile
         whose ranks share the cores, contended: :func:`autopp.estimate.contended_step_s`)."""
-        return _step_of(self.simulation, self.profile, self.pp * self.dp * self.tp)
+        return simulated_step_s(self.simulation, self.profile, self.pp * self.dp * self.tp)
 
     @property
     def bubble_fraction(self) -> float:
@@ -227,7 +222,7 @@ class DryRunReport:
 
     @property
     def torchtitan_step_time_s(self) -> float | None:
-        return _step_of(self.torchtitan_simulation, self.profile,
+        return simulated_step_s(self.torchtitan_simulation, self.profile,
                         self.pp * self.dp * self.tp) if self.compare else None
 
     @property
@@ -545,16 +540,9 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
                 "the given parameter-memory budget" if memory_budget_bytes is not None else
                 "the parameter memory torchtitan's layout uses for it"),
         )
-    peaks = [r.peak_bytes for r in sim.ranks]
-    pplan = dataclasses.replace(pplan, estimates=PipelineEstimates(
-        step_time_s=_step_of(sim, profile, pp * dp * tp), bubble_fraction=sim.bubble_fraction,
-        alpa_time_s=(sum(s.time_s for s in stages) + (n_microbatches - 1) * max(
-            sum(stages[s].time_s for s in ids) for ids in ids_per_rank)),
-        stage_time_s=tuple(s.time_s for s in stages), peak_bytes=tuple(peaks),
-        memory_at_peak=tuple(tuple(dataclasses.asdict(r.memory_at_peak).items())
-                             for r in sim.ranks),
-        usable_bytes=usable_bytes(profile, memory_reserve),
-    ))
+    pplan = dataclasses.replace(pplan, estimates=pipeline_estimates(
+        sim, [s.time_s for s in stages], ids_per_rank, n_microbatches, profile, memory_reserve,
+        pp * dp * tp))
     return DryRunReport(
         plan=pplan,
         pp=pp, dp=dp, tp=tp, schedule=str(schedule), n_microbatches=n_microbatches,

@@ -384,6 +384,33 @@ def contended_step_s(critical_s: float, mean_busy_s: float, profile: Any, world:
     return max(mean_busy_s, critical_s * min(1.0, cores / world))
 
 
+def simulated_step_s(sim: Any, profile: Any, world: int) -> float:
+    """A simulation's step, contended where the profile's ranks share cores
+    (:func:`contended_step_s`)."""
+    busy = [r.busy_s for r in sim.ranks]
+    return contended_step_s(sim.step_time_s, sum(busy) / max(len(busy), 1), profile, world)
+
+
+def pipeline_estimates(sim: Any, stage_times: list[float], stage_ids_per_rank: Any,
+                       n_microbatches: int, profile: Any, memory_reserve: float, world: int
+                       ) -> Any:
+    """A pipeline's :class:`~autopp.pipeline_plan.PipelineEstimates` from its simulation:
+    the step (:func:`simulated_step_s`), the bubble, Alpa's closed formula over the stage
+    times (the sum plus (M - 1) × the busiest rank's), and each rank's peak memory."""
+    from dataclasses import asdict
+
+    from autopp.pipeline_plan import PipelineEstimates
+
+    per_rank = [sum(stage_times[s] for s in ids) for ids in stage_ids_per_rank]
+    return PipelineEstimates(
+        step_time_s=simulated_step_s(sim, profile, world), bubble_fraction=sim.bubble_fraction,
+        alpa_time_s=sum(stage_times) + (n_microbatches - 1) * max(per_rank),
+        stage_time_s=tuple(stage_times), peak_bytes=tuple(r.peak_bytes for r in sim.ranks),
+        memory_at_peak=tuple(tuple(asdict(r.memory_at_peak).items()) for r in sim.ranks),
+        usable_bytes=usable_bytes(profile, memory_reserve),
+    )
+
+
 def usable_bytes(profile: Any, reserve: float) -> float:
     """Device memory left for the categories the simulator counts: the profile's memory
     minus ``reserve`` (a fraction, for the allocator, workspaces, communication buffers and

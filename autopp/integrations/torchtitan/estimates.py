@@ -44,14 +44,13 @@ def estimate_plan(plan, model: nn.Module, sub_mesh, *, mode: EstimateMode = "gra
     from autopp.auto_plan import boundary_bytes, stage_meta_inputs
     from autopp.estimate import (
         param_dtypes,
+        pipeline_estimates,
         pp_link,
         stage_cost,
         stage_facts,
         stage_facts_by_rule,
         state_bytes,
-        usable_bytes,
     )
-    from autopp.pipeline_plan import PipelineEstimates
     from autopp.schedules import simulate_schedule
 
     if plan.estimates is not None:
@@ -80,15 +79,9 @@ def estimate_plan(plan, model: nn.Module, sub_mesh, *, mode: EstimateMode = "gra
     if sim.actions.stage_to_rank != placed:
         raise RuntimeError(f"simulated stage placement {sim.actions.stage_to_rank} differs "
                            f"from the plan's {placed}")
-    per_rank = [sum(times[s] for s in plan.stage_ids_for_rank(r)) for r in range(plan.pp)]
-    return dataclasses.replace(plan, estimates=PipelineEstimates(
-        step_time_s=sim.step_time_s, bubble_fraction=sim.bubble_fraction,
-        alpa_time_s=sum(times) + (M - 1) * max(per_rank),
-        stage_time_s=tuple(times), peak_bytes=tuple(r.peak_bytes for r in sim.ranks),
-        memory_at_peak=tuple(tuple(dataclasses.asdict(r.memory_at_peak).items())
-                             for r in sim.ranks),
-        usable_bytes=usable_bytes(profile, plan.options.memory_reserve),
-    ))
+    ids = [plan.stage_ids_for_rank(r) for r in range(plan.pp)]
+    return dataclasses.replace(plan, estimates=pipeline_estimates(
+        sim, times, ids, M, profile, plan.options.memory_reserve, plan.pp * dp * tp))
 
 
 def estimates_on_rank0(compute: Callable[[], Any]) -> tuple[Any, str | None]:
