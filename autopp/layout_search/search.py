@@ -6,16 +6,21 @@ How it works (docs/design.md, "Configuration search"):
 1. :func:`~autopp.layout_search.layouts.enumerate_layouts` lists the layouts (and what it leaves
    out, with the reason).
 2. For each distinct (dp, tp) sub-mesh, :func:`~autopp.layout_search.unit_costs.probe_costs` plans
-   two probe stages with the sharding planner (through the plan cache) under each
-   recomputation policy: what the pre modules, one layer and the post modules cost on one
-   device, at a reference microbatch. Every layout with that sub-mesh reuses them.
-3. Each layout is priced without planning again: costs rescaled to its microbatch; the
-   split chosen by :func:`~autopp.stage_split.balanced.balanced_cuts` (Alpa's stage DP over
-   per-layer costs, each stage under the fastest recomputation policy whose memory fits the
-   device with the microbatches the schedule keeps in flight on it); then torch's own action
-   lists for the schedule run through the simulator (:func:`autopp.schedules.simulate_schedule`)
-   for the step time, the bubble and each pp rank's peak memory.
-4. Feasible layouts are ranked by simulated step time; :meth:`SearchReport.plan` plans a
+   two probe stages with the sharding planner (through the plan cache), on worker processes:
+   what the pre modules, one layer and the post modules cost on one device, at a reference
+   microbatch, first under "none" (time-optimal). Every layout with that sub-mesh reuses them.
+3. Each layout is priced without planning again (:mod:`autopp.layout_search.pricing`): costs
+   rescaled to its microbatch; the split chosen by
+   :func:`~autopp.stage_split.balanced.balanced_cuts` (Alpa's stage DP, each stage under the
+   fastest probed policy whose memory fits with the microbatches the schedule keeps in
+   flight on it); a lower bound (the busiest rank's compute); then, least bound first and
+   unless the bound shows it cannot make the ``max_results`` fastest, torch's own action
+   lists through the simulator (:func:`autopp.schedules.simulate_schedule`) for the step, the
+   bubble and each pp rank's peak memory.
+4. Sub-meshes with a layout that does not fit, but whose step with unlimited memory could
+   beat the best that fits, are probed again under selective / full recomputation and
+   memory-lean placements, most promising first, and priced as each arrives.
+5. Feasible layouts are ranked by simulated step time; :meth:`SearchReport.plan` plans a
    chosen one exactly (every stage, every boundary, memory-bound) as the dry run does.
 """
 
@@ -328,8 +333,8 @@ def search(
         layers_attr: path of the model's block container (None: found).
         workers: processes probing sub-meshes at once (None: up to 2, this machine's cores
             permitting; 1: in this process). Probes under "none" come first; the other
-            recomputation policies are probed only on sub-meshes where some layout does not
-            fit without them.
+            recomputation policies are probed only on sub-meshes where a layout that does
+            not fit without them could beat the best layout that fits.
 
     Returns a :class:`SearchReport`; raises ValueError when no layout exists at all.
     """
