@@ -351,6 +351,19 @@ def test_build_llama_stage_fqns(llama: nn.Module) -> None:
     assert len(llama.layers) == 6
 
 
+def test_build_copies_what_it_keeps_and_nothing_else() -> None:
+    model = toy_meta()
+    stage = build_stage_module(model, ["layers.1", "layers.2"])
+    kept = {id(m) for m in stage.modules()}
+    assert not kept & {id(m) for m in model.modules()}  # no module shared with the model
+    # a dropped unit that a kept layer also holds is copied too, not shared
+    model.head = nn.Tanh()
+    model.layers[2].append(model.head)  # the head object, inside layer 2 as well
+    stage = build_stage_module(model, ["layers.1", "layers.2"])
+    assert stage.head is None and stage.layers[2][2] is not model.head
+    assert not {id(m) for m in stage.modules()} & {id(m) for m in model.modules()}
+
+
 def test_build_module_list() -> None:
     model = toy_meta()
     stage = build_stage_module(model, ["layers.1", "layers.2"])

@@ -77,13 +77,18 @@ def build_stage_module(
     kept = set(validate_stage(fqns, layout))
     if not allow_tied:
         _check_no_shared_parameters(model, layout, kept)
-    # modules the stage drops are not copied (the memo maps them to themselves); they are
-    # removed from the copy below, so nothing of the original stays in it
+    # modules the stage drops are not copied (the memo maps them to themselves) and are
+    # removed from the copy below; a dropped module that a kept one also holds would stay
+    # shared with the original, so then the whole model is copied
     container = model.get_submodule(layout.layers_attr)
     dropped = [model.get_submodule(n) for n in (*layout.pre, *layout.post) if n not in kept]
     dropped += [container[int(n)] if isinstance(container, nn.ModuleList) else container[n]
                 for n, fqn in zip(layout.layer_names, layout.layer_fqns) if fqn not in kept]
-    stage = copy.deepcopy(model, memo={id(m): m for m in dropped if m is not None})
+    dropped_ids = {id(m) for m in dropped if m is not None}
+    kept_modules = [m for name in kept for m in model.get_submodule(name).modules()]
+    shared = any(id(m) in dropped_ids for m in kept_modules)
+    memo = {} if shared else {id(m): m for m in dropped if m is not None}
+    stage = copy.deepcopy(model, memo=memo)
     object.__setattr__(stage, LAYERS_ATTR, layout.layers_attr)
     for name in (*layout.pre, *layout.post):
         if name not in kept:
