@@ -223,7 +223,7 @@ class DryRunReport:
     @property
     def torchtitan_step_time_s(self) -> float | None:
         return simulated_step_s(self.torchtitan_simulation, self.profile,
-                        self.pp * self.dp * self.tp) if self.compare else None
+                                self.pp * self.dp * self.tp) if self.compare else None
 
     @property
     def step_time_ratio(self) -> float | None:

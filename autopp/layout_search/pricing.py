@@ -118,6 +118,7 @@ class Pricer:
         """The layout's split and stage costs, or why it does not fit. ``usable``: the
         device memory (None: the search's; ``inf``: unbounded, for a lower bound)."""
         from autopp.auto_plan import in_flight_per_stage
+        from autopp.estimate import contended_step_s
         from autopp.schedules import StageCost
         from autopp.schedules.actions import compute_order
         from autopp.stage_split.balanced import balanced_cuts
@@ -141,11 +142,8 @@ class Pricer:
             need, time = [], []
             for md in modes:
                 a = _linear(layer[md])
-                b = {k: 0.0 for k in a}
-                for end, on in ((pre[md], first), (post[md], last)):
-                    if on:
-                        b = {k: v + _linear(end)[k] for k, v in b.items()}
-                col = {k: a[k] * ks + b[k] for k in a}
+                ends = [_linear(e) for e, on in ((pre[md], first), (post[md], last)) if on]
+                col = {k: a[k] * ks + sum(e[k] for e in ends) for k in a}
                 need.append(col["params"] + np.maximum(col["grads"], col["unreduced"])
                             + col["opt"] + col["gathered"] + held * col["act"])
                 time.append(col["t"] + (loss if last else 0.0))
@@ -208,19 +206,15 @@ class Pricer:
             ))
             chosen.append(mode.split("@")[0])
             work[stage_to_rank[s]] += m * (3 * base + u.recompute_s + ls)
-        return Split(lay, tuple(cuts), tuple(chosen), tuple(costs),
-                     self._step(max(work), sum(work) / len(work), lay), usable)
-
-    def _step(self, critical_s: float, mean_busy_s: float, lay: Layout) -> float:
-        from autopp.estimate import contended_step_s
-
-        return contended_step_s(critical_s, mean_busy_s, self.profile,
-                                lay.pp * lay.dp * lay.tp)
+        bound = contended_step_s(max(work), sum(work) / len(work), self.profile,
+                                 lay.pp * lay.dp * lay.tp)
+        return Split(lay, tuple(cuts), tuple(chosen), tuple(costs), bound, usable)
 
     def simulate(self, sp: Split) -> Candidate | str:
         """Simulate a split's schedule: its candidate, or why its peak memory does not fit."""
-        from autopp.estimate import pp_link
+        from autopp.estimate import pp_link, simulated_step_s
         from autopp.schedules import simulate_schedule
+        from autopp.stage_split.balanced import stage_fqns
 
         lay = sp.layout
         link = pp_link(self.profile, (lay.pp, lay.dp, lay.tp))
@@ -233,15 +227,11 @@ class Pricer:
         if peaks[worst] > sp.usable:
             return (f"does not fit: pp rank {worst} peaks at {peaks[worst] / 2**30:.1f} GiB > "
                     f"{sp.usable / 2**30:.1f} GiB usable ({largest})")
-        layers = self.layout.layer_fqns
         cuts = sp.cuts
-        fqns = [list(layers[a:b]) for a, b in zip(cuts, cuts[1:])]
-        fqns[0] = [*self.layout.pre, *fqns[0]]
-        fqns[-1] = [*fqns[-1], *self.layout.post]
+        fqns = stage_fqns(self.layout, cuts)
         world = lay.pp * lay.dp * lay.tp
         tokens = self.global_batch * self.seq_len
-        step = self._step(sim.step_time_s, sum(r.busy_s for r in sim.ranks) / len(sim.ranks),
-                          lay)
+        step = simulated_step_s(sim, self.profile, world)
         return Candidate(
             layout=lay, fqns_per_stage=tuple(tuple(x) for x in fqns),
             layers_per_stage=tuple(b - a for a, b in zip(cuts, cuts[1:])),
@@ -250,9 +240,3 @@ class Pricer:
             mfu=6 * self.n_params * tokens / step / (world * self.peak_flops),
             peak_bytes=peaks, usable_bytes=sp.usable, largest=largest, simulation=sim,
         )
-
-    def price(self, lay: Layout, usable: float | None = None) -> Candidate | str:
-        """Split and simulate (see :meth:`split`)."""
-        sp = self.split(lay, usable)
-        return sp if isinstance(sp, str) else self.simulate(sp)
-

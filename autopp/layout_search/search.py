@@ -35,13 +35,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from autopp.layout_search.layouts import DEFAULT_SCHEDULES, Layout, enumerate_layouts
 from autopp.layout_search.pricing import Candidate, Pricer, Split
-from autopp.layout_search.unit_costs import ShapeCosts, probe_costs
+from autopp.layout_search.probe_pool import JOB, ProbePool
 
 __all__ = ["Candidate", "SearchReport", "search"]
 
@@ -132,30 +131,6 @@ class SearchReport:
                        split=[list(f) for f in c.fqns_per_stage], **dry_run_kwargs)
 
 
-_JOB: dict[str, Any] = {}
-"""What probe jobs read: set before the worker processes are forked (they inherit it)."""
-
-
-def _probe_job(dp: int, tp: int, pp: int, m_ref: int, modes: tuple[str, ...]
-               ) -> ShapeCosts | str:
-    """Probe one sub-mesh (in a worker process or this one): its costs, or why not."""
-    from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
-
-    j = _JOB
-    if not dist.is_initialized():
-        init_fake_world(j["world"])
-    try:
-        sub = stage_sub_mesh(build_world_mesh(pp=pp, dp=dp, tp=tp, device_type="cpu"))
-        tokens = torch.empty((j["global_batch"] // dp, j["seq_len"]), dtype=torch.long,
-                             device="meta")
-        return probe_costs(j["model"], j["layout"], sub, tokens=tokens, n_microbatches=m_ref,
-                           profile=j["profile"], boundary="batch+seq" if tp > 1 else "batch",
-                           loss_kind="vocab" if tp > 1 else "batch", modes=modes,
-                           mixed_precision=j["mp"])
-    except Exception as e:  # noqa: BLE001 - a sub-mesh the planner cannot plan
-        return f"the planner could not plan this sub-mesh: {e}".split("\n")[0]
-
-
 def _unfit_bounds(priced: dict, families: dict, pricer: Pricer, keys: list,
                   best_s: float) -> dict[tuple[int, int], dict[Layout, float]]:
     """Per sub-mesh, a lower bound on the step of each layout that does not fit without
@@ -197,93 +172,6 @@ def _dominated(priced: dict, bounds: dict[Layout, float], best: Candidate) -> No
         priced[lay] = (f"{priced[lay]}; not probed with recomputation: even with unlimited "
                        f"memory its step is at least {_ms(bound)} ms, no faster than "
                        f"{best.layout} ({_ms(best.step_time_s)} ms) that fits")
-
-
-def _probe_worker(jobs: Any, results: Any, wid: int) -> None:
-    """A probe process: runs jobs until it reads None. It keeps its traced units and ILP
-    models (the planner's in-process memo) between jobs, so a sub-mesh probed again under
-    other recomputation policies is not traced again."""
-    while (job := jobs.get()) is not None:
-        results.put((wid, job, _probe_job(*job)))
-
-
-class _ProbePool:
-    """Probe jobs on forked worker processes (or in this process when ``workers`` <= 1).
-
-    A sub-mesh probed again goes back to the worker that probed it (its traces are there)
-    unless another worker is idle with nothing of its own to do."""
-
-    def __init__(self, workers: int):
-        self.n = workers
-        self.home: dict[tuple[int, int], int] = {}
-        self.procs: list[Any] = []
-        if workers > 1:
-            import multiprocessing
-
-            ctx = multiprocessing.get_context("fork")
-            self.results = ctx.Queue()
-            self.queues = [ctx.Queue() for _ in range(workers)]
-            self.procs = [ctx.Process(target=_probe_worker, args=(q, self.results, w),
-                                      daemon=True) for w, q in enumerate(self.queues)]
-            for proc in self.procs:
-                proc.start()
-
-    def run(self, jobs: list[tuple], done: Any, keep: Any = None
-            ) -> dict[tuple, ShapeCosts | str]:
-        """Results by job, in ``jobs`` order where workers are free; ``done(job, result)``
-        as each arrives; ``keep(job)``, asked as a job is about to start: False skips it
-        (no result)."""
-        keep = keep or (lambda job: True)
-        if not self.procs:
-            out = {}
-            for job in jobs:
-                if keep(job):
-                    out[job] = _probe_job(*job)
-                    done(job, out[job])
-            return out
-        import queue
-
-        own: list[list[tuple]] = [[] for _ in range(self.n)]
-        free: list[tuple] = []
-        for job in jobs:
-            w = self.home.get(job[:2])
-            (own[w] if w is not None else free).append(job)
-        got: dict[tuple, ShapeCosts | str] = {}
-        idle = list(range(self.n))
-
-        def give(w: int) -> None:
-            while (mine := own[w] or free or max(own, key=len)):
-                job = mine.pop(0)
-                if keep(job):
-                    self.home[job[:2]] = w
-                    self.queues[w].put(job)
-                    idle.remove(w)
-                    return
-
-        for w in list(idle):
-            give(w)
-        while len(idle) < self.n:
-            try:
-                w, job, res = self.results.get(timeout=5.0)
-            except queue.Empty:
-                dead = [p.pid for p in self.procs if not p.is_alive()]
-                if dead:
-                    raise RuntimeError(f"search: probe worker process(es) {dead} died "
-                                       "(out of memory?); retry with workers=1") from None
-                continue
-            got[job] = res
-            idle.append(w)
-            done(job, res)
-            give(w)
-        return got
-
-    def close(self) -> None:
-        for q in getattr(self, "queues", []):
-            q.put(None)
-        for proc in self.procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.terminate()
 
 
 def search(
@@ -363,14 +251,14 @@ def search(
     families: dict[tuple[int, int], list[Layout]] = {}
     for lay in layouts:
         families.setdefault((lay.dp, lay.tp), []).append(lay)
-    _JOB.update(model=model_meta, layout=layout_info, world=world_size,
+    JOB.update(model=model_meta, layout=layout_info, world=world_size,
                 global_batch=global_batch, seq_len=seq_len, profile=prof.name,
                 mp=mixed_precision)
     logger.info("search: %d layouts over %d sub-mesh shapes (%d left out before pricing), "
                 "%d probe process(es)", len(layouts), len(families), len(rejected), workers)
     progress = {"n": 0, "total": 0, "last": time.perf_counter()}
 
-    def done(job: tuple, result: Any = None) -> None:
+    def done(job: tuple) -> None:
         progress["n"] += 1
         now = time.perf_counter()
         if now - progress["last"] > 5 or progress["n"] == progress["total"]:
@@ -445,7 +333,7 @@ def search(
     first = ("none",) if "none" in recompute else tuple(recompute[:1])
     rest = tuple(m for m in recompute if m not in first) + tuple(
         f"{m}@lean" for m in recompute if m != "selective")
-    pool = _ProbePool(workers)
+    pool = ProbePool(workers)
     try:
         price(keys, probe(keys, first))
         best = best_fit()

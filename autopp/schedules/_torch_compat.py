@@ -11,7 +11,6 @@ renames or moves any of these should need changes in this file only.
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -254,6 +253,10 @@ def lowered_named_schedule(
     )
 
 
+_NO_COMMS: dict[type, type] = {}
+"""torch schedule class -> its subclass that skips the lowering to comms."""
+
+
 def named_compute_order(
     torch_class: type, *, pp: int, n_stages: int, n_microbatches: int, style: str
 ) -> tuple[dict[int, list[str | None]], dict[int, int]]:
@@ -274,9 +277,6 @@ def named_compute_order(
         scale_grads=False,
     )
     return _as_strings(schedule.pipeline_order), dict(schedule.stage_index_to_group_rank)
-
-
-_NO_COMMS: dict[type, type] = {}
 
 
 def lowered_compute_order(

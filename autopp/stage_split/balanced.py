@@ -19,16 +19,13 @@ import numpy as np
 
 from autopp.stage_split.layout import ModelLayout
 
-__all__ = ["balanced_cuts", "split_balanced"]
+__all__ = ["balanced_cuts", "split_balanced", "stage_fqns"]
 
 Fits = Callable[[int, int, int], bool]
 """``fits(stage, first, end)``: whether units ``first .. end-1`` fit as stage ``stage``."""
-StageCostFn = Callable[[int, int, int], float]
-"""``stage_cost(stage, first, end)``: the cost of units ``first .. end-1`` as stage ``stage``."""
 
 
 def balanced_cuts(costs: Sequence[float], n_stages: int, *, fits: Fits | None = None,
-                  stage_cost: StageCostFn | None = None,
                   stage_table: Sequence[Sequence[float]] | None = None) -> list[int] | None:
     """Cut ``len(costs)`` units into ``n_stages`` contiguous, non-empty stages.
 
@@ -36,12 +33,10 @@ def balanced_cuts(costs: Sequence[float], n_stages: int, *, fits: Fits | None = 
         costs: each unit's cost (seconds per microbatch), in order.
         n_stages: number of stages.
         fits: per-stage feasibility (e.g. memory); None: every stage fits.
-        stage_cost: ``stage_cost(stage, first, end)``, the cost of units ``first .. end-1``
-            as stage ``stage`` when it is not their sum (e.g. a recomputation policy chosen
-            per stage to fit its memory; ``inf``: does not fit); None: the sum of ``costs``.
-        stage_table: instead of ``stage_cost`` when the units are alike:
-            ``stage_table[stage][k]``, the cost of stage ``stage`` holding ``k`` units
-            (``inf``: does not fit).
+        stage_table: when a stage's cost is not the sum of its units' and the units are
+            alike: ``stage_table[stage][k]``, the cost of stage ``stage`` holding ``k`` units
+            (e.g. under the fastest recomputation policy that fits its memory; ``inf``: does
+            not fit). ``costs`` then only gives the number of units.
 
     Returns:
         The ``n_stages + 1`` cut indices (0 first, ``len(costs)`` last) of the split that
@@ -63,14 +58,12 @@ def balanced_cuts(costs: Sequence[float], n_stages: int, *, fits: Fits | None = 
         prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, dtype=np.float64))])
         base = np.where(span > 0, prefix[None, :] - prefix[:, None], np.inf)
         cost = np.repeat(base[None], n_stages, axis=0)
-        if fits is not None or stage_cost is not None:
+        if fits is not None:
             for s in range(n_stages):
                 for i in range(n):
                     for j in range(i + 1, n + 1):
-                        if fits is not None and not fits(s, i, j):
+                        if not fits(s, i, j):
                             cost[s, i, j] = np.inf
-                        elif stage_cost is not None:
-                            cost[s, i, j] = stage_cost(s, i, j)
     # best[j]: (slowest, sum of squares) of units 0..j-1 in s+1 stages; arg: the last cut
     last = n - n_stages + 1  # stage 0 ends at most here
     ok = (np.arange(n + 1) >= 1) & (np.arange(n + 1) <= last)
@@ -125,8 +118,12 @@ def split_balanced(layout: ModelLayout, n_stages: int, *, layer_costs: Sequence[
     costs[0] += pre_cost
     costs[-1] += post_cost
     cuts = balanced_cuts(costs, n_stages, fits=fits)
-    if cuts is None:
-        return None
+    return None if cuts is None else stage_fqns(layout, cuts)
+
+
+def stage_fqns(layout: ModelLayout, cuts: Sequence[int]) -> list[list[str]]:
+    """FQNs per stage of the split at ``cuts`` (layer indices, 0 first, the layer count
+    last): the pre modules with the first stage, the post modules with the last."""
     layers = layout.layer_fqns
     stages = [list(layers[a:b]) for a, b in zip(cuts, cuts[1:])]
     stages[0] = [*layout.pre, *stages[0]]
