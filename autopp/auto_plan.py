@@ -205,7 +205,7 @@ def stage_input_shapes(
     x: tuple[torch.Tensor, ...] = tuple(t.to("meta") for t in first_inputs)
     for m in stage_modules:
         inputs.append(x)
-        out = (m if compute_dtype is None else CastParams(m, compute_dtype))(*x)
+        out = _run_on_meta(m, x, compute_dtype)
         x = out if isinstance(out, tuple) else (out,)
         if compute_dtype is not None:
             x = tuple(t.to(compute_dtype) if t.is_floating_point() else t for t in x)
@@ -378,8 +378,18 @@ def last_stage_output(metas: Sequence[nn.Module], inputs: Sequence[tuple[torch.T
                       mixed_precision: Any = None) -> torch.Tensor:
     """The last stage's (meta) output for its example inputs: the logits the loss reads."""
     pd = mixed_precision.param_dtype if mixed_precision is not None else None
-    out = (metas[-1] if pd is None else CastParams(metas[-1], pd))(*inputs[-1])
+    out = _run_on_meta(metas[-1], inputs[-1], pd)
     return out[0] if isinstance(out, tuple) else out
+
+
+def _run_on_meta(module: nn.Module, inputs: Sequence[torch.Tensor],
+                 compute_dtype: torch.dtype | None) -> Any:
+    """``module(*inputs)`` on meta (parameters cast to ``compute_dtype`` when given), with
+    the model adapters' tracing forms (e.g. a MoE router's autocast, which meta refuses)."""
+    from autopp import adapters
+
+    with adapters.tracing():
+        return (module if compute_dtype is None else CastParams(module, compute_dtype))(*inputs)
 
 
 def loss_time_s(logits: torch.Tensor, sub_mesh: DeviceMesh, profile: str, kind: str) -> float:

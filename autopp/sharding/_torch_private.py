@@ -44,6 +44,8 @@ __all__ = [
     "TensorMeta",
     "TupleStrategy",
     "cheap_redistribute_costs",
+    "autograd_inside_custom_op",
+    "buffer_mutated",
     "export_joint",
     "decomp_op_strategy",
     "has_decomp_rule",
@@ -76,10 +78,12 @@ def export_joint(module: torch.nn.Module, args: tuple[Any, ...]) -> torch.fx.Gra
     node carries ``meta["desc"]`` as a list (forward outputs, then gradients with ``grad_of``).
     Returned after AOT's fake mode is left, so strategy enumeration runs on plain metadata.
     """
+    from autopp import adapters
     from autopp.sharding.attention import AttentionAsOneOp
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(AttentionAsOneOp())  # SDPA stays one op (see attention.py)
+        stack.enter_context(adapters.tracing())  # e.g. MoE routed experts as one op
         joint = aot_export_joint_with_descriptors(stack, module, args)
         gm = joint.graph_module
     return gm
@@ -107,6 +111,25 @@ def is_plain_output(desc: Any) -> bool:
 
 def is_grad_output(desc: Any) -> bool:
     return isinstance(desc, _desc.GradAOTOutput)
+
+
+def buffer_mutated(desc: Any) -> str | None:
+    """For an output that is a buffer's new value (the forward wrote the buffer in place),
+    the buffer's FQN."""
+    if isinstance(desc, _desc.InputMutationAOTOutput) and isinstance(
+            desc.mutated_input, _desc.BufferAOTInput):
+        return desc.mutated_input.target
+    return None
+
+
+@contextlib.contextmanager
+def autograd_inside_custom_op() -> Iterator[None]:
+    """Autograd back on inside a custom op's kernel (which torch runs below autograd), so
+    the kernel can differentiate its own local computation with the model's own ops."""
+    exclude = torch._C._dispatch_tls_local_exclude_set().remove(
+        torch._C.DispatchKey.AutogradFunctionality)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
+        yield
 
 
 def desc_index(desc: Any) -> int | None:

@@ -47,7 +47,16 @@ class GraphRunner:
         for name, outs, ins in block.nodes:
             self.outs[name] = tuple(from_strs(o) if o is not None else None for o in outs)
             self.ins[name] = tuple(from_strs(i) for i in ins)
-        self.fwd_needed = self._ancestors(list(joint.outputs.values()))
+        # the forward computes the outputs and the buffers it writes in place
+        self.fwd_needed = self._ancestors(
+            [*joint.outputs.values(), *joint.buffer_updates.values()])
+
+    def buffer_updates(self, env: dict[fx.Node, Any]) -> list[tuple[fx.Node, DTensor]]:
+        """(buffer placeholder, its new value in the buffer's placement) for each buffer the
+        forward writes (the caller copies the value in)."""
+        j = self.joint
+        return [(j.buffers[f], redistribute_to(env[n], self.placement(j.buffers[f])))
+                for f, n in j.buffer_updates.items()]
 
     def _ancestors(self, roots: list[fx.Node]) -> set[fx.Node]:
         seen, stack = set(), list(roots)
@@ -124,6 +133,8 @@ class InterpretedBlockFunction(torch.autograd.Function):
         env: dict[fx.Node, Any] = {j.inputs[0]: redistribute_to(x, runner.placement(j.inputs[0]))}
         env.update(zip([*j.params.values(), *j.buffers.values()], state))
         env = runner.run(env, runner.fwd_needed)
+        for bnode, value in runner.buffer_updates(env):
+            env[bnode].copy_(value)
         ctx.runner = runner
         ctx.save_for_backward(x, *state)
         out = env[j.outputs[0]]

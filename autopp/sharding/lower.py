@@ -245,14 +245,18 @@ def lower_stage(units: Sequence[LoweredUnit], mesh: Any, in_placements: tuple,
                                       stride=v.stride())
                    for t, pl, v in zip(local, placements, vals)]
         params_it, bufs_it = iter(wrapped[:n_p]), iter(wrapped[n_p : n_p + n_b])
+        raw_bufs = iter(local[n_p : n_p + n_b])
         h = wrapped[n_p + n_b]
         envs = []
         for u, r in zip(units, runners):
             j = u.joint
             env: dict[fx.Node, Any] = {n: next(params_it) for n in j.params.values()}
             env.update({n: next(bufs_it) for n in j.buffers.values()})
+            raw = {n: next(raw_bufs) for n in j.buffers.values()}
             env[j.inputs[0]] = redistribute_to(h, r.placement(j.inputs[0]))
             r.run(env, r.fwd_needed)
+            for bnode, value in r.buffer_updates(env):  # in place, into the buffer's shard
+                raw[bnode].copy_(value.to_local())
             h = env[j.outputs[0]]
             envs.append(env)
         res: list[torch.Tensor] = [_local(h, out_pl)]

@@ -228,6 +228,8 @@ class Model:
         ties = [(j.params[f], g) for f, g in j.grads.items() if f in j.params]
         ties += [(j.tangents[i], o) for i, o in j.outputs.items() if i in j.tangents]
         ties += [(j.inputs[i], g) for i, g in j.input_grads.items() if i in j.inputs]
+        # a buffer written in place by the forward ends in the buffer's own placement
+        ties += [(j.buffers[f], u) for f, u in j.buffer_updates.items() if f in j.buffers]
         for target, src in ties:
             yield target, src, 0, [o.out[0] for o in self.options[target]], None
 

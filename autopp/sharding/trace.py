@@ -41,6 +41,14 @@ class JointGraph:
     """All placeholders, in the order the graph takes them."""
     output_descs: tuple[Any, ...]
     """The output node's descriptors, in order."""
+    buffer_updates: dict[str, fx.Node] = None  # type: ignore[assignment]
+    """Buffer FQN -> the node producing the value the forward writes into it in place (e.g.
+    a MoE layer's tokens-per-expert count). The planner keeps it in the buffer's placement;
+    the lowered graph copies it into the buffer."""
+
+    def __post_init__(self) -> None:
+        if self.buffer_updates is None:
+            object.__setattr__(self, "buffer_updates", {})
 
     @property
     def num_fwd_outputs(self) -> int:
@@ -109,10 +117,13 @@ def trace_joint(module: nn.Module, example_inputs: tuple[Any, ...]) -> JointGrap
     outputs: dict[int, fx.Node] = {}
     grads: dict[str, fx.Node] = {}
     input_grads: dict[int, fx.Node] = {}
+    buffer_updates: dict[str, fx.Node] = {}
     for arg, desc in zip(out_node.args[0], descs):
         if arg is None:
             continue
-        if tp.is_plain_output(desc):
+        if tp.buffer_mutated(desc) is not None:
+            buffer_updates[tp.buffer_mutated(desc)] = arg
+        elif tp.is_plain_output(desc):
             outputs[tp.desc_index(desc)] = arg
         elif tp.is_grad_output(desc):
             target = tp.desc_target(desc)
@@ -135,6 +146,7 @@ def trace_joint(module: nn.Module, example_inputs: tuple[Any, ...]) -> JointGrap
         input_grads=input_grads,
         placeholders=tuple(placeholders),
         output_descs=descs,
+        buffer_updates=buffer_updates,
     )
 
 

@@ -1,0 +1,202 @@
+"""Routed experts of a mixture-of-experts layer as one op, so data-dependent routing plans.
+
+A MoE layer's router (a linear, a softmax or sigmoid, top-k, a gather) has static shapes and
+plans op by op like any other layer. What comes after it does not: tokens are sorted by
+expert, each expert multiplies its own variable number of tokens, and the results are
+scattered back. Traced as aten ops on meta, that is index ops with data-dependent indices,
+which no sharding rule covers. So, while autopp traces a unit, the model adapter
+(:mod:`autopp.adapters`) routes each MoE layer's routed-expert computation to the custom op
+``autopp::routed_experts`` (the local_map approach): one node with a sharding rule of its own,
+whose kernel runs torch's grouped matmul on the local shards.
+
+Its inputs are the tokens ``x`` ``(B, L, D)``, the router's ``scores`` and expert ``ids``
+``(B, L, K)``, ``expert_ids`` (``arange(E)``: which experts the local weight shards hold, so
+the kernel needs no rank or mesh), and SwiGLU expert weights ``w1, w3`` ``(E, F, D)`` and
+``w2`` ``(E, D, F)``. Per mesh dim the rule offers:
+
+* everything replicated;
+* tokens split (batch dim 0 or sequence dim 1; x, scores and ids alike): data parallel, the
+  output split the same way, weight gradients ``Partial``;
+* experts split (expert parallel: ``expert_ids`` and the weights on dim 0, tokens whole): each
+  device runs only the tokens routed to its experts, the output ``Partial`` (summed over the
+  dim), weight gradients split like the weights; the planner prices getting the tokens there
+  (an all-gather, or nothing when they are replicated already) and the output's reduction
+  (reduce-scatter or all-reduce) as the collectives they lower to;
+* expert hidden dim split (tensor parallel inside every expert: ``w1, w3`` dim 1, ``w2`` dim
+  2): output ``Partial``.
+
+The planner picks per mesh dim, so "experts over dp", "over tp", "over dp x tp" or "tokens over
+dp, experts over tp" are all candidates, priced by the cost model like any other op. Not
+offered: token dispatch by all-to-all (sending each token only to the devices owning its
+experts), which moves ``K/E_dev`` of what the all-gather moves; see docs/design.md.
+
+Numerics follow torchtitan's ``GroupedExperts`` and ``LocalTokenDispatcher``: tokens sorted by
+expert (stable), the matmuls in ``compute_dtype`` when given (torchtitan computes experts in
+bf16), each routed output scaled by its score in fp32, summed per token by a deterministic
+scatter-add. The backward recomputes the forward under autograd (nothing but the inputs is
+saved) and returns the gradients of x, scores and the weights. FLOPs are registered with
+torch's FLOP counter, which the planner's cost model reads: the expected routed tokens on the
+local experts, ``T·K·E_local/E``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.experimental import register_sharding
+from torch.utils.flop_counter import register_flop_formula
+
+from autopp.sharding._torch_private import autograd_inside_custom_op
+
+_DTYPES = {"": None, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float32": torch.float32}
+
+
+def _routed(x: Tensor, scores: Tensor, ids: Tensor, expert_ids: Tensor, w1: Tensor,
+            w2: Tensor, w3: Tensor, compute_dtype: str) -> Tensor:
+    """The local computation (differentiable in x, scores and the weights)."""
+    b, l, d = x.shape
+    k = ids.shape[-1]
+    x_td = x.reshape(b * l, d)
+    flat_ids = ids.reshape(-1)
+    # the local experts are a contiguous run of global ids (a Shard(0) slice of arange(E))
+    first, n_local = int(expert_ids[0]) if expert_ids.numel() else 0, expert_ids.numel()
+    order = torch.argsort(flat_ids, stable=True)
+    sorted_ids = flat_ids[order]
+    keep = (sorted_ids >= first) & (sorted_ids < first + n_local)
+    order, sorted_ids = order[keep], sorted_ids[keep]
+    token_of = order // k
+    routed_scores = scores.reshape(-1)[order]
+    routed_x = x_td[token_of]
+    counts = torch.bincount(sorted_ids - first, minlength=n_local)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    dt = _DTYPES[compute_dtype]
+    cast = (lambda t: t.to(dt)) if dt is not None else (lambda t: t)
+    # the tokens are cast once per use, as torchtitan does: their gradient is then summed
+    # in fp32, not in the compute dtype
+    h = torch.nn.functional.silu(
+        torch._grouped_mm(cast(routed_x), cast(w1).transpose(-2, -1), offs=offsets))
+    h = h * torch._grouped_mm(cast(routed_x), cast(w3).transpose(-2, -1), offs=offsets)
+    y = torch._grouped_mm(h, cast(w2).transpose(-2, -1), offs=offsets).type_as(x)
+    y = (y.to(torch.float32) * routed_scores.reshape(-1, 1)).to(y.dtype)
+    out = torch.zeros_like(x_td)
+    prev = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    try:
+        out = out.scatter_add(0, token_of.reshape(-1, 1).expand(-1, d), y)
+    finally:
+        torch.use_deterministic_algorithms(prev, warn_only=warn_only)
+    return out.reshape(b, l, d)
+
+
+@torch.library.custom_op("autopp::routed_experts", mutates_args=())
+def routed_experts(x: Tensor, scores: Tensor, ids: Tensor, expert_ids: Tensor, w1: Tensor,
+                   w2: Tensor, w3: Tensor, num_experts: int, compute_dtype: str) -> Tensor:
+    """Routed SwiGLU experts on the local shards; see the module docstring.
+
+    ``num_experts`` is the global expert count (for FLOPs); ``compute_dtype`` is ``""`` (the
+    weights' dtype) or a dtype name the matmuls run in."""
+    return _routed(x, scores, ids, expert_ids, w1, w2, w3, compute_dtype)
+
+
+@routed_experts.register_fake
+def _(x, scores, ids, expert_ids, w1, w2, w3, num_experts, compute_dtype):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("autopp::routed_experts_backward", mutates_args=())
+def routed_experts_backward(grad: Tensor, x: Tensor, scores: Tensor, ids: Tensor,
+                            expert_ids: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
+                            num_experts: int, compute_dtype: str
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of :func:`routed_experts` w.r.t. x, scores, w1, w2, w3 (forward recomputed)."""
+    # a custom op's kernel runs below autograd; autograd is switched back on for the
+    # recomputation so the gradients are exactly those of the model's own code
+    with autograd_inside_custom_op(), torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) for t in (x, scores, w1, w2, w3)]
+        out = _routed(leaves[0], leaves[1], ids, expert_ids, *leaves[2:], compute_dtype)
+        grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
+    return tuple(torch.zeros_like(t) if g is None else g.contiguous()
+                 for t, g in zip((x, scores, w1, w2, w3), grads))
+
+
+@routed_experts_backward.register_fake
+def _(grad, x, scores, ids, expert_ids, w1, w2, w3, num_experts, compute_dtype):
+    return tuple(torch.empty_like(t) for t in (x, scores, w1, w2, w3))
+
+
+def _setup(ctx, inputs, output):
+    x, scores, ids, expert_ids, w1, w2, w3, num_experts, compute_dtype = inputs
+    ctx.save_for_backward(x, scores, ids, expert_ids, w1, w2, w3)
+    ctx.args = (num_experts, compute_dtype)
+
+
+def _backward(ctx, grad):
+    gx, gs, g1, g2, g3 = routed_experts_backward(grad, *ctx.saved_tensors, *ctx.args)
+    return gx, gs, None, None, g1, g2, g3, None, None
+
+
+routed_experts.register_autograd(_backward, setup_context=_setup)
+
+
+# --- sharding rules (per mesh dim; DTensor expands them over the mesh) -----------------------
+
+_R = Replicate()
+
+
+def _forward_rules():
+    rules = [([_R], [_R] * 7 + [None, None])]
+    for tok in (Shard(0), Shard(1)):  # tokens split: batch or sequence
+        rules.append(([tok], [tok, tok, tok, _R, _R, _R, _R, None, None]))
+    # experts split (expert parallel): tokens whole, output summed over the dim
+    rules.append(([Partial()], [_R, _R, _R, Shard(0), Shard(0), Shard(0), Shard(0), None, None]))
+    # hidden dim split inside every expert
+    rules.append(([Partial()], [_R, _R, _R, _R, Shard(1), Shard(2), Shard(1), None, None]))
+    return rules
+
+
+def _backward_rules():
+    p = Partial()
+    rules = [([_R] * 5, [_R] * 8 + [None, None])]
+    for tok in (Shard(0), Shard(1)):
+        rules.append(([tok, tok, p, p, p], [tok, tok, tok, tok, _R, _R, _R, _R, None, None]))
+    rules.append(([p, p, Shard(0), Shard(0), Shard(0)],
+                  [_R, _R, _R, _R, Shard(0), Shard(0), Shard(0), Shard(0), None, None]))
+    rules.append(([p, p, Shard(1), Shard(2), Shard(1)],
+                  [_R, _R, _R, _R, _R, Shard(1), Shard(2), Shard(1), None, None]))
+    return rules
+
+
+@register_sharding(torch.ops.autopp.routed_experts.default)
+def _routed_sharding(x, scores, ids, expert_ids, w1, w2, w3, num_experts, compute_dtype):
+    return _forward_rules()
+
+
+@register_sharding(torch.ops.autopp.routed_experts_backward.default)
+def _routed_backward_sharding(grad, x, scores, ids, expert_ids, w1, w2, w3, num_experts,
+                              compute_dtype):
+    return _backward_rules()
+
+
+def _expert_flops(x_shape, ids_shape, eids_shape, w1_shape, num_experts) -> int:
+    tokens = 1
+    for s in x_shape[:-1]:
+        tokens *= s
+    routed = tokens * ids_shape[-1] * eids_shape[0] / max(num_experts, 1)
+    d, f = w1_shape[-1], w1_shape[-2]
+    return int(routed * 3 * 2 * d * f)  # w1, w3 (D -> F) and w2 (F -> D)
+
+
+@register_flop_formula(torch.ops.autopp.routed_experts)
+def _routed_flop(x_shape, scores_shape, ids_shape, eids_shape, w1_shape, w2_shape, w3_shape,
+                 num_experts, compute_dtype, *args, **kwargs) -> int:
+    return _expert_flops(x_shape, ids_shape, eids_shape, w1_shape, num_experts)
+
+
+@register_flop_formula(torch.ops.autopp.routed_experts_backward)
+def _routed_backward_flop(grad_shape, x_shape, scores_shape, ids_shape, eids_shape, w1_shape,
+                          w2_shape, w3_shape, num_experts, compute_dtype, *args,
+                          **kwargs) -> int:
+    return 3 * _expert_flops(x_shape, ids_shape, eids_shape, w1_shape, num_experts)
