@@ -340,8 +340,11 @@ class Pipeline:
         as the unpipelined model computes it), on every rank. Gradients are left in the
         parameters' ``.grad``; call the optimizer next.
         """
+        from autopp import adapters
+
         loss = self._run(inputs, target, train=True)
         self.backend.after_step(list(self.parameters()), self.mesh)
+        adapters.after_step(self.stage_modules)  # e.g. MoE load balancing, before the optimizer
         if self._tied is not None:
             self._tied.sync_grads()
         self._check_finite("loss", loss)
@@ -360,8 +363,13 @@ class Pipeline:
 
     @torch.no_grad()
     def eval(self, *inputs: torch.Tensor, target: torch.Tensor) -> float:
-        """Forward-only loss of the global batch (no gradients), on every rank."""
-        return self._run(inputs, target, train=False)
+        """Forward-only loss of the global batch (no gradients), on every rank. Training
+        statistics the forward keeps (e.g. MoE tokens-per-expert counts) are left as they
+        were."""
+        from autopp import adapters
+
+        with adapters.training_state_kept(self.stage_modules):
+            return self._run(inputs, target, train=False)
 
     def _check_inputs(self, inputs: tuple[torch.Tensor, ...]) -> None:
         """Inputs shaped as the pipeline was built for (``example_inputs``): stages are

@@ -191,7 +191,37 @@ def hf_meta(n_layers: int = 4) -> torch.nn.Module:
         return HFForCausalLM(n_layers=n_layers)
 
 
-MODELS = {"llama3": llama3_meta, "qwen3": qwen3_meta, "hf": hf_meta}
+def qwen3_moe_meta(n_layers: int = 4) -> torch.nn.Module:
+    """torchtitan's qwen3 ``debugmodel_moe`` (64 experts, top 8, softmax router, expert-bias
+    load balancing), SDPA attention, its first ``n_layers`` layers."""
+    from torchtitan.experiments.graph_trainer.common_utils import (
+        build_decoder_config_for_backend,
+    )
+    from torchtitan.models.qwen3 import qwen3_configs
+
+    cfg = build_decoder_config_for_backend(qwen3_configs["debugmodel_moe"], "sdpa")
+    cfg.layers = cfg.layers[:n_layers]
+    with torch.device("meta"):
+        return cfg.build()
+
+
+def deepseek_v3_meta(n_layers: int = 4) -> torch.nn.Module:
+    """torchtitan's deepseek_v3 ``debugmodel`` (MLA attention, a dense first layer, then MoE
+    layers of 8 experts, top 3, two shared experts), SDPA attention, ``n_layers`` layers."""
+    from torchtitan.experiments.graph_trainer.common_utils import (
+        build_decoder_config_for_backend,
+    )
+    from torchtitan.models.deepseek_v3 import deepseekv3_configs
+
+    cfg = build_decoder_config_for_backend(deepseekv3_configs["debugmodel"], "sdpa",
+                                           moe_comm_backend="standard")
+    cfg.layers = cfg.layers[:n_layers]
+    with torch.device("meta"):
+        return cfg.build()
+
+
+MODELS = {"llama3": llama3_meta, "qwen3": qwen3_meta, "hf": hf_meta,
+          "qwen3_moe": qwen3_moe_meta, "deepseek_v3": deepseek_v3_meta}
 
 
 def reference_step_of(kind: str, n_layers: int, tokens, target, seed: int = 0):

@@ -29,6 +29,16 @@ def tracing() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def training_state_kept(modules: list[nn.Module]) -> Iterator[None]:
+    """Training statistics adapted modules accumulate in their forward (e.g. MoE token
+    counts) are restored on exit: an evaluation pass does not count."""
+    from autopp.adapters import torchtitan_moe
+
+    with torchtitan_moe.counts_kept(modules):
+        yield
+
+
 def after_step(modules: list[nn.Module]) -> None:
     """State updates adapted modules make once per optimizer step (before it), e.g. MoE
     load balancing. ``modules`` are a rank's stage modules; called on every rank."""

@@ -27,6 +27,19 @@ import torch
 from torch import nn
 
 
+_COMPUTE_DTYPE: torch.dtype | None = torch.bfloat16
+
+
+def set_expert_compute_dtype(dtype: torch.dtype | None) -> None:
+    """The dtype autopp's planned stages compute routed experts in: ``torch.bfloat16``
+    (default, what torchtitan's ``GroupedExperts`` does whatever the parameters' dtype) or
+    ``None`` for the parameters' own dtype (e.g. fp32 numerics to compare against a
+    single-process fp32 reference: bf16 partial sums over different token subsets round
+    differently). Applies to stages traced after the call, in this process."""
+    global _COMPUTE_DTYPE
+    _COMPUTE_DTYPE = dtype
+
+
 def _moe_classes():
     try:
         from torchtitan.models.common import moe
@@ -56,7 +69,8 @@ def _routed_forward(moe):
         expert_ids = torch.arange(n, device=x_BLD.device)
         return torch.ops.autopp.routed_experts(
             x_BLD, topk_scores_BLK, topk_expert_ids_BLK, expert_ids, experts.w1_EFD,
-            experts.w2_EDF, experts.w3_EFD, n, "bfloat16")
+            experts.w2_EDF, experts.w3_EFD, n,
+            "" if _COMPUTE_DTYPE is None else str(_COMPUTE_DTYPE).removeprefix("torch."))
 
     return forward
 
@@ -94,6 +108,19 @@ def moe_layers(modules: list[nn.Module]) -> list[nn.Module]:
     if moe is None:
         return []
     return [m for root in modules for m in root.modules() if isinstance(m, moe.MoE)]
+
+
+@contextlib.contextmanager
+def counts_kept(modules: list[nn.Module]) -> Iterator[None]:
+    """The MoE layers' token counts as they were on entry, restored on exit."""
+    layers = moe_layers(modules)
+    saved = [layer.tokens_per_expert_E.detach().clone() for layer in layers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for layer, value in zip(layers, saved):
+                layer.tokens_per_expert_E.copy_(value)
 
 
 @torch.no_grad()

@@ -1,0 +1,86 @@
+"""Worker for the mixture-of-experts tests: torchtitan's MoE decoders through the planner on
+8 gloo ranks (run under tests.dist_harness)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from tests.models import MODELS, ce_loss, make_batch
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _dp_slice(mesh, batch: int, seq: int, seed: int):
+    tokens, target = make_batch(batch, seq, seed=seed)
+    dp_rank, dp = mesh.get_coordinate()[1], mesh.shape[1]
+    n = batch // dp
+    return tokens[dp_rank * n:(dp_rank + 1) * n], target[dp_rank * n:(dp_rank + 1) * n]
+
+
+def _build(cfg: dict, mesh, tok):
+    from autopp import pipeline_autoparallel
+
+    return pipeline_autoparallel(
+        MODELS[cfg["model"]](cfg["n_layers"]), mesh, example_inputs=(tok,), loss_fn=ce_loss,
+        schedule=cfg["schedule"], n_microbatches=cfg["n_microbatches"])
+
+
+def train(mesh, cfg: dict, path: str | None) -> dict:
+    """``cfg["steps"]`` AdamW steps with clipping (step k on batch seed 100 + k): the first
+    step's gradients and expert biases after it, every loss, the plan's expert placements.
+    With ``path`` and ``cfg["resume"]`` (pp, dp, tp): save after the steps, train one more
+    step, then a pipeline at the resume layout loads the checkpoint and trains that step."""
+    from autopp import build_world_mesh
+    from autopp.adapters.torchtitan_moe import set_expert_compute_dtype
+
+    set_expert_compute_dtype(None if cfg.get("fp32_experts") else torch.bfloat16)
+    tok, tgt = _dp_slice(mesh, cfg["batch"], cfg["seq"], 100)
+    pipe = _build(cfg, mesh, tok)
+    pipe.init_weights(seed=0)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=cfg["lr"])
+    out: dict = {"losses": []}
+    for step in range(cfg["steps"]):
+        tok, tgt = _dp_slice(mesh, cfg["batch"], cfg["seq"], 100 + step)
+        out["losses"].append(pipe.step(tok, target=tgt))
+        if step == 0:
+            out["grads"] = {n: _full(p.grad) for n, p in pipe.named_parameters()}
+            out["bias"] = {k: _full(v) for k, v in pipe.state_dict().items()
+                           if k.endswith("expert_bias_E")}
+        pipe.clip_grad_norm_(cfg["max_norm"])
+        opt.step()
+        opt.zero_grad()
+    out["placements"] = sorted({str(b) for plan in (pipe.plans or {}).values()
+                                for b in _expert_placements(plan)})
+    if path is not None and cfg.get("resume"):
+        pipe.save_checkpoint(path, opt)
+        tok, tgt = _dp_slice(mesh, cfg["batch"], cfg["seq"], 100 + cfg["steps"])
+        out["next"] = pipe.step(tok, target=tgt)
+        pp, dp, tp = cfg["resume"]
+        mesh2 = build_world_mesh(pp=pp, dp=dp, tp=tp)
+        tok2, tgt2 = _dp_slice(mesh2, cfg["batch"], cfg["seq"], 100 + cfg["steps"])
+        other = _build(dict(cfg, schedule="1F1B"), mesh2, tok2)
+        other.init_weights(seed=1)
+        opt2 = torch.optim.AdamW(other.parameters(), lr=cfg["lr"])
+        other.load_checkpoint(path, opt2)
+        out["resumed"] = other.step(tok2, target=tgt2)
+    return out
+
+
+def _expert_placements(plan) -> list[tuple[str, ...]]:
+    """The planned placements of routed-expert weights in a stage plan."""
+    return [tuple(pl) for fqn, pl in plan.param_placements().items() if "_EFD" in fqn]
+
+
+def run(rank: int, world_size: int, configs: list[dict], path: str) -> list[dict]:
+    from autopp import build_world_mesh
+
+    out = []
+    for i, cfg in enumerate(configs):
+        mesh = build_world_mesh(pp=cfg["pp"], dp=cfg["dp"], tp=cfg["tp"])
+        out.append(train(mesh, cfg, f"{path}/{i}"))
+        dist.barrier()
+    return out

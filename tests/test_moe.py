@@ -1,0 +1,121 @@
+"""Mixture-of-experts decoders through the planner: torchtitan's qwen3 ``debugmodel_moe`` and
+deepseek_v3 ``debugmodel`` (MLA, a dense first layer, shared experts) at pp2 × dp2 × tp2 on 8
+gloo processes match the single-process model: the first step's loss and every gradient
+(fp32, 1e-5), the load-balancing expert biases after the step, and the losses of AdamW steps
+with clipping; a checkpoint saved at pp2 × dp2 × tp2 resumes at pp4 × dp2 × tp1 with the same
+next loss.
+
+The reference is plain torchtitan + torch (no autopp code but ``init_module_``): the model's
+own forward (its router, its token dispatcher, its experts), ``clip_grad_norm_``, AdamW, and
+the expert-bias update written out below. Its routed experts compute in fp32 (torchtitan's
+``GroupedExperts`` casts to bf16; bf16 partial sums over different token subsets round
+differently, so the distributed run is told to compute experts in the parameters' dtype too,
+``set_expert_compute_dtype(None)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.dist_harness import run_on_ranks
+from tests.models import MODELS, ce_loss, make_batch
+from tests.moe_workers import run
+
+N_LAYERS, BATCH, SEQ, LR, MAX_NORM = 4, 8, 16, 1e-2, 0.5
+
+
+@contextlib.contextmanager
+def _fp32_experts():
+    """torchtitan's GroupedExperts with its matmuls in the parameters' dtype (the reference's
+    own SwiGLU grouped matmul; torchtitan's casts to bf16)."""
+    from torchtitan.models.common.moe import GroupedExperts
+
+    def forward(self, x, num_tokens_per_expert):
+        offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+        h = F.silu(torch._grouped_mm(x, self.w1_EFD.transpose(-2, -1), offs=offs))
+        h = h * torch._grouped_mm(x, self.w3_EFD.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(h, self.w2_EDF.transpose(-2, -1), offs=offs)
+
+    original = GroupedExperts.forward
+    GroupedExperts.forward = forward
+    try:
+        yield
+    finally:
+        GroupedExperts.forward = original
+
+
+@torch.no_grad()
+def _update_biases(model) -> None:
+    """Auxiliary-loss-free balancing (arXiv:2408.15664), as torchtitan's optimizer hook does:
+    bias += coeff * sign(mean count - count), centred; counts reset."""
+    for mod in model.modules():
+        if type(mod).__name__ == "MoE" and mod.load_balance_coeff is not None:
+            counts = mod.tokens_per_expert_E
+            delta = mod.load_balance_coeff * torch.sign(counts.mean() - counts)
+            mod.expert_bias_E.add_(delta - delta.mean())
+            counts.zero_()
+
+
+def _reference(kind: str, steps: int) -> dict:
+    from autopp import init_module_
+
+    model = init_module_(MODELS[kind](N_LAYERS), seed=0, device="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    out: dict = {"losses": []}
+    with _fp32_experts():
+        for step in range(steps + 1):
+            tok, tgt = make_batch(BATCH, SEQ, seed=100 + step)
+            loss = ce_loss(model(tok), tgt)
+            loss.backward()
+            out["losses"].append(loss.item())
+            if step == 0:
+                out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            _update_biases(model)
+            if step == 0:
+                out["bias"] = {n: b.clone() for n, b in model.named_buffers()
+                               if n.endswith("expert_bias_E")}
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            opt.step()
+            opt.zero_grad()
+    return out
+
+
+def _check(res: dict, ref: dict, cfg: dict) -> set[str]:
+    steps = cfg["steps"]
+    assert res["losses"] == pytest.approx(ref["losses"][:steps], abs=1e-5), cfg
+    for name, g in res["grads"].items():
+        torch.testing.assert_close(g, ref["grads"][name], atol=1e-5, rtol=1e-4,
+                                   msg=lambda m: f"{cfg['model']} {name}: {m}")
+    for name, b in res["bias"].items():
+        torch.testing.assert_close(b, ref["bias"][name], atol=1e-7, rtol=0)
+    if cfg.get("resume"):
+        assert res["next"] == pytest.approx(ref["losses"][steps], abs=1e-5)
+        assert res["resumed"] == pytest.approx(res["next"], abs=1e-6)
+    return set(res["grads"])
+
+
+@pytest.mark.multiprocess
+def test_moe_decoders_match_single_process(tmp_path):
+    common = dict(pp=2, dp=2, tp=2, n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=LR,
+                  max_norm=MAX_NORM, fp32_experts=True)
+    configs = [
+        dict(common, model="qwen3_moe", schedule="1F1B", n_microbatches=2, steps=3,
+             resume=(4, 2, 1)),
+        dict(common, model="deepseek_v3", schedule="ZBVZeroBubble", n_microbatches=4,
+             steps=3),
+    ]
+    results = run_on_ranks(run, 8, configs, str(tmp_path), timeout=1500)
+    for i, cfg in enumerate(configs):
+        ref = _reference(cfg["model"], cfg["steps"])
+        seen: set[str] = set()
+        for rank_results in results:
+            seen |= _check(rank_results[i], ref, cfg)
+        names = {n for n, _ in MODELS[cfg["model"]](N_LAYERS).named_parameters()}
+        assert seen == names, (cfg["model"], names ^ seen)
+        # the routed experts were planned (one op with its own rule), not replicated op by op
+        placements = {p for r in results for p in r[i]["placements"]}
+        assert placements, cfg
