@@ -101,15 +101,25 @@ def planned_graph_stage(
                       device=device, group=group)
 
 
-def fqn_view(named: Sequence[tuple[str, nn.Parameter]]) -> nn.Module:
-    """A module tree holding ``named`` parameters under their FQNs (the same objects)."""
+def fqn_view(named: Sequence[tuple[str, nn.Parameter]],
+             buffers: Sequence[tuple[str, torch.Tensor, bool]] = ()) -> nn.Module:
+    """A module tree holding ``named`` parameters and ``buffers`` (FQN, tensor, persistent)
+    under their FQNs (the same objects)."""
     root = nn.Module()
-    for fqn, p in named:
+
+    def parent(fqn: str) -> tuple[nn.Module, str]:
         *path, leaf = fqn.split(".")
         mod = root
         for part in path:
             if part not in mod._modules:
                 mod.add_module(part, nn.Module())
             mod = mod._modules[part]
+        return mod, leaf
+
+    for fqn, p in named:
+        mod, leaf = parent(fqn)
         mod.register_parameter(leaf, p)
+    for fqn, b, persistent in buffers:
+        mod, leaf = parent(fqn)
+        mod.register_buffer(leaf, b, persistent=persistent)
     return root

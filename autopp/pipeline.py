@@ -65,6 +65,15 @@ class PipelineLayout:
         return "\n".join(lines)
 
 
+def _with_persistence(named: list[tuple[str, torch.Tensor]], modules: list[nn.Module]
+                      ) -> list[tuple[str, torch.Tensor, bool]]:
+    """(FQN, buffer, persistent) for ``named`` buffers, persistence as the stage modules as
+    built declare it (a non-persistent buffer, e.g. a RoPE cache, stays out of state dicts)."""
+    transient = {f"{p}.{b}" if p else b for m in modules for p, mod in m.named_modules()
+                 for b in mod._non_persistent_buffers_set}
+    return [(fqn, b, fqn not in transient) for fqn, b in named]
+
+
 def _compact_fqns(fqns: tuple[str, ...]) -> str:
     """'tok_embeddings, layers.0-2, norm' style summary of a stage's modules."""
     out: list[str] = []
@@ -119,6 +128,7 @@ class Pipeline:
         #: This rank's stages as one module with whole-model parameter names (a view, no
         #: copies): what optimizers, state dicts and checkpoints see.
         self.local_model = merge_stage_modules(stage_modules)
+        self._structure = list(stage_modules)
         self._device = torch.device(mesh.device_type)
         if mesh.device_type == "cuda":
             self._device = torch.device("cuda", torch.cuda.current_device())
@@ -205,8 +215,10 @@ class Pipeline:
                 name = aliases.get(fqn, fqn)
                 renamed.append((name if name not in seen else fqn, p))
                 seen.add(renamed[-1][0])
-            self.local_model = fqn_view(renamed)
+            self.local_model = fqn_view(renamed, _with_persistence(
+                self.backend.named_buffers(self.stage_modules) or [], built))
             replay_state_dict_hooks(self.local_model, built)
+        self._structure = built  # the stage modules as built: names and the model's config
         self._build_schedule()
 
     def _bind_tied(self) -> None:
@@ -344,11 +356,20 @@ class Pipeline:
 
         loss = self._run(inputs, target, train=True)
         self.backend.after_step(list(self.parameters()), self.mesh)
-        adapters.after_step(self.stage_modules)  # e.g. MoE load balancing, before the optimizer
+        # e.g. MoE load balancing, before the optimizer
+        adapters.after_step(self._structure, self.local_model, self._unreduced_stats_group())
         if self._tied is not None:
             self._tied.sync_grads()
         self._check_finite("loss", loss)
         return loss
+
+    def _unreduced_stats_group(self) -> dist.ProcessGroup | None:
+        """The group over which statistics the model's own forward keeps (e.g. MoE token
+        counts) are partial: dp for stages that run the model's modules on this rank's
+        batch slice; None for planned stages, whose graphs reduce them as planned."""
+        if self.backend.named_buffers(self.stage_modules) is not None or self.dp_size == 1:
+            return None
+        return self.mesh["dp"].get_group()
 
     def _check_finite(self, what: str, value: float) -> None:
         """A non-finite loss or gradient norm (the same value on every rank): warn, or raise
@@ -368,7 +389,7 @@ class Pipeline:
         were."""
         from autopp import adapters
 
-        with adapters.training_state_kept(self.stage_modules):
+        with adapters.training_state_kept(self._structure, self.local_model):
             return self._run(inputs, target, train=False)
 
     def _check_inputs(self, inputs: tuple[torch.Tensor, ...]) -> None:

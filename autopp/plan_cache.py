@@ -51,11 +51,13 @@ def _describe_tensor(t: Any) -> Any:
 def planner_source_files() -> list[Path]:
     """The code a plan depends on: the sharding planner (``autopp/sharding/*.py``), the
     boundary, loss and tied-parameter planning (``auto_plan.py``, ``tied.py``), the pipeline
-    plan (``pipeline_plan.py``) and the stage split (``autopp/stage_split/*.py``)."""
+    plan (``pipeline_plan.py``), the stage split (``autopp/stage_split/*.py``) and the model
+    adapters (``autopp/adapters/*.py``, whose settings are in the key too)."""
     root = Path(__file__).parent
     return [*sorted((root / "sharding").glob("*.py")), root / "auto_plan.py",
             root / "pipeline_plan.py", root / "tied.py",
-            *sorted((root / "stage_split").glob("*.py"))]
+            *sorted((root / "stage_split").glob("*.py")),
+            *sorted((root / "adapters").glob("*.py"))]
 
 
 def _planner_source_hash() -> str:
@@ -68,7 +70,10 @@ def _planner_source_hash() -> str:
 
 
 def _hash(desc: dict[str, Any]) -> str:
-    desc = {**desc, "torch": torch.__version__, "planner": _planner_source_hash()}
+    from autopp import adapters
+
+    desc = {**desc, "torch": torch.__version__, "planner": _planner_source_hash(),
+            "adapters": adapters.settings()}
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:32]
 
 

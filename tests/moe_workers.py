@@ -62,7 +62,7 @@ def train(mesh, cfg: dict, path: str | None) -> dict:
         pp, dp, tp = cfg["resume"]
         mesh2 = build_world_mesh(pp=pp, dp=dp, tp=tp)
         tok2, tgt2 = _dp_slice(mesh2, cfg["batch"], cfg["seq"], 100 + cfg["steps"])
-        other = _build(dict(cfg, schedule="1F1B"), mesh2, tok2)
+        other = _build(dict(cfg, schedule="1F1B", n_microbatches=pp), mesh2, tok2)
         other.init_weights(seed=1)
         opt2 = torch.optim.AdamW(other.parameters(), lr=cfg["lr"])
         other.load_checkpoint(path, opt2)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch.distributed as dist
 from torch import nn
 
 
@@ -29,19 +30,31 @@ def tracing() -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def training_state_kept(modules: list[nn.Module]) -> Iterator[None]:
-    """Training statistics adapted modules accumulate in their forward (e.g. MoE token
-    counts) are restored on exit: an evaluation pass does not count."""
+def settings() -> dict[str, str]:
+    """The adapters' settings that change what is traced (part of the plan cache's key)."""
     from autopp.adapters import torchtitan_moe
 
-    with torchtitan_moe.counts_kept(modules):
+    return {"torchtitan_moe.expert_compute_dtype": str(torchtitan_moe.expert_compute_dtype())}
+
+
+@contextlib.contextmanager
+def training_state_kept(structure: list[nn.Module], state: nn.Module) -> Iterator[None]:
+    """Training statistics adapted modules accumulate in their forward (e.g. MoE token
+    counts) are restored on exit: an evaluation pass does not count. ``structure``: a
+    rank's stage modules as built (names, the model's config); ``state``: the module whose
+    buffers, by the same FQNs, the stages run with."""
+    from autopp.adapters import torchtitan_moe
+
+    with torchtitan_moe.counts_kept(structure, state):
         yield
 
 
-def after_step(modules: list[nn.Module]) -> None:
-    """State updates adapted modules make once per optimizer step (before it), e.g. MoE
-    load balancing. ``modules`` are a rank's stage modules; called on every rank."""
+def after_step(structure: list[nn.Module], state: nn.Module,
+               partial_over: dist.ProcessGroup | None = None) -> None:
+    """State updates adapted modules make once per step, before the optimizer (e.g. MoE
+    load balancing); called on every rank. ``structure`` and ``state`` as for
+    :func:`training_state_kept`; ``partial_over``: the group over which the statistics the
+    forward kept are partial sums (None: they are whole already)."""
     from autopp.adapters import torchtitan_moe
 
-    torchtitan_moe.update_expert_bias(modules)
+    torchtitan_moe.update_expert_bias(structure, state, partial_over)

@@ -24,6 +24,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -38,6 +39,11 @@ def set_expert_compute_dtype(dtype: torch.dtype | None) -> None:
     differently). Applies to stages traced after the call, in this process."""
     global _COMPUTE_DTYPE
     _COMPUTE_DTYPE = dtype
+
+
+def expert_compute_dtype() -> torch.dtype | None:
+    """The current :func:`set_expert_compute_dtype` setting."""
+    return _COMPUTE_DTYPE
 
 
 def _moe_classes():
@@ -102,38 +108,48 @@ def tracing() -> Iterator[None]:
         torch.autocast.__init__ = original_autocast
 
 
-def moe_layers(modules: list[nn.Module]) -> list[nn.Module]:
-    """The torchtitan ``MoE`` layers held by ``modules``."""
+def moe_layers(structure: list[nn.Module], state: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(torchtitan ``MoE`` layer, its FQN) for every MoE layer of ``structure`` (a rank's
+    stage modules, whole-model FQNs) whose buffers ``state`` holds."""
     moe = _moe_classes()
     if moe is None:
         return []
-    return [m for root in modules for m in root.modules() if isinstance(m, moe.MoE)]
+    have = {name for name, _ in state.named_buffers()}
+    return [(m, name) for root in structure for name, m in root.named_modules()
+            if isinstance(m, moe.MoE) and f"{name}.tokens_per_expert_E" in have]
 
 
 @contextlib.contextmanager
-def counts_kept(modules: list[nn.Module]) -> Iterator[None]:
+def counts_kept(structure: list[nn.Module], state: nn.Module) -> Iterator[None]:
     """The MoE layers' token counts as they were on entry, restored on exit."""
-    layers = moe_layers(modules)
-    saved = [layer.tokens_per_expert_E.detach().clone() for layer in layers]
+    counts = [state.get_buffer(f"{name}.tokens_per_expert_E")
+              for _, name in moe_layers(structure, state)]
+    saved = [c.detach().clone() for c in counts]
     try:
         yield
     finally:
         with torch.no_grad():
-            for layer, value in zip(layers, saved):
-                layer.tokens_per_expert_E.copy_(value)
+            for c, value in zip(counts, saved):
+                c.copy_(value)
 
 
 @torch.no_grad()
-def update_expert_bias(modules: list[nn.Module]) -> None:
+def update_expert_bias(structure: list[nn.Module], state: nn.Module,
+                       partial_over: dist.ProcessGroup | None = None) -> None:
     """One load-balancing update per MoE layer with a ``load_balance_coeff``: move the
     expert bias towards the under-used experts by the sign of (mean count - count),
-    centred, and reset the count. The counts are the whole step's (every microbatch, every
-    dp rank): the planned graphs sum them into a replicated buffer."""
-    for layer in moe_layers(modules):
-        coeff = layer.load_balance_coeff
-        if coeff is None or layer.expert_bias_E is None:
+    centred, and reset the count. The counts must be the whole step's (every microbatch,
+    every dp rank): planned graphs sum them into the buffer in its planned placement;
+    modules run as written count their own batch slice, summed here over ``partial_over``."""
+    for layer, name in moe_layers(structure, state):
+        counts = state.get_buffer(f"{name}.tokens_per_expert_E")
+        if layer.load_balance_coeff is None:
+            counts.zero_()
             continue
-        counts = layer.tokens_per_expert_E.float()
-        delta = coeff * torch.sign(counts.mean() - counts)
-        layer.expert_bias_E.add_(delta - delta.mean())
-        layer.tokens_per_expert_E.zero_()
+        if partial_over is not None:
+            dist.all_reduce(counts, group=partial_over)
+        bias = state.get_buffer(f"{name}.expert_bias_E")
+        counts_f = counts.float()
+        delta = layer.load_balance_coeff * torch.sign(counts_f.mean() - counts_f)
+        bias.add_(delta - delta.mean())
+        counts.zero_()

@@ -88,6 +88,11 @@ class StageBackend(ABC):
         modules' own ``named_parameters`` already use whole-model FQNs."""
         return None
 
+    def named_buffers(self, modules: Sequence[nn.Module]) -> list[tuple[str, torch.Tensor]] | None:
+        """(whole-model FQN, buffer) of the materialised local stages when
+        :meth:`named_parameters` is not None; None otherwise."""
+        return None
+
     def pipeline_stage(self, stage_id: int, module: nn.Module, *, n_stages: int,
                        device: torch.device, pp_group: dist.ProcessGroup, loss_fn: LossFn,
                        get_mesh: Callable[..., DeviceMesh]) -> Any:

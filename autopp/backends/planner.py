@@ -214,6 +214,9 @@ class Planner(StageBackend):
     def named_parameters(self, modules: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter]]:
         return [kv for m in modules for kv in m.named_planned_parameters()]
 
+    def named_buffers(self, modules: Sequence[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+        return [kv for m in modules for kv in m.named_planned_buffers()]
+
     def pipeline_stage(self, stage_id: int, module: nn.Module, *, n_stages: int,
                        device: torch.device, pp_group: dist.ProcessGroup, loss_fn: LossFn,
                        get_mesh: Callable[..., DeviceMesh]) -> Any:

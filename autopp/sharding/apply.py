@@ -140,6 +140,13 @@ class ShardedStage(nn.Module):
             for fqn, key in zip(block._fqns, block._param_names):
                 yield fqn, block.params[key]
 
+    def named_planned_buffers(self):
+        """(stage FQN, DTensor buffer) pairs: the buffers the stage's graphs read and write
+        (e.g. a MoE layer's token counts and expert bias)."""
+        for block in self.blocks.values():
+            for fqn, key in zip(block._buffer_fqns, block._buffer_names):
+                yield fqn, getattr(block, key)
+
 
 def apply_plan(
     module: nn.Module, plan: StagePlan, mesh, example_inputs: tuple[Any, ...]

@@ -48,7 +48,7 @@ class GraphRunner:
             self.outs[name] = tuple(from_strs(o) if o is not None else None for o in outs)
             self.ins[name] = tuple(from_strs(i) for i in ins)
         # the forward computes the outputs and the buffers it writes in place
-        self.fwd_needed = self._ancestors(
+        self.fwd_needed = self.ancestors(
             [*joint.outputs.values(), *joint.buffer_updates.values()])
 
     def buffer_updates(self, env: dict[fx.Node, Any]) -> list[tuple[fx.Node, DTensor]]:
@@ -58,7 +58,7 @@ class GraphRunner:
         return [(j.buffers[f], redistribute_to(env[n], self.placement(j.buffers[f])))
                 for f, n in j.buffer_updates.items()]
 
-    def _ancestors(self, roots: list[fx.Node]) -> set[fx.Node]:
+    def ancestors(self, roots: list[fx.Node]) -> set[fx.Node]:
         seen, stack = set(), list(roots)
         while stack:
             n = stack.pop()

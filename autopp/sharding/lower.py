@@ -254,9 +254,14 @@ def lower_stage(units: Sequence[LoweredUnit], mesh: Any, in_placements: tuple,
             env.update({n: next(bufs_it) for n in j.buffers.values()})
             raw = {n: next(raw_bufs) for n in j.buffers.values()}
             env[j.inputs[0]] = redistribute_to(h, r.placement(j.inputs[0]))
-            r.run(env, r.fwd_needed)
-            for bnode, value in r.buffer_updates(env):  # in place, into the buffer's shard
+            # buffers the forward writes (e.g. MoE token counts) are written in place before
+            # the rest of the forward runs: the graph split keeps forward mutations that come
+            # before the stage output
+            first = r.ancestors(list(j.buffer_updates.values()))
+            r.run(env, first)
+            for bnode, value in r.buffer_updates(env):
                 raw[bnode].copy_(value.to_local())
+            r.run(env, r.fwd_needed - first)
             h = env[j.outputs[0]]
             envs.append(env)
         res: list[torch.Tensor] = [_local(h, out_pl)]
