@@ -120,3 +120,21 @@ def test_moe_decoders_match_single_process(tmp_path):
         # the routed experts were planned (one op with its own rule), not replicated op by op
         placements = {p for r in results for p in r[i]["placements"]}
         assert placements, cfg
+
+
+@pytest.mark.multiprocess
+@pytest.mark.wide
+def test_moe_schedules_and_loss_curves_match_single_process(tmp_path):
+    """The other schedule for each model, and 20 AdamW steps tracking the single-process
+    loss curve (expert biases updated every step)."""
+    common = dict(pp=2, dp=2, tp=2, n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=LR,
+                  max_norm=MAX_NORM, fp32_experts=True, steps=20)
+    configs = [
+        dict(common, model="qwen3_moe", schedule="ZBVZeroBubble", n_microbatches=4),
+        dict(common, model="deepseek_v3", schedule="1F1B", n_microbatches=2),
+    ]
+    results = run_on_ranks(run, 8, configs, str(tmp_path), timeout=3000)
+    for i, cfg in enumerate(configs):
+        ref = _reference(cfg["model"], cfg["steps"])
+        for rank_results in results:
+            _check(rank_results[i], ref, cfg)

@@ -1,0 +1,121 @@
+"""The routed-experts op (``autopp::routed_experts``) in one process: the model's own numbers,
+its expert-parallel and hidden-split shards summing to the whole, its FLOPs, and a buffer the
+forward writes (MoE token counts) kept by the joint trace."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from autopp.sharding import experts  # noqa: F401  (registers the op)
+
+B, L, D, F, E, K = 2, 8, 16, 16, 8, 2
+
+
+def _inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, L, D, generator=g)
+    scores = torch.rand(B, L, K, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B * L)]).view(B, L, K)
+    w1 = torch.randn(E, F, D, generator=g) * 0.2
+    w2 = torch.randn(E, D, F, generator=g) * 0.2
+    w3 = torch.randn(E, F, D, generator=g) * 0.2
+    return x, scores, ids, w1, w2, w3
+
+
+def _reference(x, scores, ids, w1, w2, w3):
+    """Each token's output: sum over its K experts of score * SwiGLU expert(token)."""
+    out = torch.zeros_like(x)
+    for b in range(B):
+        for t in range(L):
+            for k in range(K):
+                e = int(ids[b, t, k])
+                h = torch.nn.functional.silu(w1[e] @ x[b, t]) * (w3[e] @ x[b, t])
+                out[b, t] += scores[b, t, k] * (w2[e] @ h)
+    return out
+
+
+def _op(x, scores, ids, w1, w2, w3, expert_ids=None):
+    eids = torch.arange(E) if expert_ids is None else expert_ids
+    return torch.ops.autopp.routed_experts(x, scores, ids, eids, w1, w2, w3, E, "")
+
+
+def test_matches_a_hand_written_moe_forward_and_backward():
+    args = _inputs()
+    leaves = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
+    out = _op(*leaves)
+    ref_leaves = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
+    ref = _reference(*ref_leaves)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref.backward(g)
+    for a, r in zip(leaves, ref_leaves):
+        if a.is_floating_point():
+            torch.testing.assert_close(a.grad, r.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_expert_and_hidden_shards_sum_to_the_whole():
+    """What the sharding rule promises: experts split on dim 0 (with their ids) or the
+    hidden dim split give partial outputs that sum to the whole, and weight gradients that
+    are the whole's slices."""
+    x, scores, ids, w1, w2, w3 = _inputs(1)
+    whole = _op(x, scores, ids, w1, w2, w3)
+    halves = [slice(0, E // 2), slice(E // 2, E)]
+    parts = [_op(x, scores, ids, w1[s], w2[s], w3[s], torch.arange(E)[s]) for s in halves]
+    torch.testing.assert_close(parts[0] + parts[1], whole, atol=1e-6, rtol=1e-5)
+    hid = [slice(0, F // 2), slice(F // 2, F)]
+    parts = [_op(x, scores, ids, w1[:, s], w2[:, :, s], w3[:, s]) for s in hid]
+    torch.testing.assert_close(parts[0] + parts[1], whole, atol=1e-6, rtol=1e-5)
+    g = torch.randn_like(whole)
+    full = torch.ops.autopp.routed_experts_backward(g, x, scores, ids, torch.arange(E), w1, w2,
+                                                    w3, E, "")
+    for s in halves:
+        part = torch.ops.autopp.routed_experts_backward(g, x, scores, ids, torch.arange(E)[s],
+                                                        w1[s], w2[s], w3[s], E, "")
+        for got, want in zip(part[2:], full[2:]):
+            torch.testing.assert_close(got, want[s], atol=1e-6, rtol=1e-5)
+
+
+def test_flops_count_the_routed_tokens_on_the_local_experts():
+    x, scores, ids, w1, w2, w3 = _inputs()
+    with FlopCounterMode(display=False) as counter:
+        _op(x, scores, ids, w1[:2], w2[:2], w3[:2], torch.arange(2))
+    # B*L*K routed tokens, 2 of 8 experts local: a quarter of them, 3 matmuls of D x F each
+    assert counter.get_total_flops() == B * L * K // 4 * 3 * 2 * D * F
+
+
+def test_torchtitan_moe_traces_with_its_count_as_a_buffer_update():
+    pytest.importorskip("torchtitan")
+    from autopp.sharding.trace import trace_joint
+    from tests.models import qwen3_moe_meta
+
+    block = qwen3_moe_meta(1).layers["0"]
+    with torch.device("meta"):
+        x = torch.empty(2, 16, block.moe.router.gate.weight.shape[1])
+    joint = trace_joint(copy.deepcopy(block), (x, None, None))
+    assert list(joint.buffer_updates) == ["moe.tokens_per_expert_E"]
+    targets = {str(n.target) for n in joint.gm.graph.nodes}
+    assert "autopp.routed_experts.default" in targets
+    assert "autopp.routed_experts_backward.default" in targets
+
+
+def test_expert_bias_update_by_fqn():
+    pytest.importorskip("torchtitan")
+    from autopp.adapters.torchtitan_moe import update_expert_bias
+    from tests.models import deepseek_v3_meta
+
+    from autopp import init_module_
+
+    model = init_module_(deepseek_v3_meta(2), seed=0, device="cpu")
+    moe = model.layers["1"].moe
+    moe.tokens_per_expert_E.copy_(torch.tensor([4., 0., 2., 2., 1., 3., 2., 2.]))
+    update_expert_bias([model], model)
+    c = moe.load_balance_coeff
+    # mean 2: experts above it lose c, below gain c, at it 0; then centred (sum of signs: 0)
+    want = torch.tensor([-c, c, 0., 0., c, -c, 0., 0.])
+    torch.testing.assert_close(moe.expert_bias_E, want)
+    assert moe.tokens_per_expert_E.sum() == 0
