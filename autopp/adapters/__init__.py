@@ -37,6 +37,14 @@ def settings() -> dict[str, str]:
     return {"torchtitan_moe.expert_compute_dtype": str(torchtitan_moe.expert_compute_dtype())}
 
 
+def active_parameters(model: nn.Module) -> float:
+    """Parameters a token uses on average (for model FLOPs, 6 x this x tokens): all of a
+    dense model's; a MoE layer's routed experts count top_k / num_experts of theirs."""
+    from autopp.adapters import torchtitan_moe
+
+    return sum(p.numel() for p in model.parameters()) - torchtitan_moe.idle_parameters(model)
+
+
 @contextlib.contextmanager
 def training_state_kept(structure: list[nn.Module], state: nn.Module) -> Iterator[None]:
     """Training statistics adapted modules accumulate in their forward (e.g. MoE token

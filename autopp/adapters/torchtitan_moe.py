@@ -119,6 +119,21 @@ def moe_layers(structure: list[nn.Module], state: nn.Module) -> list[tuple[nn.Mo
             if isinstance(m, moe.MoE) and f"{name}.tokens_per_expert_E" in have]
 
 
+def idle_parameters(model: nn.Module) -> float:
+    """Routed-expert parameters a token does not use, on average: each MoE layer's experts
+    times (1 - top_k / num_experts)."""
+    moe = _moe_classes()
+    if moe is None:
+        return 0.0
+    idle = 0.0
+    for m in model.modules():
+        if isinstance(m, moe.MoE):
+            experts = m.routed_experts.inner_experts
+            n = sum(p.numel() for p in experts.parameters())
+            idle += n * (1 - m.router.top_k / experts.num_experts)
+    return idle
+
+
 @contextlib.contextmanager
 def counts_kept(structure: list[nn.Module], state: nn.Module) -> Iterator[None]:
     """The MoE layers' token counts as they were on entry, restored on exit."""

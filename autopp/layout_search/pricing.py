@@ -45,7 +45,8 @@ class Candidate:
     tokens_per_s_per_device: float
     mfu: float
     """Model FLOPs utilisation: 6 × parameters × tokens per step over the step time and the
-    devices' peak (the profile's, in the compute dtype); attention's own FLOPs not counted."""
+    devices' peak (the profile's, in the compute dtype); attention's own FLOPs not counted;
+    for mixture-of-experts models, the parameters a token uses (routed experts: K of E)."""
     peak_bytes: tuple[int, ...]
     """Per pp rank, the simulated peak."""
     usable_bytes: float
@@ -97,7 +98,9 @@ class Pricer:
         self.global_batch, self.seq_len = global_batch, seq_len
         self.profile, self.usable = profile, usable
         self.shapes: dict[tuple[int, int], ShapeCosts] = {}
-        self.n_params = sum(p.numel() for p in model.parameters())
+        from autopp import adapters
+
+        self.n_params = adapters.active_parameters(model)  # per token: MoE counts K/E experts
         dtype = getattr(mixed_precision, "param_dtype", None) or next(
             model.parameters()).dtype
         self.peak_flops = profile.flops_bf16 if dtype in (torch.bfloat16, torch.float16) \

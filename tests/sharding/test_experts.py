@@ -119,3 +119,18 @@ def test_expert_bias_update_by_fqn():
     want = torch.tensor([-c, c, 0., 0., c, -c, 0., 0.])
     torch.testing.assert_close(moe.expert_bias_E, want)
     assert moe.tokens_per_expert_E.sum() == 0
+
+
+def test_active_parameters_count_k_of_e_routed_experts():
+    """Model FLOPs (the search's MFU) use the parameters a token uses: deepseek_v3's debug
+    model routes each token to 3 of 8 experts in each MoE layer (layers 1-3 of 4)."""
+    pytest.importorskip("torchtitan")
+    from autopp import adapters
+    from tests.models import deepseek_v3_meta, llama3_meta
+
+    model = deepseek_v3_meta(4)
+    total = sum(p.numel() for p in model.parameters())
+    experts_per_layer = 3 * 8 * 256 * 256  # w1, w2, w3: 8 experts of 256 x 256
+    assert adapters.active_parameters(model) == total - 3 * experts_per_layer * (1 - 3 / 8)
+    dense = llama3_meta(2)
+    assert adapters.active_parameters(dense) == sum(p.numel() for p in dense.parameters())
