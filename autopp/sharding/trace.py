@@ -8,7 +8,7 @@ is what lets the solver make a gradient end in its parameter's placement.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,14 +41,10 @@ class JointGraph:
     """All placeholders, in the order the graph takes them."""
     output_descs: tuple[Any, ...]
     """The output node's descriptors, in order."""
-    buffer_updates: dict[str, fx.Node] = None  # type: ignore[assignment]
+    buffer_updates: dict[str, fx.Node] = field(default_factory=dict)
     """Buffer FQN -> the node producing the value the forward writes into it in place (e.g.
     a MoE layer's tokens-per-expert count). The planner keeps it in the buffer's placement;
     the lowered graph copies it into the buffer."""
-
-    def __post_init__(self) -> None:
-        if self.buffer_updates is None:
-            object.__setattr__(self, "buffer_updates", {})
 
     @property
     def num_fwd_outputs(self) -> int:
