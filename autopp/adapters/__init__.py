@@ -34,7 +34,8 @@ def settings() -> dict[str, str]:
     """The adapters' settings that change what is traced (part of the plan cache's key)."""
     from autopp.adapters import torchtitan_moe
 
-    return {"torchtitan_moe.expert_compute_dtype": str(torchtitan_moe.expert_compute_dtype())}
+    return {"torchtitan_moe.expert_compute_dtype": str(torchtitan_moe.expert_compute_dtype()),
+            "torchtitan_moe.token_dispatch": torchtitan_moe.token_dispatch()}
 
 
 def active_parameters(model: nn.Module) -> float:

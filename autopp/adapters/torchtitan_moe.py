@@ -46,6 +46,29 @@ def expert_compute_dtype() -> torch.dtype | None:
     return _COMPUTE_DTYPE
 
 
+_TOKEN_DISPATCH = "auto"
+
+
+def set_token_dispatch(mode: str) -> None:
+    """How autopp's planned stages may bring tokens to expert-parallel devices: "auto"
+    (default: the planner prices both and picks), "all_to_all" (each token goes only to
+    the devices holding its experts, as torchtitan's ``AllToAllTokenDispatcher``; experts
+    are then split over one mesh dim at most) or "all_gather" (every device of the experts'
+    mesh dim gets every token; cheaper when the expert-parallel degree is below top-k).
+    Applies to stages planned after the call, in this process."""
+    from autopp.sharding.experts import DISPATCHES
+
+    if mode not in DISPATCHES:
+        raise ValueError(f"token dispatch {mode!r}: expected one of {', '.join(DISPATCHES)}")
+    global _TOKEN_DISPATCH
+    _TOKEN_DISPATCH = mode
+
+
+def token_dispatch() -> str:
+    """The current :func:`set_token_dispatch` setting."""
+    return _TOKEN_DISPATCH
+
+
 def _moe_classes():
     try:
         from torchtitan.models.common import moe
@@ -76,7 +99,8 @@ def _routed_forward(moe):
         return torch.ops.autopp.routed_experts(
             x_BLD, topk_scores_BLK, topk_expert_ids_BLK, expert_ids, experts.w1_EFD,
             experts.w2_EDF, experts.w3_EFD, n,
-            "" if _COMPUTE_DTYPE is None else str(_COMPUTE_DTYPE).removeprefix("torch."))
+            "" if _COMPUTE_DTYPE is None else str(_COMPUTE_DTYPE).removeprefix("torch."),
+            _TOKEN_DISPATCH)
 
     return forward
 

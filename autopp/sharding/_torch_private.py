@@ -309,3 +309,27 @@ def has_kernel(op: Any, device: torch.device) -> bool:
     """Whether ``op`` has a kernel (not only a decomposition) for ``device``'s backend."""
     key = torch._C._dispatch_key_for_device(device.type)
     return torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), key)
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives inside an op's kernel (expert_dispatch.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def group_rank_size(group_name: str) -> tuple[int, int]:
+    """(this rank's index, size) of the process group registered as ``group_name``."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    pg = _resolve_process_group(group_name)
+    return pg.rank(), pg.size()
+
+
+def all_to_all(t: torch.Tensor, output_splits: list[int], input_splits: list[int],
+               group_name: str) -> torch.Tensor:
+    """All-to-all of ``t``'s rows (``input_splits[i]`` rows to rank i of the group,
+    ``output_splits[i]`` from it), differentiable (the backward sends the gradients back
+    with the splits swapped); waits for the result."""
+    from torch.distributed import _functional_collectives as fc
+
+    out = fc.all_to_all_single_autograd(t.contiguous(), output_splits, input_splits, group_name)
+    return fc.wait_tensor(out)

@@ -31,6 +31,7 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 from autopp.sharding import _torch_private as tp
+from autopp.sharding import op_hooks
 from autopp.sharding.profiles import DeviceProfile, mesh_links
 from autopp.sharding.strategies import VIEW_OPS, NodeStrategy, Option, local_shape, tensor_vals
 
@@ -163,7 +164,28 @@ class CostModel:
             nbytes += self.local_bytes(v, pl)
         out = next((v for v in vals if v is not None), None)
         dtype = out.dtype if out is not None else torch.float32
-        return max(flops / self.profile.flops(dtype), nbytes / self.profile.mem_bw)
+        t = max(flops / self.profile.flops(dtype), nbytes / self.profile.mem_bw)
+        return t + self.kernel_comm_time(ns, opt)
+
+    def kernel_comm_time(self, ns: NodeStrategy, opt: Option) -> float:
+        """Seconds of the collectives ``ns.node``'s own kernel runs as ``opt`` (an op with
+        :mod:`op_hooks`, e.g. routed experts dispatching tokens by all-to-all); 0 for others.
+        The op blocks on them, so they are part of its time."""
+        hooks = op_hooks.hooks_of(ns.node.target)
+        if hooks is None:
+            return 0.0
+        return sum(self.collective_time(kind, dim, nbytes)
+                   for kind, dim, nbytes in hooks.collectives(ns.node, opt, self.mesh_shape))
+
+    def collective_time(self, kind: str, mesh_dim: int, local_bytes: float) -> float:
+        """α-β time of one collective over ``mesh_dim`` on ``local_bytes`` per device going
+        in (the table in the module docstring)."""
+        n = self.mesh_shape[mesh_dim]
+        if n == 1:
+            return 0.0
+        wire = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
+                "all_to_all": (n - 1) / n, "all_gather": n - 1}[kind] * local_bytes
+        return self.links.latency[mesh_dim] + wire / self.links.bandwidth[mesh_dim]
 
     def local_bytes(self, val: torch.Tensor, placements: tuple) -> float:
         shape = local_shape(val.shape, placements, self.mesh_shape)

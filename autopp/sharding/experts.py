@@ -53,9 +53,45 @@ _DTYPES = {"": None, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float32": torch.float32}
 
 
+def expert_mlp(routed_x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
+               compute_dtype: str) -> Tensor:
+    """SwiGLU experts on tokens sorted by (local) expert, ``counts[e]`` rows each, as
+    torchtitan's ``GroupedExperts`` computes them; the result in ``routed_x``'s dtype."""
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    dt = _DTYPES[compute_dtype]
+    cast = (lambda t: t.to(dt)) if dt is not None else (lambda t: t)
+    # the tokens are cast once per use, as torchtitan does: their gradient is then summed
+    # in fp32, not in the compute dtype
+    h = torch.nn.functional.silu(
+        torch._grouped_mm(cast(routed_x), cast(w1).transpose(-2, -1), offs=offsets))
+    h = h * torch._grouped_mm(cast(routed_x), cast(w3).transpose(-2, -1), offs=offsets)
+    return torch._grouped_mm(h, cast(w2).transpose(-2, -1), offs=offsets).type_as(routed_x)
+
+
+def combine(y: Tensor, routed_scores: Tensor, token_of: Tensor, x_td: Tensor) -> Tensor:
+    """Each routed output scaled by its score (in fp32), summed per token in a fixed order
+    (torchtitan's combine)."""
+    d = x_td.shape[-1]
+    y = (y.to(torch.float32) * routed_scores.reshape(-1, 1)).to(y.dtype)
+    out = torch.zeros_like(x_td)
+    prev = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    try:
+        return out.scatter_add(0, token_of.reshape(-1, 1).expand(-1, d), y)
+    finally:
+        torch.use_deterministic_algorithms(prev, warn_only=warn_only)
+
+
 def _routed(x: Tensor, scores: Tensor, ids: Tensor, expert_ids: Tensor, w1: Tensor,
-            w2: Tensor, w3: Tensor, compute_dtype: str) -> Tensor:
-    """The local computation (differentiable in x, scores and the weights)."""
+            w2: Tensor, w3: Tensor, compute_dtype: str, group_name: str = "",
+            dispatch_block: int = 0) -> Tensor:
+    """The local computation (differentiable in x, scores and the weights); with a
+    ``group_name``, tokens travel to their experts' devices by all-to-all
+    (:mod:`autopp.sharding.expert_dispatch`)."""
+    if group_name:
+        return expert_dispatch.dispatched(x, scores, ids, expert_ids, w1, w2, w3,
+                                          compute_dtype, group_name, dispatch_block)
     b, l, d = x.shape
     k = ids.shape[-1]
     x_td = x.reshape(b * l, d)
@@ -67,78 +103,77 @@ def _routed(x: Tensor, scores: Tensor, ids: Tensor, expert_ids: Tensor, w1: Tens
     keep = (sorted_ids >= first) & (sorted_ids < first + n_local)
     order, sorted_ids = order[keep], sorted_ids[keep]
     token_of = order // k
-    routed_scores = scores.reshape(-1)[order]
-    routed_x = x_td[token_of]
     counts = torch.bincount(sorted_ids - first, minlength=n_local)
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    dt = _DTYPES[compute_dtype]
-    cast = (lambda t: t.to(dt)) if dt is not None else (lambda t: t)
-    # the tokens are cast once per use, as torchtitan does: their gradient is then summed
-    # in fp32, not in the compute dtype
-    h = torch.nn.functional.silu(
-        torch._grouped_mm(cast(routed_x), cast(w1).transpose(-2, -1), offs=offsets))
-    h = h * torch._grouped_mm(cast(routed_x), cast(w3).transpose(-2, -1), offs=offsets)
-    y = torch._grouped_mm(h, cast(w2).transpose(-2, -1), offs=offsets).type_as(x)
-    y = (y.to(torch.float32) * routed_scores.reshape(-1, 1)).to(y.dtype)
-    out = torch.zeros_like(x_td)
-    prev = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=False)
-    try:
-        out = out.scatter_add(0, token_of.reshape(-1, 1).expand(-1, d), y)
-    finally:
-        torch.use_deterministic_algorithms(prev, warn_only=warn_only)
-    return out.reshape(b, l, d)
+    y = expert_mlp(x_td[token_of], counts, w1, w2, w3, compute_dtype)
+    return combine(y, scores.reshape(-1)[order], token_of, x_td).reshape(b, l, d)
 
 
 @torch.library.custom_op("autopp::routed_experts", mutates_args=())
 def routed_experts(x: Tensor, scores: Tensor, ids: Tensor, expert_ids: Tensor, w1: Tensor,
-                   w2: Tensor, w3: Tensor, num_experts: int, compute_dtype: str) -> Tensor:
+                   w2: Tensor, w3: Tensor, num_experts: int, compute_dtype: str,
+                   dispatch: str = "auto", group_name: str = "",
+                   dispatch_block: int = 0) -> Tensor:
     """Routed SwiGLU experts on the local shards; see the module docstring.
 
     ``num_experts`` is the global expert count (for FLOPs); ``compute_dtype`` is ``""`` (the
-    weights' dtype) or a dtype name the matmuls run in."""
-    return _routed(x, scores, ids, expert_ids, w1, w2, w3, compute_dtype)
+    weights' dtype) or a dtype name the matmuls run in; ``dispatch`` ("auto", "all_to_all"
+    or "all_gather") is how the planner may bring tokens to expert-parallel devices
+    (:data:`DISPATCHES`). ``group_name`` and ``dispatch_block`` are set only by the runtime
+    when the plan dispatches by all-to-all: the process group of the mesh dim the experts
+    are split over, and how many experts each of its devices holds at that level."""
+    return _routed(x, scores, ids, expert_ids, w1, w2, w3, compute_dtype, group_name,
+                   dispatch_block)
 
 
 @routed_experts.register_fake
-def _(x, scores, ids, expert_ids, w1, w2, w3, num_experts, compute_dtype):
+def _(x, scores, ids, expert_ids, w1, w2, w3, num_experts, compute_dtype, dispatch="auto",
+      group_name="", dispatch_block=0):
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("autopp::routed_experts_backward", mutates_args=())
 def routed_experts_backward(grad: Tensor, x: Tensor, scores: Tensor, ids: Tensor,
                             expert_ids: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
-                            num_experts: int, compute_dtype: str
+                            num_experts: int, compute_dtype: str, dispatch: str = "auto",
+                            group_name: str = "", dispatch_block: int = 0
                             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of :func:`routed_experts` w.r.t. x, scores, w1, w2, w3 (forward recomputed)."""
+    """Gradients of :func:`routed_experts` w.r.t. x, scores, w1, w2, w3 (forward recomputed,
+    its all-to-alls included when ``group_name`` is set)."""
     # a custom op's kernel runs below autograd; autograd is switched back on for the
     # recomputation so the gradients are exactly those of the model's own code
     with autograd_inside_custom_op(), torch.enable_grad():
         leaves = [t.detach().requires_grad_(True) for t in (x, scores, w1, w2, w3)]
-        out = _routed(leaves[0], leaves[1], ids, expert_ids, *leaves[2:], compute_dtype)
+        out = _routed(leaves[0], leaves[1], ids, expert_ids, *leaves[2:], compute_dtype,
+                      group_name, dispatch_block)
         grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
     return tuple(torch.zeros_like(t) if g is None else g.contiguous()
                  for t, g in zip((x, scores, w1, w2, w3), grads))
 
 
 @routed_experts_backward.register_fake
-def _(grad, x, scores, ids, expert_ids, w1, w2, w3, num_experts, compute_dtype):
+def _(grad, x, scores, ids, expert_ids, w1, w2, w3, num_experts, compute_dtype,
+      dispatch="auto", group_name="", dispatch_block=0):
     return tuple(torch.empty_like(t) for t in (x, scores, w1, w2, w3))
 
 
 def _setup(ctx, inputs, output):
-    x, scores, ids, expert_ids, w1, w2, w3, num_experts, compute_dtype = inputs
+    x, scores, ids, expert_ids, w1, w2, w3, *args = inputs
     ctx.save_for_backward(x, scores, ids, expert_ids, w1, w2, w3)
-    ctx.args = (num_experts, compute_dtype)
+    ctx.args = tuple(args)
 
 
 def _backward(ctx, grad):
     gx, gs, g1, g2, g3 = routed_experts_backward(grad, *ctx.saved_tensors, *ctx.args)
-    return gx, gs, None, None, g1, g2, g3, None, None
+    return (gx, gs, None, None, g1, g2, g3) + (None,) * len(ctx.args)
 
 
 routed_experts.register_autograd(_backward, setup_context=_setup)
+
+DISPATCHES = ("auto", "all_to_all", "all_gather")
+"""How tokens may reach expert-parallel devices: "all_gather" (every device of the mesh dim
+gets every token, runs its experts on those routed to them, the output summed back),
+"all_to_all" (each token is sent only to the devices holding its experts, and their outputs
+back: experts then split over one mesh dim only), "auto" (the planner prices both)."""
 
 
 # --- sharding rules (per mesh dim; DTensor expands them over the mesh) -----------------------
@@ -146,38 +181,40 @@ routed_experts.register_autograd(_backward, setup_context=_setup)
 _R = Replicate()
 
 
-def _forward_rules():
-    rules = [([_R], [_R] * 7 + [None, None])]
+def _forward_rules(n_args: int):
+    tail = [None] * (n_args - 7)  # num_experts, compute_dtype, dispatch, ...
+    rules = [([_R], [_R] * 7 + tail)]
     for tok in (Shard(0), Shard(1)):  # tokens split: batch or sequence
-        rules.append(([tok], [tok, tok, tok, _R, _R, _R, _R, None, None]))
-    # experts split (expert parallel): tokens whole, output summed over the dim
-    rules.append(([Partial()], [_R, _R, _R, Shard(0), Shard(0), Shard(0), Shard(0), None, None]))
+        rules.append(([tok], [tok, tok, tok, _R, _R, _R, _R] + tail))
+    # experts split (expert parallel, tokens by all-gather): tokens whole, output summed
+    # over the dim; expert_dispatch adds the all-to-all form of this option
+    rules.append(([Partial()], [_R, _R, _R, Shard(0), Shard(0), Shard(0), Shard(0)] + tail))
     # hidden dim split inside every expert
-    rules.append(([Partial()], [_R, _R, _R, _R, Shard(1), Shard(2), Shard(1), None, None]))
+    rules.append(([Partial()], [_R, _R, _R, _R, Shard(1), Shard(2), Shard(1)] + tail))
     return rules
 
 
-def _backward_rules():
+def _backward_rules(n_args: int):
     p = Partial()
-    rules = [([_R] * 5, [_R] * 8 + [None, None])]
+    tail = [None] * (n_args - 8)
+    rules = [([_R] * 5, [_R] * 8 + tail)]
     for tok in (Shard(0), Shard(1)):
-        rules.append(([tok, tok, p, p, p], [tok, tok, tok, tok, _R, _R, _R, _R, None, None]))
+        rules.append(([tok, tok, p, p, p], [tok, tok, tok, tok, _R, _R, _R, _R] + tail))
     rules.append(([p, p, Shard(0), Shard(0), Shard(0)],
-                  [_R, _R, _R, _R, Shard(0), Shard(0), Shard(0), Shard(0), None, None]))
+                  [_R, _R, _R, _R, Shard(0), Shard(0), Shard(0), Shard(0)] + tail))
     rules.append(([p, p, Shard(1), Shard(2), Shard(1)],
-                  [_R, _R, _R, _R, _R, Shard(1), Shard(2), Shard(1), None, None]))
+                  [_R, _R, _R, _R, _R, Shard(1), Shard(2), Shard(1)] + tail))
     return rules
 
 
 @register_sharding(torch.ops.autopp.routed_experts.default)
-def _routed_sharding(x, scores, ids, expert_ids, w1, w2, w3, num_experts, compute_dtype):
-    return _forward_rules()
+def _routed_sharding(*args, **kwargs):
+    return _forward_rules(len(args))
 
 
 @register_sharding(torch.ops.autopp.routed_experts_backward.default)
-def _routed_backward_sharding(grad, x, scores, ids, expert_ids, w1, w2, w3, num_experts,
-                              compute_dtype):
-    return _backward_rules()
+def _routed_backward_sharding(*args, **kwargs):
+    return _backward_rules(len(args))
 
 
 def _expert_flops(x_shape, ids_shape, eids_shape, w1_shape, num_experts) -> int:
@@ -191,12 +228,16 @@ def _expert_flops(x_shape, ids_shape, eids_shape, w1_shape, num_experts) -> int:
 
 @register_flop_formula(torch.ops.autopp.routed_experts)
 def _routed_flop(x_shape, scores_shape, ids_shape, eids_shape, w1_shape, w2_shape, w3_shape,
-                 num_experts, compute_dtype, *args, **kwargs) -> int:
+                 num_experts, *args, **kwargs) -> int:
     return _expert_flops(x_shape, ids_shape, eids_shape, w1_shape, num_experts)
 
 
 @register_flop_formula(torch.ops.autopp.routed_experts_backward)
 def _routed_backward_flop(grad_shape, x_shape, scores_shape, ids_shape, eids_shape, w1_shape,
-                          w2_shape, w3_shape, num_experts, compute_dtype, *args,
-                          **kwargs) -> int:
+                          w2_shape, w3_shape, num_experts, *args, **kwargs) -> int:
     return 3 * _expert_flops(x_shape, ids_shape, eids_shape, w1_shape, num_experts)
+
+
+# the all-to-all dispatch: its kernel, and the hooks that let the planner offer, price and
+# run it (imported last: it uses the helpers above)
+from autopp.sharding import expert_dispatch  # noqa: E402

@@ -23,7 +23,9 @@ from torch import fx
 from torch.distributed.tensor import DTensor
 
 from autopp.sharding import _torch_private as tp
+from autopp.sharding import op_hooks
 from autopp.sharding.plan import BlockPlan, from_strs
+from autopp.sharding.strategies import Option, tensor_vals
 from autopp.sharding.trace import JointGraph
 
 
@@ -113,6 +115,9 @@ class GraphRunner:
                 if isinstance(t, torch.Tensor) else t,
                 out,
             )
+        local_call = self._local_call(node)
+        if local_call is not None:
+            return self._run_local(node, local_call, args, kwargs)
         try:
             out = node.target(*args, **kwargs)
         except NotImplementedError:
@@ -124,6 +129,29 @@ class GraphRunner:
         if isinstance(out, DTensor) and planned:
             out = redistribute_to(out, planned[0])
         return out
+
+
+    def _local_call(self, node: fx.Node):
+        """The function of local shards an op with :mod:`op_hooks` runs as planned, if any."""
+        hooks = op_hooks.hooks_of(node.target)
+        if hooks is None or node.name not in self.ins:
+            return None
+        return hooks.local_call(node, Option(self.outs[node.name], self.ins[node.name]),
+                                self.mesh)
+
+    def _run_local(self, node: fx.Node, fn, args, kwargs) -> Any:
+        """Run ``fn`` on the local shards of the (already redistributed) arguments and wrap
+        each result in its planned output placement."""
+        local = tp.tree_map(lambda v: v.to_local() if isinstance(v, DTensor) else v,
+                            (args, kwargs))
+        out = fn(*local[0], **local[1])
+        vals = tensor_vals(node)
+        single = isinstance(node.meta.get("val"), torch.Tensor)
+        outs = [out] if single else list(out)
+        wrapped = [DTensor.from_local(t, self.mesh, pl, run_check=False, shape=v.shape,
+                                      stride=v.stride())
+                   for t, pl, v in zip(outs, self.outs[node.name], vals)]
+        return wrapped[0] if single else tuple(wrapped)
 
 
 class InterpretedBlockFunction(torch.autograd.Function):

@@ -26,6 +26,7 @@ import torch
 from torch import fx
 
 from autopp.sharding import _torch_private as tp
+from autopp.sharding import op_hooks
 from autopp.sharding.trace import JointGraph
 
 Placements = tuple[Any, ...]
@@ -216,6 +217,10 @@ class _Enumerator:
             return
         ns = NodeStrategy(node, "op", edges)
         ns.options, ns.follows, reason = self._ask_dtensor(node, args)
+        hooks = op_hooks.hooks_of(node.target)
+        if hooks is not None and ns.options:  # an op that communicates inside its kernel
+            ns.options = [o for o in hooks.extra_options(node, ns.options, self.mesh_shape)
+                          if self._even(node, o)]
         if not ns.options:
             ns.options = self._replicated(node, edges)
             ns.fallback = True
@@ -341,6 +346,13 @@ class _Enumerator:
         if not options:
             return [], None, "no DTensor rule; decomposition gave no usable option"
         return list(options), None, ""
+
+    def _even(self, node: fx.Node, opt: Option) -> bool:
+        """Every input and output of ``opt`` divides evenly over the mesh."""
+        pairs = [*zip(tensor_vals(node), opt.out),
+                 *((tensor_vals(a)[0], pl) for a, pl in zip(_tensor_args(node), opt.ins))]
+        return all(v is None or pl is None
+                   or local_shape(v.shape, pl, self.mesh_shape) is not None for v, pl in pairs)
 
     def _option(self, node: fx.Node, spec, n_args: int) -> Option | None:
         vals = tensor_vals(node)

@@ -1,0 +1,196 @@
+"""Token dispatch by all-to-all for ``autopp::routed_experts`` (expert parallelism).
+
+:mod:`autopp.sharding.experts` gives the routed-experts op DTensor rules whose kernels need no
+communication: with experts split over a mesh dim, every device gets every token (an
+all-gather the planner prices as a redistribution), runs its own experts on the tokens routed
+to them, and the outputs are summed back (a reduce-scatter). Each device then receives
+``(n-1)·T`` tokens per layer. All-to-all dispatch sends each token only to the devices that
+hold its experts: about ``(n-1)/n·K·T`` rows each way, which is less whenever the expert-parallel
+degree ``n`` exceeds the top-k ``K`` (DeepSeek-V3: K = 8 over 64 devices moves 8x less).
+
+That exchange has data-dependent sizes, so it cannot be a redistribution between ops: the
+op's kernel does it. This module adds the option to the planner through
+:mod:`autopp.sharding.op_hooks`:
+
+* **Options.** For each option DTensor's rule gives with experts split over a mesh dim ``d``
+  and tokens whole there, the same option with tokens (x, scores, ids; in the backward the
+  output gradient too) split on ``d`` (batch or sequence) and the output split the same way
+  instead of ``Partial``: each device keeps its own tokens and exchanges rows with the
+  others. One mesh dim per op dispatches this way; other dims keep their placements
+  (experts split further with tokens whole there, the hidden dim split, tokens split).
+* **Price.** The forward runs two all-to-alls of ``T_local·K·D`` elements (tokens out,
+  outputs back) and one of the token counts; its backward recomputes the forward and sends
+  the gradients back the same way, so four and one. :mod:`costs` prices them with the
+  all-to-all row of its table (``(n-1)/n`` of the rows leave the device under uniform
+  routing; skew is not modelled).
+* **Run.** The interpreter calls the op on the local shards with the mesh dim's process
+  group and the experts each of its devices holds (``dispatch_block``); :func:`dispatched`
+  is the kernel. The lowered stage graph keeps the op as one node, its collectives inside.
+
+The kernel follows torchtitan's ``AllToAllTokenDispatcher`` (count exchange, rows sorted by
+expert, all-to-all, rank-major to expert-major permutation, and the reverse), written on
+torch's differentiable functional all-to-all rather than called: torchtitan's dispatcher
+takes its group from an expert-parallel ``DeviceMesh`` wired into the module and from its
+``spmd_types`` backend, while this op runs on plain local tensors inside a custom op whose
+only handle on the group is its name.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autopp.sharding import _torch_private as tp
+from autopp.sharding import op_hooks
+from autopp.sharding.experts import combine, expert_mlp
+from autopp.sharding.strategies import Option, local_shape, tensor_vals
+
+_FWD = torch.ops.autopp.routed_experts.default
+_BWD = torch.ops.autopp.routed_experts_backward.default
+_TOKEN_SPLITS = (Shard(0), Shard(1))  # batch or sequence
+
+
+def dispatched(x: Tensor, scores: Tensor, ids: Tensor, expert_ids: Tensor, w1: Tensor,
+               w2: Tensor, w3: Tensor, compute_dtype: str, group_name: str,
+               block: int) -> Tensor:
+    """Routed experts on this device's tokens, the experts spread over a process group.
+
+    Rank ``r`` of the group (size ``n``) holds experts ``[start + r·block, start +
+    (r+1)·block)`` at this level, where ``[start, start + n·block)`` is the range the group
+    serves (the whole set, unless an outer mesh dim splits the experts too: tokens routed
+    outside it are served by that dim's other devices, and the output is partial over it).
+    Its local weights may be a further slice (``expert_ids``: experts split over an inner
+    mesh dim, tokens whole there): rows for the other experts of its block give zeros, and
+    the output is partial over that dim as well. Differentiable in x, scores and weights.
+    """
+    b, l, d = x.shape
+    k = ids.shape[-1]
+    rank, n = tp.group_rank_size(group_name)
+    x_td, flat = x.reshape(b * l, d), ids.reshape(-1)
+    first, n_local = int(expert_ids[0]), expert_ids.numel()
+    outer = block * n
+    start = first // outer * outer
+    leaf = first - (start + rank * block)  # the local experts' offset in this rank's block
+    if not 0 <= leaf <= block - n_local:
+        raise ValueError(f"local experts {first}..{first + n_local - 1} are not in rank "
+                         f"{rank}'s dispatch block of {block} (experts from {start}): the "
+                         "experts must be split over the dispatch mesh dim in mesh order")
+    # (token, k) rows sorted by expert: grouped by destination rank, then by expert
+    order = torch.argsort(flat, stable=True)
+    sorted_ids = flat[order]
+    keep = (sorted_ids >= start) & (sorted_ids < start + outer)
+    order, sorted_ids = order[keep], sorted_ids[keep]
+    token_of = order // k
+    send_counts = torch.bincount(sorted_ids - start, minlength=outer)  # per (dest, expert)
+    recv_counts = tp.all_to_all(send_counts, [block] * n, [block] * n, group_name)
+    in_splits = send_counts.view(n, block).sum(1).tolist()
+    out_splits = recv_counts.view(n, block).sum(1).tolist()
+    received = tp.all_to_all(x_td[token_of], out_splits, in_splits, group_name)
+    # rank-major (source, expert) -> expert-major (expert, source), sources in rank order
+    expert_of_row = torch.arange(block, device=x.device).repeat(n).repeat_interleave(recv_counts)
+    perm = torch.argsort(expert_of_row, stable=True)
+    per_expert = recv_counts.view(n, block).sum(0)
+    lo = int(per_expert[:leaf].sum())
+    hi = lo + int(per_expert[leaf : leaf + n_local].sum())
+    routed = received[perm]
+    y_local = expert_mlp(routed[lo:hi], per_expert[leaf : leaf + n_local], w1, w2, w3,
+                         compute_dtype)
+    y = torch.cat([y_local.new_zeros(lo, d), y_local,
+                   y_local.new_zeros(routed.shape[0] - hi, d)])
+    back = tp.all_to_all(y[torch.argsort(perm)], in_splits, out_splits, group_name)
+    return combine(back, scores.reshape(-1)[order], token_of, x_td).reshape(b, l, d)
+
+
+# --- planner hooks ----------------------------------------------------------------------------
+
+
+def _layout(node) -> tuple[tuple[int, ...], int, tuple[int, ...], int]:
+    """(token input positions, expert_ids position, token output positions, position of the
+    ``dispatch`` argument) of the forward or backward op."""
+    if node.target == _FWD:
+        return (0, 1, 2), 3, (0,), 9
+    return (0, 1, 2, 3), 4, (0, 1), 10
+
+
+def _mode(node) -> str:
+    pos = _layout(node)[3]
+    mode = node.args[pos] if len(node.args) > pos else node.kwargs.get("dispatch", "auto")
+    return mode
+
+
+def _with(pl: tuple, dim: int, p: Any) -> tuple:
+    return tuple(p if i == dim else q for i, q in enumerate(pl))
+
+
+def dispatch_dim(node, opt: Option) -> int | None:
+    """The mesh dim ``opt`` dispatches tokens over by all-to-all (experts and tokens both
+    split there), or None."""
+    tok, eid, _, _ = _layout(node)
+    for d, (e, t) in enumerate(zip(opt.ins[eid], opt.ins[tok[0]])):
+        if isinstance(e, Shard) and isinstance(t, Shard):
+            return d
+    return None
+
+
+def _extra_options(node, options: list[Option], mesh_shape: tuple[int, ...]) -> list[Option]:
+    mode = _mode(node)
+    if mode not in ("auto", "all_to_all", "all_gather"):
+        raise ValueError(f"routed experts: dispatch={mode!r}; expected 'auto', 'all_to_all' "
+                         "or 'all_gather'")
+    if mode == "all_gather":
+        return options
+    tok_in, eid, tok_out, _ = _layout(node)
+    kept, added = [], []
+    for o in options:
+        ep = [d for d, p in enumerate(o.ins[eid]) if isinstance(p, Shard) and mesh_shape[d] > 1]
+        if mode == "auto" or not ep:
+            kept.append(o)
+        if mode == "all_to_all" and len(ep) > 1:
+            continue  # one mesh dim dispatches; experts over two dims need the gather too
+        for d in ep:
+            if not (isinstance(o.ins[tok_in[0]][d], Replicate)
+                    and all(isinstance(o.out[i][d], Partial) for i in tok_out)):
+                continue
+            for tok in _TOKEN_SPLITS:
+                ins, outs = list(o.ins), list(o.out)
+                for i in tok_in:
+                    ins[i] = _with(ins[i], d, tok)
+                for i in tok_out:
+                    outs[i] = _with(outs[i], d, tok)
+                added.append(Option(tuple(outs), tuple(ins)))
+    return kept + [o for o in dict.fromkeys(added) if o not in kept]
+
+
+def _collectives(node, opt: Option, mesh_shape: tuple[int, ...]) -> list[tuple[str, int, float]]:
+    d = dispatch_dim(node, opt)
+    if d is None:
+        return []
+    _, eid, _, _ = _layout(node)
+    xi = 1 if node.target == _BWD else 0  # the backward's first input is the gradient
+    x, ids = tensor_vals(node.args[xi])[0], tensor_vals(node.args[xi + 2])[0]
+    shape = local_shape(x.shape, opt.ins[xi], mesh_shape)
+    rows = math.prod(shape[:-1]) * ids.shape[-1]
+    row_bytes = rows * x.shape[-1] * x.element_size()
+    counts = tensor_vals(node.args[eid])[0].numel() * 8
+    exchanges = 2 if node.target == _FWD else 4  # the backward recomputes the forward
+    return [("all_to_all", d, counts)] + [("all_to_all", d, row_bytes)] * exchanges
+
+
+def _local_call(node, opt: Option, mesh):
+    d = dispatch_dim(node, opt)
+    if d is None:
+        return None
+    _, eid, _, _ = _layout(node)
+    num_experts = node.args[eid + 4]
+    split = math.prod(mesh.shape[e] for e in range(d + 1) if isinstance(opt.ins[eid][e], Shard))
+    return functools.partial(node.target, group_name=mesh.get_group(d).group_name,
+                             dispatch_block=num_experts // split)
+
+
+for _op in (_FWD, _BWD):
+    op_hooks.register(_op, op_hooks.OpHooks(_extra_options, _collectives, _local_call))
