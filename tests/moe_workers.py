@@ -35,9 +35,10 @@ def train(mesh, cfg: dict, path: str | None) -> dict:
     With ``path`` and ``cfg["resume"]`` (pp, dp, tp): save after the steps, train one more
     step, then a pipeline at the resume layout loads the checkpoint and trains that step."""
     from autopp import build_world_mesh
-    from autopp.adapters.torchtitan_moe import set_expert_compute_dtype
+    from autopp.adapters.torchtitan_moe import set_expert_compute_dtype, set_token_dispatch
 
     set_expert_compute_dtype(None if cfg.get("fp32_experts") else torch.bfloat16)
+    set_token_dispatch(cfg.get("dispatch", "auto"))
     tok, tgt = _dp_slice(mesh, cfg["batch"], cfg["seq"], 100)
     pipe = _build(cfg, mesh, tok)
     pipe.init_weights(seed=0)
@@ -55,6 +56,9 @@ def train(mesh, cfg: dict, path: str | None) -> dict:
         opt.zero_grad()
     out["placements"] = sorted({str(b) for plan in (pipe.plans or {}).values()
                                 for b in _expert_placements(plan)})
+    out["dispatch"] = sorted({_dispatch_of(ins) for plan in (pipe.plans or {}).values()
+                              for b in plan.blocks for name, _, ins in b.nodes
+                              if name.startswith("routed_experts")})
     if path is not None and cfg.get("resume"):
         pipe.save_checkpoint(path, opt)
         tok, tgt = _dp_slice(mesh, cfg["batch"], cfg["seq"], 100 + cfg["steps"])
@@ -73,6 +77,17 @@ def train(mesh, cfg: dict, path: str | None) -> dict:
 def _expert_placements(plan) -> list[tuple[str, ...]]:
     """The planned placements of routed-expert weights in a stage plan."""
     return [tuple(pl) for fqn, pl in plan.param_placements().items() if "_EFD" in fqn]
+
+
+def _dispatch_of(ins) -> str:
+    """How a planned routed-experts node gets tokens to its experts: "all_to_all" (tokens
+    and experts split over the same mesh dim), "all_gather" (experts split, tokens whole),
+    or "local" (experts not split)."""
+    x, expert_ids = ins[1 if len(ins) == 8 else 0], ins[4 if len(ins) == 8 else 3]
+    split = [e.startswith("S") for e in expert_ids]
+    if any(s and t.startswith("S") for s, t in zip(split, x)):
+        return "all_to_all"
+    return "all_gather" if any(split) else "local"
 
 
 def run(rank: int, world_size: int, configs: list[dict], path: str) -> list[dict]:

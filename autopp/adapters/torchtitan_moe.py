@@ -51,11 +51,12 @@ _TOKEN_DISPATCH = "auto"
 
 def set_token_dispatch(mode: str) -> None:
     """How autopp's planned stages may bring tokens to expert-parallel devices: "auto"
-    (default: the planner prices both and picks), "all_to_all" (each token goes only to
-    the devices holding its experts, as torchtitan's ``AllToAllTokenDispatcher``; experts
-    are then split over one mesh dim at most) or "all_gather" (every device of the experts'
-    mesh dim gets every token; cheaper when the expert-parallel degree is below top-k).
-    Applies to stages planned after the call, in this process."""
+    (default: the planner prices every way and picks), "all_to_all" (expert parallel as
+    torchtitan's EP: the experts split over one mesh dim, the planner picks which, and
+    each token sent only to the devices holding its experts, as torchtitan's
+    ``AllToAllTokenDispatcher``) or "all_gather" (never all-to-all: when experts are split,
+    every device of their mesh dim gets every token; cheaper while the expert-parallel
+    degree is below top-k). Applies to stages planned after the call, in this process."""
     from autopp.sharding.experts import DISPATCHES
 
     if mode not in DISPATCHES:

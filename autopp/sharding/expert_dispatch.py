@@ -138,6 +138,8 @@ def dispatch_dim(node, opt: Option) -> int | None:
 
 
 def _extra_options(node, options: list[Option], mesh_shape: tuple[int, ...]) -> list[Option]:
+    """DTensor's options plus their all-to-all forms ("auto"); only the all-to-all forms
+    ("all_to_all": expert parallel as torchtitan's EP); DTensor's alone ("all_gather")."""
     mode = _mode(node)
     if mode not in ("auto", "all_to_all", "all_gather"):
         raise ValueError(f"routed experts: dispatch={mode!r}; expected 'auto', 'all_to_all' "
@@ -145,15 +147,11 @@ def _extra_options(node, options: list[Option], mesh_shape: tuple[int, ...]) -> 
     if mode == "all_gather":
         return options
     tok_in, eid, tok_out, _ = _layout(node)
-    kept, added = [], []
+    added = []
     for o in options:
-        ep = [d for d, p in enumerate(o.ins[eid]) if isinstance(p, Shard) and mesh_shape[d] > 1]
-        if mode == "auto" or not ep:
-            kept.append(o)
-        if mode == "all_to_all" and len(ep) > 1:
-            continue  # one mesh dim dispatches; experts over two dims need the gather too
-        for d in ep:
-            if not (isinstance(o.ins[tok_in[0]][d], Replicate)
+        for d, p in enumerate(o.ins[eid]):
+            if not (isinstance(p, Shard) and mesh_shape[d] > 1
+                    and isinstance(o.ins[tok_in[0]][d], Replicate)
                     and all(isinstance(o.out[i][d], Partial) for i in tok_out)):
                 continue
             for tok in _TOKEN_SPLITS:
@@ -163,7 +161,14 @@ def _extra_options(node, options: list[Option], mesh_shape: tuple[int, ...]) -> 
                 for i in tok_out:
                     outs[i] = _with(outs[i], d, tok)
                 added.append(Option(tuple(outs), tuple(ins)))
-    return kept + [o for o in dict.fromkeys(added) if o not in kept]
+    if mode == "all_to_all":
+        if not added:
+            e = tensor_vals(node.args[eid])[0].shape[0]
+            raise ValueError(f"token dispatch 'all_to_all' splits the {e} experts over one "
+                             f"mesh dim, but none of {mesh_shape} above 1 divides them with "
+                             "the tokens; use set_token_dispatch('auto')")
+        return list(dict.fromkeys(added))
+    return options + [o for o in dict.fromkeys(added) if o not in options]
 
 
 def _collectives(node, opt: Option, mesh_shape: tuple[int, ...]) -> list[tuple[str, int, float]]:
