@@ -72,9 +72,16 @@ def build_world_mesh(
             "torch.distributed.init_process_group(), or autopp.mesh.init_fake_world(n) to plan"
         )
     sizes = check_mesh_sizes({"pp": pp, "dp": dp, "tp": tp}, dist.get_world_size())
-    return init_device_mesh(
+    mesh = init_device_mesh(
         device_type, tuple(sizes[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS
     )
+    if dp > 1 and tp > 1:
+        # one group over each stage's dp x tp devices: experts split over both dims
+        # exchange tokens by one all-to-all in it (autopp.sharding.expert_dispatch)
+        from autopp.sharding._torch_private import flatten_mesh_dims
+
+        flatten_mesh_dims(mesh, STAGE_DIMS)
+    return mesh
 
 
 def check_world_mesh(mesh: DeviceMesh) -> None:

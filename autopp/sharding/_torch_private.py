@@ -333,3 +333,16 @@ def all_to_all(t: torch.Tensor, output_splits: list[int], input_splits: list[int
 
     out = fc.all_to_all_single_autograd(t.contiguous(), output_splits, input_splits, group_name)
     return fc.wait_tensor(out)
+
+
+def flatten_mesh_dims(mesh: Any, names: Sequence[str]) -> None:
+    """Create the 1-D mesh over ``mesh``'s dims ``names`` (one process group per set of
+    their ranks), named ``"_".join(names)``; every rank of the world calls it together."""
+    mesh[tuple(names)]._flatten("_".join(names))
+
+
+def flattened_group_name(mesh: Any, names: Sequence[str]) -> str | None:
+    """The process group of this rank over ``mesh``'s dims ``names`` taken together (made
+    by :func:`flatten_mesh_dims` on its root mesh), or None when it was not made."""
+    flat = mesh._get_root_mesh()._flatten_mapping.get("_".join(names))
+    return None if flat is None else flat.get_group().group_name

@@ -177,15 +177,27 @@ class CostModel:
         return sum(self.collective_time(kind, dim, nbytes)
                    for kind, dim, nbytes in hooks.collectives(ns.node, opt, self.mesh_shape))
 
-    def collective_time(self, kind: str, mesh_dim: int, local_bytes: float) -> float:
-        """α-β time of one collective over ``mesh_dim`` on ``local_bytes`` per device going
-        in (the table in the module docstring)."""
-        n = self.mesh_shape[mesh_dim]
-        if n == 1:
+    def collective_time(self, kind: str, mesh_dims: int | tuple[int, ...],
+                        local_bytes: float) -> float:
+        """α-β time of one collective over ``mesh_dims`` (one dim, or several as one group)
+        on ``local_bytes`` per device going in (the table in the module docstring). Over
+        several dims the bytes that cross each dim's link (those whose destination differs
+        in that coordinate: ``(n_d-1)/n_d`` of an all-to-all's) are timed on it, and the
+        slowest link sets the time."""
+        dims = (mesh_dims,) if isinstance(mesh_dims, int) else tuple(mesh_dims)
+        dims = tuple(d for d in dims if self.mesh_shape[d] > 1)
+        if not dims:
             return 0.0
-        wire = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
-                "all_to_all": (n - 1) / n, "all_gather": n - 1}[kind] * local_bytes
-        return self.links.latency[mesh_dim] + wire / self.links.bandwidth[mesh_dim]
+        if kind != "all_to_all" and len(dims) > 1:
+            raise ValueError(f"{kind} over several mesh dims at once is not priced")
+        n = math.prod(self.mesh_shape[d] for d in dims)
+        lat = max(self.links.latency[d] for d in dims)
+        if len(dims) == 1:
+            wire = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
+                    "all_to_all": (n - 1) / n, "all_gather": n - 1}[kind] * local_bytes
+            return lat + wire / self.links.bandwidth[dims[0]]
+        return lat + max((self.mesh_shape[d] - 1) / self.mesh_shape[d] * local_bytes
+                         / self.links.bandwidth[d] for d in dims)
 
     def local_bytes(self, val: torch.Tensor, placements: tuple) -> float:
         shape = local_shape(val.shape, placements, self.mesh_shape)

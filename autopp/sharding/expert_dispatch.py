@@ -38,6 +38,7 @@ only handle on the group is its name.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import Any
 
@@ -127,53 +128,65 @@ def _with(pl: tuple, dim: int, p: Any) -> tuple:
     return tuple(p if i == dim else q for i, q in enumerate(pl))
 
 
-def dispatch_dim(node, opt: Option) -> int | None:
-    """The mesh dim ``opt`` dispatches tokens over by all-to-all (experts and tokens both
-    split there), or None."""
+def dispatch_dims(node, opt: Option) -> tuple[int, ...]:
+    """The mesh dims ``opt`` dispatches tokens over by all-to-all (experts and tokens both
+    split there; one process group over all of them), or ``()``."""
     tok, eid, _, _ = _layout(node)
-    for d, (e, t) in enumerate(zip(opt.ins[eid], opt.ins[tok[0]])):
-        if isinstance(e, Shard) and isinstance(t, Shard):
-            return d
-    return None
+    return tuple(d for d, (e, t) in enumerate(zip(opt.ins[eid], opt.ins[tok[0]]))
+                 if isinstance(e, Shard) and isinstance(t, Shard))
+
+
+def _dispatched_form(o: Option, dims: tuple[int, ...], toks: tuple, layout) -> Option:
+    tok_in, _, tok_out, _ = layout
+    ins, outs = list(o.ins), list(o.out)
+    for d, tok in zip(dims, toks):
+        for i in tok_in:
+            ins[i] = _with(ins[i], d, tok)
+        for i in tok_out:
+            outs[i] = _with(outs[i], d, tok)
+    return Option(tuple(outs), tuple(ins))
 
 
 def _extra_options(node, options: list[Option], mesh_shape: tuple[int, ...]) -> list[Option]:
     """DTensor's options plus their all-to-all forms ("auto"); only the all-to-all forms
-    ("all_to_all": expert parallel as torchtitan's EP); DTensor's alone ("all_gather")."""
+    ("all_to_all": expert parallel as torchtitan's EP); DTensor's alone ("all_gather").
+
+    The all-to-all forms of an option whose experts are split over mesh dims ``D`` (tokens
+    whole there, output ``Partial``): over each dim of ``D`` alone (the others keep
+    gathering), and, with two or more, over all of ``D`` at once (one group of their
+    devices, the flattened mesh :func:`autopp.build_world_mesh` makes)."""
     mode = _mode(node)
     if mode not in ("auto", "all_to_all", "all_gather"):
         raise ValueError(f"routed experts: dispatch={mode!r}; expected 'auto', 'all_to_all' "
                          "or 'all_gather'")
     if mode == "all_gather":
         return options
-    tok_in, eid, tok_out, _ = _layout(node)
+    layout = _layout(node)
+    tok_in, eid, tok_out, _ = layout
     added = []
     for o in options:
-        for d, p in enumerate(o.ins[eid]):
-            if not (isinstance(p, Shard) and mesh_shape[d] > 1
-                    and isinstance(o.ins[tok_in[0]][d], Replicate)
-                    and all(isinstance(o.out[i][d], Partial) for i in tok_out)):
-                continue
-            for tok in _TOKEN_SPLITS:
-                ins, outs = list(o.ins), list(o.out)
-                for i in tok_in:
-                    ins[i] = _with(ins[i], d, tok)
-                for i in tok_out:
-                    outs[i] = _with(outs[i], d, tok)
-                added.append(Option(tuple(outs), tuple(ins)))
+        ep = tuple(d for d, p in enumerate(o.ins[eid])
+                   if isinstance(p, Shard) and mesh_shape[d] > 1
+                   and isinstance(o.ins[tok_in[0]][d], Replicate)
+                   and all(isinstance(o.out[i][d], Partial) for i in tok_out))
+        groups = [(d,) for d in ep] + ([ep] if len(ep) > 1 else [])
+        for dims in groups:
+            for toks in itertools.product(_TOKEN_SPLITS, repeat=len(dims)):
+                added.append(_dispatched_form(o, dims, toks, layout))
     if mode == "all_to_all":
         if not added:
             e = tensor_vals(node.args[eid])[0].shape[0]
-            raise ValueError(f"token dispatch 'all_to_all' splits the {e} experts over one "
-                             f"mesh dim, but none of {mesh_shape} above 1 divides them with "
-                             "the tokens; use set_token_dispatch('auto')")
+            raise ValueError(f"token dispatch 'all_to_all' splits the {e} experts over the "
+                             f"mesh, but no dim of {mesh_shape} above 1 divides them with the "
+                             "tokens; use set_token_dispatch('auto')")
         return list(dict.fromkeys(added))
     return options + [o for o in dict.fromkeys(added) if o not in options]
 
 
-def _collectives(node, opt: Option, mesh_shape: tuple[int, ...]) -> list[tuple[str, int, float]]:
-    d = dispatch_dim(node, opt)
-    if d is None:
+def _collectives(node, opt: Option, mesh_shape: tuple[int, ...]
+                 ) -> list[tuple[str, tuple[int, ...], float]]:
+    dims = dispatch_dims(node, opt)
+    if not dims:
         return []
     _, eid, _, _ = _layout(node)
     xi = 1 if node.target == _BWD else 0  # the backward's first input is the gradient
@@ -183,18 +196,27 @@ def _collectives(node, opt: Option, mesh_shape: tuple[int, ...]) -> list[tuple[s
     row_bytes = rows * x.shape[-1] * x.element_size()
     counts = tensor_vals(node.args[eid])[0].numel() * 8
     exchanges = 2 if node.target == _FWD else 4  # the backward recomputes the forward
-    return [("all_to_all", d, counts)] + [("all_to_all", d, row_bytes)] * exchanges
+    return [("all_to_all", dims, counts)] + [("all_to_all", dims, row_bytes)] * exchanges
 
 
 def _local_call(node, opt: Option, mesh):
-    d = dispatch_dim(node, opt)
-    if d is None:
+    dims = dispatch_dims(node, opt)
+    if not dims:
         return None
     _, eid, _, _ = _layout(node)
     num_experts = node.args[eid + 4]
-    split = math.prod(mesh.shape[e] for e in range(d + 1) if isinstance(opt.ins[eid][e], Shard))
-    return functools.partial(node.target, group_name=mesh.get_group(d).group_name,
-                             dispatch_block=num_experts // split)
+    split = math.prod(mesh.shape[e] for e in range(max(dims) + 1)
+                      if isinstance(opt.ins[eid][e], Shard))
+    if len(dims) == 1:
+        group = mesh.get_group(dims[0]).group_name
+    else:
+        names = [mesh.mesh_dim_names[d] for d in dims]
+        group = tp.flattened_group_name(mesh, names)
+        if group is None:
+            raise ValueError(f"the plan dispatches tokens over mesh dims {names} together, "
+                             "which needs their flattened process group: build the mesh "
+                             "with autopp.build_world_mesh")
+    return functools.partial(node.target, group_name=group, dispatch_block=num_experts // split)
 
 
 for _op in (_FWD, _BWD):

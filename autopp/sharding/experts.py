@@ -26,9 +26,10 @@ the kernel needs no rank or mesh), and SwiGLU expert weights ``w1, w3`` ``(E, F,
   2): output ``Partial``.
 
 The planner picks per mesh dim, so "experts over dp", "over tp", "over dp x tp" or "tokens over
-dp, experts over tp" are all candidates, priced by the cost model like any other op. Not
-offered: token dispatch by all-to-all (sending each token only to the devices owning its
-experts), which moves ``K/E_dev`` of what the all-gather moves; see docs/design.md.
+dp, experts over tp" are all candidates, priced by the cost model like any other op.
+:mod:`autopp.sharding.expert_dispatch` adds the all-to-all forms of the expert-parallel
+options (each token sent only to the devices holding its experts; the op's kernel does the
+exchange), selected by the op's ``dispatch`` argument.
 
 Numerics follow torchtitan's ``GroupedExperts`` and ``LocalTokenDispatcher``: tokens sorted by
 expert (stable), the matmuls in ``compute_dtype`` when given (torchtitan computes experts in

@@ -27,3 +27,105 @@ def test_all_to_all_dispatch_matches_a_dense_moe():
             for name, a, b in zip(names, got, want):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5,
                                            msg=lambda m: f"rank {rank} {case} {name}: {m}")
+
+
+def _routed_node(mode: str, batch: int = 4):
+    """A qwen3 MoE block (64 experts, top 8) traced with token dispatch ``mode``: the joint
+    graph and its forward routed-experts node."""
+    pytest.importorskip("torchtitan")
+    import copy
+
+    from autopp.adapters.torchtitan_moe import set_token_dispatch, token_dispatch
+    from autopp.sharding.trace import trace_joint
+    from tests.models import qwen3_moe_meta
+
+    block = qwen3_moe_meta(1).layers["0"]
+    with torch.device("meta"):
+        x = torch.empty(batch, 16, block.moe.router.gate.weight.shape[1])
+    before = token_dispatch()
+    set_token_dispatch(mode)
+    try:
+        joint = trace_joint(copy.deepcopy(block), (x, None, None))
+    finally:
+        set_token_dispatch(before)
+    node = next(n for n in joint.gm.graph.nodes
+                if n.target == torch.ops.autopp.routed_experts.default)
+    return joint, node
+
+
+def _kinds(node, options) -> set[str]:
+    from autopp.sharding.expert_dispatch import dispatch_dims
+
+    out = set()
+    for o in options:
+        if dispatch_dims(node, o):
+            out.add("all_to_all")
+        elif any(p.is_shard() for p in o.ins[3]):
+            out.add("all_gather")
+        else:
+            out.add("local")
+    return out
+
+
+@pytest.mark.parametrize("mode,kinds", [
+    ("auto", {"all_to_all", "all_gather", "local"}),
+    ("all_to_all", {"all_to_all"}),
+    ("all_gather", {"all_gather", "local"}),
+])
+def test_planner_gets_the_dispatch_options_the_setting_allows(make_mesh, mode, kinds):
+    from autopp.sharding.expert_dispatch import dispatch_dims
+    from autopp.sharding.strategies import enumerate_strategies
+
+    joint, node = _routed_node(mode)
+    st = enumerate_strategies(joint, make_mesh(2, 2))
+    options = st.nodes[node].options
+    assert _kinds(node, options) == kinds
+    groups = set()
+    for o in options:
+        dims = dispatch_dims(node, o)
+        groups.add(dims)
+        for d in dims:  # tokens keep their split; the output is split like them
+            assert o.out[0][d] == o.ins[0][d] and o.ins[0][d].is_shard()
+    if "all_to_all" in kinds:  # over dp, over tp, and over dp x tp as one group
+        assert {(0,), (1,), (0, 1)} <= groups
+    bwd = next(n for n in joint.gm.graph.nodes
+               if n.target == torch.ops.autopp.routed_experts_backward.default)
+    assert _kinds_bwd(bwd, st.nodes[bwd].options) == kinds
+
+
+def _kinds_bwd(node, options) -> set[str]:
+    from autopp.sharding.expert_dispatch import dispatch_dims
+
+    return {"all_to_all" if dispatch_dims(node, o)
+            else "all_gather" if any(p.is_shard() for p in o.ins[4]) else "local"
+            for o in options}
+
+
+def test_all_to_all_moves_k_rows_per_token_and_wins_only_when_ep_exceeds_top_k(make_mesh):
+    """Hand-computed volume: with the batch split over n devices each sends its T/n tokens'
+    K = 8 routed rows of D floats, twice (tokens out, outputs back). Gathering instead moves
+    (n-1)·T/n tokens in and reduce-scatters the output: all-to-all is the cheaper only when
+    n > K (here n = 16 against n = 4)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from autopp.sharding import get_profile
+    from autopp.sharding.costs import CostModel
+    from autopp.sharding.op_hooks import hooks_of
+    from autopp.sharding.strategies import NodeStrategy, Option, tensor_vals
+
+    for n, a2a_cheaper in ((4, False), (16, True)):
+        joint, node = _routed_node("auto", batch=64 * n)  # bandwidth-bound sizes
+        x, ids = tensor_vals(node.args[0])[0], tensor_vals(node.args[2])[0]
+        d, k = x.shape[-1], ids.shape[-1]
+        s0, r = (Shard(0),), (Replicate(),)
+        a2a = Option((s0,), (s0, s0, s0, s0, s0, s0, s0))
+        colls = hooks_of(node.target).collectives(node, a2a, (n,))
+        rows = 64 * 16 * k  # 64 batch rows of 16 tokens per device, K rows each
+        assert colls[1:] == [("all_to_all", (0,), rows * d * 4)] * 2
+        costs = CostModel(get_profile("H100"), (n,))
+        ns = NodeStrategy(node, "op", [(a, 0) for a in node.args[:7]])
+        t_a2a = costs.kernel_comm_time(ns, a2a)
+        t_gather = sum(costs.redistribute(s0, r, tuple(v.shape), v.dtype)[0]
+                       for v in (tensor_vals(a)[0] for a in node.args[:3]))
+        t_gather += costs.redistribute((Partial(),), s0, tuple(x.shape), x.dtype)[0]
+        assert (t_a2a < t_gather) == a2a_cheaper, (n, t_a2a, t_gather)
