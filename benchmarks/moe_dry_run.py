@@ -68,6 +68,31 @@ def main() -> None:
                      seq_len=args.seq_len, profile=args.profile, mixed_precision=mp)
     print(report)
     print(f"dry run wall time {time.perf_counter() - t0:.1f} s")
+    print("routed experts (forward, backward) as planned, over the (dp, tp) sub-mesh:")
+    for layout, count in sorted(expert_layouts(report).items()):
+        print(f"  {count:3d} x {layout}")
+
+
+def expert_layouts(report) -> dict[str, int]:
+    """How many routed-experts nodes each way: where the experts are split and how tokens
+    reach them (all-to-all over the dims tokens and experts share, else all-gather)."""
+    out: dict[str, int] = {}
+    for stage in report.stages:
+        for block in stage.plan.blocks:
+            for name, _, ins in block.nodes:
+                if not name.startswith("routed_experts"):
+                    continue
+                bwd = "backward" in name
+                x, eids = ins[1 if bwd else 0], ins[4 if bwd else 3]
+                ep = [d for d, e in zip(("dp", "tp"), eids) if e.startswith("S")]
+                a2a = [d for d, e, t in zip(("dp", "tp"), eids, x)
+                       if e.startswith("S") and t.startswith("S")]
+                how = (f"all-to-all over {'x'.join(a2a)}" if a2a
+                       else "all-gather" if ep else "experts not split")
+                key = (f"{'backward' if bwd else 'forward '}: experts over "
+                       f"{'x'.join(ep) or '-'}, tokens {'/'.join(x)}: {how}")
+                out[key] = out.get(key, 0) + 1
+    return out
 
 
 if __name__ == "__main__":

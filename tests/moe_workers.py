@@ -80,13 +80,14 @@ def _expert_placements(plan) -> list[tuple[str, ...]]:
 
 
 def _dispatch_of(ins) -> str:
-    """How a planned routed-experts node gets tokens to its experts: "all_to_all" (tokens
-    and experts split over the same mesh dim), "all_gather" (experts split, tokens whole),
-    or "local" (experts not split)."""
+    """How a planned routed-experts node gets tokens to its experts: "all_to_all (dims)"
+    (tokens and experts split over those sub-mesh dims: 0 dp, 1 tp), "all_gather" (experts
+    split, tokens whole), or "local" (experts not split)."""
     x, expert_ids = ins[1 if len(ins) == 8 else 0], ins[4 if len(ins) == 8 else 3]
     split = [e.startswith("S") for e in expert_ids]
-    if any(s and t.startswith("S") for s, t in zip(split, x)):
-        return "all_to_all"
+    dims = tuple(d for d, (s, t) in enumerate(zip(split, x)) if s and t.startswith("S"))
+    if dims:
+        return f"all_to_all {dims}"
     return "all_gather" if any(split) else "local"
 
 

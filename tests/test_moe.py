@@ -110,10 +110,11 @@ def test_moe_decoders_match_single_process(tmp_path):
     common = dict(pp=2, dp=2, tp=2, n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=LR,
                   max_norm=MAX_NORM, fp32_experts=True)
     configs = [
+        # the planner dispatches qwen3's tokens by all-to-all over the whole dp x tp group
         dict(common, model="qwen3_moe", schedule="1F1B", n_microbatches=2, steps=3,
-             resume=(4, 2, 1)),
+             resume=(4, 2, 1), dispatch="all_to_all"),
         dict(common, model="deepseek_v3", schedule="ZBVZeroBubble", n_microbatches=4,
-             steps=3, dispatch="all_to_all"),
+             steps=3),
     ]
     results = run_on_ranks(run, 8, configs, str(tmp_path), timeout=1500)
     for i, cfg in enumerate(configs):
@@ -128,7 +129,8 @@ def test_moe_decoders_match_single_process(tmp_path):
         placements = {p for r in results for p in r[i]["placements"]}
         assert placements, cfg
         if cfg.get("dispatch") == "all_to_all":  # tokens reached the experts by all-to-all
-            assert {d for r in results for d in r[i]["dispatch"]} == {"all_to_all"}, cfg
+            kinds = {d for r in results for d in r[i]["dispatch"]}
+            assert kinds and all(k.startswith("all_to_all") for k in kinds), (cfg, kinds)
 
 
 @pytest.mark.multiprocess
@@ -139,9 +141,10 @@ def test_moe_schedules_and_loss_curves_match_single_process(tmp_path):
     common = dict(pp=2, dp=2, tp=2, n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=1e-3,
                   max_norm=MAX_NORM, fp32_experts=True, steps=20)
     configs = [
-        dict(common, model="qwen3_moe", schedule="ZBVZeroBubble", n_microbatches=4,
+        dict(common, model="qwen3_moe", schedule="ZBVZeroBubble", n_microbatches=4),
+        # deepseek's: all-to-all over dp, its experts split further over tp
+        dict(common, model="deepseek_v3", schedule="1F1B", n_microbatches=2,
              dispatch="all_to_all"),
-        dict(common, model="deepseek_v3", schedule="1F1B", n_microbatches=2),
     ]
     results = run_on_ranks(run, 8, configs, str(tmp_path), timeout=3000)
     for i, cfg in enumerate(configs):
@@ -149,4 +152,5 @@ def test_moe_schedules_and_loss_curves_match_single_process(tmp_path):
         for rank_results in results:
             _check(rank_results[i], ref, cfg, track=1e-3)
         if cfg.get("dispatch") == "all_to_all":
-            assert {d for r in results for d in r[i]["dispatch"]} == {"all_to_all"}, cfg
+            kinds = {d for r in results for d in r[i]["dispatch"]}
+            assert kinds and all(k.startswith("all_to_all") for k in kinds), (cfg, kinds)
