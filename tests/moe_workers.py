@@ -3,11 +3,34 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.nn.functional as F
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tests.models import MODELS, ce_loss, make_batch
+
+
+@contextlib.contextmanager
+def fp32_experts():
+    """torchtitan's GroupedExperts with its matmuls in the parameters' dtype (the reference's
+    own SwiGLU grouped matmul; torchtitan's casts to bf16)."""
+    from torchtitan.models.common.moe import GroupedExperts
+
+    def forward(self, x, num_tokens_per_expert):
+        offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+        h = F.silu(torch._grouped_mm(x, self.w1_EFD.transpose(-2, -1), offs=offs))
+        h = h * torch._grouped_mm(x, self.w3_EFD.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(h, self.w2_EDF.transpose(-2, -1), offs=offs)
+
+    original = GroupedExperts.forward
+    GroupedExperts.forward = forward
+    try:
+        yield
+    finally:
+        GroupedExperts.forward = original
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -26,7 +49,8 @@ def _build(cfg: dict, mesh, tok):
 
     return pipeline_autoparallel(
         MODELS[cfg["model"]](cfg["n_layers"]), mesh, example_inputs=(tok,), loss_fn=ce_loss,
-        schedule=cfg["schedule"], n_microbatches=cfg["n_microbatches"])
+        schedule=cfg["schedule"], n_microbatches=cfg["n_microbatches"],
+        parallelize=cfg.get("parallelize", "auto"))
 
 
 def train(mesh, cfg: dict, path: str | None) -> dict:
@@ -97,6 +121,10 @@ def run(rank: int, world_size: int, configs: list[dict], path: str) -> list[dict
     out = []
     for i, cfg in enumerate(configs):
         mesh = build_world_mesh(pp=cfg["pp"], dp=cfg["dp"], tp=cfg["tp"])
-        out.append(train(mesh, cfg, f"{path}/{i}"))
+        # stages that run the model's modules as written (parallelize=None) compute its
+        # experts in fp32 as the reference does
+        as_written = cfg.get("parallelize", "auto") is None and cfg.get("fp32_experts")
+        with fp32_experts() if as_written else contextlib.nullcontext():
+            out.append(train(mesh, cfg, f"{path}/{i}"))
         dist.barrier()
     return out

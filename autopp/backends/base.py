@@ -96,11 +96,15 @@ class StageBackend(ABC):
     def pipeline_stage(self, stage_id: int, module: nn.Module, *, n_stages: int,
                        device: torch.device, pp_group: dist.ProcessGroup, loss_fn: LossFn,
                        get_mesh: Callable[..., DeviceMesh]) -> Any:
-        """The torch pipeline stage running ``module`` (default: an autograd PipelineStage)."""
-        from torch.distributed.pipelining import PipelineStage
+        """The torch pipeline stage running ``module`` (default: an autograd PipelineStage;
+        the extra forward of its first-step shape inference leaves the training statistics
+        the model's forward keeps, e.g. MoE token counts, as they were)."""
+        from autopp import adapters
+        from autopp.schedules._torch_compat import pipeline_stage_with_inference_context
 
-        return PipelineStage(module, stage_id, n_stages, device, group=pp_group,
-                             get_mesh=get_mesh)
+        return pipeline_stage_with_inference_context(
+            module, stage_id, n_stages, device, group=pp_group, get_mesh=get_mesh,
+            context=lambda: adapters.training_state_kept([module], module))
 
     def vocab_parallel_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
         """The mesh the last stage's logits are split over on the vocabulary (loss parallel),

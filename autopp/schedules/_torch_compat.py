@@ -320,3 +320,20 @@ def action_parts(text: str) -> tuple[ComputePart, ...]:
             for sub in action.sub_actions
         )
     return ((action.stage_index, action.computation_type.value, action.microbatch_index),)
+
+
+def pipeline_stage_with_inference_context(module: Any, stage_id: int, n_stages: int,
+                                          device: Any, *, context: Callable[[], Any],
+                                          **kwargs: Any) -> Any:
+    """torch's ``PipelineStage`` whose shape inference (the one extra forward on
+    placeholder tensors its first step runs, ``_forward_metadata_inference``) runs inside
+    ``context()``: e.g. a context that restores the statistics a module's forward keeps
+    (MoE token counts), which that forward must not count."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class _Stage(PipelineStage):
+        def _forward_metadata_inference(self, *args: Any, **kw: Any) -> Any:
+            with context():
+                return super()._forward_metadata_inference(*args, **kw)
+
+    return _Stage(module, stage_id, n_stages, device, **kwargs)
