@@ -4,6 +4,8 @@ the plan, each pp rank's memory, the simulated step and the planning time.
     .venv/bin/python benchmarks/moe_dry_run.py --model 671B --pp 16 --dp 4 --tp 8 \\
         --batch-size 256 --seq-len 4096 --microbatches 32 --schedule Interleaved1F1B
 
+``--dispatch all_to_all`` plans expert parallelism as torchtitan's EP (tokens sent to their
+experts' devices by all-to-all); the default lets the planner choose.
 ``--model`` is a deepseek_v3 registry name (debugmodel, 16B, 236B, 671B) or ``qwen3_moe``
 (qwen3's debugmodel_moe). Attention is SDPA (torchtitan's flex attention does not trace on
 meta); mixed precision is bf16 parameters with fp32 gradient reductions, as torchtitan trains.
@@ -48,6 +50,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--profile", default="H100")
     ap.add_argument("--fp32", action="store_true", help="no mixed precision")
+    ap.add_argument("--dispatch", default="auto", choices=("auto", "all_to_all", "all_gather"),
+                    help="how tokens may reach expert-parallel devices (set_token_dispatch)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)7.0f ms %(message)s")
     for noisy in ("torch", "torchtitan"):
@@ -55,7 +59,10 @@ def main() -> None:
 
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    from autopp.adapters.torchtitan_moe import set_token_dispatch
     from autopp.dry_run import dry_run
+
+    set_token_dispatch(args.dispatch)
 
     model = build(args.model)
     n = sum(p.numel() for p in model.parameters())
