@@ -79,8 +79,10 @@ def _check(res: dict, ref: dict, cfg: dict, track: float = 1e-6) -> set[str]:
     curves = f"{cfg['model']}: {res['losses']} vs {ref['losses'][:steps]}"
     assert res["losses"] == pytest.approx(ref["losses"][:steps], rel=track), curves
     if cfg.get("resume"):
-        assert res["next"] == pytest.approx(ref["losses"][steps], abs=1e-5)
-        assert res["resumed"] == pytest.approx(res["next"], abs=1e-6)
+        # the reference's next loss within 1e-5 like the others; the layout resumed at sums
+        # in other orders (all-to-all rows, fewer tp shards): equal to fp32 rounding
+        assert res["next"] == pytest.approx(ref["losses"][steps], rel=1e-5)
+        assert res["resumed"] == pytest.approx(res["next"], rel=1e-6)
     return set(res["grads"])
 
 
