@@ -50,7 +50,17 @@ def _build(cfg: dict, mesh, tok):
     return pipeline_autoparallel(
         MODELS[cfg["model"]](cfg["n_layers"]), mesh, example_inputs=(tok,), loss_fn=ce_loss,
         schedule=cfg["schedule"], n_microbatches=cfg["n_microbatches"],
-        parallelize=cfg.get("parallelize", "auto"))
+        parallelize=cfg.get("parallelize", "auto"), mixed_precision=_policy(cfg))
+
+
+def _policy(cfg: dict):
+    """bf16 compute with fp32 gradient reductions (torchtitan's training policy) when
+    ``cfg["mixed_precision"]``, else None."""
+    if not cfg.get("mixed_precision"):
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def train(mesh, cfg: dict, path: str | None) -> dict:

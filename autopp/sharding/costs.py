@@ -19,6 +19,8 @@ Replicate -> Shard     (local slice)     0
 =====================  ================  ===========================
 
 Steps that shrink the local tensor run first. ``_StridedShard`` is priced like ``Shard``.
+Collectives an op runs inside its own kernel (:mod:`op_hooks`: routed experts' all-to-all
+token dispatch) are priced with the same table and added to the op's time.
 """
 
 from __future__ import annotations

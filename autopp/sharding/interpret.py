@@ -2,7 +2,9 @@
 
 Each node runs on DTensors: before an op its tensor arguments are redistributed to the
 placements the plan requires, after it the result is moved to the planned output placement,
-so the collectives are the plan's (DTensor performs them). Gradients leave the graph
+so the collectives are the plan's (DTensor performs them). An op that communicates inside
+its own kernel (:mod:`op_hooks`, e.g. routed experts dispatching tokens by all-to-all) runs
+on the local shards instead, its result wrapped in the planned placements. Gradients leave the graph
 redistributed to their parameter's placement (the plan ties them), the input gradient to the
 input's. The forward runs only the graph's forward nodes; the backward re-runs the joint graph
 with the incoming gradient as tangent (recomputation: simple and exact, at the cost of a second
