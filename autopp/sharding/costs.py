@@ -107,21 +107,20 @@ class CostModel:
             s, d, n = src[i], dst[i], self.mesh_shape[i]
             if n == 1:  # a size-1 mesh dim: every placement is the same data
                 continue
-            bw, lat = self.links.bandwidth[i], self.links.latency[i]
             if _is_partial(s) and isinstance(d, tp.Replicate):
-                kind, wire, after = "all_reduce", 2 * (n - 1) / n * local, local
+                kind, after = "all_reduce", local
             elif _is_partial(s) and _is_shard(d):
-                kind, wire, after = "reduce_scatter", (n - 1) / n * local, local / n
+                kind, after = "reduce_scatter", local / n
             elif _is_shard(s) and _is_shard(d):
-                kind, wire, after = "all_to_all", (n - 1) / n * local, local
+                kind, after = "all_to_all", local
             elif _is_shard(s):  # -> Replicate or Partial
-                kind, wire, after = "all_gather", (n - 1) * local, local * n
+                kind, after = "all_gather", local * n
             elif _is_partial(d):  # Replicate -> Partial: keep one copy, zero the others
-                kind, wire, after = None, 0.0, local
+                kind, after = None, local
             else:  # Replicate -> Shard: local slice
-                kind, wire, after = None, 0.0, local / n
+                kind, after = None, local / n
             if kind is not None:
-                t = lat + wire / bw
+                t = self.collective_time(kind, i, local)
                 total += t
                 steps.append(Collective(kind, i, int(local), t))
             local = after

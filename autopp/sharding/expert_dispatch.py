@@ -48,7 +48,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopp.sharding import _torch_private as tp
 from autopp.sharding import op_hooks
-from autopp.sharding.experts import combine, expert_mlp
+from autopp.sharding.experts import DISPATCHES, combine, expert_mlp
 from autopp.sharding.strategies import Option, local_shape, tensor_vals
 
 _FWD = torch.ops.autopp.routed_experts.default
@@ -156,9 +156,9 @@ def _extra_options(node, options: list[Option], mesh_shape: tuple[int, ...]) -> 
     gathering), and, with two or more, over all of ``D`` at once (one group of their
     devices, the flattened mesh :func:`autopp.build_world_mesh` makes)."""
     mode = _mode(node)
-    if mode not in ("auto", "all_to_all", "all_gather"):
-        raise ValueError(f"routed experts: dispatch={mode!r}; expected 'auto', 'all_to_all' "
-                         "or 'all_gather'")
+    if mode not in DISPATCHES:
+        raise ValueError(f"routed experts: dispatch={mode!r}; expected one of "
+                         f"{', '.join(DISPATCHES)}")
     if mode == "all_gather":
         return options
     layout = _layout(node)

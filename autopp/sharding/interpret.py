@@ -4,11 +4,11 @@ Each node runs on DTensors: before an op its tensor arguments are redistributed 
 placements the plan requires, after it the result is moved to the planned output placement,
 so the collectives are the plan's (DTensor performs them). An op that communicates inside
 its own kernel (:mod:`op_hooks`, e.g. routed experts dispatching tokens by all-to-all) runs
-on the local shards instead, its result wrapped in the planned placements. Gradients leave the graph
-redistributed to their parameter's placement (the plan ties them), the input gradient to the
-input's. The forward runs only the graph's forward nodes; the backward re-runs the joint graph
-with the incoming gradient as tangent (recomputation: simple and exact, at the cost of a second
-forward).
+on the local shards instead, its result wrapped in the planned placements. Gradients leave
+the graph redistributed to their parameter's placement (the plan ties them), the input
+gradient to the input's. The forward runs only the graph's forward nodes; the backward re-runs
+the joint graph with the incoming gradient as tangent (recomputation: simple and exact, at the
+cost of a second forward).
 
 This is what :mod:`autopp.sharding.lower` traces into a local graph with explicit collectives
 (which pipelines run as graph stages); calling a ``ShardedStage`` eagerly runs it directly,
@@ -131,7 +131,6 @@ class GraphRunner:
         if isinstance(out, DTensor) and planned:
             out = redistribute_to(out, planned[0])
         return out
-
 
     def _local_call(self, node: fx.Node):
         """The function of local shards an op with :mod:`op_hooks` runs as planned, if any."""

@@ -347,24 +347,26 @@ class _Enumerator:
             return [], None, "no DTensor rule; decomposition gave no usable option"
         return list(options), None, ""
 
+    def _fits(self, pairs) -> bool:
+        """Every (tensor value, placements) pair has placements that divide it evenly."""
+        return all(v is None or (pl is not None
+                                 and local_shape(v.shape, pl, self.mesh_shape) is not None)
+                   for v, pl in pairs)
+
     def _even(self, node: fx.Node, opt: Option) -> bool:
         """Every input and output of ``opt`` divides evenly over the mesh."""
-        pairs = [*zip(tensor_vals(node), opt.out),
-                 *((tensor_vals(a)[0], pl) for a, pl in zip(_tensor_args(node), opt.ins))]
-        return all(v is None or pl is None
-                   or local_shape(v.shape, pl, self.mesh_shape) is not None for v, pl in pairs)
+        return (self._fits(zip(tensor_vals(node), opt.out))
+                and self._fits((tensor_vals(a)[0], pl)
+                               for a, pl in zip(_tensor_args(node), opt.ins)))
 
     def _option(self, node: fx.Node, spec, n_args: int) -> Option | None:
         vals = tensor_vals(node)
         outs = spec.output_specs
         outs = outs if isinstance(outs, tuple) else (outs,)
-        out_pl = []
-        for v, s in zip(vals, outs):
-            pl = _placements_of(s) if v is not None else None
-            if v is not None and (pl is None or local_shape(v.shape, pl, self.mesh_shape) is None):
-                self.pruned += 1
-                return None
-            out_pl.append(pl)
+        out_pl = [_placements_of(s) if v is not None else None for v, s in zip(vals, outs)]
+        if not self._fits(zip(vals, out_pl)):
+            self.pruned += 1
+            return None
         if spec.input_specs is None:
             ins = [out_pl[0]] * n_args
         else:
@@ -375,10 +377,9 @@ class _Enumerator:
             _trivial_dims_replicated(pl, self.mesh_shape) for pl in [*out_pl, *ins] if pl
         ):
             return None
-        for a, pl in zip(_tensor_args(node), ins):
-            if pl is None or local_shape(tensor_vals(a)[0].shape, pl, self.mesh_shape) is None:
-                self.pruned += 1
-                return None
+        if not self._fits((tensor_vals(a)[0], pl) for a, pl in zip(_tensor_args(node), ins)):
+            self.pruned += 1
+            return None
         return Option(tuple(out_pl), tuple(ins))
 
 
