@@ -79,10 +79,8 @@ def _check(res: dict, ref: dict, cfg: dict, track: float = 1e-6) -> set[str]:
     curves = f"{cfg['model']}: {res['losses']} vs {ref['losses'][:steps]}"
     assert res["losses"] == pytest.approx(ref["losses"][:steps], rel=track), curves
     if cfg.get("resume"):
-        # the reference's next loss within 1e-5 like the others; the layout resumed at sums
-        # in other orders (all-to-all rows, fewer tp shards): equal to fp32 rounding
-        assert res["next"] == pytest.approx(ref["losses"][steps], rel=1e-5)
-        assert res["resumed"] == pytest.approx(res["next"], rel=1e-6)
+        assert res["next"] == pytest.approx(ref["losses"][steps], abs=1e-5)
+        assert res["resumed"] == pytest.approx(res["next"], abs=1e-6)
     return set(res["grads"])
 
 
@@ -91,11 +89,14 @@ def test_moe_decoders_match_single_process(tmp_path):
     common = dict(pp=2, dp=2, tp=2, n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=LR,
                   max_norm=MAX_NORM, fp32_experts=True)
     configs = [
-        # the planner dispatches qwen3's tokens by all-to-all over the whole dp x tp group
         dict(common, model="qwen3_moe", schedule="1F1B", n_microbatches=2, steps=3,
-             resume=(4, 2, 1), dispatch="all_to_all"),
+             resume=(4, 2, 1)),
+        # deepseek's tokens by all-to-all over dp, its experts split further over tp. The
+        # rows reach each expert in another order than in one process, so its losses are
+        # held to the acceptance's 1e-5 (measured: rel 1.1e-6 at the third step), not to
+        # the 1e-6 the other configurations meet
         dict(common, model="deepseek_v3", schedule="ZBVZeroBubble", n_microbatches=4,
-             steps=3),
+             steps=3, dispatch="all_to_all", track=1e-5),
         # stages that run the modules as written (no planner): counts summed over dp, the
         # first step's shape-inference forward not counted
         dict(common, model="deepseek_v3", schedule="1F1B", n_microbatches=2, steps=3,
@@ -106,8 +107,7 @@ def test_moe_decoders_match_single_process(tmp_path):
         ref = _reference(cfg["model"], cfg["steps"])
         seen: set[str] = set()
         for rank_results in results:
-            # all-to-all sums each expert's rows in another order: 1e-5, not bit-equal
-            seen |= _check(rank_results[i], ref, cfg, track=1e-5)
+            seen |= _check(rank_results[i], ref, cfg, track=cfg.get("track", 1e-6))
         names = {n for n, _ in MODELS[cfg["model"]](N_LAYERS).named_parameters()}
         assert seen == names, (cfg["model"], names ^ seen)
         # the routed experts were planned (one op with its own rule), not replicated op by op
@@ -126,10 +126,10 @@ def test_moe_schedules_and_loss_curves_match_single_process(tmp_path):
     common = dict(pp=2, dp=2, tp=2, n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=1e-3,
                   max_norm=MAX_NORM, fp32_experts=True, steps=20)
     configs = [
-        dict(common, model="qwen3_moe", schedule="ZBVZeroBubble", n_microbatches=4),
-        # deepseek's: all-to-all over dp, its experts split further over tp
-        dict(common, model="deepseek_v3", schedule="1F1B", n_microbatches=2,
+        # qwen3's tokens by all-to-all over the whole dp x tp group (one flattened group)
+        dict(common, model="qwen3_moe", schedule="ZBVZeroBubble", n_microbatches=4,
              dispatch="all_to_all"),
+        dict(common, model="deepseek_v3", schedule="1F1B", n_microbatches=2),
         # mixed precision as torchtitan trains (bf16 parameters and experts, fp32 gradient
         # reductions) against the fp32 reference: the losses to bf16 accuracy
         dict(common, model="qwen3_moe", schedule="1F1B", n_microbatches=2, steps=5,
