@@ -4,8 +4,10 @@ Everything here wraps an underscore name of torch 2.13 (``_PipelineScheduleRunti
 ``_Action``, ``_validate_schedule``, ``_load_csv``, the stage-to-rank mapping helpers of
 ``_utils``). The rest of ``autopp.schedules`` sees only plain Python values: a schedule's
 order is ``dict[rank, list[str | None]]`` with torch's compact action strings ("0F0", "1B0",
-"0I0", "0W0", "(0F3;3B1)OVERLAP_F_B") and ``None`` for an idle step. A torch upgrade that
-renames or moves any of these should need changes in this file only.
+"0I0", "0W0", "(0F3;3B1)OVERLAP_F_B") and ``None`` for an idle step. It also holds the one
+override of ``PipelineStage``'s private first-step shape inference that the stage backends
+use (:func:`pipeline_stage_with_inference_context`). A torch upgrade that renames or moves
+any of these should need changes in this file only.
 """
 
 from __future__ import annotations
