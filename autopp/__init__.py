@@ -16,12 +16,16 @@ The public surface is deliberately small:
   does, for single-process references.
 """
 
+# first: the ops and the model adapters register their tracing contexts and planner hooks
+# (autopp.tracing, autopp.sharding.op_hooks) before anything splits or traces a model
+from autopp import adapters, ops  # noqa: F401  (isort: skip)
 from autopp.api import pipeline_autoparallel
 from autopp.init import init_module_
 from autopp.loss import cross_entropy
 from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
 from autopp.pipeline import Pipeline, PipelineLayout
-from autopp.pipeline_plan import PipelinePlan, plan_pipeline
+from autopp.plan.value import PipelinePlan
+from autopp.plan.make import plan_pipeline
 
 __all__ = [
     "pipeline_autoparallel",

@@ -24,13 +24,13 @@ from autopp.backends import (
 )
 from autopp.mesh import check_world_mesh, mesh_sizes, stage_sub_mesh
 from autopp.pipeline import Pipeline, PipelineLayout
-from autopp.stage_split import build_stage_module, check_stage_forwards, resolve_split
+from autopp.stage_split import build_stage_module, check_stage_forwards
+from autopp.stage_split.for_schedule import split_for_schedule, stage_ranks_of
 
 if TYPE_CHECKING:  # torch's FSDP and pipelining cost ~1 s to import: only when used
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from autopp.pipeline_plan import PipelinePlan
-    from autopp.schedules import ScheduleInfo
+    from autopp.plan.value import PipelinePlan
 
 Split = int | str | Sequence[Sequence[str]] | None
 
@@ -233,35 +233,3 @@ def resolve_backend(
     )
 
 
-def split_for_schedule(
-    model: nn.Module, *, schedule: str, split: Split, pp: int, n_microbatches: int,
-    local_batch_size: int | None, layers_attr: str | None = None,
-) -> tuple[ScheduleInfo, list[list[str]]]:
-    """The schedule's rules and the model's stages (module FQNs per stage), checked together.
-
-    ``split=None`` gives as many uniform stages as the schedule places on ``pp`` ranks; an
-    int gives that many uniform stages. Raises ValueError for a split, microbatch count or
-    batch size the schedule cannot run.
-    """
-    from autopp.schedules import check_schedule_config, default_n_stages, schedule_info
-
-    info = schedule_info(schedule)
-    n_stages = default_n_stages(schedule, pp) if split is None else None
-    if isinstance(split, int) and not isinstance(split, bool):
-        n_stages = split
-    fqns_per_stage = resolve_split(model, split, n_stages, layers_attr=layers_attr)
-    check_schedule_config(
-        schedule, pp=pp, n_stages=len(fqns_per_stage), n_microbatches=n_microbatches,
-        local_batch_size=local_batch_size,
-    )
-    return info, fqns_per_stage
-
-
-def stage_ranks_of(info: ScheduleInfo, pp: int, n_stages: int) -> tuple[int, ...]:
-    """The pp rank holding each stage under the schedule's placement (loop or V)."""
-    from autopp.schedules import stage_ids_for_rank
-
-    return tuple(
-        next(r for r in range(pp) if s in stage_ids_for_rank(r, pp, n_stages, info.style))
-        for s in range(n_stages)
-    )

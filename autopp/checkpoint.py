@@ -36,7 +36,7 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
 def all_finite(state: dict) -> bool:
     """Whether every floating tensor (local shard) of ``state`` is finite, on every rank
     (one all-reduce of a flag, so all ranks agree)."""
-    from torch.utils._pytree import tree_leaves
+    from autopp._compat.distributed import tree_leaves
 
     ok = True
     for t in tree_leaves(state):

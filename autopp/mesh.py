@@ -77,8 +77,8 @@ def build_world_mesh(
     )
     if dp > 1 and tp > 1:
         # one group over each stage's dp x tp devices: experts split over both dims
-        # exchange tokens by one all-to-all in it (autopp.sharding.expert_dispatch)
-        from autopp.sharding._torch_private import flatten_mesh_dims
+        # exchange tokens by one all-to-all in it (autopp.ops.expert_dispatch)
+        from autopp._compat.sharding import flatten_mesh_dims
 
         flatten_mesh_dims(mesh, STAGE_DIMS)
     return mesh
@@ -112,8 +112,8 @@ def init_fake_world(world_size: int, rank: int = 0) -> None:
     Collectives return immediately without moving data; DTensor's sharding rules and
     DeviceMesh work for any world size, which is what planning a large mesh needs.
     """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from autopp._compat.distributed import fake_store
 
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)

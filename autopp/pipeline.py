@@ -206,7 +206,7 @@ class Pipeline:
             if self._tied is not None:
                 self._tied.rename_state_dict(self.local_model)
         else:
-            from autopp.auto_stage import fqn_view
+            from autopp.lower.stage import fqn_view
 
             aliases = self._tied.aliases if self._tied is not None else {}
             seen: set[str] = set()

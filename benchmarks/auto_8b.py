@@ -46,7 +46,7 @@ def one_run(args) -> None:
     )
     from torchtitan.models.llama3 import llama3_configs
 
-    from autopp.dry_run import dry_run
+    from autopp.dry_run.run import dry_run
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s",
                         datefmt="%H:%M:%S")

@@ -7,14 +7,14 @@ training step of the routed-experts op (forward and backward) runs both ways, si
 one launch (interleaved repeats, medians):
 
 * all-to-all: ``autopp::routed_experts`` with the world's process group (each token's rows
-  go only to its experts' ranks, :mod:`autopp.sharding.expert_dispatch`);
+  go only to its experts' ranks, :mod:`autopp.ops.expert_dispatch`);
 * all-gather: tokens, scores and ids all-gathered, the op on every token with the local
   experts, the output reduce-scattered back (the expert-parallel option of the op's DTensor
   rule, as the planner lowers it); the backward's collectives are autograd's (reduce-scatter
   of the input gradients, all-gather of the output gradient).
 
 The prediction is the planner's: its cost model with this machine's measured profile
-(:func:`autopp.sharding.measure.measure_profile`) prices the collectives each way takes (the compute
+(:func:`autopp.profiles.measure.measure_profile`) prices the collectives each way takes (the compute
 is the same FLOPs both ways, the bytes each touches are not). Printed per top-k: measured
 medians and their ratio, and the predicted times and ratio.
 """
@@ -72,7 +72,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    import autopp.sharding.experts  # noqa: F401  (registers the op)
+    import autopp.ops.experts  # noqa: F401  (registers the op)
 
     group = dist.group.WORLD.group_name
     out = {}
@@ -101,7 +101,7 @@ def _predicted(args, k: int, profile) -> dict[str, float]:
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    import autopp.sharding.experts  # noqa: F401  (registers the op)
+    import autopp.ops.experts  # noqa: F401  (registers the op)
     from autopp.sharding.costs import CostModel
     from autopp.sharding.strategies import NodeStrategy, Option, tensor_vals
 
@@ -163,7 +163,7 @@ def main() -> None:
 
     import torch.multiprocessing as mp
 
-    from autopp.sharding.measure import measure_profile
+    from autopp.profiles.measure import measure_profile
 
     profile = measure_profile(world_size=args.world)
     with socket.socket() as sock:

@@ -24,12 +24,12 @@ lowered graphs now exist), then measures one more training step:
   gradients), which the graph runtime keeps until the next step, so both count after
   REDUCE_GRAD; the unshard graph's gathered weights (UNSHARD to RESHARD); and per
   microbatch from F to B what the forward saves that is new memory
-  (:func:`~autopp.sharding.memory.saved_bytes` without the stage input, which lives in
+  (:func:`~autopp.lower.memory.saved_bytes` without the stage input, which lives in
   torch's receive buffer), plus the output the runtime keeps for the backward (last stage:
   the logits and cross entropy's log-probabilities, freed at the microbatch's backward). Two terms the simulator has no field
   for are added here: the receive buffers torch allocates once per microbatch (activations
   in, gradients in: static), and each action's working memory, the peak of what its graph
-  allocates while it runs (:func:`~autopp.sharding.memory.graph_peak_bytes`: the backward's
+  allocates while it runs (:func:`~autopp.lower.memory.graph_peak_bytes`: the backward's
   intermediates and new gradients; with recomputation, the recomputed forward), on top of
   the simulated level during that action.
 
@@ -143,7 +143,7 @@ def _out_bytes(gm, first: int, count: int) -> int:
 
 def stage_numbers(m, sid: int, local_ids: list[int], n_stages: int, n_mb: int) -> dict:
     """What one planned stage holds, read off its lowered graphs and its parameters."""
-    from autopp.sharding.memory import graph_peak_bytes, saved_bytes
+    from autopp.lower.memory import graph_peak_bytes, saved_bytes
 
     local, g = m.stage_graphs()
     sig = g.convention.signature

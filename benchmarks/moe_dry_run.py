@@ -60,7 +60,7 @@ def main() -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from autopp.adapters.torchtitan_moe import set_token_dispatch
-    from autopp.dry_run import dry_run
+    from autopp.dry_run.run import dry_run
 
     set_token_dispatch(args.dispatch)
 

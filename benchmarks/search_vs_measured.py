@@ -189,7 +189,7 @@ def search_and_plan(args) -> tuple[object, list[list[int]]]:
     """Profile, search and pick; returns (search report, slices of result indices)."""
     sys.path.insert(0, str(ROOT / "examples"))
     import autopp
-    from autopp.sharding.profiles import get_profile
+    from autopp.profiles.lookup import get_profile
     from llama3_pp_dp_tp import build_model
 
     t0 = time.perf_counter()
@@ -365,7 +365,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     logging.basicConfig(level=logging.WARNING, format="[%(asctime)s %(name)s] %(message)s",
                         datefmt="%H:%M:%S")
-    for name in ("autopp.layout_search", "autopp.sharding.measure"):
+    for name in ("autopp.layout_search", "autopp.profiles.measure"):
         logging.getLogger(name).setLevel(logging.INFO)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="search_vs_measured_"))
     workdir.mkdir(parents=True, exist_ok=True)

@@ -256,7 +256,7 @@ def use_plan(args, plan) -> None:
 
 def dry_run(args) -> None:
     """Plan the whole pipeline on this machine alone and print the report."""
-    from autopp.dry_run import dry_run as plan_pipeline
+    from autopp.dry_run.run import dry_run as plan_pipeline
 
     _layout_defaults(args)
     report = plan_pipeline(

@@ -46,7 +46,7 @@ def one_step(mesh, cfg: dict) -> dict:
 
         parallelize = Planner(PlannerOptions(**cfg["planner_options"]))
     if "plan" in cfg:  # a saved PipelinePlan (or None): count what this rank plans
-        import autopp.auto_plan as auto_plan
+        import autopp.plan.make as auto_plan
 
         planners = {f: getattr(auto_plan, f) for f in ("plan_whole_pipeline", "plan_local_stage")}
         calls: dict[str, int] = dict.fromkeys(planners, 0)
@@ -84,7 +84,7 @@ def one_step(mesh, cfg: dict) -> dict:
            "deferred_w": pipe.action_counts.get("W", 0),
            "actions": pipe.action_counts}
     if counter is not None:
-        from autopp.sharding.lower import collective_counts
+        from autopp.lower.local_graphs import collective_counts
 
         out["collectives"] = counter.summary()
         out["unshard_gathers"] = sum(
@@ -92,7 +92,7 @@ def one_step(mesh, cfg: dict) -> dict:
             for m in pipe.stage_modules)
         out["gathered_bytes"] = sum(m.gathered_param_bytes() for m in pipe.stage_modules)
     if cfg.get("saved_bytes"):  # planned stages: what each keeps per microbatch, as run and
-        from autopp.sharding.memory import saved_bytes  # without recomputation
+        from autopp.lower.memory import saved_bytes  # without recomputation
 
         out["recompute"] = [m.stage_graphs()[1].convention.recompute for m in pipe.stage_modules]
         out["saved_bytes"] = [m.saved_bytes_per_microbatch() for m in pipe.stage_modules]

@@ -112,7 +112,7 @@ def test_mixed_precision_needs_auto(mesh222):
 
 
 def test_autoparallel_backend_missing_is_a_clear_error(mesh222):
-    from autopp.sharding.autoparallel_backend import available
+    from autopp.backends.meta_autoparallel import available
 
     if available():
         pytest.skip("meta's AutoParallel is installed here")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopp.sharding.autoparallel_backend import available
+from autopp.backends.meta_autoparallel import available
 from tests.dist_harness import run_on_ranks
 from tests.models import make_batch, reference_step
 from tests.pipeline_workers import run_configs

@@ -16,8 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopp.dry_run import compact_modules
-from autopp.estimate import StageFacts, full_checkpointing_cost, stage_cost, state_bytes
+from autopp.dry_run.run import compact_modules
+from autopp.estimate.stage_costs import (
+    StageFacts,
+    full_checkpointing_cost,
+    stage_cost,
+    state_bytes,
+)
 from autopp.schedules import Link, StageCost, simulate_schedule
 from autopp.sharding.plan import CollectivePlan, ParamPlan, StagePlan
 

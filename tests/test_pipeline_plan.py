@@ -53,7 +53,7 @@ def saved_plan(tmp_path_factory) -> Path:
 
 
 def test_json_round_trip(saved_plan):
-    from autopp.pipeline_plan import model_fingerprint
+    from autopp.plan.value import model_fingerprint
 
     plan = PipelinePlan.load(saved_plan)
     assert PipelinePlan.from_json(plan.to_json()) == plan
@@ -114,7 +114,7 @@ def test_mismatched_plan_raises(saved_plan, fake_world):
 
 
 def test_cache_key_follows_the_boundary_planning_code(tmp_path, monkeypatch):
-    import autopp.plan_cache as plan_cache
+    import autopp.plan.cache as plan_cache
 
     files = plan_cache.planner_source_files()
     assert {"auto_plan.py", "pipeline_plan.py"} <= {f.name for f in files}

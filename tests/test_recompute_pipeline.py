@@ -43,7 +43,7 @@ def test_graph_peak_bytes_replays_allocations_and_frees():
     import torch
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from autopp.sharding.memory import graph_peak_bytes
+    from autopp.lower.memory import graph_peak_bytes
 
     def f(x):  # x: 400 bytes, never counted (the caller holds it)
         a = x * 2           # +400

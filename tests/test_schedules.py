@@ -32,7 +32,7 @@ from autopp.schedules import (
     schedule_order,
     stage_ids_for_rank,
 )
-from autopp.schedules import _torch_compat
+from autopp._compat import pipelining as _torch_compat
 
 GOLDEN = Path(__file__).parent / "golden"
 DIM = 4

@@ -75,7 +75,7 @@ def debug_model():
 
 def test_model_that_fits_nowhere(debug_model):
     import autopp
-    from autopp.sharding.profiles import PROFILES, register_profile, with_overrides
+    from autopp.profiles.devices import PROFILES, register_profile, with_overrides
 
     tiny = with_overrides(PROFILES["H100"], name="H100-1MiB", memory_bytes=2**20)
     register_profile(tiny)

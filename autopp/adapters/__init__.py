@@ -6,10 +6,11 @@ module class it recognises, how to trace it (and what state it carries between s
 
 * :mod:`autopp.adapters.torchtitan_moe`: torchtitan's mixture-of-experts layers
   (``MoE``, ``RoutedExperts``, ``TokenChoiceTopKRouter``): routed experts traced as the op
-  ``autopp::routed_experts`` (:mod:`autopp.sharding.experts`), the router's autocast on meta,
+  ``autopp::routed_experts`` (:mod:`autopp.ops.experts`), the router's autocast on meta,
   and the load-balancing expert-bias update after each step.
 
-:func:`tracing` is entered wherever autopp runs or traces a model on meta.
+Each adapter's tracing context is registered with :mod:`autopp.tracing`, which autopp
+enters wherever it runs or traces a model on meta.
 """
 
 from __future__ import annotations
@@ -20,20 +21,14 @@ from collections.abc import Iterator
 import torch.distributed as dist
 from torch import nn
 
+from autopp import tracing
+from autopp.adapters import torchtitan_moe
 
-@contextlib.contextmanager
-def tracing() -> Iterator[None]:
-    """While active, adapted modules trace in the form the planner plans (see above)."""
-    from autopp.adapters import torchtitan_moe
-
-    with torchtitan_moe.tracing():
-        yield
+tracing.register(torchtitan_moe.tracing)
 
 
 def settings() -> dict[str, str]:
     """The adapters' settings that change what is traced (part of the plan cache's key)."""
-    from autopp.adapters import torchtitan_moe
-
     return {"torchtitan_moe.expert_compute_dtype": str(torchtitan_moe.expert_compute_dtype()),
             "torchtitan_moe.token_dispatch": torchtitan_moe.token_dispatch()}
 
@@ -41,8 +36,6 @@ def settings() -> dict[str, str]:
 def active_parameters(model: nn.Module) -> float:
     """Parameters a token uses on average (for model FLOPs, 6 x this x tokens): all of a
     dense model's; a MoE layer's routed experts count top_k / num_experts of theirs."""
-    from autopp.adapters import torchtitan_moe
-
     return sum(p.numel() for p in model.parameters()) - torchtitan_moe.idle_parameters(model)
 
 
@@ -52,8 +45,6 @@ def training_state_kept(structure: list[nn.Module], state: nn.Module) -> Iterato
     counts) are restored on exit: an evaluation pass does not count. ``structure``: a
     rank's stage modules as built (names, the model's config); ``state``: the module whose
     buffers, by the same FQNs, the stages run with."""
-    from autopp.adapters import torchtitan_moe
-
     with torchtitan_moe.counts_kept(structure, state):
         yield
 
@@ -64,6 +55,4 @@ def after_step(structure: list[nn.Module], state: nn.Module,
     load balancing); called on every rank. ``structure`` and ``state`` as for
     :func:`training_state_kept`; ``partial_over``: the group over which the statistics the
     forward kept are partial sums (None: they are whole already)."""
-    from autopp.adapters import torchtitan_moe
-
     torchtitan_moe.update_expert_bias(structure, state, partial_over)

@@ -4,7 +4,7 @@ What autopp needs to know about them, and nothing else does:
 
 * **Routed experts trace as one op.** ``RoutedExperts.forward`` (token dispatch, torchtitan's
   bf16 ``GroupedExperts``, combine) becomes ``autopp::routed_experts`` with the same
-  numerics (:mod:`autopp.sharding.experts`); its sharding rule lets the planner put experts
+  numerics (:mod:`autopp.ops.experts`); its sharding rule lets the planner put experts
   over any mesh dims. The router, the shared experts and the load-balancing count stay the
   model's own code and plan op by op.
 * **The router's autocast on meta.** ``TokenChoiceTopKRouter`` opens
@@ -57,7 +57,7 @@ def set_token_dispatch(mode: str) -> None:
     ``AllToAllTokenDispatcher``) or "all_gather" (never all-to-all: when experts are split,
     every device of their mesh dim gets every token; cheaper while the expert-parallel
     degree is below top-k). Applies to stages planned after the call, in this process."""
-    from autopp.sharding.experts import DISPATCHES
+    from autopp.ops.expert_kernels import DISPATCHES
 
     if mode not in DISPATCHES:
         raise ValueError(f"token dispatch {mode!r}: expected one of {', '.join(DISPATCHES)}")
@@ -113,7 +113,7 @@ def tracing() -> Iterator[None]:
     if moe is None:
         yield
         return
-    import autopp.sharding.experts  # noqa: F401  (registers the op)
+    import autopp.ops.experts  # noqa: F401  (registers the op)
 
     original_forward = moe.RoutedExperts.forward
     original_autocast = torch.autocast.__init__

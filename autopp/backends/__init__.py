@@ -9,7 +9,8 @@ Pass one as ``pipeline_autoparallel(..., parallelize=...)``; the older shorthand
 
 from autopp.backends.autoparallel import AutoParallel
 from autopp.backends.base import PipelineSpec, StageBackend
-from autopp.backends.planner import CompileOptions, Planner, PlannerOptions
+from autopp.plan.options import CompileOptions, PlannerOptions
+from autopp.backends.planner import Planner
 from autopp.backends.replicate import Replicate
 from autopp.backends.user_fn import Parallelize, ParallelizeFn
 

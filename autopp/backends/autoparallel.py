@@ -19,7 +19,7 @@ from autopp.backends.base import PipelineSpec, StageBackend
 class AutoParallel(StageBackend):
     """Each stage planned and applied by meta-pytorch's AutoParallel over its sub-mesh, with
     the batch split over dp and whole over tp at both ends (see
-    :mod:`autopp.sharding.autoparallel_backend`). Its gradients are DTensor sums over dp.
+    :mod:`autopp.backends.meta_autoparallel`). Its gradients are DTensor sums over dp.
 
     Args:
         mixed_precision: torch's ``MixedPrecisionPolicy``, passed to AutoParallel.
@@ -32,15 +32,15 @@ class AutoParallel(StageBackend):
     grads_summed_over_dp = True
 
     def prepare(self, spec: PipelineSpec) -> None:
-        from autopp.auto_plan import meta_stage_inputs
-        from autopp.sharding.autoparallel_backend import available, missing_error
+        from autopp.plan.make import meta_stage_inputs
+        from autopp.backends.meta_autoparallel import available, missing_error
 
         if not available():
             raise missing_error()
         _, self._inputs = meta_stage_inputs(spec)
 
     def build(self, stage_id: int, stage_meta: nn.Module, sub_mesh: DeviceMesh) -> nn.Module:
-        from autopp.sharding.autoparallel_backend import autoparallel_stage
+        from autopp.backends.meta_autoparallel import autoparallel_stage
 
         return autoparallel_stage(stage_meta, sub_mesh, self._inputs[stage_id],
                                   self.mixed_precision)

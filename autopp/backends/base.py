@@ -100,7 +100,7 @@ class StageBackend(ABC):
         the extra forward of its first-step shape inference leaves the training statistics
         the model's forward keeps, e.g. MoE token counts, as they were)."""
         from autopp import adapters
-        from autopp.schedules._torch_compat import pipeline_stage_with_inference_context
+        from autopp._compat.pipelining import pipeline_stage_with_inference_context
 
         return pipeline_stage_with_inference_context(
             module, stage_id, n_stages, device, group=pp_group, get_mesh=get_mesh,

@@ -11,7 +11,7 @@ import copy
 
 import torch.fx as fx
 
-from autopp.graph import _compat
+from autopp._compat import graph as _compat
 from autopp.graph.convention import JointSignature
 
 

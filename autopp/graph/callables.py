@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopp.graph import _compat
+from autopp._compat import graph as _compat
 from autopp.graph.convention import CallingConvention
 
 

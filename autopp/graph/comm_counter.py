@@ -15,9 +15,9 @@ import collections
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
+
+from autopp._compat.distributed import TorchDispatchMode, tree_leaves
 
 _COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce",
                 "all_to_all_single", "broadcast")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from autopp.graph import _compat
+from autopp._compat import graph as _compat
 from autopp.graph.callables import StageGraphs
 
 ALL_CALLABLES = ("forward", "full_backward", "backward_input", "backward_weight",

@@ -57,7 +57,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from autopp.graph import _compat
+from autopp._compat import graph as _compat
 from autopp.graph.convention import JointSignature
 
 Recompute = Literal["none", "selective", "full"]

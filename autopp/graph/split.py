@@ -11,7 +11,7 @@ import dataclasses
 
 import torch.fx as fx
 
-from autopp.graph import _compat
+from autopp._compat import graph as _compat
 from autopp.graph.callables import StageGraphs, ValueLayouts
 from autopp.graph.convention import CallingConvention, JointSignature
 from autopp.graph.peel import peel_param_work

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopp.graph import _compat
+from autopp._compat import graph as _compat
 from autopp.graph.callables import StageGraphs
 from autopp.graph.comm_counter import CollectiveCounter
 

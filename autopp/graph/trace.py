@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autopp.graph import _compat
+from autopp._compat import graph as _compat
 from autopp.graph.callables import StageGraphs, ValueLayouts
 from autopp.graph.convention import JointSignature
 from autopp.graph.recompute import Recompute

@@ -120,8 +120,8 @@ class Pricer:
     def split(self, lay: Layout, usable: float | None = None) -> Split | str:
         """The layout's split and stage costs, or why it does not fit. ``usable``: the
         device memory (None: the search's; ``inf``: unbounded, for a lower bound)."""
-        from autopp.auto_plan import in_flight_per_stage
-        from autopp.estimate import contended_step_s
+        from autopp.plan.make import in_flight_per_stage
+        from autopp.estimate.stage_costs import contended_step_s
         from autopp.schedules import StageCost
         from autopp.schedules.actions import compute_order
         from autopp.stage_split.balanced import balanced_cuts
@@ -215,7 +215,7 @@ class Pricer:
 
     def simulate(self, sp: Split) -> Candidate | str:
         """Simulate a split's schedule: its candidate, or why its peak memory does not fit."""
-        from autopp.estimate import pp_link, simulated_step_s
+        from autopp.estimate.stage_costs import pp_link, simulated_step_s
         from autopp.schedules import simulate_schedule
         from autopp.stage_split.balanced import stage_fqns
 

@@ -119,8 +119,8 @@ class SearchReport:
         """Plan the ``index``-th layout exactly (:func:`autopp.dry_run.dry_run` with its split:
         every stage planned under the device's memory, boundaries chosen, simulated) and
         return the dry run's report; ``report.plan`` is the
-        :class:`~autopp.pipeline_plan.PipelinePlan` to save and train with."""
-        from autopp.dry_run import dry_run
+        :class:`~autopp.plan.value.PipelinePlan` to save and train with."""
+        from autopp.dry_run.run import dry_run
 
         c = self.results[index]
         lay = c.layout
@@ -226,8 +226,8 @@ def search(
 
     Returns a :class:`SearchReport`; raises ValueError when no layout exists at all.
     """
-    from autopp.estimate import usable_bytes
-    from autopp.sharding.profiles import get_profile
+    from autopp.estimate.stage_costs import usable_bytes
+    from autopp.profiles.lookup import get_profile
     from autopp.stage_split import inspect_model
 
     t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """What one unit (the pre modules, one layer, the post modules) costs on a (dp, tp) sub-mesh,
 from the planner's own plans of two probe stages, and how it scales with the microbatch.
 
-For a sub-mesh shape the search plans, with :func:`autopp.auto_plan.plan_local_stage` (so
+For a sub-mesh shape the search plans, with :func:`autopp.plan.make.plan_local_stage` (so
 through the on-disk plan cache), the probe stages ``[pre, first layer]`` and
 ``[last layer, post]`` at one reference microbatch, under each recomputation policy it
 considers, with no memory budget (each unit's time-optimal plan under that policy; the
@@ -25,9 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopp.estimate import StateBytes, param_dtypes, state_bytes
+from autopp.estimate.stage_costs import StateBytes, param_dtypes, state_bytes
 from autopp.sharding.plan import StagePlan
-from autopp.sharding.profiles import get_profile, mesh_links
+from autopp.profiles.lookup import get_profile
+from autopp.profiles.devices import mesh_links
 
 __all__ = ["LEAN_PRICE", "ShapeCosts", "UnitCost", "probe_costs"]
 
@@ -165,8 +166,12 @@ def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.T
     """
     import time
 
-    from autopp.auto_plan import (last_stage_output, loss_time_s, plan_local_stage,
-                                  stage_meta_inputs)
+    from autopp.plan.make import (
+        last_stage_output,
+        loss_time_s,
+        plan_local_stage,
+        stage_meta_inputs,
+    )
 
     t0 = time.perf_counter()
     dp, tp = sub_mesh["dp"].size(), sub_mesh["tp"].size()

@@ -20,7 +20,7 @@ schedules; this package says what each one needs and builds it:
   :func:`write_timeline_png` draw it.
 """
 
-from autopp.schedules._torch_compat import forward_only
+from autopp._compat.pipelining import forward_only
 from autopp.schedules.actions import ScheduleActions, actions_from_order, schedule_actions
 from autopp.schedules.build import build_schedule
 from autopp.schedules.checks import check_batch_size, check_schedule_config, microbatches_ok

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
-from autopp.schedules import _torch_compat
+from autopp._compat import pipelining as _torch_compat
 from autopp.schedules.build import single_stage_order
 from autopp.schedules.checks import check_schedule_config
 from autopp.schedules.registry import ScheduleInfo, default_n_stages, schedule_info

@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from autopp.schedules import _torch_compat
+from autopp._compat import pipelining as _torch_compat
 from autopp.schedules.checks import check_schedule_config
 from autopp.schedules.registry import ScheduleInfo
 

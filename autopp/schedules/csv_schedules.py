@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autopp.schedules import _torch_compat
+from autopp._compat import pipelining as _torch_compat
 from autopp.schedules.placement import infer_placement
 
 #: A schedule's order: for each pp rank, its steps as action strings (None = idle step).

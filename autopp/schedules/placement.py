@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from autopp.schedules import _torch_compat
+from autopp._compat import pipelining as _torch_compat
 
 #: A stage placement style: "loop" (round robin) or "v" (down the ranks, then back up).
 Placement = Literal["loop", "v"]

@@ -28,7 +28,7 @@ from typing import Literal
 
 from torch.distributed import pipelining as _pp  # public schedule classes only
 
-from autopp.schedules import _torch_compat
+from autopp._compat import pipelining as _torch_compat
 from autopp.schedules.csv_schedules import CsvSchedule, is_csv_schedule, read_schedule_csv
 from autopp.schedules.placement import Placement, stage_ids_for_rank
 

@@ -44,7 +44,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from autopp.schedules import _torch_compat
+from autopp._compat import pipelining as _torch_compat
 from autopp.schedules.actions import ScheduleActions, schedule_actions
 from autopp.schedules.registry import ScheduleInfo
 from autopp.schedules.sim_result import (

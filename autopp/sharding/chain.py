@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from autopp.sharding import _torch_private as tp
+from autopp._compat import sharding as compat
 from autopp.sharding.solver import InfeasiblePlanError, PlacementSpec, SolveResult
 from autopp.sharding.strategies import Strategies, enumerate_strategies
 from autopp.sharding.trace import JointGraph, trace_joint
@@ -68,7 +68,7 @@ def boundary_candidates(
     for o in traced.strategies.nodes[node].options:
         pl = o.out[0]
         ok = not pattern or all(
-            (p == tp.Shard(0) or n == 1) if name == "dp" else p in (tp.Replicate(), tp.Shard(1))
+            (p == compat.Shard(0) or n == 1) if name == "dp" else p in (compat.Replicate(), compat.Shard(1))
             for p, name, n in zip(pl, mesh_dim_names, traced.strategies.mesh_shape)
         )
         if spec is not None:

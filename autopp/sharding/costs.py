@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from autopp.sharding import _torch_private as tp
+from autopp._compat import sharding as compat
 from autopp.sharding import op_hooks
-from autopp.sharding.profiles import DeviceProfile, mesh_links
+from autopp.profiles.devices import DeviceProfile, mesh_links
 from autopp.sharding.strategies import VIEW_OPS, NodeStrategy, Option, local_shape, tensor_vals
 
 
@@ -51,11 +51,11 @@ class Collective:
 
 
 def _is_shard(p: Any) -> bool:
-    return isinstance(p, (tp.Shard, tp.StridedShard))
+    return isinstance(p, (compat.Shard, compat.StridedShard))
 
 
 def _is_partial(p: Any) -> bool:
-    return isinstance(p, tp.Partial)
+    return isinstance(p, compat.Partial)
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -107,7 +107,7 @@ class CostModel:
             s, d, n = src[i], dst[i], self.mesh_shape[i]
             if n == 1:  # a size-1 mesh dim: every placement is the same data
                 continue
-            if _is_partial(s) and isinstance(d, tp.Replicate):
+            if _is_partial(s) and isinstance(d, compat.Replicate):
                 kind, after = "all_reduce", local
             elif _is_partial(s) and _is_shard(d):
                 kind, after = "reduce_scatter", local / n
@@ -138,7 +138,7 @@ class CostModel:
             args = torch.fx.node.map_arg(node.args, lambda n: n.meta.get("val"))
             kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: n.meta.get("val"))
             try:
-                with tp.unset_fake_temporarily():
+                with compat.unset_fake_temporarily():
                     flops = float(fn(*args, **kwargs, out_val=node.meta.get("val")))
             except Exception:  # noqa: BLE001 - a FLOP formula that cannot read these args
                 flops = 0.0

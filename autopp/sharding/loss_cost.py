@@ -2,7 +2,7 @@
 parallel over tp with the logits left split on the vocabulary (loss parallel).
 
 The last stage's planned graph ends at the logits; which placement it leaves them in is a
-choice between two plans (see :func:`autopp.auto_plan.plan_pipeline`):
+choice between two plans (see :func:`autopp.plan.make.plan_pipeline`):
 
 * ``"batch"``: logits gathered over tp (the ILP pays the all-gather of a vocabulary-sized
   tensor); every tp rank then computes the whole loss.
@@ -22,7 +22,8 @@ import math
 
 import torch
 
-from autopp.sharding.profiles import DeviceProfile, get_profile, mesh_links
+from autopp.profiles.devices import DeviceProfile, mesh_links
+from autopp.profiles.lookup import get_profile
 
 PASSES = 6
 """Reads + writes of the fp32 logits by cross entropy's forward and backward (upcast, max,

@@ -11,19 +11,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autopp.sharding import _torch_private as tp
+from autopp._compat import sharding as compat
 
 PlacementStrs = tuple[str, ...]
 
 
 def placement_str(p: Any) -> str:
-    if isinstance(p, tp.Replicate):
+    if isinstance(p, compat.Replicate):
         return "R"
-    if isinstance(p, tp.StridedShard):
+    if isinstance(p, compat.StridedShard):
         return f"SS({p.dim},{p.split_factor})"
-    if isinstance(p, tp.Shard):
+    if isinstance(p, compat.Shard):
         return f"S({p.dim})"
-    if isinstance(p, tp.Partial):
+    if isinstance(p, compat.Partial):
         return f"P({p.reduce_op})"
     raise ValueError(f"unknown placement {p!r}")
 
@@ -31,14 +31,14 @@ def placement_str(p: Any) -> str:
 def parse_placement(s: str) -> Any:
     s = s.strip()
     if s == "R":
-        return tp.Replicate()
+        return compat.Replicate()
     if s.startswith("SS("):
         d, f = s[3:-1].split(",")
-        return tp.StridedShard(int(d), split_factor=int(f))
+        return compat.StridedShard(int(d), split_factor=int(f))
     if s.startswith("S("):
-        return tp.Shard(int(s[2:-1]))
+        return compat.Shard(int(s[2:-1]))
     if s.startswith("P("):
-        return tp.Partial(s[2:-1])
+        return compat.Partial(s[2:-1])
     raise ValueError(f"cannot parse placement {s!r}; expected R, S(d) or P(op)")
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from autopp.sharding import _torch_private as tp
+from autopp._compat import sharding as compat
 from autopp.sharding.budget import MODES, Chain, DistinctUnit, Stage, chain_at_price, choose_chain
 from autopp.sharding.chain import (
     TracedBlock,
@@ -30,7 +30,8 @@ from autopp.sharding.costs import CostModel
 from autopp.sharding.memory_row import MemorySpec
 from autopp.sharding.precision import check_policy, maybe_cast, reduce_after_cast
 from autopp.sharding.plan import BlockPlan, CollectivePlan, ParamPlan, StagePlan, to_strs
-from autopp.sharding.profiles import DeviceProfile, get_profile
+from autopp.profiles.devices import DeviceProfile
+from autopp.profiles.lookup import get_profile
 from autopp.sharding.solver import InfeasiblePlanError, Model, PlacementSpec
 from autopp.sharding.strategies import enumerate_strategies, tensor_vals
 from autopp.sharding.trace import check_on_meta, graph_signature, trace_joint
@@ -49,12 +50,12 @@ def _spec(value: Any, names: Sequence[str], shape: Sequence[int]) -> PlacementSp
     if value is None:
         return None
     if isinstance(value, str) and value == DEFAULT:
-        spec = tuple(tp.Shard(0) if n == "dp" else tp.Replicate() for n in names)
+        spec = tuple(compat.Shard(0) if n == "dp" else compat.Replicate() for n in names)
     else:
         spec = tuple(parse_placement(v) if isinstance(v, str) else v for v in value)
     if len(spec) != len(names):
         raise ValueError(f"placement constraint {value!r} needs one entry per mesh dim {names}")
-    return tuple(tp.Replicate() if n == 1 and p is not None else p for p, n in zip(spec, shape))
+    return tuple(compat.Replicate() if n == 1 and p is not None else p for p, n in zip(spec, shape))
 
 
 def plan_stage(

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
-from autopp.sharding.plan import StagePlan
+from autopp.format import format_bytes
 
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} GiB"
+if TYPE_CHECKING:
+    from autopp.sharding.plan import StagePlan
 
 
 def _time(s: float) -> str:
@@ -27,17 +24,17 @@ def _memory_line(plan: StagePlan) -> str:
     """The memory row's estimate by category."""
     if plan.optimizer_state_factor is not None:
         state = (f"parameters + gradients + optimizer state (x{plan.optimizer_state_factor:g}) "
-                 f"{_bytes(plan.state_bytes)}")
+                 f"{format_bytes(plan.state_bytes, digits=1)}")
     else:
-        state = f"parameter state (x{plan.param_state_factor:g}) {_bytes(plan.state_bytes)}"
-    act = f"activations {_bytes(plan.activation_bytes)} per microbatch"
+        state = f"parameter state (x{plan.param_state_factor:g}) {format_bytes(plan.state_bytes, digits=1)}"
+    act = f"activations {format_bytes(plan.activation_bytes, digits=1)} per microbatch"
     if plan.activation_factor is None:
         return f"  memory per device (estimate): {state}; {act} (not in the budget)"
     budget = ("" if plan.memory_budget_bytes is None
-              else f" (budget {_bytes(plan.memory_budget_bytes)})")
+              else f" (budget {format_bytes(plan.memory_budget_bytes, digits=1)})")
     return (f"  memory per device (estimate): {state} + {act} x {plan.activation_factor:g} in "
-            f"flight + gathered parameters {_bytes(plan.gathered_param_bytes)} = "
-            f"{_bytes(plan.memory_bytes)}{budget}")
+            f"flight + gathered parameters {format_bytes(plan.gathered_param_bytes, digits=1)} = "
+            f"{format_bytes(plan.memory_bytes, digits=1)}{budget}")
 
 
 def _recompute_line(plan: StagePlan) -> str:
@@ -50,8 +47,8 @@ def _recompute_line(plan: StagePlan) -> str:
     for mode, t, mem, least in plan.recompute_options:
         if mode == plan.recompute:
             continue
-        others.append(f"{mode}: {_time(t)}, {_bytes(mem)}" if t is not None
-                      else f"{mode}: does not fit (least {_bytes(least)})")
+        others.append(f"{mode}: {_time(t)}, {format_bytes(mem, digits=1)}" if t is not None
+                      else f"{mode}: does not fit (least {format_bytes(least, digits=1)})")
     if others:
         line += "; " + "; ".join(others)
     return line
@@ -65,9 +62,9 @@ def format_plan(plan: StagePlan, max_collectives: int = 40) -> str:
         f"  estimated step time (fwd+bwd, one device): {_time(plan.step_time_s)} "
         f"= compute {_time(plan.compute_s)} + communication {_time(plan.comm_s)}"
         + (f" + recomputation {_time(plan.recompute_s)}" if plan.recompute_s else ""),
-        f"  parameter memory per device: {_bytes(plan.param_bytes_per_device)}"
+        f"  parameter memory per device: {format_bytes(plan.param_bytes_per_device, digits=1)}"
         + (
-            f" (budget {_bytes(plan.memory_budget_bytes)})"
+            f" (budget {format_bytes(plan.memory_budget_bytes, digits=1)})"
             if plan.memory_budget_bytes is not None
             else " (no budget)"
         ),
@@ -85,7 +82,7 @@ def format_plan(plan: StagePlan, max_collectives: int = 40) -> str:
     ]
     width = max((len(p.fqn) for p in plan.params), default=10)
     for p in plan.params:
-        lines.append(f"  {p.fqn:<{width}}  {_pl(p.placements, names):<16}  {_bytes(p.local_bytes)}")
+        lines.append(f"  {p.fqn:<{width}}  {_pl(p.placements, names):<16}  {format_bytes(p.local_bytes, digits=1)}")
     lines += ["", "Collectives (kind over mesh dim: count, bytes per device, time):"]
     agg: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     for c in plan.collectives:
@@ -94,12 +91,12 @@ def format_plan(plan: StagePlan, max_collectives: int = 40) -> str:
         a[1] += c.bytes
         a[2] += c.time_s
     for (kind, dim), (n, b, t) in sorted(agg.items(), key=lambda kv: -kv[1][2]):
-        lines.append(f"  {kind:<15} over {dim:<4} x{int(n):<4} {_bytes(b):>12}  {_time(t)}")
+        lines.append(f"  {kind:<15} over {dim:<4} x{int(n):<4} {format_bytes(b, digits=1):>12}  {_time(t)}")
     lines += ["", f"Largest collectives (of {len(plan.collectives)}):"]
     for c in sorted(plan.collectives, key=lambda c: -c.time_s)[:max_collectives]:
         where = f"{c.block}:" if c.block else ""
         lines.append(
-            f"  {c.kind:<15} {c.mesh_dim:<4} {_bytes(c.bytes):>12} {_time(c.time_s):>10}  "
+            f"  {c.kind:<15} {c.mesh_dim:<4} {format_bytes(c.bytes, digits=1):>12} {_time(c.time_s):>10}  "
             f"{where}{c.producer} -> {c.node}"
         )
     lines += ["", "Fallbacks (replicated, no DTensor rule):"]
@@ -107,3 +104,13 @@ def format_plan(plan: StagePlan, max_collectives: int = 40) -> str:
     if plan.notes:
         lines += ["", "Notes:"] + [f"  {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def placement_summary(plan: StagePlan) -> str:
+    """Distinct placements by parameter (layer indices folded): ``wqkv S(0)/S(0), ...``."""
+    seen: dict[str, set[str]] = defaultdict(set)
+    for p in plan.params:
+        name = re.sub(r"^layers\.\d+\.", "", p.fqn).removesuffix(".weight")
+        name = name.split(".")[-1]
+        seen[name].add("/".join(p.placements))
+    return ", ".join(f"{n} {'|'.join(sorted(v))}" for n, v in seen.items())

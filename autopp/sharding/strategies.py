@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from autopp.sharding import _torch_private as tp
+from autopp._compat import sharding as compat
 from autopp.sharding import op_hooks
 from autopp.sharding.trace import JointGraph
 
@@ -103,9 +103,9 @@ def local_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequen
     """Per-device shape, or None if a sharded dim does not divide evenly."""
     out = list(shape)
     for p, n in zip(placements, mesh_shape):
-        if isinstance(p, tp.StridedShard):
+        if isinstance(p, compat.StridedShard):
             return None
-        if isinstance(p, tp.Shard):
+        if isinstance(p, compat.Shard):
             if out[p.dim] % n:
                 return None
             out[p.dim] //= n
@@ -114,8 +114,8 @@ def local_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequen
 
 def all_placements(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Placements]:
     """Every even Replicate/Shard placement of a tensor of ``shape``."""
-    per_dim = [tp.Replicate()] + [tp.Shard(d) for d in range(len(shape))]
-    choices = [per_dim if n > 1 else [tp.Replicate()] for n in mesh_shape]
+    per_dim = [compat.Replicate()] + [compat.Shard(d) for d in range(len(shape))]
+    choices = [per_dim if n > 1 else [compat.Replicate()] for n in mesh_shape]
     return [
         pl for pl in itertools.product(*choices) if local_shape(shape, pl, mesh_shape) is not None
     ]
@@ -123,16 +123,16 @@ def all_placements(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Plac
 
 def _trivial_dims_replicated(placements: Placements, mesh_shape: Sequence[int]) -> bool:
     """Size-1 mesh dims carry ``Replicate`` only (any other placement is the same data)."""
-    return all(n > 1 or isinstance(p, tp.Replicate) for p, n in zip(placements, mesh_shape))
+    return all(n > 1 or isinstance(p, compat.Replicate) for p, n in zip(placements, mesh_shape))
 
 
 def _tensor_args(node: fx.Node) -> list[fx.Node]:
-    leaves = tp.tree_leaves((node.args, node.kwargs))
+    leaves = compat.tree_leaves((node.args, node.kwargs))
     return [a for a in leaves if isinstance(a, fx.Node) and tensor_vals(a)]
 
 
 def _spec(mesh, pl: Placements, t: torch.Tensor):
-    return tp.make_spec(mesh, pl, tp.tensor_meta(t))
+    return compat.make_spec(mesh, pl, compat.tensor_meta(t))
 
 
 def _strategy_of(ns: NodeStrategy, idx: int, mesh, restrict: Placements | None, cache: dict):
@@ -144,7 +144,7 @@ def _strategy_of(ns: NodeStrategy, idx: int, mesh, restrict: Placements | None, 
         seen = list(dict.fromkeys(o.out[idx] for o in ns.options))
         if restrict is not None:
             seen = [pl for pl in seen if pl == restrict]
-        hit = cache[key] = tp.OpStrategy([tp.OpSpec(_spec(mesh, pl, val)) for pl in seen])
+        hit = cache[key] = compat.OpStrategy([compat.OpSpec(_spec(mesh, pl, val)) for pl in seen])
     return hit
 
 
@@ -172,7 +172,7 @@ class _Enumerator:
             self.kind_of[n] = "tangent"
 
     def run(self) -> Strategies:
-        with tp.unset_fake_temporarily(), tp.cheap_redistribute_costs():
+        with compat.unset_fake_temporarily(), compat.cheap_redistribute_costs():
             for node in self.joint.gm.graph.nodes:
                 if node.op == "placeholder":
                     self._placeholder(node)
@@ -190,7 +190,7 @@ class _Enumerator:
         self.nodes[node] = ns
 
     def _replicated(self, node: fx.Node, edges) -> list[Option]:
-        rep = tuple(tp.Replicate() for _ in self.mesh_shape)
+        rep = tuple(compat.Replicate() for _ in self.mesh_shape)
         outs = tuple(rep if v is not None else None for v in tensor_vals(node))
         return [Option(outs, tuple(rep for _ in edges))]
 
@@ -228,21 +228,21 @@ class _Enumerator:
         self.nodes[node] = ns
 
     def _schema_args(self, node: fx.Node, pick: dict[fx.Node, Placements] | None = None):
-        single_dim = tp.is_single_dim_rule(node.target)
+        single_dim = compat.is_single_dim_rule(node.target)
 
         def conv(a):
             if isinstance(a, fx.Node) and tensor_vals(a):
                 val = tensor_vals(a)[0]
                 if single_dim:
                     # One option per input: a plain Shard tells the rule which kind to expand.
-                    pl = [tp.Replicate() for _ in self.mesh_shape]
+                    pl = [compat.Replicate() for _ in self.mesh_shape]
                     if val.dim() > 0:
-                        pl[0] = tp.Shard(0)
-                    return tp.OpStrategy([tp.OpSpec(_spec(self.mesh, tuple(pl), val))])
+                        pl[0] = compat.Shard(0)
+                    return compat.OpStrategy([compat.OpSpec(_spec(self.mesh, tuple(pl), val))])
                 restrict = None if pick is None else pick.get(a)
                 return _strategy_of(self.nodes[a], 0, self.mesh, restrict, self._strategy_cache)
             if isinstance(a, (list, tuple)) and a and all(isinstance(x, fx.Node) for x in a):
-                return tp.TupleStrategy([conv(x) for x in a])
+                return compat.TupleStrategy([conv(x) for x in a])
             return a
 
         def walk(x):
@@ -258,24 +258,24 @@ class _Enumerator:
 
     def _out_meta(self, node: fx.Node):
         vals = tensor_vals(node)
-        metas = [tp.tensor_meta(v) if v is not None else None for v in vals]
+        metas = [compat.tensor_meta(v) if v is not None else None for v in vals]
         return metas[0] if isinstance(node.meta.get("val"), torch.Tensor) else tuple(metas)
 
     def _query(self, node: fx.Node, pick=None):
         args, kwargs = self._schema_args(node, pick)
-        return tp.op_strategy(node.target, args, kwargs, self._out_meta(node), self.mesh)
+        return compat.op_strategy(node.target, args, kwargs, self._out_meta(node), self.mesh)
 
     def _ask_dtensor(self, node: fx.Node, args: list[fx.Node]):
-        if not tp.is_op_overload(node.target):
+        if not compat.is_op_overload(node.target):
             return [], None, "not an aten op"
-        if not tp.has_rule(node.target):
-            if not tp.has_decomp_rule(node.target):
+        if not compat.has_rule(node.target):
+            if not compat.has_decomp_rule(node.target):
                 return [], None, "no DTensor rule"
             return self._ask_decomposition(node, args)
         results = []  # (producer placement or None, strategy)
         distinct = list(dict.fromkeys(args))
         follow = (
-            not tp.is_single_dim_rule(node.target)
+            not compat.is_single_dim_rule(node.target)
             and len(args) == 1
             and len(self.nodes[args[0]].options) > 1
         )
@@ -324,14 +324,14 @@ class _Enumerator:
             if isinstance(a, fx.Node) and tensor_vals(a):
                 val = tensor_vals(a)[0]
                 # a Shard among the inputs makes DTensor try Shard on every tensor dim
-                pl = [tp.Replicate() for _ in self.mesh_shape]
+                pl = [compat.Replicate() for _ in self.mesh_shape]
                 if val.dim() > 0:
-                    pl[0] = tp.Shard(0)
+                    pl[0] = compat.Shard(0)
                 return _spec(self.mesh, tuple(pl), val)
             return a
 
         try:
-            strat = tp.decomp_op_strategy(
+            strat = compat.decomp_op_strategy(
                 node.target,
                 tuple(fx.node.map_arg(node.args, spec)),
                 dict(fx.node.map_arg(node.kwargs, spec)),

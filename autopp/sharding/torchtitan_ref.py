@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from autopp.sharding import _torch_private as tp
+from autopp._compat import sharding as compat
 from autopp.sharding.plan import StagePlan
 from autopp.sharding.planner import plan_stage
 
@@ -30,13 +30,13 @@ def torchtitan_param_placements(module: nn.Module, mesh_dim_names: tuple[str, ..
         spec = []
         for name in mesh_dim_names:
             if name == "dp":
-                spec.append(tp.Shard(0))
+                spec.append(compat.Shard(0))
             elif name == "tp" and owner in COLWISE:
-                spec.append(tp.Shard(0))
+                spec.append(compat.Shard(0))
             elif name == "tp" and owner in ROWWISE:
-                spec.append(tp.Shard(1))
+                spec.append(compat.Shard(1))
             else:
-                spec.append(tp.Replicate())
+                spec.append(compat.Replicate())
         out[fqn] = tuple(spec)
     return out
 

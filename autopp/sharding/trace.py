@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autopp.sharding import _torch_private as tp
+from autopp import tracing
+from autopp._compat import sharding as compat
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +86,7 @@ def trace_joint(module: nn.Module, example_inputs: tuple[Any, ...]) -> JointGrap
         a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
         for a in example_inputs
     )
-    gm = tp.export_joint(module, args)
+    gm = compat.export_joint(module, args, [tracing.on_meta(joint=True)])
 
     params: dict[str, fx.Node] = {}
     buffers: dict[str, fx.Node] = {}
@@ -97,14 +98,14 @@ def trace_joint(module: nn.Module, example_inputs: tuple[Any, ...]) -> JointGrap
             continue
         placeholders.append(node)
         desc = node.meta.get("desc")
-        if tp.is_param_input(desc):
-            params[tp.desc_target(desc)] = node
-        elif tp.is_buffer_input(desc):
-            buffers[tp.desc_target(desc)] = node
-        elif tp.is_plain_input(desc):
-            inputs[tp.desc_index(desc)] = node
-        elif tp.is_tangent_input(desc):
-            tangents[tp.desc_index(desc)] = node
+        if compat.is_param_input(desc):
+            params[compat.desc_target(desc)] = node
+        elif compat.is_buffer_input(desc):
+            buffers[compat.desc_target(desc)] = node
+        elif compat.is_plain_input(desc):
+            inputs[compat.desc_index(desc)] = node
+        elif compat.is_tangent_input(desc):
+            tangents[compat.desc_index(desc)] = node
         else:
             raise NotImplementedError(f"unsupported graph input {node.name}: {desc!r}")
 
@@ -117,16 +118,16 @@ def trace_joint(module: nn.Module, example_inputs: tuple[Any, ...]) -> JointGrap
     for arg, desc in zip(out_node.args[0], descs):
         if arg is None:
             continue
-        if tp.buffer_mutated(desc) is not None:
-            buffer_updates[tp.buffer_mutated(desc)] = arg
-        elif tp.is_plain_output(desc):
-            outputs[tp.desc_index(desc)] = arg
-        elif tp.is_grad_output(desc):
-            target = tp.desc_target(desc)
+        if compat.buffer_mutated(desc) is not None:
+            buffer_updates[compat.buffer_mutated(desc)] = arg
+        elif compat.is_plain_output(desc):
+            outputs[compat.desc_index(desc)] = arg
+        elif compat.is_grad_output(desc):
+            target = compat.desc_target(desc)
             if target is not None:
                 grads[target] = arg
             else:
-                idx = tp.grad_of_plain_index(desc)
+                idx = compat.grad_of_plain_index(desc)
                 if idx is not None:
                     input_grads[idx] = arg
         else:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from autopp import tracing
 from autopp.stage_split.layout import ModelLayout
 
 __all__ = ["validate_split", "validate_stage"]
@@ -137,12 +138,10 @@ def check_stage_forwards(stages: list[nn.Module], first_inputs: tuple[torch.Tens
     """Run the stages (on meta, in order) once: a model whose forward calls a module that
     the split removed from a stage (set to None) fails here with an error that says so,
     on every rank before any communication, instead of deep inside a schedule."""
-    from autopp import adapters
-
     x = tuple(t.to("meta") for t in first_inputs)
     for i, stage in enumerate(stages):
         try:
-            with adapters.tracing():  # e.g. a MoE router's autocast, which meta refuses
+            with tracing.on_meta():  # e.g. a MoE router's autocast, which meta refuses
                 out = stage(*x)
         except TypeError as e:
             if "NoneType" not in str(e):

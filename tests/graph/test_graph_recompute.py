@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from graph_models import lm_loss, mse_loss  # noqa: E402
 
 from autopp.graph import split_joint_graph, trace_stage  # noqa: E402
-from autopp.sharding.memory import saved_bytes  # noqa: E402
+from autopp.lower.memory import saved_bytes  # noqa: E402
 
 RECOMPUTE = ("none", "selective", "full")
 D, HEADS, S, B = 32, 4, 8, 2

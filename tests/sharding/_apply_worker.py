@@ -63,7 +63,7 @@ def run_graphs(sharded, plan, mesh, x, w) -> torch.Tensor:
     reduce-grad) on local shards, as the pipeline runtime calls them."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from autopp.graph import _compat
+    from autopp._compat import graph as _compat
     from autopp.sharding.plan import from_strs
 
     local, g = sharded.stage_graphs()
@@ -84,7 +84,7 @@ def run_graphs(sharded, plan, mesh, x, w) -> torch.Tensor:
 def main(rank: int, world: int, init_file: str, out_file: str, dp: int, tp: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     from autopp.sharding import StagePlan, plan_stage
-    from autopp.sharding.apply import apply_plan
+    from autopp.lower.apply import apply_plan
     from autopp.sharding.torchtitan_ref import torchtitan_param_placements
 
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))

@@ -56,7 +56,7 @@ def _case(x, scores, ids, ws, tok_rows, experts, group, block, partial_over):
 
 
 def run(rank: int, world_size: int) -> dict:
-    import autopp.sharding.experts  # noqa: F401  (registers the op)
+    import autopp.ops.experts  # noqa: F401  (registers the op)
 
     x, scores, ids, ws = inputs()
     out = {}

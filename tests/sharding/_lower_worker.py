@@ -43,8 +43,8 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 def run_lower(rank: int, world: int, dp: int, tp: int, time_iters: int) -> dict[str, Any]:
     from autopp.sharding import StagePlan, plan_stage
-    from autopp.sharding.apply import apply_plan
-    from autopp.sharding.lower import collective_counts, lower_joint, split_local
+    from autopp.lower.apply import apply_plan
+    from autopp.lower.local_graphs import collective_counts, lower_joint, split_local
 
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     meta_stack = build("meta")

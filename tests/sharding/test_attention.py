@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import autopp.sharding.attention  # noqa: F401  (registers autopp::sdpa)
+import autopp.ops.attention  # noqa: F401  (registers autopp::sdpa)
 
 
 @pytest.mark.parametrize("causal,gqa", [(True, False), (False, False), (True, True)])

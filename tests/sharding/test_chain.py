@@ -37,14 +37,14 @@ def test_block_stack_planned_once(stack_of, make_mesh):
 
 
 def test_sequence_parallel_boundaries_are_candidates(llama_debug, make_mesh):
-    from autopp.sharding import _torch_private as tp
+    from autopp._compat import sharding as compat
     from autopp.sharding.chain import boundary_candidates, trace_block
 
     traced = trace_block(llama_debug.layers["0"], torch.empty(8, 64, 256, device="meta"),
                          make_mesh(2, 4))
     cands = boundary_candidates(traced, ("dp", "tp"))
-    assert (tp.Shard(0), tp.Replicate()) in cands
-    assert (tp.Shard(0), tp.Shard(1)) in cands  # batch on dp, sequence on tp
+    assert (compat.Shard(0), compat.Replicate()) in cands
+    assert (compat.Shard(0), compat.Shard(1)) in cands  # batch on dp, sequence on tp
 
 
 def test_decoder_stage_planned_as_embedding_blocks_head(make_mesh):

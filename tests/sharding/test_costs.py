@@ -1,11 +1,12 @@
 import pytest
 import torch
 
-from autopp.sharding import _torch_private as tp
+from autopp._compat import sharding as compat
 from autopp.sharding.costs import CostModel
-from autopp.sharding.profiles import PROFILES, get_profile, mesh_links
+from autopp.profiles.devices import PROFILES, mesh_links
+from autopp.profiles.lookup import get_profile
 
-R, S0, S1, P = tp.Replicate(), tp.Shard(0), tp.Shard(1), tp.Partial()
+R, S0, S1, P = compat.Replicate(), compat.Shard(0), compat.Shard(1), compat.Partial()
 
 
 def test_profiles_by_name_only():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopp.sharding import experts  # noqa: F401  (registers the op)
+from autopp.ops import experts  # noqa: F401  (registers the op)
 
 B, L, D, F, E, K = 2, 8, 16, 16, 8, 2
 

@@ -1,4 +1,4 @@
-"""Lowering a plan to a local joint graph with explicit collectives (autopp.sharding.lower)."""
+"""Lowering a plan to a local joint graph with explicit collectives (autopp.lower.local_graphs)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from autopp.sharding.plan import from_strs
 def test_lowered_block_has_local_shapes_and_collectives(make_mesh, stack_of):
     from autopp.sharding import plan_stage
     from autopp.sharding.units import stage_units
-    from autopp.sharding.lower import lower_joint, split_local
+    from autopp.lower.local_graphs import lower_joint, split_local
     from autopp.sharding.trace import trace_joint
 
     mesh = make_mesh(2, 2)

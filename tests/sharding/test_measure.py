@@ -10,25 +10,25 @@ import math
 import pytest
 import torch
 
-from autopp.estimate import pp_link
-from autopp.sharding import _torch_private as tp
-from autopp.sharding import measure, profiles
+from autopp.estimate.stage_costs import pp_link
+from autopp._compat import sharding as compat
+from autopp.profiles import measure, devices as profiles
 from autopp.sharding.costs import CostModel
-from autopp.sharding.measure import (
+from autopp.profiles.measure import (
     fit_latency_bandwidth,
     measure_profile,
     measured_name,
     wire_bytes,
 )
-from autopp.sharding.profiles import (
+from autopp.profiles.devices import (
     DeviceProfile,
-    get_profile,
     load_profile,
     mesh_links,
     profile_cache_dir,
     register_profile,
     save_profile,
 )
+from autopp.profiles.lookup import get_profile
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_wire_bytes_are_the_cost_models(n):
     cm = CostModel(prof, (n,))
     shape, dt = (64, 1024), torch.float32
     full = 64 * 1024 * 4
-    R, S0, P = tp.Replicate(), tp.Shard(0), tp.Partial()
+    R, S0, P = compat.Replicate(), compat.Shard(0), compat.Partial()
     lat, bw = prof.intra_node_latency, prof.intra_node_bw
     # all_gather's input is the local shard; reduce_scatter's and all_reduce's the full tensor
     for src, dst, op, local in ((S0, R, "all_gather_into_tensor", full / n),

@@ -25,8 +25,8 @@ def test_activation_estimate_equals_lowered_graphs(block, make_mesh):
     """For a dp- and tp-sharded llama3 block (torchtitan's FSDP+TP parameters; activations
     planned), the plan's activation bytes per microbatch and gathered parameter bytes equal
     what the lowered, split graphs save / unshard, under each recomputation policy."""
-    from autopp.sharding.lower import lower_joint, split_local
-    from autopp.sharding.memory import saved_bytes, unsharded_bytes
+    from autopp.lower.local_graphs import lower_joint, split_local
+    from autopp.lower.memory import saved_bytes, unsharded_bytes
     from autopp.sharding.torchtitan_ref import torchtitan_param_placements
     from autopp.sharding.trace import trace_joint
     from autopp.sharding.units import stage_units
@@ -61,8 +61,8 @@ def test_sequence_parallel_recompute_regathers_instead_of_saving(block, make_mes
     than "selective", and the ILP's count equals the lowered graphs' bytes in each mode."""
     from torch.distributed.tensor import Shard
 
-    from autopp.sharding.lower import lower_joint, split_local
-    from autopp.sharding.memory import saved_bytes
+    from autopp.lower.local_graphs import lower_joint, split_local
+    from autopp.lower.memory import saved_bytes
     from autopp.sharding.torchtitan_ref import torchtitan_param_placements
     from autopp.sharding.trace import trace_joint
     from autopp.sharding.units import stage_units
@@ -93,7 +93,7 @@ def test_ilp_row_matches_account_and_recompute_lowers_activations(llama_debug, m
     memory row, priced, equals the exact walk of the chosen plan."""
     from autopp.sharding.chain import block_restrictions, boundary_candidates, trace_block
     from autopp.sharding.costs import CostModel
-    from autopp.sharding.profiles import get_profile
+    from autopp.profiles.lookup import get_profile
     from autopp.sharding.solver import MemorySpec, Model
 
     mesh = make_mesh(2, 2)

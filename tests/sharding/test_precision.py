@@ -9,7 +9,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autopp.sharding import plan_stage
 from autopp.sharding.units import stage_units
-from autopp.sharding.lower import lower_joint
+from autopp.lower.local_graphs import lower_joint
 from autopp.sharding.precision import check_policy, maybe_cast
 from autopp.sharding.trace import trace_joint
 from tests.sharding._apply_worker import build

@@ -57,7 +57,7 @@ def test_ilp_objective_matches_evaluation(llama_debug, make_mesh):
     """The ILP's objective and a re-pricing of its chosen options agree (no folding bugs)."""
     from autopp.sharding.chain import block_restrictions, boundary_candidates, trace_block
     from autopp.sharding.costs import CostModel
-    from autopp.sharding.profiles import get_profile
+    from autopp.profiles.lookup import get_profile
     from autopp.sharding.solver import Model
 
     mesh = make_mesh(2, 4)

@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from autopp.sharding import _torch_private as tp
+from autopp._compat import sharding as compat
 from autopp.sharding.strategies import all_placements, enumerate_strategies
 from autopp.sharding.trace import trace_joint
 
@@ -19,14 +19,14 @@ def test_llama_block_has_no_fallbacks(llama_debug, make_mesh):
     assert mms and all(len(ns.options) > 1 for ns in mms)
     # colwise-then-rowwise is reachable: some mm option wants the weight sharded on tp
     assert all(
-        tp.StridedShard not in {type(p) for o in ns.options for pl in o.out for p in pl}
+        compat.StridedShard not in {type(p) for o in ns.options for pl in o.out for p in pl}
         for ns in st.nodes.values()
     )
 
 
 def test_uneven_placements_are_pruned():
-    assert (tp.Shard(0), tp.Replicate()) not in all_placements((3, 4), (2, 2))
-    assert (tp.Replicate(), tp.Shard(1)) in all_placements((3, 4), (2, 2))
+    assert (compat.Shard(0), compat.Replicate()) not in all_placements((3, 4), (2, 2))
+    assert (compat.Replicate(), compat.Shard(1)) in all_placements((3, 4), (2, 2))
 
 
 @torch.library.custom_op("autopp_test::double_it", mutates_args=())
@@ -59,7 +59,7 @@ def test_op_without_rule_falls_back_and_is_listed(make_mesh):
     assert any("double_it" in f for f in st.fallbacks)
     node = next(n for n in st.nodes if "double_it" in str(n.target))
     (opt,) = st.nodes[node].options
-    assert all(p == tp.Replicate() for p in opt.out[0])
+    assert all(p == compat.Replicate() for p in opt.out[0])
 
 
 class Huber(nn.Module):
@@ -79,4 +79,4 @@ def test_op_without_rule_uses_decomposition_next(make_mesh):
     assert st.fallbacks == []
     node = next(n for n in st.nodes if n.target == torch.ops.aten.huber_loss.default)
     outs = {o.out[0] for o in st.nodes[node].options}
-    assert (tp.Shard(0), tp.Shard(1)) in outs  # sharded options, not just replication
+    assert (compat.Shard(0), compat.Shard(1)) in outs  # sharded options, not just replication

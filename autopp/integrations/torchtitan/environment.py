@@ -141,15 +141,12 @@ def use_set_timeout() -> Callable[[], None]:
 
     if hasattr(dist, "set_timeout"):
         return lambda: None
-    from torch.distributed.distributed_c10d import _set_pg_timeout
+    from autopp._compat.distributed import set_pg_timeout
 
-    def set_timeout(timeout, group=None) -> None:
-        _set_pg_timeout(timeout, group)
-
-    dist.set_timeout = set_timeout
+    dist.set_timeout = set_pg_timeout
 
     def restore() -> None:
-        if getattr(dist, "set_timeout", None) is set_timeout:
+        if getattr(dist, "set_timeout", None) is set_pg_timeout:
             del dist.set_timeout
 
     return restore

@@ -1,6 +1,6 @@
 """autopp's predictions in torchtitan's log: the simulated step, memory and tokens/s.
 
-At startup :func:`estimate_plan` gives the planner's :class:`~autopp.pipeline_plan.PipelinePlan`
+At startup :func:`estimate_plan` gives the planner's :class:`~autopp.plan.value.PipelinePlan`
 the schedule simulator's estimates, as :func:`autopp.dry_run.dry_run` does for its plan,
 without planning again: each stage's plan becomes a :class:`~autopp.schedules.StageCost`
 (:mod:`autopp.estimate`: F / I / W times, UNSHARD / REDUCE_GRAD, point-to-point bytes, and
@@ -36,13 +36,13 @@ EstimateMode = Literal["graphs", "rule", "off"]
 
 
 def estimate_plan(plan, model: nn.Module, sub_mesh, *, mode: EstimateMode = "graphs"):
-    """``plan`` (a :class:`~autopp.pipeline_plan.PipelinePlan`) with simulated estimates.
+    """``plan`` (a :class:`~autopp.plan.value.PipelinePlan`) with simulated estimates.
 
     ``model``: the whole model on meta; ``sub_mesh``: a stage's ("dp", "tp") sub-mesh (the
     real one or a fake one; all stages' have the same shape). A plan that has estimates
     already (e.g. a dry run's) is returned as it is."""
-    from autopp.auto_plan import boundary_bytes, stage_meta_inputs
-    from autopp.estimate import (
+    from autopp.plan.make import boundary_bytes, stage_meta_inputs
+    from autopp.estimate.stage_costs import (
         param_dtypes,
         pipeline_estimates,
         pp_link,

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopp.integrations.torchtitan import _compat
+from autopp._compat import torchtitan as _compat
 from autopp.integrations.torchtitan.options import AutoppOptions
 
 
@@ -104,7 +104,7 @@ class AutoppSchedule:
     def __init__(self, pipeline, *, dp_size: int, plan=None) -> None:
         self.pipeline = pipeline
         self.dp_size = dp_size
-        #: The whole pipeline's :class:`~autopp.pipeline_plan.PipelinePlan` with the
+        #: The whole pipeline's :class:`~autopp.plan.value.PipelinePlan` with the
         #: simulator's estimates (``--autopp.estimate``); None with ``parallelize
         #: replicate``. ``plan.save(path)`` keeps it.
         self.plan = plan
@@ -150,7 +150,7 @@ def _loss_for_autopp(loss_fn):
     ``loss_fn(pred, labels, global_valid_tokens) -> (sum / global_valid_tokens, metrics)``."""
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss, IGNORE_INDEX
 
-    from autopp import cross_entropy
+    from autopp.loss import cross_entropy
     from autopp.loss import count_tokens
 
     if isinstance(loss_fn, ChunkedLossWrapper):
@@ -201,8 +201,9 @@ def pipeline_autopp(
 ) -> tuple[AutoppSchedule, list[nn.Module], bool, bool]:
     """torchtitan ``pipelining_fn`` running the model as an autopp pipeline (module doc)."""
     del dump_folder, parallelize_fn
-    import autopp
-    from autopp.api import split_for_schedule
+    from autopp.api import pipeline_autoparallel
+    from autopp.mesh import build_world_mesh
+    from autopp.stage_split.for_schedule import split_for_schedule
     from autopp.backends import Planner, PlannerOptions, Replicate
     from autopp.tied import find_tied
     from torchtitan.tools.logging import logger
@@ -210,7 +211,7 @@ def pipeline_autopp(
     options = options or AutoppOptions()
     _check_supported(parallel_dims, training)
     dp = parallel_dims.dp_replicate * parallel_dims.dp_shard
-    mesh = autopp.build_world_mesh(pp=parallel_dims.pp, dp=dp, tp=parallel_dims.tp,
+    mesh = build_world_mesh(pp=parallel_dims.pp, dp=dp, tp=parallel_dims.tp,
                                    device_type=device.type)
     _check_same_ranks(mesh, parallel_dims)
 
@@ -247,7 +248,7 @@ def pipeline_autopp(
     else:
         backend = Replicate()
 
-    pipe = autopp.pipeline_autoparallel(
+    pipe = pipeline_autoparallel(
         model, mesh, example_inputs=(tokens,), loss_fn=_loss_for_autopp(loss_fn),
         schedule=schedule, n_microbatches=n_microbatches, split=split, parallelize=backend,
     )

@@ -22,8 +22,8 @@ ranks share the host's RAM, the RAM divided by the world size.
 Every time is the slowest rank's time of one repeat (ranks start each repeat together),
 and each figure is the median over repeats after a warm-up. The profile is named
 ``"measured-<hash>"`` (hash of host, device, backend, world size and torch version) and
-stored as JSON in :func:`autopp.sharding.profiles.profile_cache_dir`, where
-:func:`autopp.sharding.profiles.get_profile` finds it by name in any later process.
+stored as JSON in :func:`autopp.profiles.devices.profile_cache_dir`, where
+:func:`autopp.profiles.lookup.get_profile` finds it by name in any later process.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from autopp.sharding.profiles import (
+from autopp.profiles.devices import (
     MEASURED_PREFIX,
     DeviceProfile,
     load_profile,
@@ -54,7 +54,7 @@ from autopp.sharding.profiles import (
     save_profile,
 )
 
-logger = logging.getLogger("autopp.sharding.measure")
+logger = logging.getLogger("autopp.profiles.measure")
 
 DEFAULT_WORLD_SIZE = 8
 """World size of ``get_profile("measure")``."""
@@ -463,12 +463,12 @@ def measure_profile(*, world_size: int = DEFAULT_WORLD_SIZE, backend: str | None
         device: ``"cpu"`` or ``"cuda"``; default CUDA when available. On CUDA rank ``r``
             uses GPU ``r % device_count``.
         cache: read this machine's stored measurement if there is one, and store a new one
-            (JSON in :func:`autopp.sharding.profiles.profile_cache_dir`, named
+            (JSON in :func:`autopp.profiles.devices.profile_cache_dir`, named
             :func:`measured_name`). False: always measure, store nothing. Either way the
             profile is registered under its name in this process.
         timeout_s: give up (RuntimeError) when the measurement takes longer.
 
-    Takes tens of seconds; progress is logged at INFO on ``autopp.sharding.measure``.
+    Takes tens of seconds; progress is logged at INFO on ``autopp.profiles.measure``.
     Processes on one host that ask for the same profile at once take a file lock, so one
     measures and the others read its result. The ranks are started with multiprocessing
     (forkserver, else spawn): a script that measures must keep its top-level code under
@@ -484,7 +484,7 @@ def measure_profile(*, world_size: int = DEFAULT_WORLD_SIZE, backend: str | None
     name = measured_name(world_size=world_size, backend=backend, device=device)
     if not cache:
         return register_profile(_measure(name, world_size, backend, device, timeout_s)[0])
-    from autopp.plan_cache import cached_file
+    from autopp.disk_cache import cached_file
 
     directory = profile_cache_dir()
     (profile, _), hit = cached_file(

@@ -27,7 +27,7 @@ the kernel needs no rank or mesh), and SwiGLU expert weights ``w1, w3`` ``(E, F,
 
 The planner picks per mesh dim, so "experts over dp", "over tp", "over dp x tp" or "tokens over
 dp, experts over tp" are all candidates, priced by the cost model like any other op.
-:mod:`autopp.sharding.expert_dispatch` adds the all-to-all forms of the expert-parallel
+:mod:`autopp.ops.expert_dispatch` adds the all-to-all forms of the expert-parallel
 options (each token sent only to the devices holding its experts; the op's kernel does the
 exchange), selected by the op's ``dispatch`` argument.
 
@@ -48,40 +48,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 from torch.utils.flop_counter import register_flop_formula
 
-from autopp.sharding._torch_private import autograd_inside_custom_op
-
-_DTYPES = {"": None, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "float32": torch.float32}
-
-
-def expert_mlp(routed_x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
-               compute_dtype: str) -> Tensor:
-    """SwiGLU experts on tokens sorted by (local) expert, ``counts[e]`` rows each, as
-    torchtitan's ``GroupedExperts`` computes them; the result in ``routed_x``'s dtype."""
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    dt = _DTYPES[compute_dtype]
-    cast = (lambda t: t.to(dt)) if dt is not None else (lambda t: t)
-    # the tokens are cast once per use, as torchtitan does: their gradient is then summed
-    # in fp32, not in the compute dtype
-    h = torch.nn.functional.silu(
-        torch._grouped_mm(cast(routed_x), cast(w1).transpose(-2, -1), offs=offsets))
-    h = h * torch._grouped_mm(cast(routed_x), cast(w3).transpose(-2, -1), offs=offsets)
-    return torch._grouped_mm(h, cast(w2).transpose(-2, -1), offs=offsets).type_as(routed_x)
-
-
-def combine(y: Tensor, routed_scores: Tensor, token_of: Tensor, x_td: Tensor) -> Tensor:
-    """Each routed output scaled by its score (in fp32), summed per token in a fixed order
-    (torchtitan's combine)."""
-    d = x_td.shape[-1]
-    y = (y.to(torch.float32) * routed_scores.reshape(-1, 1)).to(y.dtype)
-    out = torch.zeros_like(x_td)
-    prev = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=False)
-    try:
-        return out.scatter_add(0, token_of.reshape(-1, 1).expand(-1, d), y)
-    finally:
-        torch.use_deterministic_algorithms(prev, warn_only=warn_only)
+from autopp._compat.sharding import autograd_inside_custom_op
+from autopp.ops.expert_kernels import dispatched, combine, expert_mlp
 
 
 def _routed(x: Tensor, scores: Tensor, ids: Tensor, expert_ids: Tensor, w1: Tensor,
@@ -89,9 +57,9 @@ def _routed(x: Tensor, scores: Tensor, ids: Tensor, expert_ids: Tensor, w1: Tens
             dispatch_block: int = 0) -> Tensor:
     """The local computation (differentiable in x, scores and the weights); with a
     ``group_name``, tokens travel to their experts' devices by all-to-all
-    (:mod:`autopp.sharding.expert_dispatch`)."""
+    (:mod:`autopp.ops.expert_dispatch`)."""
     if group_name:
-        return expert_dispatch.dispatched(x, scores, ids, expert_ids, w1, w2, w3,
+        return dispatched(x, scores, ids, expert_ids, w1, w2, w3,
                                           compute_dtype, group_name, dispatch_block)
     b, l, d = x.shape
     k = ids.shape[-1]
@@ -170,7 +138,6 @@ def _backward(ctx, grad):
 
 routed_experts.register_autograd(_backward, setup_context=_setup)
 
-DISPATCHES = ("auto", "all_to_all", "all_gather")
 """How tokens may reach expert-parallel devices: "all_gather" (every device of the mesh dim
 gets every token, runs its experts on those routed to them, the output summed back),
 "all_to_all" (each token is sent only to the devices holding its experts, and their outputs
@@ -237,8 +204,3 @@ def _routed_flop(x_shape, scores_shape, ids_shape, eids_shape, w1_shape, w2_shap
 def _routed_backward_flop(grad_shape, x_shape, scores_shape, ids_shape, eids_shape, w1_shape,
                           w2_shape, w3_shape, num_experts, *args, **kwargs) -> int:
     return 3 * _expert_flops(x_shape, ids_shape, eids_shape, w1_shape, num_experts)
-
-
-# the all-to-all dispatch: its kernel, and the hooks that let the planner offer, price and
-# run it (imported last: it uses the helpers above)
-from autopp.sharding import expert_dispatch  # noqa: E402

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import re
-from collections import defaultdict
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from autopp.auto_plan import describe_loss
+from autopp.plan.make import describe_loss
 from autopp.schedules import MEMORY_CATEGORIES
-from autopp.sharding import StagePlan
+from autopp.format import format_bytes
+from autopp.sharding.report import placement_summary
 
 if TYPE_CHECKING:
-    from autopp.dry_run import DryRunReport
+    from autopp.dry_run.run import DryRunReport
 
 _BOUNDARY_WORDS = {
     "batch": "batch split over dp, whole over tp",
@@ -22,14 +20,6 @@ _BOUNDARY_WORDS = {
 _NAME = {c: c.replace("_", " ") for c in MEMORY_CATEGORIES}
 _SHORT = {"parameters": "params", "gradients": "grads", "optimizer": "optim",
           "gathered_parameters": "gathered", "activations": "acts"}
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
 
 
 def _gib(n: float) -> str:
@@ -42,42 +32,6 @@ def _unit(peak: float) -> tuple[float, str]:
 
 def _ms(s: float) -> str:
     return f"{s * 1e3:.3f} ms"
-
-
-def compact_modules(fqns: Sequence[str]) -> str:
-    """``["tok_embeddings", "layers.0", ..., "layers.7"]`` -> ``"tok_embeddings, layers.0-7"``."""
-    out: list[str] = []
-    run: list[int] = []
-    prefix = None
-
-    def flush():
-        if run:
-            out.append(f"{prefix}{run[0]}" if len(run) == 1 else f"{prefix}{run[0]}-{run[-1]}")
-            run.clear()
-
-    for f in fqns:
-        m = re.fullmatch(r"(.*\.)(\d+)", f)
-        if m and m.group(1) == prefix and run and int(m.group(2)) == run[-1] + 1:
-            run.append(int(m.group(2)))
-            continue
-        flush()
-        if m:
-            prefix, run[:] = m.group(1), [int(m.group(2))]
-        else:
-            prefix = None
-            out.append(f)
-    flush()
-    return ", ".join(out)
-
-
-def placement_summary(plan: StagePlan) -> str:
-    """Distinct placements by parameter (layer indices folded): ``wqkv S(0)/S(0), ...``."""
-    seen: dict[str, set[str]] = defaultdict(set)
-    for p in plan.params:
-        name = re.sub(r"^layers\.\d+\.", "", p.fqn).removesuffix(".weight")
-        name = name.split(".")[-1]
-        seen[name].add("/".join(p.placements))
-    return ", ".join(f"{n} {'|'.join(sorted(v))}" for n, v in seen.items())
 
 
 def _split_line(c, from_graphs: bool) -> str:
@@ -97,17 +51,17 @@ def _stage_lines(r: DryRunReport) -> list[str]:
             f"    input {' '.join(str(list(x)) for x in s.input_shapes)}; time {_ms(s.time_s)}"
             f" (compute {_ms(p.compute_s)} + comm {_ms(p.comm_s)}"
             + (f" + loss {_ms(s.loss_s)}" if s.loss_s else "")
-            + f"); params {_bytes(p.param_bytes_per_device)}/device",
+            + f"); params {format_bytes(p.param_bytes_per_device)}/device",
             _split_line(c, s.facts.from_graphs),
             f"    placements: {placement_summary(p)}",
-            *([f"    kept for the backward: {_bytes(s.activation_bytes)}/device per microbatch "
+            *([f"    kept for the backward: {format_bytes(s.activation_bytes)}/device per microbatch "
                "in flight (saved activations, from the lowered graphs; recompute "
                f"{p.recompute or 'none'}"
                + (f", chosen from {p.recompute_requested!r}" if getattr(
                    p, "recompute_requested", "") == "auto" else "")
-               + f"); gathered/cast weights {_bytes(c.gathered_param_bytes)} once per step"]
+               + f"); gathered/cast weights {format_bytes(c.gathered_param_bytes)} once per step"]
               if s.activation_bytes is not None else []),
-            f"    sends {list(s.send_shape)} = {_bytes(s.send_bytes)} per microbatch to stage "
+            f"    sends {list(s.send_shape)} = {format_bytes(s.send_bytes)} per microbatch to stage "
             f"{s.index + 1} ({_BOUNDARY_WORDS[s.boundary_out]})" if s.send_shape is not None
             else f"    last stage: {describe_loss(s.boundary_out)}",
             f"    planned in {s.plan_wall_s:.1f} s ({'cached' if s.cached else 'solved'})",
@@ -117,7 +71,7 @@ def _stage_lines(r: DryRunReport) -> list[str]:
             tt_time = t.step_time_s + s.torchtitan_loss_s
             lines.append(
                 f"    torchtitan FSDP+TP: time {_ms(tt_time)} (compute {_ms(t.compute_s)} + "
-                f"comm {_ms(t.comm_s)}), params {_bytes(t.param_bytes_per_device)}/device; "
+                f"comm {_ms(t.comm_s)}), params {format_bytes(t.param_bytes_per_device)}/device; "
                 f"planned/torchtitan {s.time_s / tt_time:.3f}; priced in "
                 f"{s.torchtitan_wall_s:.1f} s ({'cached' if s.torchtitan_cached else 'solved'})"
             )
@@ -218,8 +172,8 @@ def _pipeline_lines(r: DryRunReport) -> list[str]:
         ]
     lines += [
         f"  point-to-point per step, all stage boundaries, one device per boundary: "
-        f"{_bytes(r.p2p_bytes_per_step)} (2 x {r.n_microbatches} microbatches x "
-        f"{_bytes(r.p2p_bytes_per_microbatch)} summed over boundaries)",
+        f"{format_bytes(r.p2p_bytes_per_step)} (2 x {r.n_microbatches} microbatches x "
+        f"{format_bytes(r.p2p_bytes_per_microbatch)} summed over boundaries)",
         "  planning: " + ", ".join(
             f"stage {s.index} {s.plan_wall_s:.1f} s {'cached' if s.cached else 'solved'}"
             for s in r.stages) + f"; dry run in total {r.wall_s:.1f} s (planning, lowering "
@@ -240,7 +194,7 @@ def format_report(r: DryRunReport) -> str:
         ("  parameter-memory budget per device: torchtitan's per stage (compare)" if r.compare
          else "  memory budget per device (parameters, gradients, AdamW state, gathered "
          "weights, activations x microbatches in flight): "
-         + (_bytes(r.memory_budget_bytes) if r.memory_budget_bytes is not None
+         + (format_bytes(r.memory_budget_bytes) if r.memory_budget_bytes is not None
             else f"the device's memory less {r.memory_reserve:.0%}")),
         "",
         f"Stages (time = estimated fwd+bwd of one microbatch on one device; placements per "
@@ -255,7 +209,7 @@ def format_report(r: DryRunReport) -> str:
             "Against torchtitan's manual FSDP+TP layout under the same cost model and simulator:",
             f"  torchtitan simulated step time {_ms(tt.step_time_s)} (bubble "
             f"{tt.bubble_fraction:.1%}; closed form {_ms(r.alpa_time_s('torchtitan'))}), "
-            f"parameter memory {_bytes(r.param_bytes_per_device('torchtitan'))}/device",
+            f"parameter memory {format_bytes(r.param_bytes_per_device('torchtitan'))}/device",
             f"  planned / torchtitan step time: {r.step_time_ratio:.3f} (simulated), "
             f"{r.alpa_time_s() / r.alpa_time_s('torchtitan'):.3f} (closed form)",
             "  torchtitan's memory per device at each rank's peak:",

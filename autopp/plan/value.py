@@ -15,10 +15,10 @@ and diffed::
     pipe = autopp.pipeline_autoparallel(model, mesh, ..., plan="plan.json")  # no planning
 
 :func:`plan_pipeline` is the only way plans are made: :func:`autopp.dry_run.dry_run` calls
-its core (:func:`autopp.auto_plan.plan_whole_pipeline`) and adds estimates, and the planner
+its core (:func:`autopp.plan.make.plan_whole_pipeline`) and adds estimates, and the planner
 backend (:class:`autopp.backends.Planner`) calls it at ``prepare``, so what runs is what a
 dry run plans. In a job, rank 0 of the world plans (or reads the on-disk cache,
-:mod:`autopp.plan_cache`) and broadcasts the plan's JSON; the other ranks do not plan
+:mod:`autopp.plan.cache`) and broadcasts the plan's JSON; the other ranks do not plan
 (:func:`plan_on_rank0`).
 
 This module imports only the standard library and torch at import time (``import autopp``
@@ -31,20 +31,17 @@ import dataclasses
 import hashlib
 import json
 import os
-import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
-    from autopp.backends import PipelineSpec, PlannerOptions
+    from autopp.plan.options import PlannerOptions
     from autopp.sharding import StagePlan
 
 #: Version of the JSON layout written by :meth:`PipelinePlan.to_json`.
@@ -108,7 +105,7 @@ class PlanOptions:
     def conflicts(self, options: PlannerOptions) -> list[str]:
         """Planning options set on ``options`` (not left at their defaults) that differ
         from these: a saved plan cannot honour them."""
-        from autopp.backends import PlannerOptions
+        from autopp.plan.options import PlannerOptions
 
         default = PlannerOptions()
         given = PlanOptions.of(options, options.profile or self.profile)
@@ -174,14 +171,14 @@ class PipelinePlan:
     """Each stage's sharding plan over its dp × tp sub-mesh."""
     boundaries: tuple[str, ...]
     """Placement into stage ``s`` (``boundaries[s]``) and out of it (``boundaries[s + 1]``):
-    "batch" or "batch+seq" (a key of :data:`autopp.auto_plan.BOUNDARIES`); the last entry
+    "batch" or "batch+seq" (a key of :data:`autopp.plan.make.BOUNDARIES`); the last entry
     is the loss placement ("vocab": loss parallel)."""
     recompute: tuple[str, ...]
     """Per stage: the activation recomputation its backward pieces run ("none",
     "selective", "full")."""
     tied_placements: tuple[tuple[tuple[str, tuple[str, ...]], ...], ...]
     """Per stage: (stage FQN, placement per sub-mesh dim) fixed for parameters tied across
-    stages (:func:`autopp.auto_plan.tied_placements`)."""
+    stages (:func:`autopp.plan.make.tied_placements`)."""
     options: PlanOptions
     """The planner options it was made with."""
     estimates: PipelineEstimates | None = None
@@ -262,7 +259,7 @@ class PipelinePlan:
                    [list(x.shape) for x in example_inputs])
             differ("input dtypes", list(self.input_dtypes), [str(x.dtype) for x in example_inputs])
         if fqns_per_stage is not None:
-            from autopp.dry_run_format import compact_modules
+            from autopp.format import compact_modules
 
             mine = [compact_modules(f) for f in self.fqns_per_stage]
             theirs = [compact_modules(f) for f in fqns_per_stage]
@@ -293,8 +290,9 @@ class PipelinePlan:
     # ---- printing it ----------------------------------------------------------------------
     def describe(self) -> str:
         """The plan as text: mesh, schedule, options, each stage, tied parameters, estimates."""
-        from autopp.auto_plan import describe_loss
-        from autopp.dry_run_format import compact_modules, placement_summary
+        from autopp.plan.loss_choice import describe_loss
+        from autopp.format import compact_modules
+        from autopp.sharding.report import placement_summary
 
         o = self.options
         mib = 2**20
@@ -349,134 +347,3 @@ def as_pipeline_plan(plan: PipelinePlan | str | os.PathLike) -> PipelinePlan:
     raise TypeError(f"plan must be a PipelinePlan or a path to one, got {type(plan).__name__}")
 
 
-# ---- making one ------------------------------------------------------------------------
-def plan_on_rank0(solve: Callable[[], tuple[PipelinePlan, bool]]) -> tuple[PipelinePlan, str]:
-    """``solve()``'s plan on every rank: rank 0 of the world solves (or reads the cache) and
-    broadcasts the plan's JSON; the other ranks do not plan. An error on rank 0 is raised
-    on every rank. Returns ``(plan, source)``: "planned", "cached" or "from rank 0".
-
-    Without peers (no process group, one rank, or the fake process group, where every
-    process stands for its own rank) this process solves itself."""
-    def local() -> tuple[PipelinePlan, str]:
-        plan, hit = solve()
-        return plan, "cached" if hit else "planned"
-
-    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
-        return local()
-    if dist.get_rank() == 0:
-        try:
-            plan, source = local()
-        except Exception as e:
-            try:
-                pickle.dumps(e)
-                sent: Any = ("error", e)
-            except Exception:
-                sent = ("error", RuntimeError(f"{type(e).__name__}: {e}"))
-            dist.broadcast_object_list([sent], src=0)
-            raise
-        dist.broadcast_object_list([("plan", plan.to_json())], src=0)
-        return plan, source
-    box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0)
-    kind, value = box[0]
-    if kind == "error":  # rank 0's exception, raised here too
-        value.add_note("(raised on rank 0 while planning the pipeline; this rank did not plan)")
-        raise value
-    return PipelinePlan.from_json(value), "from rank 0"
-
-
-def plan_for_spec(spec: PipelineSpec, options: PlannerOptions) -> tuple[PipelinePlan, str]:
-    """The plan of ``spec``'s pipeline (a :class:`autopp.backends.PipelineSpec`), made on
-    rank 0 and broadcast (:func:`plan_on_rank0`); what the planner backend runs."""
-    from autopp.auto_plan import plan_whole_pipeline
-    from autopp.mesh import mesh_sizes
-
-    return plan_on_rank0(lambda: plan_whole_pipeline(
-        spec.model, pp=mesh_sizes(spec.mesh)["pp"], fqns_per_stage=spec.fqns_per_stage,
-        stage_ranks=spec.rank_of, sub_mesh=spec.sub_mesh, schedule=spec.schedule,
-        n_microbatches=spec.n_microbatches, example_inputs=spec.example_inputs,
-        options=options, loss_fn=spec.loss_fn,
-    ))
-
-
-def plan_pipeline(
-    model: nn.Module,
-    *,
-    pp: int,
-    dp: int = 1,
-    tp: int = 1,
-    schedule: str = "1F1B",
-    n_microbatches: int,
-    example_inputs: Sequence[torch.Tensor] | None = None,
-    global_batch_size: int | None = None,
-    seq_len: int | None = None,
-    split: Any = None,
-    layers_attr: str | None = None,
-    options: PlannerOptions | None = None,
-    loss_fn: Callable | None = None,
-    mesh: DeviceMesh | None = None,
-) -> PipelinePlan:
-    """Plan the whole pipeline of ``model`` (on meta) for a pp × dp × tp world.
-
-    Args:
-        model: the whole model on the meta device.
-        pp, dp, tp, schedule, n_microbatches, split, layers_attr: as for
-            :func:`autopp.pipeline_autoparallel`.
-        example_inputs: the model's inputs for one step on one dp rank (only shapes and
-            dtypes matter; meta tensors are fine); or give ``global_batch_size`` (all dp
-            ranks) and ``seq_len`` for int64 token ids.
-        options: the planner's options (:class:`autopp.backends.PlannerOptions`); default:
-            its defaults (profile "CPU" on a cpu mesh, else "H100").
-        loss_fn: the loss the pipeline will run with; it decides whether the loss may run in
-            parallel over tp. None: :func:`autopp.cross_entropy`.
-        mesh: the ("pp", "dp", "tp") world mesh to plan on. None: one is built; without a
-            process group the fake one is set up for pp·dp·tp ranks (and torn down after),
-            so this works on one machine with no devices.
-
-    In a job (a real process group), call it on every rank: rank 0 plans, the others
-    receive its plan. Plans are cached on disk (:mod:`autopp.plan_cache`).
-    """
-    from autopp.api import split_for_schedule, stage_ranks_of
-    from autopp.auto_plan import plan_whole_pipeline
-    from autopp.backends import PlannerOptions
-    from autopp.loss import cross_entropy
-    from autopp.mesh import build_world_mesh, init_fake_world, mesh_sizes, stage_sub_mesh
-
-    if example_inputs is None:
-        if global_batch_size is None or seq_len is None:
-            raise ValueError("give example_inputs, or global_batch_size and seq_len")
-        if global_batch_size % dp:
-            raise ValueError(f"global batch {global_batch_size} is not divisible by dp={dp}")
-        example_inputs = (torch.empty((global_batch_size // dp, seq_len), dtype=torch.long,
-                                      device="meta"),)
-    example_inputs = tuple(example_inputs)
-    options = options if options is not None else PlannerOptions()
-    world = pp * dp * tp
-    created = False
-    if mesh is None:
-        if not dist.is_initialized():
-            init_fake_world(world)
-            created = True
-        elif dist.get_world_size() != world:
-            raise ValueError(f"torch.distributed is initialised with {dist.get_world_size()} "
-                             f"ranks, but pp={pp} x dp={dp} x tp={tp} needs {world}")
-    try:
-        if mesh is None:
-            mesh = build_world_mesh(pp=pp, dp=dp, tp=tp, device_type="cuda"
-                                    if dist.get_backend() == "nccl" else "cpu")
-        sizes = mesh_sizes(mesh)
-        if (sizes["pp"], sizes["dp"], sizes["tp"]) != (pp, dp, tp):
-            raise ValueError(f"mesh is pp={sizes['pp']} x dp={sizes['dp']} x tp={sizes['tp']}, "
-                             f"not pp={pp} x dp={dp} x tp={tp}")
-        info, fqns = split_for_schedule(
-            model, schedule=schedule, split=split, pp=pp, n_microbatches=n_microbatches,
-            local_batch_size=int(example_inputs[0].shape[0]), layers_attr=layers_attr)
-        plan, _ = plan_on_rank0(lambda: plan_whole_pipeline(
-            model, pp=pp, fqns_per_stage=fqns, stage_ranks=stage_ranks_of(info, pp, len(fqns)),
-            sub_mesh=stage_sub_mesh(mesh), schedule=str(schedule),
-            n_microbatches=n_microbatches, example_inputs=example_inputs, options=options,
-            loss_fn=loss_fn if loss_fn is not None else cross_entropy))
-    finally:
-        if created:
-            dist.destroy_process_group()
-    return plan

@@ -1,6 +1,6 @@
 """Activation memory of a planned stage, read off its lowered graphs (exact, per device).
 
-The forward graph of a lowered stage or unit (:mod:`autopp.sharding.lower`) returns, after
+The forward graph of a lowered stage or unit (:mod:`autopp.lower.local_graphs`) returns, after
 its outputs, the values its backward needs; their bytes are what one microbatch holds on a
 device from its forward until its backward. Parameters, buffers and the unshard graph's
 outputs (gathered parameters, held once per stage for the step, see
@@ -14,10 +14,8 @@ import operator
 from typing import Any
 
 import torch
-from torch import nn
 
-from autopp.graph import Recompute, StageGraphs
-from autopp.sharding.plan import StagePlan
+from autopp.graph import StageGraphs
 
 
 def saved_bytes(graphs: StageGraphs, *, include_inputs: bool = True) -> int:
@@ -86,29 +84,6 @@ def unsharded_bytes(graphs: StageGraphs) -> int:
     return total
 
 
-def activation_bytes_per_microbatch(
-    module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: tuple[Any, ...],
-    *, recompute: Recompute = "none",
-) -> int:
-    """Bytes one microbatch keeps on this device of ``mesh`` between the forward and the
-    backward of the planned stage ``module`` (meta is fine; fake process groups work), with
-    the backward recomputing per ``recompute`` (see :mod:`autopp.graph.recompute`)."""
-    from autopp.sharding.apply import planned_units
-    from autopp.sharding.lower import split_local
-
-    per_plan: dict[tuple, int] = {}
-    total = 0
-    for bplan, _unit, _joint, lowered in planned_units(module, plan, mesh, example_inputs,
-                                                     lower=True):
-        key = (bplan.signature, bplan.nodes)
-        if key not in per_plan:
-            graphs = lowered[1] if recompute == "none" else split_local(lowered[0],
-                                                                        recompute=recompute)
-            per_plan[key] = saved_bytes(graphs)
-        total += per_plan[key]
-    return total
-
-
 def gathered_values_per_param(graphs: StageGraphs, param_fqns: tuple[str, ...]) -> dict[str, int]:
     """For each parameter the unshard graph all-gathers: how many distinct gathered values it
     makes of it (1: gathered once and used as it is, or transposed locally; 2 or more: the
@@ -152,7 +127,7 @@ def _returns_alias(node: Any) -> bool:
 
 def op_scratch_bytes(node: Any) -> int:
     """Bytes an op holds internally while it runs, beyond its inputs and outputs, where that
-    is large and known: ``autopp::sdpa_backward`` (:mod:`autopp.sharding.attention`)
+    is large and known: ``autopp::sdpa_backward`` (:mod:`autopp.ops.attention`)
     recomputes the attention in fp32 and holds up to five ``batch x heads x seq x seq``
     tensors at once (scores, probabilities, their gradient and two temporaries)."""
     if "sdpa_backward" not in str(node.target):

@@ -36,9 +36,9 @@ Memory (bytes on one device; :func:`state_bytes` for the parameter-sized ones):
   copy when parameters are stored in less than 4 bytes (with torch's
   ``MixedPrecisionPolicy`` the stored parameters are the fp32 masters: no copy);
 * gathered parameters: the unshard graphs' outputs that are new memory (gathers and casts,
-  :func:`autopp.sharding.memory.unsharded_bytes`), held from UNSHARD to RESHARD;
+  :func:`autopp.lower.memory.unsharded_bytes`), held from UNSHARD to RESHARD;
 * activations: what each unit's lowered forward saves for its backward
-  (:func:`autopp.sharding.memory.saved_bytes`), per microbatch in flight; what the
+  (:func:`autopp.lower.memory.saved_bytes`), per microbatch in flight; what the
   backward-weight graphs take (``kept_for_w_bytes``) stays from I until W.
 
 With full activation checkpointing per block (not planned yet; reported as an estimate) a
@@ -277,8 +277,8 @@ class _UnitFacts:
 
 def _unit_facts(joint, unit, bplan, plan: StagePlan, mesh, costs, n_microbatches: int
                 ) -> _UnitFacts:
-    from autopp.sharding.lower import lower_joint, split_local
-    from autopp.sharding.memory import saved_bytes, unsharded_bytes
+    from autopp.lower.local_graphs import lower_joint, split_local
+    from autopp.lower.memory import saved_bytes, unsharded_bytes
 
     graphs = split_local(lower_joint(joint, bplan, mesh), recompute=plan.recompute or "none")
     saved = saved_bytes(graphs)
@@ -302,7 +302,7 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
     lowered once; ``memo`` (any dict, e.g. one per dry run) carries them across stages."""
     from autopp.sharding.costs import CostModel
     from autopp.sharding.precision import maybe_cast
-    from autopp.sharding.profiles import get_profile
+    from autopp.profiles.lookup import get_profile
     from autopp.sharding.trace import graph_signature, trace_joint
     from autopp.sharding.units import Unit, stage_units
 
@@ -319,7 +319,7 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
     traced: dict[str, Any] = {}
     times = dict.fromkeys(PHASES, 0.0)
     acts = kept_w = gathered = ckpt = largest = 0
-    for bplan in plan.blocks:  # as autopp.sharding.apply.planned_units walks them
+    for bplan in plan.blocks:  # as autopp.lower.apply.planned_units walks them
         key = (bplan.signature, bplan.nodes, plan.profile, tuple(plan.mesh_shape),
                plan.param_dtype, n_microbatches, plan.recompute)
         if key not in memo:  # identical blocks with one plan: traced and lowered once
@@ -359,7 +359,8 @@ def pp_link(profile: Any, mesh_shape: tuple[int, ...]) -> Link:
     device sends its shard to its counterpart, over the link the profile gives the pp dim
     (inter-node when a pp rank's dp × tp devices fill a node). A profile with a measured
     point-to-point link (``p2p_bw`` / ``p2p_latency`` set) gives those figures instead."""
-    from autopp.sharding.profiles import get_profile, mesh_links
+    from autopp.profiles.lookup import get_profile
+    from autopp.profiles.devices import mesh_links
 
     prof = get_profile(profile)
     links = mesh_links(prof, tuple(mesh_shape))
@@ -376,7 +377,7 @@ def contended_step_s(critical_s: float, mean_busy_s: float, profile: Any, world:
     rank busy, so a rank idle in a bubble gives its cores to the others: the step is the
     larger of the machine's total work (the mean busy time) and the critical path at the
     uncontended rate (× cores / ranks)."""
-    from autopp.sharding.profiles import get_profile
+    from autopp.profiles.lookup import get_profile
 
     cores = get_profile(profile).shared_cores
     if not cores:
@@ -394,12 +395,12 @@ def simulated_step_s(sim: Any, profile: Any, world: int) -> float:
 def pipeline_estimates(sim: Any, stage_times: list[float], stage_ids_per_rank: Any,
                        n_microbatches: int, profile: Any, memory_reserve: float, world: int
                        ) -> Any:
-    """A pipeline's :class:`~autopp.pipeline_plan.PipelineEstimates` from its simulation:
+    """A pipeline's :class:`~autopp.plan.value.PipelineEstimates` from its simulation:
     the step (:func:`simulated_step_s`), the bubble, Alpa's closed formula over the stage
     times (the sum plus (M - 1) × the busiest rank's), and each rank's peak memory."""
     from dataclasses import asdict
 
-    from autopp.pipeline_plan import PipelineEstimates
+    from autopp.plan.value import PipelineEstimates
 
     per_rank = [sum(stage_times[s] for s in ids) for ids in stage_ids_per_rank]
     return PipelineEstimates(
@@ -415,7 +416,7 @@ def usable_bytes(profile: Any, reserve: float) -> float:
     """Device memory left for the categories the simulator counts: the profile's memory
     minus ``reserve`` (a fraction, for the allocator, workspaces, communication buffers and
     what is not modelled)."""
-    from autopp.sharding.profiles import get_profile
+    from autopp.profiles.lookup import get_profile
 
     if not 0 <= reserve < 1 or not math.isfinite(reserve):
         raise ValueError(f"memory reserve {reserve!r} must be a fraction in [0, 1)")

@@ -3,7 +3,7 @@
 Chosen by configuration (a name or a :class:`DeviceProfile`), never by querying the local
 device unless asked to: a plan made on a CPU machine for H100s is the plan the H100s get.
 The one exception is explicit: the name ``"measure"`` measures the machine at hand (see
-:mod:`autopp.sharding.measure`) and gives a profile named ``"measured-<hash>"``, stored as
+:mod:`autopp.profiles.measure`) and gives a profile named ``"measured-<hash>"``, stored as
 JSON in :func:`profile_cache_dir` so that the name resolves in any process on that host.
 """
 
@@ -171,7 +171,7 @@ def load_profile(name_or_path: str | Path) -> DeviceProfile:
         raise ValueError(
             f"no stored profile {str(name_or_path)!r}: {path} does not exist. Measure it on "
             f"the machine it describes (get_profile({MEASURE!r}) or "
-            "autopp.sharding.measure.measure_profile()), copy its JSON file into "
+            "autopp.profiles.measure.measure_profile()), copy its JSON file into "
             f"{path.parent}, or point $AUTOPP_PROFILE_CACHE at the directory that holds it"
         ) from None
     except json.JSONDecodeError as e:
@@ -187,34 +187,6 @@ def load_profile(name_or_path: str | Path) -> DeviceProfile:
         raise ValueError(f"profile file {path} holds profile {fields.get('name')!r}, not "
                          f"{str(name_or_path)!r}; rename or delete the file")
     return register_profile(DeviceProfile(**fields))
-
-
-def get_profile(profile: str | DeviceProfile) -> DeviceProfile:
-    """A profile by name or the profile itself.
-
-    Names: the built-in ``"H100"``, ``"H200"``, ``"A100"``, ``"CPU"``; names registered
-    with :func:`register_profile`; ``"measure"``: this machine's measured profile for
-    the default world size (read from the cache, measured if absent; see
-    :func:`autopp.sharding.measure.measure_profile`); ``"measured-<hash>"``: a measured
-    profile stored in :func:`profile_cache_dir`.
-    """
-    if isinstance(profile, DeviceProfile):
-        return profile
-    if profile in PROFILES:
-        return PROFILES[profile]
-    if profile in _REGISTERED:
-        return _REGISTERED[profile]
-    if profile == MEASURE:
-        from autopp.sharding.measure import measure_profile
-
-        return measure_profile()
-    if isinstance(profile, str) and profile.startswith(MEASURED_PREFIX):
-        return load_profile(profile)
-    raise ValueError(
-        f"unknown device profile {profile!r}; choose one of {sorted(PROFILES)}, "
-        f"{MEASURE!r} (measure this machine), a name given to register_profile "
-        f"({sorted(_REGISTERED)}), or pass a DeviceProfile"
-    )
 
 
 @dataclass(frozen=True, slots=True)

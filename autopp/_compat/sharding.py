@@ -71,19 +71,18 @@ StridedShard = _StridedShard
 # ---------------------------------------------------------------------------------------------
 
 
-def export_joint(module: torch.nn.Module, args: tuple[Any, ...]) -> torch.fx.GraphModule:
-    """Functional joint forward+backward aten graph of ``module(*args)``.
+def export_joint(module: torch.nn.Module, args: tuple[Any, ...],
+                 contexts: Sequence[contextlib.AbstractContextManager] = ()) -> torch.fx.GraphModule:
+    """Functional joint forward+backward aten graph of ``module(*args)``, traced inside
+    ``contexts`` (e.g. :func:`autopp.tracing.on_meta`).
 
     Placeholders carry ``meta["desc"]`` (parameter, buffer, user input or tangent); the output
     node carries ``meta["desc"]`` as a list (forward outputs, then gradients with ``grad_of``).
     Returned after AOT's fake mode is left, so strategy enumeration runs on plain metadata.
     """
-    from autopp import adapters
-    from autopp.sharding.attention import AttentionAsOneOp
-
     with contextlib.ExitStack() as stack:
-        stack.enter_context(AttentionAsOneOp())  # SDPA stays one op (see attention.py)
-        stack.enter_context(adapters.tracing())  # e.g. MoE routed experts as one op
+        for c in contexts:
+            stack.enter_context(c)
         joint = aot_export_joint_with_descriptors(stack, module, args)
         gm = joint.graph_module
     return gm

@@ -6,11 +6,11 @@ runs one of two ways:
 
 * as graphs (what pipelines run): :meth:`ShardedStage.stage_graphs` lowers the whole stage,
   its units chained, to one local joint graph with explicit collectives
-  (:func:`autopp.sharding.lower.lower_stage`) and splits it with :mod:`autopp.graph` into
+  (:func:`autopp.lower.local_graphs.lower_stage`) and splits it with :mod:`autopp.graph` into
   unshard / forward / backward-input / backward-weight / reduce-grad graphs, which
   :class:`autopp.graph.GraphStage` runs under torch's schedule runtime;
 * eagerly, under autograd (``stage(x)``): each unit's joint graph interpreted node by node on
-  DTensors (:mod:`autopp.sharding.interpret`), the reference the lowering is traced from
+  DTensors (:mod:`autopp.lower.interpret`), the reference the lowering is traced from
   and tests compare against.
 """
 
@@ -24,10 +24,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopp.graph.recompute import Recompute, check_recompute
-from autopp.sharding import _torch_private as tp
+from autopp._compat import sharding as compat
 from autopp.sharding.units import Unit, stage_units
-from autopp.sharding.interpret import GraphRunner, InterpretedBlockFunction
-from autopp.sharding.lower import LocalJoint, LoweredUnit, lower_joint, lower_stage, split_local
+from autopp.lower.interpret import GraphRunner, InterpretedBlockFunction
+from autopp.lower.local_graphs import (
+    LocalJoint,
+    LoweredUnit,
+    lower_joint,
+    lower_stage,
+    split_local,
+)
 from autopp.sharding.plan import BlockPlan, StagePlan, from_strs
 from autopp.sharding.precision import maybe_cast
 from autopp.sharding.trace import JointGraph, graph_signature, trace_joint
@@ -67,7 +73,7 @@ class ShardedBlock(nn.Module):
         self.bplan = bplan
 
     def lowered_unit(self) -> LoweredUnit:
-        """What :func:`~autopp.sharding.lower.lower_stage` needs of this unit."""
+        """What :func:`~autopp.lower.local_graphs.lower_stage` needs of this unit."""
         return LoweredUnit(self._runner.joint, self.bplan, tuple(self._fqns),
                            tuple(self._buffer_fqns))
 
@@ -107,7 +113,7 @@ class ShardedStage(nn.Module):
         :class:`autopp.graph.GraphStage` hands them in), then the stage input in the plan's
         input placements and the output gradient in its output placements. Parameter casts
         and all-gathers form the unshard graph (once per step); the backward pieces
-        recompute per ``recompute``; see :func:`autopp.sharding.lower.split_local`.
+        recompute per ``recompute``; see :func:`autopp.lower.local_graphs.split_local`.
         """
         mode = self.recompute if recompute is None else recompute
         check_recompute(mode)
@@ -122,7 +128,7 @@ class ShardedStage(nn.Module):
     def saved_bytes_per_microbatch(self) -> int:
         """Bytes this rank keeps from a microbatch's forward for its backward (activations;
         parameters gathered once per step are counted by :meth:`gathered_param_bytes`)."""
-        from autopp.sharding.memory import saved_bytes
+        from autopp.lower.memory import saved_bytes
 
         return saved_bytes(self.stage_graphs()[1])
 
@@ -130,7 +136,7 @@ class ShardedStage(nn.Module):
         """Bytes of the unshard graph's outputs that are not parameters themselves: the
         gathered (and cast) parameter values a stage holds once between UNSHARD and its
         last backward, whatever the number of microbatches."""
-        from autopp.sharding.memory import unsharded_bytes
+        from autopp.lower.memory import unsharded_bytes
 
         return unsharded_bytes(self.stage_graphs()[1])
 
@@ -215,7 +221,7 @@ def empty_sharded_(module: nn.Module, plan: StagePlan, mesh, device: torch.devic
         if fqn not in placements:
             raise ValueError(f"parameter {fqn} is not in the plan; plan this module again")
         pl = placements[fqn]
-        local = torch.empty(tp.local_shape(p.shape, mesh, pl), dtype=p.dtype, device=device)
+        local = torch.empty(compat.local_shape(p.shape, mesh, pl), dtype=p.dtype, device=device)
         d = DTensor.from_local(local, mesh, pl, run_check=False, shape=p.shape,
                                stride=torch.empty(p.shape, device="meta").stride())
         *path, leaf = fqn.split(".")

@@ -1,7 +1,7 @@
 """Lower a planned joint graph to a local graph with explicit collectives (second version).
 
-:mod:`autopp.sharding.interpret` runs a :class:`BlockPlan` by interpreting the joint graph on
-DTensors, node by node. Here the same interpreter (:class:`~autopp.sharding.interpret.GraphRunner`)
+:mod:`autopp.lower.interpret` runs a :class:`BlockPlan` by interpreting the joint graph on
+DTensors, node by node. Here the same interpreter (:class:`~autopp.lower.interpret.GraphRunner`)
 is traced once with ``make_fx`` (fake tensors, this rank's local shapes): DTensor's
 redistributions become ``_c10d_functional`` collectives on plain tensors and every op runs on
 the local shard, so the result is one flat aten graph, identical in values to the
@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopp.graph import JointSignature, Recompute, StageGraphs, split_joint_graph
-from autopp.sharding import _torch_private as tp
-from autopp.sharding.interpret import GraphRunner, redistribute_to
+from autopp._compat import sharding as compat
+from autopp._compat.distributed import FakeTensorMode
+from autopp.lower.interpret import GraphRunner, redistribute_to
 from autopp.sharding.plan import BlockPlan, to_strs
 from autopp.sharding.trace import JointGraph
 
@@ -91,7 +91,7 @@ def lower_joint(joint: JointGraph, bplan: BlockPlan, mesh: Any) -> LocalJoint:
     """Trace ``bplan``'s execution of ``joint`` on ``mesh`` into a local joint graph.
 
     The traced function wraps its local inputs with ``DTensor.from_local`` in their planned
-    placements, runs the plan exactly as :mod:`autopp.sharding.interpret` does
+    placements, runs the plan exactly as :mod:`autopp.lower.interpret` does
     (one pass over the whole joint graph: what the interpreter's forward and recomputing
     backward compute together), and returns local tensors: forward outputs in their
     tangent's placement, parameter gradients in their parameter's placement and input
@@ -124,10 +124,10 @@ def _missing_kernel_decomps(gm: fx.GraphModule, device: torch.device) -> dict[An
     table = {}
     for node in gm.graph.nodes:
         op = node.target
-        if node.op != "call_function" or not tp.is_op_overload(op) or op in table:
+        if node.op != "call_function" or not compat.is_op_overload(op) or op in table:
             continue
-        if not tp.has_kernel(op, device):
-            decomp = tp.decomposition(op)
+        if not compat.has_kernel(op, device):
+            decomp = compat.decomposition(op)
             if decomp is not None:
                 table[op] = decomp
     return table
@@ -135,7 +135,7 @@ def _missing_kernel_decomps(gm: fx.GraphModule, device: torch.device) -> dict[An
 
 def _local(value: Any, placements: Sequence[Any]) -> torch.Tensor:
     """``value`` (a DTensor) redistributed to ``placements`` (none Partial), as a local tensor."""
-    if any(isinstance(p, tp.Partial) for p in placements):
+    if any(isinstance(p, compat.Partial) for p in placements):
         raise ValueError(f"graph outputs cannot be returned Partial, planned {to_strs(placements)}")
     out = redistribute_to(value, tuple(placements))
     if isinstance(out, DTensor):
@@ -153,7 +153,7 @@ def _check_local(gm: fx.GraphModule) -> None:
             ns = getattr(node.target, "namespace", None)
             if ns not in ("aten", "_c10d_functional", "autopp"):
                 raise AssertionError(f"lowered graph node {node.name} calls {node.target}")
-        for v in tp.tree_leaves(node.meta.get("val")):
+        for v in compat.tree_leaves(node.meta.get("val")):
             if isinstance(v, DTensor):
                 raise AssertionError(f"lowered graph node {node.name} still holds a DTensor")
 
@@ -233,10 +233,10 @@ def lower_stage(units: Sequence[LoweredUnit], mesh: Any, in_placements: tuple,
     for name, pl in zip(names, placements):
         if len(pl) != mesh.ndim:
             raise ValueError(f"{name} is planned for a {len(pl)}-d mesh, got {mesh.ndim}-d")
-        if any(isinstance(p, tp.Partial) for p in pl):
+        if any(isinstance(p, compat.Partial) for p in pl):
             raise ValueError(f"{name} is planned Partial {to_strs(pl)}: stage inputs must be "
                              "Shard or Replicate")
-    shapes = [tp.local_shape(v.shape, mesh, pl) for v, pl in zip(vals, placements)]
+    shapes = [compat.local_shape(v.shape, mesh, pl) for v, pl in zip(vals, placements)]
     n_p, n_b = len(p_nodes), len(b_nodes)
     has_input_grad = 0 in units[0].joint.input_grads
 

@@ -5,13 +5,13 @@
 2. :func:`plan_boundaries` chooses the placement of every stage boundary and of the last
    stage's logits (loss parallel or not) by Alpa's objective (:func:`choose_boundaries`), and
    :func:`plan_local_stage` plans a stage on its sub-mesh under them (cached on disk, see
-   :mod:`autopp.plan_cache`).
+   :mod:`autopp.plan.cache`).
 3. :func:`plan_whole_pipeline` puts them together into one
-   :class:`~autopp.pipeline_plan.PipelinePlan` (cached on disk whole); :func:`planned_stages`
+   :class:`~autopp.plan.value.PipelinePlan` (cached on disk whole); :func:`planned_stages`
    reads a rank's stages back out of it.
 
 Shared by :func:`autopp.plan_pipeline`, :func:`autopp.pipeline_autoparallel` and
-:func:`autopp.dry_run.dry_run`; the planned stage's runtime is :mod:`autopp.auto_stage`.
+:func:`autopp.dry_run.dry_run`; the planned stage's runtime is :mod:`autopp.lower.stage`.
 """
 
 from __future__ import annotations
@@ -22,16 +22,21 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopp.pipeline_plan import PipelinePlan, PlanOptions, model_fingerprint
-from autopp.plan_cache import cached_pipeline_plan, cached_plan, pipeline_plan_key, plan_key
+from autopp import tracing
+from autopp.plan.cache import cached_pipeline_plan, cached_plan, pipeline_plan_key, plan_key
+from autopp.plan.loss_choice import describe_loss, loss_kinds, loss_time_s
+from autopp.plan.options import PlannerOptions
+from autopp.plan.rank0 import plan_on_rank0
+from autopp.plan.value import PipelinePlan, PlanOptions, model_fingerprint
 from autopp.sharding import InfeasiblePlanError, StagePlan, plan_stage
 from autopp.sharding.precision import CastParams
 
@@ -131,35 +136,6 @@ def choose_boundaries(
     return min((c for c in candidates if c is not None), key=objective)
 
 
-def loss_kinds(sub_mesh: DeviceMesh, loss_fn: Any, loss_parallel: bool | None) -> tuple[str, ...]:
-    """The last stage's output placements to compare: "batch" (logits gathered over tp)
-    and, where the loss can run in parallel, "vocab" (see :mod:`autopp.sharding.loss_cost`).
-
-    ``loss_parallel``: None = choose by cost when ``loss_fn`` is :func:`autopp.cross_entropy`,
-    True = always (raises unless it is and tp > 1), False = never.
-    """
-    from autopp.loss import cross_entropy
-
-    tp = sub_mesh["tp"].size()
-    able = loss_fn is cross_entropy and tp > 1
-    if loss_parallel is True and not able:
-        raise ValueError(
-            "loss_parallel=True needs loss_fn=autopp.cross_entropy and tp > 1 "
-            f"(got tp={tp}, loss_fn={getattr(loss_fn, '__name__', loss_fn)!r}); pass "
-            "loss_parallel=None to let the planner decide"
-        )
-    if loss_parallel is False or not able:
-        return ("batch",)
-    return ("vocab",) if loss_parallel else ("batch", "vocab")
-
-
-def describe_loss(kind: str) -> str:
-    """The plan report's line on how the last stage computes the loss."""
-    if kind == "vocab":
-        return "loss parallel: logits stay split on the vocabulary over tp (no gather)"
-    return "loss on logits gathered over tp"
-
-
 @dataclass(frozen=True, slots=True)
 class PlannedStage:
     """One local stage's plan and what it was planned with.
@@ -238,7 +214,7 @@ def plan_local_stage(
     ``recompute``, ``optimizer_state_factor``); without it ``memory_budget_bytes`` bounds
     parameter bytes only.
     """
-    from autopp.sharding import get_profile
+    from autopp.profiles import get_profile
 
     profile = get_profile(profile).name  # "measure" -> this machine's measured profile
     options = dict(profile=profile, memory_budget_bytes=memory_budget_bytes,
@@ -313,7 +289,7 @@ def plan_boundaries(
     plan under them (from the on-disk cache once computed). Every rank computes the same
     ``bounds``: each plans (or reads from the cache) every stage under every choice.
     """
-    from autopp.sharding import get_profile
+    from autopp.profiles import get_profile
 
     dp, tp = sub_mesh["dp"].size(), sub_mesh["tp"].size()
     kinds = boundary_kinds(sub_mesh) if boundary == "auto" else (boundary,)
@@ -386,21 +362,9 @@ def _run_on_meta(module: nn.Module, inputs: Sequence[torch.Tensor],
                  compute_dtype: torch.dtype | None) -> Any:
     """``module(*inputs)`` on meta (parameters cast to ``compute_dtype`` when given), with
     the model adapters' tracing forms (e.g. a MoE router's autocast, which meta refuses)."""
-    from autopp import adapters
 
-    with adapters.tracing():
+    with tracing.on_meta():
         return (module if compute_dtype is None else CastParams(module, compute_dtype))(*inputs)
-
-
-def loss_time_s(logits: torch.Tensor, sub_mesh: DeviceMesh, profile: str, kind: str) -> float:
-    """Estimated fwd+bwd seconds of the loss on ``logits`` (dp-global, meta) in placement
-    ``kind`` ("vocab": loss parallel; else on gathered logits); 0 for non-logit outputs."""
-    from autopp.sharding.loss_cost import cross_entropy_time_s
-
-    if not (logits.is_floating_point() and logits.ndim >= 2):
-        return 0.0
-    return cross_entropy_time_s(logits, tuple(sub_mesh.shape), tuple(sub_mesh.mesh_dim_names),
-                                profile, parallel=kind == "vocab")
 
 
 def stage_meta_inputs(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]],
@@ -470,7 +434,7 @@ def memory_budgets(options: Any, profile: str, schedule: str, pp: int, n_microba
     mode asked for. With ``options.parameter_budget_bytes``: that bound on parameter bytes
     alone (shared the same way), nothing else counted, recomputation as asked ("auto":
     none, since nothing counts activations)."""
-    from autopp.sharding import get_profile
+    from autopp.profiles import get_profile
 
     n = len(stage_ranks)
     per_rank = [list(stage_ranks).count(r) for r in stage_ranks]
@@ -494,7 +458,7 @@ def plan_whole_pipeline(
     budgets: Sequence[float | None] | None = None, timings: dict[int, list] | None = None,
     use_cache: bool = True,
 ) -> tuple[PipelinePlan, bool]:
-    """Plan every stage of a split pipeline into one :class:`~autopp.pipeline_plan.PipelinePlan`
+    """Plan every stage of a split pipeline into one :class:`~autopp.plan.value.PipelinePlan`
     (without estimates): tied parameters' placements, then boundaries and loss placement by
     Alpa's objective with each stage planned under them (:func:`plan_boundaries`).
 
@@ -512,9 +476,9 @@ def plan_whole_pipeline(
             always cached).
 
     Returns ``(plan, was_cached)``. The plan depends on nothing else (and the planning code,
-    which :mod:`autopp.plan_cache` hashes into the key).
+    which :mod:`autopp.plan.cache` hashes into the key).
     """
-    from autopp.sharding import get_profile
+    from autopp.profiles import get_profile
 
     # resolved: "measure" -> this machine's measured profile, by its own name
     profile = get_profile(options.profile or default_profile(sub_mesh.device_type)).name
@@ -587,3 +551,84 @@ def planned_stages(plan: PipelinePlan, spec: Any) -> dict[int, PlannedStage]:
         )
         for s in spec.stage_ids
     }
+
+
+def plan_pipeline(
+    model: nn.Module,
+    *,
+    pp: int,
+    dp: int = 1,
+    tp: int = 1,
+    schedule: str = "1F1B",
+    n_microbatches: int,
+    example_inputs: Sequence[torch.Tensor] | None = None,
+    global_batch_size: int | None = None,
+    seq_len: int | None = None,
+    split: Any = None,
+    layers_attr: str | None = None,
+    options: PlannerOptions | None = None,
+    loss_fn: Callable | None = None,
+    mesh: DeviceMesh | None = None,
+) -> PipelinePlan:
+    """Plan the whole pipeline of ``model`` (on meta) for a pp × dp × tp world.
+
+    Args:
+        model: the whole model on the meta device.
+        pp, dp, tp, schedule, n_microbatches, split, layers_attr: as for
+            :func:`autopp.pipeline_autoparallel`.
+        example_inputs: the model's inputs for one step on one dp rank (only shapes and
+            dtypes matter; meta tensors are fine); or give ``global_batch_size`` (all dp
+            ranks) and ``seq_len`` for int64 token ids.
+        options: the planner's options (:class:`autopp.backends.PlannerOptions`); default:
+            its defaults (profile "CPU" on a cpu mesh, else "H100").
+        loss_fn: the loss the pipeline will run with; it decides whether the loss may run in
+            parallel over tp. None: :func:`autopp.cross_entropy`.
+        mesh: the ("pp", "dp", "tp") world mesh to plan on. None: one is built; without a
+            process group the fake one is set up for pp·dp·tp ranks (and torn down after),
+            so this works on one machine with no devices.
+
+    In a job (a real process group), call it on every rank: rank 0 plans, the others
+    receive its plan. Plans are cached on disk (:mod:`autopp.plan.cache`).
+    """
+    from autopp.stage_split.for_schedule import split_for_schedule, stage_ranks_of
+    from autopp.loss import cross_entropy
+    from autopp.mesh import build_world_mesh, init_fake_world, mesh_sizes, stage_sub_mesh
+
+    if example_inputs is None:
+        if global_batch_size is None or seq_len is None:
+            raise ValueError("give example_inputs, or global_batch_size and seq_len")
+        if global_batch_size % dp:
+            raise ValueError(f"global batch {global_batch_size} is not divisible by dp={dp}")
+        example_inputs = (torch.empty((global_batch_size // dp, seq_len), dtype=torch.long,
+                                      device="meta"),)
+    example_inputs = tuple(example_inputs)
+    options = options if options is not None else PlannerOptions()
+    world = pp * dp * tp
+    created = False
+    if mesh is None:
+        if not dist.is_initialized():
+            init_fake_world(world)
+            created = True
+        elif dist.get_world_size() != world:
+            raise ValueError(f"torch.distributed is initialised with {dist.get_world_size()} "
+                             f"ranks, but pp={pp} x dp={dp} x tp={tp} needs {world}")
+    try:
+        if mesh is None:
+            mesh = build_world_mesh(pp=pp, dp=dp, tp=tp, device_type="cuda"
+                                    if dist.get_backend() == "nccl" else "cpu")
+        sizes = mesh_sizes(mesh)
+        if (sizes["pp"], sizes["dp"], sizes["tp"]) != (pp, dp, tp):
+            raise ValueError(f"mesh is pp={sizes['pp']} x dp={sizes['dp']} x tp={sizes['tp']}, "
+                             f"not pp={pp} x dp={dp} x tp={tp}")
+        info, fqns = split_for_schedule(
+            model, schedule=schedule, split=split, pp=pp, n_microbatches=n_microbatches,
+            local_batch_size=int(example_inputs[0].shape[0]), layers_attr=layers_attr)
+        plan, _ = plan_on_rank0(lambda: plan_whole_pipeline(
+            model, pp=pp, fqns_per_stage=fqns, stage_ranks=stage_ranks_of(info, pp, len(fqns)),
+            sub_mesh=stage_sub_mesh(mesh), schedule=str(schedule),
+            n_microbatches=n_microbatches, example_inputs=example_inputs, options=options,
+            loss_fn=loss_fn if loss_fn is not None else cross_entropy))
+    finally:
+        if created:
+            dist.destroy_process_group()
+    return plan

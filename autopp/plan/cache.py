@@ -6,7 +6,7 @@ Two kinds of entries, each keyed by everything it depends on:
   stage module's structure (module types, parameter and buffer names, shapes, dtypes), the
   example input shapes and dtypes, the sub-mesh shape and dim names, the device profile, the
   planner options;
-- a whole :class:`~autopp.pipeline_plan.PipelinePlan` (:func:`pipeline_plan_key`,
+- a whole :class:`~autopp.plan.value.PipelinePlan` (:func:`pipeline_plan_key`,
   :func:`cached_pipeline_plan`): the model's fingerprint, the split and stage placement, the
   mesh, schedule, microbatches, input shapes and planner options (without estimates).
 
@@ -20,7 +20,6 @@ The directory is ``$AUTOPP_PLAN_CACHE`` if set, else ``~/.cache/autopp/plans``.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -31,8 +30,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch import nn
 
+from autopp.disk_cache import cached_file
+
 if TYPE_CHECKING:
-    from autopp.pipeline_plan import PipelinePlan
+    from autopp.plan.value import PipelinePlan
     from autopp.sharding import StagePlan
 
 T = TypeVar("T")
@@ -49,15 +50,14 @@ def _describe_tensor(t: Any) -> Any:
 
 
 def planner_source_files() -> list[Path]:
-    """The code a plan depends on: the sharding planner (``autopp/sharding/*.py``), the
-    boundary, loss and tied-parameter planning (``auto_plan.py``, ``tied.py``), the pipeline
-    plan (``pipeline_plan.py``), the stage split (``autopp/stage_split/*.py``) and the model
-    adapters (``autopp/adapters/*.py``, whose settings are in the key too)."""
-    root = Path(__file__).parent
-    return [*sorted((root / "sharding").glob("*.py")), root / "auto_plan.py",
-            root / "pipeline_plan.py", root / "tied.py",
-            *sorted((root / "stage_split").glob("*.py")),
-            *sorted((root / "adapters").glob("*.py"))]
+    """The code a plan depends on: the sharding planner (``autopp/sharding/``), the pipeline
+    plan and its maker (``autopp/plan/``, ``tied.py``), the ops' rules (``autopp/ops/``), the
+    recompute rules the memory row uses (``autopp/graph/``), the stage split
+    (``autopp/stage_split/``) and the model adapters (``autopp/adapters/``, whose settings are
+    in the key too)."""
+    root = Path(__file__).parent.parent
+    folders = ("sharding", "plan", "ops", "graph", "stage_split", "adapters")
+    return [*(f for d in folders for f in sorted((root / d).glob("*.py"))), root / "tied.py"]
 
 
 def _planner_source_hash() -> str:
@@ -94,34 +94,13 @@ def plan_key(
 
 def pipeline_plan_key(desc: dict[str, Any]) -> str:
     """A stable hash of what a whole pipeline plan depends on (``desc``: JSON values, see
-    :func:`autopp.auto_plan.plan_whole_pipeline`), torch's version and the planning code."""
+    :func:`autopp.plan.make.plan_whole_pipeline`), torch's version and the planning code."""
     return "pipeline-" + _hash({"pipeline": desc})
 
 
 def _cached(key: str, solve: Callable[[], T], load: Callable[[Path], T],
             save: Callable[[T, Path], None]) -> tuple[T, bool]:
     return cached_file(cache_dir(), key, solve, load, save)
-
-
-def cached_file(d: Path, key: str, solve: Callable[[], T], load: Callable[[Path], T],
-                save: Callable[[T, Path], None]) -> tuple[T, bool]:
-    """``load(d / f"{key}.json")``, or ``solve()``'s value saved there (written to a
-    temporary file, then renamed); one process per host solves a key at a time (a lock file
-    beside it). Returns ``(value, was_cached)``."""
-    d.mkdir(parents=True, exist_ok=True)
-    path = d / f"{key}.json"
-    with open(d / f"{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if path.exists():
-                return load(path), True
-            value = solve()
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            save(value, tmp)
-            tmp.replace(path)
-            return value, False
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def cached_plan(key: str, solve: Callable[[], StagePlan]) -> tuple[StagePlan, bool]:
@@ -138,6 +117,6 @@ def cached_pipeline_plan(key: str, solve: Callable[[], PipelinePlan]
                          ) -> tuple[PipelinePlan, bool]:
     """The whole pipeline plan stored under ``key`` (:func:`pipeline_plan_key`), or
     ``solve()``'s; as :func:`cached_plan`."""
-    from autopp.pipeline_plan import PipelinePlan
+    from autopp.plan.value import PipelinePlan
 
     return _cached(key, solve, PipelinePlan.load, lambda p, path: p.save(path))

@@ -10,7 +10,7 @@ gradient to the input's. The forward runs only the graph's forward nodes; the ba
 the joint graph with the incoming gradient as tangent (recomputation: simple and exact, at the
 cost of a second forward).
 
-This is what :mod:`autopp.sharding.lower` traces into a local graph with explicit collectives
+This is what :mod:`autopp.lower.local_graphs` traces into a local graph with explicit collectives
 (which pipelines run as graph stages); calling a ``ShardedStage`` eagerly runs it directly,
 under autograd, as the slower reference tests compare against.
 """
@@ -24,7 +24,7 @@ import torch
 from torch import fx
 from torch.distributed.tensor import DTensor
 
-from autopp.sharding import _torch_private as tp
+from autopp._compat import sharding as compat
 from autopp.sharding import op_hooks
 from autopp.sharding.plan import BlockPlan, from_strs
 from autopp.sharding.strategies import Option, tensor_vals
@@ -37,7 +37,7 @@ def redistribute_to(x: Any, placements: tuple | None) -> Any:
     if not isinstance(x, DTensor) or placements is None:
         return x
     have = tuple(x.placements)
-    target = tuple(h if isinstance(p, tp.Partial) else p for p, h in zip(placements, have))
+    target = tuple(h if isinstance(p, compat.Partial) else p for p, h in zip(placements, have))
     return x if target == have else x.redistribute(x.device_mesh, target)
 
 
@@ -104,15 +104,15 @@ class GraphRunner:
             kwargs["device"] = self.device
         if not has_tensor_arg:  # factory op (e.g. a causal mask): replicated everywhere
             t = node.target(*args, **kwargs)
-            return DTensor.from_local(t, self.mesh, [tp.Replicate()] * self.mesh.ndim,
+            return DTensor.from_local(t, self.mesh, [compat.Replicate()] * self.mesh.ndim,
                                       run_check=False)
-        if not (tp.has_rule(node.target) or tp.has_decomp_rule(node.target)):
+        if not (compat.has_rule(node.target) or compat.has_decomp_rule(node.target)):
             # planned as a replicated fallback: run on full tensors
-            local = tp.tree_map(lambda v: v.full_tensor() if isinstance(v, DTensor) else v,
+            local = compat.tree_map(lambda v: v.full_tensor() if isinstance(v, DTensor) else v,
                                (args, kwargs))
             out = node.target(*local[0], **local[1])
-            return tp.tree_map(
-                lambda t: DTensor.from_local(t, self.mesh, [tp.Replicate()] * self.mesh.ndim,
+            return compat.tree_map(
+                lambda t: DTensor.from_local(t, self.mesh, [compat.Replicate()] * self.mesh.ndim,
                                              run_check=False)
                 if isinstance(t, torch.Tensor) else t,
                 out,
@@ -123,7 +123,7 @@ class GraphRunner:
         try:
             out = node.target(*args, **kwargs)
         except NotImplementedError:
-            decomp = tp.decomposition(node.target)  # e.g. a fused kernel this backend lacks
+            decomp = compat.decomposition(node.target)  # e.g. a fused kernel this backend lacks
             if decomp is None:
                 raise
             out = decomp(*args, **kwargs)
@@ -143,7 +143,7 @@ class GraphRunner:
     def _run_local(self, node: fx.Node, fn, args, kwargs) -> Any:
         """Run ``fn`` on the local shards of the (already redistributed) arguments and wrap
         each result in its planned output placement."""
-        local = tp.tree_map(lambda v: v.to_local() if isinstance(v, DTensor) else v,
+        local = compat.tree_map(lambda v: v.to_local() if isinstance(v, DTensor) else v,
                             (args, kwargs))
         out = fn(*local[0], **local[1])
         vals = tensor_vals(node)

@@ -1,7 +1,7 @@
 """``parallelize="auto"``, runtime side: a planned stage as a graph stage of the pipeline.
 
 :func:`materialize_and_apply` creates the stage's parameters shard by shard in the planned
-placements (:mod:`autopp.auto_plan` made the plans), initialises them and applies the plan;
+placements (:mod:`autopp.plan.make` made the plans), initialises them and applies the plan;
 :func:`planned_graph_stage` lowers the planned stage to one local joint graph (collectives
 explicit), split by :mod:`autopp.graph` into unshard / forward / backward-input /
 backward-weight / reduce-grad graphs (the backward pieces recomputing forward values as
@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopp.graph import GraphStage, Recompute, StageGraphs
 from autopp.init import init_module_
 from autopp.sharding import StagePlan
-from autopp.sharding.apply import ShardedStage, apply_plan, empty_sharded_
+from autopp.lower.apply import ShardedStage, apply_plan, empty_sharded_
 
 
 def materialize_and_apply(

@@ -13,7 +13,7 @@ It uses the fake process group (:func:`autopp.mesh.init_fake_world`, set up here
 caller already did), splits the model with the same rules as
 :func:`autopp.pipeline_autoparallel`, finds every stage's input on meta and plans EVERY stage
 (not only one rank's) on the stage sub-mesh, through the on-disk plan cache
-(:func:`autopp.auto_plan.plan_local_stage`). All stage sub-meshes have the same shape, so
+(:func:`autopp.plan.make.plan_local_stage`). All stage sub-meshes have the same shape, so
 rank 0's sub-mesh stands for all of them.
 
 Pipeline estimate: each stage's plan becomes the schedule simulator's
@@ -26,8 +26,8 @@ simulator's; Alpa's closed formula (Σ_s t_s + (M − 1) · slowest rank's Σ t_
 beside it. Each rank's peak is checked against the profile's memory minus a reserve. Stage
 boundaries and the last stage's logits placement (loss parallel or not) are chosen as
 :func:`autopp.pipeline_autoparallel` chooses them, by the same code
-(:func:`autopp.auto_plan.plan_whole_pipeline`, still by the closed formula): the report's
-:attr:`DryRunReport.plan` is the :class:`~autopp.pipeline_plan.PipelinePlan` a job would run,
+(:func:`autopp.plan.make.plan_whole_pipeline`, still by the closed formula): the report's
+:attr:`DryRunReport.plan` is the :class:`~autopp.plan.value.PipelinePlan` a job would run,
 with the simulator's estimates added; ``report.plan.save(path)`` and
 ``pipeline_autoparallel(..., plan=path)`` run it without planning again.
 """
@@ -45,8 +45,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from autopp.api import split_for_schedule, stage_ranks_of
-from autopp.auto_plan import (
+from autopp.stage_split.for_schedule import split_for_schedule, stage_ranks_of
+from autopp.plan.make import (
     BOUNDARIES,
     boundary_bytes,
     last_stage_output,
@@ -55,8 +55,10 @@ from autopp.auto_plan import (
     stage_meta_inputs,
 )
 from autopp.backends import PlannerOptions
-from autopp.dry_run_format import compact_modules, format_report, placement_summary
-from autopp.estimate import (
+from autopp.format import compact_modules
+from autopp.dry_run.format import format_report
+from autopp.sharding.report import placement_summary
+from autopp.estimate.stage_costs import (
     StageFacts,
     full_checkpointing_cost,
     param_dtypes,
@@ -71,8 +73,8 @@ from autopp.estimate import (
 )
 from autopp.loss import cross_entropy
 from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
-from autopp.pipeline_plan import PipelinePlan
-from autopp.plan_cache import cached_plan, plan_key
+from autopp.plan.value import PipelinePlan
+from autopp.plan.cache import cached_plan, plan_key
 from autopp.schedules import (
     Link,
     SimulationResult,
@@ -81,7 +83,8 @@ from autopp.schedules import (
     write_chrome_trace,
     write_timeline_png,
 )
-from autopp.sharding import StagePlan, get_profile, plan_stage
+from autopp.sharding import StagePlan, plan_stage
+from autopp.profiles import get_profile
 from autopp.sharding.torchtitan_ref import torchtitan_param_placements
 
 logger = logging.getLogger(__name__)
@@ -118,7 +121,7 @@ class StageReport:
     torchtitan_cached: bool = False
     torchtitan_cost: StageCost | None = None
     boundary_out: str = "batch"
-    """Placement of what the stage sends (a key of ``autopp.auto_plan.BOUNDARIES``); for the
+    """Placement of what the stage sends (a key of ``autopp.plan.make.BOUNDARIES``); for the
     last stage, of its logits ("vocab": loss parallel)."""
     loss_s: float = 0.0
     """Last stage: estimated fwd+bwd time of the loss on one microbatch (0 elsewhere)."""

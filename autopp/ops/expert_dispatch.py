@@ -1,6 +1,6 @@
 """Token dispatch by all-to-all for ``autopp::routed_experts`` (expert parallelism).
 
-:mod:`autopp.sharding.experts` gives the routed-experts op DTensor rules whose kernels need no
+:mod:`autopp.ops.experts` gives the routed-experts op DTensor rules whose kernels need no
 communication: with experts split over a mesh dim, every device gets every token (an
 all-gather the planner prices as a redistribution), runs its own experts on the tokens routed
 to them, and the outputs are summed back (a reduce-scatter). Each device then receives
@@ -43,68 +43,17 @@ import math
 from typing import Any
 
 import torch
-from torch import Tensor
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autopp.sharding import _torch_private as tp
+from autopp._compat import sharding as compat
 from autopp.sharding import op_hooks
-from autopp.sharding.experts import DISPATCHES, combine, expert_mlp
+from autopp.ops.expert_kernels import DISPATCHES
 from autopp.sharding.strategies import Option, local_shape, tensor_vals
+from autopp.ops import experts  # noqa: F401  (defines the ops whose hooks follow)
 
 _FWD = torch.ops.autopp.routed_experts.default
 _BWD = torch.ops.autopp.routed_experts_backward.default
 _TOKEN_SPLITS = (Shard(0), Shard(1))  # batch or sequence
-
-
-def dispatched(x: Tensor, scores: Tensor, ids: Tensor, expert_ids: Tensor, w1: Tensor,
-               w2: Tensor, w3: Tensor, compute_dtype: str, group_name: str,
-               block: int) -> Tensor:
-    """Routed experts on this device's tokens, the experts spread over a process group.
-
-    Rank ``r`` of the group (size ``n``) holds experts ``[start + r·block, start +
-    (r+1)·block)`` at this level, where ``[start, start + n·block)`` is the range the group
-    serves (the whole set, unless an outer mesh dim splits the experts too: tokens routed
-    outside it are served by that dim's other devices, and the output is partial over it).
-    Its local weights may be a further slice (``expert_ids``: experts split over an inner
-    mesh dim, tokens whole there): rows for the other experts of its block give zeros, and
-    the output is partial over that dim as well. Differentiable in x, scores and weights.
-    """
-    b, l, d = x.shape
-    k = ids.shape[-1]
-    rank, n = tp.group_rank_size(group_name)
-    x_td, flat = x.reshape(b * l, d), ids.reshape(-1)
-    first, n_local = int(expert_ids[0]), expert_ids.numel()
-    outer = block * n
-    start = first // outer * outer
-    leaf = first - (start + rank * block)  # the local experts' offset in this rank's block
-    if not 0 <= leaf <= block - n_local:
-        raise ValueError(f"local experts {first}..{first + n_local - 1} are not in rank "
-                         f"{rank}'s dispatch block of {block} (experts from {start}): the "
-                         "experts must be split over the dispatch mesh dim in mesh order")
-    # (token, k) rows sorted by expert: grouped by destination rank, then by expert
-    order = torch.argsort(flat, stable=True)
-    sorted_ids = flat[order]
-    keep = (sorted_ids >= start) & (sorted_ids < start + outer)
-    order, sorted_ids = order[keep], sorted_ids[keep]
-    token_of = order // k
-    send_counts = torch.bincount(sorted_ids - start, minlength=outer)  # per (dest, expert)
-    recv_counts = tp.all_to_all(send_counts, [block] * n, [block] * n, group_name)
-    in_splits = send_counts.view(n, block).sum(1).tolist()
-    out_splits = recv_counts.view(n, block).sum(1).tolist()
-    received = tp.all_to_all(x_td[token_of], out_splits, in_splits, group_name)
-    # rank-major (source, expert) -> expert-major (expert, source), sources in rank order
-    expert_of_row = torch.arange(block, device=x.device).repeat(n).repeat_interleave(recv_counts)
-    perm = torch.argsort(expert_of_row, stable=True)
-    per_expert = recv_counts.view(n, block).sum(0)
-    lo = int(per_expert[:leaf].sum())
-    hi = lo + int(per_expert[leaf : leaf + n_local].sum())
-    routed = received[perm]
-    y_local = expert_mlp(routed[lo:hi], per_expert[leaf : leaf + n_local], w1, w2, w3,
-                         compute_dtype)
-    y = torch.cat([y_local.new_zeros(lo, d), y_local,
-                   y_local.new_zeros(routed.shape[0] - hi, d)])
-    back = tp.all_to_all(y[torch.argsort(perm)], in_splits, out_splits, group_name)
-    return combine(back, scores.reshape(-1)[order], token_of, x_td).reshape(b, l, d)
 
 
 # --- planner hooks ----------------------------------------------------------------------------
@@ -211,7 +160,7 @@ def _local_call(node, opt: Option, mesh):
         group = mesh.get_group(dims[0]).group_name
     else:
         names = [mesh.mesh_dim_names[d] for d in dims]
-        group = tp.flattened_group_name(mesh, names)
+        group = compat.flattened_group_name(mesh, names)
         if group is None:
             raise ValueError(f"the plan dispatches tokens over mesh dims {names} together, "
                              "which needs their flattened process group: build the mesh "

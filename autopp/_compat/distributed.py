@@ -1,0 +1,24 @@
+"""torch.distributed internals autopp uses: the fake process group's store, c10d's
+per-group timeout setter, the dispatch mode base class, the fake-tensor mode and pytree."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401  (re-exported)
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
+from torch.utils._pytree import tree_leaves  # noqa: F401  (re-exported)
+
+
+def fake_store() -> Any:
+    """A store for ``init_process_group("fake", ...)`` (torch keeps it under testing)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def set_pg_timeout(timeout: Any, group: Any = None) -> None:
+    """c10d's timeout setter for one process group (torch 2.13 has no public one)."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timeout, group)

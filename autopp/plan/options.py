@@ -1,0 +1,117 @@
+"""What the planner may choose and under which limits: :class:`PlannerOptions` (profile,
+memory budget and reserve, boundaries, loss parallel, recompute, mixed precision) and
+:class:`CompileOptions` for planned stages. ``autopp.backends`` re-exports both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from autopp.graph.recompute import Recompute
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlannerOptions:
+    """What the planner may choose and under which assumptions.
+
+    Attributes:
+        profile: the device profile of the cost model ("H100", "H200", "A100", "CPU");
+            None: "CPU" on a cpu mesh, else "H100".
+        memory_budget_bytes: per-device memory the plan must fit: parameters, gradients,
+            AdamW state, gathered parameters, and the activations of every microbatch in
+            flight on the stage under the schedule (the schedule simulator's count); shared
+            equally by a rank's stages. None: the profile's device memory less
+            ``memory_reserve``.
+        memory_reserve: the share of the device's memory left out of the default budget
+            (allocator fragmentation, communication buffers, the loss): 0.1.
+        parameter_budget_bytes: instead of the whole-memory budget, a per-device bound on
+            the parameters' own bytes alone (no gradients, optimizer state, gathered copies
+            or activations): a ZeRO-3 / FSDP-style storage cap that makes the planner shard
+            weights over dp and gather them once per step at UNSHARD. Not with
+            ``memory_budget_bytes``; None (default): the whole-memory budget.
+        boundary: placement of activations sent between stages: "auto" (chosen by cost:
+            stage times plus transfer time), "batch" (batch split over dp, whole over tp) or
+            "batch+seq" (sequence also split over tp: 1/tp of the bytes).
+        loss_parallel: with ``loss_fn=autopp.cross_entropy``, whether the last stage keeps
+            its logits split on the vocabulary over tp and computes the loss in parallel:
+            None (chosen by cost), True (always) or False (never).
+        mixed_precision: torch's FSDP2 ``MixedPrecisionPolicy``, e.g. bf16 compute with
+            parameters gathered in bf16 and gradients reduced in fp32 into fp32 masters.
+        reshard_after_forward: True: a stage drops its gathered weights after each forward
+            and gathers them again for the backward (FSDP's reshard-after-forward: 2 gathers
+            per weight per microbatch) instead of gathering once per step and keeping the
+            copy (False, the default). Correct (tested against single process), but it does
+            not lower the measured peak yet (``benchmarks/memory.py``: higher at 8
+            microbatches), so the planner does not choose it by itself.
+        recompute: activation recomputation in the planned stages' lowered graphs
+            (:mod:`autopp.graph.recompute`): "auto" (default: per stage, the fastest of the
+            modes below whose plan fits the memory budget; "none" when it fits), "none" (the
+            backward reads what the forward saved), "selective" (save matmul and attention
+            outputs, recompute the cheap ops in the backward) or "full" (save only the stage
+            input, recompute the rest in the backward). Reductions are always saved, never
+            re-run; all-gathers of activations are gathered again in the backward. It works
+            under every schedule, the I/W split included (I recomputes; W gets what it needs
+            from I). The planner prices the recomputed forward.
+    """
+
+    profile: str | None = None
+    memory_budget_bytes: float | None = None
+    memory_reserve: float = 0.1
+    parameter_budget_bytes: float | None = None
+    boundary: Literal["auto", "batch", "batch+seq"] = "auto"
+    loss_parallel: bool | None = None
+    mixed_precision: MixedPrecisionPolicy | None = None
+    reshard_after_forward: bool = False
+    recompute: Recompute | Literal["auto"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.recompute not in ("auto", "none"):  # autopp.graph loads on first use only
+            from autopp.graph.recompute import RECOMPUTE_POLICIES
+
+            if self.recompute not in RECOMPUTE_POLICIES:
+                raise ValueError(f"recompute must be one of 'auto', "
+                                 f"{', '.join(map(repr, RECOMPUTE_POLICIES))}, "
+                                 f"got {self.recompute!r}")
+        if not 0 <= self.memory_reserve < 1:
+            raise ValueError(f"memory_reserve is a share of the device memory in [0, 1), "
+                             f"got {self.memory_reserve}")
+        if self.boundary not in ("auto", "batch", "batch+seq"):
+            raise ValueError(f"boundary must be 'auto', 'batch' or 'batch+seq', got {self.boundary!r}")
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
+            raise ValueError(f"memory_budget_bytes must be positive, got {self.memory_budget_bytes}")
+        if self.parameter_budget_bytes is not None:
+            if self.parameter_budget_bytes <= 0:
+                raise ValueError(f"parameter_budget_bytes must be positive, got "
+                                 f"{self.parameter_budget_bytes}")
+            if self.memory_budget_bytes is not None:
+                raise ValueError("set memory_budget_bytes (all memory) or "
+                                 "parameter_budget_bytes (parameters alone), not both")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompileOptions:
+    """Inductor compilation of the planned stages' graphs (``compile=``).
+
+    Attributes:
+        bucket_collectives: let Inductor bucket the graphs' all-gathers, reduce-scatters and
+            all-reduces (fewer, larger messages).
+        reorder_for_overlap: let Inductor reorder collectives to overlap them with compute.
+    Both are off by default: on CPU (gloo) collectives are synchronous, so neither helps.
+    """
+
+    bucket_collectives: bool = False
+    reorder_for_overlap: bool = False
+
+    def inductor_options(self) -> dict[str, Any]:
+        """The Inductor config keys these options set (``torch.compile(options=...)``)."""
+        opts: dict[str, Any] = {}
+        if self.bucket_collectives:
+            opts.update(bucket_all_gathers_fx="all", bucket_reduce_scatters_fx="all",
+                        bucket_all_reduces_fx="all")
+        if self.reorder_for_overlap:
+            opts["reorder_for_compute_comm_overlap"] = True
+        return opts
