@@ -46,7 +46,8 @@ def one_run(args) -> None:
     )
     from torchtitan.models.llama3 import llama3_configs
 
-    from autopp.dry_run.run import dry_run
+    from autopp.backends import PlannerOptions
+    from autopp.dry_run import dry_run
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s",
                         datefmt="%H:%M:%S")
@@ -62,9 +63,9 @@ def one_run(args) -> None:
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     report = dry_run(model, pp=args.pp, dp=args.dp, tp=args.tp, schedule=args.schedule,
-                     mixed_precision=mp,
                      n_microbatches=args.microbatches, global_batch=args.global_batch,
-                     seq_len=args.seq, profile=args.profile, compare=True)
+                     seq_len=args.seq, compare=True,
+                     options=PlannerOptions(profile=args.profile, mixed_precision=mp))
     wall = time.perf_counter() - t0
     print(report, flush=True)
     def peaks(which):

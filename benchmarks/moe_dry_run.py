@@ -60,7 +60,8 @@ def main() -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from autopp.adapters.torchtitan_moe import set_token_dispatch
-    from autopp.dry_run.run import dry_run
+    from autopp.backends import PlannerOptions
+    from autopp.dry_run import dry_run
 
     set_token_dispatch(args.dispatch)
 
@@ -72,7 +73,8 @@ def main() -> None:
     t0 = time.perf_counter()
     report = dry_run(model, pp=args.pp, dp=args.dp, tp=args.tp, schedule=args.schedule,
                      n_microbatches=args.microbatches, global_batch=args.batch_size,
-                     seq_len=args.seq_len, profile=args.profile, mixed_precision=mp)
+                     seq_len=args.seq_len,
+                     options=PlannerOptions(profile=args.profile, mixed_precision=mp))
     print(report)
     print(f"dry run wall time {time.perf_counter() - t0:.1f} s")
     print("routed experts (forward, backward) as planned, over the (dp, tp) sub-mesh:")

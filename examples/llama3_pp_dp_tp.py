@@ -209,8 +209,7 @@ def search(args) -> None:
     report = run_search(model, args, world)
     if not report.results:
         raise SystemExit(report.no_fit_message())
-    exact = report.plan(0, trace=args.trace, timeline=args.timeline,
-                        memory_reserve=args.memory_reserve)
+    exact = report.plan(0, trace=args.trace, timeline=args.timeline)
     print("\nThe best layout, planned exactly (every stage under the device memory):")
     print_dry_run(exact, args)
 
@@ -229,7 +228,7 @@ def _search_in_child(model_name: str, args_dict: dict, world: int) -> str:
     """Run in a fresh process (its own fake process group): the best plan, as JSON."""
     args = argparse.Namespace(**args_dict)
     report = run_search(build_model(model_name), args, world)
-    return report.plan(0, memory_reserve=args.memory_reserve).plan.to_json()
+    return report.plan(0).plan.to_json()
 
 
 def searched_plan(args, world: int):
@@ -256,17 +255,19 @@ def use_plan(args, plan) -> None:
 
 def dry_run(args) -> None:
     """Plan the whole pipeline on this machine alone and print the report."""
-    from autopp.dry_run.run import dry_run as plan_pipeline
+    from autopp.backends import PlannerOptions
+    from autopp.dry_run import dry_run as plan_pipeline
 
     _layout_defaults(args)
     report = plan_pipeline(
         build_model(args.model), pp=args.pp, dp=args.dp, tp=args.tp,
         schedule=args.schedule, n_microbatches=args.microbatches,
         global_batch=args.batch_size, seq_len=args.seq_len,
-        profile=args.profile or "H100", split=args.split, boundary=args.boundary,
-        loss_parallel={"auto": None, "on": True, "off": False}[args.loss_parallel],
-        mixed_precision=mp_policy(args), memory_reserve=args.memory_reserve,
-        trace=args.trace, timeline=args.timeline,
+        split=args.split, trace=args.trace, timeline=args.timeline,
+        options=PlannerOptions(
+            profile=args.profile or "H100", boundary=args.boundary,
+            loss_parallel={"auto": None, "on": True, "off": False}[args.loss_parallel],
+            mixed_precision=mp_policy(args), memory_reserve=args.memory_reserve),
     )
     print_dry_run(report, args)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopp.dry_run.run import compact_modules
+from autopp.format import compact_modules
 from autopp.estimate.stage_costs import (
     StageFacts,
     full_checkpointing_cost,
@@ -68,6 +68,21 @@ odd = dry_run(llama3_meta(), pp=2, dp=2, tp=2, schedule="1F1B", n_microbatches=2
               global_batch=8, seq_len=63, activations=False)
 out["odd_seq_boundaries"] = [s.boundary_out for s in odd.stages]
 out["odd_by_rule"] = [s.facts.from_graphs for s in odd.stages]
+# the options a job would pass are the options the dry run plans with and reports against
+from autopp.backends import PlannerOptions
+opts = PlannerOptions(memory_reserve=0.3, recompute="none", boundary="batch")
+mine = dry_run(llama3_meta(), pp=2, dp=2, tp=2, schedule="1F1B", n_microbatches=2,
+               global_batch=8, seq_len=64, activations=False, options=opts)
+out["options"] = dict(reported=mine.memory_reserve, planned=mine.plan.options.memory_reserve,
+                      recompute=list(mine.plan.recompute), asked=mine.plan.options.recompute,
+                      boundaries=list(mine.plan.boundaries), profile=mine.profile,
+                      usable=mine.plan.estimates.usable_bytes if mine.plan.estimates else None,
+                      device=mine.device_memory_bytes)
+try:
+    dry_run(llama3_meta(), pp=2, dp=2, tp=2, n_microbatches=2, global_batch=8, seq_len=64,
+            memory_reserve=0.3)
+except TypeError as e:
+    out["loose"] = str(e)
 print("JSON" + json.dumps(out))
 """
 
@@ -201,6 +216,19 @@ def _plan(params, collectives=(), param_dtype="torch.bfloat16") -> StagePlan:
         collectives=tuple(collectives), step_time_s=0.0, compute_s=0.0, comm_s=0.0,
         param_bytes_per_device=sum(p.local_bytes for p in params), memory_budget_bytes=None,
         fallbacks=(), num_vars=0, solve_s=0.0, plan_s=0.0, param_dtype=param_dtype)
+
+
+def test_plans_with_the_options_it_reports_against(reports):
+    """The reserve, recompute and boundaries the dry run is given are those its plan was
+    made with (before, it planned with a 10% reserve and checked fits against the
+    caller's); loose planner keywords are refused with the spelling that works."""
+    o = reports["options"]
+    assert o["reported"] == o["planned"] == 0.3
+    assert o["asked"] == "none" and set(o["recompute"]) == {"none"}
+    assert set(o["boundaries"][1:-1]) == {"batch"}
+    assert o["profile"] == "H100"
+    assert o["usable"] == pytest.approx(0.7 * o["device"])
+    assert "options=PlannerOptions(memory_reserve=0.3)" in reports["loose"]
 
 
 def test_state_bytes_by_hand():

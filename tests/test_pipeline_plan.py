@@ -31,11 +31,13 @@ DP, N_MB = 2, 4
 CODE = r"""
 import sys
 from tests.models import llama3_meta
+from autopp.backends import PlannerOptions
 from autopp.dry_run import dry_run
 
 r = dry_run(llama3_meta(int(sys.argv[2])), pp=2, dp=2, tp=1, schedule="1F1B",
             n_microbatches=int(sys.argv[3]), global_batch=int(sys.argv[4]),
-            seq_len=int(sys.argv[5]), profile="CPU", activations=False)
+            seq_len=int(sys.argv[5]), options=PlannerOptions(profile="CPU"),
+            activations=False)
 r.plan.save(sys.argv[1])
 """
 

@@ -6,7 +6,8 @@
     with torch.device("meta"):
         model = cfg.build()
     report = dry_run(model, pp=4, dp=8, tp=8, schedule="1F1B", n_microbatches=8,
-                     global_batch=64, seq_len=2048, profile="H100", compare=True)
+                     global_batch=64, seq_len=2048, options=PlannerOptions(profile="H100"),
+                     compare=True)
     print(report)
 
 It uses the fake process group (:func:`autopp.mesh.init_fake_world`, set up here unless the
@@ -39,6 +40,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,7 +50,6 @@ from torch.distributed.tensor import Replicate, Shard
 from autopp.stage_split.for_schedule import split_for_schedule, stage_ranks_of
 from autopp.plan.make import (
     BOUNDARIES,
-    boundary_bytes,
     last_stage_output,
     loss_time_s,
     plan_whole_pipeline,
@@ -63,16 +64,15 @@ from autopp.estimate.stage_costs import (
     full_checkpointing_cost,
     param_dtypes,
     pipeline_estimates,
-    pp_link,
     simulated_step_s,
     stage_cost,
     stage_facts,
     stage_facts_by_rule,
     state_bytes,
-    usable_bytes,
 )
 from autopp.loss import cross_entropy
 from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
+from autopp.plan.objective import boundary_bytes, pipeline_objective_s, pp_link
 from autopp.plan.value import PipelinePlan
 from autopp.plan.cache import cached_plan, plan_key
 from autopp.schedules import (
@@ -202,7 +202,9 @@ class DryRunReport:
     def alpa_time_s(self, which: str = "planned") -> float:
         """Alpa's closed formula, whatever the schedule: Σ_s t_s + (M − 1) · slowest rank's
         Σ t_s (one microbatch each)."""
-        return sum(self._times(which)) + (self.n_microbatches - 1) * max(self.rank_times_s(which))
+        rank_of = {s: r for r, ids in enumerate(self.stage_ids_per_rank) for s in ids}
+        return pipeline_objective_s(self._times(which), self.n_microbatches,
+                                    [rank_of[s] for s in range(len(self.stages))])
 
     def simulation_of(self, which: str = "planned") -> SimulationResult:
         sim = self.simulation if which == "planned" else self.torchtitan_simulation
@@ -336,17 +338,13 @@ def dry_run(
     n_microbatches: int,
     global_batch: int,
     seq_len: int,
-    profile: str = "H100",
-    memory_budget_bytes: float | None = None,
+    options: PlannerOptions | None = None,
     split=None,
     compare: bool = False,
-    boundary: str = "auto",
-    loss_parallel: bool | None = None,
-    mixed_precision=None,
     activations: bool = True,
-    memory_reserve: float = 0.1,
     trace: str | os.PathLike | None = None,
     timeline: str | os.PathLike | None = None,
+    **planner_keywords: Any,
 ) -> DryRunReport:
     """Plan the pipeline of ``model_meta`` for a pp × dp × tp world on this machine alone.
 
@@ -358,27 +356,43 @@ def dry_run(
             world size must be pp·dp·tp.
         schedule, n_microbatches, split: as for :func:`autopp.pipeline_autoparallel`.
         global_batch, seq_len: the step's batch (all dp ranks) and sequence length.
-        profile: the device profile of the cost model ("H100", "H200", "A100", "CPU").
-        memory_budget_bytes: per-device bound on each stage's parameter bytes. With
-            ``compare`` and no budget, each stage is planned under the parameter memory
-            torchtitan's layout uses for it (as ``compare_with_torchtitan`` does), so the
-            ratio compares layouts of equal memory.
+        options: the planner's options (:class:`autopp.backends.PlannerOptions`), exactly as a
+            job would pass them: the profile of the cost model (default here "H100": a dry run
+            stands for a GPU job), the memory budget and reserve, the parameter budget,
+            boundaries, loss parallel, mixed precision and recomputation. The dry run plans
+            with these options and checks the fit against the same reserve. The loss is
+            taken to be :func:`autopp.cross_entropy`; torchtitan's layout is priced under the
+            same mixed-precision policy.
         compare: also price torchtitan's manual FSDP+TP layout of every stage under the same
             cost model and simulator, and report planned/torchtitan (torchtitan as it runs
-            with TP: sequence-parallel stage boundaries, loss parallel).
-        boundary, loss_parallel, mixed_precision: as for
-            :func:`autopp.pipeline_autoparallel` (the loss is taken to be
-            :func:`autopp.cross_entropy`); torchtitan's layout is priced under the same
-            mixed-precision policy.
+            with TP: sequence-parallel stage boundaries, loss parallel). Without a memory or
+            parameter budget in ``options``, each stage is then planned under the parameter
+            memory torchtitan's layout uses for it (as ``compare_with_torchtitan`` does), so
+            the ratio compares layouts of equal memory.
         activations: lower every stage's plan to local graphs (on the fake process group) to
             read its activation and gathered-weight memory and split its time into F / I / W
             (:func:`autopp.estimate.stage_facts`); False: the time split by rule and no
             activation memory (faster, and the peaks then undercount).
-        memory_reserve: fraction of the profile's device memory not available to the
-            simulated categories (allocator, workspaces, communication buffers).
         trace, timeline: write the simulated step as a Chrome / Perfetto trace JSON and as a
             PNG timeline to these paths.
+
+    Planner options given as loose keywords (``profile=``, ``memory_reserve=``, ...) are
+    refused with the ``options=PlannerOptions(...)`` to write instead.
     """
+    if planner_keywords:
+        fields = {f.name for f in dataclasses.fields(PlannerOptions)}
+        loose = sorted(k for k in planner_keywords if k in fields)
+        other = sorted(k for k in planner_keywords if k not in fields)
+        if other:
+            raise TypeError(f"dry_run() got unexpected keyword arguments {other}")
+        given = ", ".join(f"{k}={planner_keywords[k]!r}" for k in loose)
+        raise TypeError(f"dry_run() takes the planner's options as one value: write "
+                        f"options=PlannerOptions({given}) instead of {loose}")
+    options = options if options is not None else PlannerOptions()
+    if options.profile is None:
+        options = dataclasses.replace(options, profile="H100")
+    if options.loss_parallel and tp == 1:  # nothing to split the logits over
+        options = dataclasses.replace(options, loss_parallel=None)
     world = pp * dp * tp
     created = False
     if not dist.is_initialized():
@@ -389,16 +403,12 @@ def dry_run(
             f"torch.distributed is initialised with {dist.get_world_size()} ranks, but "
             f"pp={pp} x dp={dp} x tp={tp} needs {world}"
         )
-    usable_bytes(profile, memory_reserve)  # a bad reserve fails before any planning
     t0 = time.perf_counter()
     try:
         report = _dry_run(model_meta, pp=pp, dp=dp, tp=tp, schedule=schedule,
                           n_microbatches=n_microbatches, global_batch=global_batch,
-                          seq_len=seq_len, profile=profile,
-                          memory_budget_bytes=memory_budget_bytes, split=split,
-                          compare=compare, boundary=boundary, loss_parallel=loss_parallel,
-                          mixed_precision=mixed_precision, activations=activations,
-                          memory_reserve=memory_reserve)
+                          seq_len=seq_len, options=options, split=split, compare=compare,
+                          activations=activations)
     finally:
         if created:
             dist.destroy_process_group()
@@ -433,8 +443,9 @@ def _simulate(schedule, costs, *, pp, n_microbatches, rank_of, link) -> Simulati
 
 
 def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, seq_len,
-             profile, memory_budget_bytes, split, compare, boundary,
-             loss_parallel, mixed_precision, activations, memory_reserve) -> DryRunReport:
+             options: PlannerOptions, split, compare, activations) -> DryRunReport:
+    profile, mixed_precision = options.profile, options.mixed_precision
+    memory_budget_bytes, memory_reserve = options.memory_budget_bytes, options.memory_reserve
     if global_batch % dp:
         raise ValueError(f"global batch {global_batch} is not divisible by dp={dp}")
     mesh = build_world_mesh(pp=pp, dp=dp, tp=tp, device_type="cpu")
@@ -465,18 +476,16 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
                                              mixed_precision=mixed_precision,
                                              n_microbatches=n_microbatches))
         budget = memory_budget_bytes
-        if compare and budget is None:
+        if compare and budget is None and options.parameter_budget_bytes is None:
             budget = tt_plans[s][0].param_bytes_per_device * (1 + 1e-9)
         budgets.append(budget)
-    options = PlannerOptions(profile=profile, memory_budget_bytes=memory_budget_bytes,
-                             boundary=boundary, mixed_precision=mixed_precision,
-                             loss_parallel=None if loss_parallel and tp == 1 else loss_parallel)
     timings: dict[int, list] = {}
     pplan, _ = plan_whole_pipeline(
         model_meta, pp=pp, fqns_per_stage=fqns_per_stage, stage_ranks=stage_ranks,
         sub_mesh=sub_mesh, schedule=str(schedule), n_microbatches=n_microbatches,
         example_inputs=local, options=options, loss_fn=cross_entropy,
-        budgets=budgets if compare else None,  # None: the device memory, all categories
+        budgets=budgets if compare and options.parameter_budget_bytes is None else None,
+        # None: the options' budgets (by default the device memory, all categories)
         timings=timings)
     bounds = pplan.boundaries
     logits = last_stage_output(metas, inputs, mixed_precision)

@@ -11,7 +11,6 @@ from autopp.estimate.stage_costs import (  # noqa: F401  (the names users of aut
     full_checkpointing_cost,
     param_dtypes,
     pipeline_estimates,
-    pp_link,
     simulated_step_s,
     stage_cost,
     stage_facts,
@@ -19,3 +18,4 @@ from autopp.estimate.stage_costs import (  # noqa: F401  (the names users of aut
     state_bytes,
     usable_bytes,
 )
+from autopp.plan.objective import pp_link  # noqa: F401  (the one pp link)

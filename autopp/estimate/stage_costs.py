@@ -57,7 +57,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autopp.schedules import Link, StageCost
+from autopp.plan.objective import pipeline_objective_s
+from autopp.schedules import StageCost
 from autopp.sharding.plan import StagePlan, from_strs
 
 PHASES = ("F", "I", "W", "unshard", "reduce_grad")
@@ -354,21 +355,6 @@ def param_dtypes(module: nn.Module) -> dict[str, torch.dtype]:
     return {n: p.dtype for n, p in module.named_parameters()}
 
 
-def pp_link(profile: Any, mesh_shape: tuple[int, ...]) -> Link:
-    """The point-to-point link between neighbouring pp ranks of a ``(pp, dp, tp)`` mesh: each
-    device sends its shard to its counterpart, over the link the profile gives the pp dim
-    (inter-node when a pp rank's dp × tp devices fill a node). A profile with a measured
-    point-to-point link (``p2p_bw`` / ``p2p_latency`` set) gives those figures instead."""
-    from autopp.profiles.lookup import get_profile
-    from autopp.profiles.devices import mesh_links
-
-    prof = get_profile(profile)
-    links = mesh_links(prof, tuple(mesh_shape))
-    latency = links.latency[0] if prof.p2p_latency is None else prof.p2p_latency
-    bandwidth = links.bandwidth[0] if prof.p2p_bw is None else prof.p2p_bw
-    return Link(latency_s=latency, bandwidth_bytes_per_s=bandwidth)
-
-
 def contended_step_s(critical_s: float, mean_busy_s: float, profile: Any, world: int) -> float:
     """The step of a pipeline from its simulated critical path and its ranks' mean busy time.
 
@@ -402,10 +388,11 @@ def pipeline_estimates(sim: Any, stage_times: list[float], stage_ids_per_rank: A
 
     from autopp.plan.value import PipelineEstimates
 
-    per_rank = [sum(stage_times[s] for s in ids) for ids in stage_ids_per_rank]
+    rank_of = {s: r for r, ids in enumerate(stage_ids_per_rank) for s in ids}
+    rank_of = [rank_of[s] for s in range(len(stage_times))]
     return PipelineEstimates(
         step_time_s=simulated_step_s(sim, profile, world), bubble_fraction=sim.bubble_fraction,
-        alpa_time_s=sum(stage_times) + (n_microbatches - 1) * max(per_rank),
+        alpa_time_s=pipeline_objective_s(stage_times, n_microbatches, rank_of),
         stage_time_s=tuple(stage_times), peak_bytes=tuple(r.peak_bytes for r in sim.ranks),
         memory_at_peak=tuple(tuple(asdict(r.memory_at_peak).items()) for r in sim.ranks),
         usable_bytes=usable_bytes(profile, memory_reserve),

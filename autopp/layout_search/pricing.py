@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from autopp.plan.objective import boundary_split
 from autopp.layout_search.layouts import Layout
 from autopp.layout_search.unit_costs import ShapeCosts, UnitCost
 
@@ -186,7 +187,8 @@ class Pricer:
                     f"{budget / 2**30:.1f} GiB even under its least-memory plan probed "
                     f"(recompute={least.split('@')[0]!r}{lean}: {largest}), and no split "
                     "does better")
-        send = shape.hidden_bytes / shape.dp / shape.tp * f  # batch over dp, sequence over tp
+        # the boundary activation: batch over dp, sequence over tp
+        send = shape.hidden_bytes * f / boundary_split(shape.dp, shape.tp, "batch+seq")
         costs, chosen, work = [], [], [0.0] * lay.pp
         _, stage_to_rank = compute_order(lay.schedule, pp=lay.pp, n_microbatches=m, n_stages=n)
         for s, (a, b) in enumerate(zip(cuts, cuts[1:])):
@@ -215,7 +217,8 @@ class Pricer:
 
     def simulate(self, sp: Split) -> Candidate | str:
         """Simulate a split's schedule: its candidate, or why its peak memory does not fit."""
-        from autopp.estimate.stage_costs import pp_link, simulated_step_s
+        from autopp.estimate.stage_costs import simulated_step_s
+        from autopp.plan.objective import pp_link
         from autopp.schedules import simulate_schedule
         from autopp.stage_split.balanced import stage_fqns
 

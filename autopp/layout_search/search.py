@@ -67,6 +67,8 @@ class SearchReport:
     stage_plans_solved: int
     search_s: float
     model: nn.Module = field(compare=False, repr=False, default=None)
+    memory_reserve: float = 0.1
+    """The share of device memory the search kept out of every layout's fit."""
 
     @property
     def best(self) -> Candidate:
@@ -115,19 +117,22 @@ class SearchReport:
                          f"{self.rejected[0][1]})")
         return "\n".join(lines)
 
-    def plan(self, index: int = 0, **dry_run_kwargs: Any) -> Any:
+    def plan(self, index: int = 0, options: Any = None, **dry_run_kwargs: Any) -> Any:
         """Plan the ``index``-th layout exactly (:func:`autopp.dry_run.dry_run` with its split:
         every stage planned under the device's memory, boundaries chosen, simulated) and
         return the dry run's report; ``report.plan`` is the
         :class:`~autopp.plan.value.PipelinePlan` to save and train with."""
         from autopp.dry_run.run import dry_run
+        from autopp.plan.options import PlannerOptions
 
+        if options is None:  # what the search ranked the layout with
+            options = PlannerOptions(profile=self.profile, mixed_precision=self.mixed_precision,
+                                     memory_reserve=self.memory_reserve)
         c = self.results[index]
         lay = c.layout
         return dry_run(self.model, pp=lay.pp, dp=lay.dp, tp=lay.tp, schedule=lay.schedule,
                        n_microbatches=lay.n_microbatches, global_batch=self.global_batch,
-                       seq_len=self.seq_len, profile=self.profile,
-                       mixed_precision=self.mixed_precision,
+                       seq_len=self.seq_len, options=options,
                        split=[list(f) for f in c.fqns_per_stage], **dry_run_kwargs)
 
 
@@ -373,5 +378,5 @@ def search(
         global_batch=global_batch, seq_len=seq_len, profile=prof.name,
         mixed_precision=mixed_precision, n_evaluated=len(layouts), n_submeshes=len(families),
         stage_plans_solved=sum(s.solved for s in pricer.shapes.values()),
-        search_s=time.perf_counter() - t0, model=model_meta,
+        search_s=time.perf_counter() - t0, model=model_meta, memory_reserve=memory_reserve,
     )

@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopp import tracing
 from autopp.plan.cache import cached_pipeline_plan, cached_plan, pipeline_plan_key, plan_key
 from autopp.plan.loss_choice import describe_loss, loss_kinds, loss_time_s
+from autopp.plan.objective import boundary_bytes, pipeline_objective_s, pp_link, transfer_s
 from autopp.plan.options import PlannerOptions
 from autopp.plan.rank0 import plan_on_rank0
 from autopp.plan.value import PipelinePlan, PlanOptions, model_fingerprint
@@ -116,10 +117,7 @@ def choose_boundaries(
     def objective(bounds: list[str]) -> float:
         ts = [t(s, bounds[s], bounds[s + 1]) for s in range(n_stages)]
         sends = sum(send_time(s, bounds[s + 1]) for s in range(n_stages - 1))
-        per_rank: dict[int, float] = {}
-        for s, x in enumerate(ts):
-            per_rank[ranks[s]] = per_rank.get(ranks[s], 0.0) + x
-        return sum(ts) + sends + (n_microbatches - 1) * max(per_rank.values())
+        return pipeline_objective_s(ts, n_microbatches, ranks, sends)
 
     n_choices = len(kinds) ** (n_stages - 1) * len(last_kinds)
     if n_microbatches > 1 and n_choices <= _EXHAUSTIVE:  # small: try every assignment
@@ -153,12 +151,6 @@ class PlannedStage:
     example_inputs: tuple[torch.Tensor, ...]
     send_bytes: int
     boundary_out: str = "batch"
-
-
-def boundary_bytes(t: torch.Tensor, dp: int, tp: int = 1, kind: str = "batch") -> int:
-    """Bytes of a dp-global boundary activation held by one device in placement ``kind``."""
-    split = dp * (tp if kind == "batch+seq" else 1)
-    return t.numel() // split * t.element_size()
 
 
 def default_profile(device_type: str) -> str:
@@ -267,6 +259,7 @@ def plan_boundaries(
     rank_of: Sequence[int] | None = None,
     param_placements: Sequence[dict[str, tuple[str, ...]]] | None = None,
     memory: Sequence[dict[str, Any] | None] | None = None,
+    pp: int | None = None,
 ) -> tuple[list[str], Any]:
     """Choose every stage boundary's placement (and the last stage's logits placement).
 
@@ -289,13 +282,12 @@ def plan_boundaries(
     plan under them (from the on-disk cache once computed). Every rank computes the same
     ``bounds``: each plans (or reads from the cache) every stage under every choice.
     """
-    from autopp.profiles import get_profile
 
     dp, tp = sub_mesh["dp"].size(), sub_mesh["tp"].size()
     kinds = boundary_kinds(sub_mesh) if boundary == "auto" else (boundary,)
     if any(k not in BOUNDARIES or k == "vocab" for k in kinds):
         raise ValueError(f"boundary must be 'auto', 'batch' or 'batch+seq', got {boundary!r}")
-    link_bw = get_profile(profile).inter_node_bw
+    link = pp_link(profile, (pp or len(set(rank_of or range(len(metas)))), dp, tp))
     n = len(metas)
     logits = last_stage_output(metas, inputs, mixed_precision)
 
@@ -326,7 +318,7 @@ def plan_boundaries(
         return t + loss_s(s, k_out)
 
     def send_time(s: int, kind: str) -> float:
-        return 2 * boundary_bytes(inputs[s + 1][0], dp, tp, kind) / link_bw
+        return 2 * transfer_s(link, boundary_bytes(inputs[s + 1][0], dp, tp, kind))
 
     if len(kinds) > 1 or len(last_kinds) > 1:
         bounds = choose_boundaries(n, kinds, stage_time, send_time, last_kinds,
@@ -505,7 +497,7 @@ def plan_whole_pipeline(
             metas, inputs, sub_mesh, profile=profile, budgets=budgets, boundary=options.boundary,
             last_kinds=last_kinds, timings=timings, mixed_precision=mp,
             n_microbatches=n_microbatches, rank_of=list(stage_ranks), param_placements=fixed,
-            memory=memory,
+            memory=memory, pp=pp,
         )
         stage_plans = tuple(plan_of(s) for s in range(n))
         return PipelinePlan(

@@ -131,6 +131,16 @@ def register_profile(profile: DeviceProfile) -> DeviceProfile:
     return profile
 
 
+def registered_profile(name: str) -> DeviceProfile | None:
+    """The profile registered under ``name`` in this process (:func:`register_profile`)."""
+    return _REGISTERED.get(name)
+
+
+def registered_names() -> list[str]:
+    """The names registered in this process, sorted."""
+    return sorted(_REGISTERED)
+
+
 def profile_cache_dir() -> Path:
     """Where measured profiles are stored: ``$AUTOPP_PROFILE_CACHE`` if set, else
     ``~/.cache/autopp/profiles``."""

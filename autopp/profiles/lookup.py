@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from autopp.profiles.devices import (
-    _REGISTERED,
     MEASURE,
     MEASURED_PREFIX,
     PROFILES,
     DeviceProfile,
     load_profile,
+    registered_names,
+    registered_profile,
 )
 from autopp.profiles.measure import measure_profile
 
@@ -26,8 +27,8 @@ def get_profile(profile: str | DeviceProfile) -> DeviceProfile:
         return profile
     if profile in PROFILES:
         return PROFILES[profile]
-    if profile in _REGISTERED:
-        return _REGISTERED[profile]
+    if registered_profile(profile) is not None:
+        return registered_profile(profile)
     if profile == MEASURE:
         return measure_profile()
     if isinstance(profile, str) and profile.startswith(MEASURED_PREFIX):
@@ -35,5 +36,5 @@ def get_profile(profile: str | DeviceProfile) -> DeviceProfile:
     raise ValueError(
         f"unknown device profile {profile!r}; choose one of {sorted(PROFILES)}, "
         f"{MEASURE!r} (measure this machine), a name given to register_profile "
-        f"({sorted(_REGISTERED)}), or pass a DeviceProfile"
+        f"({registered_names()}), or pass a DeviceProfile"
     )

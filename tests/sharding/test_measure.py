@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from autopp.estimate.stage_costs import pp_link
+from autopp.plan.objective import pp_link
 from autopp._compat import sharding as compat
 from autopp.profiles import measure, devices as profiles
 from autopp.sharding.costs import CostModel

@@ -41,11 +41,11 @@ def estimate_plan(plan, model: nn.Module, sub_mesh, *, mode: EstimateMode = "gra
     ``model``: the whole model on meta; ``sub_mesh``: a stage's ("dp", "tp") sub-mesh (the
     real one or a fake one; all stages' have the same shape). A plan that has estimates
     already (e.g. a dry run's) is returned as it is."""
-    from autopp.plan.make import boundary_bytes, stage_meta_inputs
+    from autopp.plan.make import stage_meta_inputs
+    from autopp.plan.objective import boundary_bytes, pp_link
     from autopp.estimate.stage_costs import (
         param_dtypes,
         pipeline_estimates,
-        pp_link,
         stage_cost,
         stage_facts,
         stage_facts_by_rule,
