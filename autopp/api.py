@@ -140,23 +140,21 @@ def pipeline_autoparallel(
     stage_ids = stage_ids_for_rank(pp_rank, pp, n_stages, info.style)
     sub_mesh = stage_sub_mesh(mesh)
     rank_of = stage_ranks_of(info, pp, n_stages)
+    # every stage on meta, built once on this rank: checked, handed to the backend, built
+    metas = tuple(build_stage_module(model, f, layers_attr=layers_attr, allow_tied=True)
+                  for f in fqns_per_stage)
     if example_inputs:  # a forward that does not skip removed modules fails here, clearly
         x = example_inputs[0]
         mb = torch.empty((x.shape[0] // n_microbatches, *x.shape[1:]), dtype=x.dtype,
                          device="meta")
-        check_stage_forwards([build_stage_module(model, f, layers_attr=layers_attr,
-                                                 allow_tied=True) for f in fqns_per_stage],
-                             (mb,))
+        check_stage_forwards(list(metas), (mb,))
     backend.prepare(PipelineSpec(
         model=model, fqns_per_stage=tuple(tuple(f) for f in fqns_per_stage),
         stage_ids=tuple(stage_ids), rank_of=rank_of, mesh=mesh, sub_mesh=sub_mesh,
         example_inputs=tuple(example_inputs), n_microbatches=n_microbatches, loss_fn=loss_fn,
-        schedule=str(schedule),
+        schedule=str(schedule), stage_modules=metas,
     ))
-    modules = [backend.build(s, build_stage_module(model, fqns_per_stage[s],
-                                                   layers_attr=layers_attr, allow_tied=True),
-                           sub_mesh)
-               for s in stage_ids]
+    modules = [backend.build(s, metas[s], sub_mesh) for s in stage_ids]
     from autopp.tied import find_tied
 
     tied = find_tied(model, fqns_per_stage, layers_attr)

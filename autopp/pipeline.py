@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopp.backends import StageBackend
+from autopp.format import compact_modules
 from autopp.loss import TokenWeightedLoss, count_tokens
 from autopp.stage_split import merge_stage_modules
 from autopp.stage_split.merge import replay_state_dict_hooks
@@ -61,7 +62,7 @@ class PipelineLayout:
         ]
         for s, fqns in enumerate(self.fqns_per_stage):
             mine = " (this rank)" if s in self.stage_ids else ""
-            lines.append(f"  stage {s}{mine}: {_compact_fqns(fqns)}")
+            lines.append(f"  stage {s}{mine}: {compact_modules(fqns)}")
         return "\n".join(lines)
 
 
@@ -72,31 +73,6 @@ def _with_persistence(named: list[tuple[str, torch.Tensor]], modules: list[nn.Mo
     transient = {f"{p}.{b}" if p else b for m in modules for p, mod in m.named_modules()
                  for b in mod._non_persistent_buffers_set}
     return [(fqn, b, fqn not in transient) for fqn, b in named]
-
-
-def _compact_fqns(fqns: tuple[str, ...]) -> str:
-    """'tok_embeddings, layers.0-2, norm' style summary of a stage's modules."""
-    out: list[str] = []
-    run: list[str] = []
-
-    def flush() -> None:
-        if not run:
-            return
-        prefix = run[0].rsplit(".", 1)[0]
-        first, last = run[0].rsplit(".", 1)[1], run[-1].rsplit(".", 1)[1]
-        out.append(f"{prefix}.{first}" if first == last else f"{prefix}.{first}-{last}")
-        run.clear()
-
-    for f in fqns:
-        if "." in f and f.rsplit(".", 1)[1].isdigit():
-            if run and run[0].rsplit(".", 1)[0] != f.rsplit(".", 1)[0]:
-                flush()
-            run.append(f)
-        else:
-            flush()
-            out.append(f)
-    flush()
-    return ", ".join(out)
 
 
 class Pipeline:

@@ -1,29 +1,50 @@
 """Run a function on N real processes (gloo on CPU) and collect what each rank returns.
 
 Tests group many checks into one launch: process start-up (imports) dominates on small
-machines. The worker must be a module-level function (picklable for spawn) ``fn(rank, world_size, *args)``; its
-return value is pickled back to the parent, which makes the assertions.
+machines. The worker must be a module-level function (picklable) ``fn(rank, world_size,
+*args)``; its return value is pickled back to the parent, which makes the assertions.
+
+Every launch has a deadline (``timeout``, seconds for the whole launch). A rank that raises,
+dies without reporting (a segfault, ``os._exit``) or is still running at the deadline (a
+deadlock: a rank that skipped a collective) ends the launch: every rank is killed and the
+error shows each rank's last lines of output (each rank writes its stdout and stderr to a
+log file of its own) and its state, so a hang fails in bounded time with the evidence.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import queue as queue_mod
 import socket
+import sys
+import tempfile
+import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
 
+#: Lines of each rank's output shown when a launch fails.
+TAIL_LINES = 15
 
-def _free_port() -> int:
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free at the time of the call (for MASTER_PORT)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue,
+           log_dir: str) -> None:
+    # this rank's stdout and stderr (Python's and the C++ libraries') go to its own log
+    log = open(Path(log_dir) / f"rank{rank}.log", "w", buffering=1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
     import torch
     import torch.distributed as dist
 
@@ -38,7 +59,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
         torch.save(out, buf)
         queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # report the worker's traceback to the parent test
-        queue.put((rank, "error", traceback.format_exc()))
+        tb = traceback.format_exc()
+        print(tb, flush=True)
+        queue.put((rank, "error", tb))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -48,7 +71,7 @@ _PRELOAD = ["torch", "torch.distributed.pipelining", "torchtitan.models.llama3",
             "tests.models", "tests.pipeline_workers"]
 
 
-def _context():
+def context():
     """forkserver with the heavy imports preloaded: each worker starts as a fork of a clean
     server process (seconds faster than spawn on a 2-core machine), and never of the pytest
     process, whose state (e.g. a HiGHS solver thread pool left by a planner test) a plain
@@ -60,30 +83,68 @@ def _context():
     return ctx
 
 
+def _tail(path: Path, n: int = TAIL_LINES) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return "  (no output)"
+    return "\n".join(f"  | {line}" for line in lines[-n:]) or "  (no output)"
+
+
+class LaunchError(RuntimeError):
+    """A launch that did not finish: a rank failed, died or missed the deadline."""
+
+
 def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> list[Any]:
-    """Spawn ``world_size`` gloo processes running ``fn``; return their results by rank."""
-    ctx = _context()
-    queue = ctx.SimpleQueue()
-    port = _free_port()
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return their
+    results by rank. Raises :class:`LaunchError` (every rank killed, each rank's last lines
+    shown) when a rank raises, exits without a result, or the launch passes ``timeout``."""
+    ctx = context()
+    queue = ctx.Queue()
+    port = free_port()
+    log_dir = Path(tempfile.mkdtemp(prefix="autopp-ranks-"))
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=False)
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, str(log_dir)),
+                    daemon=False)
         for r in range(world_size)
     ]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + timeout
     results: dict[int, Any] = {}
-    errors: list[str] = []
-    for _ in range(world_size):
-        rank, status, out = queue.get()
+    failure: str | None = None
+    while len(results) < world_size and failure is None:
+        try:
+            rank, status, out = queue.get(timeout=0.5)
+        except queue_mod.Empty:
+            dead = [r for r, p in enumerate(procs)
+                    if r not in results and p.exitcode not in (None, 0)]
+            if dead:
+                failure = f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} " \
+                          "without a result"
+            elif time.monotonic() > deadline:
+                waiting = [r for r in range(world_size) if r not in results]
+                failure = (f"deadline of {timeout:.0f} s passed; ranks {waiting} still "
+                           "running (a deadlock: e.g. a rank that skipped a collective)")
+            continue
         if status == "ok":
             results[rank] = torch.load(io.BytesIO(out), weights_only=False)
         else:
-            errors.append(f"--- rank {rank} ---\n{out}")
-            break
-    if errors:
+            failure = f"rank {rank} raised:\n{out}"
+    if failure is not None:
+        states = {r: ("returned" if r in results else
+                      "running" if p.exitcode is None else f"exit code {p.exitcode}")
+                  for r, p in enumerate(procs)}
         for p in procs:
-            p.kill()
-        raise RuntimeError("worker failed:\n" + "\n".join(errors))
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(10)
+        tails = "\n".join(f"--- rank {r} ({states[r]}), last lines ---\n"
+                          f"{_tail(log_dir / f'rank{r}.log')}" for r in range(world_size))
+        raise LaunchError(f"{fn.__name__} on {world_size} ranks: {failure}\n{tails}")
     for p in procs:
-        p.join(timeout)
+        p.join(max(1.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
     return [results[r] for r in range(world_size)]

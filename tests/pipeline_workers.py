@@ -255,3 +255,29 @@ def guards(rank: int, world_size: int, cfg: dict, path: str) -> dict:
     out["restored_loss"] = pipe.eval(tok, target=tgt)
     out["finite"] = math.isfinite(out["restored_loss"])
     return out
+
+
+def skip_a_collective(rank: int, world_size: int) -> str:
+    """A deadlock made on purpose (the harness's test): rank 1 skips the barrier rank 0 waits
+    in and goes on with other work (here: sleeping), so neither ever finishes."""
+    import time
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        print("rank 1: skipping the barrier", flush=True)
+        time.sleep(600)
+        return "unreachable"
+    print("rank 0: entering the barrier", flush=True)
+    dist.barrier()
+    return "unreachable"
+
+
+def exit_without_result(rank: int, world_size: int) -> None:
+    """Rank 1 dies without reporting (the harness's test)."""
+    import os
+    import time
+
+    if rank == 1:
+        os._exit(3)
+    time.sleep(30)

@@ -12,6 +12,7 @@ boundary-planning code."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -76,6 +77,24 @@ def test_json_round_trip(saved_plan):
     assert "estimated step" in text and "pp=2 x dp=2 x tp=1" in text
 
 
+def test_old_plan_format_is_refused_with_the_fix(saved_plan):
+    d = json.loads(saved_plan.read_text())
+    d["format"] = 1
+    with pytest.raises(ValueError, match=r"format 1 is not 2 \(format 1 did not record each "
+                                         r"stage's inputs.*plan again"):
+        PipelinePlan.from_json(json.dumps(d))
+
+
+def test_plan_carries_stage_inputs_and_send_bytes(saved_plan):
+    plan = PipelinePlan.load(saved_plan)
+    mb = BATCH // N_MB  # one dp-global microbatch
+    assert plan.stage_inputs[0] == (("args[0]", (mb, SEQ), "torch.int64"),)
+    (name, shape, dtype), = plan.stage_inputs[1]
+    assert name == "args[0]" and shape[:2] == (mb, SEQ) and dtype == "torch.float32"
+    # stage 0 sends its (mb, seq, dim) fp32 activation split over dp on the batch
+    assert plan.send_bytes == (mb * SEQ * shape[2] * 4 // DP, 0)
+
+
 @pytest.fixture
 def fake_world():
     init_fake_world(4)
@@ -115,11 +134,45 @@ def test_mismatched_plan_raises(saved_plan, fake_world):
     assert pipe.layout.fqns_per_stage == PipelinePlan.load(saved_plan).fqns_per_stage
 
 
+def test_stage_modules_built_and_run_on_meta_once_per_rank(saved_plan, fake_world,
+                                                          monkeypatch):
+    """With a plan, a rank builds every stage on meta once and runs each once (the check of
+    the stages' forwards); the runtime reads the stages' inputs from the plan."""
+    import autopp.api
+    import autopp.stage_split
+    from autopp.backends import Planner, PlannerOptions
+
+    builds, forwards = [], []
+    real = autopp.stage_split.build_stage_module
+
+    def counting(model, fqns, *a, **k):
+        builds.append(tuple(fqns))
+        return real(model, fqns, *a, **k)
+
+    monkeypatch.setattr(autopp.api, "build_stage_module", counting)
+    monkeypatch.setattr(autopp.stage_split, "build_stage_module", counting)
+    model_type = type(llama3_meta(N_LAYERS))
+
+    def hook(module, args):
+        if type(module) is model_type and any(p.is_meta for p in module.parameters()):
+            forwards.append(module)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    try:
+        _run(None, parallelize=Planner(PlannerOptions(), plan=str(saved_plan)))
+    finally:
+        handle.remove()
+    plan = PipelinePlan.load(saved_plan)
+    assert sorted(builds) == sorted(plan.fqns_per_stage)  # each stage once
+    assert len(forwards) == plan.n_stages and len({id(m) for m in forwards}) == plan.n_stages
+
+
 def test_cache_key_follows_the_boundary_planning_code(tmp_path, monkeypatch):
     import autopp.plan.cache as plan_cache
 
     files = plan_cache.planner_source_files()
-    assert {"auto_plan.py", "pipeline_plan.py"} <= {f.name for f in files}
+    assert {"plan/make.py", "plan/value.py", "graph/recompute.py"} <= {
+        f"{f.parent.name}/{f.name}" for f in files}
 
     def keys():
         stage = torch.nn.Linear(2, 2, device="meta")
@@ -128,8 +181,8 @@ def test_cache_key_follows_the_boundary_planning_code(tmp_path, monkeypatch):
 
     before = keys()
     assert keys() == before
-    changed = tmp_path / "auto_plan.py"
-    original = next(f for f in files if f.name == "auto_plan.py")
+    changed = tmp_path / "make.py"
+    original = next(f for f in files if f.name == "make.py" and f.parent.name == "plan")
     changed.write_bytes(original.read_bytes() + b"\n# another boundary rule\n")
     monkeypatch.setattr(plan_cache, "planner_source_files",
                         lambda: [changed if f == original else f for f in files])

@@ -46,6 +46,9 @@ class PipelineSpec:
     """The user's loss (mean over a microbatch's counted tokens)."""
     schedule: str = ""
     """The schedule's name (or CSV path)."""
+    stage_modules: tuple[nn.Module, ...] = ()
+    """Every stage's module on the meta device, in stage order, built once per rank by
+    :func:`autopp.pipeline_autoparallel`; the backend builds its stages from these."""
 
     @property
     def dp(self) -> int:

@@ -205,5 +205,5 @@ def plan_for_spec(spec: PipelineSpec, options: PlannerOptions) -> tuple[Pipeline
         spec.model, pp=mesh_sizes(spec.mesh)["pp"], fqns_per_stage=spec.fqns_per_stage,
         stage_ranks=spec.rank_of, sub_mesh=spec.sub_mesh, schedule=spec.schedule,
         n_microbatches=spec.n_microbatches, example_inputs=spec.example_inputs,
-        options=options, loss_fn=spec.loss_fn,
+        options=options, loss_fn=spec.loss_fn, stage_modules=spec.stage_modules or None,
     ))

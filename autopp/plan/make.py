@@ -37,7 +37,7 @@ from autopp.plan.loss_choice import describe_loss, loss_kinds, loss_time_s
 from autopp.plan.objective import boundary_bytes, pipeline_objective_s, pp_link, transfer_s
 from autopp.plan.options import PlannerOptions
 from autopp.plan.rank0 import plan_on_rank0
-from autopp.plan.value import PipelinePlan, PlanOptions, model_fingerprint
+from autopp.plan.value import PipelinePlan, PlanOptions, describe_inputs, model_fingerprint
 from autopp.sharding import InfeasiblePlanError, StagePlan, plan_stage
 from autopp.sharding.precision import CastParams
 
@@ -361,24 +361,29 @@ def _run_on_meta(module: nn.Module, inputs: Sequence[torch.Tensor],
 
 def stage_meta_inputs(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]],
                       first_input: torch.Tensor, n_microbatches: int, dp: int,
-                      compute_dtype: torch.dtype | None = None
+                      compute_dtype: torch.dtype | None = None,
+                      stage_modules: Sequence[nn.Module] | None = None,
                       ) -> tuple[list[nn.Module], list[tuple[torch.Tensor, ...]]]:
     """All stages of ``model`` on meta, and their inputs for one dp-global microbatch (what
-    planners see); ``first_input``: the model's first input for one step on one dp rank."""
+    planners see); ``first_input``: the model's first input for one step on one dp rank;
+    ``stage_modules``: the stages already built on meta (None: built here)."""
     from autopp.stage_split import build_stage_module
 
     x = first_input
     mb = x.shape[0] // n_microbatches * dp
     first = (torch.empty((mb, *x.shape[1:]), dtype=x.dtype, device="meta"),)
-    metas = [build_stage_module(model, list(f), allow_tied=True) for f in fqns_per_stage]
+    metas = (list(stage_modules) if stage_modules is not None else
+             [build_stage_module(model, list(f), allow_tied=True) for f in fqns_per_stage])
     return metas, stage_input_shapes(metas, first, compute_dtype)
 
 
 def meta_stage_inputs(spec: Any, compute_dtype: torch.dtype | None = None
                       ) -> tuple[list[nn.Module], list[tuple[torch.Tensor, ...]]]:
-    """:func:`stage_meta_inputs` of ``spec`` (a :class:`autopp.backends.PipelineSpec`)."""
+    """:func:`stage_meta_inputs` of ``spec`` (a :class:`autopp.backends.PipelineSpec`),
+    reusing its stage modules when it has them (one meta forward per stage)."""
     return stage_meta_inputs(spec.model, spec.fqns_per_stage, spec.example_inputs[0],
-                             spec.n_microbatches, spec.dp, compute_dtype)
+                             spec.n_microbatches, spec.dp, compute_dtype,
+                             stage_modules=spec.stage_modules or None)
 
 
 def tied_placements(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]],
@@ -448,7 +453,7 @@ def plan_whole_pipeline(
     stage_ranks: Sequence[int], sub_mesh: DeviceMesh, schedule: str, n_microbatches: int,
     example_inputs: Sequence[torch.Tensor], options: Any, loss_fn: Any,
     budgets: Sequence[float | None] | None = None, timings: dict[int, list] | None = None,
-    use_cache: bool = True,
+    use_cache: bool = True, stage_modules: Sequence[nn.Module] | None = None,
 ) -> tuple[PipelinePlan, bool]:
     """Plan every stage of a split pipeline into one :class:`~autopp.plan.value.PipelinePlan`
     (without estimates): tied parameters' placements, then boundaries and loss placement by
@@ -466,6 +471,9 @@ def plan_whole_pipeline(
         timings: see :func:`plan_local_stage` (untouched when the whole plan is cached).
         use_cache: read and write the whole plan in the on-disk cache (stage plans are
             always cached).
+        stage_modules: every stage of ``fqns_per_stage`` on meta, when the caller built them
+            already (:func:`autopp.pipeline_autoparallel` does, once per rank); None: built
+            here when the plan is not cached.
 
     Returns ``(plan, was_cached)``. The plan depends on nothing else (and the planning code,
     which :mod:`autopp.plan.cache` hashes into the key).
@@ -489,7 +497,7 @@ def plan_whole_pipeline(
 
     def solve() -> PipelinePlan:
         metas, inputs = stage_meta_inputs(model, fqns, example_inputs[0], n_microbatches, dp,
-                                          record.compute_dtype)
+                                          record.compute_dtype, stage_modules)
         plan_kw = dict(profile=profile, mixed_precision=mp, n_microbatches=n_microbatches)
         fixed = tied_placements(model, fqns, metas, inputs, sub_mesh, budgets, memory,
                                 **plan_kw)
@@ -509,6 +517,9 @@ def plan_whole_pipeline(
             stage_plans=stage_plans, boundaries=tuple(bounds),
             recompute=tuple(getattr(p, "recompute", "none") or "none" for p in stage_plans),
             tied_placements=tuple(tuple(sorted(d.items())) for d in fixed), options=record,
+            stage_inputs=tuple(describe_inputs(x) for x in inputs),
+            send_bytes=tuple(boundary_bytes(inputs[s + 1][0], dp, tp, bounds[s + 1])
+                             if s + 1 < n else 0 for s in range(n)),
         )
 
     if not use_cache:
@@ -530,17 +541,11 @@ def plan_whole_pipeline(
 
 def planned_stages(plan: PipelinePlan, spec: Any) -> dict[int, PlannedStage]:
     """This rank's stages of ``plan`` for ``spec`` (a :class:`autopp.backends.PipelineSpec`),
-    with the meta inputs the runtime lowers them for. {stage id: PlannedStage}."""
-    _, inputs = meta_stage_inputs(spec, plan.options.compute_dtype)
-    dp, tp = spec.dp, spec.sub_mesh["tp"].size()
-    bounds = plan.boundaries
+    with the meta inputs the runtime lowers them for, as the plan records them (no meta
+    forward). {stage id: PlannedStage}."""
     return {
-        s: PlannedStage(
-            plan=plan.stage_plans[s], example_inputs=inputs[s],
-            send_bytes=boundary_bytes(inputs[s + 1][0], dp, tp, bounds[s + 1])
-            if s + 1 < len(inputs) else 0,
-            boundary_out=bounds[s + 1],
-        )
+        s: PlannedStage(plan=plan.stage_plans[s], example_inputs=plan.stage_example_inputs(s),
+                        send_bytes=plan.send_bytes[s], boundary_out=plan.boundaries[s + 1])
         for s in spec.stage_ids
     }
 

@@ -44,8 +44,25 @@ if TYPE_CHECKING:
     from autopp.plan.options import PlannerOptions
     from autopp.sharding import StagePlan
 
-#: Version of the JSON layout written by :meth:`PipelinePlan.to_json`.
-FORMAT = 1
+#: Version of the JSON layout written by :meth:`PipelinePlan.to_json`. 2: each stage's
+#: inputs and send bytes are part of the plan (format 1 plans are refused: re-plan).
+FORMAT = 2
+
+#: One input of a stage for one dp-global microbatch: (name, shape, dtype), e.g.
+#: ``("args[0]", (8, 2048, 4096), "torch.float32")``.
+StageInput = tuple[str, tuple[int, ...], str]
+
+
+def describe_inputs(inputs: Sequence[Any]) -> tuple[StageInput, ...]:
+    """A stage's (meta) example inputs as :data:`StageInput` values."""
+    return tuple((f"args[{i}]", tuple(int(d) for d in t.shape), str(t.dtype))
+                 for i, t in enumerate(inputs) if isinstance(t, torch.Tensor))
+
+
+def meta_tensors(inputs: Sequence[StageInput]) -> tuple[torch.Tensor, ...]:
+    """Meta tensors of the shapes and dtypes ``inputs`` record."""
+    return tuple(torch.empty(shape, dtype=getattr(torch, dtype.split(".")[-1]), device="meta")
+                 for _, shape, dtype in inputs)
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -181,6 +198,12 @@ class PipelinePlan:
     stages (:func:`autopp.plan.make.tied_placements`)."""
     options: PlanOptions
     """The planner options it was made with."""
+    stage_inputs: tuple[tuple[StageInput, ...], ...]
+    """Per stage: its inputs for one dp-global microbatch (name, shape, dtype), as planned;
+    the runtime lowers each stage for these, so no rank runs the model to find them."""
+    send_bytes: tuple[int, ...]
+    """Per stage: bytes one device sends to the next stage per microbatch in the boundary's
+    placement (0 for the last stage); its gradient comes back the same size."""
     estimates: PipelineEstimates | None = None
     """Simulated step time, bubble and memory (from a dry run); None when not estimated."""
     format: int = FORMAT
@@ -194,6 +217,10 @@ class PipelinePlan:
     def loss_placement(self) -> str:
         """"vocab" (loss parallel: logits stay split on the vocabulary over tp) or "batch"."""
         return self.boundaries[-1]
+
+    def stage_example_inputs(self, s: int) -> tuple[torch.Tensor, ...]:
+        """Stage ``s``'s inputs for one dp-global microbatch, as meta tensors."""
+        return meta_tensors(self.stage_inputs[s])
 
     def stage_ids_for_rank(self, pp_rank: int) -> tuple[int, ...]:
         return tuple(s for s, r in enumerate(self.stage_ranks) if r == pp_rank)
@@ -212,8 +239,12 @@ class PipelinePlan:
 
         d = json.loads(text)
         if d.get("format") != FORMAT:
-            raise ValueError(f"pipeline plan format {d.get('format')!r} is not {FORMAT}: "
-                             "plan again with this version of autopp")
+            why = (" (format 1 did not record each stage's inputs, which the runtime now "
+                   "reads from the plan)" if d.get("format") == 1 else "")
+            raise ValueError(f"pipeline plan format {d.get('format')!r} is not {FORMAT}{why}: "
+                             "plan again with this version of autopp (autopp.plan_pipeline, "
+                             "a dry run's report.plan.save(path), or pipeline_autoparallel "
+                             "without plan=)")
         out = {k: _tuples(v) for k, v in d.items()}
         out["stage_plans"] = tuple(StagePlan.from_json(json.dumps(p)) for p in d["stage_plans"])
         out["options"] = PlanOptions(**d["options"])
@@ -291,7 +322,7 @@ class PipelinePlan:
     def describe(self) -> str:
         """The plan as text: mesh, schedule, options, each stage, tied parameters, estimates."""
         from autopp.plan.loss_choice import describe_loss
-        from autopp.format import compact_modules
+        from autopp.format import compact_modules, format_bytes
         from autopp.sharding.report import placement_summary
 
         o = self.options
@@ -313,6 +344,11 @@ class PipelinePlan:
                 f"{(plan.step_time_s + plan.loss_s) * 1e3:.3f} ms per microbatch; params "
                 f"{plan.param_bytes_per_device / mib:.2f} MiB/device; recompute "
                 f"{self.recompute[s]}",
+                "    inputs (dp-global microbatch): " + ", ".join(
+                    f"{n} {list(shape)} {dtype.split('.')[-1]}"
+                    for n, shape, dtype in self.stage_inputs[s])
+                + (f"; sends {format_bytes(self.send_bytes[s])} per device and microbatch"
+                   if self.send_bytes[s] else ""),
                 f"    placements: {placement_summary(plan)}",
             ]
         lines.append(f"  {describe_loss(self.loss_placement)}")

@@ -5,7 +5,6 @@ no collective and no random op, and run under ZBVZeroBubble at pp=2 (multi-proce
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import pytest
@@ -21,6 +20,7 @@ from graph_models import lm_loss, mse_loss  # noqa: E402
 
 from autopp.graph import split_joint_graph, trace_stage  # noqa: E402
 from autopp.lower.memory import saved_bytes  # noqa: E402
+from tests.dist_harness import free_port
 
 RECOMPUTE = ("none", "selective", "full")
 D, HEADS, S, B = 32, 4, 8, 2
@@ -230,10 +230,6 @@ def test_collectives_and_random_ops_are_saved_not_recomputed(world_of_one, recom
 
 # -- under a real zero-bubble schedule ----------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _zbv_worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -280,7 +276,7 @@ def _zbv_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_recompute_under_zbv_matches_single_process(tmp_path):
     world = 2
     try:
-        mp.spawn(_zbv_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world)
+        mp.spawn(_zbv_worker, args=(world, free_port(), str(tmp_path)), nprocs=world)
     except Exception:
         errs = [p.read_text() for p in sorted(tmp_path.glob("rank*.err"))]
         pytest.fail("worker failed:\n" + "\n".join(errs))

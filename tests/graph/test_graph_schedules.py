@@ -6,7 +6,6 @@ vs one process."""
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import pytest
@@ -14,19 +13,16 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 import graph_workers  # noqa: E402
+from tests.dist_harness import free_port
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.multiprocess
 def test_graph_stages_match_single_process_gradients(tmp_path):
     world = 2
     try:
-        mp.spawn(graph_workers.main, args=(world, _free_port(), str(tmp_path)), nprocs=world)
+        mp.spawn(graph_workers.main, args=(world, free_port(), str(tmp_path)), nprocs=world)
     except Exception:
         errs = [p.read_text() for p in sorted(tmp_path.glob("rank*.err"))]
         pytest.fail("worker failed:\n" + "\n".join(errs))

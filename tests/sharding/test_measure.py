@@ -182,7 +182,7 @@ def test_profile_cache_dir_default(monkeypatch, tmp_path):
 
 @pytest.mark.multiprocess
 def test_measure_two_ranks(profile_cache):
-    from tests.dist_harness import _context
+    from tests.dist_harness import context as _context
 
     _context()  # the harness's forkserver preloads first, should this start the server
     prof = measure_profile(world_size=2, device="cpu")
