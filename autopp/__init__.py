@@ -16,16 +16,15 @@ The public surface is deliberately small:
   does, for single-process references.
 """
 
-# first: the ops and the model adapters register their tracing contexts and planner hooks
-# (autopp.tracing, autopp.sharding.op_hooks) before anything splits or traces a model
-from autopp import adapters, ops  # noqa: F401  (isort: skip)
+# first: the model adapters register their tracing contexts (autopp.tracing) before anything
+# splits or traces a model; light (no torchtitan, DTensor or planner at import)
+from autopp import adapters  # noqa: F401  (isort: skip)
 from autopp.api import pipeline_autoparallel
 from autopp.init import init_module_
 from autopp.loss import cross_entropy
 from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
 from autopp.pipeline import Pipeline, PipelineLayout
 from autopp.plan.value import PipelinePlan
-from autopp.plan.make import plan_pipeline
 
 __all__ = [
     "pipeline_autoparallel",
@@ -44,7 +43,12 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """``search`` and ``SearchReport`` load the search (and the planner) on first use."""
+    """``plan_pipeline`` (the planner), ``search`` and ``SearchReport`` (the search and the
+    planner) load on first use: ``import autopp`` stays light."""
+    if name == "plan_pipeline":
+        from autopp.plan.make import plan_pipeline
+
+        return plan_pipeline
     if name in ("search", "SearchReport"):
         from autopp import layout_search
 

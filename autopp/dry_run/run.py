@@ -62,16 +62,12 @@ from autopp.sharding.report import placement_summary
 from autopp.estimate.stage_costs import (
     StageFacts,
     full_checkpointing_cost,
-    param_dtypes,
     pipeline_estimates,
     simulated_step_s,
-    stage_cost,
-    stage_facts,
-    stage_facts_by_rule,
-    state_bytes,
 )
 from autopp.loss import cross_entropy
 from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
+from autopp.estimate.pipeline import simulate_stages, stage_estimate
 from autopp.plan.objective import boundary_bytes, pipeline_objective_s, pp_link
 from autopp.plan.value import PipelinePlan
 from autopp.plan.cache import cached_plan, plan_key
@@ -79,7 +75,6 @@ from autopp.schedules import (
     Link,
     SimulationResult,
     StageCost,
-    simulate_schedule,
     write_chrome_trace,
     write_timeline_png,
 )
@@ -423,23 +418,9 @@ def dry_run(
 def _stage_estimate(meta, plan, sub_mesh, x, n_microbatches, *, activations, loss_s,
                     send, memo) -> tuple[StageFacts, StageCost]:
     """A stage's facts (from its lowered graphs, or by rule) and its simulator cost."""
-    if activations:
-        facts = stage_facts(meta, plan, sub_mesh, x, n_microbatches, memo=memo)
-    else:
-        facts = stage_facts_by_rule(plan, n_microbatches)
-    cost = stage_cost(plan, facts, state_bytes(plan, param_dtypes(meta)), loss_s=loss_s,
-                      p2p_bytes=send)
-    return facts, cost
-
-
-def _simulate(schedule, costs, *, pp, n_microbatches, rank_of, link) -> SimulationResult:
-    sim = simulate_schedule(schedule, costs, pp=pp, n_microbatches=n_microbatches,
-                            n_stages=len(costs), link=link)
-    placed = tuple(rank_of[s] for s in range(len(costs)))
-    if sim.actions.stage_to_rank != placed:  # the split and the simulator disagree: a bug
-        raise RuntimeError(f"simulated stage placement {sim.actions.stage_to_rank} differs "
-                           f"from the pipeline's {placed}")
-    return sim
+    return stage_estimate(meta, plan, sub_mesh, x, n_microbatches,
+                          mode="graphs" if activations else "rule", loss_s=loss_s,
+                          send_bytes=send, memo=memo)
 
 
 def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, seq_len,
@@ -532,14 +513,15 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
             boundary_out=kind, loss_s=plan.loss_s, torchtitan_loss_s=tt_loss,
         ))
     link = pp_link(profile, (pp, dp, tp))
-    sim_args = dict(pp=pp, n_microbatches=n_microbatches, rank_of=rank_of, link=link)
-    sim = _simulate(schedule, [s.cost for s in stages], **sim_args)
-    tt_sim = _simulate(schedule, [s.torchtitan_cost for s in stages], **sim_args) if compare \
-        else None
+    sim_args = dict(pp=pp, n_microbatches=n_microbatches, stage_ranks=stage_ranks,
+                    profile=profile, mesh_shape=(pp, dp, tp))
+    sim = simulate_stages(schedule, [s.cost for s in stages], **sim_args)
+    tt_sim = simulate_stages(schedule, [s.torchtitan_cost for s in stages], **sim_args) \
+        if compare else None
     ck_sim, working = None, ()
     if activations:
-        ck_sim = _simulate(schedule, [full_checkpointing_cost(s.cost, s.facts) for s in stages],
-                           **sim_args)
+        ck_sim = simulate_stages(
+            schedule, [full_checkpointing_cost(s.cost, s.facts) for s in stages], **sim_args)
         working = tuple(max(stages[s].facts.largest_unit_activation_bytes for s in ids)
                         for ids in ids_per_rank)
     notes = ()

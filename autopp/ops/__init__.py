@@ -6,11 +6,9 @@
   op), its expert-parallel rules, FLOP formulas and local kernel.
 * :mod:`autopp.ops.expert_kernels`: their local kernels (grouped MLP, combine, the
   all-to-all token exchange).
-* :mod:`autopp.ops.expert_dispatch`: the all-to-all dispatch offered to the planner (options,
-  price, local run) through :mod:`autopp.sharding.op_hooks`.
 
-Importing this package registers the ops, their tracing contexts (:mod:`autopp.tracing`) and
-their planner hooks; ``import autopp`` does it first.
+They depend on torch alone (and :mod:`autopp._compat`): the planner
+(:mod:`autopp.sharding`) sits above them, traces SDPA as ``autopp::sdpa``
+(:class:`~autopp.ops.attention.AttentionAsOneOp`) and offers the routed experts' all-to-all
+dispatch through its op hooks (:mod:`autopp.sharding.expert_dispatch`).
 """
-
-from autopp.ops import attention, expert_dispatch, experts  # noqa: F401  (registration)

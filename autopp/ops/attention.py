@@ -31,8 +31,6 @@ from torch.distributed.tensor.experimental import register_sharding
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import register_flop_formula
 
-from autopp import tracing
-
 
 @torch.library.custom_op("autopp::sdpa", mutates_args=())
 def sdpa(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
@@ -152,6 +150,3 @@ def _as_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None
     return q, k, v, bool(is_causal), float(scale if scale is not None else q.shape[-1] ** -0.5), \
         bool(enable_gqa)
 
-
-# the planner traces SDPA as one op (entered by autopp.sharding.trace)
-tracing.register(AttentionAsOneOp, joint_only=True)

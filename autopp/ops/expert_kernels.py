@@ -1,7 +1,7 @@
 """The local kernels of routed experts, called by the op (:mod:`autopp.ops.experts`): the
 grouped SwiGLU MLP over tokens sorted by expert, the score-weighted combine, and the
 all-to-all token exchange (:func:`dispatched`) whose planner side is
-:mod:`autopp.ops.expert_dispatch`."""
+:mod:`autopp.sharding.expert_dispatch`."""
 
 from __future__ import annotations
 

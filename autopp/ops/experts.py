@@ -27,7 +27,7 @@ the kernel needs no rank or mesh), and SwiGLU expert weights ``w1, w3`` ``(E, F,
 
 The planner picks per mesh dim, so "experts over dp", "over tp", "over dp x tp" or "tokens over
 dp, experts over tp" are all candidates, priced by the cost model like any other op.
-:mod:`autopp.ops.expert_dispatch` adds the all-to-all forms of the expert-parallel
+:mod:`autopp.sharding.expert_dispatch` adds the all-to-all forms of the expert-parallel
 options (each token sent only to the devices holding its experts; the op's kernel does the
 exchange), selected by the op's ``dispatch`` argument.
 
@@ -57,7 +57,7 @@ def _routed(x: Tensor, scores: Tensor, ids: Tensor, expert_ids: Tensor, w1: Tens
             dispatch_block: int = 0) -> Tensor:
     """The local computation (differentiable in x, scores and the weights); with a
     ``group_name``, tokens travel to their experts' devices by all-to-all
-    (:mod:`autopp.ops.expert_dispatch`)."""
+    (:mod:`autopp.sharding.expert_dispatch`)."""
     if group_name:
         return dispatched(x, scores, ids, expert_ids, w1, w2, w3,
                                           compute_dtype, group_name, dispatch_block)

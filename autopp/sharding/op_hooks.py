@@ -3,7 +3,7 @@
 DTensor's sharding rules describe ops whose local kernel needs no communication; the
 collectives are the redistributions between ops, which :mod:`costs` prices and DTensor
 performs. A few ops cannot be written that way: routed experts that send each token only to
-the devices holding its experts (:mod:`autopp.ops.expert_dispatch`) exchange a
+the devices holding its experts (:mod:`autopp.sharding.expert_dispatch`) exchange a
 data-dependent number of rows inside the kernel. Such an op registers three hooks here,
 keyed by its ``OpOverload``:
 

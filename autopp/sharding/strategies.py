@@ -20,16 +20,16 @@ import itertools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import fx
 
 from autopp._compat import sharding as compat
+from autopp.sharding import expert_dispatch  # noqa: F401  (registers its op hooks)
 from autopp.sharding import op_hooks
+from autopp.sharding.option import Option, Placements, local_shape, tensor_vals
 from autopp.sharding.trace import JointGraph
 
-Placements = tuple[Any, ...]
 """One torch ``Placement`` per mesh dim."""
 
 VIEW_OPS = {
@@ -52,16 +52,6 @@ VIEW_OPS = {
     torch.ops.aten._conj.default,
 }
 """Ops that move no data (their compute cost is zero)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Option:
-    """One way to run a node: output placements and the placement each input must have."""
-
-    out: tuple[Placements, ...]
-    """Placements of each tensor output (one entry for single-output nodes)."""
-    ins: tuple[Placements, ...]
-    """Required placements of each tensor argument, in :attr:`NodeStrategy.edges` order."""
 
 
 @dataclass(slots=True)
@@ -88,28 +78,6 @@ class Strategies:
     """Ops replicated because DTensor has no (working) rule, as "node: op (reason)"."""
     pruned: int
     """Options dropped because they held ``_StridedShard`` or uneven shards."""
-
-
-def tensor_vals(node: fx.Node) -> list[torch.Tensor | None]:
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (tuple, list)):
-        return [v if isinstance(v, torch.Tensor) else None for v in val]
-    return []
-
-
-def local_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]):
-    """Per-device shape, or None if a sharded dim does not divide evenly."""
-    out = list(shape)
-    for p, n in zip(placements, mesh_shape):
-        if isinstance(p, compat.StridedShard):
-            return None
-        if isinstance(p, compat.Shard):
-            if out[p.dim] % n:
-                return None
-            out[p.dim] //= n
-    return out
 
 
 def all_placements(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Placements]:

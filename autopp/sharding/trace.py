@@ -15,6 +15,7 @@ import torch
 from torch import fx, nn
 
 from autopp import tracing
+from autopp.ops.attention import AttentionAsOneOp
 from autopp._compat import sharding as compat
 
 
@@ -86,7 +87,7 @@ def trace_joint(module: nn.Module, example_inputs: tuple[Any, ...]) -> JointGrap
         a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
         for a in example_inputs
     )
-    gm = compat.export_joint(module, args, [tracing.on_meta(joint=True)])
+    gm = compat.export_joint(module, args, [AttentionAsOneOp(), tracing.on_meta()])
 
     params: dict[str, fx.Node] = {}
     buffers: dict[str, fx.Node] = {}

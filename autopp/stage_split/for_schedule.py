@@ -3,11 +3,15 @@ schedule's rules, and the pp rank each stage runs on (loop or V placement)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
-from autopp.schedules import ScheduleInfo
 from autopp.stage_split.resolve import SplitSpec as Split
 from autopp.stage_split.resolve import resolve_split
+
+if TYPE_CHECKING:  # torch's pipelining costs ~1 s to import: the schedules load on first use
+    from autopp.schedules import ScheduleInfo
 
 
 def split_for_schedule(

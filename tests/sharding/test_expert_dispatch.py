@@ -1,4 +1,4 @@
-"""Routed experts dispatching tokens by all-to-all (``autopp.ops.expert_dispatch``).
+"""Routed experts dispatching tokens by all-to-all (``autopp.sharding.expert_dispatch``).
 
 On 4 gloo ranks the op, given its devices' token rows and expert shards and a process group,
 equals a dense hand-written MoE (every expert on every token, weighted by the routing):
@@ -54,7 +54,7 @@ def _routed_node(mode: str, batch: int = 4):
 
 
 def _kinds(node, options) -> set[str]:
-    from autopp.ops.expert_dispatch import dispatch_dims
+    from autopp.sharding.expert_dispatch import dispatch_dims
 
     out = set()
     for o in options:
@@ -73,7 +73,7 @@ def _kinds(node, options) -> set[str]:
     ("all_gather", {"all_gather", "local"}),
 ])
 def test_planner_gets_the_dispatch_options_the_setting_allows(make_mesh, mode, kinds):
-    from autopp.ops.expert_dispatch import dispatch_dims
+    from autopp.sharding.expert_dispatch import dispatch_dims
     from autopp.sharding.strategies import enumerate_strategies
 
     joint, node = _routed_node(mode)
@@ -94,7 +94,7 @@ def test_planner_gets_the_dispatch_options_the_setting_allows(make_mesh, mode, k
 
 
 def _kinds_bwd(node, options) -> set[str]:
-    from autopp.ops.expert_dispatch import dispatch_dims
+    from autopp.sharding.expert_dispatch import dispatch_dims
 
     return {"all_to_all" if dispatch_dims(node, o)
             else "all_gather" if any(p.is_shard() for p in o.ins[4]) else "local"

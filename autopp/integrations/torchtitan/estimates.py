@@ -1,6 +1,6 @@
 """autopp's predictions in torchtitan's log: the simulated step, memory and tokens/s.
 
-At startup :func:`estimate_plan` gives the planner's :class:`~autopp.plan.value.PipelinePlan`
+At startup :func:`autopp.estimate.pipeline.estimate_plan` gives the planner's :class:`~autopp.plan.value.PipelinePlan`
 the schedule simulator's estimates, as :func:`autopp.dry_run.dry_run` does for its plan,
 without planning again: each stage's plan becomes a :class:`~autopp.schedules.StageCost`
 (:mod:`autopp.estimate`: F / I / W times, UNSHARD / REDUCE_GRAD, point-to-point bytes, and
@@ -19,69 +19,17 @@ tokens per step over the world size and the step time), from the second metrics 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
 #: How estimates are made: "graphs" (lower every stage's plan to read its activation memory
 #: and split its time into F / I / W, as the dry run does), "rule" (F = I = W = a third of
 #: the plan's time, no activation memory: cheaper, the peaks undercount), "off".
 EstimateMode = Literal["graphs", "rule", "off"]
-
-
-def estimate_plan(plan, model: nn.Module, sub_mesh, *, mode: EstimateMode = "graphs"):
-    """``plan`` (a :class:`~autopp.plan.value.PipelinePlan`) with simulated estimates.
-
-    ``model``: the whole model on meta; ``sub_mesh``: a stage's ("dp", "tp") sub-mesh (the
-    real one or a fake one; all stages' have the same shape). A plan that has estimates
-    already (e.g. a dry run's) is returned as it is."""
-    from autopp.plan.make import stage_meta_inputs
-    from autopp.plan.objective import boundary_bytes, pp_link
-    from autopp.estimate.stage_costs import (
-        param_dtypes,
-        pipeline_estimates,
-        stage_cost,
-        stage_facts,
-        stage_facts_by_rule,
-        state_bytes,
-    )
-    from autopp.schedules import simulate_schedule
-
-    if plan.estimates is not None:
-        return plan
-    if mode not in ("graphs", "rule"):
-        raise ValueError(f"estimate mode {mode!r}: 'graphs' or 'rule'")
-    dp, tp, M = plan.dp, plan.tp, plan.n_microbatches
-    dtype = getattr(torch, plan.input_dtypes[0].split(".")[-1])
-    first = torch.empty(plan.input_shapes[0], dtype=dtype, device="meta")
-    metas, inputs = stage_meta_inputs(model, plan.fqns_per_stage, first, M, dp,
-                                      plan.options.compute_dtype)
-    memo: dict = {}
-    costs, times = [], []
-    for s, (meta, x, splan) in enumerate(zip(metas, inputs, plan.stage_plans)):
-        facts = (stage_facts(meta, splan, sub_mesh, x, M, memo=memo) if mode == "graphs"
-                 else stage_facts_by_rule(splan, M))
-        send = (boundary_bytes(inputs[s + 1][0], dp, tp, plan.boundaries[s + 1])
-                if s + 1 < len(inputs) else 0)
-        costs.append(stage_cost(splan, facts, state_bytes(splan, param_dtypes(meta)),
-                                loss_s=splan.loss_s, p2p_bytes=send))
-        times.append(splan.step_time_s + splan.loss_s)
-    profile = plan.options.profile
-    sim = simulate_schedule(plan.schedule, costs, pp=plan.pp, n_microbatches=M,
-                            n_stages=len(costs), link=pp_link(profile, (plan.pp, dp, tp)))
-    placed = tuple(plan.stage_ranks)
-    if sim.actions.stage_to_rank != placed:
-        raise RuntimeError(f"simulated stage placement {sim.actions.stage_to_rank} differs "
-                           f"from the plan's {placed}")
-    ids = [plan.stage_ids_for_rank(r) for r in range(plan.pp)]
-    return dataclasses.replace(plan, estimates=pipeline_estimates(
-        sim, times, ids, M, profile, plan.options.memory_reserve, plan.pp * dp * tp))
 
 
 def estimates_on_rank0(compute: Callable[[], Any]) -> tuple[Any, str | None]:

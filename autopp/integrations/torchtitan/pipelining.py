@@ -263,11 +263,8 @@ def _estimated_plan(backend, model: nn.Module, mesh, options: AutoppOptions, log
     """The planner's whole-pipeline plan with the simulator's estimates (computed on rank 0,
     broadcast), logged; the plan without them when they are off or fail; None without a
     plan (``--autopp.parallelize replicate``)."""
-    from autopp.integrations.torchtitan.estimates import (
-        estimate_plan,
-        estimates_on_rank0,
-        startup_summary,
-    )
+    from autopp.estimate.pipeline import estimate_plan
+    from autopp.integrations.torchtitan.estimates import estimates_on_rank0, startup_summary
     from autopp.mesh import stage_sub_mesh
 
     plan = getattr(backend, "pipeline_plan", None)
