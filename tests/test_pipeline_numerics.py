@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
+from tests.parity import assert_all_parity
 from tests.dist_harness import run_on_ranks
 from tests.models import make_batch, reference_step
 from tests.pipeline_workers import run_configs, tp_fsdp_parallelize
@@ -31,9 +31,9 @@ def _check(results_per_rank, configs, reference):
         for rank_results in results_per_rank:
             res = rank_results[i]
             assert res["loss"] == pytest.approx(ref_loss, abs=ATOL), (cfg, res["loss"], ref_loss)
-            for name, g in res["grads"].items():
-                torch.testing.assert_close(g, ref_grads[name], atol=ATOL, rtol=1e-4, msg=lambda m: f"{cfg['schedule']} pp={cfg['pp']} {name}: {m}")
-                seen.add(name)
+            assert_all_parity(res["grads"], ref_grads,
+                              what=f"{cfg['schedule']} pp={cfg['pp']} grad")
+            seen |= set(res["grads"])
             if "eval_loss" in res:
                 assert res["eval_loss"] == pytest.approx(ref_loss, abs=ATOL)
         assert seen == set(ref_grads), (cfg, set(ref_grads) - seen)

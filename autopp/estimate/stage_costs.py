@@ -179,24 +179,17 @@ def stage_facts_by_rule(plan: StagePlan, n_microbatches: int) -> StageFacts:
 
 def _phase_of_nodes(joint) -> dict[fx.Node, str]:
     """Each node of a unit's joint graph -> "unshard", "F", "I" or "W" (see module doc)."""
-    from autopp.sharding.solver import _param_only_nodes
+    from autopp.graph.walk import closure, param_only_nodes
 
     gm = joint.gm
-    param_only = _param_only_nodes(gm, set(joint.params.values()))
+    param_only = param_only_nodes(gm, set(joint.params.values()))
     tangents = set(joint.tangents.values())
     backward: set[fx.Node] = set()
     for n in gm.graph.nodes:  # topological order
         if n in tangents or (n.op == "call_function"
                              and any(a in backward for a in n.all_input_nodes)):
             backward.add(n)
-    for_input: set[fx.Node] = set()
-    stack = list(joint.input_grads.values())
-    while stack:
-        n = stack.pop()
-        if n in for_input or n not in backward:
-            continue
-        for_input.add(n)
-        stack += n.all_input_nodes
+    for_input = closure(list(joint.input_grads.values()), within=backward)
     phase = {}
     for n in gm.graph.nodes:
         if n in param_only:

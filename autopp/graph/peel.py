@@ -29,6 +29,7 @@ import dataclasses
 
 import torch.fx as fx
 
+from autopp.graph.walk import closure, param_only_nodes
 from autopp.graph.convention import JointSignature
 
 
@@ -62,16 +63,9 @@ def peel_param_work(gm: fx.GraphModule, signature: JointSignature) -> PeeledPara
     (output,) = gm.graph.find_nodes(op="output")
     out_args = set(output.all_input_nodes)
 
-    only: dict[fx.Node, bool] = {}
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            only[node] = node in param_set
-        elif node.op == "call_function":
-            ins = node.all_input_nodes
-            only[node] = bool(ins) and all(only[i] for i in ins)
-        else:
-            only[node] = False
-    peel = {n for n in gm.graph.nodes if n.op == "call_function" and only[n] and n not in out_args}
+    only = param_only_nodes(gm, param_set)
+    peel = {n for n in gm.graph.nodes if n.op == "call_function" and n in only
+            and n not in out_args}
     # keep the set closed under inputs, and tuple-valued nodes with all their users
     changed = True
     while changed:
@@ -89,26 +83,13 @@ def peel_param_work(gm: fx.GraphModule, signature: JointSignature) -> PeeledPara
     frontier = [n for n in gm.graph.nodes
                 if (n in param_set or n in peel) and used_outside(n)]
     # the forward's frontier first: values a forward output depends on
-    fwd_closure: set[fx.Node] = set()
-    stack = [a for a in _outputs(output)[: signature.num_outputs] if isinstance(a, fx.Node)]
-    while stack:
-        n = stack.pop()
-        if n not in fwd_closure:
-            fwd_closure.add(n)
-            stack += n.all_input_nodes
+    fwd_closure = closure(_outputs(output)[: signature.num_outputs])
     in_fwd = [f for f in frontier
               if any(u not in peel and u.op != "output" and u in fwd_closure for u in f.users)]
     frontier = in_fwd + [f for f in frontier if f not in in_fwd]
 
     # unshard graph: the params it needs -> frontier values
-    needed: set[fx.Node] = set()
-    stack = list(frontier)
-    while stack:
-        n = stack.pop()
-        if n in needed:
-            continue
-        needed.add(n)
-        stack += [i for i in n.all_input_nodes]
+    needed = closure(frontier)
     used_params = [p for p in params if p in needed]
     ug = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}

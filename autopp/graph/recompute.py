@@ -58,6 +58,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autopp._compat import graph as _compat
+from autopp.graph.walk import closure
 from autopp.graph.convention import JointSignature
 
 Recompute = Literal["none", "selective", "full"]
@@ -187,18 +188,6 @@ def recompute_sets(gm: fx.GraphModule, signature: JointSignature,
         saved=frozenset(n.name for n in saved),
         recomputed=frozenset(n.name for n in recomputed),
     )
-
-
-def closure(values: object) -> set[fx.Node]:
-    """The FX nodes among ``values`` and everything they are computed from."""
-    seen: set[fx.Node] = set()
-    stack = [v for v in values if isinstance(v, fx.Node)]  # type: ignore[union-attr]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack += n.all_input_nodes
-    return seen
 
 
 def _saved_nodes(graph: fx.Graph, signature: JointSignature, fwd: set[fx.Node],

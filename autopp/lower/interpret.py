@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from autopp._compat import sharding as compat
 from autopp.sharding import op_hooks
+from autopp.graph.walk import closure
 from autopp.sharding.plan import BlockPlan, from_strs
 from autopp.sharding.strategies import Option, tensor_vals
 from autopp.sharding.trace import JointGraph
@@ -63,14 +64,7 @@ class GraphRunner:
                 for f, n in j.buffer_updates.items()]
 
     def ancestors(self, roots: list[fx.Node]) -> set[fx.Node]:
-        seen, stack = set(), list(roots)
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            stack += n.all_input_nodes
-        return seen
+        return closure(roots)
 
     def placement(self, node: fx.Node) -> tuple:
         return self.outs[node.name][0]

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from autopp.graph.walk import closure
 from autopp.graph import StageGraphs
 
 
@@ -96,16 +97,9 @@ def gathered_values_per_param(graphs: StageGraphs, param_fqns: tuple[str, ...]) 
     fqn_of = {ph: param_fqns[i] for ph, i in zip(placeholders, graphs.convention.unshard_param_indices)}
     counts: dict[str, int] = {}
     for out in ug.graph.output_node().args[0]:
-        seen, stack, gathered, roots = set(), [out], False, set()
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            gathered |= "all_gather" in str(n.target)
-            if n in fqn_of:
-                roots.add(fqn_of[n])
-            stack += n.all_input_nodes
+        seen = closure([out])
+        gathered = any("all_gather" in str(n.target) for n in seen)
+        roots = {fqn_of[n] for n in seen if n in fqn_of}
         if gathered:
             for fqn in roots:
                 counts[fqn] = counts.get(fqn, 0) + 1

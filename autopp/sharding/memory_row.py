@@ -201,7 +201,8 @@ class MemoryRow:
         if hit is not None:
             return hit
         from autopp.graph.aot import from_aot_joint
-        from autopp.graph.recompute import RecomputeSets, closure, recompute_sets
+        from autopp.graph.recompute import RecomputeSets, recompute_sets
+        from autopp.graph.walk import closure
 
         gm = self.st.joint.gm
         try:

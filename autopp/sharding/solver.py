@@ -67,6 +67,7 @@ import highspy
 import numpy as np
 from torch import fx
 
+from autopp.graph.walk import param_only_nodes
 from autopp.sharding.costs import Collective, CostModel
 from autopp.sharding.memory_row import MemoryAccount, MemoryRow, MemorySpec, Recompute, Terms
 from autopp.sharding.strategies import Option, Strategies, tensor_vals
@@ -188,7 +189,7 @@ class Model:
         #: weights: the runtime's UNSHARD runs them once per step, see autopp.graph.peel).
         self.grad_reduce_scale = grad_reduce_scale
         self._param_nodes = set(strategies.joint.params.values())
-        self._param_only = _param_only_nodes(strategies.joint.gm, self._param_nodes)
+        self._param_only = param_only_nodes(strategies.joint.gm, self._param_nodes)
         self.costs = costs
         #: The default budget of :meth:`solve`.
         self.memory_budget_bytes = memory_budget_bytes
@@ -556,16 +557,3 @@ def evaluate(
     )
 
 
-def _param_only_nodes(gm: fx.GraphModule, params: set[fx.Node]) -> set[fx.Node]:
-    """Nodes computed from parameters alone (the parameters, their casts and views): their
-    redistributions run in the stage's UNSHARD, once per step (see autopp.graph.peel)."""
-    only: set[fx.Node] = set()
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            if node in params:
-                only.add(node)
-        elif node.op == "call_function":
-            ins = node.all_input_nodes
-            if ins and all(i in only for i in ins):
-                only.add(node)
-    return only
