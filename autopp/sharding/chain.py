@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from autopp._compat import sharding as compat
-from autopp.sharding.solver import InfeasiblePlanError, PlacementSpec, SolveResult
+from autopp.sharding.option import PlacementSpec, matches
+from autopp.sharding.solver import InfeasiblePlanError, SolveResult
 from autopp.sharding.strategies import Strategies, enumerate_strategies
 from autopp.sharding.trace import JointGraph, trace_joint
 from autopp.sharding.units import BlockCall, default_extra_args, module_signature
@@ -72,7 +73,7 @@ def boundary_candidates(
             for p, name, n in zip(pl, mesh_dim_names, traced.strategies.mesh_shape)
         )
         if spec is not None:
-            ok = ok and all(s is None or p == s for p, s in zip(pl, spec))
+            ok = ok and matches(pl, spec)
         if ok and pl not in out:
             out.append(pl)
     return out

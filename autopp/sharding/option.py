@@ -47,3 +47,12 @@ def local_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequen
                 return None
             out[p.dim] //= n
     return out
+
+
+PlacementSpec = Sequence[Any | None]
+"""Placements asked for, one per mesh dim; None: any placement on that dim."""
+
+
+def matches(pl: Sequence[Any], spec: PlacementSpec | None) -> bool:
+    """Whether placements ``pl`` are what ``spec`` asks for (None, or None on a dim: any)."""
+    return spec is None or all(s is None or p == s for p, s in zip(pl, spec))

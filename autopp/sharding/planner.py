@@ -32,7 +32,8 @@ from autopp.sharding.precision import check_policy, maybe_cast, reduce_after_cas
 from autopp.sharding.plan import BlockPlan, CollectivePlan, ParamPlan, StagePlan, to_strs
 from autopp.profiles.devices import DeviceProfile
 from autopp.profiles.lookup import get_profile
-from autopp.sharding.solver import InfeasiblePlanError, Model, PlacementSpec
+from autopp.sharding.option import PlacementSpec, matches
+from autopp.sharding.solver import InfeasiblePlanError, Model
 from autopp.sharding.strategies import enumerate_strategies, tensor_vals
 from autopp.sharding.trace import check_on_meta, graph_signature, trace_joint
 
@@ -182,7 +183,7 @@ def _flat_stage(module, example_inputs, mesh, costs, memory, in_spec, out_spec, 
 
 
 def _matching(cands: list[tuple], spec: PlacementSpec | None) -> list[tuple]:
-    return [c for c in cands if spec is None or all(s is None or p == s for p, s in zip(c, spec))]
+    return [c for c in cands if matches(c, spec)]
 
 
 class _Memo:

@@ -59,7 +59,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -70,9 +70,9 @@ from torch import fx
 from autopp.graph.walk import param_only_nodes
 from autopp.sharding.costs import Collective, CostModel
 from autopp.sharding.memory_row import MemoryAccount, MemoryRow, MemorySpec, Recompute, Terms
+from autopp.sharding.option import PlacementSpec, matches
 from autopp.sharding.strategies import Option, Strategies, tensor_vals
 
-PlacementSpec = Sequence[Any | None]
 """Per mesh dim: a torch Placement, or None for "any"."""
 
 
@@ -157,10 +157,6 @@ class Problem:
     param_state_factor: float = 1.0
     time_limit_s: float = 60.0
     threads: int = 2
-
-
-def _matches(pl: tuple, spec: PlacementSpec) -> bool:
-    return all(s is None or p == s for p, s in zip(pl, spec))
 
 
 class Model:
@@ -373,7 +369,7 @@ class Model:
         least = 0.0
         for node, spec in restrict.items():
             opts = self.options[node]
-            ok = [_matches(o.out[0], spec) for o in opts]
+            ok = [matches(o.out[0], spec) for o in opts]
             if not any(ok):
                 name = names.get(node, node.name)
                 raise InfeasiblePlanError(
