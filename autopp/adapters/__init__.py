@@ -9,8 +9,10 @@ module class it recognises, how to trace it (and what state it carries between s
   ``autopp::routed_experts`` (:mod:`autopp.ops.experts`), the router's autocast on meta,
   and the load-balancing expert-bias update after each step.
 
-Each adapter's tracing context is registered with :mod:`autopp.tracing`, which autopp
-enters wherever it runs or traces a model on meta.
+Adapters are a registry (:func:`register`, :class:`~autopp.adapters.adapter.Adapter`): a
+new model library's adapter is one module that builds an ``Adapter`` and registers it, plus
+its import line in this file. Each adapter's tracing context is registered with
+:mod:`autopp.tracing`, which autopp enters wherever it runs or traces a model on meta.
 """
 
 from __future__ import annotations
@@ -21,22 +23,20 @@ from collections.abc import Iterator
 import torch.distributed as dist
 from torch import nn
 
-from autopp import tracing
-from autopp.adapters import torchtitan_moe
-
-tracing.register(torchtitan_moe.tracing)
+from autopp.adapters import torchtitan_moe  # noqa: F401  (registers itself)
+from autopp.adapters.adapter import Adapter, register, registered  # noqa: F401  (public)
 
 
 def settings() -> dict[str, str]:
     """The adapters' settings that change what is traced (part of the plan cache's key)."""
-    return {"torchtitan_moe.expert_compute_dtype": str(torchtitan_moe.expert_compute_dtype()),
-            "torchtitan_moe.token_dispatch": torchtitan_moe.token_dispatch()}
+    return {f"{a.name}.{k}": v for a in registered() for k, v in a.settings().items()}
 
 
 def active_parameters(model: nn.Module) -> float:
     """Parameters a token uses on average (for model FLOPs, 6 x this x tokens): all of a
     dense model's; a MoE layer's routed experts count top_k / num_experts of theirs."""
-    return sum(p.numel() for p in model.parameters()) - torchtitan_moe.idle_parameters(model)
+    return sum(p.numel() for p in model.parameters()) - sum(
+        a.idle_parameters(model) for a in registered())
 
 
 @contextlib.contextmanager
@@ -45,7 +45,9 @@ def training_state_kept(structure: list[nn.Module], state: nn.Module) -> Iterato
     counts) are restored on exit: an evaluation pass does not count. ``structure``: a
     rank's stage modules as built (names, the model's config); ``state``: the module whose
     buffers, by the same FQNs, the stages run with."""
-    with torchtitan_moe.counts_kept(structure, state):
+    with contextlib.ExitStack() as stack:
+        for a in registered():
+            stack.enter_context(a.training_state_kept(structure, state))
         yield
 
 
@@ -55,4 +57,5 @@ def after_step(structure: list[nn.Module], state: nn.Module,
     load balancing); called on every rank. ``structure`` and ``state`` as for
     :func:`training_state_kept`; ``partial_over``: the group over which the statistics the
     forward kept are partial sums (None: they are whole already)."""
-    torchtitan_moe.update_expert_bias(structure, state, partial_over)
+    for a in registered():
+        a.after_step(structure, state, partial_over)

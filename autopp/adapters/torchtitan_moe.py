@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopp.adapters.adapter import Adapter, register
+
 
 _COMPUTE_DTYPE: torch.dtype | None = torch.bfloat16
 
@@ -193,3 +195,13 @@ def update_expert_bias(structure: list[nn.Module], state: nn.Module,
         delta = layer.load_balance_coeff * torch.sign(counts_f.mean() - counts_f)
         bias.add_(delta - delta.mean())
         counts.zero_()
+
+
+def _settings() -> dict[str, str]:
+    return {"expert_compute_dtype": str(expert_compute_dtype()), "token_dispatch": token_dispatch()}
+
+
+ADAPTER = register(Adapter(
+    name="torchtitan_moe", tracing=tracing, settings=_settings,
+    idle_parameters=idle_parameters, training_state_kept=counts_kept,
+    after_step=update_expert_bias))

@@ -1,0 +1,55 @@
+"""What a model adapter gives autopp: one value per model library (:class:`Adapter`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, ContextManager
+
+from torch import nn
+
+from autopp import tracing
+
+
+@contextlib.contextmanager
+def _nothing(*args: Any) -> Iterator[None]:
+    yield
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """How autopp treats the module classes of one model library. Every hook has a default
+    that does nothing, so an adapter gives only what its modules need."""
+
+    name: str
+    """Prefix of its settings in the plan cache key (e.g. "torchtitan_moe")."""
+    tracing: Callable[[], ContextManager] = _nothing
+    """A context under which its modules run on meta and trace in the form autopp plans."""
+    settings: Callable[[], dict[str, str]] = field(default=lambda: {})
+    """Its settings that change what is traced (part of the plan cache's key)."""
+    idle_parameters: Callable[[nn.Module], float] = field(default=lambda model: 0.0)
+    """Parameters of ``model`` a token does not use on average (MoE: the routed experts it
+    is not routed to)."""
+    training_state_kept: Callable[[list, nn.Module], ContextManager] = _nothing
+    """A context restoring the statistics its modules accumulate in the forward."""
+    after_step: Callable[[list, nn.Module, Any], None] = field(
+        default=lambda structure, state, partial_over: None)
+    """Its state updates once per step, before the optimizer (e.g. MoE load balancing)."""
+
+
+_ADAPTERS: list[Adapter] = []
+
+
+def register(adapter: Adapter) -> Adapter:
+    """Add a model library's adapter: its tracing context is entered wherever autopp runs or
+    traces a model on meta (:mod:`autopp.tracing`), and its hooks join the functions of
+    :mod:`autopp.adapters`. Registering the same name again replaces the earlier adapter."""
+    _ADAPTERS[:] = [a for a in _ADAPTERS if a.name != adapter.name] + [adapter]
+    tracing.register(adapter.tracing)
+    return adapter
+
+
+def registered() -> tuple[Adapter, ...]:
+    """The adapters in registration order."""
+    return tuple(_ADAPTERS)
