@@ -350,6 +350,10 @@ class PipelinePlan:
                 + (f"; sends {format_bytes(self.send_bytes[s])} per device and microbatch"
                    if self.send_bytes[s] else ""),
                 f"    placements: {placement_summary(plan)}",
+                *([f"    replicated for want of a DTensor rule: {len(plan.fallbacks)} ops "
+                   f"({', '.join(plan.fallbacks[:3])}{', ...' if len(plan.fallbacks) > 3 else ''})"]
+                  if plan.fallbacks else []),
+                *[f"    {n}" for n in plan.notes if n.startswith("FLOP formula")],
             ]
         lines.append(f"  {describe_loss(self.loss_placement)}")
         tied = sorted({(f, "/".join(p)) for d in self.tied_placements for f, p in d})

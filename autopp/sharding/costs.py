@@ -25,6 +25,7 @@ token dispatch) are priced with the same table and added to the op's time.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,8 @@ def _is_partial(p: Any) -> bool:
     return isinstance(p, compat.Partial)
 
 
+logger = logging.getLogger(__name__)
+
 def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -71,6 +74,9 @@ class CostModel:
         self.links = mesh_links(profile, self.mesh_shape)
         self._redist: dict[tuple, tuple[float, tuple[Collective, ...]]] = {}
         self._flops: dict[Any, float] = {}
+        self.flop_failures: dict[str, str] = {}
+        """Op -> why its FLOP formula failed: such an op is priced by its memory traffic
+        only (logged once per op; the stage plan lists them in its notes)."""
 
     # -- communication -------------------------------------------------------------------------
 
@@ -140,8 +146,13 @@ class CostModel:
             try:
                 with compat.unset_fake_temporarily():
                     flops = float(fn(*args, **kwargs, out_val=node.meta.get("val")))
-            except Exception:  # noqa: BLE001 - a FLOP formula that cannot read these args
+            except Exception as e:  # noqa: BLE001 - a FLOP formula that cannot read these args
                 flops = 0.0
+                op = str(node.target)
+                if op not in self.flop_failures:
+                    self.flop_failures[op] = f"{type(e).__name__}: {e}"
+                    logger.warning("FLOP formula of %s failed (%s): priced by its memory "
+                                   "traffic only", op, self.flop_failures[op])
         self._flops[node] = flops
         return flops
 

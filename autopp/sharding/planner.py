@@ -353,6 +353,8 @@ def _assemble(parts, solved, mesh, names, prof, costs, budget, t0, pdtype=None) 
             "costs: joint fwd+bwd graph as traced (a parameter gathered in forward is not "
             "re-gathered in backward); memory: the ILP's estimate per device (activations "
             "read off the traced joint graph under the recomputation policy)",
+            *(f"FLOP formula of {op} failed ({why}): priced by its memory traffic only"
+              for op, why in sorted(costs.flop_failures.items())),
         ),
     )
 

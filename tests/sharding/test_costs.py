@@ -59,3 +59,25 @@ def test_mm_compute_time_splits_with_sharding(make_mesh):
         p == R for pl in o.ins for p in pl))
     split = next(o for o in times if o.out[0] == (S0, S1))
     assert times[split] == pytest.approx(times[rep] / 4)
+
+
+def test_a_failing_flop_formula_is_logged_and_noted(make_mesh, monkeypatch, caplog):
+    """An op whose FLOP formula raises is priced by memory traffic only, and says so: a
+    warning when priced, a note in the stage plan, a line in the pipeline plan's text."""
+    from torch import nn
+    from torch.utils.flop_counter import flop_registry
+
+    from autopp.sharding import plan_stage
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("no formula for these shapes")
+
+    monkeypatch.setitem(flop_registry, torch.ops.aten.mm, boom)
+    with torch.device("meta"):
+        lin = nn.Linear(256, 256, bias=False)
+    with caplog.at_level("WARNING", logger="autopp.sharding.costs"):
+        plan = plan_stage(lin, (torch.empty(64, 256, device="meta"),), make_mesh(2, 2),
+                          profile="H100", reuse_blocks=False)
+    assert "FLOP formula of aten.mm.default failed" in caplog.text
+    assert any(n.startswith("FLOP formula of aten.mm.default failed (RuntimeError: no formula")
+               for n in plan.notes), plan.notes
