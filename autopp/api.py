@@ -52,7 +52,7 @@ def pipeline_autoparallel(
     loss_parallel: bool | None = None,
     mixed_precision: MixedPrecisionPolicy | None = None,
     compile: bool | CompileOptions = False,
-    raise_on_nonfinite: bool = False,
+    raise_on_nonfinite: bool = True,
     layers_attr: str | None = None,
     plan: PipelinePlan | str | os.PathLike | None = None,
 ) -> Pipeline:
@@ -96,7 +96,9 @@ def pipeline_autoparallel(
         compile: with the planner, run each planned stage's graphs through Inductor: True
             or :class:`autopp.backends.CompileOptions`; False (default): eager.
         raise_on_nonfinite: a NaN/inf loss (``step``) or gradient norm (``clip_grad_norm_``)
-            raises FloatingPointError on every rank; False (default): a RuntimeWarning.
+            raises FloatingPointError on every rank (default: the value is the same on every
+            rank, so all raise together, before the optimizer could step on it); False: a
+            RuntimeWarning on every rank instead.
         layers_attr: path of the ModuleList/ModuleDict holding the blocks (``"layers"``,
             ``"model.layers"``); None (default): the one whose children hold the most
             parameters.

@@ -92,7 +92,7 @@ class Pipeline:
         ignore_index: int,
         backend: StageBackend,
         input_shapes: tuple[tuple[int, ...], ...] | None = None,
-        raise_on_nonfinite: bool = False,
+        raise_on_nonfinite: bool = True,
         tied: Sequence[TiedParameter] = (),
         rank_of: Sequence[int] | None = None,
     ) -> None:
@@ -122,7 +122,8 @@ class Pipeline:
         self._stages: list = []
         self._all_fqns = {f for stage in layout.fqns_per_stage for f in stage}
         self._input_shapes = input_shapes
-        #: A non-finite loss or gradient norm raises FloatingPointError (True) or warns.
+        #: A non-finite loss or gradient norm raises FloatingPointError (True, the default)
+        #: or warns (False).
         self.raise_on_nonfinite = raise_on_nonfinite
         #: Parameters tied across stages, kept equal (see :mod:`autopp.tied`); None if none.
         self._tied = None

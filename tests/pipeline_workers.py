@@ -229,8 +229,10 @@ def guards(rank: int, world_size: int, cfg: dict, path: str) -> dict:
     checkpoint survives a refused save."""
     import math
 
+    import warnings
+
     pipe, batch = _build(cfg, cfg, seed=0)
-    pipe.raise_on_nonfinite = True
+    assert pipe.raise_on_nonfinite  # the default
     tok, tgt = batch(1)
     out: dict = {"good_loss": pipe.step(tok, target=tgt)}
     pipe.zero_grad()
@@ -248,6 +250,13 @@ def guards(rank: int, world_size: int, cfg: dict, path: str) -> dict:
         for p in pipe.parameters():
             _shard(p).fill_(float("nan"))
     out["nan_step"] = raised(lambda: pipe.step(tok, target=tgt))
+    pipe.zero_grad()
+    pipe.raise_on_nonfinite = False  # the option to warn instead
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["nan_step_warned"] = raised(lambda: pipe.step(tok, target=tgt))
+    out["warnings"] = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    pipe.raise_on_nonfinite = True
     out["nan_save"] = raised(lambda: pipe.save_checkpoint(path))
     pipe.zero_grad()
     pipe.load_checkpoint(path)  # the good checkpoint is still there

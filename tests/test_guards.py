@@ -21,6 +21,9 @@ def test_guards_raise_on_every_rank(tmp_path):
                                      "but this pipeline was built for [(4, 16)]"), r["shape"]
         # a diverged model: the step's loss is NaN on every rank, and the step says so
         assert r["nan_step"].startswith("FloatingPointError: the step's loss is nan"), r
+        # raise_on_nonfinite=False: the same step warns instead, on every rank
+        assert r["nan_step_warned"] == "nothing raised", r
+        assert any(w.startswith("the step's loss is nan") for w in r["warnings"]), r
         # and its state is not written over the last good checkpoint
         assert r["nan_save"].startswith("ValueError: refusing to save a non-finite state"), r
         assert r["restored_finite"] and r["finite"]
