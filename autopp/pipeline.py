@@ -215,6 +215,12 @@ class Pipeline:
         "OVERLAP_F_B"; "W" counts deferred weight-gradient graphs). Empty otherwise."""
         return dict(self._runtime.action_counts) if self._runtime is not None else {}
 
+    @property
+    def action_log(self) -> list[tuple[str, int, int | None]]:
+        """Planned stages: the last schedule actions this rank ran, in order, as (kind,
+        stage index, microbatch index or None); kinds as in :attr:`action_counts`."""
+        return list(self._runtime.action_log) if self._runtime is not None else []
+
     def count_collectives(self):
         """Planned stages: from now on count the collectives each schedule action runs, and
         whether they read parameters (see :class:`autopp.graph.comm_counter.CollectiveCounter`,

@@ -65,3 +65,22 @@ def assert_loss_parity(got: float, ref: float, *, what: str, atol: float = ATOL)
     """A loss (a scalar) equals the reference's within ``atol``."""
     assert abs(got - ref) <= atol, f"{what}: loss {got!r} vs reference {ref!r} (|diff| " \
                                    f"{abs(got - ref):.3g} > {atol:g})"
+
+
+def assert_w_deferred(log: list[tuple[str, int, int | None]], *, what: str) -> int:
+    """From a rank's action log (``Pipeline.action_log``): every W of (stage, microbatch)
+    ran after that microbatch's I, and at least one W was deferred past other compute (an
+    action ran between its I and it). Returns the number of deferred W."""
+    done_i: dict[tuple[int, int | None], int] = {}
+    deferred = 0
+    for k, (kind, stage, mb) in enumerate(log):
+        if kind == "I":
+            done_i[stage, mb] = k
+        elif kind == "W":
+            assert (stage, mb) in done_i, f"{what}: W of stage {stage} microbatch {mb} " \
+                                          f"before its I (log {log})"
+            computes_between = [a for a in log[done_i[stage, mb] + 1:k]
+                                if a[0] in ("F", "B", "I", "W")]
+            deferred += bool(computes_between)
+    assert deferred > 0, f"{what}: no W ran later than right after its I (log {log})"
+    return deferred

@@ -82,6 +82,7 @@ def one_step(mesh, cfg: dict) -> dict:
                                   if p.grad is not None}),
            # planned stages: weight-gradient graphs the schedule ran as deferred W actions
            "deferred_w": pipe.action_counts.get("W", 0),
+           "action_log": pipe.action_log,
            "actions": pipe.action_counts}
     if counter is not None:
         from autopp.lower.local_graphs import collective_counts

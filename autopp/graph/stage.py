@@ -81,6 +81,10 @@ class _GraphRuntime(_compat.GraphPipelineRuntime):
         #: really ran deferred (a W of a stage without an I/W split runs as a full backward,
         #: counted "B"; its I does nothing, counted "I (nothing to do)").
         self.action_counts: collections.Counter[str] = collections.Counter()
+        #: The last actions run, in order, as (kind as counted, stage index, microbatch
+        #: index or None): e.g. to check that each W ran after its I.
+        self.action_log: collections.deque[tuple[str, int, int | None]] = collections.deque(
+            maxlen=100_000)
         #: Set by :meth:`count_collectives`: collectives run per action kind.
         self.collectives: CollectiveCounter | None = None
 
@@ -100,6 +104,7 @@ class _GraphRuntime(_compat.GraphPipelineRuntime):
                     # without an I/W split, I does nothing and W runs the full backward
                     kind_run = "B" if kind == "W" else "I (nothing to do)"
             self.action_counts[kind_run] += 1
+            self.action_log.append((kind_run, action.stage_index, action.microbatch_index))
             counter = self.collectives
             if counter is None:
                 return handler(action, ctx)
