@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.parity import assert_all_parity
 from tests.dist_harness import run_on_ranks
 from tests.models import make_batch, reference_step
-from tests.pipeline_workers import run_configs, tp_fsdp_parallelize
+from tests.pipeline_workers import CLIP_NORM, run_configs, tp_fsdp_parallelize
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 N_LAYERS = 6
@@ -34,6 +35,15 @@ def _check(results_per_rank, configs, reference):
             assert_all_parity(res["grads"], ref_grads,
                               what=f"{cfg['schedule']} pp={cfg['pp']} grad")
             seen |= set(res["grads"])
+            if "norm" in res:  # clipping: the global norm and the clipped gradients
+                ref_norm = float(torch.linalg.vector_norm(torch.stack(
+                    [torch.linalg.vector_norm(g) for g in ref_grads.values()])))
+                assert res["norm"] == pytest.approx(ref_norm, rel=1e-5), (cfg, res["norm"])
+                coef = CLIP_NORM / (ref_norm + 1e-6)  # torch's clip_grad_norm_ coefficient
+                assert coef < 1, ref_norm  # the bound really clips
+                assert_all_parity(res["clipped_grads"],
+                                  {n: g * coef for n, g in ref_grads.items()},
+                                  what=f"{cfg['schedule']} pp={cfg['pp']} clipped grad")
             if "eval_loss" in res:
                 assert res["eval_loss"] == pytest.approx(ref_loss, abs=ATOL)
         assert seen == set(ref_grads), (cfg, set(ref_grads) - seen)
