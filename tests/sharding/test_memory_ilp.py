@@ -45,7 +45,7 @@ def test_activation_estimate_equals_lowered_graphs(block, make_mesh):
         lowered, gathered = saved_bytes(graphs), unsharded_bytes(graphs)
         seen[mode] = (plan.activation_bytes, lowered, plan.gathered_param_bytes, gathered)
         assert plan.recompute == bplan.recompute == mode
-        assert plan.activation_bytes == pytest.approx(lowered, rel=0.05), seen
+        assert plan.activation_bytes == lowered, seen  # to the byte (README)
         assert plan.gathered_param_bytes == pytest.approx(gathered, rel=0.05), seen
         assert plan.memory_bytes == pytest.approx(
             plan.state_bytes + 2.0 * plan.activation_bytes + plan.gathered_param_bytes)
@@ -82,7 +82,7 @@ def test_sequence_parallel_recompute_regathers_instead_of_saving(block, make_mes
         backward = [n for g in (graphs.full_backward_graph,)
                     for n in g.graph.nodes if "all_gather" in str(n.target)]
         seen[mode] = (plan.activation_bytes, saved_bytes(graphs), len(backward))
-        assert plan.activation_bytes == pytest.approx(seen[mode][1], rel=0.05), seen
+        assert plan.activation_bytes == seen[mode][1], seen  # to the byte (README)
     assert seen["none"][1] > seen["selective"][1] > seen["full"][1], seen
     assert seen["selective"][2] > seen["none"][2], seen  # the backward gathers again
     print("sequence parallel (ILP, lowered, backward all-gathers):", seen)
