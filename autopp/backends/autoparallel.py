@@ -32,7 +32,7 @@ class AutoParallel(StageBackend):
     grads_summed_over_dp = True
 
     def prepare(self, spec: PipelineSpec) -> None:
-        from autopp.plan.make import meta_stage_inputs
+        from autopp.plan.stage_inputs import meta_stage_inputs
         from autopp.backends.meta_autoparallel import available, missing_error
 
         if not available():

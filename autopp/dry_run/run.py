@@ -48,13 +48,8 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from autopp.stage_split.for_schedule import split_for_schedule, stage_ranks_of
-from autopp.plan.make import (
-    BOUNDARIES,
-    last_stage_output,
-    loss_time_s,
-    plan_whole_pipeline,
-    stage_meta_inputs,
-)
+from autopp.plan.make import BOUNDARIES, loss_time_s, plan_whole_pipeline
+from autopp.plan.stage_inputs import last_stage_output, stage_meta_inputs
 from autopp.backends import PlannerOptions
 from autopp.format import compact_modules
 from autopp.dry_run.format import format_report

@@ -166,12 +166,8 @@ def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.T
     """
     import time
 
-    from autopp.plan.make import (
-        last_stage_output,
-        loss_time_s,
-        plan_local_stage,
-        stage_meta_inputs,
-    )
+    from autopp.plan.make import loss_time_s, plan_local_stage
+    from autopp.plan.stage_inputs import last_stage_output, stage_meta_inputs
 
     t0 = time.perf_counter()
     dp, tp = sub_mesh["dp"].size(), sub_mesh["tp"].size()

@@ -1,6 +1,6 @@
 """``parallelize="auto"``, planning side: what every stage of a pipeline runs as.
 
-1. :func:`stage_input_shapes` finds every stage's input (a microbatch, with the dp-global batch
+1. :func:`~autopp.plan.stage_inputs.stage_input_shapes` finds every stage's input (a microbatch, with the dp-global batch
    size the planner works in) by running the meta model stage by stage on meta tensors.
 2. :func:`plan_boundaries` chooses the placement of every stage boundary and of the last
    stage's logits (loss parallel or not) by Alpa's objective (:func:`choose_boundaries`), and
@@ -31,15 +31,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopp import tracing
 from autopp.plan.cache import cached_pipeline_plan, cached_plan, pipeline_plan_key, plan_key
 from autopp.plan.loss_choice import describe_loss, loss_kinds, loss_time_s
 from autopp.plan.objective import boundary_bytes, pipeline_objective_s, pp_link, transfer_s
 from autopp.plan.options import PlannerOptions
 from autopp.plan.rank0 import plan_on_rank0
+from autopp.plan.stage_inputs import last_stage_output, stage_meta_inputs
 from autopp.plan.value import PipelinePlan, PlanOptions, describe_inputs, model_fingerprint
 from autopp.sharding import InfeasiblePlanError, StagePlan, plan_stage
-from autopp.sharding.precision import CastParams
 
 logger = logging.getLogger(__name__)
 
@@ -158,28 +157,6 @@ def default_profile(device_type: str) -> str:
     return "CPU" if device_type == "cpu" else "H100"
 
 
-@torch.no_grad()
-def stage_input_shapes(
-    stage_modules: Sequence[nn.Module], first_inputs: Sequence[torch.Tensor],
-    compute_dtype: torch.dtype | None = None,
-) -> list[tuple[torch.Tensor, ...]]:
-    """Meta example inputs of every stage, from the first stage's (meta) inputs.
-
-    ``stage_modules`` are all stages of the model, on meta, in order. With mixed precision,
-    ``compute_dtype`` (the policy's ``param_dtype``) is the dtype of the activations the
-    stages exchange.
-    """
-    inputs: list[tuple[torch.Tensor, ...]] = []
-    x: tuple[torch.Tensor, ...] = tuple(t.to("meta") for t in first_inputs)
-    for m in stage_modules:
-        inputs.append(x)
-        out = _run_on_meta(m, x, compute_dtype)
-        x = out if isinstance(out, tuple) else (out,)
-        if compute_dtype is not None:
-            x = tuple(t.to(compute_dtype) if t.is_floating_point() else t for t in x)
-    return inputs
-
-
 def plan_local_stage(
     stage: nn.Module,
     example_inputs: tuple[torch.Tensor, ...],
@@ -273,7 +250,7 @@ def plan_boundaries(
         n_microbatches / rank_of: the pipeline's microbatches and each stage's pp rank, for
             Alpa's objective (see :func:`choose_boundaries`).
         mixed_precision: torch's ``MixedPrecisionPolicy`` (see :mod:`autopp.sharding.precision`);
-            ``inputs`` must then already be in its ``param_dtype`` (:func:`stage_input_shapes`).
+            ``inputs`` must then already be in its ``param_dtype`` (:func:`~autopp.plan.stage_inputs.stage_input_shapes`).
         param_placements: per stage, parameters whose placement is fixed (tied copies).
         memory: per stage, the whole-memory accounting (see :func:`plan_local_stage`).
 
@@ -339,51 +316,6 @@ def plan_boundaries(
         return p
 
     return bounds, plan_of
-
-
-@torch.no_grad()
-def last_stage_output(metas: Sequence[nn.Module], inputs: Sequence[tuple[torch.Tensor, ...]],
-                      mixed_precision: Any = None) -> torch.Tensor:
-    """The last stage's (meta) output for its example inputs: the logits the loss reads."""
-    pd = mixed_precision.param_dtype if mixed_precision is not None else None
-    out = _run_on_meta(metas[-1], inputs[-1], pd)
-    return out[0] if isinstance(out, tuple) else out
-
-
-def _run_on_meta(module: nn.Module, inputs: Sequence[torch.Tensor],
-                 compute_dtype: torch.dtype | None) -> Any:
-    """``module(*inputs)`` on meta (parameters cast to ``compute_dtype`` when given), with
-    the model adapters' tracing forms (e.g. a MoE router's autocast, which meta refuses)."""
-
-    with tracing.on_meta():
-        return (module if compute_dtype is None else CastParams(module, compute_dtype))(*inputs)
-
-
-def stage_meta_inputs(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]],
-                      first_input: torch.Tensor, n_microbatches: int, dp: int,
-                      compute_dtype: torch.dtype | None = None,
-                      stage_modules: Sequence[nn.Module] | None = None,
-                      ) -> tuple[list[nn.Module], list[tuple[torch.Tensor, ...]]]:
-    """All stages of ``model`` on meta, and their inputs for one dp-global microbatch (what
-    planners see); ``first_input``: the model's first input for one step on one dp rank;
-    ``stage_modules``: the stages already built on meta (None: built here)."""
-    from autopp.stage_split import build_stage_module
-
-    x = first_input
-    mb = x.shape[0] // n_microbatches * dp
-    first = (torch.empty((mb, *x.shape[1:]), dtype=x.dtype, device="meta"),)
-    metas = (list(stage_modules) if stage_modules is not None else
-             [build_stage_module(model, list(f), allow_tied=True) for f in fqns_per_stage])
-    return metas, stage_input_shapes(metas, first, compute_dtype)
-
-
-def meta_stage_inputs(spec: Any, compute_dtype: torch.dtype | None = None
-                      ) -> tuple[list[nn.Module], list[tuple[torch.Tensor, ...]]]:
-    """:func:`stage_meta_inputs` of ``spec`` (a :class:`autopp.backends.PipelineSpec`),
-    reusing its stage modules when it has them (one meta forward per stage)."""
-    return stage_meta_inputs(spec.model, spec.fqns_per_stage, spec.example_inputs[0],
-                             spec.n_microbatches, spec.dp, compute_dtype,
-                             stage_modules=spec.stage_modules or None)
 
 
 def tied_placements(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]],
