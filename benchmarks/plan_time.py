@@ -71,7 +71,7 @@ def compare(args) -> None:
     from torch.distributed.device_mesh import DeviceMesh
 
     from autopp.mesh import init_fake_world
-    from autopp.sharding.torchtitan_ref import compare_with_torchtitan
+    from autopp.adapters.torchtitan_reference import compare_with_torchtitan
 
     init_fake_world(256)
     stage = build_stage(1)

@@ -24,6 +24,7 @@ from autopp.estimate.stage_costs import (
     state_bytes,
 )
 from autopp.schedules import Link, StageCost, simulate_schedule
+from autopp.graph.weight_gathering import WeightGathering
 from autopp.sharding.plan import CollectivePlan, ParamPlan, StagePlan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -253,13 +254,17 @@ def test_state_bytes_by_hand():
     facts = StageFacts(forward_s=1.0, backward_input_s=2.0, backward_weight_s=1.5,
                        unshard_s=0.25, reduce_grad_s=0.5, activation_bytes=1000,
                        kept_for_w_bytes=600, gathered_bytes=4096, checkpoint_bytes=100)
-    c = stage_cost(plan, facts, st, loss_s=0.2, p2p_bytes=64)
+    c = stage_cost(facts, st, loss_s=0.2, p2p_bytes=64)
     assert (c.forward_s, c.backward_input_s, c.backward_weight_s) == (1.1, 2.1, 1.5)
     assert (c.unshard_s, c.reduce_grad_s, c.p2p_bytes_per_microbatch) == (0.25, 0.5, 64)
     assert (c.param_bytes, c.grad_bytes, c.unreduced_grad_bytes, c.optimizer_bytes) == (
         1280, 1280, 4352, 3584)
     assert (c.gathered_param_bytes, c.activation_bytes_per_microbatch,
             c.activation_bytes_kept_for_w) == (4096, 1000, 600)
+    # reshard after forward: one UNSHARD's gathers before every F and every I instead
+    again = stage_cost(facts, st, loss_s=0.2, gathering=WeightGathering(per_microbatch=True))
+    assert (again.forward_s, again.backward_input_s) == pytest.approx((1.35, 2.35))
+    assert (again.unshard_s, again.backward_weight_s) == (0.0, 1.5)
     ck = full_checkpointing_cost(c, facts)  # keeps block inputs, recomputes F before I
     assert ck.activation_bytes_per_microbatch == 100
     assert ck.backward_input_s == pytest.approx(2.1 + 1.0)

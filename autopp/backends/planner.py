@@ -55,7 +55,6 @@ class Planner(StageBackend):
     _pipeline_plan: Any = field(default=None, init=False, repr=False)
     _planned: dict[int, Any] = field(default_factory=dict, init=False, repr=False)
     _last_stage: int = field(default=-1, init=False, repr=False)
-    _regather: dict[int, tuple[bool, str]] = field(default_factory=dict, init=False, repr=False)
 
     name = "planner"
     uses_graph_runtime = True
@@ -117,28 +116,13 @@ class Planner(StageBackend):
     def pipeline_stage(self, stage_id: int, module: nn.Module, *, n_stages: int,
                        device: torch.device, pp_group: dist.ProcessGroup, loss_fn: LossFn,
                        get_mesh: Callable[..., DeviceMesh]) -> Any:
+        from autopp.graph.weight_gathering import WeightGathering
         from autopp.lower.stage import planned_graph_stage
 
-        regather, why = self._choose_regather(module)
-        self._regather[stage_id] = (regather, why)
         return planned_graph_stage(module, stage_index=stage_id, num_stages=n_stages,
                                    device=device, group=pp_group, loss_fn=loss_fn,
-                                   compile=self.compile, regather_for_backward=regather)
-
-    def _choose_regather(self, module: nn.Module) -> tuple[bool, str]:
-        """Keep the gathered weights for the step, or re-gather them for every forward and
-        backward (``PlannerOptions.reshard_after_forward``); and what that means here."""
-        gathered = module.gathered_param_bytes()
-        if gathered == 0:
-            return False, "no weight is gathered"
-        params = sum(p.to_local().numel() * p.element_size() for p in module.parameters())
-        mib = 2**20
-        if self.options.reshard_after_forward:
-            return True, (f"asked for (reshard_after_forward=True); the {gathered / mib:.2f} "
-                          "MiB gathered copy lives only during one forward or backward")
-        return False, (f"{params / mib:.2f} MiB of parameter shards plus this copy "
-                       "(reshard_after_forward=True would re-gather for every forward and "
-                       "backward instead)")
+                                   compile=self.compile,
+                                   gathering=WeightGathering.from_options(self.options))
 
     def vocab_parallel_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
         last = self._planned.get(self._last_stage)
@@ -151,6 +135,7 @@ class Planner(StageBackend):
         report = str(planned.plan).split("\n\n")[0].splitlines()  # the summary lines
         out = [f"  stage {stage_id} plan: " + "\n    ".join(report)]
         if module is not None and hasattr(module, "stage_graphs"):  # lowered after init
+            from autopp.graph.weight_gathering import WeightGathering
             from autopp.lower.memory import gathered_values_per_param
 
             kept = module.saved_bytes_per_microbatch()
@@ -159,20 +144,15 @@ class Planner(StageBackend):
                          else f"; recompute={module.recompute!r}: the backward recomputes the rest")
             out.append(f"    keeps {kept / 2**20:.2f} MiB per microbatch per device for the "
                        f"backward (activations{recompute})")
-            regather, why = self._regather.get(stage_id, (False, ""))
-            if regather:
-                out.append(f"    re-gathers its weights for every microbatch's forward and "
-                           f"backward (reshard after forward; 2 gathers per weight per "
-                           f"microbatch): {why}")
-            elif gathered:
-                out.append(f"    keeps {gathered / 2**20:.2f} MiB of weights gathered once per "
-                           f"step (UNSHARD to RESHARD): {why}")
+            policy = WeightGathering.from_options(self.options)
+            params = sum(p.to_local().numel() * p.element_size() for p in module.parameters())
+            if gathered:
+                out.append("    " + policy.describe(gathered, params))
             local, graphs = module.stage_graphs()
             per_param = gathered_values_per_param(graphs, local.param_fqns)
             twice = sorted(f for f, n in per_param.items() if n > 1)
             if per_param:
-                when = "for every forward and backward" if regather else "once per step"
-                out.append(f"    gathers {len(per_param)} weights {when}"
+                out.append(f"    gathers {len(per_param)} weights {policy.when}"
                            + (f"; {len(twice)} of them in two or more placements (the plan "
                               f"uses them in differently sharded layouts, each gathered once): "
                               f"{', '.join(twice[:4])}{' ...' if len(twice) > 4 else ''}"

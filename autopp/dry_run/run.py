@@ -45,7 +45,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
 
 from autopp.stage_split.for_schedule import split_for_schedule, stage_ranks_of
 from autopp.plan.make import BOUNDARIES, loss_time_s, plan_whole_pipeline
@@ -63,6 +62,7 @@ from autopp.estimate.stage_costs import (
 from autopp.loss import cross_entropy
 from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
 from autopp.estimate.pipeline import simulate_stages, stage_estimate
+from autopp.graph.weight_gathering import WeightGathering
 from autopp.plan.objective import boundary_bytes, pipeline_objective_s, pp_link
 from autopp.plan.value import PipelinePlan
 from autopp.plan.cache import cached_plan, plan_key
@@ -75,14 +75,9 @@ from autopp.schedules import (
 )
 from autopp.sharding import StagePlan, plan_stage
 from autopp.profiles import get_profile
-from autopp.sharding.torchtitan_ref import torchtitan_param_placements
+from autopp.adapters.torchtitan_reference import torchtitan_stage_placements
 
 logger = logging.getLogger(__name__)
-
-#: torchtitan's llama3 TP plan for the modules around the blocks: ``tok_embeddings``
-#: RowwiseParallel (an Embedding's weight sharded on the vocabulary, dim 0) and the output
-#: projection ColwiseParallel (weight dim 0); ``norm`` is replicated (sequence parallel).
-_TT_VOCAB_SHARDED = ("tok_embeddings", "lm_head", "output")
 
 @dataclass(frozen=True)
 class StageReport:
@@ -275,17 +270,6 @@ class DryRunReport:
 __all__ = ["DryRunReport", "StageReport", "compact_modules", "dry_run", "placement_summary"]
 
 
-def _torchtitan_placements(stage: nn.Module, names: tuple[str, ...]) -> dict:
-    """torchtitan's FSDP+TP placements for a llama3 stage, embedding and head included."""
-    out = torchtitan_param_placements(stage, names)
-    for fqn in out:
-        if fqn.split(".")[0] in _TT_VOCAB_SHARDED:
-            out[fqn] = tuple(
-                Shard(0) if n in ("dp", "tp") else Replicate() for n in names
-            )
-    return out
-
-
 def _plan_torchtitan(stage, inputs, sub_mesh, profile, index, *, first: bool, last: bool,
                      mixed_precision=None, n_microbatches: int = 1):
     """torchtitan's layout priced by the planner (activations re-optimised), cached on disk.
@@ -308,7 +292,7 @@ def _plan_torchtitan(stage, inputs, sub_mesh, profile, index, *, first: bool, la
     t0 = time.perf_counter()
     plan, hit = cached_plan(key, lambda: plan_stage(
         stage, inputs, sub_mesh, profile=profile,
-        param_placements=_torchtitan_placements(stage, names),
+        param_placements=torchtitan_stage_placements(stage, names),
         input_placements=BOUNDARIES[b_in], output_placements=BOUNDARIES[b_out],
         mixed_precision=mixed_precision, microbatches_per_grad_reduce=n_microbatches,
     ))
@@ -411,11 +395,11 @@ def dry_run(
 
 
 def _stage_estimate(meta, plan, sub_mesh, x, n_microbatches, *, activations, loss_s,
-                    send, memo) -> tuple[StageFacts, StageCost]:
+                    send, memo, gathering) -> tuple[StageFacts, StageCost]:
     """A stage's facts (from its lowered graphs, or by rule) and its simulator cost."""
     return stage_estimate(meta, plan, sub_mesh, x, n_microbatches,
                           mode="graphs" if activations else "rule", loss_s=loss_s,
-                          send_bytes=send, memo=memo)
+                          send_bytes=send, memo=memo, gathering=gathering)
 
 
 def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, seq_len,
@@ -468,6 +452,7 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
     tt_kind = "batch+seq" if tp > 1 else "batch"  # torchtitan's boundaries (sequence parallel)
     memo: dict = {}  # lowered unit plans, shared by the stages
     stages = []
+    gathering = WeightGathering.from_options(options)
     for s, x in enumerate(inputs):
         plan = pplan.stage_plans[s]
         wall, n_solved, _ = timings.get(s, [0.0, 0, 1])
@@ -484,7 +469,7 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
         t0 = time.perf_counter()
         facts, cost = _stage_estimate(metas[s], plan, sub_mesh, x, n_microbatches,
                                       activations=activations, loss_s=plan.loss_s, send=send,
-                                      memo=memo)
+                                      memo=memo, gathering=gathering)
         logger.info("stage %d/%d (%s): %.3f ms per microbatch, %.2f GiB params/device, "
                     "planned in %.1f s (%d solved), costed in %.1f s", s, n_stages,
                     compact_modules(fqns_per_stage[s]), plan.step_time_s * 1e3,
@@ -498,7 +483,8 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
             tt_send = 0 if last else boundary_bytes(inputs[s + 1][0], dp, tp, tt_kind)
             _, tt_cost = _stage_estimate(metas[s], tt[0], sub_mesh, x, n_microbatches,
                                          activations=activations, loss_s=tt_loss,
-                                         send=tt_send, memo=memo)
+                                         send=tt_send, memo=memo,
+                                         gathering=WeightGathering())
         stages.append(StageReport(
             index=s, pp_rank=rank_of[s], modules=compact_modules(fqns_per_stage[s]),
             input_shapes=tuple(tuple(t.shape) for t in x if isinstance(t, torch.Tensor)),

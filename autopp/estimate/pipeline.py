@@ -23,6 +23,7 @@ from autopp.estimate.stage_costs import (
     stage_facts_by_rule,
     state_bytes,
 )
+from autopp.graph.weight_gathering import WeightGathering
 from autopp.plan.objective import pp_link
 from autopp.schedules import SimulationResult, StageCost, simulate_schedule
 
@@ -34,17 +35,19 @@ EstimateMode = Literal["graphs", "rule"]
 
 def stage_estimate(meta: nn.Module, plan: Any, sub_mesh: Any, inputs: tuple, n_microbatches: int,
                    *, mode: EstimateMode, loss_s: float, send_bytes: int,
+                   gathering: WeightGathering = WeightGathering(),
                    memo: dict | None = None) -> tuple[StageFacts, StageCost]:
     """One stage's facts and its simulator cost: ``meta`` the stage on meta, ``plan`` its
-    :class:`~autopp.sharding.StagePlan`, ``inputs`` its dp-global microbatch inputs."""
+    :class:`~autopp.sharding.StagePlan`, ``inputs`` its dp-global microbatch inputs,
+    ``gathering`` the pipeline's weight-gathering policy."""
     if mode == "graphs":
         facts = stage_facts(meta, plan, sub_mesh, inputs, n_microbatches, memo=memo)
     elif mode == "rule":
         facts = stage_facts_by_rule(plan, n_microbatches)
     else:
         raise ValueError(f"estimate mode {mode!r}: 'graphs' or 'rule'")
-    return facts, stage_cost(plan, facts, state_bytes(plan, param_dtypes(meta)), loss_s=loss_s,
-                             p2p_bytes=send_bytes)
+    return facts, stage_cost(facts, state_bytes(plan, param_dtypes(meta)), loss_s=loss_s,
+                             p2p_bytes=send_bytes, gathering=gathering)
 
 
 def simulate_stages(schedule: str, costs: Sequence[StageCost], *, pp: int, n_microbatches: int,
@@ -80,7 +83,8 @@ def estimate_plan(plan: Any, model: nn.Module, sub_mesh: Any, *, mode: EstimateM
     for s, (meta, splan) in enumerate(zip(metas, plan.stage_plans)):
         _, cost = stage_estimate(meta, splan, sub_mesh, plan.stage_example_inputs(s),
                                  plan.n_microbatches, mode=mode, loss_s=splan.loss_s,
-                                 send_bytes=plan.send_bytes[s], memo=memo)
+                                 send_bytes=plan.send_bytes[s], memo=memo,
+                                 gathering=WeightGathering.from_options(plan.options))
         costs.append(cost)
         times.append(splan.step_time_s + splan.loss_s)
     profile = plan.options.profile

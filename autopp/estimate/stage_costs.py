@@ -57,6 +57,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from autopp.graph.weight_gathering import WeightGathering
 from autopp.plan.objective import pipeline_objective_s
 from autopp.schedules import StageCost
 from autopp.sharding.plan import StagePlan, from_strs
@@ -126,14 +127,19 @@ def state_bytes(plan: StagePlan, param_dtypes: Mapping[str, torch.dtype]) -> Sta
                       optimizer=opt)
 
 
-def stage_cost(plan: StagePlan, facts: StageFacts, state: StateBytes, *, loss_s: float = 0.0,
-               p2p_bytes: int = 0) -> StageCost:
-    """The simulator's :class:`StageCost` of a stage (``loss_s``: its loss, last stage)."""
+def stage_cost(facts: StageFacts, state: StateBytes, *, loss_s: float = 0.0,
+               p2p_bytes: int = 0, gathering: WeightGathering = WeightGathering()
+               ) -> StageCost:
+    """The simulator's :class:`StageCost` of a stage (``loss_s``: its loss, last stage;
+    ``gathering``: when its weights are gathered, which moves UNSHARD time into F and I)."""
+    forward_s, backward_input_s, unshard_s = gathering.priced(
+        forward_s=facts.forward_s, backward_input_s=facts.backward_input_s,
+        unshard_s=facts.unshard_s)
     return StageCost(
-        forward_s=facts.forward_s + loss_s / 2,
-        backward_input_s=facts.backward_input_s + loss_s / 2,
+        forward_s=forward_s + loss_s / 2,
+        backward_input_s=backward_input_s + loss_s / 2,
         backward_weight_s=facts.backward_weight_s,
-        unshard_s=facts.unshard_s,
+        unshard_s=unshard_s,
         reduce_grad_s=facts.reduce_grad_s,
         activation_bytes_per_microbatch=facts.activation_bytes or 0,
         activation_bytes_kept_for_w=facts.kept_for_w_bytes,
@@ -160,18 +166,27 @@ def full_checkpointing_cost(cost: StageCost, facts: StageFacts) -> StageCost:
 # ---- time split by rule (no graphs) --------------------------------------------------------
 
 
+def facts_in_thirds(per_microbatch_s: float, *, recompute_s: float = 0.0,
+                    **memory_and_once_per_step: Any) -> StageFacts:
+    """Facts of a stage whose split into runtime pieces is not read off graphs: F = I = W =
+    a third of the per-microbatch time without recomputation, and I re-runs the recomputed
+    forward (``recompute_s``). The other fields (UNSHARD, REDUCE_GRAD, memory) as given."""
+    base = max(per_microbatch_s - recompute_s, 0.0) / 3
+    return StageFacts(forward_s=base, backward_input_s=base + recompute_s,
+                      backward_weight_s=base, **memory_and_once_per_step)
+
+
 def stage_facts_by_rule(plan: StagePlan, n_microbatches: int) -> StageFacts:
-    """F = I = W = a third of the plan's per-microbatch time; REDUCE_GRAD from the plan's
-    gradient redistributions; UNSHARD from its redistributions out of a parameter itself
-    (casts and views of parameters stay in F). No memory from graphs."""
+    """:func:`facts_in_thirds` of the plan's per-microbatch time; REDUCE_GRAD from the
+    plan's gradient redistributions; UNSHARD from its redistributions out of a parameter
+    itself (casts and views of parameters stay in F). No memory from graphs."""
     fqns = {p.fqn for p in plan.params}
     reduce = sum(c.time_s for c in plan.collectives if c.node in fqns)
     gather = sum(c.time_s for c in plan.collectives
                  if c.producer in fqns and c.node not in fqns)
-    per_mb = max(plan.step_time_s - reduce - gather, 0.0)
-    return StageFacts(forward_s=per_mb / 3, backward_input_s=per_mb / 3,
-                      backward_weight_s=per_mb / 3, unshard_s=gather * n_microbatches,
-                      reduce_grad_s=reduce * n_microbatches)
+    return facts_in_thirds(plan.step_time_s - reduce - gather,
+                           unshard_s=gather * n_microbatches,
+                           reduce_grad_s=reduce * n_microbatches)
 
 
 # ---- time split and memory from the graphs -------------------------------------------------

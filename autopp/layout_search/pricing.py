@@ -10,8 +10,14 @@ Pricing is in two parts so the search can leave out dominated layouts cheaply:
    stage's :class:`~autopp.schedules.StageCost`; and a lower bound on the step: the
    busiest pp rank's compute (no bubble, no communication).
 2. :meth:`Pricer.simulate`: torch's action lists for the schedule through the simulator
-   (:func:`autopp.schedules.simulate_schedule`) for the step, the bubble and each pp rank's
-   peak memory.
+   for the step, the bubble and each pp rank's peak memory.
+
+Both share the dry run's and the torchtitan integration's cost tail
+(:mod:`autopp.estimate`): unit costs → :func:`~autopp.estimate.stage_costs.facts_in_thirds`
+→ :func:`~autopp.estimate.stage_costs.stage_cost` →
+:func:`~autopp.estimate.pipeline.simulate_stages` (the profile's pp link) →
+:func:`~autopp.estimate.stage_costs.simulated_step_s`. Only the unit costs are the
+search's own (scaled tables, no plan per layout).
 """
 
 from __future__ import annotations
@@ -73,6 +79,8 @@ class Split:
     bound_s: float
     """No step of this split is shorter: the busiest pp rank's compute, nothing else."""
     usable: float
+    stage_ranks: tuple[int, ...]
+    """Per stage, its pp rank under the layout's schedule."""
 
 
 def _largest(mem: Any) -> str:
@@ -122,8 +130,12 @@ class Pricer:
         """The layout's split and stage costs, or why it does not fit. ``usable``: the
         device memory (None: the search's; ``inf``: unbounded, for a lower bound)."""
         from autopp.plan.make import in_flight_per_stage
-        from autopp.estimate.stage_costs import contended_step_s
-        from autopp.schedules import StageCost
+        from autopp.estimate.stage_costs import (
+            StateBytes,
+            contended_step_s,
+            facts_in_thirds,
+            stage_cost,
+        )
         from autopp.schedules.actions import compute_order
         from autopp.stage_split.balanced import balanced_cuts
 
@@ -198,35 +210,34 @@ class Pricer:
                 u = u + pre[mode]
             if s == n - 1:
                 u = u + post[mode]
-            base = max(u.per_microbatch_s - u.recompute_s, 0.0) / 3
             ls = loss if s == n - 1 else 0.0
-            costs.append(StageCost(
-                forward_s=base + ls / 2, backward_input_s=base + u.recompute_s + ls / 2,
-                backward_weight_s=base, unshard_s=u.unshard_s, reduce_grad_s=u.reduce_grad_s,
-                activation_bytes_per_microbatch=int(u.activation_bytes),
-                p2p_bytes_per_microbatch=int(send) if s < n - 1 else 0,
-                param_bytes=int(u.state.parameters), grad_bytes=int(u.state.gradients),
-                unreduced_grad_bytes=int(u.state.unreduced_gradients),
-                optimizer_bytes=int(u.state.optimizer), gathered_param_bytes=int(u.gathered_bytes),
-            ))
+            facts = facts_in_thirds(u.per_microbatch_s, recompute_s=u.recompute_s,
+                                    unshard_s=u.unshard_s, reduce_grad_s=u.reduce_grad_s,
+                                    activation_bytes=int(u.activation_bytes),
+                                    gathered_bytes=int(u.gathered_bytes))
+            state = StateBytes(**{f.name: int(getattr(u.state, f.name))
+                                  for f in dataclasses.fields(StateBytes)})
+            cost = stage_cost(facts, state, loss_s=ls,
+                              p2p_bytes=int(send) if s < n - 1 else 0)
+            costs.append(cost)
             chosen.append(mode.split("@")[0])
-            work[stage_to_rank[s]] += m * (3 * base + u.recompute_s + ls)
+            work[stage_to_rank[s]] += m * (cost.forward_s + cost.backward_input_s
+                                           + cost.backward_weight_s)
         bound = contended_step_s(max(work), sum(work) / len(work), self.profile,
                                  lay.pp * lay.dp * lay.tp)
-        return Split(lay, tuple(cuts), tuple(chosen), tuple(costs), bound, usable)
+        return Split(lay, tuple(cuts), tuple(chosen), tuple(costs), bound, usable,
+                     tuple(stage_to_rank))
 
     def simulate(self, sp: Split) -> Candidate | str:
         """Simulate a split's schedule: its candidate, or why its peak memory does not fit."""
+        from autopp.estimate.pipeline import simulate_stages
         from autopp.estimate.stage_costs import simulated_step_s
-        from autopp.plan.objective import pp_link
-        from autopp.schedules import simulate_schedule
         from autopp.stage_split.balanced import stage_fqns
 
         lay = sp.layout
-        link = pp_link(self.profile, (lay.pp, lay.dp, lay.tp))
-        sim = simulate_schedule(lay.schedule, list(sp.costs), pp=lay.pp,
-                                n_microbatches=lay.n_microbatches, n_stages=lay.n_stages,
-                                link=link)
+        sim = simulate_stages(lay.schedule, sp.costs, pp=lay.pp,
+                              n_microbatches=lay.n_microbatches, stage_ranks=sp.stage_ranks,
+                              profile=self.profile, mesh_shape=(lay.pp, lay.dp, lay.tp))
         peaks = tuple(r.peak_bytes for r in sim.ranks)
         worst = max(range(len(peaks)), key=lambda r: peaks[r])
         largest = _largest(sim.ranks[worst].memory_at_peak)

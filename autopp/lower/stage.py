@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopp.graph import GraphStage, Recompute, StageGraphs
+from autopp.graph.weight_gathering import WeightGathering
 from autopp.init import init_module_
 from autopp.sharding import StagePlan
 from autopp.lower.apply import ShardedStage, apply_plan, empty_sharded_
@@ -54,7 +55,7 @@ def materialize_and_apply(
 
 def planned_stage_graphs(
     sharded: ShardedStage, *, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-    compile: Any = False, regather_for_backward: bool = False,
+    compile: Any = False, gathering: WeightGathering = WeightGathering(),
 ) -> StageGraphs:
     """The planned stage's split graphs as a pipeline runs them (recomputing as
     ``sharded.recompute`` says; ``compile``: False, True or
@@ -70,7 +71,7 @@ def planned_stage_graphs(
     graphs = dataclasses.replace(
         graphs,
         state_as_local_shards=True,
-        regather_for_backward=regather_for_backward,
+        regather_for_backward=gathering.regathers(sharded.gathered_param_bytes()),
         input_meta=(torch.empty(local.input_shapes[n_state], dtype=x_dtype, device="meta")
                     .requires_grad_(bool(local.signature.input_grad_indices)),),
         # torch's stage allocates gradient buffers only for values that require grad
@@ -90,13 +91,14 @@ def planned_stage_graphs(
 
 def planned_graph_stage(
     sharded: ShardedStage, *, stage_index: int, num_stages: int, device: torch.device,
-    group, loss_fn: Callable | None, compile: Any = False, regather_for_backward: bool = False,
+    group, loss_fn: Callable | None, compile: Any = False,
+    gathering: WeightGathering = WeightGathering(),
 ) -> GraphStage:
     """:class:`autopp.graph.GraphStage` running the planned stage ``sharded`` (see
     :func:`planned_stage_graphs`; ``loss_fn`` only on the last stage)."""
     is_last = stage_index == num_stages - 1
     graphs = planned_stage_graphs(sharded, loss_fn=loss_fn if is_last else None, compile=compile,
-                                  regather_for_backward=regather_for_backward)
+                                  gathering=gathering)
     return GraphStage(sharded, graphs, stage_index=stage_index, num_stages=num_stages,
                       device=device, group=group)
 

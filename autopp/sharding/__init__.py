@@ -5,10 +5,11 @@ Public API::
     plan = plan_stage(stage_on_meta, (x_meta,), sub_mesh, profile="H100",
                       memory_budget_bytes=..., time_limit_s=60)
     print(plan); plan.save("plan.json"); StagePlan.load("plan.json")
-    ours, theirs = compare_with_torchtitan(stage_on_meta, (x_meta,), sub_mesh)  # same costs
 
 Planning only: running a plan is :mod:`autopp.lower` (``autopp.lower.apply.apply_plan``),
-device profiles are :mod:`autopp.profiles`, ops with rules of their own are :mod:`autopp.ops`.
+device profiles are :mod:`autopp.profiles`, ops with rules of their own are :mod:`autopp.ops`,
+torchtitan's hand-written plan priced under the same costs (``compare_with_torchtitan``) is
+model knowledge and lives with the adapters (:mod:`autopp.adapters.torchtitan_reference`).
 
 The planner's data path, one module per step, and its known limits are described in
 docs/design.md (section "The sharding planner").
@@ -17,10 +18,8 @@ docs/design.md (section "The sharding planner").
 from autopp.sharding.plan import StagePlan
 from autopp.sharding.planner import plan_stage
 from autopp.sharding.solver import InfeasiblePlanError
-from autopp.sharding.torchtitan_ref import compare_with_torchtitan
 
 __all__ = [
-    "compare_with_torchtitan",
     "InfeasiblePlanError",
     "StagePlan",
     "plan_stage",

@@ -85,7 +85,7 @@ def main(rank: int, world: int, init_file: str, out_file: str, dp: int, tp: int)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     from autopp.sharding import StagePlan, plan_stage
     from autopp.lower.apply import apply_plan
-    from autopp.sharding.torchtitan_ref import torchtitan_param_placements
+    from autopp.adapters.torchtitan_reference import torchtitan_param_placements
 
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     meta_stack = build("meta")

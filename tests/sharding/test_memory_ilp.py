@@ -27,7 +27,7 @@ def test_activation_estimate_equals_lowered_graphs(block, make_mesh):
     what the lowered, split graphs save / unshard, under each recomputation policy."""
     from autopp.lower.local_graphs import lower_joint, split_local
     from autopp.lower.memory import saved_bytes, unsharded_bytes
-    from autopp.sharding.torchtitan_ref import torchtitan_param_placements
+    from autopp.adapters.torchtitan_reference import torchtitan_param_placements
     from autopp.sharding.trace import trace_joint
     from autopp.sharding.units import stage_units
 
@@ -63,7 +63,7 @@ def test_sequence_parallel_recompute_regathers_instead_of_saving(block, make_mes
 
     from autopp.lower.local_graphs import lower_joint, split_local
     from autopp.lower.memory import saved_bytes
-    from autopp.sharding.torchtitan_ref import torchtitan_param_placements
+    from autopp.adapters.torchtitan_reference import torchtitan_param_placements
     from autopp.sharding.trace import trace_joint
     from autopp.sharding.units import stage_units
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from autopp.sharding.torchtitan_ref import compare_with_torchtitan, torchtitan_param_placements
+from autopp.adapters.torchtitan_reference import compare_with_torchtitan, torchtitan_param_placements
 
 
 @pytest.mark.parametrize("dp,tp,batch", [(2, 4, 8), (8, 8, 8), (32, 8, 32)])

@@ -1,4 +1,7 @@
-"""torchtitan's hand-written FSDP+TP plan for llama3 blocks, priced under autopp's cost model.
+"""torchtitan's hand-written FSDP+TP plan for llama3 stages, priced under autopp's cost model.
+
+Model knowledge (torchtitan's module names), so it lives with the adapters; the dry run's
+and the benchmarks' "against torchtitan" columns read it.
 
 torchtitan (``parallelize_llama``) shards every parameter on dim 0 over dp (FSDP2) and, over
 tp, ``wq/wk/wv/wqkv/w1/w3`` colwise (``Shard(0)``), ``wo/w2`` rowwise (``Shard(1)``) and the
@@ -20,6 +23,10 @@ from autopp.sharding.planner import plan_stage
 
 COLWISE = ("wq", "wk", "wv", "wqkv", "w1", "w3")
 ROWWISE = ("wo", "w2")
+#: torchtitan's llama3 TP plan for the modules around the blocks: ``tok_embeddings``
+#: RowwiseParallel (an Embedding's weight sharded on the vocabulary, dim 0) and the output
+#: projection ColwiseParallel (weight dim 0); ``norm`` is replicated (sequence parallel).
+VOCAB_SHARDED = ("tok_embeddings", "lm_head", "output")
 
 
 def torchtitan_param_placements(module: nn.Module, mesh_dim_names: tuple[str, ...]) -> dict:
@@ -38,6 +45,17 @@ def torchtitan_param_placements(module: nn.Module, mesh_dim_names: tuple[str, ..
             else:
                 spec.append(compat.Replicate())
         out[fqn] = tuple(spec)
+    return out
+
+
+def torchtitan_stage_placements(stage: nn.Module, mesh_dim_names: tuple[str, ...]) -> dict:
+    """:func:`torchtitan_param_placements` of a whole llama3 stage, the embedding and the
+    output projection included (their weights sharded on the vocabulary over dp and tp)."""
+    out = torchtitan_param_placements(stage, mesh_dim_names)
+    for fqn in out:
+        if fqn.split(".")[0] in VOCAB_SHARDED:
+            out[fqn] = tuple(compat.Shard(0) if n in ("dp", "tp") else compat.Replicate()
+                             for n in mesh_dim_names)
     return out
 
 
