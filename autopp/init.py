@@ -8,9 +8,14 @@ initialised with :func:`init_module_` and the same seed. That is what lets the t
 gradients against a single-process reference, and what users expect from ``init_weights``.
 
 Initialisers are taken from the model itself: torchtitan modules carry a per-parameter
-``_param_init`` table; other modules use their ``reset_parameters()``. Buffers are recomputed
-by torchtitan's ``_init_self_buffers`` (e.g. RoPE caches), or left as ``reset_parameters``
-leaves them.
+``_param_init`` table; other modules use their ``reset_parameters()``.
+
+Buffers are never left as uninitialised memory. A buffer that holds values when
+:func:`init_module_` is called (a model built on CPU) keeps them. A buffer on meta (its
+values were never computed: a model built under ``torch.device("meta")``) is recomputed by
+its module: torchtitan's ``_init_self_buffers`` (e.g. RoPE caches) or ``reset_parameters()``
+(e.g. a norm's running statistics); one that nothing writes is an error naming it and the
+ways to give it its values, never garbage.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import hashlib
 
 import torch
 from torch import nn
+
+from autopp._compat.ops import tensor_version
 
 
 def _dtensor():
@@ -94,9 +101,15 @@ def _init_own_params(mod: nn.Module, mod_fqn: str, seed: int, device: torch.devi
         _assign_full(p, fulls[name])
 
 
-def _init_own_buffers(mod: nn.Module, device: torch.device) -> None:
+def _init_own_buffers(mod: nn.Module, device: torch.device, lost: set[str]) -> None:
+    """Recompute ``mod``'s own buffers: torchtitan's ``_init_self_buffers``; for buffers in
+    ``lost`` (their values were never computed) with no such hook, ``reset_parameters()``
+    when the module has it and no parameters of its own (else it ran with them)."""
     init_buffers = getattr(mod, "_init_self_buffers", None)
     if not callable(init_buffers) or not mod._buffers:
+        reset = getattr(mod, "reset_parameters", None)
+        if lost and callable(reset) and not mod._parameters:
+            reset()
         return
     DTensor, distribute_tensor = _dtensor()
     dtensor_meta = {
@@ -115,6 +128,26 @@ def _init_own_buffers(mod: nn.Module, device: torch.device) -> None:
             )
 
 
+def _check_buffers_written(module: nn.Module, before: dict) -> None:
+    """Raise, naming them, if buffers whose values never existed were not written."""
+    unwritten = []
+    for (mod_fqn, name), (ident, version) in before.items():
+        b = module.get_submodule(mod_fqn)._buffers.get(name)
+        if b is not None and id(b) == ident and tensor_version(b) == version:
+            unwritten.append(f"{mod_fqn + '.' if mod_fqn else ''}{name} "
+                             f"({type(module.get_submodule(mod_fqn)).__name__})")
+    if unwritten:
+        raise ValueError(
+            f"buffer{'s' if len(unwritten) > 1 else ''} {', '.join(unwritten[:4])}"
+            f"{' ...' if len(unwritten) > 4 else ''} {'were' if len(unwritten) > 1 else 'was'} "
+            "built on meta, so {} values never existed, and nothing recomputes them: autopp "
+            "would leave uninitialised memory. Give the module a method "
+            "_init_self_buffers(buffer_device) that recomputes them (torchtitan's convention) "
+            "or reset_parameters(); or build the model on CPU (buffers that hold values are "
+            "kept); or load them afterwards (load_state_dict; non-persistent buffers are not "
+            "in state dicts)".format("their" if len(unwritten) > 1 else "its"))
+
+
 @torch.no_grad()
 def init_module_(module: nn.Module, *, seed: int, device: torch.device | str) -> nn.Module:
     """Materialise ``module`` (meta or not) on ``device`` and initialise it deterministically.
@@ -126,19 +159,40 @@ def init_module_(module: nn.Module, *, seed: int, device: torch.device | str) ->
             gives it.
         seed: the global seed; the same seed gives the same weights however the model is split.
         device: where the weights live ("cpu", "cuda:0", ...).
+
+    Buffers with values keep them; buffers on meta are recomputed by their modules (see
+    the module doc).
+
+    Raises:
+        ValueError: a buffer on meta that no module hook recomputes (named, with the fixes).
     """
     device = torch.device(device)
+    lost: dict[str, set[str]] = {}  # module FQN -> its buffers whose values never existed
     if any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers()):
         tied: dict[int, list[str]] = {}
         for fqn, p in module.named_parameters(remove_duplicate=False):
             tied.setdefault(id(p), []).append(fqn)
+        kept: dict[tuple[str, str], torch.Tensor] = {}  # buffers with values: not lost
+        for mod_fqn, mod in module.named_modules():
+            for name, b in mod._buffers.items():
+                if b is None:
+                    continue
+                if b.is_meta:
+                    lost.setdefault(mod_fqn, set()).add(name)
+                else:
+                    kept[mod_fqn, name] = b.detach().clone()
         module.to_empty(device=device)
         for fqns in tied.values():  # to_empty makes one tensor per module: tie them again
             keep = module.get_parameter(fqns[-1])
             for fqn in fqns[:-1]:
                 owner, _, name = fqn.rpartition(".")
                 (module.get_submodule(owner) if owner else module)._parameters[name] = keep
+        for (mod_fqn, name), value in kept.items():
+            module.get_submodule(mod_fqn)._buffers[name].copy_(value)
+    before = {(f, n): (id(b), tensor_version(b)) for f, names in lost.items()
+              for n, b in module.get_submodule(f)._buffers.items() if n in names}
     for mod_fqn, mod in module.named_modules():
         _init_own_params(mod, mod_fqn, seed, device)
-        _init_own_buffers(mod, device)
+        _init_own_buffers(mod, device, lost.get(mod_fqn, set()))
+    _check_buffers_written(module, before)
     return module

@@ -10,7 +10,8 @@ this module without importing their owners. ``import autopp`` imports the adapte
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import contextvars
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import ContextManager
 
 _ON_META: list[Callable[[], ContextManager]] = []
@@ -30,3 +31,68 @@ def on_meta() -> Iterator[None]:
         for factory in _ON_META:
             stack.enter_context(factory())
         yield
+
+
+# ---- settings that change what is traced ----------------------------------------------------
+#
+# An adapter's tracing may depend on a choice the user makes (how routed experts exchange
+# tokens, the dtype they compute in). Such a choice is a *setting*: the adapter declares it
+# with its default and allowed values, ``PlannerOptions`` carries it into a plan (and the plan
+# into every later trace of its stages, ``StagePlan.trace_settings``), and the adapter's
+# tracing reads it with :func:`setting`. A setting's process-wide default can be changed
+# (:func:`set_default`, what the adapters' ``set_...`` functions call); :func:`settings` sets
+# values for the code it wraps only.
+
+_DEFAULTS: dict[str, str] = {}
+_CHOICES: dict[str, tuple[str, ...]] = {}
+_ACTIVE: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar(
+    "autopp_trace_settings", default=())
+
+
+def declare(name: str, default: str, choices: tuple[str, ...]) -> None:
+    """Declare a setting (once per process; declaring again keeps the current default)."""
+    _CHOICES[name] = tuple(choices)
+    _DEFAULTS.setdefault(name, check(name, default))
+
+
+def check(name: str, value: str) -> str:
+    """``value`` if it is one of the setting's choices; else a ValueError naming them."""
+    if name not in _CHOICES:
+        raise KeyError(f"unknown tracing setting {name!r}; declared: {', '.join(_CHOICES)}")
+    if value not in _CHOICES[name]:
+        raise ValueError(f"{name} {value!r}: expected one of "
+                         f"{', '.join(map(repr, _CHOICES[name]))}")
+    return value
+
+
+def set_default(name: str, value: str) -> None:
+    """Change a setting's process-wide default (what applies outside :func:`settings`)."""
+    _DEFAULTS[name] = check(name, value)
+
+
+def setting(name: str) -> str:
+    """A setting's value here: the innermost :func:`settings` that sets it, else its default."""
+    for key, value in reversed(_ACTIVE.get()):
+        if key == name:
+            return value
+    if name not in _DEFAULTS:
+        raise KeyError(f"unknown tracing setting {name!r}; declared: {', '.join(_DEFAULTS)}")
+    return _DEFAULTS[name]
+
+
+def current_settings() -> dict[str, str]:
+    """Every declared setting's value here, by name (sorted)."""
+    return {name: setting(name) for name in sorted(_DEFAULTS)}
+
+
+@contextlib.contextmanager
+def settings(values: Mapping[str, str] | Iterable[tuple[str, str]] = ()) -> Iterator[None]:
+    """Trace the wrapped code with these setting values (checked against their choices)."""
+    items = tuple((values.items() if isinstance(values, Mapping) else values))
+    for name, value in items:
+        check(name, value)
+    token = _ACTIVE.set(_ACTIVE.get() + tuple(items))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)

@@ -51,7 +51,8 @@ def main() -> None:
     ap.add_argument("--profile", default="H100")
     ap.add_argument("--fp32", action="store_true", help="no mixed precision")
     ap.add_argument("--dispatch", default="auto", choices=("auto", "all_to_all", "all_gather"),
-                    help="how tokens may reach expert-parallel devices (set_token_dispatch)")
+                    help="how tokens may reach expert-parallel devices "
+                    "(PlannerOptions.token_dispatch)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)7.0f ms %(message)s")
     for noisy in ("torch", "torchtitan"):
@@ -59,11 +60,8 @@ def main() -> None:
 
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from autopp.adapters.torchtitan_moe import set_token_dispatch
     from autopp.backends import PlannerOptions
     from autopp.dry_run import dry_run
-
-    set_token_dispatch(args.dispatch)
 
     model = build(args.model)
     n = sum(p.numel() for p in model.parameters())
@@ -74,7 +72,8 @@ def main() -> None:
     report = dry_run(model, pp=args.pp, dp=args.dp, tp=args.tp, schedule=args.schedule,
                      n_microbatches=args.microbatches, global_batch=args.batch_size,
                      seq_len=args.seq_len,
-                     options=PlannerOptions(profile=args.profile, mixed_precision=mp))
+                     options=PlannerOptions(profile=args.profile, mixed_precision=mp,
+                                            token_dispatch=args.dispatch))
     print(report)
     print(f"dry run wall time {time.perf_counter() - t0:.1f} s")
     print("routed experts (forward, backward) as planned, over the (dp, tp) sub-mesh:")

@@ -45,12 +45,21 @@ def _dp_slice(mesh, batch: int, seq: int, seed: int):
 
 
 def _build(cfg: dict, mesh, tok):
+    """The pipeline of ``cfg``; planned, with the MoE planner options ``cfg`` asks for
+    (token dispatch, experts in fp32 or bf16)."""
     from autopp import pipeline_autoparallel
+    from autopp.backends import Planner, PlannerOptions
 
+    parallelize = cfg.get("parallelize", "auto")
+    if parallelize == "auto":
+        parallelize = Planner(options=PlannerOptions(
+            mixed_precision=_policy(cfg), token_dispatch=cfg.get("dispatch", "auto"),
+            expert_compute_dtype="param" if cfg.get("fp32_experts") else "bfloat16"))
     return pipeline_autoparallel(
         MODELS[cfg["model"]](cfg["n_layers"]), mesh, example_inputs=(tok,), loss_fn=ce_loss,
         schedule=cfg["schedule"], n_microbatches=cfg["n_microbatches"],
-        parallelize=cfg.get("parallelize", "auto"), mixed_precision=_policy(cfg))
+        parallelize=parallelize,
+        mixed_precision=None if not isinstance(parallelize, str) else _policy(cfg))
 
 
 def _policy(cfg: dict):
@@ -69,10 +78,7 @@ def train(mesh, cfg: dict, path: str | None) -> dict:
     With ``path`` and ``cfg["resume"]`` (pp, dp, tp): save after the steps, train one more
     step, then a pipeline at the resume layout loads the checkpoint and trains that step."""
     from autopp import build_world_mesh
-    from autopp.adapters.torchtitan_moe import set_expert_compute_dtype, set_token_dispatch
 
-    set_expert_compute_dtype(None if cfg.get("fp32_experts") else torch.bfloat16)
-    set_token_dispatch(cfg.get("dispatch", "auto"))
     tok, tgt = _dp_slice(mesh, cfg["batch"], cfg["seq"], 100)
     pipe = _build(cfg, mesh, tok)
     pipe.init_weights(seed=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -48,3 +49,59 @@ def test_token_weighted_loss_is_global_mean():
     # a mean of per-microbatch means differs here (the trap this guards against)
     naive = sum(ce_loss(logits[i : i + 2], target[i : i + 2]) for i in range(0, 8, 2)) / 4
     assert abs(float(naive) - float(ref)) > 1e-4
+
+
+class _Rotary(nn.Module):
+    """A buffer computed in ``__init__`` and nothing that recomputes it (as transformers'
+    rotary embeddings and many hand-written models have)."""
+
+    def __init__(self, dim: int = 8, base: float = 10.0):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / base ** (torch.arange(0, dim, 2).float() / dim),
+                             persistent=False)
+        self.register_buffer("mask", torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+class _RotaryWithHook(_Rotary):
+    def _init_self_buffers(self, buffer_device=None):
+        fresh = _Rotary()
+        self.inv_freq = fresh.inv_freq.to(buffer_device)
+        self.mask = fresh.mask.to(buffer_device)
+
+
+def _model(rotary_cls):
+    return nn.ModuleDict({"proj": nn.Linear(8, 8), "rope": rotary_cls(),
+                          "norm": nn.BatchNorm1d(8)})
+
+
+def test_buffers_on_meta_are_recomputed_or_refused_never_garbage():
+    """Against the same model built on CPU the ordinary way: every buffer equal exactly
+    (a hook recomputes them; BatchNorm's running statistics by its reset_parameters), every
+    parameter equal to the module's own initialiser run under autopp's per-FQN seed. A
+    buffer nothing recomputes is an error naming it (it came back as uninitialised memory)."""
+    from autopp.init import fqn_seed
+
+    cpu = _model(_RotaryWithHook)
+    with torch.device("meta"):
+        meta = _model(_RotaryWithHook)
+    got = init_module_(meta, seed=5, device="cpu")
+    for name, b in cpu.named_buffers():
+        assert torch.equal(got.get_buffer(name), b), name
+    for mod_fqn in ("proj", "norm"):  # reset_parameters under the module's per-FQN seed
+        mod = cpu[mod_fqn]
+        torch.manual_seed(fqn_seed(5, mod_fqn))
+        mod.reset_parameters()
+        for name, p in mod.named_parameters():
+            assert torch.equal(got[mod_fqn].get_parameter(name), p), (mod_fqn, name)
+
+    with torch.device("meta"):
+        bare = _model(_Rotary)
+    with pytest.raises(ValueError, match=r"rope\.inv_freq \(_Rotary\), rope\.mask \(_Rotary\) "
+                                         r"were built on meta.*_init_self_buffers"):
+        init_module_(bare, seed=5, device="cpu")
+
+    half = _model(_Rotary)  # values computed on CPU, parameters moved to meta: kept
+    half.proj.to_empty(device="meta")
+    got = init_module_(half, seed=5, device="cpu")
+    assert torch.equal(got.rope.inv_freq, _Rotary().inv_freq)
+    assert torch.equal(got.rope.mask, _Rotary().mask)

@@ -12,7 +12,7 @@ own forward (its router, its token dispatcher, its experts), ``clip_grad_norm_``
 the expert-bias update written out below. Its routed experts compute in fp32 (torchtitan's
 ``GroupedExperts`` casts to bf16; bf16 partial sums over different token subsets round
 differently, so the distributed run is told to compute experts in the parameters' dtype too,
-``set_expert_compute_dtype(None)``).
+``PlannerOptions(expert_compute_dtype="param")``).
 """
 
 from __future__ import annotations

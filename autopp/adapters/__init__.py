@@ -28,8 +28,11 @@ from autopp.adapters.adapter import Adapter, register, registered  # noqa: F401 
 
 
 def settings() -> dict[str, str]:
-    """The adapters' settings that change what is traced (part of the plan cache's key)."""
-    return {f"{a.name}.{k}": v for a in registered() for k, v in a.settings().items()}
+    """The adapters' settings that change what is traced, as they apply here (part of the
+    plan cache's key): :func:`autopp.tracing.current_settings`."""
+    from autopp import tracing
+
+    return tracing.current_settings()
 
 
 def active_parameters(model: nn.Module) -> float:

@@ -23,11 +23,11 @@ class Adapter:
     that does nothing, so an adapter gives only what its modules need."""
 
     name: str
-    """Prefix of its settings in the plan cache key (e.g. "torchtitan_moe")."""
+    """Its name (e.g. "torchtitan_moe"); registering a name again replaces the adapter."""
     tracing: Callable[[], ContextManager] = _nothing
-    """A context under which its modules run on meta and trace in the form autopp plans."""
-    settings: Callable[[], dict[str, str]] = field(default=lambda: {})
-    """Its settings that change what is traced (part of the plan cache's key)."""
+    """A context under which its modules run on meta and trace in the form autopp plans.
+    Choices that change what it traces are tracing settings (:func:`autopp.tracing.declare`,
+    read with :func:`autopp.tracing.setting`): plans record them, the cache key holds them."""
     idle_parameters: Callable[[nn.Module], float] = field(default=lambda model: 0.0)
     """Parameters of ``model`` a token does not use on average (MoE: the routed experts it
     is not routed to)."""

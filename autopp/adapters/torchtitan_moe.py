@@ -27,49 +27,52 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopp import tracing
 from autopp.adapters.adapter import Adapter, register
+from autopp.ops import DISPATCHES
 
 
-_COMPUTE_DTYPE: torch.dtype | None = torch.bfloat16
+# Two tracing settings (autopp.tracing): planner options (``PlannerOptions.token_dispatch``,
+# ``PlannerOptions.expert_compute_dtype``) that a plan records and every trace of its stages
+# uses; the functions below change their process-wide defaults.
+tracing.declare("expert_compute_dtype", "bfloat16", ("bfloat16", "float16", "float32", "param"))
+tracing.declare("token_dispatch", "auto", DISPATCHES)
 
 
 def set_expert_compute_dtype(dtype: torch.dtype | None) -> None:
-    """The dtype autopp's planned stages compute routed experts in: ``torch.bfloat16``
-    (default, what torchtitan's ``GroupedExperts`` does whatever the parameters' dtype) or
-    ``None`` for the parameters' own dtype (e.g. fp32 numerics to compare against a
-    single-process fp32 reference: bf16 partial sums over different token subsets round
-    differently). Applies to stages traced after the call, in this process."""
-    global _COMPUTE_DTYPE
-    _COMPUTE_DTYPE = dtype
+    """The default of ``PlannerOptions.expert_compute_dtype`` (an alias kept for scripts
+    written before it was a planner option): the dtype autopp's planned stages compute
+    routed experts in: ``torch.bfloat16`` (default, what torchtitan's ``GroupedExperts``
+    does whatever the parameters' dtype) or ``None`` for the parameters' own dtype (e.g.
+    fp32 numerics to compare against a single-process fp32 reference: bf16 partial sums over
+    different token subsets round differently). Applies to options made after the call,
+    and to traces outside any plan, in this process."""
+    tracing.set_default("expert_compute_dtype",
+                        "param" if dtype is None else str(dtype).removeprefix("torch."))
 
 
 def expert_compute_dtype() -> torch.dtype | None:
-    """The current :func:`set_expert_compute_dtype` setting."""
-    return _COMPUTE_DTYPE
-
-
-_TOKEN_DISPATCH = "auto"
+    """The current expert compute dtype (None: the parameters' own)."""
+    name = tracing.setting("expert_compute_dtype")
+    return None if name == "param" else getattr(torch, name)
 
 
 def set_token_dispatch(mode: str) -> None:
-    """How autopp's planned stages may bring tokens to expert-parallel devices: "auto"
-    (default: the planner prices every way and picks), "all_to_all" (expert parallel as
-    torchtitan's EP: the experts split over one mesh dim, the planner picks which, and
-    each token sent only to the devices holding its experts, as torchtitan's
-    ``AllToAllTokenDispatcher``) or "all_gather" (never all-to-all: when experts are split,
-    every device of their mesh dim gets every token; cheaper while the expert-parallel
-    degree is below top-k). Applies to stages planned after the call, in this process."""
-    from autopp.ops.expert_kernels import DISPATCHES
-
-    if mode not in DISPATCHES:
-        raise ValueError(f"token dispatch {mode!r}: expected one of {', '.join(DISPATCHES)}")
-    global _TOKEN_DISPATCH
-    _TOKEN_DISPATCH = mode
+    """The default of ``PlannerOptions.token_dispatch`` (an alias kept for scripts written
+    before it was a planner option): how autopp's planned stages may bring tokens to
+    expert-parallel devices: "auto" (default: the planner prices every way and picks),
+    "all_to_all" (expert parallel as torchtitan's EP: the experts split over one mesh dim,
+    the planner picks which, and each token sent only to the devices holding its experts,
+    as torchtitan's ``AllToAllTokenDispatcher``) or "all_gather" (never all-to-all: when
+    experts are split, every device of their mesh dim gets every token; cheaper while the
+    expert-parallel degree is below top-k). Applies to options made after the call, and to
+    traces outside any plan, in this process."""
+    tracing.set_default("token_dispatch", mode)
 
 
 def token_dispatch() -> str:
-    """The current :func:`set_token_dispatch` setting."""
-    return _TOKEN_DISPATCH
+    """The current token dispatch (the innermost plan's, else the process default)."""
+    return tracing.setting("token_dispatch")
 
 
 def _moe_classes():
@@ -99,17 +102,17 @@ def _routed_forward(moe):
                 "every routed token (set non_blocking_capacity_factor=None)")
         n = experts.num_experts
         expert_ids = torch.arange(n, device=x_BLD.device)
+        dtype = tracing.setting("expert_compute_dtype")
         return torch.ops.autopp.routed_experts(
             x_BLD, topk_scores_BLK, topk_expert_ids_BLK, expert_ids, experts.w1_EFD,
-            experts.w2_EDF, experts.w3_EFD, n,
-            "" if _COMPUTE_DTYPE is None else str(_COMPUTE_DTYPE).removeprefix("torch."),
-            _TOKEN_DISPATCH)
+            experts.w2_EDF, experts.w3_EFD, n, "" if dtype == "param" else dtype,
+            tracing.setting("token_dispatch"))
 
     return forward
 
 
 @contextlib.contextmanager
-def tracing() -> Iterator[None]:
+def tracing_context() -> Iterator[None]:
     """Routed experts as ``autopp::routed_experts`` and autocast allowed on meta."""
     moe = _moe_classes()
     if moe is None:
@@ -197,11 +200,7 @@ def update_expert_bias(structure: list[nn.Module], state: nn.Module,
         counts.zero_()
 
 
-def _settings() -> dict[str, str]:
-    return {"expert_compute_dtype": str(expert_compute_dtype()), "token_dispatch": token_dispatch()}
-
-
 ADAPTER = register(Adapter(
-    name="torchtitan_moe", tracing=tracing, settings=_settings,
+    name="torchtitan_moe", tracing=tracing_context,
     idle_parameters=idle_parameters, training_state_kept=counts_kept,
     after_step=update_expert_bias))

@@ -59,6 +59,7 @@ from autopp.estimate.stage_costs import (
     pipeline_estimates,
     simulated_step_s,
 )
+from autopp import tracing
 from autopp.loss import cross_entropy
 from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
 from autopp.estimate.pipeline import simulate_stages, stage_estimate
@@ -379,10 +380,11 @@ def dry_run(
         )
     t0 = time.perf_counter()
     try:
-        report = _dry_run(model_meta, pp=pp, dp=dp, tp=tp, schedule=schedule,
-                          n_microbatches=n_microbatches, global_batch=global_batch,
-                          seq_len=seq_len, options=options, split=split, compare=compare,
-                          activations=activations)
+        with tracing.settings(options.trace_settings()):  # MoE dispatch, expert dtype
+            report = _dry_run(model_meta, pp=pp, dp=dp, tp=tp, schedule=schedule,
+                              n_microbatches=n_microbatches, global_batch=global_batch,
+                              seq_len=seq_len, options=options, split=split,
+                              compare=compare, activations=activations)
     finally:
         if created:
             dist.destroy_process_group()

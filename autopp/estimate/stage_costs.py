@@ -57,6 +57,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from autopp import tracing
 from autopp.graph.weight_gathering import WeightGathering
 from autopp.plan.objective import pipeline_objective_s
 from autopp.schedules import StageCost
@@ -313,29 +314,25 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
     from autopp.sharding.precision import maybe_cast
     from autopp.profiles.lookup import get_profile
     from autopp.sharding.trace import graph_signature, trace_joint
-    from autopp.sharding.units import Unit, stage_units
+    from autopp.lower.apply import units_of_plan
 
-    if tuple(mesh.shape) != tuple(plan.mesh_shape):
-        raise ValueError(f"plan is for mesh {plan.mesh_shape}, got {tuple(mesh.shape)}")
+    flat, by_name = units_of_plan(module, plan, mesh)
     memo = {} if memo is None else memo
     costs = CostModel(get_profile(plan.profile), tuple(plan.mesh_shape))
-    flat = len(plan.blocks) == 1 and plan.blocks[0].prefix == ""
-    units = [Unit("", module)] if flat else stage_units(module)
-    if units is None:
-        raise ValueError("the plan is per unit (blocks) but the module is not a block stack")
-    by_name = {u.name: u for u in units}
     x = example_inputs[0]
     traced: dict[str, Any] = {}
     times = dict.fromkeys(PHASES, 0.0)
     acts = kept_w = gathered = ckpt = largest = 0
     for bplan in plan.blocks:  # as autopp.lower.apply.planned_units walks them
         key = (bplan.signature, bplan.nodes, plan.profile, tuple(plan.mesh_shape),
-               plan.param_dtype, n_microbatches, plan.recompute)
+               plan.param_dtype, n_microbatches, plan.recompute, plan.trace_settings)
         if key not in memo:  # identical blocks with one plan: traced and lowered once
             unit = by_name[bplan.prefix]
             if bplan.signature not in traced:
-                traced[bplan.signature] = trace_joint(
-                    maybe_cast(unit.module, plan.param_dtype), example_inputs if flat else (x,))
+                with tracing.settings(plan.trace_settings):  # as the stage was planned
+                    traced[bplan.signature] = trace_joint(
+                        maybe_cast(unit.module, plan.param_dtype),
+                        example_inputs if flat else (x,))
             joint = traced[bplan.signature]
             if graph_signature(joint) != bplan.signature:
                 raise ValueError(f"block {bplan.prefix or '<stage>'} traces to a different "

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from autopp import tracing
 from autopp.graph.recompute import Recompute, check_recompute
 from autopp._compat import sharding as compat
 from autopp.sharding.units import Unit, stage_units
@@ -173,18 +174,25 @@ def apply_plan(
     return ShardedStage(done, plan, mesh)
 
 
-def planned_units(
-    module: nn.Module, plan: StagePlan, mesh, example_inputs: tuple[Any, ...], *, lower: bool
-) -> Iterator[tuple[BlockPlan, Unit, JointGraph, tuple[Any, Any] | None]]:
-    """Each planned unit of ``module`` with its re-traced joint graph and, with ``lower``,
-    its lowered joint and split graphs (shared by units with the same plan)."""
+def units_of_plan(module: nn.Module, plan: StagePlan, mesh) -> tuple[bool, dict[str, Unit]]:
+    """``(flat, units by name)``: how ``plan`` sees ``module``: one flat unit (the plan has
+    one block with no prefix) or its block stack (:func:`~autopp.sharding.units.stage_units`).
+    Raises when the mesh or the module does not fit the plan."""
     if tuple(mesh.shape) != tuple(plan.mesh_shape):
         raise ValueError(f"plan is for mesh {plan.mesh_shape}, got {tuple(mesh.shape)}")
     flat = len(plan.blocks) == 1 and plan.blocks[0].prefix == ""
     units = [Unit("", module)] if flat else stage_units(module)
     if units is None:
         raise ValueError("the plan is per unit (blocks) but the module is not a block stack")
-    by_name = {u.name: u for u in units}
+    return flat, {u.name: u for u in units}
+
+
+def planned_units(
+    module: nn.Module, plan: StagePlan, mesh, example_inputs: tuple[Any, ...], *, lower: bool
+) -> Iterator[tuple[BlockPlan, Unit, JointGraph, tuple[Any, Any] | None]]:
+    """Each planned unit of ``module`` with its re-traced joint graph and, with ``lower``,
+    its lowered joint and split graphs (shared by units with the same plan)."""
+    flat, by_name = units_of_plan(module, plan, mesh)
     x = example_inputs[0]
     traced: dict[str, JointGraph] = {}
     lowered: dict[tuple, tuple[Any, Any]] = {}
@@ -192,8 +200,9 @@ def planned_units(
         unit = by_name[bplan.prefix]
         if bplan.signature not in traced:
             args = example_inputs if flat else (x,)
-            traced[bplan.signature] = trace_joint(
-                maybe_cast(_meta_copy(unit.module), plan.param_dtype), args)
+            with tracing.settings(plan.trace_settings):  # as the stage was planned
+                traced[bplan.signature] = trace_joint(
+                    maybe_cast(_meta_copy(unit.module), plan.param_dtype), args)
         joint = traced[bplan.signature]
         _check(joint, bplan)
         low = None

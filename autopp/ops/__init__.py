@@ -12,3 +12,8 @@ They depend on torch alone (and :mod:`autopp._compat`): the planner
 (:class:`~autopp.ops.attention.AttentionAsOneOp`) and offers the routed experts' all-to-all
 dispatch through its op hooks (:mod:`autopp.sharding.expert_dispatch`).
 """
+
+#: How routed experts may bring tokens to expert-parallel devices (``autopp::routed_experts``'s
+#: ``dispatch`` argument; ``PlannerOptions.token_dispatch``): the planner picks ("auto"),
+#: torchtitan's all-to-all, or every token to every device of the experts' mesh dim.
+DISPATCHES = ("auto", "all_to_all", "all_gather")

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from autopp._compat import sharding as compat
+from autopp.ops import DISPATCHES  # noqa: F401  (also read from here)
 from autopp._compat.ops import grouped_mm
 
 _DTYPES = {"": None, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -43,9 +44,6 @@ def combine(y: Tensor, routed_scores: Tensor, token_of: Tensor, x_td: Tensor) ->
         return out.scatter_add(0, token_of.reshape(-1, 1).expand(-1, d), y)
     finally:
         torch.use_deterministic_algorithms(prev, warn_only=warn_only)
-
-
-DISPATCHES = ("auto", "all_to_all", "all_gather")
 
 
 def dispatched(x: Tensor, scores: Tensor, ids: Tensor, expert_ids: Tensor, w1: Tensor,

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from autopp import tracing
 from autopp.plan.cache import cached_pipeline_plan, cached_plan, pipeline_plan_key, plan_key
 from autopp.plan.loss_choice import describe_loss, loss_kinds, loss_time_s
 from autopp.plan.objective import boundary_bytes, pipeline_objective_s, pp_link, transfer_s
@@ -428,6 +429,10 @@ def plan_whole_pipeline(
     mp = options.mixed_precision
 
     def solve() -> PipelinePlan:
+        with tracing.settings(options.trace_settings()):  # MoE dispatch, expert dtype
+            return _solve()
+
+    def _solve() -> PipelinePlan:
         metas, inputs = stage_meta_inputs(model, fqns, example_inputs[0], n_microbatches, dp,
                                           record.compute_dtype, stage_modules)
         plan_kw = dict(profile=profile, mixed_precision=mp, n_microbatches=n_microbatches)

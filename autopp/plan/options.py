@@ -4,8 +4,10 @@ memory budget and reserve, boundaries, loss parallel, recompute, mixed precision
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
+
+from autopp import tracing
 
 
 if TYPE_CHECKING:
@@ -56,6 +58,20 @@ class PlannerOptions:
             re-run; all-gathers of activations are gathered again in the backward. It works
             under every schedule, the I/W split included (I recomputes; W gets what it needs
             from I). The planner prices the recomputed forward.
+        token_dispatch: mixture-of-experts layers (torchtitan's ``MoE``): how tokens reach
+            the devices holding their experts: "auto" (the planner prices every way and
+            picks), "all_to_all" (torchtitan's expert parallel: each token sent only where
+            its experts are) or "all_gather" (every device of the experts' mesh dim gets
+            every token). Default: the process default, "auto" unless
+            ``autopp.adapters.torchtitan_moe.set_token_dispatch`` changed it.
+        expert_compute_dtype: mixture-of-experts layers: the dtype routed experts compute in:
+            "bfloat16" (what torchtitan's ``GroupedExperts`` does, whatever the parameters'
+            dtype), "float16", "float32", or "param" (the parameters' own dtype: fp32
+            numerics to compare with an fp32 reference). Default: the process default,
+            "bfloat16" unless ``set_expert_compute_dtype`` changed it.
+
+    The plan records the last two (they change what is traced); every later trace of its
+    stages (applying it, estimating it) uses the plan's values, not the process default.
     """
 
     profile: str | None = None
@@ -67,8 +83,19 @@ class PlannerOptions:
     mixed_precision: MixedPrecisionPolicy | None = None
     reshard_after_forward: bool = False
     recompute: Recompute | Literal["auto"] = "auto"
+    token_dispatch: str = field(default_factory=lambda: tracing.setting("token_dispatch"))
+    expert_compute_dtype: str = field(
+        default_factory=lambda: tracing.setting("expert_compute_dtype"))
+
+    def trace_settings(self) -> dict[str, str]:
+        """The options that change what is traced, as :func:`autopp.tracing.settings`
+        takes them."""
+        return {"token_dispatch": self.token_dispatch,
+                "expert_compute_dtype": self.expert_compute_dtype}
 
     def __post_init__(self) -> None:
+        for name, value in self.trace_settings().items():
+            tracing.check(name, value)
         if self.recompute not in ("auto", "none"):  # autopp.graph loads on first use only
             from autopp.graph.recompute import RECOMPUTE_POLICIES
 

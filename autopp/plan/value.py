@@ -101,6 +101,10 @@ class PlanOptions:
     """Mixed precision: the policy's ``param_dtype`` (e.g. "torch.bfloat16"); None: off."""
     reduce_dtype: str | None = None
     """Mixed precision: the policy's ``reduce_dtype``."""
+    token_dispatch: str = "auto"
+    """MoE token dispatch (``PlannerOptions.token_dispatch``)."""
+    expert_compute_dtype: str = "bfloat16"
+    """MoE routed experts' compute dtype (``PlannerOptions.expert_compute_dtype``)."""
 
     @classmethod
     def of(cls, options: PlannerOptions, profile: str) -> PlanOptions:
@@ -112,7 +116,7 @@ class PlanOptions:
                    boundary=options.boundary, loss_parallel=options.loss_parallel,
                    param_dtype=None if mp is None or mp.param_dtype is None else str(mp.param_dtype),
                    reduce_dtype=None if mp is None or mp.reduce_dtype is None
-                   else str(mp.reduce_dtype))
+                   else str(mp.reduce_dtype), **options.trace_settings())
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -128,7 +132,8 @@ class PlanOptions:
         given = PlanOptions.of(options, options.profile or self.profile)
         out = []
         for f in ("profile", "memory_budget_bytes", "memory_reserve",
-                  "parameter_budget_bytes", "boundary", "loss_parallel"):
+                  "parameter_budget_bytes", "boundary", "loss_parallel", "token_dispatch",
+                  "expert_compute_dtype"):
             if getattr(options, f) != getattr(default, f) and getattr(given, f) != getattr(self, f):
                 out.append(f"{f}: the plan has {getattr(self, f)!r}, the options "
                            f"{getattr(given, f)!r}")

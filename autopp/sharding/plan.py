@@ -155,6 +155,9 @@ class StagePlan:
     fastest fitting plan, that plan's counted bytes, the least counted bytes found: of its
     least-memory plan when the budget binds, else of the fastest plan itself); None where
     nothing fits. Policies after "none" are not planned when none's fastest plan fits."""
+    trace_settings: tuple[tuple[str, str], ...] = ()
+    """The tracing settings the stage was planned under (:mod:`autopp.tracing`: e.g. MoE
+    token dispatch), by name; every later trace of it (applying, estimating) uses them."""
 
     def param_placements(self) -> dict[str, tuple[Any, ...]]:
         """FQN -> torch placements."""

@@ -9,6 +9,7 @@ module's docstring), and assembles the chosen solutions into a :class:`StagePlan
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from autopp import tracing
 from autopp._compat import sharding as compat
 from autopp.sharding.budget import MODES, Chain, DistinctUnit, Stage, chain_at_price, choose_chain
 from autopp.sharding.chain import (
@@ -163,7 +165,8 @@ def plan_stage(
              for i, (k, res) in enumerate(zip(stage.kinds, chosen.results))]
     plan = _assemble(parts, stage.solved, mesh, names, prof, costs, memory_budget_bytes, t0,
                      pdtype)
-    return _with_memory(plan, chosen, tried, recompute, memory)
+    return dataclasses.replace(_with_memory(plan, chosen, tried, recompute, memory),
+                               trace_settings=tuple(tracing.current_settings().items()))
 
 
 # -- building the stage as positions of distinct units ---------------------------------------
@@ -223,7 +226,8 @@ def _unit_stage(module, units, x, mesh, names, costs, memory, in_spec, out_spec,
         sig = unit_signature(unit)
         if sig not in sig_index:
             sig_index[sig] = len(reps_traced)
-            ukey = (sig, tuple(x.shape), str(x.dtype), tuple(mesh.shape), names, pdtype)
+            ukey = (sig, tuple(x.shape), str(x.dtype), tuple(mesh.shape), names, pdtype,
+                    tuple(tracing.current_settings().items()))
             hit = _MEMO.traced.get(ukey)
             if hit is None:
                 hit = _MEMO.traced[ukey] = trace_unit(maybe_cast(unit.module, pdtype), x, mesh)

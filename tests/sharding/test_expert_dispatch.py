@@ -129,3 +129,67 @@ def test_all_to_all_moves_k_rows_per_token_and_wins_only_when_ep_exceeds_top_k(m
                        for v in (tensor_vals(a)[0] for a in node.args[:3]))
         t_gather += costs.redistribute((Partial(),), s0, tuple(x.shape), x.dtype)[0]
         assert (t_a2a < t_gather) == a2a_cheaper, (n, t_a2a, t_gather)
+
+
+def test_token_dispatch_is_a_planner_option_the_plan_carries(make_mesh):
+    """``PlannerOptions.token_dispatch`` / ``expert_compute_dtype`` are checked, default to
+    the process default (``set_token_dispatch`` is an alias that changes it), and a stage
+    planned under them records them: applying the plan re-traces with the plan's values,
+    not with the process default of the applying process."""
+    pytest.importorskip("torchtitan")
+    import copy
+
+    from autopp import tracing
+    from autopp.adapters.torchtitan_moe import set_token_dispatch, token_dispatch
+    from autopp.backends import PlannerOptions
+    from autopp.lower.apply import planned_units
+    from autopp.sharding import plan_stage
+    from tests.models import qwen3_moe_meta
+
+    with pytest.raises(ValueError, match="token_dispatch 'everywhere'.*'all_to_all'"):
+        PlannerOptions(token_dispatch="everywhere")
+    with pytest.raises(ValueError, match="expert_compute_dtype 'int8'"):
+        PlannerOptions(expert_compute_dtype="int8")
+    block = qwen3_moe_meta(1).layers["0"]
+    with torch.device("meta"):
+        x = torch.empty(4, 16, block.moe.router.gate.weight.shape[1])
+    mesh = make_mesh(2, 2)
+    before = token_dispatch()
+    try:
+        set_token_dispatch("all_to_all")
+        options = PlannerOptions()
+        assert options.token_dispatch == "all_to_all"  # the alias sets the default
+        options = PlannerOptions(token_dispatch="all_gather", expert_compute_dtype="param")
+        with tracing.settings(options.trace_settings()):
+            plan = plan_stage(copy.deepcopy(block), (x, None, None), mesh, profile="H100")
+        assert dict(plan.trace_settings) == {"token_dispatch": "all_gather",
+                                             "expert_compute_dtype": "param"}
+        from autopp.sharding.plan import StagePlan
+
+        plan = StagePlan.from_json(plan.to_json())  # as saved and loaded
+        assert dict(plan.trace_settings)["token_dispatch"] == "all_gather"
+        # the process default now differs from the plan's: the re-trace follows the plan
+        _, _, joint, _ = next(planned_units(copy.deepcopy(block), plan, mesh, (x, None, None),
+                                            lower=False))
+        node = next(n for n in joint.gm.graph.nodes
+                    if n.target == torch.ops.autopp.routed_experts.default)
+        assert node.args[-1] == "all_gather" and node.args[-2] == ""
+    finally:
+        set_token_dispatch(before)
+
+
+def test_tracing_settings_nest_and_refuse_unknown_values():
+    from autopp import tracing
+
+    default = tracing.setting("token_dispatch")
+    with tracing.settings({"token_dispatch": "all_gather"}):
+        with tracing.settings({"token_dispatch": "all_to_all"}):
+            assert tracing.setting("token_dispatch") == "all_to_all"
+        assert tracing.setting("token_dispatch") == "all_gather"
+        assert tracing.current_settings()["token_dispatch"] == "all_gather"
+    assert tracing.setting("token_dispatch") == default
+    with pytest.raises(ValueError, match="expected one of 'auto', 'all_to_all', 'all_gather'"):
+        with tracing.settings({"token_dispatch": "broadcast"}):
+            pass
+    with pytest.raises(KeyError, match="unknown tracing setting 'no_such'"):
+        tracing.setting("no_such")
