@@ -6,10 +6,25 @@ QKV saved as wq/wk/wv); the optimizer's is torch's ``get_optimizer_state_dict`` 
 same FQNs. A checkpoint is therefore independent of the layout that wrote it: DCP reshards on
 load into any pp × dp × tp and any split. Replicated tensors (the same key on several ranks)
 are written once.
+
+**Commit protocol.** ``<path>`` is always the last complete checkpoint, at every instant of
+a save. Each save writes a fresh directory ``<path>.v<N>`` (N one more than any beside it);
+when every rank's data and DCP's ``.metadata`` are written, rank 0 marks it complete
+(``.autopp-complete``, fsynced) and switches ``<path>``, a symbolic link, to it with one
+atomic rename; then it removes the other ``<path>.v*`` directories (older checkpoints and
+leftovers of interrupted saves). ``<path>`` reads as a plain DCP directory (``dcp.load``,
+``dcp_to_torch_save``). A crash before the switch leaves ``<path>`` as it was and an
+incomplete ``<path>.v<N>`` that :func:`load` names and the next save removes.
+
+A ``<path>`` that is a real directory (written by an autopp before this protocol, or by
+hand) is moved to ``<path>.v0`` on the first save, then replaced by the link: the one step
+with a window; :func:`load` of a missing ``<path>`` names every complete checkpoint beside
+it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 
@@ -23,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+logger = logging.getLogger(__name__)
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -45,41 +61,134 @@ def all_finite(state: dict) -> bool:
             if not bool(torch.isfinite(local).all()):
                 ok = False
                 break
-    flag = torch.tensor([0.0 if ok else 1.0])
+    device = torch.device("cpu")
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):  # NCCL: device tensors
+        device = torch.device("cuda", torch.cuda.current_device())
+    flag = torch.tensor([0.0 if ok else 1.0], device=device)
     if dist.is_initialized():
         dist.all_reduce(flag)
     return flag.item() == 0.0
 
 
+_COMPLETE = ".autopp-complete"
+_METADATA = ".metadata"  # DCP's, written by the coordinator after every rank's data
+
+
+def _versions(path: str) -> list[tuple[int, str]]:
+    """``(N, directory)`` of the ``<path>.v<N>`` directories beside ``path``, by N."""
+    parent, base = os.path.split(os.path.abspath(path))
+    out = []
+    for name in os.listdir(parent or "."):
+        if name.startswith(base + ".v") and name[len(base) + 2:].isdigit():
+            out.append((int(name[len(base) + 2:]), os.path.join(parent, name)))
+    return sorted(out)
+
+
+def _is_complete(d: str) -> bool:
+    """Whether ``d`` holds a whole checkpoint: a save's ``<path>.v<N>`` (N >= 1) carries the
+    marker written after DCP's metadata; any other DCP directory (``.v0``: one moved aside
+    by the first save, or written by other tools) has DCP's metadata, which DCP writes
+    after every rank's data."""
+    if _version_of(os.path.realpath(d)) >= 1:
+        return os.path.exists(os.path.join(d, _COMPLETE))
+    return os.path.exists(os.path.join(d, _METADATA))
+
+
+def _fsync_dir(d: str) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _switch(path: str, target: str) -> None:
+    """Point ``path`` (a link, or nothing yet) at ``target`` with one atomic rename."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) and not os.path.islink(path):  # a real directory: see module doc
+        os.replace(path, f"{path}.v0")
+    link = f"{path}.link-{os.getpid()}"
+    if os.path.lexists(link):
+        os.remove(link)
+    os.symlink(os.path.basename(target), link)  # relative: the tree can move
+    os.replace(link, path)
+    _fsync_dir(parent)
+
+
 def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          force: bool = False) -> None:
-    """Write ``model`` (and ``optimizer``) state to the directory ``path``; all ranks call it.
+    """Write ``model`` (and ``optimizer``) state as the checkpoint ``path``; all ranks call it.
 
     A state with a NaN or inf anywhere (on any rank) is refused with a ValueError on every
-    rank unless ``force``. The checkpoint is written to ``<path>.tmp`` first and renamed
-    into place when every rank is done, so a crash or a refusal never damages the
-    checkpoint already at ``path``.
+    rank unless ``force``. ``path`` keeps naming the previous complete checkpoint until
+    this one is complete, whenever the job dies (see the module doc).
     """
     state = _state(model, optimizer)
     if not force and not all_finite(state):
         raise ValueError(
             f"refusing to save a non-finite state (NaN or inf in the model or optimizer) to "
             f"{path}; the checkpoint there is untouched. Pass force=True to save it anyway.")
-    tmp = f"{path}.tmp"
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if rank0 and os.path.exists(tmp):
-        shutil.rmtree(tmp)
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    # every rank lists before anyone writes (the barrier), so all agree on the new N
+    n = max((v for v, _ in _versions(path)), default=0) + 1
+    target = f"{path}.v{n}"
     _barrier()
-    dcp.save(state, checkpoint_id=tmp)
+    dcp.save(state, checkpoint_id=target)
     _barrier()
-    if rank0:
-        old = f"{path}.old"
-        if os.path.exists(path):
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if os.path.exists(old):
-            shutil.rmtree(old)
+    if _is_rank0():
+        with open(os.path.join(target, _COMPLETE), "w") as f:
+            f.write(f"complete: every rank's data and DCP's {_METADATA} are written\n")
+            f.flush()
+            os.fsync(f.fileno())
+        _switch(path, target)
+        for v, d in _versions(path):
+            if d != target:
+                shutil.rmtree(d, ignore_errors=True)
+        for leftover in (f"{path}.tmp", f"{path}.old"):  # an older autopp's protocol
+            if os.path.isdir(leftover):
+                shutil.rmtree(leftover, ignore_errors=True)
+        parent, base = os.path.split(path)
+        for name in os.listdir(parent):  # links of saves killed before their switch
+            if name.startswith(f"{base}.link-") and os.path.islink(os.path.join(parent, name)):
+                os.remove(os.path.join(parent, name))
     _barrier()
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def checkpoint_to_read(path: str) -> str:
+    """The directory :func:`load` reads for ``path``; raises a one-line error when ``path``
+    is not a complete checkpoint, naming the last complete one beside it."""
+    path = os.path.abspath(path)
+    stem = path.rpartition(".v")[0] if path.rpartition(".v")[2].isdigit() else path
+    beside = [d for _, d in _versions(stem)] + [f"{stem}.tmp", f"{stem}.old"]
+    complete = [d for d in beside if os.path.isdir(d) and _is_complete(d)]
+    pointed = os.path.realpath(stem) if os.path.islink(stem) else None
+    if os.path.isdir(path) and _is_complete(path):
+        newer = [d for n, d in _versions(stem) if pointed and n > _version_of(pointed)]
+        if newer and path == stem:
+            logger.warning("checkpoint %s: a save was interrupted (%s was not committed and "
+                           "is ignored; the next save removes it); reading %s, the last "
+                           "complete checkpoint", path, os.path.basename(newer[-1]),
+                           os.path.basename(pointed))
+        return path
+    if os.path.isdir(path):
+        last = (f"{stem} (-> {os.path.basename(pointed)})" if pointed and _is_complete(stem)
+                else ", ".join(complete) or "none")
+        raise ValueError(f"checkpoint {path} is an interrupted save (not complete); the last "
+                         f"complete checkpoint is {last}")
+    if complete:
+        raise ValueError(f"no checkpoint at {path}: a save was interrupted; complete "
+                         f"checkpoints beside it: {', '.join(complete)} (load one by its path)")
+    raise FileNotFoundError(f"no checkpoint at {path}")
+
+
+def _version_of(d: str) -> int:
+    tail = d.rpartition(".v")[2]
+    return int(tail) if tail.isdigit() else -1
 
 
 def _barrier() -> None:
@@ -91,8 +200,12 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     """Read ``model`` (and ``optimizer``) state written by :func:`save`; all ranks call it.
 
     The optimizer must have been created over ``model``'s parameters; a stateful optimizer's
-    state (AdamW's moments and step) is restored too, so training continues exactly.
+    state (AdamW's moments and step) is restored too, so training continues exactly. An
+    interrupted save beside ``path`` is named in a warning; ``path`` itself incomplete or
+    missing is a one-line error naming the last complete checkpoint
+    (:func:`checkpoint_to_read`), on every rank, before any collective.
     """
+    path = checkpoint_to_read(path)  # every rank checks before any collective
     state = _state(model, optimizer)
     dcp.load(state, checkpoint_id=path)
     # Through load_state_dict, so the model's load hooks run (e.g. wq/wk/wv -> fused wqkv).

@@ -302,9 +302,10 @@ class Pipeline:
         """Save the model (and optimizer) with torch.distributed.checkpoint; collective.
 
         Keys are whole-model FQNs, so the checkpoint loads into any pp/dp/tp layout and split.
-        A non-finite state is refused (ValueError on every rank) unless ``force``; the
-        checkpoint is written beside ``path`` and renamed into place, so the one already at
-        ``path`` survives a crash or a refusal.
+        A non-finite state is refused (ValueError on every rank) unless ``force``. ``path``
+        names the previous complete checkpoint until this one is complete (it is written to
+        ``<path>.v<N>`` beside it and ``path``, a link, switched to it atomically), so a job
+        killed at any point of a save loses nothing (:mod:`autopp.checkpoint`).
         """
         from autopp.checkpoint import save
 
@@ -312,7 +313,9 @@ class Pipeline:
         save(path, self.local_model, optimizer, force=force)
 
     def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Load a checkpoint written by :meth:`save_checkpoint` (any layout); collective."""
+        """Load a checkpoint written by :meth:`save_checkpoint` (any layout); collective. An
+        interrupted save is named in a warning; ``path`` incomplete or missing is a one-line
+        error on every rank naming the last complete checkpoint."""
         from autopp.checkpoint import load
 
         self._require_built()

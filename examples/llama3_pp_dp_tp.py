@@ -40,6 +40,7 @@ import logging
 import os
 import random
 import statistics
+import sys
 import time
 
 import torch
@@ -240,10 +241,16 @@ def searched_plan(args, world: int):
 
     box = [None]
     if dist.get_rank() == 0:
-        with multiprocessing.get_context("spawn").Pool(1) as pool:
-            box[0] = pool.apply(_search_in_child, (args.model, vars(args), world))
+        try:
+            with multiprocessing.get_context("spawn").Pool(1) as pool:
+                box[0] = ("plan", pool.apply(_search_in_child, (args.model, vars(args), world)))
+        except Exception as e:  # every rank says why, not only rank 0
+            box[0] = ("error", f"the layout search for {world} devices failed: {e}")
     dist.broadcast_object_list(box, src=0)
-    return PipelinePlan.from_json(box[0])
+    kind, value = box[0]
+    if kind == "error":
+        raise ValueError(value)
+    return PipelinePlan.from_json(value)
 
 
 def use_plan(args, plan) -> None:
@@ -273,6 +280,18 @@ def dry_run(args) -> None:
 
 
 def main() -> None:
+    """Run the example; an error that ends the job prints one line per rank (set
+    AUTOPP_TRACEBACK=1 for the traceback)."""
+    try:
+        _main()
+    except (ValueError, RuntimeError) as e:
+        if os.environ.get("AUTOPP_TRACEBACK"):
+            raise
+        print(f"[rank {os.environ.get('RANK', 0)}] error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+def _main() -> None:
     args = parse_args()
     logging.basicConfig(
         level=logging.INFO if int(os.environ.get("RANK", 0)) == 0 else logging.WARNING,

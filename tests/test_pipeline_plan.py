@@ -120,7 +120,8 @@ def test_mismatched_plan_raises(saved_plan, fake_world):
         _run(saved_plan, pp=4, dp=1)
     with pytest.raises(ValueError, match=r"n_microbatches: the plan has 4, this pipeline 2"):
         _run(saved_plan, n_microbatches=2)
-    with pytest.raises(ValueError, match=r"model \(structural fingerprint\)"):
+    with pytest.raises(ValueError, match=r"model: parameters: the plan's model has \d+, this "
+                                         r"one \d+; only the plan's has layers\.4-\d"):
         _run(saved_plan, n_layers=4)
     with pytest.raises(ValueError, match=r"boundary: the plan has 'auto', the options "
                                          r"'batch\+seq'"):
@@ -219,3 +220,27 @@ def test_saved_plan_runs_without_planning(saved_plan):
             saved.fqns_per_stage, saved.stage_ranks, saved.boundaries)
         assert [p.params for p in ran.stage_plans] == [p.params for p in saved.stage_plans]
     assert len({r[1]["pipeline_plan"] for r in results}) == 1  # one plan on every rank
+
+
+def test_a_model_mismatch_names_what_differs():
+    """The first difference between the plan's model and another, in words: the class, the
+    parameters only one has (compacted), a parameter's shape (e.g. the vocabulary)."""
+    from torch import nn
+
+    from autopp.plan.value import model_structure, structure_difference
+
+    def lm(vocab: int, layers: int) -> nn.Module:
+        m = nn.Module()
+        m.tok_embeddings = nn.Embedding(vocab, 8)
+        m.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(layers))
+        return m
+
+    planned = model_structure(lm(100, 4))
+    assert structure_difference(planned, lm(100, 4)) is None
+    assert structure_difference(planned, lm(100, 2)) == (
+        "parameters: the plan's model has 9, this one 5; only the plan's has layers.2-3")
+    assert structure_difference(planned, lm(128, 4)) == (
+        "param tok_embeddings.weight: the plan has [100, 8] float32, this model [128, 8] float32")
+    assert structure_difference(planned, nn.Linear(8, 8)).startswith(
+        "model class: the plan's is torch.nn.modules.module.Module, this one "
+        "torch.nn.modules.linear.Linear")

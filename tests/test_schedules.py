@@ -360,3 +360,33 @@ def test_built_schedules_match_single_process_gradients(tmp_path):
     while not errors.empty():
         problems.append(errors.get())
     assert [p.exitcode for p in procs] == [0, 0] and not problems, problems
+
+
+def test_every_microbatch_suggestion_passes_the_checks_it_replaces():
+    """A batch that does not split into the microbatches: each n_microbatches (and each
+    schedule) the message suggests passes ``check_schedule_config`` at the same sizes, and
+    when no count dividing the batch suits the schedule, the message says so instead of
+    suggesting one that fails (batch 1 at pp=4 with 1F1B used to suggest n_microbatches=1)."""
+    import re
+
+    from autopp.schedules.checks import check_schedule_config
+
+    cases = [("1F1B", 4, 4, 4, 1), ("1F1B", 4, 4, 4, 6), ("1F1B", 2, 2, 4, 6),
+             ("Interleaved1F1B", 4, 8, 8, 6), ("ZBVZeroBubble", 2, 4, 4, 3), ("GPipe", 4, 4, 4, 6)]
+    for name, pp, n_stages, m, batch in cases:
+        with pytest.raises(ValueError) as err:
+            check_schedule_config(name, pp=pp, n_stages=n_stages, n_microbatches=m,
+                                  local_batch_size=batch)
+        msg = str(err.value)
+        counts = re.search(r"n_microbatches in \[([\d, ]+)\]", msg)
+        assert counts, msg
+        others = re.search(r"but ([\w, ]+) runs? it with", msg)
+        schedules = others.group(1).split(", ") if others else [name]
+        for sched in schedules:
+            for count in map(int, counts.group(1).split(", ")):
+                check_schedule_config(sched, pp=pp, n_stages=n_stages, n_microbatches=count,
+                                      local_batch_size=batch)
+    with pytest.raises(ValueError, match=r"no count dividing 1 suits 1F1B with 4 stages over "
+                                         r"pp=4, but GPipe, LoopedBFS run it with n_microbatches"
+                                         r" in \[1\]"):
+        check_schedule_config("1F1B", pp=4, n_stages=4, n_microbatches=4, local_batch_size=1)

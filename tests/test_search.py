@@ -157,3 +157,25 @@ def test_pruning_keeps_the_best_and_bounds_hold(debug_model):
     assert dominated, "the debug model's search left nothing out: the test checks nothing"
     for lay, bound_ms in dominated:
         assert steps[lay] * 1e3 >= bound_ms * (1 - 1e-3), (lay, steps[lay], bound_ms)
+
+
+def test_no_fit_message_names_each_kind_of_reason_and_only_its_remedies():
+    """A planner failure is named as one (not hidden behind a divisibility reason), and
+    memory remedies are offered only when some layout did not fit in memory."""
+    from autopp.layout_search.search import SearchReport
+
+    def report(rejected):
+        return SearchReport(results=(), rejected=tuple(rejected), world_size=7, global_batch=8,
+                            seq_len=64, profile="H100", mixed_precision=None, n_evaluated=1,
+                            n_submeshes=1, stage_plans_solved=0, search_s=0.0)
+
+    shape = ("pp1 dp7 tp1", "global batch 8 is not divisible by dp=7")
+    planner = ("pp1 dp1 tp7 1F1B m1", "the planner could not plan this sub-mesh: "
+                                      "output_placements (Replicate(), Shard(dim=1)) matches "
+                                      "no block-boundary placement")
+    msg = report([shape, planner]).no_fit_message()
+    assert "1 layout(s): the planner failed (e.g. pp1 dp1 tp7 1F1B m1: the planner could not" \
+        in msg and "1 layout(s): sizes do not divide" in msg, msg
+    assert "tp_sizes" in msg and "larger device" not in msg, msg
+    memory = ("pp2 dp2 tp1 1F1B m2", "does not fit: stage 0 needs ~3.0 GiB of 1.0 GiB")
+    assert "larger device" in report([memory]).no_fit_message()

@@ -76,13 +76,39 @@ class SearchReport:
             raise ValueError(self.no_fit_message())
         return self.results[0]
 
+    def rejected_by_kind(self) -> dict[str, list[tuple[str, str]]]:
+        """The rejected layouts by why: "memory" (priced, does not fit), "planner" (the
+        planner failed on its sub-mesh), "shape" (the sizes do not divide: batch, layers,
+        microbatches, node size), "dominated" (fits, but cannot be among the fastest)."""
+        out: dict[str, list[tuple[str, str]]] = {"planner": [], "memory": [], "shape": [],
+                                                 "dominated": []}
+        for lay, why in self.rejected:
+            kind = ("memory" if why.startswith("does not fit") else
+                    "planner" if why.startswith("the planner could not plan") else
+                    "dominated" if why.startswith("dominated") else "shape")
+            out[kind].append((lay, why))
+        return out
+
     def no_fit_message(self) -> str:
-        fits = [r for _, r in self.rejected if "does not fit" in r]
-        hint = fits[0] if fits else (self.rejected[0][1] if self.rejected else "")
-        return (f"no layout of {self.world_size} devices fits: {hint}. What would make it "
-                "fit: more devices (pp or tp shard parameters and activations further), a "
-                "smaller global batch or sequence (fewer activations per microbatch), or a "
-                "larger device (profile).")
+        """Why no layout fits, per kind of reason, and only the remedies for those kinds."""
+        kinds = self.rejected_by_kind()
+        label = {"planner": "the planner failed", "memory": "do not fit in memory",
+                 "shape": "sizes do not divide"}
+        parts = [f"{len(kinds[k])} layout(s): {label[k]} (e.g. {kinds[k][0][0]}: "
+                 f"{kinds[k][0][1]})" for k in ("planner", "memory", "shape") if kinds[k]]
+        fixes = []
+        if kinds["memory"]:
+            fixes.append("more devices (pp or tp shard parameters and activations "
+                         "further), a smaller global batch or sequence (fewer activations "
+                         "per microbatch), or a larger device (profile)")
+        if kinds["shape"]:
+            fixes.append("a global batch divisible by more dp sizes, or another world size")
+        if kinds["planner"]:
+            fixes.append("leaving out the tp sizes the planner failed on (tp_sizes=...): "
+                         "its failure is a limit of autopp's planner, not of the layout")
+        return (f"no layout of {self.world_size} devices fits: " + "; ".join(parts)
+                + (". What would make it fit: " + "; or ".join(fixes) if fixes else "")
+                + ".")
 
     def table(self, n: int = 10) -> str:
         """The ``n`` fastest layouts as a text table."""

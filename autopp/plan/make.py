@@ -38,7 +38,13 @@ from autopp.plan.objective import boundary_bytes, pipeline_objective_s, pp_link,
 from autopp.plan.options import PlannerOptions
 from autopp.plan.rank0 import plan_on_rank0
 from autopp.plan.stage_inputs import last_stage_output, stage_meta_inputs
-from autopp.plan.value import PipelinePlan, PlanOptions, describe_inputs, model_fingerprint
+from autopp.plan.value import (
+    PipelinePlan,
+    PlanOptions,
+    describe_inputs,
+    model_fingerprint,
+    model_structure,
+)
 from autopp.sharding import InfeasiblePlanError, StagePlan, plan_stage
 
 logger = logging.getLogger(__name__)
@@ -446,7 +452,8 @@ def plan_whole_pipeline(
         )
         stage_plans = tuple(plan_of(s) for s in range(n))
         return PipelinePlan(
-            model=fingerprint, pp=pp, dp=dp, tp=tp, schedule=str(schedule),
+            model=fingerprint, model_structure=model_structure(model),
+            pp=pp, dp=dp, tp=tp, schedule=str(schedule),
             n_microbatches=n_microbatches,
             input_shapes=tuple(tuple(int(d) for d in x.shape) for x in example_inputs),
             input_dtypes=tuple(str(x.dtype) for x in example_inputs),

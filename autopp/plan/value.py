@@ -65,6 +65,55 @@ def meta_tensors(inputs: Sequence[StageInput]) -> tuple[torch.Tensor, ...]:
                  for _, shape, dtype in inputs)
 
 
+#: One parameter or buffer of a model as a plan records it: (kind, FQN, shape, dtype), kind
+#: "param" or "buffer"; ("class", qualified name, (), "") first.
+ModelEntry = tuple[str, str, tuple[int, ...], str]
+
+
+def model_structure(model: nn.Module) -> tuple[ModelEntry, ...]:
+    """What a plan records of its model, to say how another model differs from it: the
+    class, then every parameter and buffer (tied copies under their first name)."""
+    out: list[ModelEntry] = [("class", f"{type(model).__module__}.{type(model).__qualname__}",
+                              (), "")]
+    out += [("param", n, tuple(int(d) for d in p.shape), str(p.dtype))
+            for n, p in model.named_parameters()]
+    out += [("buffer", n, tuple(int(d) for d in b.shape), str(b.dtype))
+            for n, b in model.named_buffers()]
+    return tuple(out)
+
+
+def structure_difference(planned: Sequence[ModelEntry], model: nn.Module) -> str | None:
+    """The first way ``model`` differs from the model ``planned`` describes, in words
+    (None: no difference in what :func:`model_structure` records)."""
+    from autopp.format import compact_modules
+
+    theirs = model_structure(model)
+    if planned[0] != theirs[0]:
+        return f"model class: the plan's is {planned[0][1]}, this one {theirs[0][1]}"
+    for kind in ("param", "buffer"):
+        a = {e[1]: e for e in planned if e[0] == kind}
+        b = {e[1]: e for e in theirs if e[0] == kind}
+        word = "parameters" if kind == "param" else "buffers"
+        only_a = [n for n in a if n not in b]
+        only_b = [n for n in b if n not in a]
+        if only_a or only_b:
+            def owners(names: list[str]) -> str:
+                return compact_modules(sorted({n.rpartition(".")[0] or n for n in names}))
+
+            parts = [f"{word}: the plan's model has {len(a)}, this one {len(b)}"]
+            if only_a:
+                parts.append(f"only the plan's has {owners(only_a)}")
+            if only_b:
+                parts.append(f"only this one has {owners(only_b)}")
+            return "; ".join(parts)
+        for n, (_, _, shape, dtype) in a.items():
+            _, _, shape2, dtype2 = b[n]
+            if (shape, dtype) != (shape2, dtype2):
+                return (f"{kind} {n}: the plan has {list(shape)} {dtype.split('.')[-1]}, "
+                        f"this model {list(shape2)} {dtype2.split('.')[-1]}")
+    return None
+
+
 def model_fingerprint(model: nn.Module) -> str:
     """A hash of the model's structure: its class, module names and types, parameter and
     buffer names, shapes and dtypes, and which parameters are tied (meta is fine). Two
@@ -211,6 +260,9 @@ class PipelinePlan:
     placement (0 for the last stage); its gradient comes back the same size."""
     estimates: PipelineEstimates | None = None
     """Simulated step time, bubble and memory (from a dry run); None when not estimated."""
+    model_structure: tuple[ModelEntry, ...] = ()
+    """:func:`model_structure` of the model it was made for: how a mismatching model
+    differs is said from it (empty in plans saved before it was recorded)."""
     format: int = FORMAT
 
     # ---- reading it -------------------------------------------------------------------
@@ -283,8 +335,15 @@ class PipelinePlan:
             if theirs is not None and mine != theirs:
                 out.append(f"{what}: the plan has {mine}, this pipeline {theirs}")
 
-        if model is not None:
-            differ("model (structural fingerprint)", self.model, model_fingerprint(model))
+        if model is not None and self.model != model_fingerprint(model):
+            if self.model_structure:
+                why = (structure_difference(self.model_structure, model)
+                       or "the same parameters and buffers, tied differently")
+                out.append(f"model: {why}")
+            else:
+                out.append(f"model (structural fingerprint): the plan has {self.model}, this "
+                           f"pipeline {model_fingerprint(model)} (the plan does not record its "
+                           "model's parameters, so what differs is unknown)")
         differ("pp", self.pp, pp)
         differ("dp", self.dp, dp)
         differ("tp", self.tp, tp)

@@ -102,17 +102,47 @@ def _check_microbatches(
     raise AssertionError(f"no message for microbatch rule {rule!r}")
 
 
-def check_batch_size(local_batch_size: int, n_microbatches: int) -> None:
-    """Raise ValueError unless the batch splits into ``n_microbatches`` equal microbatches."""
+def check_batch_size(local_batch_size: int, n_microbatches: int, *,
+                     schedule: ScheduleInfo | None = None, pp: int | None = None,
+                     n_stages: int | None = None) -> None:
+    """Raise ValueError unless the batch splits into ``n_microbatches`` equal microbatches.
+
+    With ``schedule``, ``pp`` and ``n_stages``, the counts the message suggests instead are
+    only those the schedule accepts at that size (a suggestion passes the same checks), and
+    when none does, the message says what would."""
     if local_batch_size < 1:
         raise ValueError(f"batch size {local_batch_size}: a step needs at least one sample")
-    if local_batch_size % n_microbatches != 0:
-        divisors = [d for d in range(1, local_batch_size + 1) if local_batch_size % d == 0]
-        raise ValueError(
-            f"batch size {local_batch_size} is not divisible by n_microbatches={n_microbatches}: "
-            f"every microbatch must hold the same number of samples; use a batch size that is a "
-            f"multiple of {n_microbatches}, or n_microbatches in {divisors}"
-        )
+    if local_batch_size % n_microbatches == 0:
+        return
+    divisors = [d for d in range(1, local_batch_size + 1) if local_batch_size % d == 0]
+    head = (f"batch size {local_batch_size} is not divisible by n_microbatches={n_microbatches}: "
+            f"every microbatch must hold the same number of samples; use a batch size that is "
+            f"a multiple of {n_microbatches}")
+    if schedule is None or pp is None or n_stages is None:
+        raise ValueError(f"{head}, or n_microbatches in {divisors}")
+    fits = [d for d in divisors
+            if microbatches_ok(schedule, pp=pp, n_stages=n_stages, n_microbatches=d)]
+    if fits:
+        raise ValueError(f"{head}, or n_microbatches in {fits}")
+    from autopp.schedules.registry import SCHEDULE_NAMES
+
+    # schedules that take any microbatch count (their runs need nothing else of it)
+    others = [name for name in SCHEDULE_NAMES if name != schedule.name
+              and schedule_info(name).microbatch_rule == "any"
+              and _stages_ok(schedule_info(name), pp=pp, n_stages=n_stages)]
+    raise ValueError(
+        f"{head}; no count dividing {local_batch_size} suits {schedule.name} with {n_stages} "
+        f"stages over pp={pp}"
+        + (f", but {', '.join(others)} run{'s' if len(others) == 1 else ''} it with "
+           f"n_microbatches in {divisors}" if others else ""))
+
+
+def _stages_ok(info: ScheduleInfo, *, pp: int, n_stages: int) -> bool:
+    try:
+        _check_stages(info, pp=pp, n_stages=n_stages)
+    except ValueError:
+        return False
+    return True
 
 
 def check_schedule_config(
@@ -141,5 +171,6 @@ def check_schedule_config(
     _check_stages(info, pp=pp, n_stages=n_stages)
     _check_microbatches(info, pp=pp, n_stages=n_stages, n_microbatches=n_microbatches)
     if local_batch_size is not None:
-        check_batch_size(local_batch_size, n_microbatches)
+        check_batch_size(local_batch_size, n_microbatches, schedule=info, pp=pp,
+                         n_stages=n_stages)
     return info
