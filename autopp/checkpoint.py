@@ -183,6 +183,11 @@ def checkpoint_to_read(path: str) -> str:
     if complete:
         raise ValueError(f"no checkpoint at {path}: a save was interrupted; complete "
                          f"checkpoints beside it: {', '.join(complete)} (load one by its path)")
+    partial = [os.path.basename(d) for d in beside if os.path.isdir(d)]
+    if partial:
+        raise ValueError(f"no checkpoint at {path}: its save was interrupted before it "
+                         f"completed ({', '.join(partial)} incomplete), and no complete "
+                         "checkpoint is beside it")
     raise FileNotFoundError(f"no checkpoint at {path}")
 
 

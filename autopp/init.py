@@ -25,7 +25,7 @@ import hashlib
 import torch
 from torch import nn
 
-from autopp._compat.ops import tensor_version
+from autopp._compat.ops import write_token
 
 
 def _dtensor():
@@ -133,7 +133,7 @@ def _check_buffers_written(module: nn.Module, before: dict) -> None:
     unwritten = []
     for (mod_fqn, name), (ident, version) in before.items():
         b = module.get_submodule(mod_fqn)._buffers.get(name)
-        if b is not None and id(b) == ident and tensor_version(b) == version:
+        if b is not None and id(b) == ident and write_token(b) == version:
             unwritten.append(f"{mod_fqn + '.' if mod_fqn else ''}{name} "
                              f"({type(module.get_submodule(mod_fqn)).__name__})")
     if unwritten:
@@ -177,7 +177,7 @@ def init_module_(module: nn.Module, *, seed: int, device: torch.device | str) ->
             for name, b in mod._buffers.items():
                 if b is None:
                     continue
-                if b.is_meta:
+                if b.is_meta and b.numel() > 0:  # an empty buffer has no values to lose
                     lost.setdefault(mod_fqn, set()).add(name)
                 else:
                     kept[mod_fqn, name] = b.detach().clone()
@@ -189,7 +189,7 @@ def init_module_(module: nn.Module, *, seed: int, device: torch.device | str) ->
                 (module.get_submodule(owner) if owner else module)._parameters[name] = keep
         for (mod_fqn, name), value in kept.items():
             module.get_submodule(mod_fqn)._buffers[name].copy_(value)
-    before = {(f, n): (id(b), tensor_version(b)) for f, names in lost.items()
+    before = {(f, n): (id(b), write_token(b)) for f, names in lost.items()
               for n, b in module.get_submodule(f)._buffers.items() if n in names}
     for mod_fqn, mod in module.named_modules():
         _init_own_params(mod, mod_fqn, seed, device)

@@ -9,6 +9,7 @@ one machine, see :func:`init_fake_world`).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 
 import torch.distributed as dist
@@ -48,12 +49,59 @@ def check_mesh_sizes(sizes: Mapping[str, int], world_size: int) -> dict[str, int
     return full
 
 
+def local_rank() -> int | None:
+    """This process's rank on its node, as the launcher says it (torchrun's LOCAL_RANK,
+    Slurm's SLURM_LOCALID); None when neither is set."""
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return None
+
+
+def bind_local_device() -> "torch.device":
+    """Bind this process to its own GPU (``torch.cuda.set_device(local_rank)``) and return
+    it; the CPU when CUDA is not available. Call it before ``init_process_group``."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = local_rank()
+    if local is None:
+        raise RuntimeError("LOCAL_RANK (torchrun) or SLURM_LOCALID (srun) is not set: "
+                           "launch with torchrun, or call torch.cuda.set_device yourself")
+    if local >= torch.cuda.device_count():
+        raise RuntimeError(f"local rank {local} but only {torch.cuda.device_count()} GPUs "
+                           "are visible: launch at most one process per GPU")
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def device_type_of_backend(backend: str) -> str:
+    """The mesh device type a process group backend moves tensors on: "cuda" for NCCL,
+    "cpu" for gloo and the fake process group (a "cpu:gloo,cuda:nccl" backend: "cuda")."""
+    return "cuda" if "nccl" in backend else "cpu"
+
+
+def _check_bound_device() -> None:
+    """On CUDA, each rank must compute on its own GPU, not every rank on GPU 0."""
+    import torch
+
+    local = local_rank()
+    if local is not None and torch.cuda.device_count() > 1 and \
+            torch.cuda.current_device() != local % torch.cuda.device_count():
+        raise RuntimeError(
+            f"rank {dist.get_rank()}: local rank {local} but CUDA device "
+            f"{torch.cuda.current_device()} is current, so ranks would share a GPU: call "
+            f"torch.cuda.set_device({local}) (or autopp.mesh.bind_local_device()) before "
+            "building the mesh")
+
+
 def build_world_mesh(
     *,
     pp: int = 1,
     dp: int = 1,
     tp: int = 1,
-    device_type: str = "cpu",
+    device_type: str | None = None,
 ) -> DeviceMesh:
     """Build the world DeviceMesh with named dims ``("pp", "dp", "tp")``.
 
@@ -61,7 +109,10 @@ def build_world_mesh(
         pp: number of pipeline ranks (each owns one or more stages).
         dp: data-parallel degree inside each stage's sub-mesh.
         tp: tensor-parallel degree inside each stage's sub-mesh.
-        device_type: "cpu" (gloo, and the fake process group) or "cuda" (nccl).
+        device_type: "cpu" (gloo, and the fake process group) or "cuda" (nccl); None
+            (default): the one the default process group's backend uses
+            (:func:`device_type_of_backend`). On CUDA each rank must be bound to its own GPU
+            (:func:`bind_local_device`); a rank on another rank's GPU is an error.
 
     The default process group must already be initialised (torchrun +
     ``dist.init_process_group``, or :func:`init_fake_world`).
@@ -72,6 +123,10 @@ def build_world_mesh(
             "torch.distributed.init_process_group(), or autopp.mesh.init_fake_world(n) to plan"
         )
     sizes = check_mesh_sizes({"pp": pp, "dp": dp, "tp": tp}, dist.get_world_size())
+    if device_type is None:
+        device_type = device_type_of_backend(str(dist.get_backend()))
+    if device_type == "cuda":
+        _check_bound_device()
     mesh = init_device_mesh(
         device_type, tuple(sizes[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS
     )

@@ -126,8 +126,9 @@ def parse_args() -> argparse.Namespace:
 def init_distributed(device_type: str) -> torch.device:
     """Join the torchrun job: gloo on CPU, nccl on GPUs (one per local rank)."""
     if device_type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
+        from autopp.mesh import bind_local_device
+
+        device = bind_local_device()  # LOCAL_RANK's GPU; an error when it is not set
     else:
         device = torch.device("cpu")
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo")

@@ -9,9 +9,11 @@ import torch
 grouped_mm = torch._grouped_mm
 
 
-def tensor_version(t: torch.Tensor) -> int:
-    """``t``'s in-place version counter (``Tensor._version``), and its local shard's for a
-    DTensor summed in: it grows with every in-place write, so a caller can tell whether code
-    wrote into a tensor."""
+def write_token(t: torch.Tensor) -> tuple[int, int, int]:
+    """What changes whenever code writes a tensor: its in-place version counter
+    (``Tensor._version``, the local shard's too for a DTensor) and the storage it points at
+    (an assignment through ``torch.utils.swap_tensors`` or ``.data`` keeps the object and its
+    version but moves the storage)."""
     local = getattr(t, "_local_tensor", None)
-    return t._version + (local._version if isinstance(local, torch.Tensor) else 0)
+    local = local if isinstance(local, torch.Tensor) else t
+    return t._version, local._version, local.data_ptr()

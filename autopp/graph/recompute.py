@@ -75,6 +75,16 @@ _MATMUL_OPS = frozenset({
 })
 
 
+_SAVED_BY_SELECTIVE: set = set()
+
+
+def save_under_selective(*packets) -> None:
+    """Count these op packets as compute-intensive: ``"selective"`` saves their outputs
+    rather than re-running them (an op library's own attention or matmul ops, e.g.
+    ``autopp::sdpa``, which torch's list does not know)."""
+    _SAVED_BY_SELECTIVE.update(packets)
+
+
 def check_recompute(recompute: str) -> None:
     """Raise ``ValueError`` unless ``recompute`` is one of :data:`RECOMPUTE_POLICIES`."""
     if recompute not in RECOMPUTE_POLICIES:
@@ -261,7 +271,8 @@ def _no_dropout(node: fx.Node) -> bool:
 def _is_matmul_like(node: fx.Node) -> bool:
     target = node.target
     packet = target.overloadpacket
-    if packet in _MATMUL_OPS or packet in _compat.compute_intensive_ops():
+    if packet in _MATMUL_OPS or packet in _SAVED_BY_SELECTIVE or \
+            packet in _compat.compute_intensive_ops():
         return True
     name = packet.__name__
     if "backward" in name:

@@ -31,6 +31,8 @@ from torch.distributed.tensor.experimental import register_sharding
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import register_flop_formula
 
+from autopp.graph.recompute import save_under_selective
+
 
 @torch.library.custom_op("autopp::sdpa", mutates_args=())
 def sdpa(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
@@ -46,6 +48,10 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
 @sdpa.register_fake
 def _(q, k, v, is_causal, scale, enable_gqa):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+# selective recompute saves attention's output rather than running attention a third time
+save_under_selective(torch.ops.autopp.sdpa)
 
 
 @torch.library.custom_op("autopp::sdpa_backward", mutates_args=())

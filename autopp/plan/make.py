@@ -160,8 +160,11 @@ class PlannedStage:
 
 
 def default_profile(device_type: str) -> str:
-    """The device profile the planner assumes when none is given, from the mesh's device type."""
-    return "CPU" if device_type == "cpu" else "H100"
+    """The device profile the planner assumes when none is given: the detected device's
+    (:func:`autopp.profiles.lookup.profile_for_device`)."""
+    from autopp.profiles.lookup import profile_for_device
+
+    return profile_for_device(device_type)
 
 
 def plan_local_stage(
@@ -521,7 +524,7 @@ def plan_pipeline(
             dtypes matter; meta tensors are fine); or give ``global_batch_size`` (all dp
             ranks) and ``seq_len`` for int64 token ids.
         options: the planner's options (:class:`autopp.backends.PlannerOptions`); default:
-            its defaults (profile "CPU" on a cpu mesh, else "H100").
+            its defaults (the profile of the detected device: "CPU" on a cpu mesh).
         loss_fn: the loss the pipeline will run with; it decides whether the loss may run in
             parallel over tp. None: :func:`autopp.cross_entropy`.
         mesh: the ("pp", "dp", "tp") world mesh to plan on. None: one is built; without a
@@ -555,8 +558,7 @@ def plan_pipeline(
                              f"ranks, but pp={pp} x dp={dp} x tp={tp} needs {world}")
     try:
         if mesh is None:
-            mesh = build_world_mesh(pp=pp, dp=dp, tp=tp, device_type="cuda"
-                                    if dist.get_backend() == "nccl" else "cpu")
+            mesh = build_world_mesh(pp=pp, dp=dp, tp=tp)  # the backend's device type
         sizes = mesh_sizes(mesh)
         if (sizes["pp"], sizes["dp"], sizes["tp"]) != (pp, dp, tp):
             raise ValueError(f"mesh is pp={sizes['pp']} x dp={sizes['dp']} x tp={sizes['tp']}, "

@@ -21,8 +21,10 @@ class PlannerOptions:
     """What the planner may choose and under which assumptions.
 
     Attributes:
-        profile: the device profile of the cost model ("H100", "H200", "A100", "CPU");
-            None: "CPU" on a cpu mesh, else "H100".
+        profile: the device profile of the cost model ("H100", "H200", "A100",
+            "A100-40GB", "CPU", "measure", or a registered name); None: the detected
+            device's ("CPU" on a cpu mesh; a CUDA device by its name and memory, an unknown
+            GPU is an error asking for ``profile=``).
         memory_budget_bytes: per-device memory the plan must fit: parameters, gradients,
             AdamW state, gathered parameters, and the activations of every microbatch in
             flight on the stage under the schedule (the schedule simulator's count); shared

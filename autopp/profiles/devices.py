@@ -94,6 +94,15 @@ PROFILES: dict[str, DeviceProfile] = {
         intra_node_bw=300e9,
         inter_node_bw=25e9,
     ),
+    "A100-40GB": DeviceProfile(
+        name="A100-40GB",
+        flops_bf16=312e12,
+        flops_fp32=156e12,
+        mem_bw=1.555e12,
+        memory_bytes=40e9,
+        intra_node_bw=300e9,
+        inter_node_bw=25e9,
+    ),
     "CPU": DeviceProfile(
         name="CPU",
         flops_bf16=0.2e12,

@@ -47,3 +47,22 @@ def test_custom_ops_pass_opcheck_with_transposed_inputs():
     g = torch.randn(2, 4, 16, 8)
     torch.library.opcheck(torch.ops.autopp.sdpa.default, (q, k, v, True, 0.3, False))
     torch.library.opcheck(torch.ops.autopp.sdpa_backward.default, (g, q, k, v, True, 0.3, False))
+
+
+def test_selective_recompute_saves_attention_instead_of_running_it_again(stack_of):
+    """Under "selective", autopp::sdpa's output is saved (attention is compute-intensive,
+    like the matmuls): the backward recomputes no attention, only the cheap ops."""
+    from autopp.graph.recompute import recompute_sets
+    from autopp.graph.aot import from_aot_joint
+    from autopp.sharding.trace import trace_joint
+    from autopp.sharding.units import stage_units
+
+    (unit,) = stage_units(stack_of(1))
+    joint = trace_joint(unit.module, (torch.empty(4, 16, 256, device="meta"),))
+    flat, sig = from_aot_joint(joint.gm)
+    sdpa = [n.name for n in flat.graph.nodes if str(n.target) == "autopp.sdpa.default"]
+    assert len(sdpa) == 1
+    selective = recompute_sets(flat, sig, "selective")
+    assert sdpa[0] in selective.must_save and sdpa[0] not in selective.recomputed
+    full = recompute_sets(flat, sig, "full")  # full recompute still re-runs it
+    assert sdpa[0] in full.recomputed
