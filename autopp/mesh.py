@@ -12,6 +12,7 @@ import math
 import os
 from collections.abc import Mapping
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -58,11 +59,9 @@ def local_rank() -> int | None:
     return None
 
 
-def bind_local_device() -> "torch.device":
+def bind_local_device() -> torch.device:
     """Bind this process to its own GPU (``torch.cuda.set_device(local_rank)``) and return
     it; the CPU when CUDA is not available. Call it before ``init_process_group``."""
-    import torch
-
     if not torch.cuda.is_available():
         return torch.device("cpu")
     local = local_rank()
@@ -84,8 +83,6 @@ def device_type_of_backend(backend: str) -> str:
 
 def _check_bound_device() -> None:
     """On CUDA, each rank must compute on its own GPU, not every rank on GPU 0."""
-    import torch
-
     local = local_rank()
     if local is not None and torch.cuda.device_count() > 1 and \
             torch.cuda.current_device() != local % torch.cuda.device_count():

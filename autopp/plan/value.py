@@ -98,7 +98,14 @@ def structure_difference(planned: Sequence[ModelEntry], model: nn.Module) -> str
         only_b = [n for n in b if n not in a]
         if only_a or only_b:
             def owners(names: list[str]) -> str:
-                return compact_modules(sorted({n.rpartition(".")[0] or n for n in names}))
+                """The blocks (``layers.4``) or modules holding ``names``, compacted."""
+                def block(n: str) -> str:
+                    parts = n.split(".")
+                    i = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+                    return ".".join(parts[:i + 1]) if i is not None else (
+                        n.rpartition(".")[0] or n)
+
+                return compact_modules(sorted({block(n) for n in names}))
 
             parts = [f"{word}: the plan's model has {len(a)}, this one {len(b)}"]
             if only_a:
