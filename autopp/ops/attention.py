@@ -11,10 +11,12 @@ routes SDPA calls (no mask, no dropout) to the custom op ``autopp::sdpa``:
   the same on every device;
 * its kernel is ``F.scaled_dot_product_attention`` on the local shards, so at run time the
   device picks its fused kernel (flash on GPUs, the CPU flash kernel on CPUs);
-* its backward ``autopp::sdpa_backward`` recomputes the probabilities from q, k and v (as
-  flash attention's own backward does) and applies the standard attention gradients, written
-  out in fp32 matmuls, so it runs on any device; the forward saves only q, k and v. (The
-  backward is not a fused kernel: it holds one layer's seq x seq probabilities while it runs.)
+* its backward ``autopp::sdpa_backward`` runs torch's own SDPA forward and backward on the
+  local shards (autograd switched back on inside the kernel), so the device's fused
+  backward runs (the CPU flash kernel, flash / memory-efficient / cuDNN on CUDA, as torch
+  chooses) and no seq x seq tensor exists in either direction; the forward saves only q, k
+  and v, so the backward re-runs the forward once for the output and log-sum-exp the fused
+  backward reads (priced: 3.5x the forward's FLOPs).
 
 FLOPs are registered with torch's FLOP counter, which the planner's cost model reads.
 """
@@ -31,6 +33,7 @@ from torch.distributed.tensor.experimental import register_sharding
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import register_flop_formula
 
+from autopp._compat.sharding import autograd_inside_custom_op
 from autopp.graph.recompute import save_under_selective
 
 
@@ -57,30 +60,21 @@ save_under_selective(torch.ops.autopp.sdpa)
 @torch.library.custom_op("autopp::sdpa_backward", mutates_args=())
 def sdpa_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
                   scale: float, enable_gqa: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of :func:`sdpa` w.r.t. q, k, v (the forward is recomputed)."""
-    # A custom op's kernel runs below autograd, so the backward is written out: recompute
-    # the probabilities (in fp32), then the standard attention gradients. Only this call
-    # holds them; nothing of size seq x seq outlives it.
-    n, nkv = q.shape[1], k.shape[1]
-    rep = n // nkv if enable_gqa and nkv != n else 1
-    kk = k.repeat_interleave(rep, dim=1) if rep > 1 else k
-    vv = v.repeat_interleave(rep, dim=1) if rep > 1 else v
-    qf, kf, vf, gf = q.float(), kk.float(), vv.float(), grad.float()
-    scores = (qf @ kf.transpose(-2, -1)) * scale
-    if is_causal:
-        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    dv = probs.transpose(-2, -1) @ gf
-    dprobs = gf @ vf.transpose(-2, -1)
-    dscores = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True))
-    dq = (dscores @ kf) * scale
-    dk = (dscores.transpose(-2, -1) @ qf) * scale
-    if rep > 1:  # each kv head served `rep` query heads
-        dk = dk.unflatten(1, (nkv, rep)).sum(2)
-        dv = dv.unflatten(1, (nkv, rep)).sum(2)
+    """Gradients of :func:`sdpa` w.r.t. q, k, v, by the device's fused SDPA backward.
+
+    A custom op's kernel runs below autograd; autograd is switched back on inside it
+    (:func:`~autopp._compat.sharding.autograd_inside_custom_op`) to run torch's own SDPA
+    forward and backward on the local shards, so torch picks the fused kernels as it does
+    for any SDPA call (CPU: the flash kernel for CPUs; CUDA: flash, memory-efficient or
+    cuDNN). The forward is re-run once to give the backward what it needs (its output and
+    log-sum-exp); nothing of size seq x seq is made in either direction."""
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    with autograd_inside_custom_op(), torch.enable_grad():
+        out = F.scaled_dot_product_attention(*leaves, is_causal=is_causal, scale=scale,
+                                             enable_gqa=enable_gqa)
+        grads = torch.autograd.grad(out, leaves, grad)
     # each gradient laid out like its input, as the fake kernel promises
-    return tuple(torch.empty_like(t).copy_(d) for t, d in ((q, dq), (k, dk), (v, dv)))
+    return tuple(torch.empty_like(t).copy_(d) for t, d in zip((q, k, v), grads))
 
 
 @sdpa_backward.register_fake
@@ -134,7 +128,9 @@ def _sdpa_flop(q_shape, k_shape, v_shape, *args, **kwargs) -> int:
 
 @register_flop_formula(torch.ops.autopp.sdpa_backward)
 def _sdpa_backward_flop(grad_shape, q_shape, k_shape, v_shape, *args, **kwargs) -> int:
-    return 3 * _attention_flops(q_shape, k_shape, v_shape)  # recompute + two-matmul backward
+    # the forward re-run (1x) + the fused backward's five matmuls (q·kᵀ again, dV, dP, dQ,
+    # dK: 2.5x the forward's two)
+    return int(3.5 * _attention_flops(q_shape, k_shape, v_shape))
 
 
 class AttentionAsOneOp(TorchFunctionMode):

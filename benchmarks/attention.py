@@ -1,0 +1,91 @@
+"""Attention forward + backward on CPU: autopp's op against torch's own SDPA under autograd
+and against the op's previous, unfused backward (probabilities recomputed in fp32 matmuls).
+
+    .venv/bin/python benchmarks/attention.py --seq 2048 --heads 8 --dim 64
+
+For each: the peak of tensor bytes allocated during one forward + backward (the profiler's
+allocator events, which also see a fused kernel's scratch: :func:`peak_bytes_during` of
+``benchmarks/memory.py``), the median time of ``--repeats`` runs side by side in one
+process, and the largest difference of the gradients from torch's. The previous backward is
+written out here only to measure it (it is what ``autopp::sdpa_backward`` ran before).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from memory import peak_bytes_during  # noqa: E402
+
+import autopp.ops.attention  # noqa: E402,F401  (registers autopp::sdpa)
+
+
+def unfused_backward(grad, q, k, v, scale):
+    """The op's previous backward: causal probabilities in fp32, then the gradients."""
+    qf, kf, vf, gf = q.float(), k.float(), v.float(), grad.float()
+    scores = (qf @ kf.transpose(-2, -1)) * scale
+    keep = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
+    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+    dv = probs.transpose(-2, -1) @ gf
+    dprobs = gf @ vf.transpose(-2, -1)
+    dscores = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True))
+    return (dscores @ kf) * scale, (dscores.transpose(-2, -1) @ qf) * scale, dv
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    shape = (args.batch, args.heads, args.seq, args.dim)
+    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+    g = torch.randn(shape)
+    scale = args.dim ** -0.5
+
+    def torch_sdpa():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return torch.autograd.grad(out, (q, k, v), g)
+
+    def autopp_op():
+        out = torch.ops.autopp.sdpa(q, k, v, True, scale, False)
+        return torch.autograd.grad(out, (q, k, v), g)
+
+    def previous():
+        with torch.no_grad():
+            torch.ops.autopp.sdpa(q, k, v, True, scale, False)
+            return unfused_backward(g, q.detach(), k.detach(), v.detach(), scale)
+
+    ref = torch_sdpa()
+    rows = []
+    for name, fn in (("torch SDPA autograd", torch_sdpa), ("autopp::sdpa (fused bwd)", autopp_op),
+                     ("previous unfused bwd", previous)):
+        got = fn()
+        err = max(float((a - b).abs().max()) for a, b in zip(got, ref))
+        peak = peak_bytes_during(fn)
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        rows.append((name, peak, statistics.median(times), err))
+    seq2 = args.batch * args.heads * args.seq ** 2 * 4
+    print(f"attention fwd+bwd, causal, fp32, (b, h, s, d) = {shape}; one fp32 (b, h, s, s) "
+          f"tensor is {seq2 / 2**20:.0f} MiB; {torch.get_num_threads()} threads")
+    print(f"{'':26} {'peak MiB':>9} {'median ms':>10} {'max |grad - torch|':>19}")
+    for name, peak, t, err in rows:
+        print(f"{name:26} {peak / 2**20:>9.1f} {t * 1e3:>10.1f} {err:>19.2e}")
+
+
+if __name__ == "__main__":
+    main()
