@@ -69,11 +69,59 @@ def _planner_source_hash() -> str:
     return h.hexdigest()[:16]
 
 
+def _version(dist_name: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist_name)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def profile_numbers(profile: Any) -> Any:
+    """A profile as the key holds it: its numbers, not its name (re-registering or
+    re-measuring a profile under one name must not reuse plans priced at the old speeds)."""
+    import dataclasses
+
+    from autopp.profiles.lookup import get_profile
+
+    if profile == "measure":  # resolving it would measure the machine; callers resolve first
+        return profile
+    try:
+        return dataclasses.asdict(get_profile(profile))
+    except (ValueError, TypeError):  # not a resolvable profile: as it was given
+        return repr(profile)
+
+
+_FORWARD_CODE: dict[type, str] = {}
+
+
+def _class_forward_code(cls: type) -> str:
+    if cls not in _FORWARD_CODE:
+        import inspect
+
+        fwd = getattr(cls, "forward", None)
+        try:
+            text = inspect.getsource(fwd)
+        except (OSError, TypeError):
+            code = getattr(fwd, "__code__", None)
+            text = repr((code.co_code, code.co_consts)) if code is not None else cls.__qualname__
+        _FORWARD_CODE[cls] = f"{cls.__module__}.{cls.__qualname__}:" + hashlib.sha256(
+            text.encode()).hexdigest()[:12]
+    return _FORWARD_CODE[cls]
+
+
+def forward_code(module: nn.Module) -> list[str]:
+    """A hash of each distinct module class's ``forward`` in ``module`` (its source, or its
+    bytecode where the source is not available): a changed forward gets a new key."""
+    return sorted({_class_forward_code(type(m)) for m in module.modules()})
+
+
 def _hash(desc: dict[str, Any]) -> str:
     from autopp import adapters
 
-    desc = {**desc, "torch": torch.__version__, "planner": _planner_source_hash(),
-            "adapters": adapters.settings()}
+    desc = {**desc, "torch": torch.__version__, "torchtitan": _version("torchtitan"),
+            "planner": _planner_source_hash(), "adapters": adapters.settings()}
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -81,9 +129,14 @@ def plan_key(
     module: nn.Module, example_inputs: Sequence[Any], mesh_shape: Sequence[int],
     mesh_dim_names: Sequence[str], options: dict[str, Any],
 ) -> str:
-    """A stable hash of what a stage plan depends on."""
+    """A stable hash of what a stage plan depends on: the module's structure and forward
+    code, its inputs, the mesh, the options (a profile by its numbers), the planning code,
+    torch's and torchtitan's versions, the tracing settings."""
+    if "profile" in options:
+        options = {**options, "profile": profile_numbers(options["profile"])}
     return _hash({
         "modules": [[n, type(m).__qualname__] for n, m in module.named_modules()],
+        "forward": forward_code(module),
         "params": [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in module.named_parameters()],
         "buffers": [[n, list(b.shape), str(b.dtype)] for n, b in module.named_buffers()],
         "inputs": [_describe_tensor(x) for x in example_inputs],
@@ -94,7 +147,11 @@ def plan_key(
 
 def pipeline_plan_key(desc: dict[str, Any]) -> str:
     """A stable hash of what a whole pipeline plan depends on (``desc``: JSON values, see
-    :func:`autopp.plan.make.plan_whole_pipeline`), torch's version and the planning code."""
+    :func:`autopp.plan.make.plan_whole_pipeline`; its options' profile is hashed by its
+    numbers), torch's and torchtitan's versions and the planning code."""
+    opts = desc.get("options")
+    if isinstance(opts, dict) and "profile" in opts:
+        desc = {**desc, "options": {**opts, "profile": profile_numbers(opts["profile"])}}
     return "pipeline-" + _hash({"pipeline": desc})
 
 

@@ -32,7 +32,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopp import tracing
-from autopp.plan.cache import cached_pipeline_plan, cached_plan, pipeline_plan_key, plan_key
+from autopp.plan.cache import (
+    cached_pipeline_plan,
+    cached_plan,
+    forward_code,
+    pipeline_plan_key,
+    plan_key,
+)
 from autopp.plan.loss_choice import describe_loss, loss_kinds, loss_time_s
 from autopp.plan.objective import boundary_bytes, pipeline_objective_s, pp_link, transfer_s
 from autopp.plan.options import PlannerOptions
@@ -472,7 +478,8 @@ def plan_whole_pipeline(
     if not use_cache:
         return solve(), False
     key = pipeline_plan_key({
-        "model": fingerprint, "pp": pp, "split": fqns, "stage_ranks": list(stage_ranks),
+        "model": fingerprint, "forward": forward_code(model), "pp": pp, "split": fqns,
+        "stage_ranks": list(stage_ranks),
         "sub_mesh": [list(sub_mesh.shape), list(sub_mesh.mesh_dim_names)],
         "schedule": str(schedule), "n_microbatches": n_microbatches,
         "inputs": [[list(x.shape), str(x.dtype)] for x in example_inputs],

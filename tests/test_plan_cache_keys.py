@@ -1,0 +1,55 @@
+"""Plan cache keys that cannot go stale (``autopp.plan.cache``): a profile re-registered
+under its name with other numbers and a changed forward each give a new key; the same
+inputs give the same key. (A changed file under ``autopp/graph/``:
+``tests/test_pipeline_plan.py::test_cache_key_follows_the_boundary_planning_code``.)"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from autopp.plan import cache
+
+
+def _key(module: nn.Module, profile: str = "H100") -> str:
+    x = torch.empty(4, 8, device="meta")
+    return cache.plan_key(module, (x,), (2, 2), ("dp", "tp"), {"profile": profile})
+
+
+def _block(scale: float) -> type:
+    class Block(nn.Module):  # the same name and parameters each time; only forward differs
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Linear(8, 8)
+
+        if scale == 1.0:
+            def forward(self, x):
+                return self.w(x)
+        else:
+            def forward(self, x):
+                return self.w(x) * 2.0
+
+    return Block
+
+
+def test_a_changed_forward_gets_a_new_key():
+    one, two = _block(1.0), _block(2.0)
+    assert one.__qualname__ == two.__qualname__
+    with torch.device("meta"):
+        a, b = one(), two()
+    assert _key(a) == _key(one().to("meta"))
+    assert _key(a) != _key(b)
+
+
+def test_a_profile_re_registered_with_other_numbers_gets_a_new_key():
+    from autopp.profiles.devices import PROFILES, register_profile, with_overrides
+
+    with torch.device("meta"):
+        m = _block(1.0)()
+    register_profile(with_overrides(PROFILES["H100"], name="site-gpu"))
+    before = _key(m, "site-gpu")
+    assert before == _key(m, "site-gpu")
+    register_profile(with_overrides(PROFILES["H100"], name="site-gpu", flops_bf16=2e15))
+    assert _key(m, "site-gpu") != before
+    assert cache.pipeline_plan_key({"options": {"profile": "site-gpu"}}) != \
+        cache.pipeline_plan_key({"options": {"profile": "H100"}})
