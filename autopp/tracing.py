@@ -1,4 +1,6 @@
-"""Contexts autopp enters whenever it runs a model on meta or traces it for planning.
+"""What autopp traces under: the contexts it enters whenever it runs a model on meta or
+traces it for planning, and the tracing settings (choices that change what is traced,
+below).
 
 Some layers cannot run on meta or trace as they are written (a MoE router's autocast). The
 code that knows them (the model adapters, :mod:`autopp.adapters`) registers a context here,

@@ -6,7 +6,8 @@ and against the op's previous, unfused backward (probabilities recomputed in fp3
 For each: the peak of tensor bytes allocated during one forward + backward (the profiler's
 allocator events, which also see a fused kernel's scratch: :func:`peak_bytes_during` of
 ``benchmarks/memory.py``), the median time of ``--repeats`` runs side by side in one
-process, and the largest difference of the gradients from torch's. The previous backward is
+process, and the largest difference of the gradients from torch's; then the backward op's time over
+the forward op's, measured and as the cost model prices it (their registered FLOPs). The previous backward is
 written out here only to measure it (it is what ``autopp::sdpa_backward`` ran before).
 """
 
@@ -79,12 +80,33 @@ def main() -> None:
             fn()
             times.append(time.perf_counter() - t0)
         rows.append((name, peak, statistics.median(times), err))
+    def median_s(fn) -> float:
+        fn()
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    fwd = median_s(lambda: torch.ops.autopp.sdpa(qd, kd, vd, True, scale, False))
+    bwd = median_s(lambda: torch.ops.autopp.sdpa_backward(g, qd, kd, vd, True, scale, False))
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as fc_f:
+        torch.ops.autopp.sdpa(qd, kd, vd, True, scale, False)
+    with FlopCounterMode(display=False) as fc_b:
+        torch.ops.autopp.sdpa_backward(g, qd, kd, vd, True, scale, False)
+    priced = fc_b.get_total_flops() / fc_f.get_total_flops()
     seq2 = args.batch * args.heads * args.seq ** 2 * 4
     print(f"attention fwd+bwd, causal, fp32, (b, h, s, d) = {shape}; one fp32 (b, h, s, s) "
           f"tensor is {seq2 / 2**20:.0f} MiB; {torch.get_num_threads()} threads")
     print(f"{'':26} {'peak MiB':>9} {'median ms':>10} {'max |grad - torch|':>19}")
     for name, peak, t, err in rows:
         print(f"{name:26} {peak / 2**20:>9.1f} {t * 1e3:>10.1f} {err:>19.2e}")
+    print(f"autopp::sdpa_backward / autopp::sdpa: measured {bwd / fwd:.2f}x "
+          f"({bwd * 1e3:.1f} / {fwd * 1e3:.1f} ms), priced {priced:.2f}x (registered FLOPs)")
 
 
 if __name__ == "__main__":

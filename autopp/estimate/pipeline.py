@@ -64,14 +64,16 @@ def simulate_stages(schedule: str, costs: Sequence[StageCost], *, pp: int, n_mic
 
 
 def estimate_plan(plan: Any, model: nn.Module, sub_mesh: Any, *, mode: EstimateMode = "graphs",
-                  stage_modules: Sequence[nn.Module] | None = None) -> Any:
+                  stage_modules: Sequence[nn.Module] | None = None,
+                  gathering: WeightGathering = WeightGathering()) -> Any:
     """``plan`` (a :class:`~autopp.plan.value.PipelinePlan`) with simulated estimates, from
     the stage inputs and send bytes it records (no meta forward).
 
     ``model``: the whole model on meta (its stages are built from it unless
     ``stage_modules`` gives them); ``sub_mesh``: a stage's ("dp", "tp") sub-mesh (real or
-    fake; all stages' have the same shape). A plan that has estimates already (e.g. a dry
-    run's) is returned as it is."""
+    fake; all stages' have the same shape). ``gathering``: the runtime's weight-gathering
+    policy (``PlannerOptions.reshard_after_forward`` is a runtime choice the plan does not
+    record). A plan that has estimates already (e.g. a dry run's) is returned as it is."""
     from autopp.stage_split import build_stage_module
 
     if plan.estimates is not None:
@@ -84,7 +86,7 @@ def estimate_plan(plan: Any, model: nn.Module, sub_mesh: Any, *, mode: EstimateM
         _, cost = stage_estimate(meta, splan, sub_mesh, plan.stage_example_inputs(s),
                                  plan.n_microbatches, mode=mode, loss_s=splan.loss_s,
                                  send_bytes=plan.send_bytes[s], memo=memo,
-                                 gathering=WeightGathering.from_options(plan.options))
+                                 gathering=gathering)
         costs.append(cost)
         times.append(splan.step_time_s + splan.loss_s)
     profile = plan.options.profile

@@ -36,8 +36,7 @@ class WeightGathering:
     @staticmethod
     def from_options(options: Any) -> "WeightGathering":
         """The policy ``options`` (a :class:`~autopp.plan.options.PlannerOptions`) asks for."""
-        return WeightGathering(per_microbatch=bool(getattr(options, "reshard_after_forward",
-                                                           False)))
+        return WeightGathering(per_microbatch=bool(options.reshard_after_forward))
 
     def regathers(self, gathered_bytes: int) -> bool:
         """The runtime's ``regather_for_backward`` for a stage whose unshard graph makes

@@ -9,7 +9,6 @@ import torch
 from torch import Tensor
 
 from autopp._compat import sharding as compat
-from autopp.ops import DISPATCHES  # noqa: F401  (also read from here)
 from autopp._compat.ops import grouped_mm
 
 _DTYPES = {"": None, "bfloat16": torch.bfloat16, "float16": torch.float16,

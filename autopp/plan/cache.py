@@ -21,6 +21,7 @@ The directory is ``$AUTOPP_PLAN_CACHE`` if set, else ``~/.cache/autopp/plans``.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -98,8 +99,6 @@ _FORWARD_CODE: dict[type, str] = {}
 
 def _class_forward_code(cls: type) -> str:
     if cls not in _FORWARD_CODE:
-        import inspect
-
         fwd = getattr(cls, "forward", None)
         try:
             text = inspect.getsource(fwd)

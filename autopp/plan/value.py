@@ -82,11 +82,22 @@ def model_structure(model: nn.Module) -> tuple[ModelEntry, ...]:
     return tuple(out)
 
 
+def _blocks_holding(names: Sequence[str]) -> str:
+    """The blocks (``layers.4``: up to the first numeric part) or else the modules holding
+    parameter or buffer ``names``, compacted (``layers.4-5``)."""
+    from autopp.format import compact_modules
+
+    def block(n: str) -> str:
+        parts = n.split(".")
+        i = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        return ".".join(parts[:i + 1]) if i is not None else (n.rpartition(".")[0] or n)
+
+    return compact_modules(sorted({block(n) for n in names}))
+
+
 def structure_difference(planned: Sequence[ModelEntry], model: nn.Module) -> str | None:
     """The first way ``model`` differs from the model ``planned`` describes, in words
     (None: no difference in what :func:`model_structure` records)."""
-    from autopp.format import compact_modules
-
     theirs = model_structure(model)
     if planned[0] != theirs[0]:
         return f"model class: the plan's is {planned[0][1]}, this one {theirs[0][1]}"
@@ -97,21 +108,11 @@ def structure_difference(planned: Sequence[ModelEntry], model: nn.Module) -> str
         only_a = [n for n in a if n not in b]
         only_b = [n for n in b if n not in a]
         if only_a or only_b:
-            def owners(names: list[str]) -> str:
-                """The blocks (``layers.4``) or modules holding ``names``, compacted."""
-                def block(n: str) -> str:
-                    parts = n.split(".")
-                    i = next((i for i, p in enumerate(parts) if p.isdigit()), None)
-                    return ".".join(parts[:i + 1]) if i is not None else (
-                        n.rpartition(".")[0] or n)
-
-                return compact_modules(sorted({block(n) for n in names}))
-
             parts = [f"{word}: the plan's model has {len(a)}, this one {len(b)}"]
             if only_a:
-                parts.append(f"only the plan's has {owners(only_a)}")
+                parts.append(f"only the plan's has {_blocks_holding(only_a)}")
             if only_b:
-                parts.append(f"only this one has {owners(only_b)}")
+                parts.append(f"only this one has {_blocks_holding(only_b)}")
             return "; ".join(parts)
         for n, (_, _, shape, dtype) in a.items():
             _, _, shape2, dtype2 = b[n]

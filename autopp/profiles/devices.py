@@ -94,15 +94,6 @@ PROFILES: dict[str, DeviceProfile] = {
         intra_node_bw=300e9,
         inter_node_bw=25e9,
     ),
-    "A100-40GB": DeviceProfile(
-        name="A100-40GB",
-        flops_bf16=312e12,
-        flops_fp32=156e12,
-        mem_bw=1.555e12,
-        memory_bytes=40e9,
-        intra_node_bw=300e9,
-        inter_node_bw=25e9,
-    ),
     "CPU": DeviceProfile(
         name="CPU",
         flops_bf16=0.2e12,
@@ -117,6 +108,10 @@ PROFILES: dict[str, DeviceProfile] = {
         inter_node_latency=100e-6,
     ),
 }
+
+#: A100 40 GB: the 80 GB part's compute and links, its own memory and bandwidth.
+PROFILES["A100-40GB"] = replace(PROFILES["A100"], name="A100-40GB",
+                                memory_bytes=40e9, mem_bw=1.555e12)
 
 
 _REGISTERED: dict[str, DeviceProfile] = {}

@@ -47,7 +47,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopp._compat import sharding as compat
 from autopp.sharding import op_hooks
-from autopp.ops.expert_kernels import DISPATCHES
+from autopp.ops import DISPATCHES
 from autopp.ops import experts  # noqa: F401  (defines the ops whose hooks follow)
 from autopp.sharding.option import Option, local_shape, tensor_vals
 

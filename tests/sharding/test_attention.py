@@ -68,30 +68,13 @@ def test_selective_recompute_saves_attention_instead_of_running_it_again(stack_o
     assert sdpa[0] in full.recomputed
 
 
-def _peak_allocated(fn) -> int:
-    """Peak of bytes allocated during ``fn()`` above its start, from the profiler's
-    allocator events (they include a fused kernel's scratch)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if type(node.extra_fields).__name__ == "_ExtraFields_Allocation":
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))
-        stack += node.children
-    live = peak = 0
-    for _, size in sorted(events):
-        live += size
-        peak = max(peak, live)
-    return peak
-
-
 def test_backward_is_fused_and_holds_no_seq_by_seq_tensor():
     """The backward runs torch's fused kernel: its gradients equal torch's SDPA autograd to
     float rounding, and the peak allocated during forward + backward at seq 1024 stays
-    below one fp32 (batch, heads, seq, seq) tensor (the unfused backward held several)."""
+    below one fp32 (batch, heads, seq, seq) tensor (the unfused backward held several),
+    measured from the profiler's allocator events as ``benchmarks/memory.py`` measures."""
+    from benchmarks.memory import peak_bytes_during
+
     torch.manual_seed(0)
     b, h, s, d = 1, 2, 1024, 32
     q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
@@ -104,4 +87,4 @@ def test_backward_is_fused_and_holds_no_seq_by_seq_tensor():
     ref = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), g)
     for a, r in zip(ours(), ref):
         torch.testing.assert_close(a, r, atol=1e-6, rtol=1e-6)
-    assert _peak_allocated(ours) < b * h * s * s * 4
+    assert peak_bytes_during(ours) < b * h * s * s * 4
