@@ -244,3 +244,48 @@ def test_a_model_mismatch_names_what_differs():
     assert structure_difference(planned, nn.Linear(8, 8)).startswith(
         "model class: the plan's is torch.nn.modules.module.Module, this one "
         "torch.nn.modules.linear.Linear")
+
+
+def test_a_fallback_is_warned_shown_and_refused_under_strict(tmp_path, monkeypatch, caplog):
+    """An op whose DTensor rule fails is replicated (the plan still runs), logged as a
+    warning, listed by ``describe()``; ``PlannerOptions(strict=True)`` refuses the plan,
+    freshly planned or read from the cache. The rule failure is injected into llama3's
+    silu (whose real rule works: the unpatched plan has no fallback, checked first)."""
+    import logging
+
+    import autopp.sharding.planner as sharding_planner
+    import autopp.sharding.strategies as strategies
+    from autopp import plan_pipeline
+    from autopp.backends import PlannerOptions
+
+    kw = dict(pp=2, dp=1, tp=2, n_microbatches=2, global_batch_size=2, seq_len=SEQ)
+    monkeypatch.setenv("AUTOPP_PLAN_CACHE", str(tmp_path / "plans"))
+    monkeypatch.setattr(sharding_planner, "_MEMO", sharding_planner._Memo())
+    clean = plan_pipeline(llama3_meta(2), options=PlannerOptions(profile="CPU", strict=True),
+                          **kw)
+    assert clean.degraded() == []
+
+    real = strategies._Enumerator._ask_dtensor
+
+    def failing(self, node, args):
+        if node.target == torch.ops.aten.silu.default:
+            return [], None, "rule failed: RuntimeError: injected"
+        return real(self, node, args)
+
+    monkeypatch.setattr(strategies._Enumerator, "_ask_dtensor", failing)
+    monkeypatch.setattr(strategies, "_WARNED", set())
+    monkeypatch.setenv("AUTOPP_PLAN_CACHE", str(tmp_path / "plans2"))
+    monkeypatch.setattr(sharding_planner, "_MEMO", sharding_planner._Memo())
+    with caplog.at_level(logging.WARNING, logger="autopp.sharding.strategies"):
+        plan = plan_pipeline(llama3_meta(2), options=PlannerOptions(profile="CPU"), **kw)
+    warned = [r.getMessage() for r in caplog.records if "aten.silu" in r.getMessage()]
+    assert len(warned) == 1 and "strict=True" in warned[0], warned  # once, for both stages
+    bad = plan.degraded()
+    assert bad and all("aten.silu.default (rule failed: RuntimeError: injected)" in b
+                       for b in bad), bad
+    assert {b.split(":")[0] for b in bad} == {"stage 0", "stage 1"}
+    assert "replicated for want of a DTensor rule" in plan.describe()
+    with pytest.raises(ValueError, match=r"strict planning: \d+ fallback\(s\) changed the "
+                                         r"plan: stage 0: replicated for want of a DTensor "
+                                         r"rule: .*silu"):
+        plan_pipeline(llama3_meta(2), options=PlannerOptions(profile="CPU", strict=True), **kw)

@@ -179,3 +179,45 @@ def test_no_fit_message_names_each_kind_of_reason_and_only_its_remedies():
     assert "tp_sizes" in msg and "larger device" not in msg, msg
     memory = ("pp2 dp2 tp1 1F1B m2", "does not fit: stage 0 needs ~3.0 GiB of 1.0 GiB")
     assert "larger device" in report([memory]).no_fit_message()
+
+
+def test_a_probe_bug_is_told_from_a_planner_refusal(monkeypatch, caplog):
+    """A probe that raises something other than the planner's refusals (a ValueError) is
+    reported as autopp's bug, logged with the way to see its traceback, and named first in
+    the no-fit message; a refusal stays "the planner could not plan"."""
+    import logging
+
+    import torch.distributed as dist
+
+    from autopp import init_fake_world
+    from autopp.layout_search import probe_pool
+    from autopp.layout_search.search import SearchReport
+
+    monkeypatch.setattr(probe_pool, "JOB", dict(world=2, global_batch=2, seq_len=8, model=None,
+                                                layout=None, profile="CPU", mp=None))
+    errors = iter([TypeError("'NoneType' object is not subscriptable"),
+                   ValueError("output_placements (Shard(dim=1),) matches no placement")])
+
+    def raising(*a, **k):
+        raise next(errors)
+
+    monkeypatch.setattr(probe_pool, "probe_costs", raising)
+    init_fake_world(2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="autopp.layout_search.probe_pool"):
+            bug = probe_pool.probe_job(1, 2, 1, 1, ("none",))
+        refusal = probe_pool.probe_job(1, 2, 1, 1, ("none",))
+    finally:
+        dist.destroy_process_group()
+    assert bug == (probe_pool.PROBE_BUG + "TypeError: 'NoneType' object is not subscriptable")
+    assert any("AUTOPP_TRACEBACK=1" in r.getMessage() for r in caplog.records), caplog.text
+    assert refusal.startswith("the planner could not plan this sub-mesh: output_placements")
+    report = SearchReport(results=(), rejected=(("pp1 dp1 tp2 1F1B m1", bug),
+                                                ("pp1 dp1 tp2 GPipe m1", refusal)),
+                          world_size=2, global_batch=2, seq_len=8, profile="CPU",
+                          mixed_precision=None, n_evaluated=2, n_submeshes=1,
+                          stage_plans_solved=0, search_s=0.0)
+    assert [k for k, v in report.rejected_by_kind().items() if v] == ["planner", "bug"]
+    msg = report.no_fit_message()
+    assert msg.index("autopp failed while probing") < msg.index("the planner failed"), msg
+    assert "please report it; AUTOPP_TRACEBACK=1" in msg, msg

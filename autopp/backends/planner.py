@@ -88,6 +88,8 @@ class Planner(StageBackend):
                 schedule=spec.schedule, n_microbatches=spec.n_microbatches,
                 example_inputs=spec.example_inputs, fqns_per_stage=spec.fqns_per_stage,
                 stage_ranks=spec.rank_of, loss_fn=spec.loss_fn)
+            if self.options.strict:  # every rank holds the given plan: all raise together
+                self.plan.check_strict()
             self._pipeline_plan, self.plan_source = self.plan, "given"
         else:
             from autopp.backends.planner import plan_for_spec

@@ -9,6 +9,9 @@ recomputation policies goes back to the worker that traced it.
 
 from __future__ import annotations
 
+import logging
+import os
+import traceback
 from typing import Any
 
 import torch
@@ -16,7 +19,12 @@ import torch.distributed as dist
 
 from autopp.layout_search.unit_costs import ShapeCosts, probe_costs
 
-__all__ = ["JOB", "ProbePool"]
+__all__ = ["JOB", "PROBE_BUG", "ProbePool"]
+
+logger = logging.getLogger(__name__)
+
+PROBE_BUG = "an error in autopp while probing (a bug, not a property of the layout): "
+"""How a probe failure that is not one of the planner's refusals (a ValueError) begins."""
 
 JOB: dict[str, Any] = {}
 """What probe jobs read: set before the worker processes are forked (they inherit it)."""
@@ -38,8 +46,16 @@ def probe_job(dp: int, tp: int, pp: int, m_ref: int, modes: tuple[str, ...]
                            profile=j["profile"], boundary="batch+seq" if tp > 1 else "batch",
                            loss_kind="vocab" if tp > 1 else "batch", modes=modes,
                            mixed_precision=j["mp"])
-    except Exception as e:  # noqa: BLE001 - a sub-mesh the planner cannot plan
+    except ValueError as e:  # the planner's own refusals (InfeasiblePlanError among them)
         return f"the planner could not plan this sub-mesh: {e}".split("\n")[0]
+    except Exception as e:  # noqa: BLE001 - anything else is a bug in autopp, said so
+        why = f"{type(e).__name__}: {e}".split("\n")[0]
+        if os.environ.get("AUTOPP_TRACEBACK"):
+            logger.warning("probing dp=%d tp=%d failed:\n%s", dp, tp, traceback.format_exc())
+        else:
+            logger.warning("probing dp=%d tp=%d failed (%s); AUTOPP_TRACEBACK=1 logs the "
+                           "traceback", dp, tp, why)
+        return f"{PROBE_BUG}{why}"
 
 
 def _probe_worker(jobs: Any, results: Any, wid: int) -> None:

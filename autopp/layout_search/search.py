@@ -40,7 +40,7 @@ from torch import nn
 
 from autopp.layout_search.layouts import DEFAULT_SCHEDULES, Layout, enumerate_layouts
 from autopp.layout_search.pricing import Candidate, Pricer, Split
-from autopp.layout_search.probe_pool import JOB, ProbePool
+from autopp.layout_search.probe_pool import JOB, PROBE_BUG, ProbePool
 
 __all__ = ["Candidate", "SearchReport", "search"]
 
@@ -79,11 +79,13 @@ class SearchReport:
     def rejected_by_kind(self) -> dict[str, list[tuple[str, str]]]:
         """The rejected layouts by why: "memory" (priced, does not fit), "planner" (the
         planner failed on its sub-mesh), "shape" (the sizes do not divide: batch, layers,
-        microbatches, node size), "dominated" (fits, but cannot be among the fastest)."""
+        microbatches, node size), "dominated" (fits, but cannot be among the fastest),
+        "bug" (probing raised something other than the planner's refusals: autopp's fault)."""
         out: dict[str, list[tuple[str, str]]] = {"planner": [], "memory": [], "shape": [],
-                                                 "dominated": []}
+                                                 "dominated": [], "bug": []}
         for lay, why in self.rejected:
             kind = ("memory" if why.startswith("does not fit") else
+                    "bug" if why.startswith(PROBE_BUG) else
                     "planner" if why.startswith("the planner could not plan") else
                     "dominated" if why.startswith("dominated") else "shape")
             out[kind].append((lay, why))
@@ -92,11 +94,15 @@ class SearchReport:
     def no_fit_message(self) -> str:
         """Why no layout fits, per kind of reason, and only the remedies for those kinds."""
         kinds = self.rejected_by_kind()
-        label = {"planner": "the planner failed", "memory": "do not fit in memory",
-                 "shape": "sizes do not divide"}
+        label = {"bug": "autopp failed while probing", "planner": "the planner failed",
+                 "memory": "do not fit in memory", "shape": "sizes do not divide"}
         parts = [f"{len(kinds[k])} layout(s): {label[k]} (e.g. {kinds[k][0][0]}: "
-                 f"{kinds[k][0][1]})" for k in ("planner", "memory", "shape") if kinds[k]]
+                 f"{kinds[k][0][1]})" for k in ("bug", "planner", "memory", "shape")
+                 if kinds[k]]
         fixes = []
+        if kinds["bug"]:
+            fixes.append("a fix in autopp for the probing error (please report it; "
+                         "AUTOPP_TRACEBACK=1 logs its traceback)")
         if kinds["memory"]:
             fixes.append("more devices (pp or tp shard parameters and activations "
                          "further), a smaller global batch or sequence (fewer activations "

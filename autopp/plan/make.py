@@ -476,19 +476,28 @@ def plan_whole_pipeline(
         )
 
     if not use_cache:
-        return solve(), False
-    key = pipeline_plan_key({
-        "model": fingerprint, "forward": forward_code(model), "pp": pp, "split": fqns,
-        "stage_ranks": list(stage_ranks),
-        "sub_mesh": [list(sub_mesh.shape), list(sub_mesh.mesh_dim_names)],
-        "schedule": str(schedule), "n_microbatches": n_microbatches,
-        "inputs": [[list(x.shape), str(x.dtype)] for x in example_inputs],
-        "options": dataclasses.asdict(record), "recompute": options.recompute,
-        "last_kinds": list(last_kinds), "budgets": budgets, "memory": memory,
-    })
+        plan, hit = solve(), False
+    else:
+        plan, hit = _cached_solve(solve, {
+            "model": fingerprint, "forward": forward_code(model), "pp": pp, "split": fqns,
+            "stage_ranks": list(stage_ranks),
+            "sub_mesh": [list(sub_mesh.shape), list(sub_mesh.mesh_dim_names)],
+            "schedule": str(schedule), "n_microbatches": n_microbatches,
+            "inputs": [[list(x.shape), str(x.dtype)] for x in example_inputs],
+            "options": dataclasses.asdict(record), "recompute": options.recompute,
+            "last_kinds": list(last_kinds), "budgets": budgets, "memory": memory,
+        })
+    if options.strict:  # planned or cached: a fallback in either is refused
+        plan.check_strict()
+    return plan, hit
+
+
+def _cached_solve(solve: Callable[[], PipelinePlan], fields: dict) -> tuple[PipelinePlan, bool]:
+    """``solve()``'s plan through the on-disk cache under the key of ``fields``."""
+    key = pipeline_plan_key(fields)
     t0 = time.perf_counter()
     plan, hit = cached_pipeline_plan(key, solve)
-    logger.info("pipeline plan %s: %d stages in %.1f s (%s)", key[9:21], n,
+    logger.info("pipeline plan %s: %d stages in %.1f s (%s)", key[9:21], len(fields["split"]),
                 time.perf_counter() - t0, "cached" if hit else "planned")
     return plan, hit
 

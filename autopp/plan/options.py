@@ -71,8 +71,13 @@ class PlannerOptions:
             dtype), "float16", "float32", or "param" (the parameters' own dtype: fp32
             numerics to compare with an fp32 reference). Default: the process default,
             "bfloat16" unless ``set_expert_compute_dtype`` changed it.
+        strict: refuse a plan that a fallback changed (an op replicated because DTensor's
+            sharding rule failed or has no option for it, an op priced without FLOPs because
+            its formula failed): raise on every rank, listing them. False (default): each is
+            logged as a warning once and listed in the plan's ``describe()``. Not part of
+            the plan (it changes no choice), so a cached or saved plan is checked too.
 
-    The plan records the last two (they change what is traced); every later trace of its
+    The plan records ``token_dispatch`` and ``expert_compute_dtype`` (they change what is traced); every later trace of its
     stages (applying it, estimating it) uses the plan's values, not the process default.
     """
 
@@ -88,6 +93,7 @@ class PlannerOptions:
     token_dispatch: str = field(default_factory=lambda: tracing.setting("token_dispatch"))
     expert_compute_dtype: str = field(
         default_factory=lambda: tracing.setting("expert_compute_dtype"))
+    strict: bool = False
 
     def trace_settings(self) -> dict[str, str]:
         """The options that change what is traced, as :func:`autopp.tracing.settings`

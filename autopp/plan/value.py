@@ -391,11 +391,28 @@ class PipelinePlan:
             )
 
     # ---- printing it ----------------------------------------------------------------------
+    def degraded(self) -> list[str]:
+        """Every fallback that changed this plan, as "stage s: what" (see
+        :meth:`autopp.sharding.plan.StagePlan.degraded`); empty when none."""
+        return [f"stage {s}: {what}" for s, plan in enumerate(self.stage_plans)
+                for what in plan.degraded()]
+
+    def check_strict(self) -> None:
+        """Raise ValueError listing :meth:`degraded` when there is any: what
+        ``PlannerOptions(strict=True)`` asks for on every rank."""
+        if bad := self.degraded():
+            raise ValueError(
+                f"strict planning: {len(bad)} fallback(s) changed the plan: "
+                + "; ".join(bad[:5]) + (" ..." if len(bad) > 5 else "")
+                + ". Register a DTensor sharding rule (or a FLOP formula) for these ops, or "
+                "plan with PlannerOptions(strict=False) to accept them")
+
     def describe(self) -> str:
         """The plan as text: mesh, schedule, options, each stage, tied parameters, estimates."""
         from autopp.plan.loss_choice import describe_loss
         from autopp.format import compact_modules, format_bytes
         from autopp.sharding.report import placement_summary
+        from autopp.sharding.plan import FLOP_FAILURE
 
         o = self.options
         mib = 2**20
@@ -425,7 +442,7 @@ class PipelinePlan:
                 *([f"    replicated for want of a DTensor rule: {len(plan.fallbacks)} ops "
                    f"({', '.join(plan.fallbacks[:3])}{', ...' if len(plan.fallbacks) > 3 else ''})"]
                   if plan.fallbacks else []),
-                *[f"    {n}" for n in plan.notes if n.startswith("FLOP formula")],
+                *[f"    {n}" for n in plan.degraded() if n.startswith(FLOP_FAILURE)],
             ]
         lines.append(f"  {describe_loss(self.loss_placement)}")
         tied = sorted({(f, "/".join(p)) for d in self.tied_placements for f, p in d})

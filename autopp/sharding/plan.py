@@ -93,6 +93,10 @@ class BlockPlan:
     """Parameter state as counted (see :attr:`StagePlan.state_bytes`)."""
 
 
+FLOP_FAILURE = "FLOP formula of "
+"""How a stage plan's note about an op priced without its FLOPs begins."""
+
+
 @dataclass(frozen=True, slots=True)
 class StagePlan:
     """A sharding plan for one stage on its sub-mesh."""
@@ -158,6 +162,14 @@ class StagePlan:
     trace_settings: tuple[tuple[str, str], ...] = ()
     """The tracing settings the stage was planned under (:mod:`autopp.tracing`: e.g. MoE
     token dispatch), by name; every later trace of it (applying, estimating) uses them."""
+
+    def degraded(self) -> list[str]:
+        """What was planned on a fallback that changes the plan: ops replicated because
+        DTensor's rule failed or had no option (:attr:`fallbacks`), and ops priced without
+        their FLOPs because their formula failed (from :attr:`notes`). ``describe()`` shows
+        them; ``PlannerOptions(strict=True)`` refuses a plan that has any."""
+        return [*(f"replicated for want of a DTensor rule: {f}" for f in self.fallbacks),
+                *(n for n in self.notes if n.startswith(FLOP_FAILURE))]
 
     def param_placements(self) -> dict[str, tuple[Any, ...]]:
         """FQN -> torch placements."""

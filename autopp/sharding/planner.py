@@ -31,7 +31,7 @@ from autopp.sharding.units import POST, PRE, Unit, stage_units, unit_signature
 from autopp.sharding.costs import CostModel
 from autopp.sharding.memory_row import MemorySpec
 from autopp.sharding.precision import check_policy, maybe_cast, reduce_after_cast
-from autopp.sharding.plan import BlockPlan, CollectivePlan, ParamPlan, StagePlan, to_strs
+from autopp.sharding.plan import FLOP_FAILURE, BlockPlan, CollectivePlan, ParamPlan, StagePlan, to_strs
 from autopp.profiles.devices import DeviceProfile
 from autopp.profiles.lookup import get_profile
 from autopp.sharding.option import PlacementSpec, matches
@@ -357,7 +357,7 @@ def _assemble(parts, solved, mesh, names, prof, costs, budget, t0, pdtype=None) 
             "costs: joint fwd+bwd graph as traced (a parameter gathered in forward is not "
             "re-gathered in backward); memory: the ILP's estimate per device (activations "
             "read off the traced joint graph under the recomputation policy)",
-            *(f"FLOP formula of {op} failed ({why}): priced by its memory traffic only"
+            *(f"{FLOP_FAILURE}{op} failed ({why}): priced by its memory traffic only"
               for op, why in sorted(costs.flop_failures.items())),
         ),
     )

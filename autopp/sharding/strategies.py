@@ -5,7 +5,8 @@ placement each tensor argument must arrive in. Graph inputs (parameters, buffers
 tangents) get every even placement of their shape; ops ask DTensor's registry
 (``op_strategy_funcs`` or a single-dim rule expanded to the mesh) with the producers' options
 as input strategies; ``getitem`` follows its producer. An op with no rule, or whose rule fails,
-falls back to full replication and is recorded in :attr:`Strategies.fallbacks`.
+falls back to full replication, is recorded in :attr:`Strategies.fallbacks` and logged as a
+warning once per op and reason (``PlannerOptions(strict=True)`` refuses such plans).
 
 Options holding ``_StridedShard`` (a flattening view of two dims sharded in the "wrong" mesh
 order) and uneven shards are pruned: the planner keeps batch on dp ahead of anything on tp, so
@@ -17,6 +18,7 @@ redistribute-cost estimates are switched off while enumerating (see
 from __future__ import annotations
 
 import itertools
+import logging
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,6 +31,10 @@ from autopp.sharding import expert_dispatch  # noqa: F401  (registers its op hoo
 from autopp.sharding import op_hooks
 from autopp.sharding.option import Option, Placements, local_shape, tensor_vals
 from autopp.sharding.trace import JointGraph
+
+logger = logging.getLogger(__name__)
+_WARNED: set[str] = set()
+"""Ops already warned about in this process (one warning per op and reason)."""
 
 """One torch ``Placement`` per mesh dim."""
 
@@ -193,6 +199,11 @@ class _Enumerator:
             ns.options = self._replicated(node, edges)
             ns.fallback = True
             self.fallbacks.append(f"{node.name}: {node.target} ({reason})")
+            if (key := f"{node.target} ({reason})") not in _WARNED:
+                _WARNED.add(key)
+                logger.warning("no DTensor sharding rule for %s: replicated on every device "
+                               "of the stage (shown in the plan's describe(); "
+                               "PlannerOptions(strict=True) makes it an error)", key)
         self.nodes[node] = ns
 
     def _schema_args(self, node: fx.Node, pick: dict[fx.Node, Placements] | None = None):
