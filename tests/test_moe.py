@@ -78,7 +78,10 @@ def _check(res: dict, ref: dict, cfg: dict, track: float = 1e-6) -> set[str]:
     curves = f"{cfg['model']}: {res['losses']} vs {ref['losses'][:steps]}"
     assert res["losses"] == pytest.approx(ref["losses"][:steps], rel=track), curves
     if cfg.get("resume"):
-        assert res["next"] == pytest.approx(ref["losses"][steps], abs=1e-5)
+        # the step after the saved ones: held as the first steps are (rel 1e-5). AdamW at lr
+        # 1e-2 turns summation-order rounding into weight differences step by step: measured
+        # 1.1e-5 and 1.65e-5 apart (rel 2.1e-6) in full-suite runs whose plans differ
+        assert res["next"] == pytest.approx(ref["losses"][steps], rel=1e-5)
         assert res["resumed"] == pytest.approx(res["next"], abs=1e-6)
     return set(res["grads"])
 
