@@ -80,7 +80,7 @@ def _check(res: dict, ref: dict, cfg: dict, track: float = 1e-6) -> set[str]:
     if cfg.get("resume"):
         # the step after the saved ones: held as the first steps are (rel 1e-5). AdamW at lr
         # 1e-2 turns summation-order rounding into weight differences step by step: measured
-        # 1.1e-5 and 1.65e-5 apart (rel 2.1e-6) in full-suite runs whose plans differ
+        # 1.1e-5 and 1.65e-5 apart (rel 2.1e-6) in two full-suite runs, within 1e-5 in others
         assert res["next"] == pytest.approx(ref["losses"][steps], rel=1e-5)
         assert res["resumed"] == pytest.approx(res["next"], abs=1e-6)
     return set(res["grads"])
