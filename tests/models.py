@@ -45,12 +45,15 @@ def reference_step(n_layers: int, tokens, target, seed: int = 0, param_dtype=Non
     """Single-process loss and gradients (by FQN) of the whole model: fp32, or with its
     parameters cast to ``param_dtype`` for the forward (fp32 masters and gradients)."""
     from autopp import init_module_
-    from autopp.sharding.precision import CastParams
 
     model = llama3_meta(n_layers)
     init_module_(model, seed=seed, device="cpu")
-    run = model if param_dtype is None else CastParams(model, param_dtype)
-    loss = ce_loss(run(tokens), target)
+    if param_dtype is None:
+        logits = model(tokens)
+    else:  # plain torch: the forward on cast copies, gradients flow back to the fp32 masters
+        cast = {n: p.to(param_dtype) for n, p in model.named_parameters()}
+        logits = torch.func.functional_call(model, cast, (tokens,))
+    loss = ce_loss(logits, target)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return float(loss), grads, model

@@ -27,6 +27,50 @@ def test_stage_init_equals_whole_model_init():
     assert not torch.equal(other.layers["0"].attention.wo.weight, whole.layers["0"].attention.wo.weight)
 
 
+def _same_distribution(got: torch.Tensor, own: torch.Tensor, what: str) -> None:
+    """``got`` drawn from the distribution ``own`` was drawn from: constants equal, std
+    within 3%, mean within 6 standard errors, the 0.1%, 1%, 50%, 99% and 99.9% quantiles
+    within 0.1 std (a truncated normal's cut, a uniform's bound)."""
+    got, own = got.detach().double().flatten(), own.detach().double().flatten()
+    if own.std() == 0:
+        assert torch.equal(got, own), what
+        return
+    se = float(own.std()) / own.numel() ** 0.5
+    assert abs(float(got.std() / own.std()) - 1) < 0.03, (what, float(got.std()), float(own.std()))
+    assert abs(float(got.mean() - own.mean())) < 6 * se + 1e-7, (what, float(got.mean()), float(own.mean()))
+    q = torch.tensor([0.001, 0.01, 0.5, 0.99, 0.999], dtype=torch.float64)
+    qg, qo = torch.quantile(got, q), torch.quantile(own, q)  # the shape, tails included
+    assert float((qg - qo).abs().max()) < 0.1 * float(own.std()), (what, qg, qo)
+    assert not torch.equal(got, own), what  # its own stream, not a copy
+
+
+def test_init_draws_what_the_models_own_init_draws():
+    """Against the model's own initialisation, not against autopp: torchtitan's llama3
+    ``init_weights()`` (truncated normals with depth-scaled std, ones for norms, its RoPE
+    table) and a Hugging Face style model built on CPU (torch's ``reset_parameters``):
+    ``init_module_`` on the meta model gives each parameter the same distribution and every
+    buffer the same values."""
+    from tests.models import HFForCausalLM, hf_meta, llama3_debug_config
+
+    cfg = llama3_debug_config(2)
+    torch.manual_seed(0)
+    own = cfg.build()
+    own.init_weights()
+    with torch.device("meta"):
+        meta = cfg.build()
+    torch.manual_seed(0)
+    own_hf = HFForCausalLM(n_layers=2)
+    own_hf.model._init_self_buffers()  # the model's own buffer code, on CPU
+    for own_model, got in ((own, init_module_(meta, seed=0, device="cpu")),
+                           (own_hf, init_module_(hf_meta(2), seed=0, device="cpu"))):
+        names = [n for n, _ in own_model.named_parameters()]
+        assert names == [n for n, _ in got.named_parameters()]
+        for (name, p), (_, q) in zip(own_model.named_parameters(), got.named_parameters()):
+            _same_distribution(q, p, name)
+        for (name, b), (_, c) in zip(own_model.named_buffers(), got.named_buffers()):
+            torch.testing.assert_close(c, b, rtol=0, atol=0, msg=name)
+
+
 def test_reset_parameters_modules():
     torch.manual_seed(0)
     a = init_module_(nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3)).to("meta"), seed=1, device="cpu")
