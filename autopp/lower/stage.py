@@ -80,13 +80,20 @@ def planned_stage_graphs(
         runners={},
     )
     if compile:
-        from autopp.graph import compile_stage_graphs
-
-        opts = compile.inductor_options() if hasattr(compile, "inductor_options") else None
-        compile_stage_graphs(graphs, options=opts)
+        compile_graphs(graphs, compile)
     if loss_fn is not None:
         graphs = graphs.with_eager_loss(loss_fn)
     return graphs
+
+
+def compile_graphs(graphs: StageGraphs, compile: Any) -> StageGraphs:
+    """Compile every callable of ``graphs`` with Inductor: ``compile`` is True (Inductor's
+    defaults) or an :class:`autopp.backends.CompileOptions` (its ``inductor_options()``;
+    duck-typed: that class sits on the plan floor, above this one)."""
+    from autopp.graph import compile_stage_graphs
+
+    opts = compile.inductor_options() if hasattr(compile, "inductor_options") else None
+    return compile_stage_graphs(graphs, options=opts)
 
 
 def planned_graph_stage(

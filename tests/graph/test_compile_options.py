@@ -1,0 +1,62 @@
+"""``CompileOptions(bucket_collectives=True)`` makes Inductor bucket a graph's collectives,
+observed in the code Inductor generates (not in the options dict): three all-gathers of
+parameters, as an UNSHARD graph issues them, become one; and the planned stages' lowering
+hands the options to every compiled callable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from autopp import init_fake_world
+from autopp.plan.options import CompileOptions
+
+GATHER = "_c10d_functional.all_gather_into_tensor"
+
+
+def _three_gathers(a, b, c):
+    outs = [torch.ops._c10d_functional.all_gather_into_tensor(t, 2, "0") for t in (a, b, c)]
+    outs = [torch.ops._c10d_functional.wait_tensor(t) for t in outs]
+    return outs[0] * 2, outs[1] + 1, outs[2] - 1
+
+
+@pytest.fixture
+def fake_world2():
+    init_fake_world(2)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _gather_calls(options: CompileOptions) -> int:
+    from torch._inductor.utils import run_and_get_code
+
+    from autopp._compat.graph import inductor_compile
+
+    torch._dynamo.reset()
+    fn = inductor_compile(fx.symbolic_trace(_three_gathers), options.inductor_options())
+    _, codes = run_and_get_code(fn, *[torch.randn(4, 4) for _ in range(3)])
+    return sum(line.count(f"{GATHER}.default(") + line.count(f"{GATHER}_out.default(")
+               for code in codes for line in code.splitlines() if not line.lstrip().startswith(("#", "assert")))
+
+
+def test_bucketing_merges_the_gathers_in_the_generated_code(fake_world2):
+    assert _gather_calls(CompileOptions()) == 3
+    assert _gather_calls(CompileOptions(bucket_collectives=True)) == 1
+
+
+def test_planned_stages_compile_every_callable_with_the_options(monkeypatch):
+    import autopp.graph as graph_pkg
+    from autopp.lower import stage
+
+    seen = []
+    monkeypatch.setattr(graph_pkg, "compile_stage_graphs",
+                        lambda graphs, options=None: seen.append(options) or graphs)
+    opts = CompileOptions(bucket_collectives=True, reorder_for_overlap=True)
+    stage.compile_graphs(object(), opts)
+    stage.compile_graphs(object(), True)
+    assert seen == [opts.inductor_options(), None]
+    assert seen[0]["reorder_for_compute_comm_overlap"] is True
