@@ -186,12 +186,10 @@ class Pipeline:
             from autopp.lower.stage import fqn_view
 
             aliases = self._tied.aliases if self._tied is not None else {}
-            seen: set[str] = set()
-            renamed = []
-            for fqn, p in named:  # a tied copy goes by the parameter's first FQN, once
-                name = aliases.get(fqn, fqn)
-                renamed.append((name if name not in seen else fqn, p))
-                seen.add(renamed[-1][0])
+            mirrors = self._tied.mirrors if self._tied is not None else {}
+            # a tied copy goes by the parameter's first FQN, once; a second copy on this
+            # rank (a mirror) is left out of the rank's module (see autopp.tied)
+            renamed = [(aliases.get(fqn, fqn), p) for fqn, p in named if fqn not in mirrors]
             self.local_model = fqn_view(renamed, _with_persistence(
                 self.backend.named_buffers(self.stage_modules) or [], built))
             replay_state_dict_hooks(self.local_model, built)
@@ -206,6 +204,7 @@ class Pipeline:
             named = self.backend.named_parameters([m])
             by_stage[sid] = dict(named if named is not None else m.named_parameters())
         self._tied.bind(by_stage)
+        self._tied.check_placements()  # every rank: a mismatch raises everywhere
         self._tied.sync_values()
 
     @property
@@ -266,14 +265,18 @@ class Pipeline:
             raise RuntimeError("call Pipeline.init_weights() before step/eval/state_dict")
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """Parameters of this rank's stages (pass them to an optimizer)."""
-        return self.local_model.parameters()
+        """Parameters of this rank's stages (pass them to an optimizer); a parameter tied
+        across stages once, even where this rank holds two copies."""
+        return (p for _, p in self.named_parameters())
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(whole-model FQN, parameter) for this rank's stages; a copy of a parameter tied
         across stages goes by the parameter's first FQN (as in state dicts)."""
-        aliases = self._tied.aliases if self._tied is not None else {}
-        return ((aliases.get(n, n), p) for n, p in self.local_model.named_parameters())
+        if self._tied is None:
+            return self.local_model.named_parameters()
+        aliases, mirrors = self._tied.aliases, {id(p) for p in self._tied.mirror_params()}
+        return ((aliases.get(n, n), p) for n, p in self.local_model.named_parameters()
+                if id(p) not in mirrors)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's stages' state, keyed by whole-model FQNs (DTensors where sharded)."""
@@ -340,8 +343,12 @@ class Pipeline:
         """
         from autopp import adapters
 
+        if self._tied is not None:
+            self._tied.refresh_mirrors()  # the optimizer (or a load) updated the primary
         loss = self._run(inputs, target, train=True)
-        self.backend.after_step(list(self.parameters()), self.mesh)
+        # gradient reductions act on every local copy, mirrors included (autopp.tied)
+        mirrors = self._tied.mirror_params() if self._tied is not None else []
+        self.backend.after_step([*self.parameters(), *mirrors], self.mesh)
         # e.g. MoE load balancing, before the optimizer
         adapters.after_step(self._structure, self.local_model, self._unreduced_stats_group())
         if self._tied is not None:
@@ -375,6 +382,8 @@ class Pipeline:
         were."""
         from autopp import adapters
 
+        if self._tied is not None:
+            self._tied.refresh_mirrors()
         with adapters.training_state_kept(self._structure, self.local_model):
             return self._run(inputs, target, train=False)
 

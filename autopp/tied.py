@@ -14,7 +14,10 @@ embeddings. :class:`TiedSync` keeps the copies one parameter:
   scales the others by the same factor;
 - **names**: every copy is named by the parameter's first FQN in state dicts and
   checkpoints, so a checkpoint stores it once (torch.distributed.checkpoint writes a key held
-  by several ranks once) and loads into any layout.
+  by several ranks once) and loads into any layout. A rank holding two copies (a V
+  placement puts the first and last stages on one rank) keeps one as the parameter and the
+  other as a *mirror*: out of the state dict, the optimizer and the norm, given the
+  primary's value before each step.
 
 Copies on ranks of different pipeline stages meet in small process groups: one per
 (dp, tp) coordinate, made of the ranks with that coordinate on the stages' pp ranks.
@@ -30,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["TiedParameter", "TiedSync", "find_tied"]
+__all__ = ["TiedParameter", "TiedSync", "find_tied", "placement_conflicts"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,25 +114,73 @@ class TiedSync:
                     self._groups[i] = (group, int(ranks[src_pp, d, k]))
         self._copies: dict[int, list[tuple[int, nn.Parameter]]] = {}
 
+    def _held(self, t: TiedParameter) -> tuple[str | None, list[str]]:
+        """This rank's copies of ``t``: the primary's FQN (the copy under the parameter's
+        first FQN if this rank holds it, else its first local copy; None: no copy here) and
+        the others' (mirrors: a V placement puts the first and last stages on one rank)."""
+        held = [fqn for s, fqn in t.stage_fqns if s in self._stage_ids]
+        if not held:
+            return None, []
+        primary = t.name if t.name in held else held[0]
+        return primary, [f for f in held if f != primary]
+
     @property
     def aliases(self) -> dict[str, str]:
         """{FQN a local stage holds a copy under: the parameter's first FQN} (renames), for
-        copies on ranks that do not also hold the copy named by the first FQN."""
+        the primary copy on ranks that do not hold the copy named by the first FQN."""
         out = {}
         for t in self.tied:
-            held = {fqn: s for s, fqn in t.stage_fqns if s in self._stage_ids}
-            if t.name not in held:
-                out.update({fqn: t.name for fqn in held})
+            primary, _ = self._held(t)
+            if primary is not None and primary != t.name:
+                out[primary] = t.name
         return out
 
+    @property
+    def mirrors(self) -> dict[str, str]:
+        """{FQN of a mirror: its primary's FQN} on this rank. A mirror is a second copy on
+        the same rank: it is in no state dict, no optimizer and no norm (the primary stands
+        for the parameter, so a checkpoint holds one key in every placement), gets the
+        summed gradient like every copy, and takes the primary's value before each step
+        (:meth:`refresh_mirrors`)."""
+        out = {}
+        for t in self.tied:
+            primary, others = self._held(t)
+            out.update({f: primary for f in others})
+        return out
+
+    def mirror_params(self) -> list[nn.Parameter]:
+        """Every mirror parameter of this rank (after :meth:`bind`)."""
+        out = []
+        for i, t in enumerate(self.tied):
+            _, others = self._held(t)
+            held = dict(t.stage_fqns)
+            out += [p for s, p in self._copies.get(i, []) if held[s] in others]
+        return out
+
+    @torch.no_grad()
+    def refresh_mirrors(self) -> None:
+        """Every mirror takes its primary's current value (after an optimizer step or a
+        load, which update the primary only); local copies, no communication."""
+        for i, t in enumerate(self.tied):
+            primary, others = self._held(t)
+            if not others:
+                continue
+            held = dict(t.stage_fqns)
+            copies = {held[s]: p for s, p in self._copies.get(i, [])}
+            for f in others:
+                self._local_tensor(copies[f]).copy_(self._local_tensor(copies[primary]))
+
     def rename_state_dict(self, module: nn.Module) -> None:
-        """Make ``module`` (this rank's merged stages) save its tied copies under their
-        first FQN and load them from it (state-dict hooks)."""
-        aliases = self.aliases
-        if not aliases:
+        """Make ``module`` (this rank's merged stages) save its tied copies once, under
+        their first FQN, and load them from it (state-dict hooks): a primary is renamed, a
+        mirror left out on save and filled from its primary's value on load."""
+        aliases, mirrors = self.aliases, self.mirrors
+        if not aliases and not mirrors:
             return
 
         def save_hook(mod, state_dict, prefix, local_metadata):
+            for own in mirrors:
+                state_dict.pop(prefix + own, None)
             for own, name in aliases.items():
                 if prefix + own in state_dict:
                     state_dict[prefix + name] = state_dict.pop(prefix + own)
@@ -139,6 +190,9 @@ class TiedSync:
             for own, name in aliases.items():
                 if prefix + name in state_dict:
                     state_dict[prefix + own] = state_dict.pop(prefix + name)
+            for own, primary in mirrors.items():
+                if prefix + primary in state_dict and prefix + own not in state_dict:
+                    state_dict[prefix + own] = state_dict[prefix + primary]
 
         module._register_state_dict_hook(save_hook)
         module._register_load_state_dict_pre_hook(load_hook)
@@ -158,8 +212,28 @@ class TiedSync:
                 if len(pls) > 1:
                     raise ValueError(f"tied parameter {t.name}: local copies placed as {pls}")
 
+    def check_placements(self) -> None:
+        """Raise ValueError on every rank when copies of a tied parameter are placed
+        differently on different ranks (a user ``parallelize`` or AutoParallel that sharded
+        the embedding one way and the head another): their gradients are summed shard by
+        shard, which is only right for equal placements. Collective over the world (after
+        :meth:`bind`); the planner fixes tied copies to one placement, so it never fails
+        there."""
+        mine = {t.name: str(tuple(getattr(p, "placements", ()) or ()))
+                for i, t in enumerate(self.tied) for _, p in self._copies.get(i, [])[:1]}
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [mine]
+        if problems := placement_conflicts(gathered):
+            raise ValueError("parameters tied across stages must be placed alike on every "
+                             "rank (their gradients are summed shard by shard): "
+                             + "; ".join(problems) + ". Give the copies one placement in "
+                             "your parallelize (or let the planner place them)")
+
     @staticmethod
-    def _local(t: torch.Tensor) -> torch.Tensor:
+    def _local_tensor(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if hasattr(t, "to_local") else t
 
     @torch.no_grad()
@@ -172,12 +246,12 @@ class TiedSync:
             src = next((p for s, p in copies if s == t.init_stage), None)
             if self._groups[i] is not None:
                 group, src_rank = self._groups[i]
-                buf = self._local(src if src is not None else copies[0][1])
+                buf = self._local_tensor(src if src is not None else copies[0][1])
                 dist.broadcast(buf, src=src_rank, group=group)
                 src = src if src is not None else copies[0][1]
             for _, p in copies:
                 if p is not src:
-                    self._local(p).copy_(self._local(src))
+                    self._local_tensor(p).copy_(self._local_tensor(src))
 
     @torch.no_grad()
     def sync_grads(self) -> None:
@@ -190,13 +264,13 @@ class TiedSync:
             if any(g is None for g in grads):
                 raise RuntimeError(f"tied parameter {self.tied[i].name} has no gradient on a "
                                    "stage that uses it; run step() before syncing")
-            total = self._local(grads[0])
+            total = self._local_tensor(grads[0])
             for g in grads[1:]:
-                total.add_(self._local(g))
+                total.add_(self._local_tensor(g))
             if self._groups[i] is not None:
                 dist.all_reduce(total, group=self._groups[i][0])
             for g in grads[1:]:
-                self._local(g).copy_(total)
+                self._local_tensor(g).copy_(total)
 
     def norm_duplicates(self) -> set[int]:
         """``id`` of every local copy that a global gradient norm must not count again (all
@@ -206,3 +280,15 @@ class TiedSync:
             held = dict(t.stage_fqns)
             out |= {id(p) for s, p in self._copies.get(i, []) if held[s] != t.name}
         return out
+
+
+def placement_conflicts(per_rank: Sequence[dict[str, str]]) -> list[str]:
+    """From each rank's {tied parameter: placements of its copy there} (by rank), one line
+    per parameter whose copies' placements differ: "tok_embeddings.weight: (Shard(dim=0),)
+    on ranks [0, 1], (Shard(dim=1),) on ranks [2, 3]"."""
+    by_name: dict[str, dict[str, list[int]]] = {}
+    for rank, mine in enumerate(per_rank):
+        for name, pl in mine.items():
+            by_name.setdefault(name, {}).setdefault(pl, []).append(rank)
+    return [f"{name}: " + ", ".join(f"{pl} on ranks {ranks}" for pl, ranks in pls.items())
+            for name, pls in sorted(by_name.items()) if len(pls) > 1]

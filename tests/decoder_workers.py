@@ -24,13 +24,19 @@ def two_steps(mesh, cfg: dict, path: str | None = None) -> dict:
     n = cfg["batch"] // dp
     tok, tgt = tokens[dp_rank * n:(dp_rank + 1) * n], target[dp_rank * n:(dp_rank + 1) * n]
 
-    def build():
+    def build(schedule=cfg["schedule"]):
         return pipeline_autoparallel(
             MODELS[cfg["model"]](cfg["n_layers"]), mesh, example_inputs=(tok,),
-            loss_fn=ce_loss, schedule=cfg["schedule"], n_microbatches=cfg["n_microbatches"],
+            loss_fn=ce_loss, schedule=schedule, n_microbatches=cfg["n_microbatches"],
             parallelize=cfg.get("parallelize", "auto"))
 
     pipe = build()
+    if cfg.get("expect_error"):
+        try:
+            pipe.init_weights(seed=0)
+        except ValueError as e:
+            return {"error": str(e)}
+        return {"error": None}
     pipe.init_weights(seed=0)
     opt = torch.optim.AdamW(pipe.parameters(), lr=cfg["lr"])
     losses = [pipe.step(tok, target=tgt)]
@@ -50,6 +56,18 @@ def two_steps(mesh, cfg: dict, path: str | None = None) -> dict:
         fresh.load_checkpoint(path)
         ckpt["eval_loaded"] = fresh.eval(tok, target=tgt)
         ckpt["keys"] = sorted(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+        if cfg.get("cross"):  # into the other placement (loop <-> V) and back
+            other = build(cfg["cross"])
+            other.init_weights(seed=2)
+            other.load_checkpoint(path)
+            ckpt["eval_cross"] = other.eval(tok, target=tgt)
+            other.save_checkpoint(path + "-cross")
+            ckpt["cross_keys"] = sorted(
+                dcp.FileSystemReader(path + "-cross").read_metadata().state_dict_metadata)
+            back = build()
+            back.init_weights(seed=3)
+            back.load_checkpoint(path + "-cross")
+            ckpt["eval_back"] = back.eval(tok, target=tgt)
     return {"losses": losses, "checkpoint": ckpt, "grads": grads, "norm": norm,
             "units": {sid: [b.prefix for b in plan.blocks]
                       for sid, plan in (pipe.plans or {}).items()},
@@ -67,3 +85,17 @@ def run(rank: int, world_size: int, configs: list[dict], path: str) -> list[dict
         out.append(two_steps(mesh, cfg, f"{path}/{i}" if cfg.get("checkpoint") else None))
         dist.barrier()
     return out
+
+
+def mismatched_tied_parallelize(stage: torch.nn.Module, sub_mesh) -> torch.nn.Module:
+    """A user ``parallelize`` that places the tied copies differently: the embedding's
+    copy split over tp by rows, the head's by columns (init must refuse it on every rank)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for name, mod in stage.named_modules():
+        w = getattr(mod, "weight", None)
+        if name.endswith(("tok_embeddings", "output", "lm_head")) and w is not None:
+            shard = Shard(0) if name.endswith("tok_embeddings") else Shard(1)
+            mod.weight = torch.nn.Parameter(distribute_tensor(
+                torch.empty_like(w, device="cpu"), sub_mesh["tp"], [shard]))
+    return stage

@@ -148,3 +148,27 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600
         if p.is_alive():
             p.kill()
     return [results[r] for r in range(world_size)]
+
+
+def run_command(cmd: list[str], *, timeout: float, cwd: str | os.PathLike | None = None,
+                env: dict[str, str] | None = None, tail: int = 60) -> str:
+    """Run a launcher command (``torchrun ...``) in its own process group with a deadline;
+    return its stdout and stderr together. On a non-zero exit or at the deadline the whole
+    group (the launcher and every rank it started) is killed and :class:`LaunchError`
+    shows the output's last ``tail`` lines."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        why = None if proc.returncode == 0 else f"exit code {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        why = f"deadline of {timeout:.0f} s passed (every process of the launch killed)"
+    if why is not None:
+        last = "\n".join(f"  | {line}" for line in out.splitlines()[-tail:])
+        raise LaunchError(f"{' '.join(cmd[:8])} ...: {why}; last lines:\n{last}")
+    return out

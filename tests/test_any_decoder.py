@@ -12,7 +12,7 @@ import torch
 
 from tests.parity import assert_all_parity
 from tests.dist_harness import run_on_ranks
-from tests.decoder_workers import run
+from tests.decoder_workers import mismatched_tied_parallelize, run
 from tests.models import MODELS, ce_loss, make_batch
 
 N_LAYERS, BATCH, SEQ, LR, MAX_NORM = 4, 8, 16, 1e-2, 0.5
@@ -44,7 +44,27 @@ def test_tied_qwen3_and_nested_decoder_match_single_process(tmp_path):
                for kind in ("qwen3", "hf", "llama3")]
     # tied copies without the planner too (replicated stages, plain tensors)
     configs.append(dict(configs[0], checkpoint=False, parallelize=None))
+    # V placement: the embedding's and the head's stages on one rank (a mirror copy); its
+    # checkpoint loads into the loop placement, and the loop's back into V
+    configs.append(dict(configs[0], schedule="ZBVZeroBubble", n_microbatches=4, cross="1F1B"))
+    # a user parallelize placing the two copies differently: refused on every rank
+    configs.append(dict(configs[0], checkpoint=False, expect_error=True,
+                        parallelize=mismatched_tied_parallelize))
     results = run_on_ranks(run, 8, configs, str(tmp_path), timeout=900)
+    errors = {r[-1]["error"] for r in results}
+    assert len(errors) == 1 and "must be placed alike on every rank" in errors.pop(), errors
+    assert "tok_embeddings.weight: (Shard(dim=0),) on ranks" in results[0][-1]["error"]
+    configs, results = configs[:-1], [r[:-1] for r in results]
+    for r in results:  # V: one key for the tied parameter on the rank holding both copies
+        v = r[-1]
+        assert "lm_head.weight" not in v["state_keys"], v["state_keys"]
+        for key in ("keys", "cross_keys"):
+            if v["checkpoint"]:
+                assert not [k for k in v["checkpoint"][key] if "lm_head" in k], v["checkpoint"]
+        if v["checkpoint"]:
+            ck = v["checkpoint"]
+            assert ck["eval_cross"] == pytest.approx(ck["eval"], abs=1e-6) != ck["eval_fresh"]
+            assert ck["eval_back"] == pytest.approx(ck["eval"], abs=1e-6)
     for i, cfg in enumerate(configs):
         ref = _reference(cfg["model"])
         seen = set()
@@ -56,7 +76,8 @@ def test_tied_qwen3_and_nested_decoder_match_single_process(tmp_path):
             seen |= set(res["grads"])
             # the block-reuse path: units are the part before the blocks, each block, the
             # part after, never one flat graph
-            assert len(res["units"]) == (0 if "parallelize" in cfg else 1)
+            per_rank = 2 if cfg["schedule"] == "ZBVZeroBubble" else 1
+            assert len(res["units"]) == (0 if "parallelize" in cfg else per_rank)
             # the model's own state-dict hooks hold for planned stages too: torchtitan's
             # fused QKV is saved as wq/wk/wv, as single-process torchtitan saves it
             assert not [k for k in res["state_keys"] if "wqkv" in k], cfg
@@ -64,8 +85,8 @@ def test_tied_qwen3_and_nested_decoder_match_single_process(tmp_path):
                 assert [k for k in res["state_keys"] if k.endswith(".wq.weight")], cfg
             for sid, units in res["units"].items():
                 assert "" not in units and any(".layers." in f".{u}" for u in units), units
-                assert units[0] == "pre" if sid == 0 else units[-1] == "post" if sid == 1 \
-                    else True
+                assert units[0] == "pre" if sid == 0 else \
+                    units[-1] == "post" if sid == 2 * per_rank - 1 else True
         names = {n for n, _ in MODELS[cfg["model"]](N_LAYERS).named_parameters()}
         assert seen == names, (cfg["model"], names ^ seen)
     # tied: the head's copy is named (and checkpointed) as the embedding, once; both copies

@@ -78,10 +78,13 @@ def test_auto_adamw_20_steps_track_reference():
 
 def test_auto_checkpoint_resume(tmp_path):
     cfg = _cfg("1F1B", 2, dp=2, tp=2, parallelize="auto", lr=1e-3)
-    cfg["resume"] = dict(schedule="1F1B", pp=2, dp=2, tp=2, n_microbatches=4, parallelize="auto")
+    # resumed in another planned layout (other stages, other shards of every tensor)
+    cfg["resume"] = dict(schedule="Interleaved1F1B", pp=4, dp=2, tp=1, n_microbatches=4,
+                         parallelize="auto")
     for r in run_on_ranks(checkpoint_resume, 8, cfg, str(tmp_path / "ckpt")):
+        assert set(r["resumed"]) == {2, 3}
         for step, loss in r["resumed"].items():
-            assert loss == pytest.approx(r["straight"][step], abs=1e-6), (step, r)
+            assert loss == pytest.approx(r["straight"][step], abs=1e-5), (step, r)
 
 
 def test_auto_mixed_precision_bf16_compute_fp32_masters():

@@ -77,7 +77,7 @@ def test_all_schedules_pp2(reference):
 
 
 def test_all_schedules_pp4_and_pp2_dp2(reference):
-    configs = [_cfg(s, 4, n_microbatches=8) for s in SCHEDULES]
+    configs = [_cfg(s, 4, n_microbatches=8) for s in [*SCHEDULES, "LoopedBFS"]]
     configs.append(_cfg("1F1B", 2, dp=2))
     configs.append(_cfg("Interleaved1F1B", 2, dp=2, n_microbatches=2, clip=True))
     _check(run_on_ranks(run_configs, 4, configs), configs, reference)

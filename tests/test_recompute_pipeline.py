@@ -63,6 +63,7 @@ def test_recompute_selective_and_full_match_single_process(reference):
     # re-run; its all-gathers of activations are gathered again in the backward
     configs = [_planned(s, r, dp=1, tp=2, boundary="batch+seq")
                for s in ("1F1B", "ZBVZeroBubble") for r in ("selective", "full")]
+    configs.append(_planned("Interleaved1F1B", "selective", dp=1, tp=2))  # 2 stages a rank
     # dp with weights sharded over it (a parameter-only budget forces it; ZBV's two stages
     # per rank share theirs): the gathers stay in UNSHARD
     configs += [_planned("1F1B", "full", dp=2, tp=1, parameter_budget_bytes=7e6),

@@ -454,3 +454,15 @@ def test_module_list_stage_chain_matches_whole() -> None:
         for stage in stage_modules:
             h = stage(h)
         torch.testing.assert_close(h, whole(x))
+
+
+def test_placement_conflicts_name_each_tied_parameter_and_its_ranks():
+    from autopp.tied import placement_conflicts
+
+    same = [{"tok_embeddings.weight": "(Shard(dim=0),)"}] * 4
+    assert placement_conflicts(same) == []
+    per_rank = [{"tok_embeddings.weight": "(Shard(dim=0),)"}, {},
+                {"tok_embeddings.weight": "(Shard(dim=1),)"},
+                {"tok_embeddings.weight": "(Shard(dim=0),)"}]
+    assert placement_conflicts(per_rank) == [
+        "tok_embeddings.weight: (Shard(dim=0),) on ranks [0, 3], (Shard(dim=1),) on ranks [2]"]

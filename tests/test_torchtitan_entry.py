@@ -1,31 +1,44 @@
-"""torchtitan's own entry point trains through autopp (``autopp.integrations.torchtitan``).
+"""torchtitan's own entry point trains through autopp (``autopp.integrations.torchtitan``),
+and matches torchtitan's own manual PP x FSDP x TP from the same weights.
 
-One launch of ``python -m torchtitan.train --module autopp.integrations.torchtitan --config
-llama3_debugmodel_autopp`` on 4 gloo processes (pp2 x dp2 x tp1, Interleaved1F1B, 4
-microbatches, 3 steps): it must finish, print torchtitan's metrics line every step, log
-autopp's simulated step, memory and tokens/s at startup and the predicted tps next to the
-measured one from step 2 on, and give the losses measured at pp2 x dp2 x tp2 on 8
-processes. autopp's initialisation depends on the parameter names only and the global batch
-is the same at both layouts, so the losses agree to float rounding. (With the same initial
-weights, torchtitan's own manual PP x FSDP x TP gives the same losses to the printed 5 decimals: see the integration's
-docstring for the commands.)
+One seed checkpoint (torchtitan's own init, ``--checkpoint.create_seed_checkpoint`` on 1
+process) is loaded by three launches of ``python -m torchtitan.train --module
+autopp.integrations.torchtitan`` on 4 gloo processes (pp2 x dp2 x tp1, Interleaved1F1B, 4
+microbatches, 5 steps):
+
+1. ``--config llama3_debugmodel_autopp``: autopp's planner, a checkpoint at step 3;
+2. ``--config llama3_debugmodel_torchtitan``: torchtitan's ``pipeline_llm`` and
+   ``parallelize_llama`` (FSDP) under its own Trainer. What CPU/gloo needs changed, and
+   nothing else (:mod:`autopp.integrations.torchtitan.reference`): FSDP reduces with SUM
+   (gloo has no PREMUL_SUM) and torch 2.13's schedule takes the whole batch (torchtitan 0.3.0
+   hands it microbatch lists); both runs share the configs' CPU settings (SDPA attention,
+   plain cross entropy, fp32, seq 128);
+3. autopp again, resumed from (1)'s step-3 checkpoint in another layout: 1F1B (2 stages
+   of 4 blocks instead of Interleaved1F1B's 4 stages of 2), steps 4-5.
+
+The losses are torchtitan's own values as its Trainer computed them (``global_avg_loss``,
+full precision, recorded by ``--autopp.losses_file``), not the metrics line's 5 digits:
+(1) equals (2) within 1e-5 at every step, (3) equals (1) within 1e-5. The wide matrix runs
+the same at pp2 x dp2 x tp2 on 8 processes, resumed at pp4 x dp2 x tp1.
+
+The startup refusals of the integration are checked in-process, without a launch.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
-import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-pytestmark = pytest.mark.multiprocess
+from tests.dist_harness import run_command
 
-#: Steps 1-3 of llama3 debugmodel under autopp at pp2 x dp2 x tp2 (8 gloo processes), init
-#: seed 0, this registry's data (the byte tokenizer over the standard library's sources).
-REFERENCE_LOSSES = [8.22838, 7.93350, 7.34924]
+STEPS, SAVE_AT = 5, 3
 
 
 def _missing() -> str | None:
@@ -38,29 +51,81 @@ def _missing() -> str | None:
     return None
 
 
-@pytest.mark.skipif(_missing() is not None,
-                    reason=f"torchtitan's entry point needs {_missing()}, not installed")
-def test_torchtitan_train_with_autopp(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           "--local-ranks-filter", "0", "-m", "torchtitan.train",
-           "--module", "autopp.integrations.torchtitan", "--config", "llama3_debugmodel_autopp",
-           "--training.steps", "3", "--parallelism.pipeline_parallel_degree", "2",
-           "--parallelism.data_parallel_shard_degree", "2",
-           "--parallelism.tensor_parallel_degree", "1",
-           "--dump_folder", str(tmp_path / "outputs")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+needs_torchtitan = pytest.mark.skipif(
+    _missing() is not None, reason=f"torchtitan's entry point needs {_missing()}, not installed")
+
+
+def _train(work: Path, n: int, config: str, *args: str, timeout: float = 420) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(n), "--local-ranks-filter", "0", "-m", "torchtitan.train",
+           "--module", "autopp.integrations.torchtitan", "--config", config, *args]
+    out = run_command(cmd, cwd=work, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                      timeout=timeout)
+    return re.sub(r"\x1b\[[0-9;]*m", "", out)
+
+
+def _losses(prefix: Path) -> dict[int, float]:
+    """{step: loss} from every rank's ``--autopp.losses_file`` record (ranks holding the
+    last stage; they must agree exactly: one all-reduced value)."""
+    out: dict[int, float] = {}
+    files = sorted(prefix.parent.glob(prefix.name + ".rank*"))
+    assert files, f"no loss records {prefix}.rank*"
+    for f in files:
+        for line in f.read_text().splitlines():
+            rec = json.loads(line)
+            assert out.setdefault(rec["step"], rec["loss"]) == rec["loss"], (f, rec)
+    return out
+
+
+def _layout(pp: int, dp: int, tp: int) -> list[str]:
+    return ["--parallelism.pipeline_parallel_degree", str(pp),
+            "--parallelism.data_parallel_shard_degree", str(dp),
+            "--parallelism.tensor_parallel_degree", str(tp)]
+
+
+def _compare_runs(work: Path, n: int, layout: list[str], resume: list[str]) -> dict:
+    seed_out = _train(work, 1, "llama3_debugmodel_torchtitan", "--dump_folder", "seed",
+                      "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+                      *_layout(1, 1, 1))
+    assert (work / "seed/checkpoint/step-0").is_dir(), seed_out[-3000:]
+    common = ["--training.steps", str(STEPS), "--checkpoint.enable",
+              "--checkpoint.interval", str(SAVE_AT)]
+    from_seed = [*common, "--checkpoint.initial_load_path", str(work / "seed/checkpoint/step-0")]
+    autopp = _train(work, n, "llama3_debugmodel_autopp", *layout, *from_seed,
+                    "--dump_folder", "run_autopp", "--autopp.losses_file", str(work / "autopp"))
+    _train(work, n, "llama3_debugmodel_torchtitan", *layout, *from_seed,
+           "--dump_folder", "run_torchtitan", "--autopp.losses_file", str(work / "torchtitan"))
+    resumed = _train(work, n, "llama3_debugmodel_autopp", *resume, *common,
+                     "--checkpoint.initial_load_path",
+                     str(work / f"run_autopp/checkpoint/step-{SAVE_AT}"),
+                     "--checkpoint.no-initial-load-model-only", "--dump_folder", "run_resumed",
+                     "--autopp.losses_file", str(work / "resumed"))
+    runs = {name: _losses(work / name) for name in ("autopp", "torchtitan", "resumed")}
+    diffs = {s: abs(runs["autopp"][s] - runs["torchtitan"][s]) for s in runs["torchtitan"]}
+    print(f"losses autopp {runs['autopp']}\n  torchtitan {runs['torchtitan']}\n  resumed "
+          f"{runs['resumed']}\n  max |autopp - torchtitan| {max(diffs.values()):.2e}")
+    assert sorted(runs["autopp"]) == sorted(runs["torchtitan"]) == list(range(1, STEPS + 1))
+    for s, d in diffs.items():
+        assert d <= 1e-5, (s, runs["autopp"][s], runs["torchtitan"][s])
+    assert sorted(runs["resumed"]) == list(range(SAVE_AT + 1, STEPS + 1)), resumed[-3000:]
+    for s, loss in runs["resumed"].items():
+        assert abs(loss - runs["autopp"][s]) <= 1e-5, (s, loss, runs["autopp"][s])
+    return {"autopp_out": autopp, "runs": runs}
+
+
+@pytest.mark.multiprocess
+@needs_torchtitan
+def test_torchtitan_train_with_autopp_matches_torchtitans_own(tmp_path):
     from autopp.integrations.torchtitan.logs import read_metrics
 
-    out = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
-    assert proc.returncode == 0, out[-6000:]
-    assert "autopp plan:" in out and "autopp pipeline: 4 stages over pp=2" in out
-    metrics = read_metrics(out)  # torchtitan's metrics line: loss, grad_norm, memory, tps...
-    assert sorted(metrics) == [1, 2, 3], out[-6000:]
-    losses = [metrics[s].loss for s in (1, 2, 3)]
-    print("losses", losses)
-    assert losses == pytest.approx(REFERENCE_LOSSES, abs=1e-4), losses
+    res = _compare_runs(tmp_path, 4, _layout(2, 2, 1),
+                        [*_layout(2, 2, 1), "--parallelism.pipeline_parallel_schedule", "1F1B"])
+    out = res["autopp_out"]
+    assert "autopp plan:" in out and "autopp pipeline: 4 stages over pp=2" in out, out[-6000:]
+    metrics = read_metrics(out)  # torchtitan's metrics line, every step
+    assert sorted(metrics) == list(range(1, STEPS + 1)), out[-6000:]
+    for s, m in metrics.items():  # the line prints the recorded loss to 5 digits
+        assert m.loss == pytest.approx(res["runs"]["autopp"][s], abs=6e-6)
     # autopp's simulator at startup: the whole plan with its estimates and the summary line
     assert "estimated step" in out and "pp rank 1: peak" in out, out[-6000:]
     startup = re.search(r"autopp predicted \(profile CPU, schedule Interleaved1F1B simulated\): "
@@ -75,6 +140,47 @@ def test_torchtitan_train_with_autopp(tmp_path):
     predicted = {int(m[1]): (float(m[2].replace(",", "")), float(m[3].replace(",", "")))
                  for m in re.finditer(r"step:\s*(\d+)\s+autopp tps predicted: ([\d,]+)\s+"
                                       r"measured: ([\d,]+)", out)}
-    assert sorted(predicted) == [2, 3], out[-6000:]
+    assert sorted(predicted) == list(range(2, STEPS + 1)), out[-6000:]
     assert all(p == pytest.approx(tps, rel=1e-3) and m > 0 for p, m in predicted.values())
     assert "Training completed" in out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.wide
+@needs_torchtitan
+def test_torchtitan_parity_pp2_dp2_tp2_resumed_at_pp4(tmp_path):
+    _compare_runs(tmp_path, 8, _layout(2, 2, 2), _layout(4, 2, 1))
+
+
+# ---- startup refusals, in-process ---------------------------------------------------------
+@needs_torchtitan
+def test_startup_refusals_name_the_problem():
+    from autopp.integrations.torchtitan import pipelining
+    from autopp.integrations.torchtitan.config_registry import llama3_debugmodel_autopp
+    from autopp.integrations.torchtitan.trainer import AutoppTrainer
+
+    def dims(**kw):
+        d = dict(cp=1, ep=1, dp_replicate=1, dp_shard=2, pp=2, tp=1)
+        return SimpleNamespace(**{**d, **kw})
+
+    training = SimpleNamespace(global_batch_size=-1, local_batch_size=4)
+    pipelining._check_supported(dims(), training)  # the configs' own: accepted
+    for kw, words in ((dict(cp=2), "context parallelism"), (dict(ep=2), "expert parallelism")):
+        with pytest.raises(ValueError, match=f"autopp's pipeline does not support {words}"):
+            pipelining._check_supported(dims(**kw), training)
+    with pytest.raises(ValueError, match=r"gradient accumulation \(global_batch_size != "
+                                         r"local_batch_size x dp\)"):
+        pipelining._check_supported(dims(), SimpleNamespace(global_batch_size=16,
+                                                            local_batch_size=4))
+    with pytest.raises(ValueError, match="maps activation_checkpoint none, selective and full"):
+        pipelining._recompute(SimpleNamespace())
+    assert pipelining._recompute(None) == "none"
+
+    cfg = llama3_debugmodel_autopp()
+    cfg.autopp.per_document_positions = True
+    with pytest.raises(ValueError, match="per_document_positions must stay off"):
+        AutoppTrainer._prepare(cfg)
+    cfg = llama3_debugmodel_autopp()
+    cfg.validator.enable = True
+    with pytest.raises(ValueError, match="set --validator.enable false"):
+        AutoppTrainer._prepare(cfg)

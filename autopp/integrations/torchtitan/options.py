@@ -51,3 +51,11 @@ class AutoppOptions:
     """Pass the dataloader's per-document ``positions`` to the model. autopp pipelines take
     the token ids only, so this must stay False with autopp (the model then uses positions
     0..seq_len-1); the ``*_torchtitan`` configs may set it."""
+
+    losses_file: str | None = None
+    """Write each step's loss and gradient norm as torchtitan's Trainer computed them
+    (``global_avg_loss``, ``grad_norm``: full precision, not the metrics line's 5 digits) as
+    JSON lines to ``<losses_file>.rank<R>``, on every rank R that holds the last pipeline
+    stage (the others log torchtitan's placeholder). Works with both configs of this registry (the comparison
+    of ``examples/torchtitan_autopp.sh compare`` and ``tests/test_torchtitan_entry.py``
+    reads it); None: nothing written."""

@@ -13,7 +13,9 @@ profiler are torchtitan's own, unchanged. The subclass only:
 - drops the dataloader's per-document ``positions`` unless
   ``--autopp.per_document_positions`` (autopp pipelines take token ids only);
 - logs autopp's predicted tps next to torchtitan's measured one after each metrics line
-  from the second on (:mod:`autopp.integrations.torchtitan.estimates`).
+  from the second on (:mod:`autopp.integrations.torchtitan.estimates`);
+- with ``--autopp.losses_file``, records the losses torchtitan computed at full precision
+  (a wrapper around its metrics processor's ``log``; nothing computed differently).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class AutoppTrainer(Trainer):
             self._prepare(config)
             super().__init__(config)
             self._predicted = self._predict_tps()
+            if config.autopp.losses_file:
+                self._record_losses(config.autopp.losses_file)
         except BaseException:
             self._undo_environment()
             raise
@@ -94,6 +98,27 @@ class AutoppTrainer(Trainer):
         if plan is None or predicted_tps(plan) is None:
             return None
         return PredictedThroughput(self.metrics_processor, plan, logger=logger)
+
+    def _record_losses(self, path: str) -> None:
+        """Append each step's loss and gradient norm, as torchtitan hands them to its
+        metrics processor, to ``<path>.rank<R>`` (see ``AutoppOptions.losses_file``)."""
+        import json
+
+        import torch.distributed as dist
+
+        out = f"{path}.rank{dist.get_rank() if dist.is_initialized() else 0}"
+        log = self.metrics_processor.log
+
+        holds_loss = getattr(self, "pp_has_last_stage", True)  # False: a placeholder loss
+
+        def recording(step, global_avg_loss, global_max_loss, grad_norm, *args, **kwargs):
+            if holds_loss:
+                with open(out, "a") as f:
+                    f.write(json.dumps({"step": int(step), "loss": float(global_avg_loss),
+                                        "grad_norm": float(grad_norm)}) + "\n")
+            return log(step, global_avg_loss, global_max_loss, grad_norm, *args, **kwargs)
+
+        self.metrics_processor.log = recording
 
     def post_dataloading_process(self, input_dict: dict[str, torch.Tensor],
                                  labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
