@@ -7,6 +7,18 @@ import os
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_caches(tmp_path_factory):
+    """One plan cache and one profile cache for the whole session (a plan made by one test
+    is read by the next), in the session's temporary directory: the suite neither reads nor
+    fills the user's ``~/.cache/autopp``. ``AUTOPP_PLAN_CACHE`` / ``AUTOPP_PROFILE_CACHE``
+    set by the caller are kept."""
+    root = tmp_path_factory.mktemp("autopp-cache")
+    for var, sub in (("AUTOPP_PLAN_CACHE", "plans"), ("AUTOPP_PROFILE_CACHE", "profiles")):
+        os.environ.setdefault(var, str(root / sub))
+    yield
+
+
 @pytest.fixture(scope="module")
 def fresh_plan_cache(tmp_path_factory):
     """An empty on-disk plan cache for the module (``AUTOPP_PLAN_CACHE``): its tests plan."""
