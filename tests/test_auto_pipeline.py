@@ -126,7 +126,7 @@ def test_auto_parameters_gathered_once_per_step():
     configs = [_cfg("1F1B", 2, dp=2, tp=2, count_collectives=True, n_microbatches=m,
                     batch=batch, seq=seq, planner_options=dict(
                         parameter_budget_bytes=4e6, reshard_after_forward=False))
-               for m in (2, 4)]
+               for m in (2,)]
     configs.append(_cfg("1F1B", 2, dp=2, tp=2, count_collectives=True, n_microbatches=2,
                         batch=batch, seq=seq, planner_options=dict(
                             parameter_budget_bytes=4e6, reshard_after_forward=True)))

@@ -12,6 +12,7 @@ WORKER = Path(__file__).with_name("_apply_worker.py")
 
 
 @pytest.mark.multiprocess
+@pytest.mark.wide  # the planned pipelines' parity tests run this path end to end
 def test_planned_llama_stack_matches_single_process_on_2x2(tmp_path):
     dp, tp = 2, 2
     world = dp * tp

@@ -52,6 +52,7 @@ def test_lowered_block_has_local_shapes_and_collectives(make_mesh, stack_of):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.wide  # the planned pipelines' parity tests run this path end to end
 def test_lowered_llama_stack_matches_single_process_on_2x2_gloo():
     from tests.dist_harness import run_on_ranks
     from tests.sharding._lower_worker import run_lower
