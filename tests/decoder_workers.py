@@ -71,6 +71,7 @@ def two_steps(mesh, cfg: dict, path: str | None = None) -> dict:
     return {"losses": losses, "checkpoint": ckpt, "grads": grads, "norm": norm,
             "units": {sid: [b.prefix for b in plan.blocks]
                       for sid, plan in (pipe.plans or {}).items()},
+            "stage_fqns": {sid: list(pipe.layout.fqns_per_stage[sid]) for sid in pipe.plans or {}},
             "state_keys": sorted(pipe.state_dict()),
             "values": {name: _full(p).detach().clone() for name, p in pipe.named_parameters()
                        if "embed" in name or "lm_head" in name}}
