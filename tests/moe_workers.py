@@ -99,6 +99,11 @@ def train(mesh, cfg: dict, path: str | None) -> dict:
     out["dispatch"] = sorted({_dispatch_of(ins) for plan in (pipe.plans or {}).values()
                               for b in plan.blocks for name, _, ins in b.nodes
                               if name.startswith("routed_experts")})
+    out["stage_dispatch"] = {  # per planned stage: its modules, its routed-experts ops' kinds
+        sid: (list(pipe.layout.fqns_per_stage[sid]),
+              sorted({_dispatch_of(ins) for b in plan.blocks for name, _, ins in b.nodes
+                      if name.startswith("routed_experts")}))
+        for sid, plan in (pipe.plans or {}).items()}
     if path is not None and cfg.get("resume"):
         pipe.save_checkpoint(path, opt)
         tok, tgt = _dp_slice(mesh, cfg["batch"], cfg["seq"], 100 + cfg["steps"])

@@ -115,9 +115,14 @@ def test_moe_decoders_match_single_process(tmp_path):
         if cfg.get("parallelize", "auto") is None:
             continue
         # the routed experts were planned as one op with its own rule (not traced op by op):
-        # the op is in every rank's plans, with placements for the expert weights
-        for r in results:
-            assert r[i]["dispatch"] and r[i]["placements"], (cfg, r[i]["dispatch"])
+        # the op is in the plan of every stage holding an MoE layer
+        moe_layers = {f"layers.{n}" for n, layer in MODELS[cfg["model"]](N_LAYERS).layers.items()
+                      if any(type(m).__name__ == "MoE" for m in layer.modules())}
+        stages = {sid: v for r in results for sid, v in r[i]["stage_dispatch"].items()}
+        assert len(stages) == (4 if cfg["schedule"] == "ZBVZeroBubble" else 2), stages
+        for sid, (fqns, kinds) in stages.items():
+            assert bool(kinds) == bool(moe_layers & set(fqns)), (cfg["model"], sid, fqns, kinds)
+        assert {p for r in results for p in r[i]["placements"]}, cfg
         kinds = {d for r in results for d in r[i]["dispatch"]}
         if cfg.get("dispatch") == "all_to_all":  # tokens reached the experts by all-to-all,
             # so the experts are split (expert parallel), not replicated
