@@ -151,11 +151,11 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600
 
 
 def run_command(cmd: list[str], *, timeout: float, cwd: str | os.PathLike | None = None,
-                env: dict[str, str] | None = None, tail: int = 60) -> str:
+                env: dict[str, str] | None = None, tail: int = 60, check: bool = True) -> str:
     """Run a launcher command (``torchrun ...``) in its own process group with a deadline;
-    return its stdout and stderr together. On a non-zero exit or at the deadline the whole
-    group (the launcher and every rank it started) is killed and :class:`LaunchError`
-    shows the output's last ``tail`` lines."""
+    return its stdout and stderr together. At the deadline (or, with ``check``, on a
+    non-zero exit) the whole group (the launcher and every rank it started) is killed and
+    :class:`LaunchError` shows the output's last ``tail`` lines."""
     import signal
     import subprocess
 
@@ -163,7 +163,7 @@ def run_command(cmd: list[str], *, timeout: float, cwd: str | os.PathLike | None
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
-        why = None if proc.returncode == 0 else f"exit code {proc.returncode}"
+        why = None if proc.returncode == 0 or not check else f"exit code {proc.returncode}"
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()

@@ -19,3 +19,24 @@ def test_bad_world_size_and_interrupted_checkpoint_on_every_rank(tmp_path):
     assert results[0]["load"].endswith("ckpt: its save was interrupted before it completed "
                                        "(ckpt.v1 incomplete), and no complete checkpoint is "
                                        "beside it"), results[0]
+
+
+@pytest.mark.multiprocess
+def test_the_example_prints_one_line_per_rank_on_a_bad_world():
+    """The example launched on 3 processes for pp2 x dp2 x tp2: every rank prints the same
+    one-line error (no traceback, no gloo "connection closed" from a rank left waiting)."""
+    import re
+    import sys
+    from pathlib import Path
+
+    from tests.dist_harness import run_command
+
+    root = Path(__file__).resolve().parents[1]
+    out = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       "--nproc-per-node", "3", str(root / "examples/llama3_pp_dp_tp.py"),
+                       "--pp", "2", "--dp", "2", "--tp", "2"], timeout=240, check=False)
+    errors = re.findall(r"\[rank (\d)\] error: (.*)", out)
+    assert sorted(r for r, _ in errors) == ["0", "1", "2"], out[-3000:]
+    assert {msg for _, msg in errors} == {"pp=2 × dp=2 × tp=2 needs 8 ranks, got 3; choose sizes "
+                                          "whose product is the world size"}, errors
+    assert "Traceback" not in out.split("torch.distributed.elastic")[0], out[-3000:]
