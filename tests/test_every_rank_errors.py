@@ -39,4 +39,5 @@ def test_the_example_prints_one_line_per_rank_on_a_bad_world():
     assert sorted(r for r, _ in errors) == ["0", "1", "2"], out[-3000:]
     assert {msg for _, msg in errors} == {"pp=2 × dp=2 × tp=2 needs 8 ranks, got 3; choose sizes "
                                           "whose product is the world size"}, errors
-    assert "Traceback" not in out.split("torch.distributed.elastic")[0], out[-3000:]
+    # no traceback from the ranks (torchrun itself reports the failed children after them)
+    assert 'llama3_pp_dp_tp.py", line' not in out and "ProcessGroupGloo" not in out, out[-3000:]
