@@ -288,7 +288,9 @@ def main() -> None:
     except (ValueError, RuntimeError) as e:
         if os.environ.get("AUTOPP_TRACEBACK"):
             raise
-        print(f"[rank {os.environ.get('RANK', 0)}] error: {e}", file=sys.stderr, flush=True)
+        # one write (atomic on a pipe): ranks' lines do not interleave
+        sys.stderr.write(f"[rank {os.environ.get('RANK', 0)}] error: {e}\n")
+        sys.stderr.flush()
         raise SystemExit(1) from None
 
 
