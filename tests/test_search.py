@@ -32,7 +32,8 @@ def test_layouts_of_eight_devices_by_hand():
                     picked.append(m)
             expected |= {Layout(pp, dp, tp, "1F1B", 1, m) for m in picked[:2]}
     assert set(layouts) == expected
-    assert ("pp8 dp1 tp1", "pp=8 is more than the model's 4 layers") in rejected
+    assert ("pp8 dp1 tp1", "pp=8 is more than the model's 4 layers (every stage holds one)") \
+        in rejected
 
 
 def test_tp_stays_in_a_node_and_v_schedules_need_two_stages_per_rank():
@@ -221,3 +222,30 @@ def test_a_probe_bug_is_told_from_a_planner_refusal(monkeypatch, caplog):
     msg = report.no_fit_message()
     assert msg.index("autopp failed while probing") < msg.index("the planner failed"), msg
     assert "please report it; AUTOPP_TRACEBACK=1" in msg, msg
+
+
+def test_pp_may_exceed_the_block_count_with_stages_of_only_the_embedding_or_head():
+    """A 2-block model on 4 pp ranks: the search prices the split whose first stage holds
+    only the embedding and whose last only the head (0-1-1-0), and its exact plan plans
+    those stages; more stages than blocks + 2 are refused, with the reason, and so are
+    more stages than blocks where pp alone does not exceed them."""
+    import autopp
+    from tests.models import llama3_meta
+
+    report = autopp.search(llama3_meta(2), world_size=4, global_batch=8, seq_len=16,
+                           profile="CPU", pp_sizes=[4], tp_sizes=[1],
+                           schedules=("1F1B", "Interleaved1F1B"))
+    best = report.best
+    assert best.layout.pp == 4 and best.layers_per_stage == (0, 1, 1, 0), best
+    assert [list(f) for f in best.fqns_per_stage] == [
+        ["tok_embeddings"], ["layers.0"], ["layers.1"], ["norm", "lm_head"]]
+    assert any("8 stages is more than the 4 stages this model can be cut into (2 layers, "
+               "and 2 end stage(s)" in why for _, why in report.rejected), report.rejected
+    # where pp does not exceed the blocks, every stage holds one (as before)
+    two = autopp.search(llama3_meta(2), world_size=2, global_batch=8, seq_len=16,
+                        profile="CPU", tp_sizes=[1], schedules=("Interleaved1F1B",))
+    assert ("pp2 dp1 tp1 Interleaved1F1B x2", "4 stages is more than the model's 2 layers "
+            "(every stage holds one)") in two.rejected, two.rejected
+    dry = report.plan(0)
+    assert [list(f) for f in dry.plan.fqns_per_stage] == [list(f) for f in best.fqns_per_stage]
+    assert dry.step_time_s > 0

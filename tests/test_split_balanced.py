@@ -100,3 +100,38 @@ def test_split_balanced_puts_pre_and_post_with_first_and_last_layer():
                       ["layers.4", "layers.5", "norm", "output"]]
     with pytest.raises(ValueError, match="at least one layer"):
         split_balanced(layout, 7, layer_costs=[1.0] * 6)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_empty_end_stages_match_brute_force(seed):
+    """``empty_ends``: the first and last stage may hold no unit (a stage of only the
+    embedding, or only the head), priced by their table's column 0; up to n + 2 stages.
+    Against enumeration of every split whose middle stages are non-empty."""
+    import math
+    import random
+
+    rng = random.Random(100 + seed)
+    n = rng.randint(1, 6)
+    k = rng.randint(1, n + 2)
+    ends = [rng.choice([0.5, 1.0, 3.0]), rng.choice([0.5, 2.0, 4.0])]  # pre, post alone
+    table = [[(ends[0] if s == 0 else 0.0) + (ends[1] if s == k - 1 else 0.0)
+              + u * (1.5 if s in (0, k - 1) else 1.0)
+              if u > 0 or s in (0, k - 1) else math.inf for u in range(n + 1)]
+             for s in range(k)]
+    got = balanced_cuts([1.0] * n, k, stage_table=table, empty_ends=True)
+    best = None
+    for inner in itertools.combinations_with_replacement(range(n + 1), k - 1):
+        cuts = [0, *inner, n]
+        spans = [b - a for a, b in zip(cuts, cuts[1:])]
+        if any(x < 0 for x in spans) or any(x == 0 for x in spans[1:-1]):
+            continue
+        t = [table[s][b - a] for s, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+        key = (max(t), sum(x * x for x in t))
+        if math.isfinite(key[0]) and (best is None or key < best):
+            best = key
+    assert got is not None and best is not None
+    t = [table[s][b - a] for s, (a, b) in enumerate(zip(got, got[1:]))]
+    assert (max(t), sum(x * x for x in t)) == pytest.approx(best)
+    assert all(b > a for a, b in list(zip(got, got[1:]))[1:-1])  # middle stages hold a unit
+    with pytest.raises(ValueError, match="cannot cut 2 units into 5 stages"):
+        balanced_cuts([1.0, 1.0], 5, empty_ends=True)

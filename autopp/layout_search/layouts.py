@@ -65,14 +65,15 @@ def enumerate_layouts(
     *, world_size: int, global_batch: int, n_layers: int, devices_per_node: int,
     schedules: Sequence[str] = DEFAULT_SCHEDULES, tp_sizes: Sequence[int] | None = None,
     pp_sizes: Sequence[int] | None = None, microbatch_choices: int = 3,
-    stages_per_rank: Sequence[int] = (2, 3, 4),
+    stages_per_rank: Sequence[int] = (2, 3, 4), end_stages: int = 0,
 ) -> tuple[list[Layout], list[tuple[str, str]]]:
     """Every layout to consider, and (layout family, reason) for each one left out.
 
     Args:
         world_size: devices in all.
         global_batch: sequences per step over all dp ranks.
-        n_layers: the model's repeated blocks (every stage holds at least one).
+        n_layers: the model's repeated blocks (every stage but the end stages below holds
+            at least one).
         devices_per_node: tp stays within a node (the profile's).
         schedules: schedule names to consider.
         tp_sizes / pp_sizes: restrict tp / pp (None: every divisor that fits).
@@ -80,6 +81,10 @@ def enumerate_layouts(
             fills the pipeline, then doubling.
         stages_per_rank: stages per pp rank tried for the looped multi-stage schedules
             (Interleaved1F1B, InterleavedZeroBubble); the V schedules hold exactly 2.
+        end_stages: how many stages may hold no block: 1 or 2 when the model has modules
+            before the blocks (an embedding) and / or after them (a head), which a first or
+            last stage may then hold alone; so pp up to ``n_layers + end_stages`` (one stage
+            a rank). Where pp does not exceed the blocks, every stage holds a block.
 
     Raises:
         ValueError: no layout at all; the message says what would work.
@@ -103,8 +108,8 @@ def enumerate_layouts(
                 continue
             dp = world_size // (tp * pp)
             family = f"pp{pp} dp{dp} tp{tp}"
-            if pp > n_layers:
-                rejected.append((family, f"pp={pp} is more than the model's {n_layers} layers"))
+            if pp > n_layers + end_stages:
+                rejected.append((family, f"pp={pp} is more than the {_most_stages(n_layers, end_stages)}"))
                 continue
             if global_batch % dp:
                 rejected.append((family, f"global batch {global_batch} is not divisible by "
@@ -120,10 +125,12 @@ def enumerate_layouts(
                                  if info.min_stages_per_rank <= v <= hi] or [
                         info.default_stages_per_rank]
                 for v in v_options:
-                    if pp * v > n_layers:
+                    # stages of only the modules before / after the blocks where pp itself
+                    # exceeds the blocks; else every stage holds a block
+                    if pp * v > n_layers + (end_stages if pp > n_layers else 0):
                         rejected.append((f"{family} {name}{f' x{v}' if v > 1 else ''}",
-                                         f"{pp * v} stages is more than the model's "
-                                         f"{n_layers} layers"))
+                                         f"{pp * v} stages is more than the "
+                                         f"{_most_stages(n_layers, end_stages if pp > n_layers else 0)}"))
                         continue
                     ms = _microbatch_counts(local, pp * v, pp, name, microbatch_choices)
                     if not ms:
@@ -133,22 +140,31 @@ def enumerate_layouts(
                         continue
                     layouts += [Layout(pp, dp, tp, info.name, v, m) for m in ms]
     if not layouts:
-        raise ValueError(_nothing_fits(world_size, global_batch, n_layers, devices_per_node,
+        raise ValueError(_nothing_fits(world_size, global_batch, n_layers + end_stages,
+                                       devices_per_node,
                                        rejected))
     return layouts, rejected
 
 
-def _nothing_fits(world_size: int, global_batch: int, n_layers: int, devices_per_node: int,
+def _most_stages(n_layers: int, end_stages: int) -> str:
+    """The most stages a model can be cut into, said with its reason."""
+    if not end_stages:
+        return f"model's {n_layers} layers (every stage holds one)"
+    return (f"{n_layers + end_stages} stages this model can be cut into ({n_layers} layers, "
+            f"and {end_stages} end stage(s) holding only the modules before or after them)")
+
+
+def _nothing_fits(world_size: int, global_batch: int, most_stages: int, devices_per_node: int,
                   rejected: list[tuple[str, str]]) -> str:
     reasons = "; ".join(f"{f}: {r}" for f, r in rejected[:6])
     more = f" (and {len(rejected) - 6} more)" if len(rejected) > 6 else ""
     works = [w for w in range(max(1, world_size - 64), world_size + 65)
              if any(global_batch % (w // (t * p)) == 0 for t in _divisors(w)
-                    if t <= devices_per_node for p in _divisors(w // t) if p <= n_layers
+                    if t <= devices_per_node for p in _divisors(w // t) if p <= most_stages
                     and (p == 1 or global_batch // (w // (t * p)) >= p))]
     near = sorted(works, key=lambda w: abs(w - world_size))[:3]
     return (f"no pp x dp x tp layout of {world_size} devices can train a global batch of "
-            f"{global_batch} on this {n_layers}-layer model: {reasons}{more}. What would "
+            f"{global_batch} on this model: {reasons}{more}. What would "
             f"work: a global batch divisible by some dp that divides {world_size}, with at "
             f"least pp sequences per dp rank"
             + (f"; or a world size such as {', '.join(map(str, sorted(near)))}" if near else "")

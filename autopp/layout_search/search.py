@@ -278,7 +278,8 @@ def search(
         world_size=world_size, global_batch=global_batch, n_layers=layout_info.n_layers,
         devices_per_node=prof.devices_per_node, schedules=schedules, tp_sizes=tp_sizes,
         pp_sizes=pp_sizes, microbatch_choices=microbatch_choices,
-        stages_per_rank=stages_per_rank)
+        stages_per_rank=stages_per_rank,
+        end_stages=int(bool(layout_info.pre)) + int(bool(layout_info.post)))
     if dist.is_initialized() and dist.get_world_size() != world_size:
         raise ValueError(f"torch.distributed is initialised with {dist.get_world_size()} ranks; "
                          f"the search needs a fake world of {world_size}")

@@ -26,8 +26,9 @@ Fits = Callable[[int, int, int], bool]
 
 
 def balanced_cuts(costs: Sequence[float], n_stages: int, *, fits: Fits | None = None,
-                  stage_table: Sequence[Sequence[float]] | None = None) -> list[int] | None:
-    """Cut ``len(costs)`` units into ``n_stages`` contiguous, non-empty stages.
+                  stage_table: Sequence[Sequence[float]] | None = None,
+                  empty_ends: bool = False) -> list[int] | None:
+    """Cut ``len(costs)`` units into ``n_stages`` contiguous stages.
 
     Args:
         costs: each unit's cost (seconds per microbatch), in order.
@@ -37,6 +38,10 @@ def balanced_cuts(costs: Sequence[float], n_stages: int, *, fits: Fits | None = 
             alike: ``stage_table[stage][k]``, the cost of stage ``stage`` holding ``k`` units
             (e.g. under the fastest recomputation policy that fits its memory; ``inf``: does
             not fit). ``costs`` then only gives the number of units.
+        empty_ends: the first and the last stage may hold no unit (a stage of only the
+            modules before the blocks, or only those after them: their cost is then
+            ``stage_table[stage][0]``); every other stage holds at least one. False: every
+            stage holds one.
 
     Returns:
         The ``n_stages + 1`` cut indices (0 first, ``len(costs)`` last) of the split that
@@ -44,35 +49,41 @@ def balanced_cuts(costs: Sequence[float], n_stages: int, *, fits: Fits | None = 
         wins a tie); None when no split satisfies ``fits``.
     """
     n = len(costs)
-    if not 1 <= n_stages <= n:
-        raise ValueError(f"cannot cut {n} units into {n_stages} non-empty stages")
-    # cost[s, i, j]: units i .. j-1 as stage s (inf where j <= i or it does not fit)
+    lo = [0 if empty_ends and s in (0, n_stages - 1) else 1 for s in range(n_stages)]
+    if n_stages < 1 or sum(lo) > n:
+        raise ValueError(f"cannot cut {n} units into {n_stages} stages"
+                         + (" (the first and last may be empty)" if empty_ends else
+                            " non-empty stages"))
+    upto = np.cumsum(lo)  # units the stages 0..s hold at least
+    after = sum(lo) - upto  # ... and the stages after s
+    # cost[s, i, j]: units i .. j-1 as stage s (inf where it holds too few or does not fit)
     i_idx, j_idx = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
     span = j_idx - i_idx
+    enough = np.stack([span >= lo[s] for s in range(n_stages)])
     if stage_table is not None:
         table = np.asarray(stage_table, dtype=np.float64)
         if table.shape != (n_stages, n + 1):
             raise ValueError(f"stage_table must be {n_stages} x {n + 1}, got {table.shape}")
-        cost = np.where(span > 0, table[:, np.clip(span, 0, n)], np.inf)
+        cost = np.where(enough, table[:, np.clip(span, 0, n)], np.inf)
     else:
         prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, dtype=np.float64))])
-        base = np.where(span > 0, prefix[None, :] - prefix[:, None], np.inf)
-        cost = np.repeat(base[None], n_stages, axis=0)
+        cost = np.where(enough, (prefix[None, :] - prefix[:, None])[None], np.inf)
         if fits is not None:
             for s in range(n_stages):
-                for i in range(n):
-                    for j in range(i + 1, n + 1):
+                for i in range(n + 1):
+                    for j in range(i + lo[s], n + 1):
                         if not fits(s, i, j):
                             cost[s, i, j] = np.inf
     # best[j]: (slowest, sum of squares) of units 0..j-1 in s+1 stages; arg: the last cut
-    last = n - n_stages + 1  # stage 0 ends at most here
-    ok = (np.arange(n + 1) >= 1) & (np.arange(n + 1) <= last)
+    ends = np.arange(n + 1)
+    ok = (ends >= upto[0]) & (ends <= n - after[0])
     slow = np.where(ok, cost[0, 0], np.inf)
     squares = np.where(np.isfinite(slow), slow * slow, np.inf)
     args = np.full((n_stages, n + 1), -1)
     for s in range(1, n_stages):
         c = cost[s]
-        valid = (i_idx >= s) & (i_idx < j_idx) & (j_idx <= n - (n_stages - s - 1))
+        valid = ((i_idx >= upto[s - 1]) & (j_idx - i_idx >= lo[s]) & (j_idx >= upto[s])
+                 & (j_idx <= n - after[s]))
         cand = np.where(valid, np.maximum(slow[:, None], c), np.inf)
         low = cand.min(axis=0)
         tie = (cand == low[None, :]) & np.isfinite(low)[None, :]
