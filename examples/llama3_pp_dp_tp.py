@@ -239,19 +239,17 @@ def searched_plan(args, world: int):
     import multiprocessing
 
     from autopp import PipelinePlan
+    from autopp.plan.rank0 import broadcast_from_rank0
 
-    box = [None]
-    if dist.get_rank() == 0:
+    def search() -> str:
         try:
             with multiprocessing.get_context("spawn").Pool(1) as pool:
-                box[0] = ("plan", pool.apply(_search_in_child, (args.model, vars(args), world)))
+                return pool.apply(_search_in_child, (args.model, vars(args), world))
         except Exception as e:  # every rank says why, not only rank 0
-            box[0] = ("error", f"the layout search for {world} devices failed: {e}")
-    dist.broadcast_object_list(box, src=0)
-    kind, value = box[0]
-    if kind == "error":
-        raise ValueError(value)
-    return PipelinePlan.from_json(value)
+            raise ValueError(f"the layout search for {world} devices failed: {e}") from None
+
+    # the other ranks wait on a long-timeout CPU group (a 70B search outlasts NCCL's watchdog)
+    return PipelinePlan.from_json(broadcast_from_rank0(search, what="searching layouts"))
 
 
 def use_plan(args, plan) -> None:

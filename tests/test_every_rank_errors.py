@@ -43,3 +43,20 @@ def test_the_example_prints_one_line_per_rank_on_a_bad_world():
                                           "whose product is the world size"}, errors
     # no traceback from the ranks (torchrun itself reports the failed children after them)
     assert 'llama3_pp_dp_tp.py", line' not in out and "ProcessGroupGloo" not in out, out[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_ranks_waiting_for_rank0_outlast_the_default_groups_timeout():
+    """While rank 0 plans (or searches), the others wait on a group of their own with a
+    long timeout, not on the job's default group, whose timeout (NCCL's watchdog: 10 min,
+    300 s in torchtitan) a 70B plan outlasts: here the default group times out after 3 s
+    and rank 0 works 6 s."""
+    from tests.fault_workers import slow_rank0
+
+    results = run_on_ranks(slow_rank0, 2, timeout=120)
+    for r in results:
+        assert r["value"] == {"plan": "made on rank 0"}, r
+        assert r["error"].startswith("no layout of 2 devices fits"), r
+    assert results[1]["waited_s"] > 5, results[1]  # it did wait past the default's 3 s
+    assert "(raised on rank 0 while searching layouts; this rank waited)" in results[1]["error"]
+    assert results[1]["control"].startswith("timed out after"), results[1]

@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-import torch.distributed as dist
 
 #: How estimates are made: "graphs" (lower every stage's plan to read its activation memory
 #: and split its time into F / I / W, as the dry run does), "rule" (F = I = W = a third of
@@ -42,11 +41,9 @@ def estimates_on_rank0(compute: Callable[[], Any]) -> tuple[Any, str | None]:
         except Exception as e:  # estimates are informative: never stop the job
             return None, f"{type(e).__name__}: {e}"
 
-    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
-        return local()
-    box = [local() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    from autopp.plan.rank0 import broadcast_from_rank0
+
+    return broadcast_from_rank0(local, what="estimating the plan")
 
 
 def tokens_per_step_per_device(plan) -> int:
