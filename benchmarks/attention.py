@@ -7,7 +7,8 @@ For each: the peak of tensor bytes allocated during one forward + backward (the 
 allocator events, which also see a fused kernel's scratch: :func:`peak_bytes_during` of
 ``benchmarks/memory.py``), the median time of ``--repeats`` runs side by side in one
 process, and the largest difference of the gradients from torch's; then the backward op's time over
-the forward op's, measured and as the cost model prices it (their registered FLOPs). The previous backward is
+the forward op's, and the causal forward's over the full one's, measured and as the cost
+model prices them (their registered FLOPs). The previous backward is
 written out here only to measure it (it is what ``autopp::sdpa_backward`` ran before).
 """
 
@@ -107,6 +108,12 @@ def main() -> None:
         print(f"{name:26} {peak / 2**20:>9.1f} {t * 1e3:>10.1f} {err:>19.2e}")
     print(f"autopp::sdpa_backward / autopp::sdpa: measured {bwd / fwd:.2f}x "
           f"({bwd * 1e3:.1f} / {fwd * 1e3:.1f} ms), priced {priced:.2f}x (registered FLOPs)")
+    # the causal mask: the fused kernels skip masked blocks, priced by the pairs kept
+    full = median_s(lambda: torch.ops.autopp.sdpa(qd, kd, vd, False, scale, False))
+    with FlopCounterMode(display=False) as fc_full:
+        torch.ops.autopp.sdpa(qd, kd, vd, False, scale, False)
+    print(f"causal / full forward: measured {fwd / full:.2f}x ({fwd * 1e3:.1f} / "
+          f"{full * 1e3:.1f} ms), priced {fc_f.get_total_flops() / fc_full.get_total_flops():.2f}x")
 
 
 if __name__ == "__main__":

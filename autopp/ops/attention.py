@@ -115,22 +115,34 @@ def _sdpa_backward_sharding(grad, q, k, v, is_causal, scale, enable_gqa):
     return _split_batch_or_heads(3, 4)
 
 
-def _attention_flops(q_shape, k_shape, v_shape) -> int:
+def attended_pairs(lq: int, lk: int, is_causal: bool) -> int:
+    """(query, key) pairs attention computes: all ``lq * lk``, or under torch's causal mask
+    (top-left aligned: query i sees keys 0..i) ``sum(min(i + 1, lk))``, about half: the
+    fused kernels skip the masked blocks."""
+    if not is_causal:
+        return lq * lk
+    if lq <= lk:
+        return lq * (lq + 1) // 2
+    return lk * (lk + 1) // 2 + (lq - lk) * lk
+
+
+def _attention_flops(q_shape, k_shape, v_shape, is_causal: bool) -> int:
     b, h, lq, d = q_shape
     lk, dv = k_shape[-2], v_shape[-1]
-    return 2 * b * h * lq * lk * d + 2 * b * h * lq * lk * dv  # q·kᵀ and p·v
+    return 2 * b * h * attended_pairs(lq, lk, is_causal) * (d + dv)  # q·kᵀ and p·v
 
 
 @register_flop_formula(torch.ops.autopp.sdpa)
-def _sdpa_flop(q_shape, k_shape, v_shape, *args, **kwargs) -> int:
-    return _attention_flops(q_shape, k_shape, v_shape)
+def _sdpa_flop(q_shape, k_shape, v_shape, is_causal, *args, **kwargs) -> int:
+    return _attention_flops(q_shape, k_shape, v_shape, is_causal)
 
 
 @register_flop_formula(torch.ops.autopp.sdpa_backward)
-def _sdpa_backward_flop(grad_shape, q_shape, k_shape, v_shape, *args, **kwargs) -> int:
+def _sdpa_backward_flop(grad_shape, q_shape, k_shape, v_shape, is_causal, *args,
+                        **kwargs) -> int:
     # the forward re-run (1x) + the fused backward's five matmuls (q·kᵀ again, dV, dP, dQ,
     # dK: 2.5x the forward's two)
-    return int(3.5 * _attention_flops(q_shape, k_shape, v_shape))
+    return int(3.5 * _attention_flops(q_shape, k_shape, v_shape, is_causal))
 
 
 class AttentionAsOneOp(TorchFunctionMode):

@@ -63,7 +63,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import highspy
 import numpy as np
 from torch import fx
 
@@ -83,19 +82,30 @@ _SCALE = 1e6
 _BANNER_SHOWN = False
 
 
-def _new_highs() -> highspy.Highs:
+def _highspy():
+    """highspy, imported on first use: a process that only applies a saved plan
+    (``plan=``, e.g. on a machine without HiGHS) never needs it."""
+    try:
+        import highspy
+    except ImportError as e:
+        raise ImportError("autopp's planner solves with HiGHS: pip install highspy (running "
+                          "a saved plan, plan=..., does not need it)") from e
+    return highspy
+
+
+def _new_highs() -> Any:
     """A HiGHS instance. The first one a process creates prints HiGHS's banner on the C
     stdout before any option can be set; that one is created with fd 1 pointed at
     /dev/null, so every rank of a job does not print it."""
     global _BANNER_SHOWN
     if _BANNER_SHOWN:
-        return highspy.Highs()
+        return _highspy().Highs()
     _BANNER_SHOWN = True
     sys.stdout.flush()
     saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
     try:
         os.dup2(devnull, 1)
-        return highspy.Highs()
+        return _highspy().Highs()
     finally:
         os.dup2(saved, 1)
         os.close(saved)
@@ -323,7 +333,7 @@ class Model:
         rows = self.rows + t.rows
         mem = self.memory_row.coefs(t)
         rows = rows + [(list(mem), [v / _MIB for v in mem.values()], -np.inf, np.inf)]
-        lp = highspy.HighsLp()
+        lp = _highspy().HighsLp()
         lp.num_col_ = n
         lp.num_row_ = len(rows)
         lp.col_lower_ = np.zeros(n)
@@ -334,7 +344,7 @@ class Model:
             index += idx
             value += val
             starts.append(len(index))
-        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.format_ = _highspy().MatrixFormat.kRowwise
         lp.a_matrix_.start_ = np.asarray(starts, dtype=np.int32)
         lp.a_matrix_.index_ = np.asarray(index, dtype=np.int32)
         lp.a_matrix_.value_ = np.asarray(value, dtype=np.float64)
@@ -469,7 +479,7 @@ class Model:
     def _run(self, lp, upper, integer: list[bool], as_mip: bool, time_limit_s: float,
              threads: int, hint=None, rel_gap: float = 1e-6):
         lp.col_upper_ = upper
-        kint, kcont = highspy.HighsVarType.kInteger, highspy.HighsVarType.kContinuous
+        kint, kcont = _highspy().HighsVarType.kInteger, _highspy().HighsVarType.kContinuous
         lp.integrality_ = [kint if b else kcont for b in integer] if as_mip else []
         h = _new_highs()
         h.setOptionValue("output_flag", False)
@@ -482,7 +492,7 @@ class Model:
         if hint is not None:
             h.setSolution(len(hint[0]), *hint)
         h.run()
-        if h.getModelStatus() == highspy.HighsModelStatus.kInfeasible:
+        if h.getModelStatus() == _highspy().HighsModelStatus.kInfeasible:
             # HiGHS's presolve can call a feasible model infeasible when its values span
             # many orders of magnitude (a dp=512 head's 2 TiB replicated logits beside 1-byte
             # terms); solving again without presolve settles it

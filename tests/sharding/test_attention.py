@@ -88,3 +88,25 @@ def test_backward_is_fused_and_holds_no_seq_by_seq_tensor():
     for a, r in zip(ours(), ref):
         torch.testing.assert_close(a, r, atol=1e-6, rtol=1e-6)
     assert peak_bytes_during(ours) < b * h * s * s * 4
+
+
+def test_causal_attention_is_priced_by_the_pairs_it_computes():
+    """The registered FLOPs (what the planner prices) count the (query, key) pairs the
+    causal mask keeps, by hand: seq 4 keeps 4 + 3 + 2 + 1 = 10 of 16 pairs; q·kᵀ and p·v
+    are 2 FLOPs per pair and head dim each; the backward is 3.5 forwards."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import autopp.ops.attention  # noqa: F401  (registers autopp::sdpa)
+
+    q = torch.randn(1, 1, 4, 2)
+    for causal, pairs in ((False, 16), (True, 10)):
+        with FlopCounterMode(display=False) as fc:
+            torch.ops.autopp.sdpa(q, q, q, causal, 1.0, False)
+        assert fc.get_total_flops() == 2 * pairs * (2 + 2), (causal, fc.get_total_flops())
+        with FlopCounterMode(display=False) as fc:
+            torch.ops.autopp.sdpa_backward(q, q, q, q, causal, 1.0, False)
+        assert fc.get_total_flops() == int(3.5 * 2 * pairs * 4)
+    # a longer query than key (top-left causal): query i sees min(i + 1, 3) of 3 keys
+    with FlopCounterMode(display=False) as fc:
+        torch.ops.autopp.sdpa(q, q[:, :, :3], q[:, :, :3], True, 1.0, False)
+    assert fc.get_total_flops() == 2 * (1 + 2 + 3 + 3) * 4
