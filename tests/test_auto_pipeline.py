@@ -84,7 +84,7 @@ def test_auto_checkpoint_resume(tmp_path):
     for r in run_on_ranks(checkpoint_resume, 8, cfg, str(tmp_path / "ckpt")):
         assert set(r["resumed"]) == {2, 3}
         for step, loss in r["resumed"].items():
-            assert loss == pytest.approx(r["straight"][step], abs=1e-5), (step, r)
+            assert loss == pytest.approx(r["straight"][step], abs=1e-6), (step, r)
 
 
 def test_auto_mixed_precision_bf16_compute_fp32_masters():

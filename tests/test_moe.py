@@ -27,6 +27,8 @@ from tests.moe_workers import fp32_experts as _fp32_experts
 from tests.moe_workers import run
 
 N_LAYERS, BATCH, SEQ, LR, MAX_NORM = 4, 8, 16, 1e-2, 0.5
+REFERENCE_THREADS = 2
+"""Threads the single-process reference runs on (the test machines' cores)."""
 
 
 @torch.no_grad()
@@ -42,6 +44,18 @@ def _update_biases(model) -> None:
 
 
 def _reference(kind: str, steps: int, lr: float = LR) -> dict:
+    threads = torch.get_num_threads()
+    # the reference's own rounding depends on the thread count (after three AdamW steps at
+    # lr 1e-2 its loss is 7.729608 on 1 thread, 7.729625 on 2): pinned, so that an earlier
+    # test leaving this process on another count cannot move it (the flake of 2026-12-01)
+    torch.set_num_threads(REFERENCE_THREADS)
+    try:
+        return _reference_steps(kind, steps, lr)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_steps(kind: str, steps: int, lr: float) -> dict:
     from autopp import init_module_
 
     model = init_module_(MODELS[kind](N_LAYERS), seed=0, device="cpu")
@@ -78,10 +92,7 @@ def _check(res: dict, ref: dict, cfg: dict, track: float = 1e-6) -> set[str]:
     curves = f"{cfg['model']}: {res['losses']} vs {ref['losses'][:steps]}"
     assert res["losses"] == pytest.approx(ref["losses"][:steps], rel=track), curves
     if cfg.get("resume"):
-        # the step after the saved ones: held as the first steps are (rel 1e-5). AdamW at lr
-        # 1e-2 turns summation-order rounding into weight differences step by step: measured
-        # 1.1e-5 and 1.65e-5 apart (rel 2.1e-6) in two full-suite runs, within 1e-5 in others
-        assert res["next"] == pytest.approx(ref["losses"][steps], rel=1e-5)
+        assert res["next"] == pytest.approx(ref["losses"][steps], abs=1e-5)
         assert res["resumed"] == pytest.approx(res["next"], abs=1e-6)
     return set(res["grads"])
 
