@@ -22,6 +22,18 @@ and the error names the consumers). The price is exact up to the duality gap of 
 for all units (a knapsack's rounding: a few blocks could have used a slower, smaller
 plan).
 
+A certified bound. Every solve reports the solver's proven lower bound of its objective
+(:attr:`SolveResult.bound_s`), so each price λ also gives a lower bound on the time of *any*
+chain that fits (mixes of plans for identical blocks included): for a fitting chain c,
+time(c) ≥ time(c) + λ (mem(c) − B) ≥ min over chains of Σ(time + λ mem) − λ B, the minimum
+taken over the units' bounds (weak duality). The search keeps the best such bound
+(:attr:`Chain.bound_s`) and stops as soon as the fitting chain it holds is within
+:data:`CERTIFIED_GAP` of it; only where the gap stays larger does the polish solve units
+with the budget in their row (the exact ILP of a unit's share, the slow MIPs). Against
+another recomputation policy's fitting chain (``incumbent``), a policy whose bound reaches
+that chain's time is dropped without its polish: it cannot be faster. The bound and the gap
+are reported (``StagePlan.time_bound_s``).
+
 Recomputation (``recompute``): ``"none"`` / ``"selective"`` / ``"full"`` fix the policy of
 the stage's backward (:mod:`autopp.graph.recompute`: it changes which forward values the
 ILP counts as saved and adds the recomputed nodes' forward time to the objective);
@@ -34,6 +46,7 @@ splits a stage with one policy.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,6 +56,8 @@ from autopp.sharding.chain import TracedBlock, chain_dp
 from autopp.sharding.memory_row import MemorySpec
 from autopp.sharding.solver import InfeasiblePlanError, Model, SolveResult
 from autopp.sharding.units import Unit
+
+logger = logging.getLogger(__name__)
 
 MODES = ("none", "selective", "full")
 """The recomputation policies (``"auto"`` tries each)."""
@@ -97,6 +112,13 @@ class Chain:
     price: float = 0.0
     free: bool = False
     """The time-optimal chain, which fits: the budget does not bind."""
+    priced_bound_s: float = -math.inf
+    """A proven lower bound of the least Σ(time + price × bytes) over all chains (from the
+    solves' bounds)."""
+    bound_s: float = -math.inf
+    """A proven lower bound on the time of every chain under this policy that fits the
+    budget (the best over the prices searched); ``time_s`` where the budget does not bind
+    and the solves were exact."""
 
     def total(self, attr: str) -> float:
         return sum(getattr(r, attr) for r in self.results)
@@ -116,6 +138,21 @@ class _Priced:
             self.objective_s = res.memory_bytes + 1e-6 * res.objective_s
         else:
             self.objective_s = res.objective_s + price * res.memory_bytes
+
+
+class _Bound:
+    """A unit's proven lower bound as :func:`chain_dp` sees it."""
+
+    __slots__ = ("objective_s",)
+
+    def __init__(self, priced: _Priced):
+        b = priced.res.bound_s
+        self.objective_s = min(priced.objective_s, b) if b == b else -math.inf
+
+
+CERTIFIED_GAP = 0.01
+"""A budget-bound chain whose time is within this fraction of the certified lower bound is
+kept as it is (the price search stops, no polish)."""
 
 
 _SEARCH_GAP = 1e-3
@@ -162,8 +199,14 @@ def _chain(stage: Stage, mode: str, price: float, time_limit_s: float,
             raise InfeasiblePlanError(f"unit {rep.unit.name} has no feasible plan: {detail}")
     pairs = chain_dp(stage.kinds, table, stage.first_in, stage.last_out)
     results = [table[k][pair].res for k, pair in zip(stage.kinds, pairs)]
-    return Chain(mode, results, pairs, sum(r.objective_s for r in results),
+    chain = Chain(mode, results, pairs, sum(r.objective_s for r in results),
                   sum(r.memory_bytes for r in results), price)
+    if not math.isinf(price):
+        bounds = {k: {pair: _Bound(v) for pair, v in row.items()} for k, row in table.items()}
+        low = chain_dp(stage.kinds, bounds, stage.first_in, stage.last_out)
+        chain.priced_bound_s = sum(bounds[k][pair].objective_s
+                                   for k, pair in zip(stage.kinds, low))
+    return chain
 
 
 def chain_at_price(stage: Stage, mode: str, price: float, time_limit_s: float) -> Chain:
@@ -172,10 +215,14 @@ def chain_at_price(stage: Stage, mode: str, price: float, time_limit_s: float) -
 
 
 def _plan_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: float,
-               fast: Chain | None = None) -> tuple[Chain | None, Chain]:
+               fast: Chain | None = None, incumbent: float = math.inf
+               ) -> tuple[Chain | None, Chain]:
     """(the fastest chain under ``mode`` that fits ``budget`` or None, the least-memory
-    chain found: for the error message). ``fast``: the mode's chain at price 0, if known."""
+    chain found: for the error message). ``fast``: the mode's chain at price 0, if known.
+    ``incumbent``: the time of a fitting chain already found (another policy's): once this
+    policy's certified bound reaches it, the search stops with the best it holds."""
     fast = fast or _chain(stage, mode, 0.0, time_limit_s)
+    fast.bound_s = fast.priced_bound_s
     if budget is None or fast.memory_bytes <= budget:
         fast.free = True
         return fast, fast
@@ -183,16 +230,19 @@ def _plan_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: floa
     if least.memory_bytes > budget:
         return None, least
     # Lagrangian price: geometric search between an infeasible and a feasible price
-    best, lo, hi = least, 0.0, math.inf
+    best, lo, hi, bound = least, 0.0, math.inf, fast.priced_bound_s
     price = fast.time_s / max(fast.memory_bytes, 1.0)
     for _ in range(12):
         c = _chain(stage, mode, price, time_limit_s)
+        bound = max(bound, c.priced_bound_s - price * budget)
         if c.memory_bytes <= budget:
             hi = price
             if c.time_s < best.time_s:
                 best = c
         else:
             lo = price
+        if bound >= incumbent or best.time_s - bound <= CERTIFIED_GAP * best.time_s:
+            break  # cannot beat the other policy's chain, or certified close enough
         if math.isinf(hi):
             price *= 8
         elif lo == 0.0:
@@ -201,7 +251,14 @@ def _plan_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: floa
             break
         else:
             price = math.sqrt(lo * hi)
-    return _polish(stage, mode, budget, best, time_limit_s), least
+    searched = best.time_s
+    if bound < incumbent and best.time_s - bound > CERTIFIED_GAP * best.time_s:
+        best = _polish(stage, mode, budget, best, time_limit_s)
+    best.bound_s = bound
+    logger.debug("recompute=%s under %.4g bytes: price search %.6g s, polished %.6g s, "
+                 "bound %.6g s (gap %.2f%%), other policy's %.6g s", mode, budget, searched,
+                 best.time_s, bound, 100 * (best.time_s - bound) / best.time_s, incumbent)
+    return best, least
 
 
 _PRICE_TOLERANCE = 2.0
@@ -231,23 +288,29 @@ def _polish(stage: Stage, mode: str, budget: float, best: Chain, time_limit_s: f
             continue
         results = [res if k == kind else r for r, k in zip(best.results, stage.kinds)]
         best = Chain(mode, results, best.pairs, sum(r.objective_s for r in results),
-                      sum(r.memory_bytes for r in results), best.price)
+                      sum(r.memory_bytes for r in results), best.price, best.free,
+                      best.priced_bound_s)
     return best
 
 
 def choose_chain(stage: Stage, modes: Sequence[str], budget: float | None,
                  memory: MemorySpec, time_limit_s: float
-                 ) -> tuple[Chain, list[tuple[str, Chain | None, Chain]]]:
-    """The fastest fitting chain over ``modes``, and (mode, fitting chain, least-memory
-    chain) of each mode tried."""
+                 ) -> tuple[Chain, list[tuple[str, Chain | None, Chain]], float]:
+    """The fastest fitting chain over ``modes``; (mode, fitting chain, least-memory chain)
+    of each mode tried; and a proven lower bound on the time of every fitting chain under
+    any of ``modes`` (``-inf`` where a solve proved none)."""
     tried: list[tuple[str, Chain | None, Chain]] = []
     best: Chain | None = None
+    bounds: list[float] = []
     for mode in modes:
         fast = _chain(stage, mode, 0.0, time_limit_s)
         if best is not None and fast.time_s >= best.time_s:
+            bounds.append(fast.priced_bound_s)
             continue  # its fastest plan, fitting or not, is no faster than one that fits
-        fit, least = _plan_mode(stage, mode, budget, time_limit_s, fast)
+        fit, least = _plan_mode(stage, mode, budget, time_limit_s, fast,
+                                incumbent=math.inf if best is None else best.time_s)
         tried.append((mode, fit, least))
+        bounds.append(math.inf if fit is None else fit.bound_s)  # none fits: least > budget
         if fit is not None and (best is None or fit.time_s < best.time_s):
             best = fit
         if mode == "none" and fit is not None and fit.free:
@@ -259,7 +322,7 @@ def choose_chain(stage: Stage, modes: Sequence[str], budget: float | None,
             others = [(m, _chain(stage, m, math.inf, time_limit_s)) for m in MODES
                       if m not in modes]
         raise InfeasiblePlanError(_over_budget_message(stage, budget, memory, tried, others))
-    return min(fits, key=lambda c: c.time_s), tried
+    return min(fits, key=lambda c: c.time_s), tried, min(bounds)
 
 
 def _gib(b: float) -> str:

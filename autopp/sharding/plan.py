@@ -162,6 +162,12 @@ class StagePlan:
     trace_settings: tuple[tuple[str, str], ...] = ()
     """The tracing settings the stage was planned under (:mod:`autopp.tracing`: e.g. MoE
     token dispatch), by name; every later trace of it (applying, estimating) uses them."""
+    time_bound_s: float | None = None
+    """A proven lower bound on :attr:`step_time_s` of any plan of this stage that fits its
+    budget, over the recomputation policies planned, for plans built unit by unit
+    (:mod:`autopp.sharding.budget`: weak duality of the memory price, from the solver's own
+    bounds); ``step_time_s`` is within ``(step_time_s - time_bound_s) / step_time_s`` of the
+    best such plan. None: not computed (a memory-priced probe)."""
 
     def degraded(self) -> list[str]:
         """What was planned on a fallback that changes the plan: ops replicated because

@@ -10,6 +10,7 @@ module's docstring), and assembles the chosen solutions into a :class:`StagePlan
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -158,15 +159,18 @@ def plan_stage(
         if recompute == "auto" or memory_budget_bytes is not None:
             raise ValueError("memory_price plans one recompute mode without a budget")
         chosen = chain_at_price(stage, recompute, memory_price, time_limit_s)
-        tried = [(recompute, chosen, chosen)]
+        tried, bound = [(recompute, chosen, chosen)], None
     else:
-        chosen, tried = choose_chain(stage, modes, memory_budget_bytes, memory, time_limit_s)
+        chosen, tried, bound = choose_chain(stage, modes, memory_budget_bytes, memory,
+                                            time_limit_s)
     parts = [(stage.units[i], stage.reps[k].traced, res)
              for i, (k, res) in enumerate(zip(stage.kinds, chosen.results))]
     plan = _assemble(parts, stage.solved, mesh, names, prof, costs, memory_budget_bytes, t0,
                      pdtype)
-    return dataclasses.replace(_with_memory(plan, chosen, tried, recompute, memory),
-                               trace_settings=tuple(tracing.current_settings().items()))
+    return dataclasses.replace(
+        _with_memory(plan, chosen, tried, recompute, memory),
+        trace_settings=tuple(tracing.current_settings().items()),
+        time_bound_s=None if bound is None or not math.isfinite(bound) else bound)
 
 
 # -- building the stage as positions of distinct units ---------------------------------------

@@ -51,6 +51,10 @@ def _recompute_line(plan: StagePlan) -> str:
                       else f"{mode}: does not fit (least {format_bytes(least, digits=1)})")
     if others:
         line += "; " + "; ".join(others)
+    if plan.time_bound_s is not None and plan.memory_budget_bytes is not None:
+        gap = (plan.step_time_s - plan.time_bound_s) / max(plan.step_time_s, 1e-30)
+        line += (f"\n  under the budget: within {max(gap, 0.0):.2%} of the certified bound "
+                 f"{_time(plan.time_bound_s)} (no fitting plan is faster)")
     return line
 
 

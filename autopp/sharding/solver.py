@@ -151,6 +151,11 @@ class SolveResult:
     ilp_memory_bytes: float = float("nan")
     """The memory row's value in the solver's solution (equals :attr:`memory_bytes` up to
     tolerances)."""
+    bound_s: float = float("nan")
+    """A proven lower bound of the solved objective (time + price × counted bytes, in
+    seconds; the LP optimum where the relaxation was integral, else the MIP's dual bound);
+    nan where the objective has no time scale (price ``inf``). The budget search's
+    certified bound is built from it (:mod:`autopp.sharding.budget`)."""
 
 
 @dataclass(slots=True)
@@ -442,8 +447,8 @@ class Model:
         lp.col_cost_ = self._costs_for(t, price)
         integer = self.integer + [False] * len(t.upper)
         ints = np.asarray(integer, dtype=bool)
-        x, dt, status, obj = self._run(lp, upper, integer, False, time_limit_s, threads,
-                                       rel_gap=rel_gap)
+        x, dt, status, obj, bound = self._run(lp, upper, integer, False, time_limit_s,
+                                              threads, rel_gap=rel_gap)
         if x.size and np.any((x[ints] > 1e-6) & (x[ints] < 1 - 1e-6)):
             hint = None
             if start is not None:  # x columns of a feasible choice: 1 chosen, 0 the others
@@ -452,8 +457,8 @@ class Model:
                     if n in self.col0 and o in self.options[n]:
                         vals[self.col0[n] + self.options[n].index(o)] = 1.0
                 hint = (np.arange(self.num_x, dtype=np.int32), vals)
-            x, dt2, status, obj = self._run(lp, upper, integer, True, time_limit_s, threads,
-                                            hint, rel_gap=rel_gap)
+            x, dt2, status, obj, bound = self._run(lp, upper, integer, True, time_limit_s,
+                                                   threads, hint, rel_gap=rel_gap)
             dt += dt2
         elif x.size:
             status += " (LP relaxation integral)"
@@ -474,7 +479,8 @@ class Model:
         mem = self.memory_row.coefs(t)
         ilp_mem = float(sum(v * x[c] for c, v in mem.items()))
         return replace(res, ilp_objective_s=obj if price == 0 else float("nan"),
-                       ilp_memory_bytes=ilp_mem, num_vars=len(integer))
+                       ilp_memory_bytes=ilp_mem, num_vars=len(integer),
+                       bound_s=float("nan") if math.isinf(price) else bound)
 
     def _run(self, lp, upper, integer: list[bool], as_mip: bool, time_limit_s: float,
              threads: int, hint=None, rel_gap: float = 1e-6):
@@ -502,9 +508,17 @@ class Model:
         status = h.modelStatusToString(h.getModelStatus())
         sol = h.getSolution()
         if not sol.value_valid:
-            return np.zeros(0), dt, status, 0.0
-        obj = h.getInfo().objective_function_value / _SCALE
-        return np.asarray(sol.col_value), dt, status, obj
+            return np.zeros(0), dt, status, 0.0, -math.inf
+        info = h.getInfo()
+        obj = info.objective_function_value / _SCALE
+        # a MIP run proves its dual bound; an LP run's optimum bounds the MIP's
+        if as_mip:
+            bound = min(obj, info.mip_dual_bound / _SCALE)
+        elif h.getModelStatus() == _highspy().HighsModelStatus.kOptimal:
+            bound = obj
+        else:
+            bound = -math.inf
+        return np.asarray(sol.col_value), dt, status, obj, bound
 
 
 def solve(prob: Problem) -> SolveResult:
