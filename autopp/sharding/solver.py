@@ -55,6 +55,7 @@ built model serves every boundary pair of a block.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 import sys
@@ -221,6 +222,9 @@ class Model:
         self._edge_flows()
         #: The memory row and recomputation costs, per recomputation policy.
         self.memory_row = MemoryRow(self)
+        #: Solved LP relaxations kept for the next objective (a price search changes only
+        #: the costs, so the next solve starts from the last optimal basis), by bounds.
+        self._warm: dict[tuple, Any] = {}
 
     def new_col(self, cost: float, integer: bool) -> int:
         self.cost.append(cost)
@@ -447,8 +451,9 @@ class Model:
         lp.col_cost_ = self._costs_for(t, price)
         integer = self.integer + [False] * len(t.upper)
         ints = np.asarray(integer, dtype=bool)
+        warm = (recompute, budget, hashlib.sha1(upper.tobytes()).hexdigest())
         x, dt, status, obj, bound = self._run(lp, upper, integer, False, time_limit_s,
-                                              threads, rel_gap=rel_gap)
+                                              threads, rel_gap=rel_gap, warm=warm)
         if x.size and np.any((x[ints] > 1e-6) & (x[ints] < 1 - 1e-6)):
             hint = None
             if start is not None:  # x columns of a feasible choice: 1 chosen, 0 the others
@@ -482,21 +487,36 @@ class Model:
                        ilp_memory_bytes=ilp_mem, num_vars=len(integer),
                        bound_s=float("nan") if math.isinf(price) else bound)
 
+    _WARM_LIMIT = 8
+    """LP relaxations kept per model (one per boundary pair and policy in use)."""
+
     def _run(self, lp, upper, integer: list[bool], as_mip: bool, time_limit_s: float,
-             threads: int, hint=None, rel_gap: float = 1e-6):
-        lp.col_upper_ = upper
-        kint, kcont = _highspy().HighsVarType.kInteger, _highspy().HighsVarType.kContinuous
-        lp.integrality_ = [kint if b else kcont for b in integer] if as_mip else []
-        h = _new_highs()
-        h.setOptionValue("output_flag", False)
-        h.setOptionValue("time_limit", float(time_limit_s))
-        h.setOptionValue("threads", int(threads))
-        h.setOptionValue("mip_rel_gap", float(rel_gap))
-        h.setOptionValue("mip_heuristic_effort", 0.3)  # measured: finds incumbents sooner
+             threads: int, hint=None, rel_gap: float = 1e-6, warm: tuple | None = None):
+        """Solve ``lp`` under ``upper``; ``warm``: the key of an LP relaxation to re-solve
+        from its last basis (only its costs differ), kept for the next call."""
         t0 = time.perf_counter()
-        h.passModel(lp)
-        if hint is not None:
-            h.setSolution(len(hint[0]), *hint)
+        h = self._warm.get(warm) if warm is not None else None
+        if h is not None:
+            h.setOptionValue("time_limit", float(time_limit_s))
+            h.changeColsCost(len(lp.col_cost_), np.arange(len(lp.col_cost_), dtype=np.int32),
+                             np.asarray(lp.col_cost_, dtype=np.float64))
+        else:
+            lp.col_upper_ = upper
+            kint, kcont = _highspy().HighsVarType.kInteger, _highspy().HighsVarType.kContinuous
+            lp.integrality_ = [kint if b else kcont for b in integer] if as_mip else []
+            h = _new_highs()
+            h.setOptionValue("output_flag", False)
+            h.setOptionValue("time_limit", float(time_limit_s))
+            h.setOptionValue("threads", int(threads))
+            h.setOptionValue("mip_rel_gap", float(rel_gap))
+            h.setOptionValue("mip_heuristic_effort", 0.3)  # measured: finds incumbents sooner
+            h.passModel(lp)
+            if hint is not None:
+                h.setSolution(len(hint[0]), *hint)
+            if warm is not None:
+                if len(self._warm) >= self._WARM_LIMIT:
+                    self._warm.pop(next(iter(self._warm)))
+                self._warm[warm] = h
         h.run()
         if h.getModelStatus() == _highspy().HighsModelStatus.kInfeasible:
             # HiGHS's presolve can call a feasible model infeasible when its values span
