@@ -32,7 +32,15 @@ taken over the units' bounds (weak duality). The search keeps the best such boun
 with the budget in their row (the exact ILP of a unit's share, the slow MIPs). Against
 another recomputation policy's fitting chain (``incumbent``), a policy whose bound reaches
 that chain's time is dropped without its polish: it cannot be faster. The bound and the gap
-are reported (``StagePlan.time_bound_s``).
+are reported (``StagePlan.time_bound_s``). It is proven in the ILP's accounting; the
+evaluated time and memory of a solution (:func:`~autopp.sharding.solver.evaluate`, what
+plans report) can sit a little below the ILP's (its memory row over-counts the selective
+policy's saved values by a few percent), so each unit's bound is moved down by its own
+solution's difference: exact where the two agree, an estimate where they do not.
+
+Mixing. The search keeps every unit solution it meets; :func:`_best_mix` then picks, exactly
+over those, one per position under the budget (identical blocks may take different plans),
+which closes most of the price's rounding without a MIP.
 
 Recomputation (``recompute``): ``"none"`` / ``"selective"`` / ``"full"`` fix the policy of
 the stage's backward (:mod:`autopp.graph.recompute`: it changes which forward values the
@@ -141,13 +149,19 @@ class _Priced:
 
 
 class _Bound:
-    """A unit's proven lower bound as :func:`chain_dp` sees it."""
+    """A unit's lower bound as :func:`chain_dp` sees it: the solver's proven bound, moved
+    down by what the ILP counts above the evaluated time and memory at its solution (the
+    selective policy's memory row over-counts a few percent), never above the solution."""
 
     __slots__ = ("objective_s",)
 
     def __init__(self, priced: _Priced):
-        b = priced.res.bound_s
-        self.objective_s = min(priced.objective_s, b) if b == b else -math.inf
+        res = priced.res
+        b, over = res.bound_s, res.ilp_value_s - priced.objective_s
+        if b != b:
+            self.objective_s = -math.inf
+        else:
+            self.objective_s = min(priced.objective_s, b - max(over, 0.0) if over == over else b)
 
 
 CERTIFIED_GAP = 0.01
@@ -181,8 +195,9 @@ def _solve(stage: Stage, kind: int, pair: tuple, mode: str, price: float,
 
 
 def _chain(stage: Stage, mode: str, price: float, time_limit_s: float,
-           budget: float | None = None) -> Chain:
-    """The best chain at ``price`` (seconds per counted byte; inf: least memory)."""
+           budget: float | None = None, seen: dict | None = None) -> Chain:
+    """The best chain at ``price`` (seconds per counted byte; inf: least memory).
+    ``seen``: collects every unit solution solved, by (unit, boundary pair)."""
     table: dict[int, dict[tuple, _Priced]] = {}
     for kind, rep in enumerate(stage.reps):
         table[kind], errors = {}, []
@@ -192,6 +207,8 @@ def _chain(stage: Stage, mode: str, price: float, time_limit_s: float,
                 errors.append(str(res))
             else:
                 table[kind][pair] = _Priced(res, price)
+                if seen is not None:
+                    seen.setdefault((kind, pair), {})[res.objective_s, res.memory_bytes] = res
         if not table[kind]:
             detail = errors[0] if errors else "no boundary placement fits its shapes"
             if stage.flat:
@@ -209,31 +226,73 @@ def _chain(stage: Stage, mode: str, price: float, time_limit_s: float,
     return chain
 
 
+def _best_mix(stage: Stage, best: Chain, seen: dict, budget: float) -> Chain:
+    """The fastest chain on ``best``'s boundary pairs that fits ``budget``, each position
+    free to take any solution found for its unit (``seen``): exact over those solutions (a
+    multiple-choice knapsack, by the Pareto front of partial sums), so identical blocks may
+    take different plans where one plan for all cannot use the budget well. ``best`` where
+    nothing faster fits."""
+    front: list[tuple[float, float, Any]] = [(0.0, 0.0, None)]  # (time, bytes, path)
+    for i, kind in enumerate(stage.kinds):
+        cands = list(seen.get((kind, best.pairs[i]), {}).values()) or [best.results[i]]
+        grown = sorted(((t + r.objective_s, m + r.memory_bytes, (path, r))
+                        for t, m, path in front for r in cands
+                        if m + r.memory_bytes <= budget), key=lambda e: (e[1], e[0]))
+        front = []
+        for e in grown:  # keep what no smaller-memory partial sum beats on time
+            if not front or e[0] < front[-1][0] - 1e-15:
+                front.append(e)
+        if not front:
+            return best
+    t, m, path = min(front, key=lambda e: e[0])
+    if t >= best.time_s * (1 - 1e-9):
+        return best
+    results: list[SolveResult] = []
+    while path is not None:
+        path, r = path
+        results.append(r)
+    results.reverse()
+    return Chain(best.recompute, results, best.pairs, sum(r.objective_s for r in results),
+                 sum(r.memory_bytes for r in results), best.price, False, best.priced_bound_s)
+
+
 def chain_at_price(stage: Stage, mode: str, price: float, time_limit_s: float) -> Chain:
     """The best chain of ``stage`` under ``mode`` for time + ``price`` × counted bytes."""
     return _chain(stage, mode, price, time_limit_s)
 
 
-def _plan_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: float,
-               fast: Chain | None = None, incumbent: float = math.inf
-               ) -> tuple[Chain | None, Chain]:
-    """(the fastest chain under ``mode`` that fits ``budget`` or None, the least-memory
-    chain found: for the error message). ``fast``: the mode's chain at price 0, if known.
-    ``incumbent``: the time of a fitting chain already found (another policy's): once this
-    policy's certified bound reaches it, the search stops with the best it holds."""
-    fast = fast or _chain(stage, mode, 0.0, time_limit_s)
+@dataclass(slots=True)
+class _Searched:
+    """One policy after its price search: the fastest fitting chain found (None: none
+    fits), the least-memory chain, the bound, and every unit solution met."""
+
+    mode: str
+    fit: Chain | None
+    least: Chain
+    seen: dict
+
+
+def _search_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: float,
+                 fast: Chain, incumbent: float = math.inf) -> _Searched:
+    """The price search of one policy (no polish: :func:`_close_gap`). ``fast``: the
+    policy's chain at price 0. ``incumbent``: the time of a fitting chain already found
+    (another policy's): once this policy's bound reaches it, the search stops with the best
+    it holds."""
     fast.bound_s = fast.priced_bound_s
     if budget is None or fast.memory_bytes <= budget:
         fast.free = True
-        return fast, fast
+        return _Searched(mode, fast, fast, {})
     least = _chain(stage, mode, math.inf, time_limit_s)
     if least.memory_bytes > budget:
-        return None, least
+        return _Searched(mode, None, least, {})
     # Lagrangian price: geometric search between an infeasible and a feasible price
     best, lo, hi, bound = least, 0.0, math.inf, fast.priced_bound_s
+    seen: dict = {}
+    for r, pair, kind in zip(least.results, least.pairs, stage.kinds):
+        seen.setdefault((kind, pair), {})[r.objective_s, r.memory_bytes] = r
     price = fast.time_s / max(fast.memory_bytes, 1.0)
     for _ in range(12):
-        c = _chain(stage, mode, price, time_limit_s)
+        c = _chain(stage, mode, price, time_limit_s, seen=seen)
         bound = max(bound, c.priced_bound_s - price * budget)
         if c.memory_bytes <= budget:
             hi = price
@@ -241,6 +300,7 @@ def _plan_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: floa
                 best = c
         else:
             lo = price
+        best = _best_mix(stage, best, seen, budget)
         if bound >= incumbent or best.time_s - bound <= CERTIFIED_GAP * best.time_s:
             break  # cannot beat the other policy's chain, or certified close enough
         if math.isinf(hi):
@@ -251,14 +311,27 @@ def _plan_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: floa
             break
         else:
             price = math.sqrt(lo * hi)
-    searched = best.time_s
-    if bound < incumbent and best.time_s - bound > CERTIFIED_GAP * best.time_s:
-        best = _polish(stage, mode, budget, best, time_limit_s)
     best.bound_s = bound
+    return _Searched(mode, best, least, seen)
+
+
+def _close_gap(stage: Stage, s: _Searched, budget: float, incumbent: float,
+               time_limit_s: float) -> None:
+    """Polish ``s``'s chain where its gap to its bound exceeds :data:`CERTIFIED_GAP` and
+    its bound is below ``incumbent`` (the fastest fitting chain of any policy)."""
+    best = s.fit
+    if best is None or best.free or best.bound_s >= incumbent or (
+            best.time_s - best.bound_s <= CERTIFIED_GAP * best.time_s):
+        return
+    searched = best.time_s
+    best = _best_mix(stage, _polish(stage, s.mode, budget, best, time_limit_s, s.seen),
+                     s.seen, budget)
+    best.bound_s = s.fit.bound_s
     logger.debug("recompute=%s under %.4g bytes: price search %.6g s, polished %.6g s, "
-                 "bound %.6g s (gap %.2f%%), other policy's %.6g s", mode, budget, searched,
-                 best.time_s, bound, 100 * (best.time_s - bound) / best.time_s, incumbent)
-    return best, least
+                 "bound %.6g s (gap %.2f%%), fastest other %.6g s", s.mode, budget, searched,
+                 best.time_s, best.bound_s, 100 * (best.time_s - best.bound_s) / best.time_s,
+                 incumbent)
+    s.fit = best
 
 
 _PRICE_TOLERANCE = 2.0
@@ -266,11 +339,12 @@ _PRICE_TOLERANCE = 2.0
 each step re-solves every unit, and :func:`_polish` closes the remaining gap per unit."""
 
 
-def _polish(stage: Stage, mode: str, budget: float, best: Chain, time_limit_s: float
-            ) -> Chain:
+def _polish(stage: Stage, mode: str, budget: float, best: Chain, time_limit_s: float,
+            seen: dict) -> Chain:
     """Close the price's gap: each distinct unit (the most time first) whose positions share
     one boundary pair is solved again with the budget in its row, as what the other
-    positions leave divided by its count, from the current plan as a MIP start."""
+    positions leave divided by its count, from the current plan as a MIP start (its
+    solutions join ``seen``)."""
     by_time = sorted(range(len(stage.reps)), key=lambda k: -sum(
         r.objective_s for r, kk in zip(best.results, stage.kinds) if kk == k))
     for kind in by_time:
@@ -278,13 +352,16 @@ def _polish(stage: Stage, mode: str, budget: float, best: Chain, time_limit_s: f
         pairs = {best.pairs[i] for i in at}
         if len(pairs) != 1:
             continue
+        pair = pairs.pop()
         others = sum(r.memory_bytes for i, r in enumerate(best.results) if i not in at)
-        cur = best.results[at[0]]
+        cur = min((best.results[i] for i in at), key=lambda r: r.objective_s)
         share = (budget - others) / len(at)
-        res = _solve(stage, kind, pairs.pop(), mode, 0.0, share, time_limit_s,
-                     start=cur.choice)
-        if (isinstance(res, InfeasiblePlanError) or res.memory_bytes > share
-                or res.objective_s >= cur.objective_s * (1 - 1e-9)):
+        res = _solve(stage, kind, pair, mode, 0.0, share, time_limit_s, start=cur.choice)
+        if isinstance(res, InfeasiblePlanError) or res.memory_bytes > share:
+            continue
+        seen.setdefault((kind, pair), {})[res.objective_s, res.memory_bytes] = res
+        if res.objective_s * len(at) >= sum(best.results[i].objective_s for i in at) * (
+                1 - 1e-9):
             continue
         results = [res if k == kind else r for r, k in zip(best.results, stage.kinds)]
         best = Chain(mode, results, best.pairs, sum(r.objective_s for r in results),
@@ -297,9 +374,12 @@ def choose_chain(stage: Stage, modes: Sequence[str], budget: float | None,
                  memory: MemorySpec, time_limit_s: float
                  ) -> tuple[Chain, list[tuple[str, Chain | None, Chain]], float]:
     """The fastest fitting chain over ``modes``; (mode, fitting chain, least-memory chain)
-    of each mode tried; and a proven lower bound on the time of every fitting chain under
-    any of ``modes`` (``-inf`` where a solve proved none)."""
-    tried: list[tuple[str, Chain | None, Chain]] = []
+    of each mode tried; and a lower bound on the time of every fitting chain under any of
+    ``modes`` (``-inf`` where a solve proved none).
+
+    Every policy's price search runs before any polish, and only the policies whose bound
+    is below the fastest fitting chain found are polished, the most promising first."""
+    searched: list[_Searched] = []
     best: Chain | None = None
     bounds: list[float] = []
     for mode in modes:
@@ -307,14 +387,19 @@ def choose_chain(stage: Stage, modes: Sequence[str], budget: float | None,
         if best is not None and fast.time_s >= best.time_s:
             bounds.append(fast.priced_bound_s)
             continue  # its fastest plan, fitting or not, is no faster than one that fits
-        fit, least = _plan_mode(stage, mode, budget, time_limit_s, fast,
-                                incumbent=math.inf if best is None else best.time_s)
-        tried.append((mode, fit, least))
-        bounds.append(math.inf if fit is None else fit.bound_s)  # none fits: least > budget
-        if fit is not None and (best is None or fit.time_s < best.time_s):
-            best = fit
-        if mode == "none" and fit is not None and fit.free:
+        s = _search_mode(stage, mode, budget, time_limit_s, fast,
+                         incumbent=math.inf if best is None else best.time_s)
+        searched.append(s)
+        if s.fit is not None and (best is None or s.fit.time_s < best.time_s):
+            best = s.fit
+        if mode == "none" and s.fit is not None and s.fit.free:
             break  # the time-optimal plan fits: recomputing could only add time
+    for s in sorted((s for s in searched if s.fit is not None), key=lambda s: s.fit.bound_s):
+        _close_gap(stage, s, budget, best.time_s, time_limit_s)
+        if s.fit.time_s < best.time_s:
+            best = s.fit
+    bounds += [math.inf if s.fit is None else s.fit.bound_s for s in searched]  # none fits
+    tried = [(s.mode, s.fit, s.least) for s in searched]
     fits = [fit for _, fit, _ in tried if fit is not None]
     if not fits:
         others = []

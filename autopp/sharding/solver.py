@@ -154,9 +154,13 @@ class SolveResult:
     tolerances)."""
     bound_s: float = float("nan")
     """A proven lower bound of the solved objective (time + price × counted bytes, in
-    seconds; the LP optimum where the relaxation was integral, else the MIP's dual bound);
-    nan where the objective has no time scale (price ``inf``). The budget search's
-    certified bound is built from it (:mod:`autopp.sharding.budget`)."""
+    seconds, in the ILP's accounting; the LP optimum where the relaxation was integral,
+    else the MIP's dual bound); nan where the objective has no time scale (price ``inf``).
+    The budget search's bound is built from it (:mod:`autopp.sharding.budget`)."""
+    ilp_value_s: float = float("nan")
+    """The solver's objective at its solution, at the price solved (compare with
+    :attr:`objective_s` + price × :attr:`memory_bytes`: the ILP's memory row and time
+    columns may count a little more than :func:`evaluate`)."""
 
 
 @dataclass(slots=True)
@@ -485,7 +489,8 @@ class Model:
         ilp_mem = float(sum(v * x[c] for c, v in mem.items()))
         return replace(res, ilp_objective_s=obj if price == 0 else float("nan"),
                        ilp_memory_bytes=ilp_mem, num_vars=len(integer),
-                       bound_s=float("nan") if math.isinf(price) else bound)
+                       bound_s=float("nan") if math.isinf(price) else bound,
+                       ilp_value_s=float("nan") if math.isinf(price) else obj)
 
     _WARM_LIMIT = 8
     """LP relaxations kept per model (one per boundary pair and policy in use)."""
