@@ -55,7 +55,6 @@ built model serves every boundary pair of a block.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import os
 import sys
@@ -226,8 +225,9 @@ class Model:
         self._edge_flows()
         #: The memory row and recomputation costs, per recomputation policy.
         self.memory_row = MemoryRow(self)
-        #: Solved LP relaxations kept for the next objective (a price search changes only
-        #: the costs, so the next solve starts from the last optimal basis), by bounds.
+        #: Solved LP relaxations kept for the next solve (a price search changes only the
+        #: costs, another boundary pair only column bounds: the next solve starts from the
+        #: last optimal basis), by recomputation policy and budget.
         self._warm: dict[tuple, Any] = {}
 
     def new_col(self, cost: float, integer: bool) -> int:
@@ -455,7 +455,7 @@ class Model:
         lp.col_cost_ = self._costs_for(t, price)
         integer = self.integer + [False] * len(t.upper)
         ints = np.asarray(integer, dtype=bool)
-        warm = (recompute, budget, hashlib.sha1(upper.tobytes()).hexdigest())
+        warm = (recompute, budget)
         x, dt, status, obj, bound = self._run(lp, upper, integer, False, time_limit_s,
                                               threads, rel_gap=rel_gap, warm=warm)
         if x.size and np.any((x[ints] > 1e-6) & (x[ints] < 1 - 1e-6)):
@@ -493,18 +493,22 @@ class Model:
                        ilp_value_s=float("nan") if math.isinf(price) else obj)
 
     _WARM_LIMIT = 8
-    """LP relaxations kept per model (one per boundary pair and policy in use)."""
+    """LP relaxations kept per model (one per recomputation policy and budget in use)."""
 
     def _run(self, lp, upper, integer: list[bool], as_mip: bool, time_limit_s: float,
              threads: int, hint=None, rel_gap: float = 1e-6, warm: tuple | None = None):
         """Solve ``lp`` under ``upper``; ``warm``: the key of an LP relaxation to re-solve
-        from its last basis (only its costs differ), kept for the next call."""
+        from its last basis (its costs and column bounds set anew), kept for the next call."""
         t0 = time.perf_counter()
-        h = self._warm.get(warm) if warm is not None else None
+        h, last_upper = self._warm.get(warm, (None, None)) if warm is not None else (None, None)
         if h is not None:
+            cols = np.arange(len(lp.col_cost_), dtype=np.int32)
             h.setOptionValue("time_limit", float(time_limit_s))
-            h.changeColsCost(len(lp.col_cost_), np.arange(len(lp.col_cost_), dtype=np.int32),
-                             np.asarray(lp.col_cost_, dtype=np.float64))
+            h.changeColsCost(len(cols), cols, np.asarray(lp.col_cost_, dtype=np.float64))
+            if not np.array_equal(upper, last_upper):  # another boundary pair's restrictions
+                h.changeColsBounds(len(cols), cols, np.zeros(len(cols)),
+                                   np.asarray(upper, dtype=np.float64))
+                self._warm[warm] = (h, upper)
         else:
             lp.col_upper_ = upper
             kint, kcont = _highspy().HighsVarType.kInteger, _highspy().HighsVarType.kContinuous
@@ -521,7 +525,7 @@ class Model:
             if warm is not None:
                 if len(self._warm) >= self._WARM_LIMIT:
                     self._warm.pop(next(iter(self._warm)))
-                self._warm[warm] = h
+                self._warm[warm] = (h, upper)
         h.run()
         if h.getModelStatus() == _highspy().HighsModelStatus.kInfeasible:
             # HiGHS's presolve can call a feasible model infeasible when its values span
