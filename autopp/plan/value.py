@@ -291,12 +291,13 @@ class PipelinePlan:
         return tuple(s for s, r in enumerate(self.stage_ranks) if r == pp_rank)
 
     # ---- JSON -----------------------------------------------------------------------------
-    def to_json(self) -> str:
+    def to_json(self, indent: int | None = None) -> str:
+        """The plan as JSON (compact by default, as :meth:`StagePlan.to_json`)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["stage_plans"] = [json.loads(p.to_json()) for p in self.stage_plans]
+        d["stage_plans"] = [dataclasses.asdict(p) for p in self.stage_plans]
         d["options"] = dataclasses.asdict(self.options)
         d["estimates"] = None if self.estimates is None else dataclasses.asdict(self.estimates)
-        return json.dumps(d, indent=1)
+        return json.dumps(d, indent=indent)
 
     @classmethod
     def from_json(cls, text: str) -> PipelinePlan:

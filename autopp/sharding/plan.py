@@ -181,8 +181,10 @@ class StagePlan:
         """FQN -> torch placements."""
         return {p.fqn: from_strs(p.placements) for p in self.params}
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+    def to_json(self, indent: int | None = None) -> str:
+        """The plan as JSON (compact by default: a large stage's plan is megabytes, and only
+        the compact form is written by the C encoder)."""
+        return json.dumps(asdict(self), indent=indent)
 
     @classmethod
     def from_json(cls, text: str) -> StagePlan:

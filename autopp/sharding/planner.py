@@ -269,9 +269,12 @@ def _unit_stage(module, units, x, mesh, names, costs, memory, in_spec, out_spec,
         }
         mkey = (ukey, costs.profile, memory, grad_scale)
         model = _MEMO.models.get(mkey)
-        if model is None:
-            model = _MEMO.models[mkey] = Model(traced.strategies, costs,
-                                               grad_reduce_scale=grad_scale, memory=memory)
+        if model is None:  # the columns, once per unit; the memory row per accounting
+            base = _MEMO.models.get(mkey[:2] + mkey[3:])
+            if base is None:
+                base = _MEMO.models[mkey[:2] + mkey[3:]] = Model(
+                    traced.strategies, costs, grad_reduce_scale=grad_scale, memory=memory)
+            model = _MEMO.models[mkey] = base.with_memory(memory)
         solved.append((model.num_vars, 0.0))
         pairs = {}
         for a in ins:

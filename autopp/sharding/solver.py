@@ -230,6 +230,19 @@ class Model:
         #: last optimal basis), by recomputation policy and budget.
         self._warm: dict[tuple, Any] = {}
 
+    def with_memory(self, memory: MemorySpec) -> Model:
+        """This model under another memory accounting (another activation factor, state
+        factor): the option and edge columns, their costs and rows are shared (they do not
+        depend on it), the memory row and its LPs are its own."""
+        import copy
+
+        other = copy.copy(self)
+        other.memory = memory
+        other.param_state_factor = memory.param_state_factor
+        other.memory_row = MemoryRow(other)
+        other._warm = {}
+        return other
+
     def new_col(self, cost: float, integer: bool) -> int:
         self.cost.append(cost)
         self.integer.append(integer)
