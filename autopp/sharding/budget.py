@@ -164,6 +164,11 @@ class _Bound:
             self.objective_s = min(priced.objective_s, b - max(over, 0.0) if over == over else b)
 
 
+POLISH_NODES = 500
+"""Branch-and-bound nodes a polish's MIP may take (deterministic, unlike a time limit): it
+starts from the searched plan, so it returns that plan or a better one; measured on the
+70B and 405B dry runs, the polishes that improved a plan did so well within this."""
+
 CERTIFIED_GAP = 0.01
 """A budget-bound chain whose time is within this fraction of the certified lower bound is
 kept as it is (the price search stops, no polish)."""
@@ -185,7 +190,8 @@ def _solve(stage: Stage, kind: int, pair: tuple, mode: str, price: float,
         try:
             res = rep.model.solve(*rep.pairs[pair], time_limit_s=time_limit_s,
                                   recompute=mode, budget=budget, price=price, start=start,
-                                  rel_gap=gap)
+                                  rel_gap=gap,
+                                  max_nodes=None if budget is None else POLISH_NODES)
             stage.solved.append((0, res.solve_s))
         except InfeasiblePlanError as e:
             res = e
@@ -318,9 +324,10 @@ def _search_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: fl
 def _close_gap(stage: Stage, s: _Searched, budget: float, incumbent: float,
                time_limit_s: float) -> None:
     """Polish ``s``'s chain where its gap to its bound exceeds :data:`CERTIFIED_GAP` and
-    its bound is below ``incumbent`` (the fastest fitting chain of any policy)."""
+    its bound is more than that below ``incumbent`` (the fastest fitting chain of any
+    policy): otherwise the incumbent is already within the gap of anything it could give."""
     best = s.fit
-    if best is None or best.free or best.bound_s >= incumbent or (
+    if best is None or best.free or best.bound_s >= incumbent * (1 - CERTIFIED_GAP) or (
             best.time_s - best.bound_s <= CERTIFIED_GAP * best.time_s):
         return
     searched = best.time_s

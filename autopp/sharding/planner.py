@@ -10,6 +10,7 @@ module's docstring), and assembles the chosen solutions into a :class:`StagePlan
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -39,6 +40,8 @@ from autopp.sharding.option import PlacementSpec, matches
 from autopp.sharding.solver import InfeasiblePlanError, Model
 from autopp.sharding.strategies import enumerate_strategies, tensor_vals
 from autopp.sharding.trace import check_on_meta, graph_signature, trace_joint
+
+logger = logging.getLogger(__name__)
 
 DEFAULT = "default"
 
@@ -234,9 +237,15 @@ def _unit_stage(module, units, x, mesh, names, costs, memory, in_spec, out_spec,
                     tuple(tracing.current_settings().items()))
             hit = _MEMO.traced.get(ukey)
             if hit is None:
+                t0 = time.perf_counter()
                 hit = _MEMO.traced[ukey] = trace_unit(maybe_cast(unit.module, pdtype), x, mesh)
                 if pdtype is not None:
                     reduce_after_cast(hit.strategies)
+                logger.info("unit %s (%s) on mesh %s: traced, %d nodes with options, in "
+                            "%.1f s (%d distinct units so far)", unit.name or "<stage>",
+                            type(unit.module).__name__, tuple(mesh.shape),
+                            len(hit.strategies.nodes), time.perf_counter() - t0,
+                            len(_MEMO.traced))
             reps_traced.append((unit, hit, ukey))
         kinds.append(sig_index[sig])
         out = reps_traced[sig_index[sig]][1].joint.outputs[0].meta["val"]
@@ -272,8 +281,11 @@ def _unit_stage(module, units, x, mesh, names, costs, memory, in_spec, out_spec,
         if model is None:  # the columns, once per unit; the memory row per accounting
             base = _MEMO.models.get(mkey[:2] + mkey[3:])
             if base is None:
+                t0 = time.perf_counter()
                 base = _MEMO.models[mkey[:2] + mkey[3:]] = Model(
                     traced.strategies, costs, grad_reduce_scale=grad_scale, memory=memory)
+                logger.info("unit %s: ILP of %d variables built in %.1f s", unit.name or
+                            "<stage>", base.num_vars, time.perf_counter() - t0)
             model = _MEMO.models[mkey] = base.with_memory(memory)
         solved.append((model.num_vars, 0.0))
         pairs = {}

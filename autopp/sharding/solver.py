@@ -227,7 +227,7 @@ class Model:
         self.memory_row = MemoryRow(self)
         #: Solved LP relaxations kept for the next solve (a price search changes only the
         #: costs, another boundary pair only column bounds: the next solve starts from the
-        #: last optimal basis), by recomputation policy and budget.
+        #: last optimal basis; a polish, the memory row's bound), by recomputation policy.
         self._warm: dict[tuple, Any] = {}
 
     def with_memory(self, memory: MemorySpec) -> Model:
@@ -447,6 +447,7 @@ class Model:
         price: float = 0.0,
         start: Mapping[fx.Node, Option] | None = None,
         rel_gap: float = 1e-6,
+        max_nodes: int | None = None,
     ) -> SolveResult:
         """Solve with some nodes' placements restricted; raise InfeasiblePlanError naming them.
 
@@ -455,7 +456,9 @@ class Model:
         ``memory_budget_bytes``; None: no bound). ``price``: seconds per byte of the memory
         row added to the objective (Lagrangian; ``inf``: least memory first). ``start``: a
         feasible choice to start branching from (a MIP incumbent). ``rel_gap``: the MIP's
-        relative optimality gap (looser for the price search's intermediate solves)."""
+        relative optimality gap (looser for the price search's intermediate solves).
+        ``max_nodes``: a deterministic bound on the MIP's branch-and-bound nodes (the best
+        solution found by then is returned; its bound says how far it may be)."""
         if budget == "default":
             budget = self.memory_budget_bytes
         restrict, names = dict(restrict or {}), dict(restrict_names or {})
@@ -468,9 +471,8 @@ class Model:
         lp.col_cost_ = self._costs_for(t, price)
         integer = self.integer + [False] * len(t.upper)
         ints = np.asarray(integer, dtype=bool)
-        warm = (recompute, budget)
         x, dt, status, obj, bound = self._run(lp, upper, integer, False, time_limit_s,
-                                              threads, rel_gap=rel_gap, warm=warm)
+                                              threads, rel_gap=rel_gap, warm=(recompute,))
         if x.size and np.any((x[ints] > 1e-6) & (x[ints] < 1 - 1e-6)):
             hint = None
             if start is not None:  # x columns of a feasible choice: 1 chosen, 0 the others
@@ -480,7 +482,8 @@ class Model:
                         vals[self.col0[n] + self.options[n].index(o)] = 1.0
                 hint = (np.arange(self.num_x, dtype=np.int32), vals)
             x, dt2, status, obj, bound = self._run(lp, upper, integer, True, time_limit_s,
-                                                   threads, hint, rel_gap=rel_gap)
+                                                   threads, hint, rel_gap=rel_gap,
+                                                   max_nodes=max_nodes)
             dt += dt2
         elif x.size:
             status += " (LP relaxation integral)"
@@ -506,12 +509,14 @@ class Model:
                        ilp_value_s=float("nan") if math.isinf(price) else obj)
 
     _WARM_LIMIT = 8
-    """LP relaxations kept per model (one per recomputation policy and budget in use)."""
+    """LP relaxations kept per model (one per recomputation policy)."""
 
     def _run(self, lp, upper, integer: list[bool], as_mip: bool, time_limit_s: float,
-             threads: int, hint=None, rel_gap: float = 1e-6, warm: tuple | None = None):
+             threads: int, hint=None, rel_gap: float = 1e-6, warm: tuple | None = None,
+             max_nodes: int | None = None):
         """Solve ``lp`` under ``upper``; ``warm``: the key of an LP relaxation to re-solve
-        from its last basis (its costs and column bounds set anew), kept for the next call."""
+        from its last basis (its costs, column bounds and budget set anew), kept for the
+        next call."""
         t0 = time.perf_counter()
         h, last_upper = self._warm.get(warm, (None, None)) if warm is not None else (None, None)
         if h is not None:
@@ -522,6 +527,8 @@ class Model:
                 h.changeColsBounds(len(cols), cols, np.zeros(len(cols)),
                                    np.asarray(upper, dtype=np.float64))
                 self._warm[warm] = (h, upper)
+            row = len(lp.row_upper_) - 1  # the memory row: the budget (inf: none)
+            h.changeRowBounds(row, float(lp.row_lower_[row]), float(lp.row_upper_[row]))
         else:
             lp.col_upper_ = upper
             kint, kcont = _highspy().HighsVarType.kInteger, _highspy().HighsVarType.kContinuous
@@ -532,6 +539,8 @@ class Model:
             h.setOptionValue("threads", int(threads))
             h.setOptionValue("mip_rel_gap", float(rel_gap))
             h.setOptionValue("mip_heuristic_effort", 0.3)  # measured: finds incumbents sooner
+            if max_nodes is not None:
+                h.setOptionValue("mip_max_nodes", int(max_nodes))
             h.passModel(lp)
             if hint is not None:
                 h.setSolution(len(hint[0]), *hint)

@@ -35,7 +35,8 @@ class _ListedModel:
         self.plans = plans
         self.budget_solves = 0
 
-    def solve(self, *restrictions, time_limit_s, recompute, budget, price, start, rel_gap):
+    def solve(self, *restrictions, time_limit_s, recompute, budget, price, start, rel_gap,
+              max_nodes=None):
         plans = [(t, m) for t, m in self.plans[recompute] if budget is None or m <= budget]
         if budget is not None:
             self.budget_solves += 1
