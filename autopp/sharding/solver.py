@@ -233,14 +233,15 @@ class Model:
     def with_memory(self, memory: MemorySpec) -> Model:
         """This model under another memory accounting (another activation factor, state
         factor): the option and edge columns, their costs and rows are shared (they do not
-        depend on it), the memory row and its LPs are its own."""
+        depend on it), and so are the warm LP relaxations (their memory row is set per
+        solve); the memory row's terms are its own."""
         import copy
 
         other = copy.copy(self)
         other.memory = memory
         other.param_state_factor = memory.param_state_factor
         other.memory_row = MemoryRow(other)
-        other._warm = {}
+        other._warm = self._warm  # keyed by the LP's structure; the memory row is re-set
         return other
 
     def new_col(self, cost: float, integer: bool) -> int:
@@ -471,8 +472,15 @@ class Model:
         lp.col_cost_ = self._costs_for(t, price)
         integer = self.integer + [False] * len(t.upper)
         ints = np.asarray(integer, dtype=bool)
+        mem_coefs = self.memory_row.coefs(t)
+        mem_row = (np.fromiter(mem_coefs, dtype=np.int32, count=len(mem_coefs)),
+                   np.fromiter(mem_coefs.values(), dtype=np.float64, count=len(mem_coefs)) / _MIB)
+        m = self.memory  # the LP's structure: all but the memory row's coefficients
+        warm = (recompute, m.param_state_factor, m.optimizer_state_factor,
+                m.counts_activations, len(t.upper), len(t.rows))
         x, dt, status, obj, bound = self._run(lp, upper, integer, False, time_limit_s,
-                                              threads, rel_gap=rel_gap, warm=(recompute,))
+                                              threads, rel_gap=rel_gap, warm=warm,
+                                              mem_row=mem_row)
         if x.size and np.any((x[ints] > 1e-6) & (x[ints] < 1 - 1e-6)):
             hint = None
             if start is not None:  # x columns of a feasible choice: 1 chosen, 0 the others
@@ -513,12 +521,15 @@ class Model:
 
     def _run(self, lp, upper, integer: list[bool], as_mip: bool, time_limit_s: float,
              threads: int, hint=None, rel_gap: float = 1e-6, warm: tuple | None = None,
-             max_nodes: int | None = None):
+             max_nodes: int | None = None, mem_row: tuple | None = None):
         """Solve ``lp`` under ``upper``; ``warm``: the key of an LP relaxation to re-solve
-        from its last basis (its costs, column bounds and budget set anew), kept for the
-        next call."""
+        from its last basis (its costs, column bounds, budget and memory row ``mem_row``,
+        (columns, MiB per column), set anew), kept for the next call: shared by this
+        model's other memory accountings (:meth:`with_memory`)."""
         t0 = time.perf_counter()
-        h, last_upper = self._warm.get(warm, (None, None)) if warm is not None else (None, None)
+        h, last_upper, last_mem = self._warm.get(warm, (None, None, None)) if warm else (
+            None, None, None)
+        row = len(lp.row_upper_) - 1  # the memory row: the budget (inf: none)
         if h is not None:
             cols = np.arange(len(lp.col_cost_), dtype=np.int32)
             h.setOptionValue("time_limit", float(time_limit_s))
@@ -526,9 +537,14 @@ class Model:
             if not np.array_equal(upper, last_upper):  # another boundary pair's restrictions
                 h.changeColsBounds(len(cols), cols, np.zeros(len(cols)),
                                    np.asarray(upper, dtype=np.float64))
-                self._warm[warm] = (h, upper)
-            row = len(lp.row_upper_) - 1  # the memory row: the budget (inf: none)
+            if mem_row is not None and last_mem is not None and not (
+                    np.array_equal(mem_row[0], last_mem[0])
+                    and np.array_equal(mem_row[1], last_mem[1])):  # another activation factor
+                new = dict(zip(mem_row[0].tolist(), mem_row[1].tolist()))
+                for c in set(last_mem[0].tolist()) | set(new):
+                    h.changeCoeff(row, c, new.get(c, 0.0))
             h.changeRowBounds(row, float(lp.row_lower_[row]), float(lp.row_upper_[row]))
+            self._warm[warm] = (h, upper, mem_row)
         else:
             lp.col_upper_ = upper
             kint, kcont = _highspy().HighsVarType.kInteger, _highspy().HighsVarType.kContinuous
@@ -547,7 +563,7 @@ class Model:
             if warm is not None:
                 if len(self._warm) >= self._WARM_LIMIT:
                     self._warm.pop(next(iter(self._warm)))
-                self._warm[warm] = (h, upper)
+                self._warm[warm] = (h, upper, mem_row)
         h.run()
         if h.getModelStatus() == _highspy().HighsModelStatus.kInfeasible:
             # HiGHS's presolve can call a feasible model infeasible when its values span
