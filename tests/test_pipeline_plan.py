@@ -289,3 +289,33 @@ def test_a_fallback_is_warned_shown_and_refused_under_strict(tmp_path, monkeypat
                                          r"plan: stage 0: replicated for want of a DTensor "
                                          r"rule: .*silu"):
         plan_pipeline(llama3_meta(2), options=PlannerOptions(profile="CPU", strict=True), **kw)
+
+
+def test_a_cached_plan_that_does_not_apply_is_evicted(fake_world, tmp_path, monkeypatch):
+    """A plan cache entry whose block was planned for another graph (as after a change the
+    key cannot see) fails at apply with the entry named, is evicted with the stage entries
+    it was made from, and the next run plans anew and applies."""
+    from autopp.backends import Planner, PlannerOptions
+    from autopp.lower.apply import PlanMismatchError
+
+    monkeypatch.setenv("AUTOPP_PLAN_CACHE", str(tmp_path))
+    first = _run(None, parallelize=Planner(PlannerOptions()))
+    plan = first.backend.pipeline_plan
+    assert first.backend.plan_source == "planned" and plan.cache_entries
+    entries = [tmp_path / f"{k}.json" for k in plan.cache_entries]
+    assert all(p.exists() for p in entries)
+    whole = entries[0]
+    d = json.loads(whole.read_text())
+    d["stage_plans"][0]["blocks"][-1]["signature"] = "planned-for-another-graph"
+    whole.write_text(json.dumps(d))
+
+    stale = _run(None, parallelize=Planner(PlannerOptions()))
+    assert stale.backend.plan_source == "cached"
+    with pytest.raises(PlanMismatchError, match=rf"traces to a different graph.*entry "
+                                                rf"{plan.cache_entries[0]}.*evicted"):
+        stale.init_weights()
+    assert not any(p.exists() for p in entries)
+
+    fresh = _run(None, parallelize=Planner(PlannerOptions()))
+    assert fresh.backend.plan_source == "planned"
+    fresh.init_weights()  # applies

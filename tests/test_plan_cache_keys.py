@@ -53,3 +53,27 @@ def test_a_profile_re_registered_with_other_numbers_gets_a_new_key():
     assert _key(m, "site-gpu") != before
     assert cache.pipeline_plan_key({"options": {"profile": "site-gpu"}}) != \
         cache.pipeline_plan_key({"options": {"profile": "H100"}})
+
+
+def test_a_changed_helper_beside_the_forward_gets_a_new_key(tmp_path, monkeypatch):
+    """A block whose forward calls a function of its own file: editing that function (not
+    the forward) gives a new key."""
+    import importlib
+    import sys
+
+    src = tmp_path / "user_block.py"
+    body = ("import torch\nfrom torch import nn\n\ndef helper(x):\n    return x {op}\n\n"
+            "class UserBlock(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+            "        self.w = nn.Linear(8, 8)\n\n    def forward(self, x):\n"
+            "        return helper(self.w(x))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    keys = []
+    for op in ("* 2.0", "+ 1.0"):
+        src.write_text(body.format(op=op))
+        sys.modules.pop("user_block", None)
+        importlib.invalidate_caches()
+        mod = importlib.import_module("user_block")
+        with torch.device("meta"):
+            keys.append(_key(mod.UserBlock()))
+    sys.modules.pop("user_block", None)
+    assert keys[0] != keys[1]

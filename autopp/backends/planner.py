@@ -102,12 +102,29 @@ class Planner(StageBackend):
 
     def materialize(self, stage_id: int, module: nn.Module, sub_mesh: DeviceMesh, *,
                     seed: int, device: torch.device) -> nn.Module:
+        from autopp.lower.apply import PlanMismatchError
         from autopp.lower.stage import materialize_and_apply
 
         planned = self._planned[stage_id]
-        return materialize_and_apply(module, planned.plan, sub_mesh, planned.example_inputs,
-                                     seed=seed, device=device,
-                                     recompute=self._pipeline_plan.recompute[stage_id])
+        try:
+            return materialize_and_apply(module, planned.plan, sub_mesh,
+                                         planned.example_inputs, seed=seed, device=device,
+                                         recompute=self._pipeline_plan.recompute[stage_id])
+        except PlanMismatchError as e:
+            raise PlanMismatchError(self._evicted(stage_id, e)) from e
+
+    def _evicted(self, stage_id: int, err: Exception) -> str:
+        """Evict the plan's cache entries after it failed to apply (the cache held a plan
+        for another graph), and say so: the next run plans anew."""
+        from autopp.plan.cache import cache_dir, evict
+
+        plan = self._pipeline_plan
+        if self.plan_source == "given" or not plan.cache_entries:
+            return f"stage {stage_id}: {err}"
+        removed = evict(plan.cache_entries, f"stage {stage_id} did not apply: {err}")
+        return (f"stage {stage_id}: {err}. The plan came from the plan cache "
+                f"({cache_dir()}, entry {plan.cache_entries[0]}); its {len(removed)} entries "
+                "on this host were evicted, so running again plans anew")
 
     def named_parameters(self, modules: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter]]:
         return [kv for m in modules for kv in m.named_planned_parameters()]

@@ -313,8 +313,8 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
     from autopp.sharding.costs import CostModel
     from autopp.sharding.precision import maybe_cast
     from autopp.profiles.lookup import get_profile
-    from autopp.sharding.trace import graph_signature, trace_joint
-    from autopp.lower.apply import units_of_plan
+    from autopp.sharding.trace import trace_joint
+    from autopp.lower.apply import check_planned_graph, units_of_plan
 
     flat, by_name = units_of_plan(module, plan, mesh)
     memo = {} if memo is None else memo
@@ -334,9 +334,7 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
                         maybe_cast(unit.module, plan.param_dtype),
                         example_inputs if flat else (x,))
             joint = traced[bplan.signature]
-            if graph_signature(joint) != bplan.signature:
-                raise ValueError(f"block {bplan.prefix or '<stage>'} traces to a different "
-                                 "graph than the one planned: re-plan it")
+            check_planned_graph(joint, bplan)
             memo[key] = _unit_facts(joint, unit, bplan, plan, mesh, costs, n_microbatches)
         f = memo[key]
         for k, v in f.times.items():

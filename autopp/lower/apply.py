@@ -204,7 +204,7 @@ def planned_units(
                 traced[bplan.signature] = trace_joint(
                     maybe_cast(_meta_copy(unit.module), plan.param_dtype), args)
         joint = traced[bplan.signature]
-        _check(joint, bplan)
+        check_planned_graph(joint, bplan)
         low = None
         if lower:
             key = (bplan.signature, bplan.nodes)
@@ -259,9 +259,15 @@ def _meta_copy(module: nn.Module) -> nn.Module:
     return clone
 
 
-def _check(joint: JointGraph, bplan: BlockPlan) -> None:
+class PlanMismatchError(ValueError):
+    """A plan's block traces to another graph than the one it was planned for (the model or
+    its inputs changed under a plan read from a file or the plan cache)."""
+
+
+def check_planned_graph(joint: JointGraph, bplan: BlockPlan) -> None:
+    """Refuse a block plan whose graph is not ``joint``'s (:class:`PlanMismatchError`)."""
     if graph_signature(joint) != bplan.signature:
-        raise ValueError(
+        raise PlanMismatchError(
             f"block {bplan.prefix or '<stage>'} traces to a different graph than the one "
             "planned: re-plan with the same module and example input shapes"
         )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import logging
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from autopp.sharding import StagePlan
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
@@ -105,6 +107,10 @@ def _class_forward_code(cls: type) -> str:
         except (OSError, TypeError):
             code = getattr(fwd, "__code__", None)
             text = repr((code.co_code, code.co_consts)) if code is not None else cls.__qualname__
+        try:  # the helpers its forward calls: the whole file the class is defined in
+            text += Path(inspect.getsourcefile(cls) or "").read_text()
+        except (OSError, TypeError):
+            pass
         _FORWARD_CODE[cls] = f"{cls.__module__}.{cls.__qualname__}:" + hashlib.sha256(
             text.encode()).hexdigest()[:12]
     return _FORWARD_CODE[cls]
@@ -112,7 +118,10 @@ def _class_forward_code(cls: type) -> str:
 
 def forward_code(module: nn.Module) -> list[str]:
     """A hash of each distinct module class's ``forward`` in ``module`` (its source, or its
-    bytecode where the source is not available): a changed forward gets a new key."""
+    bytecode where the source is not available) and of the file the class is defined in
+    (the helper functions a forward calls): a changed forward, or a changed helper beside
+    it, gets a new key. (A helper in another file is not seen: a plan that then no longer
+    applies is evicted, see :func:`evict`.)"""
     return sorted({_class_forward_code(type(m)) for m in module.modules()})
 
 
@@ -157,6 +166,28 @@ def pipeline_plan_key(desc: dict[str, Any]) -> str:
 def _cached(key: str, solve: Callable[[], T], load: Callable[[Path], T],
             save: Callable[[T, Path], None]) -> tuple[T, bool]:
     return cached_file(cache_dir(), key, solve, load, save)
+
+
+def evict(keys: Sequence[str], why: str) -> list[Path]:
+    """Remove the entries ``keys`` from the plan cache (a plan that failed to apply: the
+    next planning solves them again); logs a warning naming each entry removed and ``why``.
+    Returns the files removed (an entry already gone, or a read-only cache, is skipped)."""
+    removed = []
+    for key in dict.fromkeys(keys):
+        path = cache_dir() / f"{key}.json"
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as err:
+            logger.warning("plan cache entry %s could not be evicted (%s)", path, err)
+            continue
+        removed.append(path)
+    if removed:
+        logger.warning("evicted %d plan cache entr%s (%s): %s", len(removed),
+                       "y" if len(removed) == 1 else "ies", why,
+                       ", ".join(p.name for p in removed))
+    return removed
 
 
 def cached_plan(key: str, solve: Callable[[], StagePlan]) -> tuple[StagePlan, bool]:

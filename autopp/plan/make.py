@@ -227,6 +227,7 @@ def plan_local_stage(
             **(memory or {}),
         ),
     )
+    plan = dataclasses.replace(plan, cache_entry=key)
     dt = time.perf_counter() - t0
     logger.info("stage %d: plan %s (%s -> %s) in %.1f s (%s)", stage_index, key[:12],
                 boundary_in, boundary_out, dt, "cached" if hit else "solved")
@@ -503,6 +504,8 @@ def _cached_solve(solve: Callable[[], PipelinePlan], fields: dict) -> tuple[Pipe
     key = pipeline_plan_key(fields)
     t0 = time.perf_counter()
     plan, hit = cached_pipeline_plan(key, solve)
+    plan = dataclasses.replace(plan, cache_entries=(key, *(
+        p.cache_entry for p in plan.stage_plans if p.cache_entry)))
     logger.info("pipeline plan %s: %d stages in %.1f s (%s)", key[9:21], len(fields["split"]),
                 time.perf_counter() - t0, "cached" if hit else "planned")
     return plan, hit

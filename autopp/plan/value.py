@@ -271,6 +271,10 @@ class PipelinePlan:
     model_structure: tuple[ModelEntry, ...] = ()
     """:func:`model_structure` of the model it was made for: how a mismatching model
     differs is said from it (empty in plans saved before it was recorded)."""
+    cache_entries: tuple[str, ...] = ()
+    """The on-disk plan cache entries (:mod:`autopp.plan.cache` keys) this plan was made
+    from or stored under: the whole plan's and its stages'. A plan that fails to apply has
+    them evicted (:func:`autopp.plan.cache.evict`). Empty for a plan made uncached."""
     format: int = FORMAT
 
     # ---- reading it -------------------------------------------------------------------

@@ -162,6 +162,8 @@ class StagePlan:
     trace_settings: tuple[tuple[str, str], ...] = ()
     """The tracing settings the stage was planned under (:mod:`autopp.tracing`: e.g. MoE
     token dispatch), by name; every later trace of it (applying, estimating) uses them."""
+    cache_entry: str | None = None
+    """The plan cache key it was stored or read under (:mod:`autopp.plan.cache`), if any."""
     time_bound_s: float | None = None
     """A proven lower bound on :attr:`step_time_s` of any plan of this stage that fits its
     budget, over the recomputation policies planned, for plans built unit by unit
