@@ -36,7 +36,9 @@ are reported (``StagePlan.time_bound_s``). It is proven in the ILP's accounting;
 evaluated time and memory of a solution (:func:`~autopp.sharding.solver.evaluate`, what
 plans report) can sit a little below the ILP's (its memory row over-counts the selective
 policy's saved values by a few percent), so each unit's bound is moved down by its own
-solution's difference: exact where the two agree, an estimate where they do not.
+solution's difference: exact where the two agree, an estimate where they do not. The
+polish's decision, and the drop of a policy against another's chain, use the bound unmoved
+(:attr:`Chain.ilp_bound_s`): a polish is an ILP solve, so it cannot go below it.
 
 Mixing. The search keeps every unit solution it meets; :func:`_best_mix` then picks, exactly
 over those, one per position under the budget (identical blocks may take different plans),
@@ -127,6 +129,11 @@ class Chain:
     """A proven lower bound on the time of every chain under this policy that fits the
     budget (the best over the prices searched); ``time_s`` where the budget does not bind
     and the solves were exact."""
+    priced_ilp_bound_s: float = -math.inf
+    ilp_bound_s: float = -math.inf
+    """As :attr:`priced_bound_s` and :attr:`bound_s`, in the ILP's own accounting (not
+    moved down by its over-count): what any ILP solve, a polish included, can reach at best;
+    the search's stopping rule and the polish's decision use it."""
 
     def total(self, attr: str) -> float:
         return sum(getattr(r, attr) for r in self.results)
@@ -155,11 +162,13 @@ class _Bound:
 
     __slots__ = ("objective_s",)
 
-    def __init__(self, priced: _Priced):
+    def __init__(self, priced: _Priced, shifted: bool = True):
         res = priced.res
         b, over = res.bound_s, res.ilp_value_s - priced.objective_s
         if b != b:
             self.objective_s = -math.inf
+        elif not shifted:
+            self.objective_s = b
         else:
             self.objective_s = min(priced.objective_s, b - max(over, 0.0) if over == over else b)
 
@@ -225,10 +234,15 @@ def _chain(stage: Stage, mode: str, price: float, time_limit_s: float,
     chain = Chain(mode, results, pairs, sum(r.objective_s for r in results),
                   sum(r.memory_bytes for r in results), price)
     if not math.isinf(price):
-        bounds = {k: {pair: _Bound(v) for pair, v in row.items()} for k, row in table.items()}
-        low = chain_dp(stage.kinds, bounds, stage.first_in, stage.last_out)
-        chain.priced_bound_s = sum(bounds[k][pair].objective_s
-                                   for k, pair in zip(stage.kinds, low))
+        for shifted in (True, False):
+            bounds = {k: {pair: _Bound(v, shifted) for pair, v in row.items()}
+                      for k, row in table.items()}
+            low = chain_dp(stage.kinds, bounds, stage.first_in, stage.last_out)
+            value = sum(bounds[k][pair].objective_s for k, pair in zip(stage.kinds, low))
+            if shifted:
+                chain.priced_bound_s = value
+            else:
+                chain.priced_ilp_bound_s = value
     return chain
 
 
@@ -259,7 +273,8 @@ def _best_mix(stage: Stage, best: Chain, seen: dict, budget: float) -> Chain:
         results.append(r)
     results.reverse()
     return Chain(best.recompute, results, best.pairs, sum(r.objective_s for r in results),
-                 sum(r.memory_bytes for r in results), best.price, False, best.priced_bound_s)
+                 sum(r.memory_bytes for r in results), best.price, False, best.priced_bound_s,
+                 priced_ilp_bound_s=best.priced_ilp_bound_s)
 
 
 def chain_at_price(stage: Stage, mode: str, price: float, time_limit_s: float) -> Chain:
@@ -284,7 +299,7 @@ def _search_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: fl
     policy's chain at price 0. ``incumbent``: the time of a fitting chain already found
     (another policy's): once this policy's bound reaches it, the search stops with the best
     it holds."""
-    fast.bound_s = fast.priced_bound_s
+    fast.bound_s, fast.ilp_bound_s = fast.priced_bound_s, fast.priced_ilp_bound_s
     if budget is None or fast.memory_bytes <= budget:
         fast.free = True
         return _Searched(mode, fast, fast, {})
@@ -293,6 +308,7 @@ def _search_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: fl
         return _Searched(mode, None, least, {})
     # Lagrangian price: geometric search between an infeasible and a feasible price
     best, lo, hi, bound = least, 0.0, math.inf, fast.priced_bound_s
+    ilp_bound = fast.priced_ilp_bound_s
     seen: dict = {}
     for r, pair, kind in zip(least.results, least.pairs, stage.kinds):
         seen.setdefault((kind, pair), {})[r.objective_s, r.memory_bytes] = r
@@ -300,6 +316,7 @@ def _search_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: fl
     for _ in range(12):
         c = _chain(stage, mode, price, time_limit_s, seen=seen)
         bound = max(bound, c.priced_bound_s - price * budget)
+        ilp_bound = max(ilp_bound, c.priced_ilp_bound_s - price * budget)
         if c.memory_bytes <= budget:
             hi = price
             if c.time_s < best.time_s:
@@ -307,8 +324,8 @@ def _search_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: fl
         else:
             lo = price
         best = _best_mix(stage, best, seen, budget)
-        if bound >= incumbent or best.time_s - bound <= CERTIFIED_GAP * best.time_s:
-            break  # cannot beat the other policy's chain, or certified close enough
+        if ilp_bound >= incumbent or best.time_s - bound <= CERTIFIED_GAP * best.time_s:
+            break  # no solve can beat the other policy's chain, or certified close enough
         if math.isinf(hi):
             price *= 8
         elif lo == 0.0:
@@ -317,7 +334,7 @@ def _search_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: fl
             break
         else:
             price = math.sqrt(lo * hi)
-    best.bound_s = bound
+    best.bound_s, best.ilp_bound_s = bound, ilp_bound
     return _Searched(mode, best, least, seen)
 
 
@@ -327,17 +344,17 @@ def _close_gap(stage: Stage, s: _Searched, budget: float, incumbent: float,
     its bound is more than that below ``incumbent`` (the fastest fitting chain of any
     policy): otherwise the incumbent is already within the gap of anything it could give."""
     best = s.fit
-    if best is None or best.free or best.bound_s >= incumbent * (1 - CERTIFIED_GAP) or (
-            best.time_s - best.bound_s <= CERTIFIED_GAP * best.time_s):
-        return
+    if best is None or best.free or best.ilp_bound_s >= incumbent * (1 - CERTIFIED_GAP) or (
+            best.time_s - best.ilp_bound_s <= CERTIFIED_GAP * best.time_s):
+        return  # a polish (an ILP solve) cannot gain more than the gap
     searched = best.time_s
     best = _best_mix(stage, _polish(stage, s.mode, budget, best, time_limit_s, s.seen),
                      s.seen, budget)
-    best.bound_s = s.fit.bound_s
+    best.bound_s, best.ilp_bound_s = s.fit.bound_s, s.fit.ilp_bound_s
     logger.debug("recompute=%s under %.4g bytes: price search %.6g s, polished %.6g s, "
-                 "bound %.6g s (gap %.2f%%), fastest other %.6g s", s.mode, budget, searched,
-                 best.time_s, best.bound_s, 100 * (best.time_s - best.bound_s) / best.time_s,
-                 incumbent)
+                 "bound %.6g s (gap %.2f%%; the ILP's %.6g s), fastest other %.6g s", s.mode,
+                 budget, searched, best.time_s, best.bound_s,
+                 100 * (best.time_s - best.bound_s) / best.time_s, best.ilp_bound_s, incumbent)
     s.fit = best
 
 
@@ -373,7 +390,7 @@ def _polish(stage: Stage, mode: str, budget: float, best: Chain, time_limit_s: f
         results = [res if k == kind else r for r, k in zip(best.results, stage.kinds)]
         best = Chain(mode, results, best.pairs, sum(r.objective_s for r in results),
                       sum(r.memory_bytes for r in results), best.price, best.free,
-                      best.priced_bound_s)
+                      best.priced_bound_s, priced_ilp_bound_s=best.priced_ilp_bound_s)
     return best
 
 
@@ -401,7 +418,8 @@ def choose_chain(stage: Stage, modes: Sequence[str], budget: float | None,
             best = s.fit
         if mode == "none" and s.fit is not None and s.fit.free:
             break  # the time-optimal plan fits: recomputing could only add time
-    for s in sorted((s for s in searched if s.fit is not None), key=lambda s: s.fit.bound_s):
+    for s in sorted((s for s in searched if s.fit is not None),
+                    key=lambda s: s.fit.ilp_bound_s):
         _close_gap(stage, s, budget, best.time_s, time_limit_s)
         if s.fit.time_s < best.time_s:
             best = s.fit

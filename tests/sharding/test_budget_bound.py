@@ -105,15 +105,16 @@ def test_a_policy_that_cannot_beat_the_others_chain_is_not_polished():
     assert bound <= _exact([block], [0, 0, 0], "none", 18.0) + 1e-12
 
 
+@pytest.mark.wide  # ~55 s on 2 cores: the search as it was polishes with slow MIPs
 def test_planned_stage_matches_the_always_polished_search(stack_of, make_mesh, monkeypatch):
-    """On a real stage (3 llama3 blocks, dp=2 x tp=2, AdamW state and 2 microbatches in
+    """On a real stage (2 llama3 blocks, dp=2 x tp=2, AdamW state and 2 microbatches in
     flight counted) under a budget that binds, the search as it is now (stopping at the
     certificate, mixing the plans it met) is within 1% of, or faster than, the search as it
     was (every price to the tolerance, then the polish, one plan per identical block), fits
     the same budget, and reports a bound no plan beats."""
-    stage = stack_of(3)
+    stage = stack_of(2)
     mesh = make_mesh(2, 2)
-    x = torch.empty(4, 128, 256, device="meta")
+    x = torch.empty(4, 64, 256, device="meta")
     kw = dict(activation_factor=2.0, optimizer_state_factor=2.0, recompute="auto")
     free = plan_stage(stage, (x,), mesh, **kw)
     for frac in (0.5,):
