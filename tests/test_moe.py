@@ -102,8 +102,13 @@ def test_moe_decoders_match_single_process(tmp_path):
     common = dict(pp=2, dp=2, tp=2, n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=LR,
                   max_norm=MAX_NORM, fp32_experts=True)
     configs = [
+        # the curve after AdamW steps is held to the acceptance's 1e-5, like deepseek's
+        # below: the reference's own third loss moves 8e-7 relative between two runs of
+        # the same code (7.6799755 and 7.6799817), and an equal-cost plan that sums in
+        # another order moved it 1.6e-6 (measured); the first step's loss and every
+        # gradient stay held to the parity bounds
         dict(common, model="qwen3_moe", schedule="1F1B", n_microbatches=2, steps=3,
-             resume=(4, 2, 1)),
+             resume=(4, 2, 1), track=1e-5),
         # deepseek's tokens by all-to-all over dp, its experts split further over tp. The
         # rows reach each expert in another order than in one process, so its losses are
         # held to the acceptance's 1e-5 (measured: rel 1.1e-6 at the third step), not to

@@ -56,9 +56,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import sys
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -68,6 +65,7 @@ from torch import fx
 
 from autopp.graph.walk import param_only_nodes
 from autopp.sharding.costs import Collective, CostModel
+from autopp.sharding.highs import WarmLps, highspy
 from autopp.sharding.memory_row import MemoryAccount, MemoryRow, MemorySpec, Recompute, Terms
 from autopp.sharding.option import PlacementSpec, matches
 from autopp.sharding.strategies import Option, Strategies, tensor_vals
@@ -77,39 +75,6 @@ from autopp.sharding.strategies import Option, Strategies, tensor_vals
 
 _SCALE = 1e6
 """Costs go to the solver in microseconds so its tolerances sit far below one cost unit."""
-
-
-_BANNER_SHOWN = False
-
-
-def _highspy():
-    """highspy, imported on first use: a process that only applies a saved plan
-    (``plan=``, e.g. on a machine without HiGHS) never needs it."""
-    try:
-        import highspy
-    except ImportError as e:
-        raise ImportError("autopp's planner solves with HiGHS: pip install highspy (running "
-                          "a saved plan, plan=..., does not need it)") from e
-    return highspy
-
-
-def _new_highs() -> Any:
-    """A HiGHS instance. The first one a process creates prints HiGHS's banner on the C
-    stdout before any option can be set; that one is created with fd 1 pointed at
-    /dev/null, so every rank of a job does not print it."""
-    global _BANNER_SHOWN
-    if _BANNER_SHOWN:
-        return _highspy().Highs()
-    _BANNER_SHOWN = True
-    sys.stdout.flush()
-    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 1)
-        return _highspy().Highs()
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(devnull)
 
 
 class InfeasiblePlanError(ValueError):
@@ -228,7 +193,7 @@ class Model:
         #: Solved LP relaxations kept for the next solve (a price search changes only the
         #: costs, another boundary pair only column bounds: the next solve starts from the
         #: last optimal basis; a polish, the memory row's bound), by recomputation policy.
-        self._warm: dict[tuple, Any] = {}
+        self._warm = WarmLps()
 
     def with_memory(self, memory: MemorySpec) -> Model:
         """This model under another memory accounting (another activation factor, state
@@ -360,7 +325,7 @@ class Model:
         rows = self.rows + t.rows
         mem = self.memory_row.coefs(t)
         rows = rows + [(list(mem), [v / _MIB for v in mem.values()], -np.inf, np.inf)]
-        lp = _highspy().HighsLp()
+        lp = highspy().HighsLp()
         lp.num_col_ = n
         lp.num_row_ = len(rows)
         lp.col_lower_ = np.zeros(n)
@@ -371,7 +336,7 @@ class Model:
             index += idx
             value += val
             starts.append(len(index))
-        lp.a_matrix_.format_ = _highspy().MatrixFormat.kRowwise
+        lp.a_matrix_.format_ = highspy().MatrixFormat.kRowwise
         lp.a_matrix_.start_ = np.asarray(starts, dtype=np.int32)
         lp.a_matrix_.index_ = np.asarray(index, dtype=np.int32)
         lp.a_matrix_.value_ = np.asarray(value, dtype=np.float64)
@@ -478,9 +443,9 @@ class Model:
         m = self.memory  # the LP's structure: all but the memory row's coefficients
         warm = (recompute, m.param_state_factor, m.optimizer_state_factor,
                 m.counts_activations, len(t.upper), len(t.rows))
-        x, dt, status, obj, bound = self._run(lp, upper, integer, False, time_limit_s,
-                                              threads, rel_gap=rel_gap, warm=warm,
-                                              mem_row=mem_row)
+        x, dt, status, obj, bound = self._warm.run(
+            lp, upper, integer, False, time_limit_s, threads, scale=_SCALE, rel_gap=rel_gap,
+            warm=warm, mem_row=mem_row)
         if x.size and np.any((x[ints] > 1e-6) & (x[ints] < 1 - 1e-6)):
             hint = None
             if start is not None:  # x columns of a feasible choice: 1 chosen, 0 the others
@@ -489,9 +454,9 @@ class Model:
                     if n in self.col0 and o in self.options[n]:
                         vals[self.col0[n] + self.options[n].index(o)] = 1.0
                 hint = (np.arange(self.num_x, dtype=np.int32), vals)
-            x, dt2, status, obj, bound = self._run(lp, upper, integer, True, time_limit_s,
-                                                   threads, hint, rel_gap=rel_gap,
-                                                   max_nodes=max_nodes)
+            x, dt2, status, obj, bound = self._warm.run(
+                lp, upper, integer, True, time_limit_s, threads, scale=_SCALE, hint=hint,
+                rel_gap=rel_gap, max_nodes=max_nodes)
             dt += dt2
         elif x.size:
             status += " (LP relaxation integral)"
@@ -516,76 +481,6 @@ class Model:
                        bound_s=float("nan") if math.isinf(price) else bound,
                        ilp_value_s=float("nan") if math.isinf(price) else obj)
 
-    _WARM_LIMIT = 8
-    """LP relaxations kept per model (one per recomputation policy)."""
-
-    def _run(self, lp, upper, integer: list[bool], as_mip: bool, time_limit_s: float,
-             threads: int, hint=None, rel_gap: float = 1e-6, warm: tuple | None = None,
-             max_nodes: int | None = None, mem_row: tuple | None = None):
-        """Solve ``lp`` under ``upper``; ``warm``: the key of an LP relaxation to re-solve
-        from its last basis (its costs, column bounds, budget and memory row ``mem_row``,
-        (columns, MiB per column), set anew), kept for the next call: shared by this
-        model's other memory accountings (:meth:`with_memory`)."""
-        t0 = time.perf_counter()
-        h, last_upper, last_mem = self._warm.get(warm, (None, None, None)) if warm else (
-            None, None, None)
-        row = len(lp.row_upper_) - 1  # the memory row: the budget (inf: none)
-        if h is not None:
-            cols = np.arange(len(lp.col_cost_), dtype=np.int32)
-            h.setOptionValue("time_limit", float(time_limit_s))
-            h.changeColsCost(len(cols), cols, np.asarray(lp.col_cost_, dtype=np.float64))
-            if not np.array_equal(upper, last_upper):  # another boundary pair's restrictions
-                h.changeColsBounds(len(cols), cols, np.zeros(len(cols)),
-                                   np.asarray(upper, dtype=np.float64))
-            if mem_row is not None and last_mem is not None and not (
-                    np.array_equal(mem_row[0], last_mem[0])
-                    and np.array_equal(mem_row[1], last_mem[1])):  # another activation factor
-                new = dict(zip(mem_row[0].tolist(), mem_row[1].tolist()))
-                for c in set(last_mem[0].tolist()) | set(new):
-                    h.changeCoeff(row, c, new.get(c, 0.0))
-            h.changeRowBounds(row, float(lp.row_lower_[row]), float(lp.row_upper_[row]))
-            self._warm[warm] = (h, upper, mem_row)
-        else:
-            lp.col_upper_ = upper
-            kint, kcont = _highspy().HighsVarType.kInteger, _highspy().HighsVarType.kContinuous
-            lp.integrality_ = [kint if b else kcont for b in integer] if as_mip else []
-            h = _new_highs()
-            h.setOptionValue("output_flag", False)
-            h.setOptionValue("time_limit", float(time_limit_s))
-            h.setOptionValue("threads", int(threads))
-            h.setOptionValue("mip_rel_gap", float(rel_gap))
-            h.setOptionValue("mip_heuristic_effort", 0.3)  # measured: finds incumbents sooner
-            if max_nodes is not None:
-                h.setOptionValue("mip_max_nodes", int(max_nodes))
-            h.passModel(lp)
-            if hint is not None:
-                h.setSolution(len(hint[0]), *hint)
-            if warm is not None:
-                if len(self._warm) >= self._WARM_LIMIT:
-                    self._warm.pop(next(iter(self._warm)))
-                self._warm[warm] = (h, upper, mem_row)
-        h.run()
-        if h.getModelStatus() == _highspy().HighsModelStatus.kInfeasible:
-            # HiGHS's presolve can call a feasible model infeasible when its values span
-            # many orders of magnitude (a dp=512 head's 2 TiB replicated logits beside 1-byte
-            # terms); solving again without presolve settles it
-            h.setOptionValue("presolve", "off")
-            h.run()
-        dt = time.perf_counter() - t0
-        status = h.modelStatusToString(h.getModelStatus())
-        sol = h.getSolution()
-        if not sol.value_valid:
-            return np.zeros(0), dt, status, 0.0, -math.inf
-        info = h.getInfo()
-        obj = info.objective_function_value / _SCALE
-        # a MIP run proves its dual bound; an LP run's optimum bounds the MIP's
-        if as_mip:
-            bound = min(obj, info.mip_dual_bound / _SCALE)
-        elif h.getModelStatus() == _highspy().HighsModelStatus.kOptimal:
-            bound = obj
-        else:
-            bound = -math.inf
-        return np.asarray(sol.col_value), dt, status, obj, bound
 
 
 def solve(prob: Problem) -> SolveResult:
