@@ -92,7 +92,7 @@ def _check(res: dict, ref: dict, cfg: dict, track: float = 1e-6) -> set[str]:
     curves = f"{cfg['model']}: {res['losses']} vs {ref['losses'][:steps]}"
     assert res["losses"] == pytest.approx(ref["losses"][:steps], rel=track), curves
     if cfg.get("resume"):
-        assert res["next"] == pytest.approx(ref["losses"][steps], abs=1e-5)
+        assert res["next"] == pytest.approx(ref["losses"][steps], rel=track)
         assert res["resumed"] == pytest.approx(res["next"], abs=1e-6)
     return set(res["grads"])
 
@@ -102,13 +102,8 @@ def test_moe_decoders_match_single_process(tmp_path):
     common = dict(pp=2, dp=2, tp=2, n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=LR,
                   max_norm=MAX_NORM, fp32_experts=True)
     configs = [
-        # the curve after AdamW steps is held to the acceptance's 1e-5, like deepseek's
-        # below: the reference's own third loss moves 8e-7 relative between two runs of
-        # the same code (7.6799755 and 7.6799817), and an equal-cost plan that sums in
-        # another order moved it 1.6e-6 (measured); the first step's loss and every
-        # gradient stay held to the parity bounds
         dict(common, model="qwen3_moe", schedule="1F1B", n_microbatches=2, steps=3,
-             resume=(4, 2, 1), track=1e-5),
+             resume=(4, 2, 1)),
         # deepseek's tokens by all-to-all over dp, its experts split further over tp. The
         # rows reach each expert in another order than in one process, so its losses are
         # held to the acceptance's 1e-5 (measured: rel 1.1e-6 at the third step), not to
@@ -125,7 +120,15 @@ def test_moe_decoders_match_single_process(tmp_path):
         ref = _reference(cfg["model"], cfg["steps"])
         seen: set[str] = set()
         for rank_results in results:
-            seen |= _check(rank_results[i], ref, cfg, track=cfg.get("track", 1e-6))
+            # after AdamW steps both sides move between runs of the same code, the
+            # planner's or not (measured 2026-12-01, at this commit and at 2afab31: qwen3's
+            # reference third loss 7.6799755-7.6799827 and fourth 7.7296028-7.7296185, its
+            # resumed pipeline's fourth 7.7295830-7.7295983; deepseek's unplanned third
+            # 8.0285826 against 8.0285683), more than the 1e-6 curve and abs 1e-5 resume
+            # bounds these configs had: every curve and resumed loss is held to the
+            # acceptance's rel 1e-5; the first step's loss and every gradient stay at the
+            # parity bounds, and a resumed run equals the uninterrupted one within 1e-6
+            seen |= _check(rank_results[i], ref, cfg, track=cfg.get("track", 1e-5))
         names = {n for n, _ in MODELS[cfg["model"]](N_LAYERS).named_parameters()}
         assert seen == names, (cfg["model"], names ^ seen)
         if cfg.get("parallelize", "auto") is None:
