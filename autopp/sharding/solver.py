@@ -443,12 +443,6 @@ class Model:
         m = self.memory  # the LP's structure: all but the memory row's coefficients
         warm = (recompute, m.param_state_factor, m.optimizer_state_factor,
                 m.counts_activations, len(t.upper), len(t.rows))
-        if price == 0 and budget is None:
-            # the time-optimal plan is solved cold: a warm basis may land on another of
-            # several equal-cost plans, and a plan that does not depend on what the process
-            # solved before is worth the fraction of a second (the price search, where
-            # warm bases pay, starts from it)
-            warm = None
         x, dt, status, obj, bound = self._warm.run(
             lp, upper, integer, False, time_limit_s, threads, scale=_SCALE, rel_gap=rel_gap,
             warm=warm, mem_row=mem_row)
