@@ -460,13 +460,11 @@ def plan_whole_pipeline(
             n_microbatches=n_microbatches, rank_of=list(stage_ranks), param_placements=fixed,
             memory=memory, pp=pp,
         )
-        t0, stage_plans = time.perf_counter(), []
+        t0, stage_plans = time.perf_counter(), ()
         for s in range(n):  # under the chosen boundaries and each stage's budget
-            stage_plans.append(plan_of(s))
-            done = time.perf_counter() - t0
+            stage_plans += (plan_of(s),)
             logger.info("stage %d/%d planned under its budget: %.1f s so far, %d to go",
-                        s + 1, n, done, n - s - 1)
-        stage_plans = tuple(stage_plans)
+                        s + 1, n, time.perf_counter() - t0, n - s - 1)
         return PipelinePlan(
             model=fingerprint, model_structure=model_structure(model),
             pp=pp, dp=dp, tp=tp, schedule=str(schedule),
