@@ -22,6 +22,7 @@ from autopp.backends import (
     Replicate,
     StageBackend,
 )
+from autopp import adapters
 from autopp.mesh import check_world_mesh, mesh_sizes, stage_sub_mesh
 from autopp.pipeline import Pipeline, PipelineLayout
 from autopp.stage_split import build_stage_module, check_stage_forwards
@@ -113,6 +114,7 @@ def pipeline_autoparallel(
         compile=compile, plan=plan,
     )
     check_world_mesh(mesh)
+    model_notes = adapters.prepare(model)  # e.g. a transformers model's attention
     if not any(p.is_meta for p in model.parameters()):
         raise ValueError(
             "pipeline_autoparallel expects the model on the meta device (build it under "
@@ -172,6 +174,7 @@ def pipeline_autoparallel(
         dp_size=dp,
         tp_rank=tp_rank,
         tp_size=tp,
+        model_notes=tuple(model_notes),
     )
     return Pipeline(layout=layout, stage_modules=modules, mesh=mesh, loss_fn=loss_fn,
                     ignore_index=ignore_index, backend=backend,

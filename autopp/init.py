@@ -7,8 +7,10 @@ pipelined, sharded model starts from exactly the weights of the single-process m
 initialised with :func:`init_module_` and the same seed. That is what lets the tests compare
 gradients against a single-process reference, and what users expect from ``init_weights``.
 
-Initialisers are taken from the model itself: torchtitan modules carry a per-parameter
-``_param_init`` table; other modules use their ``reset_parameters()``.
+Initialisers are taken from the model itself: the model's own per-module initialiser where a
+model adapter names one (transformers' ``_init_weights``, which also recomputes RoPE
+``inv_freq``; :func:`autopp.adapters.module_init`), torchtitan modules' per-parameter
+``_param_init`` table, else the module's ``reset_parameters()``.
 
 Buffers are never left as uninitialised memory. A buffer that holds values when
 :func:`init_module_` is called (a model built on CPU) keeps them. A buffer on meta (its
@@ -57,6 +59,52 @@ def _assign_full(p: torch.Tensor, full: torch.Tensor) -> None:
         p.to_local().copy_(shard.to_local())
     else:
         p.copy_(full)
+
+
+def _init_by_model(mod: nn.Module, mod_fqn: str, init, seed: int, device: torch.device,
+                   lost: set[str]) -> None:
+    """Run the model's initialiser ``init`` of ``mod`` under ``mod``'s per-FQN seed on
+    full-size temporaries of its own parameters and buffers; keep what it wrote into the
+    parameters and the ``lost`` buffers (buffers with values keep theirs). A parameter it did
+    not write is an error naming it."""
+    own = list(mod.named_parameters(recurse=False))
+    buffers = [(n, b) for n, b in mod._buffers.items() if b is not None]
+    if not own and not (lost & {n for n, _ in buffers}):
+        return
+    saved_p = {name: mod._parameters[name] for name, _ in own}
+    saved_b = dict(buffers)
+    temps: dict[str, torch.Tensor] = {}
+    try:
+        for name, p in own:
+            temps[name] = _full_like(p, device)
+            mod._parameters[name] = nn.Parameter(temps[name], requires_grad=False)
+        for name, b in buffers:
+            mod._buffers[name] = _full_like(b, device) if name in lost else \
+                _full_buffer(b, device)
+        marks = {name: write_token(t) for name, t in temps.items()}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(fqn_seed(seed, mod_fqn))
+            init()
+        fulls = {name: mod._parameters[name].detach() for name, _ in own}
+        written = {name: mod._buffers[name] for name in lost if name in mod._buffers}
+    finally:
+        mod._parameters.update(saved_p)
+        mod._buffers.update(saved_b)
+    unset = [n for n, t in temps.items() if fulls[n] is t and write_token(t) == marks[n]]
+    if unset:
+        raise ValueError(
+            f"the model's initialiser of {mod_fqn or type(mod).__name__} "
+            f"({type(mod).__name__}) did not set its parameter(s) {unset}; autopp would leave "
+            "uninitialised memory. Initialise them there, or load weights afterwards")
+    for name, p in own:
+        _assign_full(p, fulls[name])
+    for name, value in written.items():
+        _assign_full(mod._buffers[name], value.to(device))
+
+
+def _full_buffer(b: torch.Tensor, device: torch.device) -> torch.Tensor:
+    DTensor, _ = _dtensor()
+    return (b.full_tensor() if isinstance(b, DTensor) else b).detach().clone().to(device)
 
 
 def _init_own_params(mod: nn.Module, mod_fqn: str, seed: int, device: torch.device) -> None:
@@ -181,7 +229,13 @@ def init_module_(module: nn.Module, *, seed: int, device: torch.device | str) ->
                     lost.setdefault(mod_fqn, set()).add(name)
                 else:
                     kept[mod_fqn, name] = b.detach().clone()
-        module.to_empty(device=device)
+        if any(t.is_meta for t in module.parameters()):
+            module.to_empty(device=device)
+        else:  # parameters materialised already (e.g. sharded shard by shard): buffers only
+            for mod_fqn, names in lost.items():
+                bufs = module.get_submodule(mod_fqn)._buffers
+                for name in names:
+                    bufs[name] = torch.empty_like(bufs[name], device=device)
         for fqns in tied.values():  # to_empty makes one tensor per module: tie them again
             keep = module.get_parameter(fqns[-1])
             for fqn in fqns[:-1]:
@@ -191,7 +245,13 @@ def init_module_(module: nn.Module, *, seed: int, device: torch.device | str) ->
             module.get_submodule(mod_fqn)._buffers[name].copy_(value)
     before = {(f, n): (id(b), write_token(b)) for f, names in lost.items()
               for n, b in module.get_submodule(f)._buffers.items() if n in names}
+    from autopp import adapters
+
     for mod_fqn, mod in module.named_modules():
+        by_model = adapters.module_init(module, mod)
+        if by_model is not None:
+            _init_by_model(mod, mod_fqn, by_model, seed, device, lost.get(mod_fqn, set()))
+            continue
         _init_own_params(mod, mod_fqn, seed, device)
         _init_own_buffers(mod, device, lost.get(mod_fqn, set()))
     _check_buffers_written(module, before)

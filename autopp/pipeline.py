@@ -40,6 +40,8 @@ class PipelineLayout:
         fqns_per_stage: the module FQNs of each stage, in stage order.
         stage_ids: the stages this rank holds.
         pp_rank, pp_size, dp_rank, dp_size, tp_rank, tp_size: this rank's mesh coordinates.
+        model_notes: what model adapters changed on the model before it was split (e.g. a
+            transformers model's attention implementation), one line each.
     """
 
     schedule: str
@@ -53,6 +55,7 @@ class PipelineLayout:
     dp_size: int
     tp_rank: int
     tp_size: int
+    model_notes: tuple[str, ...] = ()
 
     def describe(self) -> str:
         lines = [
@@ -63,6 +66,7 @@ class PipelineLayout:
         for s, fqns in enumerate(self.fqns_per_stage):
             mine = " (this rank)" if s in self.stage_ids else ""
             lines.append(f"  stage {s}{mine}: {compact_modules(fqns)}")
+        lines += [f"  model: {note}" for note in self.model_notes]
         return "\n".join(lines)
 
 

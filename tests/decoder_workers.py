@@ -100,3 +100,25 @@ def mismatched_tied_parallelize(stage: torch.nn.Module, sub_mesh) -> torch.nn.Mo
             mod.weight = torch.nn.Parameter(distribute_tensor(
                 torch.empty_like(w, device="cpu"), sub_mesh["tp"], [shard]))
     return stage
+
+
+def tp_parallelize(stage: torch.nn.Module, sub_mesh) -> torch.nn.Module:
+    """A user parallelize function for transformers decoders: TP on each block's MLP
+    (colwise gate/up, rowwise down) over "tp", then FSDP2 over "dp" per block and root."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    tp_mesh, dp_mesh = sub_mesh["tp"], sub_mesh["dp"]
+    blocks = list(stage.model.layers.values())
+    for block in blocks:
+        parallelize_module(block.mlp, tp_mesh, {"gate_proj": ColwiseParallel(),
+                                               "up_proj": ColwiseParallel(),
+                                               "down_proj": RowwiseParallel()})
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(stage, mesh=dp_mesh)
+    return stage

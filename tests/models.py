@@ -223,7 +223,50 @@ def deepseek_v3_meta(n_layers: int = 4) -> torch.nn.Module:
         return cfg.build()
 
 
+def _transformers_meta(family: str, n_layers: int) -> torch.nn.Module:
+    """A Hugging Face transformers decoder as the library builds it (no download: a small
+    config in code), on meta: grouped-query attention (4 query heads, 2 key/value heads)."""
+    import transformers
+
+    common = dict(vocab_size=2048, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64)
+    config, model = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[family]
+    extra = {"head_dim": 16, "tie_word_embeddings": True} if family == "qwen3" else {}
+    with torch.device("meta"):
+        return model(config(**common, **extra))
+
+
+def hf_llama_meta(n_layers: int = 4) -> torch.nn.Module:
+    return _transformers_meta("llama", n_layers)
+
+
+def hf_qwen3_meta(n_layers: int = 4) -> torch.nn.Module:
+    """Qwen3 with tied input embedding and output head (``tie_word_embeddings=True``)."""
+    return _transformers_meta("qwen3", n_layers)
+
+
+def hf_qwen2_meta(n_layers: int = 4) -> torch.nn.Module:
+    return _transformers_meta("qwen2", n_layers)
+
+
+def hf_mistral_meta(n_layers: int = 4) -> torch.nn.Module:
+    return _transformers_meta("mistral", n_layers)
+
+
+def logits_of(out):
+    """A transformers ``ModelOutput``'s logits; a tensor as it is."""
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
 MODELS = {"llama3": llama3_meta, "qwen3": qwen3_meta, "hf": hf_meta,
+          "hf_llama": hf_llama_meta, "hf_qwen3": hf_qwen3_meta, "hf_qwen2": hf_qwen2_meta,
+          "hf_mistral": hf_mistral_meta,
           "qwen3_moe": qwen3_moe_meta, "deepseek_v3": deepseek_v3_meta}
 
 

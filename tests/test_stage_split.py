@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from autopp.stage_split.build import Skipped
 from autopp.stage_split import (
     ModelLayout,
     StageLayers,
@@ -343,8 +344,9 @@ def test_build_llama_stage_fqns(llama: nn.Module) -> None:
     assert set.union(*names) == whole
     assert "layers.3.attention.wo.weight" in names[1]
     assert list(stages[1].layers.keys()) == ["2", "3"]
-    assert stages[0].norm is None and stages[0].lm_head is None
-    assert stages[1].tok_embeddings is None and stages[2].tok_embeddings is None
+    assert isinstance(stages[0].norm, Skipped) and isinstance(stages[0].lm_head, Skipped)
+    assert isinstance(stages[1].tok_embeddings, Skipped)
+    assert isinstance(stages[2].tok_embeddings, Skipped)
     for stage in stages:
         assert all(t.is_meta for t in [*stage.parameters(), *stage.buffers()])
     assert param_names(llama) == whole  # the whole model is untouched
@@ -360,7 +362,9 @@ def test_build_copies_what_it_keeps_and_nothing_else() -> None:
     model.head = nn.Tanh()
     model.layers[2].append(model.head)  # the head object, inside layer 2 as well
     stage = build_stage_module(model, ["layers.1", "layers.2"])
-    assert stage.head is None and stage.layers[2][2] is not model.head
+    # a parameterless module outside the layers is no stage's: every stage keeps a copy
+    assert not isinstance(stage.head, Skipped) and stage.head is not model.head
+    assert stage.layers[2][2] is not model.head
     assert not {id(m) for m in stage.modules()} & {id(m) for m in model.modules()}
 
 
@@ -466,3 +470,57 @@ def test_placement_conflicts_name_each_tied_parameter_and_its_ranks():
                 {"tok_embeddings.weight": "(Shard(dim=0),)"}]
     assert placement_conflicts(per_rank) == [
         "tok_embeddings.weight: (Shard(dim=0),) on ranks [0, 3], (Shard(dim=1),) on ranks [2]"]
+
+
+class _TableBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, h: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.proj(h) + table)
+
+
+class _Unskipping(nn.Module):
+    """A forward that calls every module unconditionally and computes between them, as
+    Hugging Face's do: a scale on the embeddings (Gemma), a table from the input's shape
+    handed to every layer (RoPE), a final tanh cap on the logits."""
+
+    def __init__(self, vocab: int = 32, dim: int = 8, n_layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(_TableBlock(dim) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+        self.n_layers = n_layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) * 3.0
+        table = torch.arange(h.shape[1], dtype=torch.float32)[:, None] / 10
+        for layer in self.layers[: self.n_layers]:  # as transformers' config.num_hidden_layers
+            h = layer(h, table)
+        return torch.tanh(self.head(self.norm(h)) / 5) * 5
+
+
+@pytest.mark.parametrize("spec", ["Et|tt|tL", "Ettt|tL", "E|tttt|L"])
+def test_forward_calling_removed_modules_is_cut_at_the_stage(spec: str) -> None:
+    """Each stage runs the whole model's forward cut at its boundaries: the received
+    activation replaces what the forward computed before the stage's first module (the
+    embedding scale is not applied twice), the last module's output is what a non-last
+    stage sends (the tanh cap is not applied to activations); chained, the stages compute
+    the whole model's output."""
+    with torch.device("meta"):
+        meta = _Unskipping()
+    split = parse_layout(spec, inspect_model(meta))
+    stages = [build_stage_module(meta, fqns) for fqns in split]
+    torch.manual_seed(0)
+    whole = _Unskipping()
+    for stage in stages:
+        stage.to_empty(device="cpu")
+        load_from_whole(stage, whole)
+    x = torch.randint(0, 32, (3, 5))
+    with torch.no_grad():
+        h = x
+        for stage in stages:
+            h = stage(h)
+        torch.testing.assert_close(h, whole(x))

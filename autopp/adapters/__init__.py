@@ -4,6 +4,9 @@ The planner and the runtime are model-agnostic: they see aten graphs, parameters
 blocks that repeat. A few layers cannot be traced as they are written; an adapter says, for a
 module class it recognises, how to trace it (and what state it carries between steps).
 
+* :mod:`autopp.adapters.transformers_hf`: Hugging Face transformers' ``PreTrainedModel``:
+  attention through autopp's fused op (``attn_implementation="autopp"``), no KV cache, and
+  the model's own ``_init_weights`` per module (buffers such as ``inv_freq`` included).
 * :mod:`autopp.adapters.torchtitan_moe`: torchtitan's mixture-of-experts layers
   (``MoE``, ``RoutedExperts``, ``TokenChoiceTopKRouter``): routed experts traced as the op
   ``autopp::routed_experts`` (:mod:`autopp.ops.experts`), the router's autocast on meta,
@@ -23,7 +26,7 @@ from collections.abc import Iterator
 import torch.distributed as dist
 from torch import nn
 
-from autopp.adapters import torchtitan_moe  # noqa: F401  (registers itself)
+from autopp.adapters import torchtitan_moe, transformers_hf  # noqa: F401  (register themselves)
 from autopp.adapters.adapter import Adapter, register, registered  # noqa: F401  (public)
 
 
@@ -52,6 +55,27 @@ def training_state_kept(structure: list[nn.Module], state: nn.Module) -> Iterato
         for a in registered():
             stack.enter_context(a.training_state_kept(structure, state))
         yield
+
+
+def prepare(model: nn.Module) -> list[str]:
+    """Let each adapter set what its models need before ``model`` is split (logged; the
+    returned lines are shown by the pipeline's ``describe()``)."""
+    import logging
+
+    notes = [line for a in registered() for line in a.prepare(model)]
+    for line in notes:
+        logging.getLogger("autopp").info("%s", line)
+    return notes
+
+
+def module_init(root: nn.Module, module: nn.Module):
+    """The model's own initialiser for ``module``'s own parameters and buffers (a callable
+    taking nothing), from the first adapter that has one; None otherwise."""
+    for a in registered():
+        init = a.module_init(root, module)
+        if init is not None:
+            return init
+    return None
 
 
 def after_step(structure: list[nn.Module], state: nn.Module,

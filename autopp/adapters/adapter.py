@@ -36,6 +36,15 @@ class Adapter:
     after_step: Callable[[list, nn.Module, Any], None] = field(
         default=lambda structure, state, partial_over: None)
     """Its state updates once per step, before the optimizer (e.g. MoE load balancing)."""
+    prepare: Callable[[nn.Module], list[str]] = field(default=lambda model: [])
+    """Settings of a whole model it changes before the model is split (e.g. the attention
+    implementation a transformers model dispatches to); returns one line per change, which
+    autopp logs and the pipeline's ``describe()`` shows."""
+    module_init: Callable[[nn.Module, nn.Module], Callable[[], None] | None] = field(
+        default=lambda root, module: None)
+    """For ``module`` inside ``root``, the model's own initialiser of ``module``'s own
+    parameters and buffers (e.g. transformers' ``root._init_weights(module)``), or None
+    (autopp then uses ``reset_parameters``)."""
 
 
 _ADAPTERS: list[Adapter] = []

@@ -316,7 +316,7 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
     from autopp.sharding.trace import trace_joint
     from autopp.lower.apply import check_planned_graph, units_of_plan
 
-    flat, by_name = units_of_plan(module, plan, mesh)
+    flat, by_name = units_of_plan(module, plan, mesh, example_inputs[0])
     memo = {} if memo is None else memo
     costs = CostModel(get_profile(plan.profile), tuple(plan.mesh_shape))
     x = example_inputs[0]

@@ -174,14 +174,15 @@ def apply_plan(
     return ShardedStage(done, plan, mesh)
 
 
-def units_of_plan(module: nn.Module, plan: StagePlan, mesh) -> tuple[bool, dict[str, Unit]]:
+def units_of_plan(module: nn.Module, plan: StagePlan, mesh,
+                  example: Any = None) -> tuple[bool, dict[str, Unit]]:
     """``(flat, units by name)``: how ``plan`` sees ``module``: one flat unit (the plan has
-    one block with no prefix) or its block stack (:func:`~autopp.sharding.units.stage_units`).
-    Raises when the mesh or the module does not fit the plan."""
+    one block with no prefix) or its block stack (:func:`~autopp.sharding.units.stage_units`,
+    with ``example`` the stage input). Raises when the mesh or the module does not fit."""
     if tuple(mesh.shape) != tuple(plan.mesh_shape):
         raise ValueError(f"plan is for mesh {plan.mesh_shape}, got {tuple(mesh.shape)}")
     flat = len(plan.blocks) == 1 and plan.blocks[0].prefix == ""
-    units = [Unit("", module)] if flat else stage_units(module)
+    units = [Unit("", module)] if flat else stage_units(module, example)
     if units is None:
         raise ValueError("the plan is per unit (blocks) but the module is not a block stack")
     return flat, {u.name: u for u in units}
@@ -192,8 +193,8 @@ def planned_units(
 ) -> Iterator[tuple[BlockPlan, Unit, JointGraph, tuple[Any, Any] | None]]:
     """Each planned unit of ``module`` with its re-traced joint graph and, with ``lower``,
     its lowered joint and split graphs (shared by units with the same plan)."""
-    flat, by_name = units_of_plan(module, plan, mesh)
     x = example_inputs[0]
+    flat, by_name = units_of_plan(module, plan, mesh, x)
     traced: dict[str, JointGraph] = {}
     lowered: dict[tuple, tuple[Any, Any]] = {}
     for bplan in plan.blocks:

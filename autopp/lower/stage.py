@@ -43,10 +43,8 @@ def materialize_and_apply(
     import copy
 
     stage = empty_sharded_(copy.deepcopy(stage_meta), plan, sub_mesh, device)
-    for mod in stage.modules():  # buffers (e.g. RoPE caches) are small: materialise whole
-        for name, b in list(mod._buffers.items()):
-            if b is not None and b.is_meta:
-                mod._buffers[name] = torch.empty_like(b, device=device)
+    # buffers (e.g. RoPE caches) are small: init_module_ materialises them whole and has
+    # their modules recompute them (still on meta, so it knows they hold no values yet)
     init_module_(stage, seed=seed, device=device)
     sharded = apply_plan(stage, plan, sub_mesh, example_inputs)
     sharded.recompute = recompute

@@ -149,7 +149,7 @@ def plan_stage(
     out_spec = _spec(output_placements, names, shape)
     fixed = {k: _spec(v, names, shape) for k, v in (param_placements or {}).items()}
     pdtype = check_policy(mixed_precision, module)
-    units = stage_units(module) if reuse_blocks else None
+    units = stage_units(module, example_inputs[0]) if reuse_blocks else None
     grad_scale = 1.0 / microbatches_per_grad_reduce
     if units is None:
         stage = _flat_stage(module, example_inputs, mesh, costs, memory, in_spec, out_spec,

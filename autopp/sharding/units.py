@@ -13,10 +13,16 @@ a plain ``nn.Module``); no attribute name is assumed:
   tensors computed from buffers and constants only, e.g. a RoPE cache, recomputed per block);
 - ``post``: whatever the forward computes from the last block's output (norm, head).
 
-A forward that does something else between blocks (a block's input that is not the previous
-block's output, a skip connection around the blocks, an argument computed from the stage
-input) or that ``torch.fx`` cannot trace (data-dependent control flow) is planned as one flat
-graph instead; :func:`stage_units` logs why.
+The graph is cut where the stage is cut (:class:`~autopp.stage_split.build.StageCut`): a
+stage after the first feeds its input to its first block, a stage before the last returns its
+last block's output, whatever the forward computes around them.
+
+A forward that ``torch.fx`` cannot trace symbolically (transformers' decorated forwards,
+shapes read off the input) is exported instead, on the example input's shape
+(:mod:`autopp.sharding.unit_export`). A forward that does something else between blocks (a
+block's input that is not the previous block's output, a skip connection around the blocks,
+an argument computed from the stage input's values) or that neither can trace is planned as
+one flat graph instead; :func:`stage_units` logs why.
 """
 
 from __future__ import annotations
@@ -155,18 +161,22 @@ def layers_path(module: nn.Module) -> str | None:
     return path if isinstance(container, (nn.ModuleList, nn.ModuleDict)) else None
 
 
-def stage_units(module: nn.Module) -> list[Unit] | None:
+def stage_units(module: nn.Module, example: torch.Tensor | None = None) -> list[Unit] | None:
     """The units of ``module`` (a stage on meta, or materialised: nothing is run), or None
-    when it must be planned as one flat graph (the reason is logged at INFO)."""
+    when it must be planned as one flat graph (the reason is logged at INFO). ``example``:
+    a stage input (its shape and dtype), for forwards only ``torch.export`` can trace."""
     path = layers_path(module)
     if path is None:
         return None
     container = module.get_submodule(path)
-    blocks = [(k, b) for k, b in container.named_children() if b is not None]
+    from autopp.stage_split.build import Skipped
+
+    blocks = [(k, b) for k, b in container.named_children()
+              if b is not None and not isinstance(b, Skipped)]
     if not blocks:
         return None
     try:
-        return _units(module, path, blocks)
+        return _units(module, path, blocks, example)
     except _Flat as e:
         logger.info("planning %s as one graph: %s", type(module).__name__, e)
         return None
@@ -176,7 +186,25 @@ class _Flat(Exception):
     """The stage's forward does not fit the pre / blocks / post pattern (the message says why)."""
 
 
-def _capture(module: nn.Module, leaves: set[int]) -> fx.Graph:
+def _capture(module: nn.Module, path: str, blocks: list[tuple[str, nn.Module]],
+             example: torch.Tensor | None) -> tuple[fx.Graph, dict[str, Any]]:
+    """The stage's forward with each block one ``call_module`` node: by ``torch.fx``, else
+    by ``torch.export`` on ``example``; ``(graph, values of get_attr targets the module does
+    not have)``."""
+    try:
+        return _capture_fx(module, {id(b) for _, b in blocks}), {}
+    except _Flat as e:
+        if example is None:
+            raise
+        from autopp.sharding.unit_export import ExportFailed, export_at_blocks
+
+        try:
+            return export_at_blocks(module, [f"{path}.{k}" for k, _ in blocks], example)
+        except ExportFailed as e2:
+            raise _Flat(f"{e}; {e2}") from e2
+
+
+def _capture_fx(module: nn.Module, leaves: set[int]) -> fx.Graph:
     class Tracer(fx.Tracer):
         def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
             return id(m) in leaves or super().is_leaf_module(m, qualname)
@@ -212,7 +240,8 @@ def _ancestors(node: fx.Node, stop: fx.Node | None = None) -> set[fx.Node]:
 def _subgraph(graph_nodes: list[fx.Node], inputs: dict[fx.Node, str],
               outputs: Any, root: nn.Module) -> fx.GraphModule:
     """A GraphModule over ``root`` running ``graph_nodes`` (in order), with ``inputs`` (node ->
-    placeholder name) as its placeholders and ``outputs`` (a node or nested nodes) returned."""
+    placeholder name) as its placeholders and ``outputs`` (a node or nested nodes) returned.
+    ``root`` holds what the nodes' targets name (the stage, or :func:`_with_extras`)."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node, name in inputs.items():
@@ -225,8 +254,30 @@ def _subgraph(graph_nodes: list[fx.Node], inputs: dict[fx.Node, str],
     return fx.GraphModule(root, g)
 
 
-def _units(module: nn.Module, path: str, blocks: list[tuple[str, nn.Module]]) -> list[Unit]:
-    graph = _capture(module, {id(b) for _, b in blocks})
+def _with_extras(module: nn.Module, extras: dict[str, Any]) -> nn.Module:
+    """A module with ``module``'s children, parameters and buffers, and ``extras`` (modules
+    as children, tensors as buffers): the root an exported graph's targets resolve in."""
+    if not extras:
+        return module
+    root = nn.Module()
+    root._modules = {**module._modules, **{k: v for k, v in extras.items()
+                                           if isinstance(v, nn.Module)}}
+    root._parameters = module._parameters
+    root._buffers = {**module._buffers, **{k: v for k, v in extras.items()
+                                           if isinstance(v, torch.Tensor)}}
+    for k, v in extras.items():
+        if not isinstance(v, nn.Module | torch.Tensor):
+            object.__setattr__(root, k, v)
+    return root
+
+
+def _units(module: nn.Module, path: str, blocks: list[tuple[str, nn.Module]],
+           example: torch.Tensor | None = None) -> list[Unit]:
+    from autopp.stage_split.build import CUT_ATTR
+
+    graph, extras = _capture(module, path, blocks, example)
+    root = _with_extras(module, extras)
+    cut = getattr(module, CUT_ATTR, None)
     nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     x = placeholders[0]
@@ -247,19 +298,23 @@ def _units(module: nn.Module, path: str, blocks: list[tuple[str, nn.Module]]) ->
     if not first.args or not isinstance(first.args[0], fx.Node):
         raise _Flat(f"{first.target} is not called with a tensor first")
     h0 = first.args[0]
+    if cut is not None and cut.receives and cut.first == first.target:
+        h0 = x  # a later stage: its input, whatever the forward computed before the block
     if h0 is not x:
         pre_nodes = sorted(_ancestors(h0) | {h0}, key=pos.get)
         if x not in pre_nodes:
             raise _Flat(f"{first.target}'s input does not depend on the stage input")
-        units.append(Unit(PRE, _subgraph(pre_nodes, {x: "x"}, h0, module)))
+        units.append(Unit(PRE, _subgraph(pre_nodes, {x: "x"}, h0, root)))
     extras_cache: dict[tuple, tuple] = {}
     for (key, block), call in zip(blocks, calls):
-        args, kwargs, extra = _block_args(call, side, pos, module, extras_cache)
+        args, kwargs, extra = _block_args(call, side, pos, root, extras_cache)
         units.append(Unit(f"{path}.{key}", BlockCall(block, args, kwargs, extra),
                           (("block.", f"{path}.{key}."), ("extra.", ""))))
     (out_node,) = [n for n in nodes if n.op == "output"]
     last = calls[-1]
     out = out_node.args[0]
+    if cut is not None and cut.sends and cut.last == last.target:
+        out = last  # an earlier stage: its last block's output, whatever comes after
     if not isinstance(out, fx.Node):
         raise _Flat("its forward does not return one tensor")
     if out is not last:
@@ -272,7 +327,7 @@ def _units(module: nn.Module, path: str, blocks: list[tuple[str, nn.Module]]) ->
             if bad:
                 raise _Flat(f"the part after the blocks reads {bad[0].name}, computed before them")
         post_nodes = sorted(post, key=pos.get)
-        units.append(Unit(POST, _subgraph(post_nodes, {last: "h"}, out, module)))
+        units.append(Unit(POST, _subgraph(post_nodes, {last: "h"}, out, root)))
     owner: dict[int, str] = {}
     for unit in units:
         for _, p in unit.module.named_parameters():

@@ -1,15 +1,26 @@
 """Building one pipeline stage's module from the whole model, without materialising it.
 
 The stage module is a copy of the whole model (``copy.deepcopy`` of what the stage keeps; on the
-meta device this copies no data) with everything the stage does not hold removed:
+meta device this copies no data) with everything the stage does not hold removed, and it runs
+the whole model's own forward, unchanged, cut at the stage's boundaries:
 
-- pre/post modules not in the stage are set to ``None``, at whatever depth they are (the
-  model's forward must skip ``None`` modules, as torchtitan's ``Decoder.forward`` does for
-  ``tok_embeddings``, ``norm`` and ``lm_head``);
+- pre/post modules not in the stage become :class:`Skipped` stand-ins (they hold nothing and
+  return their first input), at whatever depth they are, so a forward that calls them
+  unconditionally (Hugging Face's) runs, and one that skips ``None`` modules (torchtitan's)
+  computes what it did;
 - layers not in the stage are deleted from the layers container. A ``ModuleDict`` keeps its
   remaining keys. A ``ModuleList`` is replaced by a :class:`StageLayers`, a ``ModuleDict`` keyed
-  by the original indices that iterates over its modules like a list, so that ``for layer in
-  self.layers`` still works and parameter names stay those of the whole model.
+  by the original indices that iterates (and slices: ``self.layers[:n]``) like the list, so
+  ``for layer in self.layers`` still works and parameter names stay those of the whole model;
+- the cut (:class:`StageCut`, forward hooks): a stage after the first feeds the activation it
+  receives to its first module in place of whatever the forward computed before it (so the
+  glue a forward computes on the way, a RoPE table or a mask from the input's shape, runs, and
+  an embedding scale meant for the token embeddings does not apply twice); a stage before the
+  last returns its last module's output (so the forward's tail, a norm or a logit slice, does
+  not run on an activation); a ``ModelOutput``/mapping output becomes its one tensor.
+
+Modules outside the layers that hold no parameters (a Hugging Face ``rotary_emb``) belong to
+no stage: every stage keeps its copy (see :mod:`autopp.stage_split.layout`).
 
 Parameter and buffer FQNs of the stage module are exactly the whole model's
 (``layers.3.attention.wo.weight`` stays ``layers.3.attention.wo.weight``), so a checkpoint of the
@@ -19,14 +30,16 @@ whole model loads into a stage by name with ``load_state_dict(..., strict=False)
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
+import torch
 from torch import nn
 
 from autopp.stage_split.layout import ModelLayout, inspect_model, unit_of
 from autopp.stage_split.validate import validate_stage
 
-__all__ = ["LAYERS_ATTR", "StageLayers", "build_stage_module"]
+__all__ = ["LAYERS_ATTR", "Skipped", "StageCut", "StageLayers", "build_stage_module"]
 
 
 class StageLayers(nn.ModuleDict):
@@ -35,13 +48,22 @@ class StageLayers(nn.ModuleDict):
     Keyed by the layers' indices in the whole model (``"3"``, ``"4"``), so parameter names do
     not change. Behaves like the list it replaces where it can: iterating yields the modules in
     order and ``layers[3]`` is the whole model's layer 3 (an ``IndexError`` if this stage does
-    not hold it). ``keys()``, ``values()`` and ``items()`` work as for any ``ModuleDict``.
+    not hold it). ``keys()``, ``values()`` and ``items()`` work as for any ``ModuleDict``; a
+    slice (``layers[:n]``, as Hugging Face's forwards take) gives the held layers among those
+    the whole list's slice would.
     """
+
+    def __init__(self, modules: Mapping[str, nn.Module], total: int):
+        super().__init__(modules)
+        self._autopp_total = total
 
     def __iter__(self) -> Iterator[nn.Module]:  # type: ignore[override]
         return iter(self._modules.values())
 
-    def __getitem__(self, key: int | str) -> nn.Module:
+    def __getitem__(self, key: int | str | slice) -> Any:
+        if isinstance(key, slice):  # the held layers among the whole list's [key], in order
+            return [self._modules[str(i)] for i in range(self._autopp_total)[key]
+                    if str(i) in self._modules]
         if isinstance(key, int) and not isinstance(key, bool):
             if str(key) not in self._modules:
                 raise IndexError(f"this stage does not hold layer {key}; it holds {list(self)}")
@@ -92,26 +114,148 @@ def build_stage_module(
     object.__setattr__(stage, LAYERS_ATTR, layout.layers_attr)
     for name in (*layout.pre, *layout.post):
         if name not in kept:
-            _set_submodule(stage, name, None)
+            _set_submodule(stage, name, Skipped(name))
     container = stage.get_submodule(layout.layers_attr)
     kept_layers = [
         name for name, fqn in zip(layout.layer_names, layout.layer_fqns) if fqn in kept
     ]
-    if len(kept_layers) == layout.n_layers:
-        return stage
-    if isinstance(container, nn.ModuleDict):
-        for name in layout.layer_names:
-            if name not in kept_layers:
-                del container[name]
-    else:
-        kept_modules = {name: container[int(name)] for name in kept_layers}
-        _set_submodule(stage, layout.layers_attr, StageLayers(kept_modules))
+    ordered = [f for f in layout.fqns if f in kept]
+    first, last = ordered[0], ordered[-1]
+    # a stage without layers is cut at a layer's slot, a Skipped stand-in: before the first
+    # layer when it holds modules before them (it sends what that layer would receive),
+    # after the last when it holds modules after them (what it receives replaces that)
+    slot = None
+    if not kept_layers:
+        slot = layout.layer_names[0] if last in layout.pre else layout.layer_names[-1]
+        if last in layout.pre:
+            last = f"{layout.layers_attr}.{slot}"
+        else:
+            first = f"{layout.layers_attr}.{slot}"
+    if len(kept_layers) < layout.n_layers:
+        if isinstance(container, nn.ModuleDict):
+            for name in layout.layer_names:
+                if name not in kept_layers:
+                    del container[name]
+        else:
+            kept_modules = {name: container[int(name)] for name in kept_layers}
+            container = StageLayers(kept_modules, layout.n_layers)
+            _set_submodule(stage, layout.layers_attr, container)
+        if slot is not None:
+            container[slot] = Skipped(f"{layout.layers_attr}.{slot}")
+    StageCut.install(stage, first=first, last=last, receives=ordered[0] != layout.fqns[0],
+                     sends=ordered[-1] != layout.fqns[-1])
     return stage
+
+
+class Skipped(nn.Module):
+    """Stands in a stage for a module that another stage holds: it holds nothing and returns
+    its first input, so the model's forward runs unchanged (the cut, :class:`StageCut`,
+    decides what reaches the stage's own modules)."""
+
+    def __init__(self, fqn: str):
+        super().__init__()
+        self.fqn = fqn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            return args[0]
+        if kwargs:
+            return next(iter(kwargs.values()))
+        raise TypeError(f"{self.fqn} (held by another stage) was called without inputs")
+
+    def extra_repr(self) -> str:
+        return f"held by another stage: {self.fqn}"
+
+
+class StageCut:
+    """Where a stage module's forward starts and ends in the whole model's forward.
+
+    Installed by :func:`build_stage_module` as forward hooks, active only while the stage
+    module itself is called (a unit called alone, as the planner calls its blocks, is not
+    cut): with ``receives``, the activation the stage is called with replaces the first
+    input of its first module ``first``; with ``sends``, the stage returns its last module's
+    (``last``) output, whatever the forward does after it. A mapping output (transformers'
+    ``ModelOutput``) becomes its one tensor value.
+    """
+
+    def __init__(self, first: str, last: str, receives: bool, sends: bool):
+        self.first, self.last, self.receives, self.sends = first, last, receives, sends
+        self.active = False
+        self.received: Any = None
+        self.sent: Any = None
+        self.fed = False
+
+    @classmethod
+    def install(cls, stage: nn.Module, *, first: str, last: str, receives: bool,
+                sends: bool) -> StageCut:
+        cut = cls(first, last, receives, sends)
+        object.__setattr__(stage, CUT_ATTR, cut)
+        stage.register_forward_pre_hook(cut._enter, with_kwargs=True)
+        stage.register_forward_hook(cut._leave, always_call=True)
+        if receives:
+            stage.get_submodule(first).register_forward_pre_hook(cut._feed, with_kwargs=True)
+        if sends:
+            stage.get_submodule(last).register_forward_hook(cut._take)
+        return cut
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.active, self.sent, self.fed = True, None, False
+        if self.receives:
+            if not args:
+                raise TypeError(f"this stage starts at {self.first} and takes the previous "
+                                "stage's activation as its first positional input")
+            self.received = args[0]
+
+    def _feed(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        if not self.active:
+            return None
+        if not args:
+            raise TypeError(f"{self.first}, where this stage starts, is called without a "
+                            "positional input for the previous stage's activation to replace")
+        self.fed = True
+        return (self.received, *args[1:]), kwargs
+
+    def _take(self, module: nn.Module, args: tuple, out: Any) -> None:
+        if self.active:
+            self.sent = out[0] if isinstance(out, tuple) else out
+
+    def _leave(self, module: nn.Module, args: tuple, out: Any) -> Any:
+        if not self.active:
+            return None
+        self.active, self.received = False, None
+        if self.receives and not self.fed:
+            raise RuntimeError(f"the model's forward never called {self.first}, where this "
+                               "stage starts")
+        if self.sends:
+            if self.sent is None:
+                raise RuntimeError(f"the model's forward never called {self.last}, where this "
+                                   "stage ends")
+            out, self.sent = self.sent, None
+            return out
+        return _one_tensor(out)
+
+
+def _one_tensor(out: Any) -> Any:
+    """A mapping output's one tensor (a ``CausalLMOutputWithPast``'s logits); anything else
+    as it is."""
+    if not isinstance(out, Mapping):
+        return out
+    values = [(k, v) for k, v in out.items() if v is not None]
+    tensors = [v for _, v in values if isinstance(v, torch.Tensor)]
+    if len(tensors) != 1 or len(values) != 1:
+        raise ValueError(
+            f"the model returns {type(out).__name__} with {[k for k, _ in values]}; a pipeline "
+            "stage sends one tensor to the loss (turn off caches and extra outputs, e.g. "
+            "use_cache=False, output_hidden_states=False)")
+    return tensors[0]
 
 
 #: Attribute of a stage module naming the path of its layers container (set by
 #: :func:`build_stage_module`; read by the planner, which plans those layers block by block).
 LAYERS_ATTR = "_autopp_layers_attr"
+
+#: Attribute of a stage module holding its :class:`StageCut`.
+CUT_ATTR = "_autopp_cut"
 
 
 def _set_submodule(root: nn.Module, path: str, value: nn.Module | None) -> None:

@@ -7,7 +7,10 @@ before it (the "pre" modules, e.g. ``tok_embeddings``) and after it (the "post" 
 ``norm`` and ``lm_head``). Pre and post are told apart by registration order, at the
 container's level and at every level above it: siblings registered before the container (or
 before the module enclosing it) are pre, those registered after it are post. The split
-assumes that order is also the order in which the model's forward uses them.
+assumes that order is also the order in which the model's forward uses them. Modules there
+that hold no parameters (a Hugging Face ``rotary_emb``, a dropout) are no stage's: every stage
+keeps a copy and runs them where the forward calls them (the stage cut of
+:mod:`autopp.stage_split.build` keeps their results off the activation a stage receives).
 
 Every split is expressed in module FQNs of the whole model: a pre or post module's FQN
 (``"norm"``, ``"model.embed_tokens"``), or ``"<layers_attr>.<key>"`` for one layer
@@ -116,7 +119,8 @@ def inspect_model(model: nn.Module, layers_attr: str | None = None) -> ModelLayo
                 f"{where} has parameters directly on it ({own}) and encloses the layers; no "
                 "pipeline stage could own them. Move them into a submodule."
             )
-        names = [n for n, c in owner.named_children() if c is not None]
+        names = [n for n, c in owner.named_children()
+                 if c is not None and (n == parts[depth] or _holds_parameters(c))]
         at = names.index(parts[depth])
         prefix = f"{owner_path}." if owner_path else ""
         pre += [prefix + n for n in names[:at]]
@@ -124,6 +128,10 @@ def inspect_model(model: nn.Module, layers_attr: str | None = None) -> ModelLayo
     return ModelLayout(
         pre=tuple(pre), layers_attr=layers_attr, layer_names=layer_names, post=tuple(post)
     )
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
 
 
 def find_layers(model: nn.Module) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from autopp.stage_split.build import LAYERS_ATTR
+from autopp.stage_split.build import LAYERS_ATTR, Skipped
 
 __all__ = ["merge_stage_modules", "replay_state_dict_hooks"]
 
@@ -49,6 +49,8 @@ def merge_stage_modules(
                     owner.add_module(part, nn.ModuleDict() if part == owner_path[-1] else nn.Module())
                 owner = owner._modules[part]
             if leaf in owner._modules:
+                if next(child.parameters(), None) is None:
+                    continue  # parameterless (every stage's copy, e.g. a RoPE table): once
                 raise ValueError(f"module {fqn!r} is held by two local stages")
             owner.add_module(leaf, child)
     return merged
@@ -64,10 +66,11 @@ def _held_units(stage: nn.Module, layers_attr: str) -> list[tuple[str, nn.Module
         owner = stage.get_submodule(owner_path) if owner_path else stage
         prefix = f"{owner_path}." if owner_path else ""
         for name, child in owner.named_children():
-            if child is not None and name != parts[depth]:
+            if child is not None and name != parts[depth] and not isinstance(child, Skipped):
                 out.append((prefix + name, child))
     container = stage.get_submodule(layers_attr)
-    out += [(f"{layers_attr}.{k}", c) for k, c in container.named_children()]
+    out += [(f"{layers_attr}.{k}", c) for k, c in container.named_children()
+            if not isinstance(c, Skipped)]
     return out
 
 

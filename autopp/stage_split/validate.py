@@ -135,21 +135,22 @@ def _unknown_message(fqn: str, where: str, layout: ModelLayout) -> str:
 
 @torch.no_grad()
 def check_stage_forwards(stages: list[nn.Module], first_inputs: tuple[torch.Tensor, ...]) -> None:
-    """Run the stages (on meta, in order) once: a model whose forward calls a module that
-    the split removed from a stage (set to None) fails here with an error that says so,
-    on every rank before any communication, instead of deep inside a schedule."""
+    """Run the stages (on meta, in order) once, so that a forward the stage cut cannot follow
+    (a block it never calls, a module that needs inputs another stage computed) fails here,
+    on every rank before any communication, with the stage named, instead of deep inside a
+    schedule."""
     x = tuple(t.to("meta") for t in first_inputs)
     for i, stage in enumerate(stages):
         try:
             with tracing.on_meta():  # e.g. a MoE router's autocast, which meta refuses
                 out = stage(*x)
-        except TypeError as e:
-            if "NoneType" not in str(e):
-                raise
+        except (TypeError, RuntimeError, ValueError) as e:
             raise ValueError(
-                f"stage {i}'s forward calls a module that is not on that stage ({e}): the "
-                "split sets the modules a stage does not own to None, so the model's forward "
-                "must skip them (e.g. `h = self.norm(h) if self.norm is not None else h`, as "
-                "torchtitan's decoders do)"
+                f"stage {i} of {len(stages)} cannot run the model's forward on its modules "
+                f"({type(e).__name__}: {e}). Each stage runs the whole forward with the "
+                "modules other stages hold passed through (they return their first input); "
+                "a forward that passes each block's output to the next block, with anything "
+                "else the blocks take computed from constants, buffers or the input's shape, "
+                "splits (see autopp.stage_split.build)"
             ) from e
         x = out if isinstance(out, tuple) else (out,)

@@ -1,0 +1,97 @@
+"""Hugging Face transformers models (``PreTrainedModel``), as they are.
+
+What autopp needs to know about them, and nothing else does:
+
+* **Attention.** Their attention layers call the function the config's
+  ``_attn_implementation`` names in transformers' ``AttentionInterface``. autopp registers
+  ``"autopp"`` there and sets it on the model: causal attention without a mask is
+  ``F.scaled_dot_product_attention(is_causal=True)``, which the planner traces as the fused
+  op ``autopp::sdpa`` (:mod:`autopp.ops.attention`; no seq x seq tensor in either direction).
+  ``"autopp"`` is not one of transformers' mask interfaces, so its mask helpers hand the
+  attention the user's 2-D padding mask (or None) as it is, instead of building a dense
+  4-D mask; a padding mask becomes one boolean (batch, 1, seq, seq) mask (the math kernel).
+* **No KV cache.** ``use_cache`` is turned off: training keeps no cache, and a cache object
+  would be a stage output.
+* **Initialisation.** Each module is initialised by the model's own ``_init_weights``
+  (normal(0, initializer_range) linears and embeddings, ones for norms, the RoPE
+  ``inv_freq`` recomputed from the config), under autopp's per-FQN seeds.
+
+transformers is imported only when a model of it is given (``import autopp`` stays light).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autopp.adapters.adapter import Adapter, register
+
+IMPLEMENTATION = "autopp"
+
+
+def _pretrained(model: nn.Module) -> bool:
+    tf = sys.modules.get("transformers")
+    return tf is not None and isinstance(model, tf.PreTrainedModel)
+
+
+def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, dropout: float = 0.0,
+              scaling: float | None = None, is_causal: bool | None = None,
+              **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: (batch, heads, seq, head_dim) query,
+    key and value; returns the output as (batch, seq, heads, head_dim) and no weights."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:  # grouped-query attention: each key/value head serves `groups` heads
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    mask = None
+    if attention_mask is not None:
+        if attention_mask.ndim != 2:
+            raise ValueError(f"autopp's attention takes a 2-D padding mask (batch, seq), got "
+                             f"shape {tuple(attention_mask.shape)}")
+        q_len, k_len = query.shape[2], key.shape[2]
+        mask = attention_mask.to(torch.bool)[:, None, None, :k_len]
+        if causal:
+            mask = mask & torch.ones(q_len, k_len, dtype=torch.bool,
+                                     device=query.device).tril(k_len - q_len)
+        causal = False
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal,
+                                         dropout_p=dropout, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _prepare(model: nn.Module) -> list[str]:
+    if not _pretrained(model):
+        return []
+    from transformers import AttentionInterface
+
+    if IMPLEMENTATION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(IMPLEMENTATION, attention)
+    notes = []
+    name = type(model).__name__
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+    impls = {getattr(c, "_attn_implementation", None) for c in configs.values()}
+    if impls != {IMPLEMENTATION}:
+        model.set_attn_implementation(IMPLEMENTATION)
+        notes.append(f"transformers {name}: attention {sorted(map(str, impls))} -> "
+                     f"{IMPLEMENTATION!r} (autopp's fused causal attention)")
+    if any(getattr(c, "use_cache", False) for c in configs.values()):
+        for c in configs.values():
+            if getattr(c, "use_cache", False):
+                c.use_cache = False
+        notes.append(f"transformers {name}: use_cache -> False (training keeps no KV cache)")
+    return notes
+
+
+def _module_init(root: nn.Module, module: nn.Module):
+    if not _pretrained(root):
+        return None
+    return lambda: root._init_weights(module)
+
+
+ADAPTER = register(Adapter(name="transformers", prepare=_prepare, module_init=_module_init))

@@ -1,0 +1,129 @@
+"""Hugging Face transformers decoders, unchanged, through ``pipeline_autoparallel``.
+
+The models are transformers' own classes built from small configs in code (nothing is
+downloaded), on meta. Each trains two AdamW steps with clipping at pp2 × dp2 × tp2 on 8 gloo
+processes and matches the single-process model run by transformers itself (its own "sdpa"
+attention, plain torch AdamW), fp32 within the suite's bounds; the planner takes its
+block-reuse path (pre, each block, post), never one flat graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.decoder_workers import run
+from tests.dist_harness import run_on_ranks
+from tests.models import MODELS, ce_loss, logits_of, make_batch
+from tests.parity import assert_all_parity
+
+pytest.importorskip("transformers")
+
+N_LAYERS, BATCH, SEQ, LR, MAX_NORM = 4, 8, 16, 1e-2, 0.5
+
+
+def _reference(kind: str) -> dict:
+    """The model built on CPU as transformers builds it, initialised by autopp's per-FQN
+    seeds (each module by the model's own ``_init_weights``), run by transformers' forward
+    with its default attention; plain AdamW and clip_grad_norm_."""
+    import transformers
+
+    from autopp import init_module_
+
+    meta = MODELS[kind](N_LAYERS)
+    with torch.device("cpu"):
+        model = type(meta)(meta.config)
+    assert model.config._attn_implementation == "sdpa"  # transformers' own path
+    model = init_module_(model, seed=0, device="cpu")
+    assert isinstance(model, transformers.PreTrainedModel)
+    tokens, target = make_batch(BATCH, SEQ)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    loss = ce_loss(logits_of(model(tokens)), target)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    norm = float(torch.linalg.vector_norm(torch.stack(
+        [torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in model.parameters()])))
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    opt.step()
+    opt.zero_grad()
+    loss2 = ce_loss(logits_of(model(tokens)), target)
+    return {"losses": [loss.item(), loss2.item()], "grads": grads, "norm": norm}
+
+
+def _check(configs: list[dict], results: list[list[dict]]) -> None:
+    for i, cfg in enumerate(configs):
+        ref = _reference(cfg["model"])
+        seen = set()
+        for rank_results in results:
+            res = rank_results[i]
+            assert res["losses"] == pytest.approx(ref["losses"], abs=1e-5), cfg
+            assert res["norm"] == pytest.approx(ref["norm"], rel=1e-5), cfg
+            assert_all_parity(res["grads"], ref["grads"], what=f"{cfg['model']} grad")
+            seen |= set(res["grads"])
+            if "parallelize" in cfg:
+                continue
+            for sid, units in res["units"].items():  # the block-reuse path
+                assert "" not in units, units
+                assert any(".layers." in f".{u}" for u in units), units
+                assert units[0] == "pre" if sid == 0 else units[-1] == "post", units
+        names = {n for n, _ in MODELS[cfg["model"]](N_LAYERS).named_parameters()}
+        assert seen == names, (cfg["model"], names ^ seen)
+
+
+def _configs(models_and_backends) -> list[dict]:
+    out = []
+    for model, parallelize in models_and_backends:
+        cfg = dict(model=model, pp=2, dp=2, tp=2, schedule="1F1B", n_microbatches=2,
+                   n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=LR, max_norm=MAX_NORM)
+        if parallelize != "auto":
+            cfg["parallelize"] = parallelize
+        out.append(cfg)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_transformers_qwen3_planned_and_llama_replicated_match_single_process(tmp_path):
+    """Qwen3 (tied embeddings, on different pp ranks) planned; Llama replicated."""
+    configs = _configs([("hf_qwen3", "auto"), ("hf_llama", None)])
+    _check(configs, run_on_ranks(run, 8, configs, str(tmp_path), timeout=900))
+
+
+@pytest.mark.wide
+@pytest.mark.multiprocess
+def test_transformers_families_planned_match_single_process(tmp_path):
+    """Llama, Qwen2 and Mistral planned; Qwen3 through a user ``parallelize`` function."""
+    from tests.decoder_workers import tp_parallelize
+
+    configs = _configs([("hf_llama", "auto"), ("hf_qwen2", "auto"), ("hf_mistral", "auto"),
+                        ("hf_qwen3", tp_parallelize)])
+    _check(configs, run_on_ranks(run, 8, configs, str(tmp_path), timeout=1500))
+
+
+@pytest.mark.parametrize("kind", ["hf_llama", "hf_qwen3"])
+def test_buffers_and_weights_are_the_models_own(kind):
+    """Built on meta and initialised by autopp: every buffer (RoPE ``inv_freq``) equals the
+    one transformers computes when it builds the model on CPU, exactly; every parameter
+    equals the model's own ``_init_weights`` of its module run under the module's per-FQN
+    seed (so the weights do not depend on the split). On the previous code the norms (no
+    ``reset_parameters``) raised, and buffers had no recomputation."""
+    from autopp import init_module_
+    from autopp.init import fqn_seed
+
+    meta = MODELS[kind](2)
+    with torch.device("cpu"):
+        cpu = type(meta)(meta.config)
+    got = init_module_(meta, seed=5, device="cpu")
+    buffers = dict(cpu.named_buffers())
+    assert "model.rotary_emb.inv_freq" in buffers
+    for name, b in got.named_buffers():
+        assert torch.equal(b, buffers[name]), name
+    for mod_fqn, mod in cpu.named_modules():
+        if not list(mod.parameters(recurse=False)):
+            continue
+        torch.manual_seed(fqn_seed(5, mod_fqn))
+        cpu._init_weights(mod)
+    for name, p in cpu.named_parameters():
+        assert torch.equal(got.get_parameter(name), p), name
+    # the model's own distributions: normal(0, initializer_range) weights, ones for norms
+    std = float(got.model.layers[0].mlp.gate_proj.weight.std())
+    assert abs(std - meta.config.initializer_range) < 0.003, std
+    assert torch.equal(got.model.norm.weight, torch.ones_like(got.model.norm.weight))
