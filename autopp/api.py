@@ -63,7 +63,8 @@ def pipeline_autoparallel(
         model: the whole model on the meta device (never materialised whole). Its body is a
             ModuleList/ModuleDict of repeated blocks (found automatically, see
             ``layers_attr``) with modules before it (embedding) and after it (norm, head);
-            its forward must skip modules set to None (torchtitan's decoders do). A
+            its forward runs unchanged, cut at each stage's boundaries (a transformers
+            ``PreTrainedModel`` as it is: see :mod:`autopp.adapters.transformers_hf`). A
             parameter tied between stages (input embedding = output head) gets a copy on
             each, kept equal (:mod:`autopp.tied`).
         mesh: the world mesh with dims ("pp", "dp", "tp"), from :func:`autopp.build_world_mesh`.

@@ -13,7 +13,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -327,6 +327,26 @@ class Pipeline:
 
         self._require_built()
         load(path, self.local_model, optimizer)
+
+    def load_pretrained(self, path: str) -> None:
+        """Load a Hugging Face ``save_pretrained`` directory (safetensors, sharded or not)
+        into this rank's stages by FQN, any split and layout; collective
+        (:mod:`autopp.checkpoint_hf`). Call after :meth:`init_weights`."""
+        from autopp.checkpoint_hf import load_pretrained
+
+        self._require_built()
+        load_pretrained(path, self.local_model)
+        if self._tied is not None:
+            self._tied.refresh_mirrors()
+
+    def save_pretrained(self, path: str, config: Any = None) -> None:
+        """Write the model as a Hugging Face directory: safetensors of full tensors (every
+        rank's shards consolidated) and ``config.save_pretrained(path)`` when ``config`` (a
+        transformers config) is given, so ``from_pretrained(path)`` loads it; collective."""
+        from autopp.checkpoint_hf import save_pretrained
+
+        self._require_built()
+        save_pretrained(path, self.local_model, config)
 
     def _belongs_to_model(self, key: str) -> bool:
         parts = key.split(".")

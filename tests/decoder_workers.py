@@ -102,23 +102,53 @@ def mismatched_tied_parallelize(stage: torch.nn.Module, sub_mesh) -> torch.nn.Mo
     return stage
 
 
-def tp_parallelize(stage: torch.nn.Module, sub_mesh) -> torch.nn.Module:
-    """A user parallelize function for transformers decoders: TP on each block's MLP
-    (colwise gate/up, rowwise down) over "tp", then FSDP2 over "dp" per block and root."""
+def fsdp_parallelize(stage: torch.nn.Module, sub_mesh) -> torch.nn.Module:
+    """A user parallelize function for transformers decoders: FSDP2 over "dp" per block and
+    for the stage root (replicated over "tp")."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
 
-    tp_mesh, dp_mesh = sub_mesh["tp"], sub_mesh["dp"]
-    blocks = list(stage.model.layers.values())
-    for block in blocks:
-        parallelize_module(block.mlp, tp_mesh, {"gate_proj": ColwiseParallel(),
-                                               "up_proj": ColwiseParallel(),
-                                               "down_proj": RowwiseParallel()})
-    for block in blocks:
+    dp_mesh = sub_mesh["dp"]
+    for block in stage.model.layers.values():
         fully_shard(block, mesh=dp_mesh)
     fully_shard(stage, mesh=dp_mesh)
     return stage
+
+
+def hf_checkpoint_round_trip(rank: int, world_size: int, src: str, dst: str, kind: str,
+                             layouts: tuple = ((2, 2, 2), (4, 1, 2))) -> dict:
+    """Load the ``save_pretrained`` directory ``src`` into a planned pipeline of the first
+    (pp, dp, tp) layout, eval, take one AdamW step, save to ``dst`` (with the config), eval;
+    then load ``dst`` into the second layout and eval."""
+    from autopp import build_world_mesh, pipeline_autoparallel
+
+    tokens, target = make_batch(8, 16)
+    out = {}
+    for i, (pp, dp, tp) in enumerate(layouts):
+        mesh = build_world_mesh(pp=pp, dp=dp, tp=tp)
+        dp_rank = mesh.get_coordinate()[1]
+        n = 8 // dp
+        tok, tgt = tokens[dp_rank * n:(dp_rank + 1) * n], target[dp_rank * n:(dp_rank + 1) * n]
+        model = MODELS[kind](4)
+        pipe = pipeline_autoparallel(model, mesh, example_inputs=(tok,), loss_fn=ce_loss,
+                                     schedule="1F1B", n_microbatches=max(pp, 2))
+        pipe.init_weights(seed=7)
+        if i == 0:
+            pipe.load_pretrained(src)
+            out["loaded"] = pipe.eval(tok, target=tgt)
+            opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+            pipe.step(tok, target=tgt)
+            opt.step()
+            pipe.save_pretrained(dst, config=model.config)
+            out["trained"] = pipe.eval(tok, target=tgt)
+        else:
+            pipe.load_pretrained(dst)
+            out["reloaded"] = pipe.eval(tok, target=tgt)
+        dist.barrier()
+    return out
+
+
+def run_then_round_trip(rank: int, world_size: int, configs: list[dict], path: str,
+                        src: str, dst: str, kind: str) -> tuple[list[dict], dict]:
+    """:func:`run` and then :func:`hf_checkpoint_round_trip`, in one launch."""
+    return (run(rank, world_size, configs, path),
+            hf_checkpoint_round_trip(rank, world_size, src, dst, kind))

@@ -443,12 +443,13 @@ def test_llama_stage_chain_matches_whole() -> None:
     torch.testing.assert_close(got, expected)
 
 
-def test_module_list_stage_chain_matches_whole() -> None:
-    meta = toy_meta()
-    split = parse_layout("Et|tt|tL", inspect_model(meta))
+def assert_chain_matches_whole(meta: nn.Module, whole_cls: type, spec: str) -> None:
+    """The stages of ``spec``, materialised with the weights of a fresh ``whole_cls()``,
+    chained on a batch, give that whole model's output."""
+    split = parse_layout(spec, inspect_model(meta))
     stage_modules = [build_stage_module(meta, fqns) for fqns in split]
     torch.manual_seed(0)
-    whole = Toy()
+    whole = whole_cls()
     for stage in stage_modules:
         stage.to_empty(device="cpu")
         load_from_whole(stage, whole)
@@ -458,6 +459,10 @@ def test_module_list_stage_chain_matches_whole() -> None:
         for stage in stage_modules:
             h = stage(h)
         torch.testing.assert_close(h, whole(x))
+
+
+def test_module_list_stage_chain_matches_whole() -> None:
+    assert_chain_matches_whole(toy_meta(), Toy, "Et|tt|tL")
 
 
 def test_placement_conflicts_name_each_tied_parameter_and_its_ranks():
@@ -511,16 +516,4 @@ def test_forward_calling_removed_modules_is_cut_at_the_stage(spec: str) -> None:
     the whole model's output."""
     with torch.device("meta"):
         meta = _Unskipping()
-    split = parse_layout(spec, inspect_model(meta))
-    stages = [build_stage_module(meta, fqns) for fqns in split]
-    torch.manual_seed(0)
-    whole = _Unskipping()
-    for stage in stages:
-        stage.to_empty(device="cpu")
-        load_from_whole(stage, whole)
-    x = torch.randint(0, 32, (3, 5))
-    with torch.no_grad():
-        h = x
-        for stage in stages:
-            h = stage(h)
-        torch.testing.assert_close(h, whole(x))
+    assert_chain_matches_whole(meta, _Unskipping, spec)

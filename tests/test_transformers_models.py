@@ -80,21 +80,57 @@ def _configs(models_and_backends) -> list[dict]:
     return out
 
 
+def _hf_loss(path: str) -> float:
+    """transformers' own loss on the fixed batch of the directory ``path``
+    (``from_pretrained``)."""
+    import transformers
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(path)
+    tokens, target = make_batch(BATCH, SEQ)
+    with torch.no_grad():
+        return float(ce_loss(logits_of(loaded(tokens)), target))
+
+
 @pytest.mark.multiprocess
-def test_transformers_qwen3_planned_and_llama_replicated_match_single_process(tmp_path):
-    """Qwen3 (tied embeddings, on different pp ranks) planned; Llama replicated."""
+def test_transformers_qwen3_planned_and_llama_replicated_and_hf_checkpoints(tmp_path):
+    """Qwen3 (tied embeddings, on different pp ranks) planned and Llama replicated match
+    transformers. Then Hugging Face checkpoints: a ``save_pretrained`` directory (sharded
+    safetensors, tied embeddings) loads into a planned pp2 × dp2 × tp2 pipeline with
+    transformers' own loss of that directory; after one AdamW step the pipeline saves a
+    directory that ``from_pretrained`` loads with the pipeline's eval loss, and that loads
+    into pp4 × dp1 × tp2 too."""
+    from autopp import init_module_
+    from tests.decoder_workers import run_then_round_trip
+
+    kind = "hf_qwen3"
+    meta = MODELS[kind](N_LAYERS)
+    with torch.device("cpu"):
+        model = type(meta)(meta.config)
+    init_module_(model, seed=3, device="cpu")
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    model.save_pretrained(src, max_shard_size="300KB")
+    assert len(list((tmp_path / "src").glob("*.safetensors"))) > 1  # sharded
+
     configs = _configs([("hf_qwen3", "auto"), ("hf_llama", None)])
-    _check(configs, run_on_ranks(run, 8, configs, str(tmp_path), timeout=900))
+    results = run_on_ranks(run_then_round_trip, 8, configs, str(tmp_path), src, dst, kind,
+                           timeout=900)
+    _check(configs, [r[0] for r in results])
+    src_loss = _hf_loss(src)
+    for _, r in results:
+        assert r["loaded"] == pytest.approx(src_loss, abs=1e-5)
+        assert r["trained"] != pytest.approx(r["loaded"], abs=1e-4)  # the step moved it
+        assert r["reloaded"] == pytest.approx(r["trained"], abs=1e-5)
+    assert _hf_loss(dst) == pytest.approx(results[0][1]["trained"], abs=1e-5)
 
 
 @pytest.mark.wide
 @pytest.mark.multiprocess
 def test_transformers_families_planned_match_single_process(tmp_path):
     """Llama, Qwen2 and Mistral planned; Qwen3 through a user ``parallelize`` function."""
-    from tests.decoder_workers import tp_parallelize
+    from tests.decoder_workers import fsdp_parallelize
 
     configs = _configs([("hf_llama", "auto"), ("hf_qwen2", "auto"), ("hf_mistral", "auto"),
-                        ("hf_qwen3", tp_parallelize)])
+                        ("hf_qwen3", fsdp_parallelize)])
     _check(configs, run_on_ranks(run, 8, configs, str(tmp_path), timeout=1500))
 
 
@@ -127,3 +163,5 @@ def test_buffers_and_weights_are_the_models_own(kind):
     std = float(got.model.layers[0].mlp.gate_proj.weight.std())
     assert abs(std - meta.config.initializer_range) < 0.003, std
     assert torch.equal(got.model.norm.weight, torch.ones_like(got.model.norm.weight))
+
+

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.utils._pytree import (  # noqa: F401  (torch private pytree)
+    TreeSpec,
     tree_flatten,
     tree_leaves,
     tree_map_only,

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils import _pytree as pytree
 
 from autopp import tracing
+from autopp._compat import graph as pytree  # torch's pytree (private)
 
 
 class ExportFailed(Exception):
@@ -40,10 +41,14 @@ def export_at_blocks(module: nn.Module, block_fqns: list[str],
     attributes of ``module`` to their values."""
     x = torch.empty(example.shape, dtype=example.dtype, device="meta")
     try:
-        with tracing.on_meta(), _on_meta(module):
+        with tracing.on_meta(), _on_meta(module), warnings.catch_warnings():
+            # torch's own notes while unflattening (its TreeSpec constants, a pytree
+            # deprecation): nothing a user can act on
+            warnings.filterwarnings("ignore", message=".*get_attr Node with no underlying")
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             program = torch.export.export(module, (x,), strict=False,
                                           preserve_module_call_signature=tuple(block_fqns))
-        tree = torch.export.unflatten(program)
+            tree = torch.export.unflatten(program)
     except Exception as e:  # noqa: BLE001 - any export failure means "plan it flat"
         raise ExportFailed(f"torch.export cannot trace it ({type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''})") from e
