@@ -8,8 +8,8 @@ initialised with :func:`init_module_` and the same seed. That is what lets the t
 gradients against a single-process reference, and what users expect from ``init_weights``.
 
 Initialisers are taken from the model itself: the model's own per-module initialiser where a
-model adapter names one (transformers' ``_init_weights``, which also recomputes RoPE
-``inv_freq``; :func:`autopp.adapters.module_init`), torchtitan modules' per-parameter
+model adapter registered one (transformers' ``_init_weights``, which also recomputes RoPE
+``inv_freq``; :func:`register_module_init`), torchtitan modules' per-parameter
 ``_param_init`` table, else the module's ``reset_parameters()``.
 
 Buffers are never left as uninitialised memory. A buffer that holds values when
@@ -23,6 +23,7 @@ ways to give it its values, never garbage.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -35,6 +36,27 @@ def _dtensor():
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     return DTensor, distribute_tensor
+
+
+_MODULE_INITS: list[Callable[[nn.Module, nn.Module], Callable[[], None] | None]] = []
+
+
+def register_module_init(
+        fn: Callable[[nn.Module, nn.Module], Callable[[], None] | None]) -> None:
+    """Add a model library's per-module initialiser lookup: ``fn(root, module)`` returns a
+    callable initialising ``module``'s own parameters and buffers as the model defines it
+    (e.g. transformers' ``root._init_weights(module)``), or None. Model adapters register
+    (:mod:`autopp.adapters`); registering twice is a no-op."""
+    if fn not in _MODULE_INITS:
+        _MODULE_INITS.append(fn)
+
+
+def _model_init(root: nn.Module, module: nn.Module) -> Callable[[], None] | None:
+    for fn in _MODULE_INITS:
+        init = fn(root, module)
+        if init is not None:
+            return init
+    return None
 
 
 def fqn_seed(seed: int, fqn: str) -> int:
@@ -245,10 +267,8 @@ def init_module_(module: nn.Module, *, seed: int, device: torch.device | str) ->
             module.get_submodule(mod_fqn)._buffers[name].copy_(value)
     before = {(f, n): (id(b), write_token(b)) for f, names in lost.items()
               for n, b in module.get_submodule(f)._buffers.items() if n in names}
-    from autopp import adapters
-
     for mod_fqn, mod in module.named_modules():
-        by_model = adapters.module_init(module, mod)
+        by_model = _model_init(module, mod)
         if by_model is not None:
             _init_by_model(mod, mod_fqn, by_model, seed, device, lost.get(mod_fqn, set()))
             continue

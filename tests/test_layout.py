@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: the first path part under ``autopp/`` (a folder, or a top-level module without ``.py``).
 FLOORS: list[tuple[str, ...]] = [
     ("_compat",),
-    ("format", "tracing", "disk_cache", "mesh", "init", "loss", "checkpoint"),
+    ("format", "tracing", "disk_cache", "mesh", "init", "loss", "checkpoint", "checkpoint_hf"),
     ("profiles", "graph", "schedules", "stage_split", "tied"),
     ("ops",),
     ("sharding",),

@@ -68,16 +68,6 @@ def prepare(model: nn.Module) -> list[str]:
     return notes
 
 
-def module_init(root: nn.Module, module: nn.Module):
-    """The model's own initialiser for ``module``'s own parameters and buffers (a callable
-    taking nothing), from the first adapter that has one; None otherwise."""
-    for a in registered():
-        init = a.module_init(root, module)
-        if init is not None:
-            return init
-    return None
-
-
 def after_step(structure: list[nn.Module], state: nn.Module,
                partial_over: dist.ProcessGroup | None = None) -> None:
     """State updates adapted modules make once per step, before the optimizer (e.g. MoE

@@ -9,7 +9,7 @@ from typing import Any, ContextManager
 
 from torch import nn
 
-from autopp import tracing
+from autopp import init, tracing
 
 
 @contextlib.contextmanager
@@ -56,6 +56,7 @@ def register(adapter: Adapter) -> Adapter:
     :mod:`autopp.adapters`. Registering the same name again replaces the earlier adapter."""
     _ADAPTERS[:] = [a for a in _ADAPTERS if a.name != adapter.name] + [adapter]
     tracing.register(adapter.tracing)
+    init.register_module_init(adapter.module_init)
     return adapter
 
 

@@ -354,6 +354,9 @@ def dry_run(
     Planner options given as loose keywords (``profile=``, ``memory_reserve=``, ...) are
     refused with the ``options=PlannerOptions(...)`` to write instead.
     """
+    from autopp import adapters
+
+    adapters.prepare(model_meta)  # e.g. a transformers model's attention (logged)
     if planner_keywords:
         fields = {f.name for f in dataclasses.fields(PlannerOptions)}
         loose = sorted(k for k in planner_keywords if k in fields)

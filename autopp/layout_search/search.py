@@ -263,6 +263,9 @@ def search(
 
     Returns a :class:`SearchReport`; raises ValueError when no layout exists at all.
     """
+    from autopp import adapters
+
+    adapters.prepare(model_meta)  # e.g. a transformers model's attention (logged)
     from autopp.estimate.stage_costs import usable_bytes
     from autopp.profiles.lookup import get_profile
     from autopp.stage_split import inspect_model

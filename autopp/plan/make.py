@@ -557,6 +557,9 @@ def plan_pipeline(
     In a job (a real process group), call it on every rank: rank 0 plans, the others
     receive its plan. Plans are cached on disk (:mod:`autopp.plan.cache`).
     """
+    from autopp import adapters
+
+    adapters.prepare(model)  # e.g. a transformers model's attention (logged)
     from autopp.stage_split.for_schedule import split_for_schedule, stage_ranks_of
     from autopp.loss import cross_entropy
     from autopp.mesh import build_world_mesh, init_fake_world, mesh_sizes, stage_sub_mesh

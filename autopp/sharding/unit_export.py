@@ -29,6 +29,12 @@ from autopp import tracing
 from autopp._compat import graph as pytree  # torch's pytree (private)
 
 
+# Exported graphs carry torch's TreeSpec values; copying them (graphs are deep-copied on the
+# way to the planner) trips a deprecation inside torch's pytree that no caller can act on.
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*",
+                        category=FutureWarning)
+
+
 class ExportFailed(Exception):
     """The forward cannot be exported at module boundaries (the message says why)."""
 
