@@ -223,6 +223,9 @@ class StageCut:
         if not self.active:
             return None
         self.active, self.received = False, None
+        if out is None:  # the forward raised (this hook always runs): reset, let it raise
+            self.sent = None
+            return None
         if self.receives and not self.fed:
             raise RuntimeError(f"the model's forward never called {self.first}, where this "
                                "stage starts")
