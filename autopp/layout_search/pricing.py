@@ -129,7 +129,7 @@ class Pricer:
     def split(self, lay: Layout, usable: float | None = None) -> Split | str:
         """The layout's split and stage costs, or why it does not fit. ``usable``: the
         device memory (None: the search's; ``inf``: unbounded, for a lower bound)."""
-        from autopp.plan.make import in_flight_per_stage
+        from autopp.plan.budgets import in_flight_per_stage
         from autopp.estimate.stage_costs import (
             StateBytes,
             contended_step_s,

@@ -17,7 +17,6 @@ Shared by :func:`autopp.plan_pipeline`, :func:`autopp.pipeline_autoparallel` and
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 import math
@@ -31,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopp import tracing
+from autopp import adapters, tracing
 from autopp.plan.cache import (
     cached_pipeline_plan,
     cached_plan,
@@ -39,6 +38,7 @@ from autopp.plan.cache import (
     pipeline_plan_key,
     plan_key,
 )
+from autopp.plan.budgets import memory_budgets
 from autopp.plan.loss_choice import describe_loss, loss_kinds, loss_time_s
 from autopp.plan.objective import boundary_bytes, pipeline_objective_s, pp_link, transfer_s
 from autopp.plan.options import PlannerOptions
@@ -357,46 +357,6 @@ def tied_placements(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]],
     return fixed
 
 
-@functools.lru_cache(maxsize=1024)
-def in_flight_per_stage(schedule: str, pp: int, n_microbatches: int, n_stages: int
-                        ) -> tuple[int, ...]:
-    """Per stage, the most microbatches whose activations the schedule keeps at once, read
-    off torch's own action lists (:func:`autopp.schedules.simulate.max_in_flight`)."""
-    from autopp.schedules.actions import compute_order
-    from autopp.schedules.simulate import max_in_flight
-
-    compute, _ = compute_order(schedule, pp=pp, n_microbatches=n_microbatches,
-                               n_stages=n_stages)
-    return tuple(max(1, k) for k in max_in_flight(compute, n_stages))
-
-
-def memory_budgets(options: Any, profile: str, schedule: str, pp: int, n_microbatches: int,
-                   stage_ranks: Sequence[int]) -> tuple[list[float], list[dict[str, Any]]]:
-    """Per stage, the memory budget and the whole-memory accounting the planner uses: the
-    device's memory (the profile's, less ``options.memory_reserve``) or
-    ``options.memory_budget_bytes``, shared equally by the stages of a pp rank; the
-    activations of the microbatches the schedule keeps in flight on the stage
-    (:func:`in_flight_per_stage`); AdamW's two moments as optimizer state; the recompute
-    mode asked for. With ``options.parameter_budget_bytes``: that bound on parameter bytes
-    alone (shared the same way), nothing else counted, recomputation as asked ("auto":
-    none, since nothing counts activations)."""
-    from autopp.profiles import get_profile
-
-    n = len(stage_ranks)
-    per_rank = [list(stage_ranks).count(r) for r in stage_ranks]
-    if options.parameter_budget_bytes is not None:
-        mode = "none" if options.recompute == "auto" else options.recompute
-        return ([options.parameter_budget_bytes / k for k in per_rank],
-                [dict(recompute=mode) for _ in range(n)])
-    device = (options.memory_budget_bytes if options.memory_budget_bytes is not None
-              else get_profile(profile).memory_bytes * (1 - options.memory_reserve))
-    in_flight = in_flight_per_stage(schedule, pp, n_microbatches, n)
-    budgets = [device / k for k in per_rank]
-    memory = [dict(activation_factor=float(f), recompute=options.recompute,
-                   optimizer_state_factor=2.0) for f in in_flight]
-    return budgets, memory
-
-
 def plan_whole_pipeline(
     model: nn.Module, *, pp: int, fqns_per_stage: Sequence[Sequence[str]],
     stage_ranks: Sequence[int], sub_mesh: DeviceMesh, schedule: str, n_microbatches: int,
@@ -557,8 +517,6 @@ def plan_pipeline(
     In a job (a real process group), call it on every rank: rank 0 plans, the others
     receive its plan. Plans are cached on disk (:mod:`autopp.plan.cache`).
     """
-    from autopp import adapters
-
     adapters.prepare(model)  # e.g. a transformers model's attention (logged)
     from autopp.stage_split.for_schedule import split_for_schedule, stage_ranks_of
     from autopp.loss import cross_entropy

@@ -1,0 +1,49 @@
+"""How much memory each planned stage may use: the device's (or a given) budget shared by
+the stages of a pp rank, and the activations of the microbatches the schedule keeps in
+flight on each stage, read off torch's own action lists."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+
+@functools.lru_cache(maxsize=1024)
+def in_flight_per_stage(schedule: str, pp: int, n_microbatches: int, n_stages: int
+                        ) -> tuple[int, ...]:
+    """Per stage, the most microbatches whose activations the schedule keeps at once, read
+    off torch's own action lists (:func:`autopp.schedules.simulate.max_in_flight`)."""
+    from autopp.schedules.actions import compute_order
+    from autopp.schedules.simulate import max_in_flight
+
+    compute, _ = compute_order(schedule, pp=pp, n_microbatches=n_microbatches,
+                               n_stages=n_stages)
+    return tuple(max(1, k) for k in max_in_flight(compute, n_stages))
+
+
+def memory_budgets(options: Any, profile: str, schedule: str, pp: int, n_microbatches: int,
+                   stage_ranks: Sequence[int]) -> tuple[list[float], list[dict[str, Any]]]:
+    """Per stage, the memory budget and the whole-memory accounting the planner uses: the
+    device's memory (the profile's, less ``options.memory_reserve``) or
+    ``options.memory_budget_bytes``, shared equally by the stages of a pp rank; the
+    activations of the microbatches the schedule keeps in flight on the stage
+    (:func:`in_flight_per_stage`); AdamW's two moments as optimizer state; the recompute
+    mode asked for. With ``options.parameter_budget_bytes``: that bound on parameter bytes
+    alone (shared the same way), nothing else counted, recomputation as asked ("auto":
+    none, since nothing counts activations)."""
+    from autopp.profiles import get_profile
+
+    n = len(stage_ranks)
+    per_rank = [list(stage_ranks).count(r) for r in stage_ranks]
+    if options.parameter_budget_bytes is not None:
+        mode = "none" if options.recompute == "auto" else options.recompute
+        return ([options.parameter_budget_bytes / k for k in per_rank],
+                [dict(recompute=mode) for _ in range(n)])
+    device = (options.memory_budget_bytes if options.memory_budget_bytes is not None
+              else get_profile(profile).memory_bytes * (1 - options.memory_reserve))
+    in_flight = in_flight_per_stage(schedule, pp, n_microbatches, n)
+    budgets = [device / k for k in per_rank]
+    memory = [dict(activation_factor=float(f), recompute=options.recompute,
+                   optimizer_state_factor=2.0) for f in in_flight]
+    return budgets, memory
