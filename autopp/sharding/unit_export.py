@@ -163,17 +163,23 @@ class _Inliner:
                 for i in range(spec.num_children)]
 
     def _attr(self, mod: nn.Module, prefix: str, target: str) -> Any:
-        value = getattr(mod, target) if "." not in target else mod.get_submodule(
-            target.rpartition(".")[0]).__getattr__(target.rpartition(".")[2])
+        """A get_attr: a TreeSpec as its value; the stage's own parameter, buffer or module
+        by its stage FQN; anything the export made (a constant, a region's subgraph) as
+        an extra."""
+        value = _resolve(mod, target)
         if isinstance(value, pytree.TreeSpec):
             return value
-        full = prefix + target
-        try:
-            real = self.root.get_submodule(full.rpartition(".")[0]) if "." in full else self.root
-            if getattr(real, full.rpartition(".")[2]) is not None:
-                return self.graph.get_attr(full)
-        except AttributeError:
-            pass
+        if _resolve(self.root, prefix + target) is not None:
+            return self.graph.get_attr(prefix + target)
         name = f"_autopp_export_{len(self.extras)}"
         self.extras[name] = value
         return self.graph.get_attr(name)
+
+
+def _resolve(mod: nn.Module, path: str) -> Any:
+    """The attribute at dotted ``path`` under ``mod``, or None."""
+    for part in path.split("."):
+        mod = getattr(mod, part, None)
+        if mod is None:
+            return None
+    return mod
