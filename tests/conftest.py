@@ -12,8 +12,13 @@ def session_caches(tmp_path_factory):
     """One plan cache and one profile cache for the whole session (a plan made by one test
     is read by the next), in the session's temporary directory: the suite neither reads nor
     fills the user's ``~/.cache/autopp``. ``AUTOPP_PLAN_CACHE`` / ``AUTOPP_PROFILE_CACHE``
-    set by the caller are kept."""
-    root = tmp_path_factory.mktemp("autopp-cache")
+    set by the caller are kept. Under pytest-xdist the workers share one cache (the run's
+    common temporary directory; concurrent writers are safe, see :mod:`autopp.disk_cache`)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = tmp_path_factory.getbasetemp().parent / "autopp-cache"
+        root.mkdir(exist_ok=True)
+    else:
+        root = tmp_path_factory.mktemp("autopp-cache")
     for var, sub in (("AUTOPP_PLAN_CACHE", "plans"), ("AUTOPP_PROFILE_CACHE", "profiles")):
         os.environ.setdefault(var, str(root / sub))
     yield

@@ -29,3 +29,37 @@ def test_deadlock_ends_at_the_deadline_with_every_ranks_last_lines():
 def test_a_rank_that_dies_without_a_result_ends_the_launch():
     with pytest.raises(LaunchError, match="rank 1 exited with code 3 without a result"):
         run_on_ranks(pipeline_workers.exit_without_result, 2, timeout=60)
+
+
+def test_parity_metric_agrees_with_hand_cases_and_assert_close():
+    """The one comparator (tests/parity.py): the per-tensor relative bound, the near-zero
+    floor, and the elementwise bound, whose fast path must give torch's verdict."""
+    import torch
+
+    from tests.parity import EPS, assert_parity
+
+    ref = torch.tensor([1.0, -2.0, 0.5, 4.0])
+    assert assert_parity(ref.clone(), ref, what="same") == 0.0
+    # ‖diff‖ / ‖ref‖ = 2^-20 / sqrt(21.25) (2^-20 is exact in fp32): inside both bounds
+    got = ref + torch.tensor([2.0 ** -20, 0.0, 0.0, 0.0])
+    assert abs(assert_parity(got, ref, what="close") - 2.0 ** -20 / 21.25 ** 0.5) < 1e-12
+    # relative 3e-5 > 1e-5 per tensor (elementwise it would pass: 1.4e-4 < 1e-5 + 1e-4 * 4)
+    with pytest.raises(AssertionError, match="relative error"):
+        assert_parity(ref + torch.tensor([0.0, 0.0, 0.0, 1.4e-4]), ref, what="rel")
+    # a near-zero reference is held to REL * EPS absolutely
+    tiny = torch.full((4,), 1e-6)
+    assert_parity(tiny + 4e-9, tiny, what="tiny")  # ‖diff‖ 8e-9 <= 1e-5 * EPS
+    with pytest.raises(AssertionError, match=f"eps {EPS:g}"):
+        assert_parity(tiny + 1e-8, tiny, what="tiny")  # ‖diff‖ 2e-8 > 1e-8
+    # elementwise: one element of a large tensor off by more than atol + rtol |r|
+    big = torch.ones(100_000)
+    off = big.clone()
+    off[7] += 5e-3  # per tensor 5e-3 / 316 = 1.6e-5: under the rel=1e-4 given here
+    with pytest.raises(AssertionError, match="Mismatched elements: 1 / 100000"):
+        assert_parity(off, big, what="elementwise", rel=1e-4)
+    for bad in (float("nan"), float("inf")):  # non-finite values fail, as assert_close says
+        with pytest.raises(AssertionError):
+            assert_parity(torch.tensor([1.0, bad]), torch.tensor([1.0, 1.0]), what="nonfinite")
+    both_inf = torch.tensor([1.0, float("inf")])
+    with pytest.raises(AssertionError):  # inf - inf is nan in the per-tensor norm
+        assert_parity(both_inf.clone(), both_inf, what="inf")
