@@ -91,16 +91,22 @@ def overlap_collectives(gm: fx.GraphModule) -> OverlapReport:
 def _hoist_collectives(graph: fx.Graph) -> int:
     """Move each collective, in graph order, to just after the latest of its inputs, the
     previous collective and the previous barrier."""
+    nodes = list(graph.nodes)
+    pos: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(nodes)}
+    # a moved collective sits just after its target: between two whole positions, later
+    # than whatever was moved there before (collectives keep their order)
+    step = 1.0 / (len(nodes) + 1)
     moved = 0
     anchor: fx.Node | None = None  # the last node no later collective may pass
-    last_placeholder: fx.Node | None = None
-    for node in list(graph.nodes):
-        if node.op == "placeholder":
-            last_placeholder = node
+    for node in nodes:
+        if node.op == "placeholder":  # the inputs stay first
+            anchor = node
         if is_collective(node):
-            target = _latest(graph, [*node.all_input_nodes, anchor, last_placeholder])
+            after = [*node.all_input_nodes, *([anchor] if anchor is not None else [])]
+            target = max(after, key=pos.__getitem__, default=None)
             if target is not None and target.next is not node:
                 target.append(node)  # moves the node to just after ``target``
+                pos[node] = pos[target] + step
                 moved += 1
             anchor = node
         elif is_barrier(node):
@@ -108,24 +114,21 @@ def _hoist_collectives(graph: fx.Graph) -> int:
     return moved
 
 
-def _latest(graph: fx.Graph, candidates: list[fx.Node | None]) -> fx.Node | None:
-    """The candidate that comes last in ``graph``'s current order."""
-    present = [c for c in candidates if c is not None]
-    if not present:
-        return None
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    return max(present, key=order.__getitem__)
-
-
 def _sink_waits(graph: fx.Graph) -> int:
-    """Move each wait to just before its first user, stopping at the first barrier."""
+    """Move each wait to just before its first user, stopping at the first barrier (or
+    the output) after it."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    next_stop = [len(nodes) - 1] * len(nodes)  # index of the first barrier / output at or after i
+    for i in range(len(nodes) - 1, -1, -1):
+        last = nodes[i].op == "output" or is_barrier(nodes[i])
+        next_stop[i] = i if last or i == len(nodes) - 1 else next_stop[i + 1]
     moved = 0
-    for wait in [n for n in graph.nodes if is_wait(n)]:
+    for wait in [n for n in nodes if is_wait(n)]:
         if not wait.users:
             continue
-        stop = wait.next
-        while stop not in wait.users and not is_barrier(stop) and stop.op != "output":
-            stop = stop.next
+        i = pos[wait]
+        stop = nodes[min(min(pos[u] for u in wait.users), next_stop[i])]
         if stop is not wait.next:
             stop.prepend(wait)  # moves the wait to just before ``stop``
             moved += 1
