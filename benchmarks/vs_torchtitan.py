@@ -13,6 +13,9 @@ In one launch it trains llama3 (SDPA attention) for ``--steps`` steps with each 
   its dp x tp sub-mesh: the tp ranks compute redundantly);
 * ``autopp-auto``: ``pipeline_autoparallel`` with ``parallelize="auto"`` (autopp's planner
   shards each stage over its dp x tp sub-mesh; CPU device profile);
+* ``autopp-auto-no-overlap``: the same with ``PlannerOptions(overlap_collectives=False)``
+  (every collective waited right after it is issued, as traced; for the overlap pass's
+  effect side by side with ``autopp-auto``);
 * ``autopp-auto-compile``: the same, each planned stage's graphs compiled by Inductor
   (``compile=True``; the first steps include the cold compile: raise ``--warmup``);
 * ``autopp+titan``: ``pipeline_autoparallel`` with a ``parallelize`` callable that applies
@@ -59,7 +62,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--runs", default="torchtitan,autopp,autopp-auto,autopp+titan",
-                   help="comma-separated subset of: torchtitan, autopp, autopp-auto, autopp+titan")
+                   help="comma-separated subset of: " + ", ".join(RUNNERS))
     return p.parse_args()
 
 
@@ -270,13 +273,18 @@ def mean_cross_entropy(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
 
 
 def run_autopp(args, data: ByteBatches, device: torch.device, *, mode: str) -> dict:
-    """mode: "replicate" (parallelize=None), "auto" (the planner), "auto-compile" (the
+    """mode: "replicate" (parallelize=None), "auto" (the planner), "auto-no-overlap" (the
+    planner, stage graphs in traced order), "auto-compile" (the
     planner, stage graphs compiled by Inductor) or "titan" (torchtitan's TP + FSDP as the
     parallelize callable)."""
     from autopp import build_world_mesh, pipeline_autoparallel
 
     cfg, parallelism = titan_model_config(args)
     parallelize = {"replicate": None, "auto": "auto", "auto-compile": "auto"}.get(mode)
+    if mode == "auto-no-overlap":
+        from autopp.backends import Planner, PlannerOptions
+
+        parallelize = Planner(PlannerOptions(overlap_collectives=False))
     if mode == "titan":
         dims = titan_parallel_dims(parallelism, dist.get_world_size())
         parallelize = titan_parallelize_fn(args, dims, parallelism)
@@ -319,6 +327,7 @@ RUNNERS = {
     "torchtitan": run_torchtitan,
     "autopp": functools.partial(run_autopp, mode="replicate"),
     "autopp-auto": functools.partial(run_autopp, mode="auto"),
+    "autopp-auto-no-overlap": functools.partial(run_autopp, mode="auto-no-overlap"),
     "autopp-auto-compile": functools.partial(run_autopp, mode="auto-compile"),
     "autopp+titan": functools.partial(run_autopp, mode="titan"),
 }

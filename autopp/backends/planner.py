@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from autopp.plan.value import PipelinePlan
 
 from autopp.backends.base import LossFn, PipelineSpec, StageBackend
-from autopp.plan.options import CompileOptions, PlannerOptions
+from autopp.plan.options import CompileOptions, PlannerOptions, resolve_compile
 from autopp.plan.rank0 import plan_on_rank0
 
 
@@ -38,8 +38,10 @@ class Planner(StageBackend):
 
     Args:
         options: what the planner may choose (:class:`PlannerOptions`).
-        compile: run each planned stage's graphs through Inductor: True, or
-            :class:`CompileOptions` for its collective passes; False (default): eager.
+        compile: run each planned stage's graphs through Inductor: True (on a CUDA mesh
+            with Inductor's collective bucketing and compute/communication reordering on,
+            :meth:`CompileOptions.for_device`), or :class:`CompileOptions` for its
+            collective passes as given; False (default): eager.
         plan: a :class:`~autopp.plan.value.PipelinePlan` (or the path of a saved one) to
             run instead of planning: checked against the pipeline (model, mesh, schedule,
             microbatches, inputs, split, loss) at ``prepare``; its planning options are the
@@ -109,7 +111,8 @@ class Planner(StageBackend):
         try:
             return materialize_and_apply(module, planned.plan, sub_mesh,
                                          planned.example_inputs, seed=seed, device=device,
-                                         recompute=self._pipeline_plan.recompute[stage_id])
+                                         recompute=self._pipeline_plan.recompute[stage_id],
+                                         overlap_collectives=self.options.overlap_collectives)
         except PlanMismatchError as e:
             raise PlanMismatchError(self._evicted(stage_id, e)) from e
 
@@ -140,7 +143,7 @@ class Planner(StageBackend):
 
         return planned_graph_stage(module, stage_index=stage_id, num_stages=n_stages,
                                    device=device, group=pp_group, loss_fn=loss_fn,
-                                   compile=self.compile,
+                                   compile=resolve_compile(self.compile, module.mesh.device_type),
                                    gathering=WeightGathering.from_options(self.options))
 
     def vocab_parallel_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
@@ -176,6 +179,9 @@ class Planner(StageBackend):
                               f"uses them in differently sharded layouts, each gathered once): "
                               f"{', '.join(twice[:4])}{' ...' if len(twice) > 4 else ''}"
                               if twice else ""))
+            from autopp.graph.overlap import describe_overlap
+
+            out.append("    " + describe_overlap(graphs, module.overlap_collectives))
         if planned.send_bytes:
             how = ("batch split over dp, sequence over tp)" if planned.boundary_out == "batch+seq"
                    else "batch split over dp, whole over tp)")

@@ -95,6 +95,9 @@ class ShardedStage(nn.Module):
         # what the backward pieces of stage_graphs() recompute unless told otherwise ("none",
         # "selective", "full"); the planner backend sets PlannerOptions.recompute here
         self.recompute: Recompute = "none"
+        # whether stage_graphs() reorders its pieces for communication overlap (collectives
+        # issued early, waited at first use); PlannerOptions.overlap_collectives sets it
+        self.overlap_collectives: bool = True
         self._local: LocalJoint | None = None
         self._graphs: dict[str, Any] = {}  # split graphs by recompute mode
 
@@ -114,7 +117,9 @@ class ShardedStage(nn.Module):
         :class:`autopp.graph.GraphStage` hands them in), then the stage input in the plan's
         input placements and the output gradient in its output placements. Parameter casts
         and all-gathers form the unshard graph (once per step); the backward pieces
-        recompute per ``recompute``; see :func:`autopp.lower.local_graphs.split_local`.
+        recompute per ``recompute``; every piece issues its collectives early and waits at
+        first use unless :attr:`overlap_collectives` is False; see
+        :func:`autopp.lower.local_graphs.split_local`.
         """
         mode = self.recompute if recompute is None else recompute
         check_recompute(mode)
@@ -123,7 +128,8 @@ class ShardedStage(nn.Module):
                 [b.lowered_unit() for b in self.blocks.values()], self.mesh,
                 from_strs(self.plan.input_placements), from_strs(self.plan.output_placements))
         if mode not in self._graphs:
-            self._graphs[mode] = split_local(self._local, recompute=mode)
+            self._graphs[mode] = split_local(self._local, recompute=mode,
+                                             overlap=self.overlap_collectives)
         return self._local, self._graphs[mode]
 
     def saved_bytes_per_microbatch(self) -> int:

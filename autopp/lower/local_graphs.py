@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopp.graph import JointSignature, Recompute, StageGraphs, split_joint_graph
+from autopp.graph.overlap import overlap_stage_graphs
 from autopp._compat import sharding as compat
 from autopp._compat.distributed import FakeTensorMode
 from autopp.lower.interpret import GraphRunner, redistribute_to
@@ -159,7 +160,7 @@ def _check_local(gm: fx.GraphModule) -> None:
 
 
 def split_local(local: LocalJoint, *, split_weight_grad: bool = True,
-                recompute: Recompute = "none") -> StageGraphs:
+                recompute: Recompute = "none", overlap: bool = True) -> StageGraphs:
     """Split a lowered joint with :func:`autopp.graph.split_joint_graph` into unshard /
     forward / full backward / backward-input / backward-weight / reduce-grad callables on
     local tensors.
@@ -172,12 +173,17 @@ def split_local(local: LocalJoint, *, split_weight_grad: bool = True,
     returns unreduced gradients; call ``reduce_grads``). ``recompute`` ("none", "selective"
     or "full", :mod:`autopp.graph.recompute`): what the backward pieces recompute instead of
     the forward saving it; the plan's reductions are always saved, its all-gathers of activations
-    gathered again. ``local.gm``
-    is not modified.
+    gathered again. ``overlap`` (default True): every piece is reordered so that each
+    collective is issued as early as its inputs allow and waited just before its value is
+    first used (:func:`autopp.graph.overlap.overlap_collectives`). ``local.gm`` is not
+    modified.
     """
     gm = fx.GraphModule(local.gm, copy.deepcopy(local.gm.graph))  # the split edits in place
-    return split_joint_graph(gm, local.signature, split_weight_grad=split_weight_grad,
-                             peel_params=True, recompute=recompute)
+    graphs = split_joint_graph(gm, local.signature, split_weight_grad=split_weight_grad,
+                               peel_params=True, recompute=recompute)
+    if overlap:
+        overlap_stage_graphs(graphs)
+    return graphs
 
 
 @dataclass(frozen=True, slots=True)

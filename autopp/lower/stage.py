@@ -33,13 +33,15 @@ from autopp.lower.apply import ShardedStage, apply_plan, empty_sharded_
 def materialize_and_apply(
     stage_meta: nn.Module, plan: StagePlan, sub_mesh: DeviceMesh,
     example_inputs: tuple[torch.Tensor, ...], *, seed: int, device: torch.device,
-    recompute: Recompute = "none",
+    recompute: Recompute = "none", overlap_collectives: bool = True,
 ) -> ShardedStage:
     """Create the stage's parameters shard by shard in the planned placements, initialise
     them (split-independent init: each parameter's full value exists only while it is
     initialised and sharded), then apply the plan. ``recompute``: what the stage's backward
     pieces recompute instead of saving (:mod:`autopp.graph.recompute`), for every graph
-    :meth:`ShardedStage.stage_graphs` makes (and so the pipeline runs)."""
+    :meth:`ShardedStage.stage_graphs` makes (and so the pipeline runs);
+    ``overlap_collectives``: whether those graphs issue collectives early and wait for them
+    at first use (:mod:`autopp.graph.overlap`)."""
     import copy
 
     stage = empty_sharded_(copy.deepcopy(stage_meta), plan, sub_mesh, device)
@@ -48,6 +50,7 @@ def materialize_and_apply(
     init_module_(stage, seed=seed, device=device)
     sharded = apply_plan(stage, plan, sub_mesh, example_inputs)
     sharded.recompute = recompute
+    sharded.overlap_collectives = overlap_collectives
     return sharded
 
 

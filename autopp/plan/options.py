@@ -71,6 +71,13 @@ class PlannerOptions:
             dtype), "float16", "float32", or "param" (the parameters' own dtype: fp32
             numerics to compare with an fp32 reference). Default: the process default,
             "bfloat16" unless ``set_expert_compute_dtype`` changed it.
+        overlap_collectives: reorder each planned stage's lowered graphs (forward, backward
+            pieces, unshard, reduce-grad) so that every collective is issued as soon as its
+            inputs exist and waited just before its result is first used
+            (:mod:`autopp.graph.overlap`): communication can then run under compute where
+            collectives are asynchronous (NCCL). On by default; the values are the same
+            either way, and the planner and simulator still price communication as exposed.
+            Not part of the plan (it changes no choice).
         strict: refuse a plan that a fallback changed (an op replicated because DTensor's
             sharding rule failed or has no option for it, an op priced without FLOPs because
             its formula failed): raise on every rank, listing them. False (default): each is
@@ -93,6 +100,7 @@ class PlannerOptions:
     token_dispatch: str = field(default_factory=lambda: tracing.setting("token_dispatch"))
     expert_compute_dtype: str = field(
         default_factory=lambda: tracing.setting("expert_compute_dtype"))
+    overlap_collectives: bool = True
     strict: bool = False
 
     def trace_settings(self) -> dict[str, str]:
@@ -135,7 +143,10 @@ class CompileOptions:
         bucket_collectives: let Inductor bucket the graphs' all-gathers, reduce-scatters and
             all-reduces (fewer, larger messages).
         reorder_for_overlap: let Inductor reorder collectives to overlap them with compute.
-    Both are off by default: on CPU (gloo) collectives are synchronous, so neither helps.
+    Given explicitly, these are used as set (both False by default). ``compile=True``
+    instead takes :meth:`for_device` of the stage's mesh: both on for a CUDA mesh (NCCL
+    runs collectives asynchronously, so bucketing and reordering can hide them), both off
+    on CPU (gloo's collectives gain nothing from them here).
     """
 
     bucket_collectives: bool = False
@@ -150,3 +161,20 @@ class CompileOptions:
         if self.reorder_for_overlap:
             opts["reorder_for_compute_comm_overlap"] = True
         return opts
+
+    @staticmethod
+    def for_device(device_type: str) -> "CompileOptions":
+        """What ``compile=True`` means on a mesh of ``device_type``: bucketing and
+        reordering on for "cuda", off otherwise."""
+        on = device_type == "cuda"
+        return CompileOptions(bucket_collectives=on, reorder_for_overlap=on)
+
+
+def resolve_compile(compile: "bool | CompileOptions", device_type: str
+                    ) -> "bool | CompileOptions":
+    """``compile=`` as a planned stage on a ``device_type`` mesh runs it: False stays
+    False (eager), a :class:`CompileOptions` is used as given, True becomes
+    :meth:`CompileOptions.for_device`."""
+    if compile is True:
+        return CompileOptions.for_device(device_type)
+    return compile

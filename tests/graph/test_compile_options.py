@@ -60,3 +60,40 @@ def test_planned_stages_compile_every_callable_with_the_options(monkeypatch):
     stage.compile_graphs(object(), True)
     assert seen == [opts.inductor_options(), None]
     assert seen[0]["reorder_for_compute_comm_overlap"] is True
+
+
+def test_compile_true_buckets_and_reorders_on_cuda_only():
+    from autopp.plan.options import resolve_compile
+
+    on = CompileOptions(bucket_collectives=True, reorder_for_overlap=True)
+    assert resolve_compile(True, "cuda") == CompileOptions.for_device("cuda") == on
+    assert resolve_compile(True, "cpu") == CompileOptions() and not CompileOptions().inductor_options()
+    mine = CompileOptions(bucket_collectives=True)  # given explicitly: used as given
+    assert resolve_compile(mine, "cuda") is mine and resolve_compile(False, "cuda") is False
+
+
+def test_the_planner_hands_a_cuda_stage_bucketing_and_reordering(monkeypatch):
+    """``Planner(compile=True)`` on a CUDA mesh: the compiled callables get the bucketing
+    and reordering options (observed where the stage's graphs are compiled)."""
+    from types import SimpleNamespace
+
+    import autopp.graph as graph_pkg
+    from autopp.backends.planner import Planner
+    from autopp.lower import stage
+
+    seen = []
+    monkeypatch.setattr(graph_pkg, "compile_stage_graphs",
+                        lambda graphs, options=None: seen.append(options) or graphs)
+    monkeypatch.setattr(stage, "planned_graph_stage",
+                        lambda module, compile, **kw: stage.compile_graphs(object(), compile))
+    for device_type in ("cuda", "cpu"):
+        module = SimpleNamespace(mesh=SimpleNamespace(device_type=device_type))
+        Planner(compile=True).pipeline_stage(0, module, n_stages=1, device=None, pp_group=None,
+                                             loss_fn=None, get_mesh=None)
+    module = SimpleNamespace(mesh=SimpleNamespace(device_type="cuda"))  # options given: kept
+    Planner(compile=CompileOptions()).pipeline_stage(0, module, n_stages=1, device=None,
+                                                     pp_group=None, loss_fn=None, get_mesh=None)
+    cuda, cpu, explicit = seen
+    assert cuda == {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all",
+                    "bucket_all_reduces_fx": "all", "reorder_for_compute_comm_overlap": True}
+    assert not cpu and not explicit

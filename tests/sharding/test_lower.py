@@ -72,3 +72,38 @@ def test_lowered_llama_stack_matches_single_process_on_2x2_gloo():
     assert all(pl != ["R", "R"] for pl in results[0]["placements"].values())
     print("peeled unshard graphs:", results[0]["peeled"])
     print("block 0 fwd+bwd medians (s), rank 0:", results[0]["timings"])
+
+
+def test_lowered_pieces_issue_collectives_early_and_wait_at_first_use(make_mesh, stack_of):
+    """Every piece of a planned stage (forward, backward, I, W, unshard, reduce-grad): each
+    collective right after its last input, each wait right before the first use of its
+    value, the collectives in the order the plain split issues them."""
+    from autopp.lower.local_graphs import lower_joint, split_local
+    from autopp.sharding import plan_stage
+    from autopp.sharding.trace import trace_joint
+    from autopp.sharding.units import stage_units
+    from tests.graph.test_overlap import check_overlapped, collective_order
+
+    mesh = make_mesh(2, 2)
+    stack = stack_of(1)
+    total = sum(p.numel() * p.element_size() for p in stack.parameters())
+    x = torch.empty(4, 16, 256, device="meta")
+    plan = plan_stage(stack, (x,), mesh, memory_budget_bytes=total / 4, output_placements=None)
+    (unit,) = stage_units(stack)
+    lj = lower_joint(trace_joint(unit.module, (x,)), plan.blocks[0], mesh)
+    plain = split_local(lj, overlap=False).graphs()
+    overlapped = split_local(lj).graphs()
+    assert set(plain) == set(overlapped) == {"forward", "full_backward", "backward_input",
+                                            "backward_weight", "unshard", "reduce_grad"}
+    deferred, late = {}, []
+    for name, gm in overlapped.items():
+        assert collective_order(gm) == collective_order(plain[name]), name
+        n, deferred[name] = check_overlapped(gm)
+        assert n == len(collective_order(plain[name]))
+        try:
+            check_overlapped(plain[name])
+        except AssertionError:
+            late.append(name)
+    assert deferred["unshard"] > 0 and deferred["forward"] > 0, deferred  # all gathers, then all waits
+    assert sum(deferred.values()) > 3, deferred
+    assert late, "the plain split was already in overlap order: the test sees nothing"

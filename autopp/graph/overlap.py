@@ -1,0 +1,154 @@
+"""Communication overlap in a graph: issue each collective early, wait for it late.
+
+A lowered graph calls functional collectives (``_c10d_functional.all_gather_into_tensor``,
+``reduce_scatter_tensor``, ``all_reduce``, ...), each followed by the ``wait_tensor`` that
+returns its result. As traced, every wait comes right after its collective, so the device
+sits idle while the message travels. :func:`overlap_collectives` reorders the graph so
+that communication can run under compute:
+
+* each collective moves **up**, to just after the last node it depends on (its inputs, the
+  collective before it, the last barrier before it);
+* each wait moves **down**, to just before the first node that reads its value (the
+  graph's output included), but never past a barrier.
+
+What it keeps: the values (only the order of nodes changes, and only of collectives and
+their waits), a valid topological order (``graph.lint()``), and the order in which the
+collectives are issued, all of them relative to each other (every rank must issue the
+collectives of one process group in the same order; keeping the order of all of them is
+the simple way to keep it per group). A **barrier** is a node whose effect the pass cannot
+reason about: an op that mutates an argument (``copy_`` of a buffer update, an in-place
+op), a side-effecting call, a module or method call; nothing moves across one, so no
+collective reads a buffer before a write it should see and no write lands in a buffer a
+collective in flight still reads.
+
+Overlap happens at run time only where collectives are asynchronous: NCCL on CUDA (eager,
+the functional collectives run on their own stream until ``wait_tensor``; compiled,
+Inductor keeps the order it is given unless told to reorder), and gloo's work threads on
+CPU. The planner, the schedule simulator and the estimates still price every collective as
+exposed (not overlapped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+_NAMESPACE = "_c10d_functional"
+
+
+def is_collective(node: fx.Node) -> bool:
+    """A functional collective (not its wait)."""
+    return (node.op == "call_function"
+            and getattr(node.target, "namespace", None) == _NAMESPACE
+            and not is_wait(node))
+
+
+def is_wait(node: fx.Node) -> bool:
+    """A functional collective's ``wait_tensor``."""
+    return (node.op == "call_function"
+            and getattr(node.target, "namespace", None) == _NAMESPACE
+            and getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
+            == "wait_tensor")
+
+
+def is_barrier(node: fx.Node) -> bool:
+    """A node nothing is moved across: one that mutates an argument or has another effect
+    the pass cannot see (module and method calls, side-effecting functions)."""
+    if node.op in ("call_module", "call_method"):
+        return True
+    if node.op != "call_function" or is_collective(node) or is_wait(node):
+        return False
+    return node.is_impure(impure_random=False)  # a mutable schema, or an effect torch knows
+
+
+@dataclass(frozen=True, slots=True)
+class OverlapReport:
+    """What :func:`overlap_collectives` moved in one graph."""
+
+    collectives: int
+    """Collectives in the graph."""
+    hoisted: int
+    """Collectives issued earlier than traced."""
+    sunk: int
+    """Waits moved later than traced."""
+
+
+def overlap_collectives(gm: fx.GraphModule) -> OverlapReport:
+    """Reorder ``gm`` in place (see the module docstring): collectives as early as their
+    inputs allow, waits just before the first use of their value. Recompiles ``gm`` when
+    it changed; returns what moved."""
+    graph = gm.graph
+    hoisted = _hoist_collectives(graph)
+    sunk = _sink_waits(graph)
+    if hoisted or sunk:
+        graph.lint()
+        gm.recompile()
+    return OverlapReport(collectives=sum(map(is_collective, graph.nodes)),
+                         hoisted=hoisted, sunk=sunk)
+
+
+def _hoist_collectives(graph: fx.Graph) -> int:
+    """Move each collective, in graph order, to just after the latest of its inputs, the
+    previous collective and the previous barrier."""
+    nodes = list(graph.nodes)
+    pos: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(nodes)}
+    # a moved collective sits just after its target: between two whole positions, later
+    # than whatever was moved there before (collectives keep their order)
+    step = 1.0 / (len(nodes) + 1)
+    moved = 0
+    anchor: fx.Node | None = None  # the last node no later collective may pass
+    for node in nodes:
+        if node.op == "placeholder":  # the inputs stay first
+            anchor = node
+        if is_collective(node):
+            after = [*node.all_input_nodes, *([anchor] if anchor is not None else [])]
+            target = max(after, key=pos.__getitem__, default=None)
+            if target is not None and target.next is not node:
+                target.append(node)  # moves the node to just after ``target``
+                pos[node] = pos[target] + step
+                moved += 1
+            anchor = node
+        elif is_barrier(node):
+            anchor = node
+    return moved
+
+
+def _sink_waits(graph: fx.Graph) -> int:
+    """Move each wait to just before its first user, stopping at the first barrier (or
+    the output) after it."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    next_stop = [len(nodes) - 1] * len(nodes)  # index of the first barrier / output at or after i
+    for i in range(len(nodes) - 1, -1, -1):
+        last = nodes[i].op == "output" or is_barrier(nodes[i])
+        next_stop[i] = i if last or i == len(nodes) - 1 else next_stop[i + 1]
+    moved = 0
+    for wait in [n for n in nodes if is_wait(n)]:
+        if not wait.users:
+            continue
+        i = pos[wait]
+        stop = nodes[min(min(pos[u] for u in wait.users), next_stop[i])]
+        if stop is not wait.next:
+            stop.prepend(wait)  # moves the wait to just before ``stop``
+            moved += 1
+    return moved
+
+
+def overlap_stage_graphs(graphs) -> dict[str, OverlapReport]:
+    """:func:`overlap_collectives` on every graph of ``graphs`` (an
+    :class:`autopp.graph.StageGraphs`: forward, backward pieces, unshard, reduce-grad), in
+    place; what moved, by graph name."""
+    return {name: overlap_collectives(gm) for name, gm in graphs.graphs().items()}
+
+
+def describe_overlap(graphs, on: bool) -> str:
+    """One ``describe()`` line: whether ``graphs``' collectives are issued early and waited
+    at first use, and how many there are."""
+    n = sum(is_collective(node) for gm in graphs.graphs().values() for node in gm.graph.nodes)
+    if not on:
+        return (f"overlap off (overlap_collectives=False): each of its {n} collectives is "
+                "waited right after it is issued")
+    return (f"overlap on (overlap_collectives=True): its {n} collectives are issued as soon "
+            "as their inputs exist and waited just before first use (the estimates still "
+            "price them as exposed)")
