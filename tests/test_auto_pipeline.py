@@ -17,17 +17,23 @@ from tests.models import make_batch, reference_step
 from tests.pipeline_workers import checkpoint_resume, run_configs, train_and_round_trip
 from tests.test_pipeline_numerics import (
     BATCH,
-    N_LAYERS,
     SEQ,
-    _cfg,
     _check,
     _check_tracks_adamw_reference,
 )
+from tests.test_pipeline_numerics import N_LAYERS as REPLICATED_LAYERS
+from tests.test_pipeline_numerics import _cfg as _replicated_cfg
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("fresh_plan_cache")]
 
+#: Blocks of the planned test model: every planned stage is lowered on each of its ranks,
+#: and lowering costs per block, so these tests use the fewest blocks their layouts need (a
+#: V schedule at pp=2 runs 4 stages: 4 blocks give each a block of its own).
+N_LAYERS = 4
 
 
+def _cfg(schedule, pp, **kw):
+    return _replicated_cfg(schedule, pp, **{"n_layers": N_LAYERS, **kw})
 
 @pytest.fixture(scope="module")
 def reference():
@@ -77,7 +83,8 @@ def test_auto_adamw_20_steps_track_reference():
 
 
 def test_auto_checkpoint_resume(tmp_path):
-    cfg = _cfg("1F1B", 2, dp=2, tp=2, parallelize="auto", lr=1e-3)
+    # 6 blocks: the resumed layout's 8 stages need them
+    cfg = _cfg("1F1B", 2, dp=2, tp=2, parallelize="auto", lr=1e-3, n_layers=REPLICATED_LAYERS)
     # resumed in another planned layout (other stages, other shards of every tensor)
     cfg["resume"] = dict(schedule="Interleaved1F1B", pp=4, dp=2, tp=1, n_microbatches=4,
                          parallelize="auto")
@@ -122,13 +129,14 @@ def test_auto_parameters_gathered_once_per_step():
     gathers them again instead.
     The loss and gradients equal the single-process model's either way."""
     batch, seq = 8, 128
-    reference = reference_step(N_LAYERS, *make_batch(batch, seq))
+    reference = reference_step(REPLICATED_LAYERS, *make_batch(batch, seq))
     configs = [_cfg("1F1B", 2, dp=2, tp=2, count_collectives=True, n_microbatches=m,
+                    n_layers=REPLICATED_LAYERS,
                     batch=batch, seq=seq, planner_options=dict(
                         parameter_budget_bytes=4e6, reshard_after_forward=False))
                for m in (2,)]
     configs.append(_cfg("1F1B", 2, dp=2, tp=2, count_collectives=True, n_microbatches=2,
-                        batch=batch, seq=seq, planner_options=dict(
+                        n_layers=REPLICATED_LAYERS, batch=batch, seq=seq, planner_options=dict(
                             parameter_budget_bytes=4e6, reshard_after_forward=True)))
     results = run_on_ranks(run_configs, 8, configs)
     _check(results, configs, reference)

@@ -61,7 +61,7 @@ def _check_tracks_adamw_reference(results, cfg, abs_tol):
     from tests.models import reference_adamw_losses
 
     ref = reference_adamw_losses(
-        N_LAYERS, BATCH, SEQ, steps=cfg["steps"], lr=cfg["lr"], max_norm=cfg["max_norm"]
+        cfg["n_layers"], BATCH, SEQ, steps=cfg["steps"], lr=cfg["lr"], max_norm=cfg["max_norm"]
     )
     assert ref[-1] < ref[0]
     for r in results:
