@@ -474,8 +474,18 @@ class Pipeline:
         norms = [torch.linalg.vector_norm(p.grad, norm_type, dtype=torch.float64)
                  for p in params]
         if norms:
-            total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-            total = total.full_tensor() if isinstance(total, DTensor) else total
+            # one reduction per mesh: a user's parallelize may put parameters on several
+            # (e.g. TP + FSDP over (dp, tp) on some, FSDP over dp alone on others), and
+            # DTensor stacks only norms of one mesh
+            by_mesh: dict[Any, list[torch.Tensor]] = {}
+            for n in norms:
+                by_mesh.setdefault(n.device_mesh if isinstance(n, DTensor) else None,
+                                   []).append(n)
+            parts = []
+            for group_norms in by_mesh.values():
+                part = torch.linalg.vector_norm(torch.stack(group_norms), norm_type)
+                parts.append(part.full_tensor() if isinstance(part, DTensor) else part)
+            total = torch.linalg.vector_norm(torch.stack(parts), norm_type)
         else:
             total = torch.zeros((), dtype=torch.float64, device=self._device)
         if self.layout.pp_size > 1:
@@ -487,8 +497,14 @@ class Pipeline:
                 dist.all_reduce(total, group=group)
                 total = total ** (1.0 / norm_type)
         # tied copies were counted once; every copy is clipped by the same factor
-        every = [p for p in self.parameters() if p.grad is not None]
-        torch.nn.utils.clip_grads_with_norm_(every, max_norm, total.float())
+        # (per mesh: torch's foreach scaling takes one mesh at a time)
+        every: dict[Any, list[torch.Tensor]] = {}
+        for p in self.parameters():
+            if p.grad is not None:
+                every.setdefault(p.device_mesh if isinstance(p, DTensor) else None,
+                                 []).append(p)
+        for same_mesh in every.values():
+            torch.nn.utils.clip_grads_with_norm_(same_mesh, max_norm, total.float())
         norm = float(total)
         self._check_finite("gradient norm", norm)
         return norm

@@ -84,7 +84,9 @@ def test_all_schedules_pp4_and_pp2_dp2(reference):
 def test_pp2_dp2_tp2_replicated_and_manual(reference):
     configs = [
         _cfg("1F1B", 2, dp=2, tp=2),
-        _cfg("1F1B", 2, dp=2, tp=2, parallelize=tp_fsdp_parallelize),
+        # its parameters live on two meshes (TP + FSDP on the MLPs, FSDP alone elsewhere):
+        # the global norm is taken over both
+        _cfg("1F1B", 2, dp=2, tp=2, parallelize=tp_fsdp_parallelize, clip=True),
     ]
     _check(run_on_ranks(run_configs, 8, configs), configs, reference)
 
