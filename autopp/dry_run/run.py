@@ -507,7 +507,8 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
             torchtitan_wall_s=tt[1], torchtitan_cached=tt[2], torchtitan_cost=tt_cost,
             boundary_out=kind, loss_s=plan.loss_s, torchtitan_loss_s=tt_loss,
         ))
-    link = slowest_link(pp_links(profile, (pp, dp, tp), stage_ranks), pp_link(profile, (pp, dp, tp)))
+    shape3 = (pp, dp, tp)
+    link = slowest_link(pp_links(profile, shape3, stage_ranks), pp_link(profile, shape3))
     sim_args = dict(pp=pp, n_microbatches=n_microbatches, stage_ranks=stage_ranks,
                     profile=profile, mesh_shape=(pp, dp, tp))
     sim = simulate_stages(schedule, [s.cost for s in stages], **sim_args)

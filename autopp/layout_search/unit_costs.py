@@ -28,7 +28,7 @@ from torch import nn
 from autopp.estimate.stage_costs import StateBytes, param_dtypes, state_bytes
 from autopp.sharding.plan import StagePlan
 from autopp.profiles.lookup import get_profile
-from autopp.profiles.collectives import collective_steps
+from autopp.profiles.collectives import collective_latency_s
 from autopp.profiles.devices import mesh_links
 
 __all__ = ["LEAN_PRICE", "ShapeCosts", "UnitCost", "probe_costs"]
@@ -133,7 +133,7 @@ def _unit_cost(plan: StagePlan, prefix: str, fqns: set[str], dtypes: dict[str, t
     reduce = sum(c.time_s for c in mine.collectives if c.node in fqns)
     links = mesh_links(get_profile(plan.profile), tuple(plan.mesh_shape))
     dims = list(plan.mesh_dim_names)
-    latency = sum(links.latency[i] * collective_steps(c.kind, plan.mesh_shape[i])
+    latency = sum(collective_latency_s(c.kind, plan.mesh_shape[i], links.latency[i])
                   for c in mine.collectives
                   if c.node not in fqns and c.producer not in fqns and c.mesh_dim in dims
                   for i in (dims.index(c.mesh_dim),))

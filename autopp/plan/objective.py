@@ -1,7 +1,7 @@
 """The rules every pipeline-level price shares: Alpa's pipeline objective, the bytes a stage
-boundary sends, and the point-to-point link between each pair of pp ranks (the simulator's). The boundary
-choice (:mod:`autopp.plan.make`), the estimates (:mod:`autopp.estimate`), the dry run, the
-torchtitan integration and the layout search import them from here.
+boundary sends, and the point-to-point link between each pair of pp ranks (the simulator's).
+The boundary choice (:mod:`autopp.plan.make`), the estimates (:mod:`autopp.estimate`), the
+dry run, the torchtitan integration and the layout search import them from here.
 """
 
 from __future__ import annotations

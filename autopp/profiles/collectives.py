@@ -44,6 +44,12 @@ def wire_bytes(kind: str, n: int, local_bytes: float) -> float:
     return factor * local_bytes
 
 
+def collective_latency_s(kind: str, n: int, latency: float) -> float:
+    """Of :func:`collective_s`, the part that does not grow with the bytes:
+    ``latency · steps``."""
+    return latency * collective_steps(kind, n)
+
+
 def collective_s(kind: str, n: int, local_bytes: float, bandwidth: float,
                  latency: float) -> float:
     """Seconds of ``kind`` over ``n`` ranks on one link: ``latency · steps + wire /
@@ -51,4 +57,4 @@ def collective_s(kind: str, n: int, local_bytes: float, bandwidth: float,
     if n == 1:
         _check(kind, n)
         return 0.0
-    return latency * collective_steps(kind, n) + wire_bytes(kind, n, local_bytes) / bandwidth
+    return collective_latency_s(kind, n, latency) + wire_bytes(kind, n, local_bytes) / bandwidth

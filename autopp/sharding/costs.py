@@ -2,9 +2,10 @@
 
 Compute (per device): ``max(flops / (peak × efficiency), bytes / memory bandwidth)``, the peak
 the dtype's (:func:`profiles.devices.matmul_peak`: fp32 at TF32's rate only when the plan was
-made with TF32 on), with the FLOPs from torch's FLOP counter registry for the global shapes, divided by the number of
-devices that split the work (a mesh dim splits it when any input or output is sharded on it;
-fully replicated work is repeated on every device). View-like ops cost nothing.
+made with TF32 on), with the FLOPs from torch's FLOP counter registry for the global shapes,
+divided by the number of devices that split the work (a mesh dim splits it when any input or
+output is sharded on it; fully replicated work is repeated on every device). View-like ops
+cost nothing.
 
 Communication (per device, α-β model per mesh dim, bandwidth and latency from
 :func:`profiles.mesh_links`, the price from :func:`profiles.collectives.collective_s`): for
@@ -37,7 +38,7 @@ from torch.utils.flop_counter import flop_registry
 
 from autopp._compat import sharding as compat
 from autopp.sharding import op_hooks
-from autopp.profiles.collectives import collective_s, collective_steps
+from autopp.profiles.collectives import collective_latency_s, collective_s
 from autopp.profiles.devices import DeviceProfile, mesh_links
 from autopp.sharding.strategies import VIEW_OPS, NodeStrategy, Option, local_shape, tensor_vals
 
@@ -216,15 +217,9 @@ class CostModel:
             raise ValueError(f"{kind} over several mesh dims at once is not priced")
         n = math.prod(self.mesh_shape[d] for d in dims)
         lat = max(self.links.latency[d] for d in dims)
-        return lat * collective_steps(kind, n) + max(
+        return collective_latency_s(kind, n, lat) + max(
             (self.mesh_shape[d] - 1) / self.mesh_shape[d] * local_bytes
             / self.links.bandwidth[d] for d in dims)
-
-    def latency_time(self, kind: str, mesh_dim: int) -> float:
-        """Of :meth:`collective_time` over one dim, the part that does not grow with the
-        bytes: the dim's latency times the collective's steps."""
-        n = self.mesh_shape[mesh_dim]
-        return self.links.latency[mesh_dim] * collective_steps(kind, n) if n > 1 else 0.0
 
     def local_bytes(self, val: torch.Tensor, placements: tuple) -> float:
         shape = local_shape(val.shape, placements, self.mesh_shape)

@@ -68,7 +68,9 @@ def test_all_reduce_of_1mb_over_8_ranks_by_hand():
     both = CostModel(get_profile("H100"), (2, 4))
     assert both.collective_time("all_to_all", (0, 1), 1e6) == pytest.approx(
         7 * 5e-6 + 3 / 4 * 1e6 / 450e9)
-    assert intra.latency_time("all_reduce", 1) == pytest.approx(14 * 5e-6)
+    from autopp.profiles.collectives import collective_latency_s
+
+    assert collective_latency_s("all_reduce", 8, 5e-6) == pytest.approx(14 * 5e-6)
 
 
 def test_loss_parallel_all_reduces_pay_their_ring_steps():
