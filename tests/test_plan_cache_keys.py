@@ -77,3 +77,50 @@ def test_a_changed_helper_beside_the_forward_gets_a_new_key(tmp_path, monkeypatc
             keys.append(_key(mod.UserBlock()))
     sys.modules.pop("user_block", None)
     assert keys[0] != keys[1]
+
+
+def test_the_tf32_setting_is_in_the_keys(monkeypatch):
+    """torch's fp32 matmul precision changes the rate fp32 matmuls are priced at, so it is
+    read where the options are formed and both keys change with it: the pipeline plan's
+    (through ``PlanOptions.tf32``) and each stage plan's (``plan_local_stage``)."""
+    import dataclasses
+    import types
+
+    from autopp.plan import make
+    from autopp.plan.options import PlannerOptions
+    from autopp.plan.value import PlanOptions
+
+    class Stop(Exception):
+        pass
+
+    keys: list[str] = []
+
+    def capture(*args, **kwargs):
+        keys.append(cache.plan_key(*args, **kwargs))
+        raise Stop
+
+    monkeypatch.setattr(make, "plan_key", capture)
+    with torch.device("meta"):
+        m = _block(1.0)()
+    sub_mesh = types.SimpleNamespace(shape=(2, 2), mesh_dim_names=("dp", "tp"))
+    x = (torch.empty(4, 8, device="meta"),)
+    pipeline_keys, flags = [], []
+    before = torch.get_float32_matmul_precision()
+    try:
+        for precision in ("highest", "high", "highest"):
+            torch.set_float32_matmul_precision(precision)
+            options = PlannerOptions(profile="H100")
+            flags.append(options.tf32)
+            record = PlanOptions.of(options, "H100")
+            pipeline_keys.append(cache.pipeline_plan_key(
+                {"options": dataclasses.asdict(record)}))
+            try:
+                make.plan_local_stage(m, x, sub_mesh, profile="H100", memory_budget_bytes=None,
+                                      stage_index=0)
+            except Stop:
+                pass
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert flags == [False, True, False]
+    assert pipeline_keys[0] == pipeline_keys[2] != pipeline_keys[1]
+    assert keys[0] == keys[2] != keys[1]

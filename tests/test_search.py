@@ -195,7 +195,8 @@ def test_a_probe_bug_is_told_from_a_planner_refusal(monkeypatch, caplog):
     from autopp.layout_search.search import SearchReport
 
     monkeypatch.setattr(probe_pool, "JOB", dict(world=2, global_batch=2, seq_len=8, model=None,
-                                                layout=None, profile="CPU", mp=None))
+                                                layout=None, profile="CPU", mp=None,
+                                                tf32=False))
     errors = iter([TypeError("'NoneType' object is not subscriptable"),
                    ValueError("output_placements (Shard(dim=1),) matches no placement")])
 

@@ -334,3 +334,78 @@ def test_simulating_p8_m32_v2_is_fast():
     elapsed = time.perf_counter() - start
     assert elapsed < 1.0, elapsed
     assert close(result.bubble_fraction, 7 / (2 * 32 + 7))
+
+
+# --- the pp link between each pair of ranks -----------------------------------------------
+
+
+def test_pp_link_by_whether_the_two_ranks_share_a_node():
+    """(pp, dp, tp) = (4, 1, 4) on H100 nodes of 8: pp ranks 0 and 1 fill node 0, 2 and 3
+    node 1, so 0 -> 1 and 2 -> 3 go over NVLink (5 us, 450 GB/s) and 1 -> 2 across nodes
+    (20 us, 50 GB/s). 1 MB takes 5 us + 1e6 / 450e9 s, or 20 us + 1e6 / 50e9 s."""
+    from autopp.plan.objective import pp_link, transfer_s
+
+    shape = (4, 1, 4)
+    intra, inter = 5e-6 + 1e6 / 450e9, 20e-6 + 1e6 / 50e9
+    for src, dst, t in ((0, 1, intra), (1, 0, intra), (2, 3, intra), (1, 2, inter),
+                        (3, 0, inter)):
+        assert transfer_s(pp_link("H100", shape, src, dst), 1e6) == pytest.approx(t), (src, dst)
+    # a pp rank that fills a node: every send crosses nodes
+    for src in range(3):
+        assert transfer_s(pp_link("H100", (4, 2, 4), src), 1e6) == pytest.approx(inter)
+    # all in one node
+    assert transfer_s(pp_link("H100", (2, 2, 2)), 1e6) == pytest.approx(intra)
+
+
+def test_pp_ranks_share_a_node_as_their_devices_do():
+    """The closed form equals the definition: every device r of pp rank a and its
+    counterpart r + (b - a)·dp·tp in pp rank b are on one node."""
+    from autopp.plan.objective import pp_ranks_share_node
+
+    for pp, group, per_node in ((4, 2, 8), (4, 3, 8), (8, 1, 4), (3, 5, 8), (6, 4, 16)):
+        for a in range(pp):
+            for b in range(pp):
+                if a != b:
+                    each = all((a * group + j) // per_node == (b * group + j) // per_node
+                               for j in range(group))
+                    assert pp_ranks_share_node((pp, group, 1), per_node, a, b) == each
+
+
+def test_a_measured_p2p_link_overrides_the_node_rule():
+    from autopp.plan.objective import pp_links
+    from autopp.profiles.devices import PROFILES, with_overrides
+
+    measured = with_overrides(PROFILES["H100"], name="p2p-box", p2p_bw=7e9, p2p_latency=3e-6)
+    links = pp_links(measured, (4, 1, 4))
+    assert set(links) == {(a, b) for a in range(4) for b in range(4) if a != b}
+    assert set(links.values()) == {Link(latency_s=3e-6, bandwidth_bytes_per_s=7e9)}
+
+
+@pytest.mark.parametrize("schedule,wrap", [("Interleaved1F1B", (3, 0)),
+                                           ("ZBVZeroBubble", None)])
+def test_simulated_sends_go_over_the_link_between_the_ranks_they_join(schedule, wrap):
+    """(4, 1, 4) on H100: a loop schedule's wrap-around send (stage 3 on rank 3 -> stage 4
+    on rank 0) crosses nodes, like 1 -> 2; 0 -> 1 and 2 -> 3 stay in a node. A V's turn
+    (stages 3 and 4 on rank 3) sends nothing. Each first send of a boundary finds its link
+    free: it takes latency + bytes / bandwidth."""
+    from autopp.estimate.pipeline import simulate_stages
+    from autopp.schedules.actions import schedule_actions as actions_of
+
+    nbytes = 4_000_000
+    c = cost(1e-3, 1e-3, 1e-3, p2p_bytes_per_microbatch=nbytes)
+    ranks = actions_of(schedule, pp=4, n_microbatches=8).stage_to_rank
+    sim = simulate_stages(schedule, [c] * 8, pp=4, n_microbatches=8, stage_ranks=ranks,
+                          profile="H100", mesh_shape=(4, 1, 4))
+    intra, inter = 5e-6 + nbytes / 450e9, 20e-6 + nbytes / 50e9
+    first: dict[tuple[int, int], float] = {}
+    for e in sim.events:
+        if e.kind == "SEND_F" and e.microbatch == 0:
+            first.setdefault((e.rank, e.peer_rank), e.end_s - e.start_s)
+    for (src, dst), t in first.items():
+        crosses = src // 2 != dst // 2
+        assert t == pytest.approx(inter if crosses else intra), (src, dst)
+    if wrap is not None:
+        assert wrap in first
+    else:
+        assert all(a != b for a, b in first)
+        assert (3, 3) not in first and len(first) == 6

@@ -130,7 +130,7 @@ def _pipeline_lines(r: DryRunReport) -> list[str]:
     lines = [
         "",
         f"Pipeline, simulated ({sim.actions.name}: torch's action lists for {r.pp} pp ranks, "
-        f"{r.n_stages} stages, {r.n_microbatches} microbatches; p2p link {bw}, "
+        f"{r.n_stages} stages, {r.n_microbatches} microbatches; slowest p2p link {bw}, "
         f"{link.latency_s * 1e6:.0f} us):",
         f"  estimated step time: {_ms(r.step_time_s)}; bubble {sim.bubble_fraction:.1%} "
         "(idle share of all ranks' time)",

@@ -64,7 +64,13 @@ from autopp.loss import cross_entropy
 from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
 from autopp.estimate.pipeline import simulate_stages, stage_estimate
 from autopp.graph.weight_gathering import WeightGathering
-from autopp.plan.objective import boundary_bytes, pipeline_objective_s, pp_link
+from autopp.plan.objective import (
+    boundary_bytes,
+    pipeline_objective_s,
+    pp_link,
+    pp_links,
+    slowest_link,
+)
 from autopp.plan.value import PipelinePlan
 from autopp.plan.cache import cached_plan, plan_key
 from autopp.schedules import (
@@ -143,7 +149,8 @@ class DryRunReport:
     simulation: SimulationResult
     """The schedule simulated over the stages' costs: the step estimate, bubble, memory."""
     link: Link
-    """The pp link the simulation used."""
+    """The slowest of the pp links the simulation used (each send goes over the link between
+    the two ranks it joins: intra-node where they share a node)."""
     device_memory_bytes: float
     """The profile's device memory."""
     memory_reserve: float
@@ -272,7 +279,7 @@ __all__ = ["DryRunReport", "StageReport", "compact_modules", "dry_run", "placeme
 
 
 def _plan_torchtitan(stage, inputs, sub_mesh, profile, index, *, first: bool, last: bool,
-                     mixed_precision=None, n_microbatches: int = 1):
+                     mixed_precision=None, n_microbatches: int = 1, tf32: bool = False):
     """torchtitan's layout priced by the planner (activations re-optimised), cached on disk.
 
     As torchtitan runs it with TP: sequence parallel between blocks, so a stage sends its
@@ -285,7 +292,7 @@ def _plan_torchtitan(stage, inputs, sub_mesh, profile, index, *, first: bool, la
     b_in = "batch" if first or tp == 1 else "batch+seq"
     b_out = ("vocab" if last else "batch+seq") if tp > 1 else "batch"
     options = dict(profile=profile, reference="torchtitan FSDP+TP, vocab-sharded embed/head",
-                   boundary_in=b_in, boundary_out=b_out)
+                   boundary_in=b_in, boundary_out=b_out, tf32=tf32)
     if mixed_precision is not None:
         options["mixed_precision"] = mixed_precision
     options["microbatches_per_grad_reduce"] = n_microbatches
@@ -296,6 +303,7 @@ def _plan_torchtitan(stage, inputs, sub_mesh, profile, index, *, first: bool, la
         param_placements=torchtitan_stage_placements(stage, names),
         input_placements=BOUNDARIES[b_in], output_placements=BOUNDARIES[b_out],
         mixed_precision=mixed_precision, microbatches_per_grad_reduce=n_microbatches,
+        tf32=tf32,
     ))
     dt = time.perf_counter() - t0
     logger.info("stage %d: torchtitan layout priced in %.1f s (%s)", index, dt,
@@ -439,7 +447,8 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
             tt_plans.append(_plan_torchtitan(stage, x, sub_mesh, profile, s, first=s == 0,
                                              last=s == n_stages - 1,
                                              mixed_precision=mixed_precision,
-                                             n_microbatches=n_microbatches))
+                                             n_microbatches=n_microbatches,
+                                             tf32=options.tf32))
         budget = memory_budget_bytes
         if compare and budget is None and options.parameter_budget_bytes is None:
             budget = tt_plans[s][0].param_bytes_per_device * (1 + 1e-9)
@@ -498,7 +507,8 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
             torchtitan_wall_s=tt[1], torchtitan_cached=tt[2], torchtitan_cost=tt_cost,
             boundary_out=kind, loss_s=plan.loss_s, torchtitan_loss_s=tt_loss,
         ))
-    link = pp_link(profile, (pp, dp, tp))
+    shape3 = (pp, dp, tp)
+    link = slowest_link(pp_links(profile, shape3, stage_ranks), pp_link(profile, shape3))
     sim_args = dict(pp=pp, n_microbatches=n_microbatches, stage_ranks=stage_ranks,
                     profile=profile, mesh_shape=(pp, dp, tp))
     sim = simulate_stages(schedule, [s.cost for s in stages], **sim_args)

@@ -24,7 +24,7 @@ from autopp.estimate.stage_costs import (
     state_bytes,
 )
 from autopp.graph.weight_gathering import WeightGathering
-from autopp.plan.objective import pp_link
+from autopp.plan.objective import pp_link, pp_links
 from autopp.schedules import SimulationResult, StageCost, simulate_schedule
 
 #: How stage facts are found: "graphs" (lower every stage's plan to read its activation
@@ -53,10 +53,14 @@ def stage_estimate(meta: nn.Module, plan: Any, sub_mesh: Any, inputs: tuple, n_m
 def simulate_stages(schedule: str, costs: Sequence[StageCost], *, pp: int, n_microbatches: int,
                     stage_ranks: Sequence[int], profile: Any, mesh_shape: tuple[int, ...]
                     ) -> SimulationResult:
-    """The schedule simulated over ``costs`` on the profile's pp link; the simulator's stage
-    placement must be the pipeline's (``stage_ranks``), or it is a bug and raises."""
+    """The schedule simulated over ``costs`` on the profile's pp links (each send over the
+    link between the two ranks it joins, :func:`~autopp.plan.objective.pp_links`); the
+    simulator's stage placement must be the pipeline's (``stage_ranks``), or it is a bug
+    and raises."""
+    shape = tuple(mesh_shape)
     sim = simulate_schedule(schedule, list(costs), pp=pp, n_microbatches=n_microbatches,
-                            n_stages=len(costs), link=pp_link(profile, tuple(mesh_shape)))
+                            n_stages=len(costs), link=pp_link(profile, shape),
+                            links=pp_links(profile, shape, stage_ranks))
     if sim.actions.stage_to_rank != tuple(stage_ranks):
         raise RuntimeError(f"simulated stage placement {sim.actions.stage_to_rank} differs "
                            f"from the pipeline's {tuple(stage_ranks)}")

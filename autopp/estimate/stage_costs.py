@@ -318,13 +318,13 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
 
     flat, by_name = units_of_plan(module, plan, mesh, example_inputs[0])
     memo = {} if memo is None else memo
-    costs = CostModel(get_profile(plan.profile), tuple(plan.mesh_shape))
+    costs = CostModel(get_profile(plan.profile), tuple(plan.mesh_shape), plan.tf32)
     x = example_inputs[0]
     traced: dict[str, Any] = {}
     times = dict.fromkeys(PHASES, 0.0)
     acts = kept_w = gathered = ckpt = largest = 0
     for bplan in plan.blocks:  # as autopp.lower.apply.planned_units walks them
-        key = (bplan.signature, bplan.nodes, plan.profile, tuple(plan.mesh_shape),
+        key = (bplan.signature, bplan.nodes, plan.profile, plan.tf32, tuple(plan.mesh_shape),
                plan.param_dtype, n_microbatches, plan.recompute, plan.trace_settings)
         if key not in memo:  # identical blocks with one plan: traced and lowered once
             unit = by_name[bplan.prefix]

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 from torch import nn
 
 from autopp.plan.objective import boundary_split
+from autopp.profiles.devices import matmul_peak
 from autopp.layout_search.layouts import Layout
 from autopp.layout_search.unit_costs import ShapeCosts, UnitCost
 
@@ -102,7 +102,7 @@ class Pricer:
     """Prices layouts from probe costs (one :class:`ShapeCosts` per sub-mesh shape)."""
 
     def __init__(self, model: nn.Module, layout_info: Any, *, global_batch: int, seq_len: int,
-                 profile: Any, mixed_precision: Any, usable: float):
+                 profile: Any, mixed_precision: Any, usable: float, tf32: bool = False):
         self.layout = layout_info
         self.global_batch, self.seq_len = global_batch, seq_len
         self.profile, self.usable = profile, usable
@@ -112,8 +112,7 @@ class Pricer:
         self.n_params = adapters.active_parameters(model)  # per token: MoE counts K/E experts
         dtype = getattr(mixed_precision, "param_dtype", None) or next(
             model.parameters()).dtype
-        self.peak_flops = profile.flops_bf16 if dtype in (torch.bfloat16, torch.float16) \
-            else profile.flops_fp32
+        self.peak_flops = matmul_peak(profile, dtype, tf32)  # the MFU's denominator
 
     def add(self, shape: ShapeCosts) -> None:
         """Take a probe's costs (merged with those of other recompute policies)."""

@@ -45,7 +45,7 @@ def probe_job(dp: int, tp: int, pp: int, m_ref: int, modes: tuple[str, ...]
         return probe_costs(j["model"], j["layout"], sub, tokens=tokens, n_microbatches=m_ref,
                            profile=j["profile"], boundary="batch+seq" if tp > 1 else "batch",
                            loss_kind="vocab" if tp > 1 else "batch", modes=modes,
-                           mixed_precision=j["mp"])
+                           mixed_precision=j["mp"], tf32=j["tf32"])
     except ValueError as e:  # the planner's own refusals (InfeasiblePlanError among them)
         return f"the planner could not plan this sub-mesh: {e}".split("\n")[0]
     except Exception as e:  # noqa: BLE001 - anything else is a bug in autopp, said so

@@ -69,6 +69,8 @@ class SearchReport:
     model: nn.Module = field(compare=False, repr=False, default=None)
     memory_reserve: float = 0.1
     """The share of device memory the search kept out of every layout's fit."""
+    tf32: bool = False
+    """fp32 matmuls priced at the TF32 rate (torch's setting when the search ran)."""
 
     @property
     def best(self) -> Candidate:
@@ -159,7 +161,7 @@ class SearchReport:
 
         if options is None:  # what the search ranked the layout with
             options = PlannerOptions(profile=self.profile, mixed_precision=self.mixed_precision,
-                                     memory_reserve=self.memory_reserve)
+                                     memory_reserve=self.memory_reserve, tf32=self.tf32)
         c = self.results[index]
         lay = c.layout
         return dry_run(self.model, pp=lay.pp, dp=lay.dp, tp=lay.tp, schedule=lay.schedule,
@@ -267,6 +269,7 @@ def search(
 
     adapters.prepare(model_meta)  # e.g. a transformers model's attention (logged)
     from autopp.estimate.stage_costs import usable_bytes
+    from autopp.profiles.devices import tf32_enabled
     from autopp.profiles.lookup import get_profile
     from autopp.stage_split import inspect_model
 
@@ -275,6 +278,7 @@ def search(
         if m not in _MODES:
             raise ValueError(f"recompute policies are {_MODES}, got {m!r}")
     prof = get_profile(profile)
+    tf32 = tf32_enabled()  # read once: the probes' plans and the MFU use it
     usable = usable_bytes(prof, memory_reserve)
     layout_info = inspect_model(model_meta, layers_attr)
     layouts, rejected = enumerate_layouts(
@@ -288,13 +292,13 @@ def search(
                          f"the search needs a fake world of {world_size}")
     workers = min(2, os.cpu_count() or 1) if workers is None else workers
     pricer = Pricer(model_meta, layout_info, global_batch=global_batch, seq_len=seq_len,
-                    profile=prof, mixed_precision=mixed_precision, usable=usable)
+                    profile=prof, mixed_precision=mixed_precision, usable=usable, tf32=tf32)
     families: dict[tuple[int, int], list[Layout]] = {}
     for lay in layouts:
         families.setdefault((lay.dp, lay.tp), []).append(lay)
     JOB.update(model=model_meta, layout=layout_info, world=world_size,
                 global_batch=global_batch, seq_len=seq_len, profile=prof.name,
-                mp=mixed_precision)
+                mp=mixed_precision, tf32=tf32)
     logger.info("search: %d layouts over %d sub-mesh shapes (%d left out before pricing), "
                 "%d probe process(es)", len(layouts), len(families), len(rejected), workers)
     progress = {"n": 0, "total": 0, "last": time.perf_counter()}
@@ -415,4 +419,5 @@ def search(
         mixed_precision=mixed_precision, n_evaluated=len(layouts), n_submeshes=len(families),
         stage_plans_solved=sum(s.solved for s in pricer.shapes.values()),
         search_s=time.perf_counter() - t0, model=model_meta, memory_reserve=memory_reserve,
+        tf32=tf32,
     )

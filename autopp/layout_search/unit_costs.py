@@ -28,6 +28,7 @@ from torch import nn
 from autopp.estimate.stage_costs import StateBytes, param_dtypes, state_bytes
 from autopp.sharding.plan import StagePlan
 from autopp.profiles.lookup import get_profile
+from autopp.profiles.collectives import collective_latency_s
 from autopp.profiles.devices import mesh_links
 
 __all__ = ["LEAN_PRICE", "ShapeCosts", "UnitCost", "probe_costs"]
@@ -132,8 +133,10 @@ def _unit_cost(plan: StagePlan, prefix: str, fqns: set[str], dtypes: dict[str, t
     reduce = sum(c.time_s for c in mine.collectives if c.node in fqns)
     links = mesh_links(get_profile(plan.profile), tuple(plan.mesh_shape))
     dims = list(plan.mesh_dim_names)
-    latency = sum(links.latency[dims.index(c.mesh_dim)] for c in mine.collectives
-                  if c.node not in fqns and c.producer not in fqns and c.mesh_dim in dims)
+    latency = sum(collective_latency_s(c.kind, plan.mesh_shape[i], links.latency[i])
+                  for c in mine.collectives
+                  if c.node not in fqns and c.producer not in fqns and c.mesh_dim in dims
+                  for i in (dims.index(c.mesh_dim),))
     return UnitCost(
         per_microbatch_s=max(bp.estimated_s - gather - reduce, 0.0),
         recompute_s=bp.recompute_s,
@@ -147,7 +150,8 @@ def _unit_cost(plan: StagePlan, prefix: str, fqns: set[str], dtypes: dict[str, t
 
 def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.Tensor,
                 n_microbatches: int, profile: str, boundary: str, loss_kind: str,
-                modes: Sequence[str], mixed_precision: Any = None) -> ShapeCosts:
+                modes: Sequence[str], mixed_precision: Any = None,
+                tf32: bool | None = None) -> ShapeCosts:
     """Plan the probe stages of ``model`` on ``sub_mesh`` and read each unit's cost.
 
     Args:
@@ -163,6 +167,7 @@ def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.T
             (:data:`LEAN_PRICE` times the time-optimal plan's seconds per byte, where the
             exact planner's price search starts its second step) rather than least time.
         mixed_precision: torch's ``MixedPrecisionPolicy`` or None.
+        tf32: fp32 matmuls at the TF32 rate (None: as torch is set now).
     """
     import time
 
@@ -192,7 +197,7 @@ def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.T
                     meta, x, sub_mesh, profile=profile, memory_budget_bytes=None,
                     stage_index=s, boundary_in=k_in, boundary_out=k_out, timings=timings,
                     mixed_precision=mixed_precision, n_microbatches=n_microbatches,
-                    memory=mem)
+                    memory=mem, tf32=tf32)
 
             p = plan(memory)
             if lean:  # LEAN_PRICE x the time-optimal plan's own seconds per byte

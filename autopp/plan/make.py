@@ -188,6 +188,7 @@ def plan_local_stage(
     n_microbatches: int = 1,
     param_placements: dict[str, tuple[str, ...]] | None = None,
     memory: dict[str, Any] | None = None,
+    tf32: bool | None = None,
 ) -> StagePlan:
     """Plan ``stage`` (meta) over ``sub_mesh``; from the on-disk cache when possible.
 
@@ -197,13 +198,16 @@ def plan_local_stage(
     parameters' placements (stage FQN -> one placement string per mesh dim). ``memory``:
     :func:`~autopp.sharding.plan_stage`'s whole-memory accounting (``activation_factor``,
     ``recompute``, ``optimizer_state_factor``); without it ``memory_budget_bytes`` bounds
-    parameter bytes only.
+    parameter bytes only. ``tf32``: fp32 matmuls at the TF32 rate (``PlannerOptions.tf32``;
+    None: as torch is set now, :func:`~autopp.profiles.devices.tf32_enabled`); in the key.
     """
     from autopp.profiles import get_profile
+    from autopp.profiles.devices import tf32_enabled
 
     profile = get_profile(profile).name  # "measure" -> this machine's measured profile
+    tf32 = tf32_enabled() if tf32 is None else bool(tf32)
     options = dict(profile=profile, memory_budget_bytes=memory_budget_bytes,
-                   boundary_in=boundary_in, boundary_out=boundary_out)
+                   boundary_in=boundary_in, boundary_out=boundary_out, tf32=tf32)
     if param_placements:
         options["param_placements"] = sorted(param_placements.items())
     if mixed_precision is not None:
@@ -223,7 +227,7 @@ def plan_local_stage(
             output_placements=BOUNDARIES[boundary_out],
             mixed_precision=mixed_precision,
             microbatches_per_grad_reduce=n_microbatches,
-            param_placements=param_placements,
+            param_placements=param_placements, tf32=tf32,
             **(memory or {}),
         ),
     )
@@ -254,6 +258,7 @@ def plan_boundaries(
     param_placements: Sequence[dict[str, tuple[str, ...]]] | None = None,
     memory: Sequence[dict[str, Any] | None] | None = None,
     pp: int | None = None,
+    tf32: bool | None = None,
 ) -> tuple[list[str], Any]:
     """Choose every stage boundary's placement (and the last stage's logits placement).
 
@@ -281,8 +286,9 @@ def plan_boundaries(
     kinds = boundary_kinds(sub_mesh) if boundary == "auto" else (boundary,)
     if any(k not in BOUNDARIES or k == "vocab" for k in kinds):
         raise ValueError(f"boundary must be 'auto', 'batch' or 'batch+seq', got {boundary!r}")
-    link = pp_link(profile, (pp or len(set(rank_of or range(len(metas)))), dp, tp))
     n = len(metas)
+    ranks = list(rank_of) if rank_of is not None else list(range(n))
+    mesh_shape = (pp or len(set(ranks)), dp, tp)
     logits = last_stage_output(metas, inputs, mixed_precision)
 
     def plan(s: int, k_in: str, k_out: str, budgeted: bool = True) -> StagePlan:
@@ -292,7 +298,7 @@ def plan_boundaries(
             stage_index=s, boundary_in=k_in, boundary_out=k_out, timings=timings,
             mixed_precision=mixed_precision, n_microbatches=n_microbatches,
             param_placements=param_placements[s] if param_placements else None,
-            memory=memory[s] if memory else None,
+            memory=memory[s] if memory else None, tf32=tf32,
         )
 
     whole = bool(memory) and any(m and m.get("activation_factor") is not None for m in memory)
@@ -311,8 +317,12 @@ def plan_boundaries(
             return math.inf
         return t + loss_s(s, k_out)
 
-    def send_time(s: int, kind: str) -> float:
-        return 2 * transfer_s(link, boundary_bytes(inputs[s + 1][0], dp, tp, kind))
+    def send_time(s: int, kind: str) -> float:  # forward and back, between the ranks joined
+        nbytes = boundary_bytes(inputs[s + 1][0], dp, tp, kind)
+        if ranks[s] == ranks[s + 1]:
+            return 0.0
+        return (transfer_s(pp_link(profile, mesh_shape, ranks[s], ranks[s + 1]), nbytes)
+                + transfer_s(pp_link(profile, mesh_shape, ranks[s + 1], ranks[s]), nbytes))
 
     if len(kinds) > 1 or len(last_kinds) > 1:
         bounds = choose_boundaries(n, kinds, stage_time, send_time, last_kinds,
@@ -411,14 +421,15 @@ def plan_whole_pipeline(
     def _solve() -> PipelinePlan:
         metas, inputs = stage_meta_inputs(model, fqns, example_inputs[0], n_microbatches, dp,
                                           record.compute_dtype, stage_modules)
-        plan_kw = dict(profile=profile, mixed_precision=mp, n_microbatches=n_microbatches)
+        plan_kw = dict(profile=profile, mixed_precision=mp, n_microbatches=n_microbatches,
+                       tf32=options.tf32)
         fixed = tied_placements(model, fqns, metas, inputs, sub_mesh, budgets, memory,
                                 **plan_kw)
         bounds, plan_of = plan_boundaries(
             metas, inputs, sub_mesh, profile=profile, budgets=budgets, boundary=options.boundary,
             last_kinds=last_kinds, timings=timings, mixed_precision=mp,
             n_microbatches=n_microbatches, rank_of=list(stage_ranks), param_placements=fixed,
-            memory=memory, pp=pp,
+            memory=memory, pp=pp, tf32=options.tf32,
         )
         t0, stage_plans = time.perf_counter(), ()
         for s in range(n):  # under the chosen boundaries and each stage's budget

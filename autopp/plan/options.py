@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from autopp import tracing
+from autopp.profiles.devices import tf32_enabled
 
 
 if TYPE_CHECKING:
@@ -78,6 +79,13 @@ class PlannerOptions:
             collectives are asynchronous (NCCL). On by default; the values are the same
             either way, and the planner and simulator still price communication as exposed.
             Not part of the plan (it changes no choice).
+        tf32: price fp32 matmuls at the profile's TF32 tensor-core rate (``flops_tf32``)
+            rather than true fp32's (``flops_fp32``). Default: whether torch uses TF32 in
+            this process when the options are made
+            (``torch.get_float32_matmul_precision()`` "high" or "medium", or
+            ``torch.backends.cuda.matmul.allow_tf32``;
+            :func:`autopp.profiles.devices.tf32_enabled`). The plan records it (and the plan
+            cache keys hold it): set torch's precision before making the options.
         strict: refuse a plan that a fallback changed (an op replicated because DTensor's
             sharding rule failed or has no option for it, an op priced without FLOPs because
             its formula failed): raise on every rank, listing them. False (default): each is
@@ -101,6 +109,7 @@ class PlannerOptions:
     expert_compute_dtype: str = field(
         default_factory=lambda: tracing.setting("expert_compute_dtype"))
     overlap_collectives: bool = True
+    tf32: bool = field(default_factory=tf32_enabled)
     strict: bool = False
 
     def trace_settings(self) -> dict[str, str]:

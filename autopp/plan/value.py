@@ -162,6 +162,8 @@ class PlanOptions:
     """MoE token dispatch (``PlannerOptions.token_dispatch``)."""
     expert_compute_dtype: str = "bfloat16"
     """MoE routed experts' compute dtype (``PlannerOptions.expert_compute_dtype``)."""
+    tf32: bool = False
+    """fp32 matmuls priced at the TF32 rate (``PlannerOptions.tf32``)."""
 
     @classmethod
     def of(cls, options: PlannerOptions, profile: str) -> PlanOptions:
@@ -173,7 +175,7 @@ class PlanOptions:
                    boundary=options.boundary, loss_parallel=options.loss_parallel,
                    param_dtype=None if mp is None or mp.param_dtype is None else str(mp.param_dtype),
                    reduce_dtype=None if mp is None or mp.reduce_dtype is None
-                   else str(mp.reduce_dtype), **options.trace_settings())
+                   else str(mp.reduce_dtype), tf32=options.tf32, **options.trace_settings())
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -190,7 +192,7 @@ class PlanOptions:
         out = []
         for f in ("profile", "memory_budget_bytes", "memory_reserve",
                   "parameter_budget_bytes", "boundary", "loss_parallel", "token_dispatch",
-                  "expert_compute_dtype"):
+                  "expert_compute_dtype", "tf32"):
             if getattr(options, f) != getattr(default, f) and getattr(given, f) != getattr(self, f):
                 out.append(f"{f}: the plan has {getattr(self, f)!r}, the options "
                            f"{getattr(given, f)!r}")

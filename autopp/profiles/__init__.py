@@ -3,6 +3,8 @@
 * :mod:`autopp.profiles.devices`: :class:`DeviceProfile`, the built-in profiles (``PROFILES``),
   registering, saving and loading them, and the link each mesh dim runs over
   (:func:`~autopp.profiles.devices.mesh_links`).
+* :mod:`autopp.profiles.collectives`: the α-β price of one collective over n ranks (latency
+  per ring step, wire bytes over bandwidth), the one home of that rule.
 * :mod:`autopp.profiles.measure`: measuring this machine (matmul rates, collective bandwidth
   and latency) into a profile, cached on disk.
 * :mod:`autopp.profiles.lookup`: :func:`get_profile`, a profile by name.

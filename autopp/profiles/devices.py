@@ -35,7 +35,12 @@ class DeviceProfile:
     flops_bf16: float
     """Dense bf16/fp16 matmul peak, FLOP/s."""
     flops_fp32: float
-    """fp32 matmul peak, FLOP/s (TF32 tensor cores on GPUs)."""
+    """fp32 matmul peak, FLOP/s, at torch's default fp32 matmul precision ("highest": true
+    fp32, no TF32 tensor cores; :func:`matmul_peak`)."""
+    flops_tf32: float | None = None
+    """fp32 matmul peak with TF32 tensor cores, FLOP/s: what fp32 matmuls reach when the
+    user lets torch use TF32 (:func:`tf32_enabled`). None: no faster path than
+    ``flops_fp32`` (CPUs; profiles stored before this field existed)."""
     mem_bw: float
     """Device memory bandwidth, bytes/s."""
     memory_bytes: float
@@ -61,16 +66,40 @@ class DeviceProfile:
     """CPU cores that all ranks share (a measured CPU profile with more ranks than cores;
     its rates were measured with every rank busy at once); None: a device per rank."""
 
-    def flops(self, dtype: torch.dtype) -> float:
-        peak = self.flops_bf16 if dtype in (torch.bfloat16, torch.float16) else self.flops_fp32
-        return peak * self.compute_efficiency
+    def flops(self, dtype: torch.dtype, tf32: bool = False) -> float:
+        """The FLOP rate a large matmul in ``dtype`` reaches: :func:`matmul_peak` times
+        ``compute_efficiency``."""
+        return matmul_peak(self, dtype, tf32) * self.compute_efficiency
+
+
+def tf32_enabled() -> bool:
+    """Whether torch runs fp32 matmuls on TF32 tensor cores in this process: the user set
+    ``torch.set_float32_matmul_precision("high")`` (or ``"medium"``) or
+    ``torch.backends.cuda.matmul.allow_tf32 = True``. torch's default ("highest") does not.
+    Read once where planning options are formed (``PlannerOptions.tf32``); the plan records
+    it."""
+    if torch.get_float32_matmul_precision() in ("high", "medium"):
+        return True
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+def matmul_peak(profile: DeviceProfile, dtype: torch.dtype, tf32: bool = False) -> float:
+    """The one rule for which peak a matmul in ``dtype`` runs at, FLOP/s: bf16 / fp16 at
+    ``flops_bf16``; fp32 at ``flops_tf32`` when ``tf32`` (see :func:`tf32_enabled`) and the
+    profile has a TF32 rate, else at ``flops_fp32``."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return profile.flops_bf16
+    if tf32 and profile.flops_tf32 is not None:
+        return profile.flops_tf32
+    return profile.flops_fp32
 
 
 PROFILES: dict[str, DeviceProfile] = {
     "H100": DeviceProfile(
         name="H100",
         flops_bf16=989e12,
-        flops_fp32=494e12,
+        flops_fp32=67e12,
+        flops_tf32=494e12,
         mem_bw=3.35e12,
         memory_bytes=80e9,
         intra_node_bw=450e9,
@@ -79,7 +108,8 @@ PROFILES: dict[str, DeviceProfile] = {
     "H200": DeviceProfile(
         name="H200",
         flops_bf16=989e12,
-        flops_fp32=494e12,
+        flops_fp32=67e12,
+        flops_tf32=494e12,
         mem_bw=4.8e12,
         memory_bytes=141e9,
         intra_node_bw=450e9,
@@ -88,7 +118,8 @@ PROFILES: dict[str, DeviceProfile] = {
     "A100": DeviceProfile(
         name="A100",
         flops_bf16=312e12,
-        flops_fp32=156e12,
+        flops_fp32=19.5e12,
+        flops_tf32=156e12,
         mem_bw=2.0e12,
         memory_bytes=80e9,
         intra_node_bw=300e9,

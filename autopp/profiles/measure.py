@@ -5,12 +5,14 @@ CPU, nccl on CUDA) and times, on those processes:
 
 - matmuls per dtype (fp32, bf16) of growing square sizes, all ranks at once (on CPU the
   ranks share the cores, as they do when a pipeline runs here); the achieved FLOP/s of the
-  largest size becomes ``flops_fp32`` / ``flops_bf16`` with ``compute_efficiency=1.0``;
+  largest size becomes ``flops_fp32`` / ``flops_bf16`` with ``compute_efficiency=1.0``
+  (fp32 at torch's default precision, "highest"; on CUDA also at "high", TF32 tensor
+  cores: ``flops_tf32``; on CPU ``flops_tf32`` is None, the fp32 rate);
 - a large tensor copy, all ranks at once: ``mem_bw`` = bytes read + written per second;
 - the collectives the lowered stage graphs call (``_c10d_functional.all_gather_into_tensor``,
   ``reduce_scatter_tensor``, ``all_reduce``) over all ranks at several message sizes; one
-  latency and one bandwidth are fitted to all of them by least squares on the cost model's
-  wire bytes (:meth:`autopp.sharding.costs.CostModel._redistribute`) and used for both the
+  latency per ring step and one bandwidth are fitted to all of them by least squares on the
+  cost model's steps and wire bytes (:mod:`autopp.profiles.collectives`) and used for both the
   intra- and inter-node link (all ranks are on this one node: ``devices_per_node`` is the
   world size);
 - send/recv ping-pong between ranks 0 and 1: ``p2p_latency`` and ``p2p_bw``, fitted the
@@ -45,6 +47,7 @@ from typing import Any
 
 import torch
 
+from autopp.profiles import collectives
 from autopp.profiles.devices import (
     MEASURED_PREFIX,
     DeviceProfile,
@@ -78,10 +81,11 @@ COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
 
 @dataclass(frozen=True, slots=True)
 class LinkFit:
-    """``seconds ≈ latency_s + bytes / bandwidth`` fitted to timings."""
+    """``seconds ≈ latency_s · steps + bytes / bandwidth`` fitted to timings."""
 
     latency_s: float
-    """Seconds per operation independent of its size (>= 0)."""
+    """Seconds per latency-bound step, independent of the size (>= 0): per send for
+    point-to-point, per ring step for collectives (:mod:`autopp.profiles.collectives`)."""
     bandwidth: float
     """Bytes per second."""
     rel_rms: float
@@ -89,8 +93,9 @@ class LinkFit:
 
 
 def fit_latency_bandwidth(nbytes: Sequence[float], seconds: Sequence[float], *,
-                          relative: bool = True) -> LinkFit:
-    """Least-squares fit of ``seconds = latency + nbytes / bandwidth``.
+                          relative: bool = True,
+                          steps: Sequence[float] | None = None) -> LinkFit:
+    """Least-squares fit of ``seconds = latency · steps + nbytes / bandwidth``.
 
     Args:
         nbytes: bytes moved by each timed operation (wire bytes for collectives); at least
@@ -99,50 +104,68 @@ def fit_latency_bandwidth(nbytes: Sequence[float], seconds: Sequence[float], *,
         relative: weigh each point by ``1 / seconds**2``, i.e. minimise relative errors, so
             that small messages (which fix the latency) count as much as large ones (which
             fix the bandwidth); False: ordinary least squares on seconds.
+        steps: latency-bound steps of each operation (a collective's ring steps,
+            :func:`~autopp.profiles.collectives.collective_steps`); None: one each.
 
     A negative fitted latency (noise on a link whose latency is tiny next to the smallest
     message's transfer) is clamped to 0 and the bandwidth refitted through the origin.
     Raises ValueError when the times do not grow with the bytes.
     """
     xs, ts = [float(x) for x in nbytes], [float(t) for t in seconds]
-    if len(xs) != len(ts):
-        raise ValueError(f"{len(xs)} byte counts but {len(ts)} timings: pass one per point")
+    ss = [1.0] * len(xs) if steps is None else [float(k) for k in steps]
+    if not len(xs) == len(ts) == len(ss):
+        raise ValueError(f"{len(xs)} byte counts, {len(ts)} timings and {len(ss)} step "
+                         "counts: pass one of each per point")
     if len(set(xs)) < 2:
         raise ValueError("fitting latency and bandwidth needs timings at >= 2 message sizes")
     if not all(t > 0 and math.isfinite(t) for t in ts):
         raise ValueError(f"timings must be positive and finite, got {ts}")
     ws = [1 / t**2 if relative else 1.0 for t in ts]
-    s = sum(ws)
-    sx = sum(w * x for w, x in zip(ws, xs))
-    st = sum(w * t for w, t in zip(ws, ts))
-    sxx = sum(w * x * x for w, x in zip(ws, xs))
-    sxt = sum(w * x * t for w, x, t in zip(ws, xs, ts))
-    det = s * sxx - sx * sx
-    slope = (s * sxt - sx * st) / det
-    latency = (sxx * st - sx * sxt) / det
+    # normal equations of t = a·s + b·x (with s = 1: the usual line through an intercept)
+    a_ss = sum(w * k * k for w, k in zip(ws, ss))
+    a_sx = sum(w * k * x for w, k, x in zip(ws, ss, xs))
+    a_xx = sum(w * x * x for w, x in zip(ws, xs))
+    b_s = sum(w * k * t for w, k, t in zip(ws, ss, ts))
+    b_x = sum(w * x * t for w, x, t in zip(ws, xs, ts))
+    det = a_ss * a_xx - a_sx * a_sx
+    if not det > 1e-12 * a_ss * a_xx:
+        raise ValueError("fitting latency and bandwidth needs timings at >= 2 message sizes "
+                         "not in proportion to their steps")
+    latency = (a_xx * b_s - a_sx * b_x) / det
+    slope = (a_ss * b_x - a_sx * b_s) / det
     if latency < 0:
-        latency, slope = 0.0, sxt / sxx
+        latency, slope = 0.0, b_x / a_xx
     if not slope > 0:
         raise ValueError(
             f"timings {ts} do not grow with the bytes {xs}: no bandwidth can be fitted; "
             "measure larger messages or more repeats"
         )
-    rel = [(latency + slope * x - t) / t for x, t in zip(xs, ts)]
+    rel = [(latency * k + slope * x - t) / t for k, x, t in zip(ss, xs, ts)]
     return LinkFit(latency, 1 / slope, math.sqrt(sum(r * r for r in rel) / len(rel)))
+
+
+KIND_OF = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter",
+           "all_gather_into_tensor": "all_gather"}
+"""The cost model's name (:mod:`autopp.profiles.collectives`) of each collective timed."""
+
+
+def _kind(collective: str) -> str:
+    if collective not in KIND_OF:
+        raise ValueError(f"no wire-bytes rule for collective {collective!r}; one of "
+                         f"{COLLECTIVES}")
+    return KIND_OF[collective]
 
 
 def wire_bytes(collective: str, local_bytes: float, world_size: int) -> float:
     """Bytes one rank sends for ``collective`` on a ``local_bytes`` input, as the cost model
-    counts them: all_reduce ``2(n-1)/n``, reduce_scatter ``(n-1)/n``, all_gather ``n-1``
-    times the input."""
-    n = world_size
-    if collective == "all_reduce":
-        return 2 * (n - 1) / n * local_bytes
-    if collective == "reduce_scatter_tensor":
-        return (n - 1) / n * local_bytes
-    if collective == "all_gather_into_tensor":
-        return (n - 1) * local_bytes
-    raise ValueError(f"no wire-bytes rule for collective {collective!r}; one of {COLLECTIVES}")
+    counts them (:func:`autopp.profiles.collectives.wire_bytes`)."""
+    return collectives.wire_bytes(_kind(collective), world_size, local_bytes)
+
+
+def ring_steps(collective: str, world_size: int) -> int:
+    """Latency-bound steps of ``collective`` over ``world_size`` ranks, as the cost model
+    counts them (:func:`autopp.profiles.collectives.collective_steps`)."""
+    return collectives.collective_steps(_kind(collective), world_size)
 
 
 # -- naming --------------------------------------------------------------------------------
@@ -256,32 +279,46 @@ class _Rank:
 
 def _matmul_rates(r: _Rank) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for label, dtypes in (("fp32", (torch.float32,)), ("bf16", (torch.bfloat16, torch.float16))):
-        for dtype in dtypes:
-            try:
-                a = torch.randn(64, 64, device=r.device).to(dtype)
-                _ = a @ a
-                ok = True
-            except RuntimeError:  # e.g. no bf16 matmul on this device: try fp16
-                ok = False
-            if r.everywhere(ok):
-                break
-        else:
-            raise RuntimeError(f"no {label} matmul runs on {r.device}: cannot measure its rate")
-        sizes: dict[int, float] = {}
-        for n in MATMUL_SIZES[r.device.type]:
-            a = torch.randn(n, n, device=r.device).to(dtype)
-            b = torch.randn(n, n, device=r.device).to(dtype)
-            c = torch.empty(n, n, device=r.device, dtype=dtype)
-            sizes[n] = statistics.median(r.time_all(lambda: torch.mm(a, b, out=c), REPEATS))
-            if 8 * sizes[n] > MATMUL_SECONDS:  # the next size (2x) takes ~8x as long
-                break
-        n = max(sizes)
-        out[label] = {"dtype": str(dtype), "size": n, "flops": 2 * n**3 / sizes[n],
-                      "seconds_by_size": {str(k): v for k, v in sizes.items()}}
-        r.report(f"matmul {label} ({dtype}, {n}x{n}): {out[label]['flops'] / 1e9:.1f} GFLOP/s "
-                 "per rank")
+    labels = [("fp32", (torch.float32,)), ("bf16", (torch.bfloat16, torch.float16))]
+    if r.device.type == "cuda":  # fp32 on TF32 tensor cores: a rate of its own
+        labels.insert(1, ("tf32", (torch.float32,)))
+    before = torch.get_float32_matmul_precision()
+    for label, dtypes in labels:
+        torch.set_float32_matmul_precision("high" if label == "tf32" else "highest")
+        try:
+            out[label] = _matmul_rate(r, label, dtypes)
+        finally:
+            torch.set_float32_matmul_precision(before)
     return out
+
+
+def _matmul_rate(r: _Rank, label: str, dtypes: tuple[torch.dtype, ...]) -> dict[str, Any]:
+    """One matmul rate: the first of ``dtypes`` that runs on every rank, at growing sizes."""
+    for dtype in dtypes:
+        try:
+            a = torch.randn(64, 64, device=r.device).to(dtype)
+            _ = a @ a
+            ok = True
+        except RuntimeError:  # e.g. no bf16 matmul on this device: try fp16
+            ok = False
+        if r.everywhere(ok):
+            break
+    else:
+        raise RuntimeError(f"no {label} matmul runs on {r.device}: cannot measure its rate")
+    sizes: dict[int, float] = {}
+    for n in MATMUL_SIZES[r.device.type]:
+        a = torch.randn(n, n, device=r.device).to(dtype)
+        b = torch.randn(n, n, device=r.device).to(dtype)
+        c = torch.empty(n, n, device=r.device, dtype=dtype)
+        sizes[n] = statistics.median(r.time_all(lambda: torch.mm(a, b, out=c), REPEATS))
+        if 8 * sizes[n] > MATMUL_SECONDS:  # the next size (2x) takes ~8x as long
+            break
+    n = max(sizes)
+    rate = {"dtype": str(dtype), "size": n, "flops": 2 * n**3 / sizes[n],
+            "seconds_by_size": {str(k): v for k, v in sizes.items()}}
+    r.report(f"matmul {label} ({dtype}, {n}x{n}): {rate['flops'] / 1e9:.1f} GFLOP/s "
+             "per rank")
+    return rate
 
 
 def _copy_rate(r: _Rank) -> dict[str, Any]:
@@ -508,20 +545,23 @@ def _measure(name: str, world_size: int, backend: str, device: str,
     if not coll["points"]:
         raise RuntimeError(f"backend {backend!r} ran none of {COLLECTIVES}: "
                            f"{coll['unsupported']}; pass another backend")
-    xs, ts = [], []
+    xs, ts, ks = [], [], []
     for op, points in coll["points"].items():
         for nbytes, t in points:
             xs.append(wire_bytes(op, nbytes, world_size))
             ts.append(t)
-    coll_fit = fit_latency_bandwidth(xs, ts)
+            ks.append(ring_steps(op, world_size))
+    coll_fit = fit_latency_bandwidth(xs, ts, steps=ks)
     per_op = {op: asdict(fit_latency_bandwidth(
-        [wire_bytes(op, b, world_size) for b, _ in pts], [t for _, t in pts]))
+        [wire_bytes(op, b, world_size) for b, _ in pts], [t for _, t in pts],
+        steps=[ring_steps(op, world_size)] * len(pts)))
         for op, pts in coll["points"].items()}
     p2p_fit = fit_latency_bandwidth([b for b, _ in raw["p2p"]], [t for _, t in raw["p2p"]])
 
     profile = DeviceProfile(
         name=name,
         flops_fp32=raw["matmul"]["fp32"]["flops"],
+        flops_tf32=raw["matmul"]["tf32"]["flops"] if "tf32" in raw["matmul"] else None,
         flops_bf16=raw["matmul"]["bf16"]["flops"],
         mem_bw=raw["copy"]["bytes_per_s"],
         memory_bytes=_memory_bytes(device, world_size),

@@ -1,22 +1,25 @@
 """The cost model: compute time of a node option and time of each redistribution.
 
-Compute (per device): ``max(flops / (peak × efficiency), bytes / memory bandwidth)``, with the
-FLOPs from torch's FLOP counter registry for the global shapes, divided by the number of
-devices that split the work (a mesh dim splits it when any input or output is sharded on it;
-fully replicated work is repeated on every device). View-like ops cost nothing.
+Compute (per device): ``max(flops / (peak × efficiency), bytes / memory bandwidth)``, the peak
+the dtype's (:func:`profiles.devices.matmul_peak`: fp32 at TF32's rate only when the plan was
+made with TF32 on), with the FLOPs from torch's FLOP counter registry for the global shapes,
+divided by the number of devices that split the work (a mesh dim splits it when any input or
+output is sharded on it; fully replicated work is repeated on every device). View-like ops
+cost nothing.
 
 Communication (per device, α-β model per mesh dim, bandwidth and latency from
-:func:`profiles.mesh_links`): for each mesh dim whose placement changes
+:func:`profiles.mesh_links`, the price from :func:`profiles.collectives.collective_s`): for
+each mesh dim of ``n`` ranks whose placement changes, ``latency · steps + wire / bandwidth``
 
-=====================  ================  ===========================
-transition             collective        bytes on the wire (L = local bytes before)
-=====================  ================  ===========================
-Partial -> Replicate   all_reduce        2 (n-1)/n · L
-Partial -> Shard       reduce_scatter    (n-1)/n · L
-Shard -> Replicate     all_gather        (n-1) · L
-Shard(a) -> Shard(b)   all_to_all        (n-1)/n · L
-Replicate -> Shard     (local slice)     0
-=====================  ================  ===========================
+=====================  ================  ========  ===========================
+transition             collective        steps     bytes on the wire (L = local bytes before)
+=====================  ================  ========  ===========================
+Partial -> Replicate   all_reduce        2 (n-1)   2 (n-1)/n · L
+Partial -> Shard       reduce_scatter    n-1       (n-1)/n · L
+Shard -> Replicate     all_gather        n-1       (n-1) · L
+Shard(a) -> Shard(b)   all_to_all        n-1       (n-1)/n · L
+Replicate -> Shard     (local slice)     0         0
+=====================  ================  ========  ===========================
 
 Steps that shrink the local tensor run first. ``_StridedShard`` is priced like ``Shard``.
 Collectives an op runs inside its own kernel (:mod:`op_hooks`: routed experts' all-to-all
@@ -35,6 +38,7 @@ from torch.utils.flop_counter import flop_registry
 
 from autopp._compat import sharding as compat
 from autopp.sharding import op_hooks
+from autopp.profiles.collectives import collective_latency_s, collective_s
 from autopp.profiles.devices import DeviceProfile, mesh_links
 from autopp.sharding.strategies import VIEW_OPS, NodeStrategy, Option, local_shape, tensor_vals
 
@@ -66,11 +70,14 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 
 
 class CostModel:
-    """Prices options and redistributions on one mesh for one device profile."""
+    """Prices options and redistributions on one mesh for one device profile; ``tf32``: fp32
+    matmuls run on TF32 tensor cores (the plan's ``tf32``, :func:`profiles.devices.tf32_enabled`
+    when it was made)."""
 
-    def __init__(self, profile: DeviceProfile, mesh_shape: tuple[int, ...]):
+    def __init__(self, profile: DeviceProfile, mesh_shape: tuple[int, ...], tf32: bool = False):
         self.profile = profile
         self.mesh_shape = tuple(mesh_shape)
+        self.tf32 = bool(tf32)
         self.links = mesh_links(profile, self.mesh_shape)
         self._redist: dict[tuple, tuple[float, tuple[Collective, ...]]] = {}
         self._flops: dict[Any, float] = {}
@@ -176,7 +183,7 @@ class CostModel:
             nbytes += self.local_bytes(v, pl)
         out = next((v for v in vals if v is not None), None)
         dtype = out.dtype if out is not None else torch.float32
-        t = max(flops / self.profile.flops(dtype), nbytes / self.profile.mem_bw)
+        t = max(flops / self.profile.flops(dtype, self.tf32), nbytes / self.profile.mem_bw)
         return t + self.kernel_comm_time(ns, opt)
 
     def kernel_comm_time(self, ns: NodeStrategy, opt: Option) -> float:
@@ -192,24 +199,27 @@ class CostModel:
     def collective_time(self, kind: str, mesh_dims: int | tuple[int, ...],
                         local_bytes: float) -> float:
         """α-β time of one collective over ``mesh_dims`` (one dim, or several as one group)
-        on ``local_bytes`` per device going in (the table in the module docstring). Over
-        several dims the bytes that cross each dim's link (those whose destination differs
-        in that coordinate: ``(n_d-1)/n_d`` of an all-to-all's) are timed on it, and the
-        slowest link sets the time."""
+        on ``local_bytes`` per device going in (the table in the module docstring;
+        :func:`profiles.collectives.collective_s` on the dim's link). Over several dims
+        (an all-to-all only) the group's ``n - 1`` exchange steps each pay the slowest dim's
+        latency, the bytes that cross each dim's link (those whose destination differs in
+        that coordinate: ``(n_d-1)/n_d`` of them) are timed on it, and the slowest link
+        sets the transfer time."""
         dims = (mesh_dims,) if isinstance(mesh_dims, int) else tuple(mesh_dims)
         dims = tuple(d for d in dims if self.mesh_shape[d] > 1)
         if not dims:
             return 0.0
-        if kind != "all_to_all" and len(dims) > 1:
+        if len(dims) == 1:
+            (d,) = dims
+            return collective_s(kind, self.mesh_shape[d], local_bytes,
+                                self.links.bandwidth[d], self.links.latency[d])
+        if kind != "all_to_all":
             raise ValueError(f"{kind} over several mesh dims at once is not priced")
         n = math.prod(self.mesh_shape[d] for d in dims)
         lat = max(self.links.latency[d] for d in dims)
-        if len(dims) == 1:
-            wire = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
-                    "all_to_all": (n - 1) / n, "all_gather": n - 1}[kind] * local_bytes
-            return lat + wire / self.links.bandwidth[dims[0]]
-        return lat + max((self.mesh_shape[d] - 1) / self.mesh_shape[d] * local_bytes
-                         / self.links.bandwidth[d] for d in dims)
+        return collective_latency_s(kind, n, lat) + max(
+            (self.mesh_shape[d] - 1) / self.mesh_shape[d] * local_bytes
+            / self.links.bandwidth[d] for d in dims)
 
     def local_bytes(self, val: torch.Tensor, placements: tuple) -> float:
         shape = local_shape(val.shape, placements, self.mesh_shape)

@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from autopp.profiles.collectives import collective_s
 from autopp.profiles.devices import DeviceProfile, mesh_links
 from autopp.profiles.lookup import get_profile
 
@@ -54,6 +55,6 @@ def cross_entropy_time_s(
     if parallel and tp > 1:
         i = dim_names.index("tp")
         links = mesh_links(prof, tuple(mesh_shape))
-        wire = 2 * (tp - 1) / tp * tokens * 4
-        t += 3 * (links.latency[i] + wire / links.bandwidth[i])
+        t += 3 * collective_s("all_reduce", tp, tokens * 4, links.bandwidth[i],
+                              links.latency[i])
     return t

@@ -159,6 +159,9 @@ class StagePlan:
     fastest fitting plan, that plan's counted bytes, the least counted bytes found: of its
     least-memory plan when the budget binds, else of the fastest plan itself); None where
     nothing fits. Policies after "none" are not planned when none's fastest plan fits."""
+    tf32: bool = False
+    """fp32 matmuls were priced on TF32 tensor cores (:func:`autopp.profiles.devices.tf32_enabled`
+    when planned); every later pricing of the stage (estimating it) uses the same rate."""
     trace_settings: tuple[tuple[str, str], ...] = ()
     """The tracing settings the stage was planned under (:mod:`autopp.tracing`: e.g. MoE
     token dispatch), by name; every later trace of it (applying, estimating) uses them."""

@@ -34,7 +34,7 @@ from autopp.sharding.costs import CostModel
 from autopp.sharding.memory_row import MemorySpec
 from autopp.sharding.precision import check_policy, maybe_cast, reduce_after_cast
 from autopp.sharding.plan import FLOP_FAILURE, BlockPlan, CollectivePlan, ParamPlan, StagePlan, to_strs
-from autopp.profiles.devices import DeviceProfile
+from autopp.profiles.devices import DeviceProfile, tf32_enabled
 from autopp.profiles.lookup import get_profile
 from autopp.sharding.option import PlacementSpec, matches
 from autopp.sharding.solver import InfeasiblePlanError, Model
@@ -84,6 +84,7 @@ def plan_stage(
     recompute: RecomputeChoice = "none",
     optimizer_state_factor: float | None = None,
     memory_price: float = 0.0,
+    tf32: bool | None = None,
 ) -> StagePlan:
     """Plan the DP×TP sharding of one stage module on ``mesh`` (its sub-mesh).
 
@@ -127,6 +128,9 @@ def plan_stage(
         memory_price: plan for time + this many seconds per counted byte instead of under
             a budget (``inf``: the least-memory plan, time breaking ties); one recompute
             mode, no budget. The configuration search's memory-lean probes use it.
+        tf32: price fp32 matmuls at the profile's TF32 rate (torch lets them use TF32
+            tensor cores); None: as torch is set in this process
+            (:func:`~autopp.profiles.devices.tf32_enabled`). Recorded in ``StagePlan.tf32``.
 
     Raises:
         InfeasiblePlanError: the constraints admit no plan (the message names them; over
@@ -143,7 +147,7 @@ def plan_stage(
     memory = MemorySpec(param_state_factor, optimizer_state_factor, activation_factor)
     names = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(mesh.ndim)))
     prof = get_profile(profile)
-    costs = CostModel(prof, tuple(mesh.shape))
+    costs = CostModel(prof, tuple(mesh.shape), tf32_enabled() if tf32 is None else tf32)
     shape = tuple(mesh.shape)
     in_spec = _spec(input_placements, names, shape)
     out_spec = _spec(output_placements, names, shape)
@@ -172,7 +176,7 @@ def plan_stage(
                      pdtype)
     return dataclasses.replace(
         _with_memory(plan, chosen, tried, recompute, memory),
-        trace_settings=tuple(tracing.current_settings().items()),
+        trace_settings=tuple(tracing.current_settings().items()), tf32=costs.tf32,
         time_bound_s=None if bound is None or not math.isfinite(bound) else bound)
 
 

@@ -359,7 +359,7 @@ class Model:
         for c, v in self.memory_row.coefs(t).items():
             mem[c] = v
         if math.isinf(price):
-            return mem / 1024 + time * _SCALE * 1e-3  # KiB; 100 us of time weigh 0.1 KiB
+            return mem / 1024 + time * _SCALE * 1e-6  # KiB; 1 ms of time weighs 1 byte
         return (time + price * mem) * _SCALE
 
     @property

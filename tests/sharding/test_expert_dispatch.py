@@ -114,13 +114,15 @@ def test_all_to_all_moves_k_rows_per_token_and_wins_only_when_ep_exceeds_top_k(m
     from autopp.sharding.strategies import NodeStrategy, Option, tensor_vals
 
     for n, a2a_cheaper in ((4, False), (16, True)):
-        joint, node = _routed_node("auto", batch=64 * n)  # bandwidth-bound sizes
+        # bandwidth-bound sizes: 512 batch rows a device (at 64 the 9 or 12 ring steps of
+        # 5 us the collectives pay made up most of the time)
+        joint, node = _routed_node("auto", batch=512 * n)
         x, ids = tensor_vals(node.args[0])[0], tensor_vals(node.args[2])[0]
         d, k = x.shape[-1], ids.shape[-1]
         s0, r = (Shard(0),), (Replicate(),)
         a2a = Option((s0,), (s0, s0, s0, s0, s0, s0, s0))
         colls = hooks_of(node.target).collectives(node, a2a, (n,))
-        rows = 64 * 16 * k  # 64 batch rows of 16 tokens per device, K rows each
+        rows = 512 * 16 * k  # 512 batch rows of 16 tokens per device, K rows each
         assert colls[1:] == [("all_to_all", (0,), rows * d * 4)] * 2
         costs = CostModel(get_profile("H100"), (n,))
         ns = NodeStrategy(node, "op", [(a, 0) for a in node.args[:7]])

@@ -18,6 +18,7 @@ from autopp.profiles.measure import (
     fit_latency_bandwidth,
     measure_profile,
     measured_name,
+    ring_steps,
     wire_bytes,
 )
 from autopp.profiles.devices import (
@@ -88,9 +89,21 @@ def test_fit_rejects_what_cannot_be_fitted():
         fit_latency_bandwidth([1, 2], [0.0, 1.0])
 
 
+def test_fit_with_ring_steps_recovers_the_latency_per_step():
+    """Collectives of 8 ranks: all-reduce 14 steps, the others 7; times made with 30 us a
+    step and 2 GB/s give those figures back."""
+    lat, bw = 30e-6, 2e9
+    xs = [1e5, 1e6, 1e7] * 2
+    ks = [14] * 3 + [7] * 3
+    ts = [lat * k + x / bw for k, x in zip(ks, xs)]
+    fit = fit_latency_bandwidth(xs, ts, steps=ks)
+    assert fit.latency_s == pytest.approx(lat, rel=1e-9)
+    assert fit.bandwidth == pytest.approx(bw, rel=1e-9)
+
+
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_wire_bytes_are_the_cost_models(n):
-    """The fit's wire bytes are those the cost model divides by the bandwidth."""
+    """The fit's wire bytes and steps are those the cost model prices."""
     prof = _profile("measured-wire")
     cm = CostModel(prof, (n,))
     shape, dt = (64, 1024), torch.float32
@@ -102,7 +115,7 @@ def test_wire_bytes_are_the_cost_models(n):
                                 (P, S0, "reduce_scatter_tensor", full),
                                 (P, R, "all_reduce", full)):
         t, _ = cm.redistribute((src,), (dst,), shape, dt)
-        assert t == pytest.approx(lat + wire_bytes(op, local, n) / bw)
+        assert t == pytest.approx(lat * ring_steps(op, n) + wire_bytes(op, local, n) / bw)
 
 
 # -- names, registry and cache ----------------------------------------------------------------
