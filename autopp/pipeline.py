@@ -353,13 +353,19 @@ class Pipeline:
         return any(".".join(parts[:i]) in self._all_fqns for i in range(1, len(parts) + 1))
 
     # ----------------------------------------------------------------- training
-    def step(self, *inputs: torch.Tensor, target: torch.Tensor) -> float:
+    def step(self, *inputs: torch.Tensor, target: torch.Tensor,
+             **model_kwargs: torch.Tensor) -> float:
         """One forward+backward over this rank's dp slice of the global batch.
 
         Args:
             inputs: the model's positional inputs for this dp rank (batch on dim 0; the
                 local batch is split into ``n_microbatches`` microbatches).
             target: the matching targets (e.g. next-token labels).
+            model_kwargs: keyword inputs of the model's forward (e.g. a padding
+                ``attention_mask`` or ``position_ids``), batch on dim 0: each is split into
+                the same microbatches and given to every stage's forward (every rank passes
+                them). Stages that run the model's modules (``parallelize=None``, your own
+                function, FSDP) take them; planned stages do not yet (an error says so).
 
         Returns the loss of the whole global batch (mean over its counted tokens, exactly
         as the unpipelined model computes it), on every rank. Gradients are left in the
@@ -369,7 +375,7 @@ class Pipeline:
 
         if self._tied is not None:
             self._tied.refresh_mirrors()  # the optimizer (or a load) updated the primary
-        loss = self._run(inputs, target, train=True)
+        loss = self._run(inputs, target, train=True, model_kwargs=model_kwargs)
         # gradient reductions act on every local copy, mirrors included (autopp.tied)
         mirrors = self._tied.mirror_params() if self._tied is not None else []
         self.backend.after_step([*self.parameters(), *mirrors], self.mesh)
@@ -400,16 +406,17 @@ class Pipeline:
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
     @torch.no_grad()
-    def eval(self, *inputs: torch.Tensor, target: torch.Tensor) -> float:
+    def eval(self, *inputs: torch.Tensor, target: torch.Tensor,
+             **model_kwargs: torch.Tensor) -> float:
         """Forward-only loss of the global batch (no gradients), on every rank. Training
         statistics the forward keeps (e.g. MoE tokens-per-expert counts) are left as they
-        were."""
+        were. Arguments as for :meth:`step`."""
         from autopp import adapters
 
         if self._tied is not None:
             self._tied.refresh_mirrors()
         with adapters.training_state_kept(self._structure, self.local_model):
-            return self._run(inputs, target, train=False)
+            return self._run(inputs, target, train=False, model_kwargs=model_kwargs)
 
     def _check_inputs(self, inputs: tuple[torch.Tensor, ...]) -> None:
         """Inputs shaped as the pipeline was built for (``example_inputs``): stages are
@@ -427,12 +434,39 @@ class Pipeline:
                 "so a shape seen before is not planned again)."
             )
 
-    def _run(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, *, train: bool) -> float:
+    def _check_model_kwargs(self, inputs: tuple[torch.Tensor, ...],
+                            model_kwargs: dict[str, Any]) -> None:
+        """Keyword inputs the stages can take: tensors batched like the inputs, and stages
+        that run the model's own forward (a planned stage's graphs take one input)."""
+        if not model_kwargs:
+            return
+        if self._runtime is not None:
+            raise ValueError(
+                f"keyword inputs {sorted(model_kwargs)} reach stages that run the model's own "
+                "forward; planned stages (parallelize='auto') trace one input and take none "
+                "yet. Build the pipeline with parallelize=None or your own parallelize "
+                "function to pass them, or drop them (e.g. an all-ones attention_mask)")
+        batch = inputs[0].shape[0] if inputs else None
+        for name, value in model_kwargs.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0 or (
+                    batch is not None and value.shape[0] != batch):
+                what = (f"a tensor of shape {tuple(value.shape)}"
+                        if isinstance(value, torch.Tensor) else type(value).__name__)
+                raise ValueError(
+                    f"keyword input {name!r} is {what}: keyword inputs are split into "
+                    f"microbatches on dim 0 like the inputs, so each must be a tensor whose "
+                    f"dim 0 is this dp rank's batch ({batch})")
+
+    def _run(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, *, train: bool,
+             model_kwargs: dict[str, Any] | None = None) -> float:
         from autopp.schedules import forward_only
 
+        model_kwargs = model_kwargs or {}
         self._check_inputs(inputs)
+        self._check_model_kwargs(inputs, model_kwargs)
         self._require_built()
         inputs = tuple(x.to(self._device) for x in inputs)
+        model_kwargs = {k: v.to(self._device) for k, v in model_kwargs.items()}
         target = target.to(self._device)
         losses: list[torch.Tensor] = []
         if self.has_last_stage:
@@ -441,7 +475,10 @@ class Pipeline:
                 dist.all_reduce(n, group=self.mesh["dp"].get_group())
             self._loss.global_tokens = n
         args = inputs if self.has_first_stage else ()
+        # every stage's forward gets the keyword inputs (torch's schedules split them into
+        # microbatches and pass them to each stage, first or not)
         kwargs = {"target": target, "losses": losses} if self.has_last_stage else {}
+        kwargs.update(model_kwargs)
         runner = self._runtime if self._runtime is not None else self._schedule
         if train:
             runner.step(*args, **kwargs)

@@ -152,3 +152,45 @@ def run_then_round_trip(rank: int, world_size: int, configs: list[dict], path: s
     """:func:`run` and then :func:`hf_checkpoint_round_trip`, in one launch."""
     return (run(rank, world_size, configs, path),
             hf_checkpoint_round_trip(rank, world_size, src, dst, kind))
+
+
+def padded_batch(batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens, targets and a 2-D padding ``attention_mask``: row b has its first (3·b) % seq
+    positions padded (left padding: mask 0, target ignored), so rows differ in length and
+    the real tokens would attend to the padding without the mask."""
+    tokens, target = make_batch(batch, seq)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    for b in range(batch):
+        pad = (3 * b) % seq
+        if pad:
+            mask[b, :pad] = 0
+            target[b, :pad] = -100
+    return tokens, target, mask
+
+
+def padded_steps(rank: int, world_size: int, cfg: dict) -> dict:
+    """A transformers decoder replicated on its stages (``parallelize=None``) stepped on a
+    padded batch: the mask goes to every stage as a keyword input. And the refusal of a
+    planned pipeline given one."""
+    from autopp import build_world_mesh, pipeline_autoparallel
+
+    mesh = build_world_mesh(pp=cfg["pp"], dp=cfg["dp"], tp=1)
+    tokens, target, mask = padded_batch(cfg["batch"], cfg["seq"])
+    dp_rank, dp = mesh.get_coordinate()[1], mesh.shape[1]
+    n = cfg["batch"] // dp
+    part = slice(dp_rank * n, (dp_rank + 1) * n)
+    tok, tgt, msk = tokens[part], target[part], mask[part]
+    pipe = pipeline_autoparallel(
+        MODELS[cfg["model"]](cfg["n_layers"]), mesh, example_inputs=(tok,), loss_fn=ce_loss,
+        schedule=cfg["schedule"], n_microbatches=cfg["n_microbatches"], parallelize=None)
+    pipe.init_weights(seed=0)
+    loss = pipe.step(tok, target=tgt, attention_mask=msk)
+    grads = {name: _full(p.grad).detach().clone() for name, p in pipe.named_parameters()}
+    out = {"loss": loss, "grads": grads,
+           "eval": pipe.eval(tok, target=tgt, attention_mask=msk),
+           "eval_unmasked": pipe.eval(tok, target=tgt)}
+    try:
+        pipe.step(tok, target=tgt, attention_mask=msk[:1])  # one row, not the batch
+    except ValueError as e:
+        out["bad_kwarg"] = str(e)
+    return out

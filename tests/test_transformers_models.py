@@ -165,3 +165,76 @@ def test_buffers_and_weights_are_the_models_own(kind):
     assert torch.equal(got.model.norm.weight, torch.ones_like(got.model.norm.weight))
 
 
+
+
+@pytest.mark.multiprocess
+def test_padded_batch_mask_reaches_every_stage():
+    """A padding ``attention_mask`` passed to ``step`` reaches every stage (pp=2 × dp=2,
+    1F1B, stages replicated): loss and gradients equal transformers' own model run on the
+    whole padded batch with that mask; without the mask the loss differs (so the later stage
+    really used it)."""
+    from tests.decoder_workers import padded_batch, padded_steps
+
+    cfg = dict(model="hf_llama", pp=2, dp=2, schedule="1F1B", n_microbatches=2,
+               n_layers=N_LAYERS, batch=BATCH, seq=SEQ)
+    meta = MODELS["hf_llama"](N_LAYERS)
+    with torch.device("cpu"):
+        model = type(meta)(meta.config)
+    from autopp import init_module_
+
+    model = init_module_(model, seed=0, device="cpu")
+    tokens, target, mask = padded_batch(BATCH, SEQ)
+    assert (mask == 0).any() and (mask == 1).any()
+    ref = ce_loss(logits_of(model(tokens, attention_mask=mask)), target)
+    ref.backward()
+    ref_grads = {n: p.grad for n, p in model.named_parameters()}
+    with torch.no_grad():
+        unmasked = ce_loss(logits_of(model(tokens)), target).item()
+    assert abs(unmasked - ref.item()) > 1e-3  # the mask changes the loss
+    results = run_on_ranks(padded_steps, 4, cfg)
+    seen = set()
+    for r in results:
+        assert r["loss"] == pytest.approx(ref.item(), abs=1e-5)
+        assert r["eval"] == pytest.approx(ref.item(), abs=1e-5)
+        assert r["eval_unmasked"] == pytest.approx(unmasked, abs=1e-5)
+        assert_all_parity(r["grads"], ref_grads, what="padded llama grad")
+        seen |= set(r["grads"])
+        assert r["bad_kwarg"].startswith("keyword input 'attention_mask' is a tensor of "
+                                         "shape (1, 16)"), r["bad_kwarg"]
+        assert "dim 0 is this dp rank's batch (4)" in r["bad_kwarg"], r["bad_kwarg"]
+    assert seen == set(ref_grads)
+
+
+def test_a_padding_mask_applies_and_a_short_sliding_window_is_refused():
+    """autopp's attention applies a 2-D padding mask exactly as transformers' own SDPA path
+    does (left padding changes the loss), and refuses a sliding window shorter than the
+    sequence rather than running full causal attention silently."""
+    import transformers
+
+    from autopp import adapters, init_module_
+    from tests.decoder_workers import padded_batch
+
+    meta = MODELS["hf_llama"](2)
+    with torch.device("cpu"):
+        model = type(meta)(meta.config)
+    model = init_module_(model, seed=0, device="cpu")
+    tokens, target, mask = padded_batch(4, SEQ)
+    theirs = ce_loss(logits_of(model(tokens, attention_mask=mask)), target).item()
+    unmasked = ce_loss(logits_of(model(tokens)), target).item()
+    adapters.prepare(model)
+    assert model.config._attn_implementation == "autopp"
+    assert ce_loss(logits_of(model(tokens, attention_mask=mask)), target).item() == \
+        pytest.approx(theirs, abs=1e-6)
+    assert ce_loss(logits_of(model(tokens)), target).item() == pytest.approx(unmasked, abs=1e-6)
+    assert abs(theirs - unmasked) > 1e-3
+
+    config = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=1, num_attention_heads=2,
+                                        num_key_value_heads=1, sliding_window=8)
+    with torch.device("meta"):
+        mistral = transformers.MistralForCausalLM(config)
+    adapters.prepare(mistral)
+    mistral(torch.zeros(2, 8, dtype=torch.long, device="meta"))  # within the window: runs
+    with pytest.raises(ValueError, match=r"sliding-window attention \(8 positions\) over "
+                                         r"sequences of 16"):
+        mistral(torch.zeros(2, 16, dtype=torch.long, device="meta"))

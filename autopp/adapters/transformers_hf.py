@@ -7,9 +7,12 @@ What autopp needs to know about them, and nothing else does:
   ``"autopp"`` there and sets it on the model: causal attention without a mask is
   ``F.scaled_dot_product_attention(is_causal=True)``, which the planner traces as the fused
   op ``autopp::sdpa`` (:mod:`autopp.ops.attention`; no seq x seq tensor in either direction).
-  ``"autopp"`` is not one of transformers' mask interfaces, so its mask helpers hand the
-  attention the user's 2-D padding mask (or None) as it is, instead of building a dense
-  4-D mask; a padding mask becomes one boolean (batch, 1, seq, seq) mask (the math kernel).
+  ``"autopp"`` is not one of transformers' mask interfaces, so its mask helpers give the
+  attention no mask (they would drop the user's, and on meta tensors they could not look
+  for packed sequences). The user's 2-D padding ``attention_mask`` is taken at the model's
+  own call instead (a forward pre-hook, :func:`_take_padding_mask`) and applied by the
+  attention as one boolean (batch, 1, q, k) mask with the causal part (the math kernel).
+  A sliding window shorter than the sequence, which this path would not apply, is refused.
 * **No KV cache.** ``use_cache`` is turned off: training keeps no cache, and a cache object
   would be a stage output.
 * **Initialisation.** Each module is initialised by the model's own ``_init_weights``
@@ -50,6 +53,8 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
         value = value.repeat_interleave(groups, dim=1)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     mask = None
+    if attention_mask is None:
+        attention_mask = _PADDING[-1] if _PADDING else None
     if attention_mask is not None:
         if attention_mask.ndim != 2:
             raise ValueError(f"autopp's attention takes a 2-D padding mask (batch, seq), got "
@@ -65,6 +70,41 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     return out.transpose(1, 2).contiguous(), None
 
 
+_PADDING: list[torch.Tensor | None] = []
+"""The padding masks of the model calls in progress (innermost last)."""
+
+
+def _take_padding_mask(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a transformers model: keep the call's 2-D padding mask for the
+    attention (None when there is none or it masks nothing), after refusing what the
+    attention would not apply."""
+    inputs = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs_embeds"))
+    seq = inputs.shape[1] if isinstance(inputs, torch.Tensor) and inputs.dim() > 1 else None
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+    if not getattr(config, "use_sliding_window", True) or (
+            getattr(config, "layer_types", None) is not None
+            and "sliding_attention" not in config.layer_types):
+        window = None
+    if window is not None and seq is not None and seq > window:
+        raise ValueError(
+            f"{type(model).__name__}: sliding-window attention ({window} positions) over "
+            f"sequences of {seq}: autopp's attention runs full causal attention; use "
+            f"sequences of at most {window} or a model without a sliding window")
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        raise ValueError(f"{type(model).__name__}: a 4-D attention_mask (custom mask) is not "
+                         "supported; pass the 2-D padding mask (batch, seq)")
+    if isinstance(mask, torch.Tensor) and mask.device.type != "meta" and bool(mask.all()):
+        mask = None  # nothing padded: plain causal attention (the fused kernel)
+    _PADDING.append(mask if isinstance(mask, torch.Tensor) else None)
+
+
+def _drop_padding_mask(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    if _PADDING:
+        _PADDING.pop()
+
+
 def _prepare(model: nn.Module) -> list[str]:
     if not _pretrained(model):
         return []
@@ -74,6 +114,10 @@ def _prepare(model: nn.Module) -> list[str]:
         AttentionInterface.register(IMPLEMENTATION, attention)
     notes = []
     name = type(model).__name__
+    if not getattr(model, "_autopp_padding_hooks", False):
+        model.register_forward_pre_hook(_take_padding_mask, with_kwargs=True)
+        model.register_forward_hook(_drop_padding_mask, with_kwargs=True, always_call=True)
+        model._autopp_padding_hooks = True
     configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
     impls = {getattr(c, "_attn_implementation", None) for c in configs.values()}
     if impls != {IMPLEMENTATION}:
