@@ -186,3 +186,43 @@ def workspace_bytes(graphs: StageGraphs) -> dict[str, int]:
     "full_backward", "backward_input", "backward_weight", "unshard", "reduce_grad"): the
     memory an action holds while its graph runs, on top of what it was handed."""
     return {name: graph_peak_bytes(gm) for name, gm in graphs.graphs().items()}
+
+
+def _outputs_bytes(gm: Any, first: int = 0, count: int | None = None) -> int:
+    """Bytes of ``gm``'s tensor outputs ``first .. first + count`` that the graph allocates
+    (each once; not its inputs or views of them, which :func:`graph_peak_bytes` does not
+    count either)."""
+    outs = list(gm.graph.output_node().args[0])
+    outs = outs[first:] if count is None else outs[first:first + count]
+    seen, total = set(), 0
+    for n in outs:
+        val = n.meta.get("val") if hasattr(n, "meta") else None
+        if isinstance(val, torch.Tensor) and n not in seen and _owns_storage(n):
+            seen.add(n)
+            total += val.numel() * val.element_size()
+    return total
+
+
+def action_workspace_bytes(graphs: StageGraphs) -> dict[str, tuple[int, int]]:
+    """Per compute action ("F", and "B" or "I" / "W"), what its graph allocates while it runs
+    beyond what the simulator already holds: ``(gradients, transient)``, where
+    ``gradients`` are the fresh parameter gradients it returns (added into the step's
+    accumulators after it; they add up over a stage's units) and ``transient`` the rest of
+    its :func:`graph_peak_bytes` (intermediates, and the input gradients it sends), less
+    what it keeps: F's outputs (its saved values are the activations, its output is the
+    stage's), I's values kept for W."""
+    sig = graphs.convention.signature
+    out: dict[str, tuple[int, int]] = {}
+    fw = graphs.forward_graph
+    out["F"] = (0, max(0, graph_peak_bytes(fw) - _outputs_bytes(fw)))
+    b = graphs.full_backward_graph
+    if b is not None:
+        g = _outputs_bytes(b, 0, sig.num_param_grads)
+        out["B"] = (g, max(0, graph_peak_bytes(b) - g))
+    i, w = graphs.backward_input_graph, graphs.backward_weight_graph
+    if i is not None:
+        out["I"] = (0, max(0, graph_peak_bytes(i) - _outputs_bytes(i, sig.num_input_grads)))
+    if w is not None:
+        g = _outputs_bytes(w)
+        out["W"] = (g, max(0, graph_peak_bytes(w) - g))
+    return out
