@@ -144,6 +144,7 @@ def _out_bytes(gm, first: int, count: int) -> int:
 def stage_numbers(m, sid: int, local_ids: list[int], n_stages: int, n_mb: int) -> dict:
     """What one planned stage holds, read off its lowered graphs and its parameters."""
     from autopp.lower.memory import graph_peak_bytes, saved_bytes
+    from autopp.schedules.memory_terms import receive_buffer_bytes
 
     local, g = m.stage_graphs()
     sig = g.convention.signature
@@ -189,7 +190,7 @@ def stage_numbers(m, sid: int, local_ids: list[int], n_stages: int, n_mb: int) -
         params=p_bytes + _local_bytes(m.buffers()),
         optimizer=2 * p_bytes + 4 * len(params),  # AdamW: exp_avg, exp_avg_sq, step
         grads=p_bytes, unreduced=unreduced, gathered=m.gathered_param_bytes(), acts=acts,
-        p2p=n_mb * (in_bytes + (out_bytes if not is_last else 0)),
+        p2p=receive_buffer_bytes(n_mb, in_bytes, 0 if is_last else out_bytes),
         to_end_f=to_end_f, to_end_b=to_end_b,
         work=work, saved_with_inputs=saved_bytes(g),
     )
