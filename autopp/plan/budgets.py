@@ -1,7 +1,7 @@
 """How much memory each planned stage may use: the device's (or a given) budget shared by
 the stages of a pp rank, less what the step holds outside the ILP's memory row (receive
-buffers, registered buffers, communicators: :func:`fixed_stage_bytes`,
-:func:`budgets_less_fixed`), and the activations of the microbatches the schedule keeps in
+buffers, registered buffers, communicators, the last stage's loss: :func:`fixed_stage_bytes`,
+:func:`loss_kept_bytes`, :func:`budgets_less_fixed`), and the activations of the microbatches the schedule keeps in
 flight on each stage, read off torch's own action lists."""
 
 from __future__ import annotations
@@ -78,3 +78,19 @@ def budgets_less_fixed(budgets: Sequence[float], fixed: Sequence[int], communica
     rank's stages as the budget is."""
     per_rank = [list(stage_ranks).count(r) for r in stage_ranks]
     return [b - f - communicators / k for b, f, k in zip(budgets, fixed, per_rank)]
+
+
+def loss_kept_bytes(logits: Any, dp: int, tp: int, kinds: Sequence[str], in_flight: float
+                    ) -> int:
+    """The last stage's loss's bytes per device that the ILP's row does not count (its
+    graph ends at the logits): :func:`autopp.sharding.loss_cost.cross_entropy_kept_bytes`
+    × the microbatches in flight on it, at the smallest of the loss placements compared
+    (``kinds``: "vocab" splits the logits over tp as well as dp), so no choice is refused
+    for a term it would not hold. ``logits``: the dp-global microbatch's, on meta."""
+    from autopp.sharding.loss_cost import cross_entropy_kept_bytes
+
+    if not (logits.is_floating_point() and logits.ndim >= 2):
+        return 0
+    split = max(dp * (tp if k == "vocab" else 1) for k in kinds)
+    return int(in_flight * cross_entropy_kept_bytes(logits.numel() // split,
+                                                    logits.element_size()))

@@ -38,7 +38,12 @@ from autopp.plan.cache import (
     pipeline_plan_key,
     plan_key,
 )
-from autopp.plan.budgets import budgets_less_fixed, fixed_stage_bytes, memory_budgets
+from autopp.plan.budgets import (
+    budgets_less_fixed,
+    fixed_stage_bytes,
+    loss_kept_bytes,
+    memory_budgets,
+)
 from autopp.schedules.memory_terms import communicator_bytes
 from autopp.plan.loss_choice import describe_loss, loss_kinds, loss_time_s
 from autopp.plan.objective import boundary_bytes, pipeline_objective_s, pp_link, transfer_s
@@ -425,10 +430,14 @@ def plan_whole_pipeline(
         metas, inputs = stage_meta_inputs(model, fqns, example_inputs[0], n_microbatches, dp,
                                           record.compute_dtype, stage_modules)
         budgets = whole_budgets
-        if whole_memory:  # the step's fixed terms are not in the ILP's row: off the budget
+        if whole_memory:  # what the ILP's row does not count comes off the budget
+            fixed = fixed_stage_bytes(metas, inputs, n_microbatches=n_microbatches, dp=dp,
+                                      tp=tp)
+            fixed[-1] += loss_kept_bytes(
+                last_stage_output(metas, inputs, mp), dp, tp, last_kinds,
+                memory[-1]["activation_factor"])
             budgets = budgets_less_fixed(
-                whole_budgets, fixed_stage_bytes(metas, inputs, n_microbatches=n_microbatches,
-                                                 dp=dp, tp=tp),
+                whole_budgets, fixed,
                 communicator_bytes(get_profile(profile).communicator_bytes, (pp, dp, tp)),
                 stage_ranks)
         plan_kw = dict(profile=profile, mixed_precision=mp, n_microbatches=n_microbatches,

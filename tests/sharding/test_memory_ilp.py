@@ -212,3 +212,21 @@ def test_budgets_less_the_fixed_terms_by_hand():
         1e6 - 32832 - 1000, 1e6 - 32768 - 1000]
     assert budgets_less_fixed([5e5, 5e5], fixed, 1000, [0, 0]) == [
         5e5 - 32832 - 500, 5e5 - 32768 - 500]
+
+
+def test_the_loss_term_off_the_last_stage_budget_by_hand():
+    """The last stage's graph ends at the logits, so the ILP's row misses what its loss
+    keeps: the logits and their fp32 log-probabilities, per microbatch in flight. For a
+    dp-global (4, 16, 2048) microbatch at dp = 2, tp = 2: fp32 logits on the gathered
+    vocabulary ("batch") are 4 * 16 * 2048 / 2 = 65536 per device, x (4 + 4) bytes =
+    524288; with loss parallel a candidate ("vocab"), the smaller 1/tp of that counts:
+    262144; bf16 logits: (2 + 4) bytes each; two microbatches in flight: twice."""
+    from autopp.plan.budgets import loss_kept_bytes
+
+    logits = torch.empty(4, 16, 2048, device="meta")
+    assert loss_kept_bytes(logits, 2, 2, ("batch",), 1) == 524288
+    assert loss_kept_bytes(logits, 2, 2, ("batch", "vocab"), 1) == 262144
+    assert loss_kept_bytes(logits, 2, 2, ("batch",), 2) == 2 * 524288
+    assert loss_kept_bytes(logits.to(torch.bfloat16), 2, 2, ("batch",), 1) == 65536 * 6
+    assert loss_kept_bytes(torch.empty(4, 16, dtype=torch.long, device="meta"), 2, 2,
+                           ("batch",), 1) == 0
