@@ -121,15 +121,20 @@ def _returns_alias(node: Any) -> bool:
 
 def op_scratch_bytes(node: Any) -> int:
     """Bytes an op holds internally while it runs, beyond its inputs and outputs, where that
-    is large and known: ``autopp::sdpa_backward`` (:mod:`autopp.ops.attention`)
-    recomputes the attention in fp32 and holds up to five ``batch x heads x seq x seq``
-    tensors at once (scores, probabilities, their gradient and two temporaries)."""
+    is large and known: ``autopp::sdpa_backward`` (:mod:`autopp.ops.attention`) re-runs the
+    fused forward for its output (q's shape with v's head size, q's dtype) and fp32
+    log-sum-exp (batch x heads x seq), and the fused backward's q, k and v gradients exist
+    before they are copied into the op's outputs. No seq x seq tensor: the kernels are
+    fused (before they were, five fp32 batch x heads x seq x seq tensors were counted)."""
     if "sdpa_backward" not in str(node.target):
         return 0
-    q, k = (a.meta.get("val") for a in node.args[1:3])
-    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+    q, k, v = (a.meta.get("val") for a in node.args[1:4])
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return 0
-    return 5 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * 4
+    out = q.numel() // q.shape[-1] * v.shape[-1] * q.element_size()
+    lse = q.numel() // q.shape[-1] * 4
+    grads = sum(t.numel() * t.element_size() for t in (q, k, v))
+    return out + lse + grads
 
 
 def graph_peak_bytes(gm: Any) -> int:
