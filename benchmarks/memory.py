@@ -144,6 +144,7 @@ def _out_bytes(gm, first: int, count: int) -> int:
 def stage_numbers(m, sid: int, local_ids: list[int], n_stages: int, n_mb: int) -> dict:
     """What one planned stage holds, read off its lowered graphs and its parameters."""
     from autopp.lower.memory import graph_peak_bytes, saved_bytes
+    from autopp.schedules.memory_terms import receive_buffer_bytes
 
     local, g = m.stage_graphs()
     sig = g.convention.signature
@@ -189,7 +190,7 @@ def stage_numbers(m, sid: int, local_ids: list[int], n_stages: int, n_mb: int) -
         params=p_bytes + _local_bytes(m.buffers()),
         optimizer=2 * p_bytes + 4 * len(params),  # AdamW: exp_avg, exp_avg_sq, step
         grads=p_bytes, unreduced=unreduced, gathered=m.gathered_param_bytes(), acts=acts,
-        p2p=n_mb * (in_bytes + (out_bytes if not is_last else 0)),
+        p2p=receive_buffer_bytes(n_mb, in_bytes, 0 if is_last else out_bytes),
         to_end_f=to_end_f, to_end_b=to_end_b,
         work=work, saved_with_inputs=saved_bytes(g),
     )
@@ -238,6 +239,27 @@ def predict(numbers: dict[int, dict], schedule: str, pp: int, pp_rank: int, n_mb
                 static=sum(n["params"] + n["optimizer"] for n in numbers.values()) + p2p)
 
 
+def plan_estimate(pipe, args, mesh, pp_rank: int) -> dict | None:
+    """The plan's own estimate for this pp rank (:func:`autopp.estimate.pipeline.estimate_plan`,
+    computed on rank 0 and broadcast): its peak and its categories at the peak, with the
+    categories the simulator had before the memory terms of issue 26 (parameters, gradients,
+    optimizer, gathered parameters, activations) summed apart."""
+    from autopp.estimate.pipeline import estimate_plan
+    from autopp.integrations.torchtitan.estimates import estimates_on_rank0
+    from autopp.mesh import stage_sub_mesh
+    from tests.models import llama3_meta
+
+    plan = pipe.backend.pipeline_plan
+    est, why = estimates_on_rank0(lambda: estimate_plan(
+        plan, llama3_meta(args.n_layers), stage_sub_mesh(mesh)).estimates)
+    if est is None:
+        print(f"rank {dist.get_rank()}: no plan estimate ({why})", flush=True)
+        return None
+    cats = dict(est.memory_at_peak[pp_rank])
+    old = ("parameters", "gradients", "optimizer", "gathered_parameters", "activations")
+    return dict(peak=est.peak_bytes[pp_rank], cats=cats, old=sum(cats[c] for c in old))
+
+
 def measure(args, schedule: str, n_mb: int, recompute: str) -> dict:
     from autopp import build_world_mesh, pipeline_autoparallel
     from autopp.backends import Planner, PlannerOptions
@@ -266,6 +288,7 @@ def measure(args, schedule: str, n_mb: int, recompute: str) -> dict:
     peak = peak_bytes_during(lambda: pipe.step(tok, target=tgt))
     pipe.zero_grad()
 
+    plan_est = plan_estimate(pipe, args, mesh, pp_rank)
     n_stages = pipe.layout.n_stages
     ids = list(pipe.layout.stage_ids)
     numbers = {sid: stage_numbers(m, sid, ids, n_stages, n_mb)
@@ -274,7 +297,7 @@ def measure(args, schedule: str, n_mb: int, recompute: str) -> dict:
     del pipe, opt
     gc.collect()
     return dict(schedule=schedule, n_mb=n_mb, recompute=recompute, start=start, peak=peak,
-                measured=start + peak, **pred,
+                measured=start + peak, **pred, plan_est=plan_est,
                 acts=sum(n["acts"] for n in numbers.values()),
                 saved=sum(n["saved_with_inputs"] for n in numbers.values()))
 
@@ -309,6 +332,12 @@ def main() -> None:
                 print(f"{cfg:<28s} {rank:4d} {r['measured'] / MIB:9.2f} "
                       f"{r['predicted'] / MIB:9.2f} {r['measured'] / r['predicted']:6.3f} "
                       f"{step_ratio:10.3f} {r['acts'] / MIB:8.2f} {action:>8s}")
+                e = r["plan_est"]
+                if e is not None:
+                    parts = " ".join(f"{k}={v / MIB:.2f}" for k, v in e["cats"].items() if v)
+                    print(f"{'':<28s}      plan estimate {e['peak'] / MIB:.2f} MiB (measured / "
+                          f"estimate {r['measured'] / e['peak']:.3f}; the five categories "
+                          f"before issue 26's terms {e['old'] / MIB:.2f}): {parts}")
                 if args.details:
                     parts = " ".join(f"{k}={v / MIB:.2f}" for k, v in r["parts"].items())
                     work = r["at_action"][1] / MIB if r["at_action"] else 0.0

@@ -49,7 +49,7 @@ def figures(r):
         at_peak=[dataclasses.asdict(x.memory_at_peak) for x in sim.ranks],
         in_flight=list(sim.max_in_flight), usable=r.usable_bytes, fits=r.fits(),
         memory=r.param_bytes_per_device(), p2p=r.p2p_bytes_per_step,
-        text=str(r),
+        kinds=[s.boundary_out for s in r.stages], tp=r.tp, text=str(r),
     )
 
 out = {}
@@ -121,9 +121,12 @@ def test_stages_time_and_p2p_bytes(reports):
     assert [c["p2p_bytes_per_microbatch"] for c in r["costs"]] == r["send"]
     assert r["p2p"] == 2 * N_MB * rows * SEQ * DIM * 4
     assert r["memory"] == max(r["mem"])
-    # what a microbatch keeps for its backward is at least the stage's own input activation
+    # what a microbatch keeps for its backward is at least one boundary-sized activation
+    # (the stage's own input, which it saves as it is, lives in the receive buffer)
     assert all(a >= rows * SEQ * DIM * 4 for a in r["act"]), r["act"]
-    assert [c["activation_bytes_per_microbatch"] for c in r["costs"]] == r["act"]
+    # the last stage also keeps its loss's logits and their fp32 log-probabilities
+    # (test_last_stage_keeps_the_logits_for_its_loss)
+    assert [c["activation_bytes_per_microbatch"] for c in r["costs"]][:-1] == r["act"][:-1]
     assert "kept for the backward" in r["text"]
     assert "stage 0 (pp rank 0): tok_embeddings, layers.0-2" in r["text"]
     assert "stage 1 (pp rank 1): layers.3-5, norm, lm_head" in r["text"]
@@ -191,6 +194,47 @@ def test_memory_categories_add_up_to_the_peak(reports, schedule):
     # 1F1B keeps min(M, pp - s) microbatches in flight on stage s
     assert reports["1F1B"]["in_flight"] == [2, 1]
     assert "Memory per device at each pp rank's simulated peak" in reports["1F1B"]["text"]
+
+
+VOCAB = 2048  # llama3 debugmodel
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_last_stage_keeps_the_logits_for_its_loss(reports, schedule):
+    """The planned graph ends at the logits (the loss runs eagerly after it), so its saved
+    values hold neither the logits nor cross entropy's log-probabilities; the last stage's
+    activations add both, by hand: rows x seq x vocab fp32 logits per device (1/tp of the
+    vocabulary under loss parallel), 4 bytes each, plus as many fp32 log-probabilities."""
+    r = reports[schedule]
+    rows = GLOBAL_BATCH // DP // N_MB
+    vocab = VOCAB // (r["tp"] if r["kinds"][-1] == "vocab" else 1)
+    kept = r["costs"][-1]["activation_bytes_per_microbatch"] - r["act"][-1]
+    assert kept == rows * SEQ * vocab * (4 + 4)
+    # its backward's working memory holds at least the logits' gradient (fp32)
+    last = r["costs"][-1]
+    assert max(last["backward_workspace_bytes"],
+               last["backward_input_workspace_bytes"]) >= rows * SEQ * vocab * 4
+    # every backward allocates (its gradients at least); a forward whose intermediates are
+    # all saved or returned has no working memory of its own
+    assert all(c["backward_workspace_bytes"] > 0 for c in r["costs"])
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_receive_buffers_buffers_and_communicators_in_the_peak(reports, schedule):
+    """Held all step, so at every rank's peak: torch's receive buffers, one per microbatch
+    each way (a stage's input buffers unless it is the first, its output-gradient buffers
+    unless it is the last, each the boundary's bytes); the stages' registered buffers (the
+    RoPE table each stage holds a copy of); the H100 profile's 64 MiB per process group,
+    three groups at pp=2 x dp=2 x tp=2."""
+    r = reports[schedule]
+    n, send = r["n_stages"], r["send"]
+    for ids, cats in zip(r["ids"], r["at_peak"]):
+        recv = sum(N_MB * ((send[s - 1] if s > 0 else 0) + (send[s] if s < n - 1 else 0))
+                   for s in ids)
+        assert cats["receive_buffers"] == recv > 0
+        assert cats["buffers"] == sum(r["costs"][s]["buffer_bytes"] for s in ids) > 0
+        assert cats["communicators"] == 3 * 64 * 2**20
+    assert " recv " in r["text"] and " comm" in r["text"]
 
 
 def test_trace_and_timeline_written(reports):

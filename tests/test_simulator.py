@@ -218,6 +218,68 @@ def test_memory_by_category_1f1b():
         assert set(timeline.bytes["optimizer"]) == {O}
 
 
+def test_receive_buffers_are_one_per_microbatch_each_way_all_step():
+    """torch's PipelineStage preallocates one input buffer per microbatch for every stage but
+    the first (``_setup_forward_recv_info``) and one output-gradient buffer per microbatch
+    for every stage but the last (``_setup_backward_recv_info``), and keeps them all step.
+    1F1B, p = 2, m = 4, boundary X bytes: stage 0 holds m gradient buffers, 4X; stage 1
+    m input buffers, 4X (its own p2p bytes, for a send it never makes, do not count). They
+    are in the peak and constant over the step; without a boundary there are none."""
+    p, m, X, A = 2, 4, 1000, 10
+    c = cost(1.0, 1.0, 1.0, p2p_bytes_per_microbatch=X, activation_bytes_per_microbatch=A)
+    result = simulate_schedule("1F1B", c, pp=p, n_microbatches=m)
+    for s, rank in enumerate(result.ranks):
+        assert rank.memory_at_peak.receive_buffers == 4 * X
+        assert set(result.memory[s].bytes["receive_buffers"]) == {4 * X}
+        assert rank.peak_bytes == 4 * X + (p - s) * A
+    assert simulate_schedule("1F1B", cost(1.0, 1.0, 1.0), pp=p, n_microbatches=m
+                             ).ranks[0].memory_at_peak.receive_buffers == 0
+    # stages that differ: stage 0 sends 1000 per microbatch, stage 1 (last) 7 (ignored)
+    two = simulate_schedule("1F1B", [cost(1.0, 1.0, 1.0, p2p_bytes_per_microbatch=1000),
+                                     cost(1.0, 1.0, 1.0, p2p_bytes_per_microbatch=7)],
+                            pp=p, n_microbatches=m)
+    assert [r.memory_at_peak.receive_buffers for r in two.ranks] == [4000, 4000]
+
+
+def test_buffers_and_communicators_are_held_all_step():
+    """A stage's registered buffers (buffer_bytes) on its rank, and each rank's
+    communicator allowance, both constant over the step and in the peak: 1F1B p = 2, two
+    stages with 300 and 500 bytes of buffers, 64 bytes of communicators per rank."""
+    costs = [cost(1.0, 1.0, 1.0, buffer_bytes=300), cost(1.0, 1.0, 1.0, buffer_bytes=500)]
+    result = simulate_schedule("1F1B", costs, pp=2, n_microbatches=2, communicator_bytes=64)
+    assert [r.memory_at_peak.buffers for r in result.ranks] == [300, 500]
+    assert [r.memory_at_peak.communicators for r in result.ranks] == [64, 64]
+    assert [r.peak_bytes for r in result.ranks] == [364, 564]
+    assert set(result.memory[1].bytes["communicators"]) == {64}
+
+
+def test_communicator_bytes_count_each_group_a_rank_uses():
+    """The allowance counts every mesh dim of size > 1 once: pp=2 x dp=1 x tp=4 uses two
+    groups (pp, tp), pp=4 x dp=2 x tp=8 three; the H200 profile's allowance is NCCL's
+    4 MiB x 2 peers x 8 channels = 64 MiB per group, the CPU profile's 0."""
+    from autopp.profiles import get_profile
+    from autopp.schedules.memory_terms import communicator_bytes
+
+    assert communicator_bytes(10, (2, 1, 4)) == 20
+    assert communicator_bytes(10, (4, 2, 8)) == 30
+    assert communicator_bytes(10, (1, 1, 1)) == 0
+    assert get_profile("H200").communicator_bytes == 64 * 2**20
+    assert get_profile("CPU").communicator_bytes == 0
+
+
+def test_workspace_is_held_during_its_action_only():
+    """1F1B, p = 2, m = 2, A = 100 bytes of activations, F's working memory 7 and B's 11.
+    Rank 0 runs F0 F1 B0 B1: during B0 it holds 2A + 11 = 211. Rank 1 runs F0 B0 F1 B1:
+    during each B it holds A + 11 = 111. Between actions there is no working memory."""
+    c = cost(1.0, 1.0, 1.0, activation_bytes_per_microbatch=100, forward_workspace_bytes=7,
+             backward_workspace_bytes=11)
+    result = simulate_schedule("1F1B", c, pp=2, n_microbatches=2)
+    assert [r.peak_bytes for r in result.ranks] == [211, 111]
+    assert [r.memory_at_peak.workspace for r in result.ranks] == [11, 11]
+    assert result.memory[0].bytes["workspace"][-1] == 0
+    assert set(result.memory[0].bytes["workspace"]) == {0, 7, 11}
+
+
 def test_split_backward_frees_at_i_what_w_does_not_need():
     """ZB-H1 with activation_bytes_kept_for_w=K: each microbatch holds A from F to I and K
     from I to W. Rank p-1 (one stage, the last) runs F0 I0 then W0 later; with K = 0 its

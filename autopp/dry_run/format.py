@@ -19,7 +19,8 @@ _BOUNDARY_WORDS = {
 
 _NAME = {c: c.replace("_", " ") for c in MEMORY_CATEGORIES}
 _SHORT = {"parameters": "params", "gradients": "grads", "optimizer": "optim",
-          "gathered_parameters": "gathered", "activations": "acts"}
+          "gathered_parameters": "gathered", "activations": "acts", "workspace": "work", "buffers": "buffers",
+          "receive_buffers": "recv", "communicators": "comm"}
 
 
 def _gib(n: float) -> str:
@@ -143,9 +144,11 @@ def _pipeline_lines(r: DryRunReport) -> list[str]:
         f"Memory per device at each pp rank's simulated peak (usable: {_gib(r.usable_bytes)} GiB"
         f" = {r.profile} {r.device_memory_bytes / 1e9:.0f} GB minus a {r.memory_reserve:.0%} "
         "reserve; AdamW state = fp32 moments (+ fp32 master for sub-fp32 parameters); "
-        "activations under each stage's planned recomputation; the loss, p2p buffers and "
-        "fragmentation are not "
-        "counted):",
+        "activations under each stage's planned recomputation, the last stage's with its "
+        "loss's logits; recv = torch's p2p receive buffers, one per microbatch each way; "
+        "work = the running action's working memory; comm = the process groups' "
+        "communicator allowance; fragmentation and sent tensors held to the step's end are "
+        "left to the reserve):",
         *memory_table(r),
         *fit_lines(r),
     ]
@@ -193,7 +196,8 @@ def format_report(r: DryRunReport) -> str:
         f"({r.microbatch_rows * r.dp} dp-global, what the planner sees)",
         ("  parameter-memory budget per device: torchtitan's per stage (compare)" if r.compare
          else "  memory budget per device (parameters, gradients, AdamW state, gathered "
-         "weights, activations x microbatches in flight): "
+         "weights, activations x microbatches in flight; receive buffers, buffers and "
+         "communicators taken off first): "
          + (format_bytes(r.memory_budget_bytes) if r.memory_budget_bytes is not None
             else f"the device's memory less {r.memory_reserve:.0%}")),
         "",

@@ -26,6 +26,7 @@ from autopp.estimate.stage_costs import (
 from autopp.graph.weight_gathering import WeightGathering
 from autopp.plan.objective import pp_link, pp_links
 from autopp.schedules import SimulationResult, StageCost, simulate_schedule
+from autopp.schedules.memory_terms import communicator_bytes, module_buffer_bytes
 
 #: How stage facts are found: "graphs" (lower every stage's plan to read its activation
 #: memory and split its time into F / I / W), "rule" (F = I = W = a third of the plan's time,
@@ -47,20 +48,27 @@ def stage_estimate(meta: nn.Module, plan: Any, sub_mesh: Any, inputs: tuple, n_m
     else:
         raise ValueError(f"estimate mode {mode!r}: 'graphs' or 'rule'")
     return facts, stage_cost(facts, state_bytes(plan, param_dtypes(meta)), loss_s=loss_s,
-                             p2p_bytes=send_bytes, gathering=gathering)
+                             p2p_bytes=send_bytes, gathering=gathering,
+                             buffer_bytes=module_buffer_bytes(meta))
 
 
 def simulate_stages(schedule: str, costs: Sequence[StageCost], *, pp: int, n_microbatches: int,
                     stage_ranks: Sequence[int], profile: Any, mesh_shape: tuple[int, ...]
                     ) -> SimulationResult:
     """The schedule simulated over ``costs`` on the profile's pp links (each send over the
-    link between the two ranks it joins, :func:`~autopp.plan.objective.pp_links`); the
+    link between the two ranks it joins, :func:`~autopp.plan.objective.pp_links`), each
+    rank holding the profile's communicator allowance for its groups
+    (:func:`~autopp.schedules.memory_terms.communicator_bytes` over ``mesh_shape``); the
     simulator's stage placement must be the pipeline's (``stage_ranks``), or it is a bug
     and raises."""
+    from autopp.profiles import get_profile
+
     shape = tuple(mesh_shape)
+    comm = communicator_bytes(get_profile(profile).communicator_bytes, shape)
     sim = simulate_schedule(schedule, list(costs), pp=pp, n_microbatches=n_microbatches,
                             n_stages=len(costs), link=pp_link(profile, shape),
-                            links=pp_links(profile, shape, stage_ranks))
+                            links=pp_links(profile, shape, stage_ranks),
+                            communicator_bytes=comm)
     if sim.actions.stage_to_rank != tuple(stage_ranks):
         raise RuntimeError(f"simulated stage placement {sim.actions.stage_to_rank} differs "
                            f"from the pipeline's {tuple(stage_ranks)}")

@@ -38,8 +38,20 @@ Memory (bytes on one device; :func:`state_bytes` for the parameter-sized ones):
 * gathered parameters: the unshard graphs' outputs that are new memory (gathers and casts,
   :func:`autopp.lower.memory.unsharded_bytes`), held from UNSHARD to RESHARD;
 * activations: what each unit's lowered forward saves for its backward
-  (:func:`autopp.lower.memory.saved_bytes`), per microbatch in flight; what the
-  backward-weight graphs take (``kept_for_w_bytes``) stays from I until W.
+  (:func:`autopp.lower.memory.saved_bytes`; the stage's input, which the first unit may
+  save as it is, not: it lives in torch's receive buffer, or on the first stage in the
+  caller's microbatch), per microbatch in flight, and on the last
+  stage what the loss keeps (the logits and fp32 log-probabilities,
+  :func:`autopp.sharding.loss_cost.cross_entropy_kept_bytes`: the planned graph ends at
+  the logits); what the backward-weight graphs take (``kept_for_w_bytes``) stays from I
+  until W;
+* buffers: the stage module's registered buffers, one whole copy
+  (:func:`autopp.schedules.memory_terms.module_buffer_bytes`);
+* workspace, per compute action: the fresh parameter gradients every unit's graph returns
+  plus the largest unit's other transient bytes
+  (:func:`autopp.lower.memory.action_workspace_bytes`; read off each unit's graphs, so
+  an estimate of the stage graph's own peak), on the last stage with the logits' gradient
+  in B and I.
 
 With full activation checkpointing per block (not planned yet; reported as an estimate) a
 microbatch keeps only each unit's input in its planned placement, the backward recomputes
@@ -90,6 +102,15 @@ class StageFacts:
     """Full activation checkpointing per unit: each unit's input, per microbatch."""
     largest_unit_activation_bytes: int = 0
     """The most one unit saves for its backward (recomputed one unit at a time)."""
+    workspace: tuple[tuple[str, int], ...] = ()
+    """Per compute action kind ("F", "B", "I", "W"), its working memory: the fresh
+    parameter gradients of all units plus the largest unit's other transient bytes
+    (:func:`autopp.lower.memory.action_workspace_bytes`), and on the last stage the logits'
+    gradient in B and I. Empty without graphs."""
+    loss_bytes: int = 0
+    """Last stage: what its loss keeps per microbatch until the backward
+    (:func:`autopp.sharding.loss_cost.cross_entropy_kept_bytes`); 0 for other stages and
+    without graphs."""
     from_graphs: bool = False
     """Whether the split and memory were read off the graphs (else the rule)."""
 
@@ -129,20 +150,24 @@ def state_bytes(plan: StagePlan, param_dtypes: Mapping[str, torch.dtype]) -> Sta
 
 
 def stage_cost(facts: StageFacts, state: StateBytes, *, loss_s: float = 0.0,
-               p2p_bytes: int = 0, gathering: WeightGathering = WeightGathering()
-               ) -> StageCost:
+               p2p_bytes: int = 0, gathering: WeightGathering = WeightGathering(),
+               buffer_bytes: int = 0) -> StageCost:
     """The simulator's :class:`StageCost` of a stage (``loss_s``: its loss, last stage;
-    ``gathering``: when its weights are gathered, which moves UNSHARD time into F and I)."""
+    ``gathering``: when its weights are gathered, which moves UNSHARD time into F and I;
+    ``buffer_bytes``: its registered buffers,
+    :func:`autopp.schedules.memory_terms.module_buffer_bytes`). The activations include
+    what the loss keeps (``facts.loss_bytes``)."""
     forward_s, backward_input_s, unshard_s = gathering.priced(
         forward_s=facts.forward_s, backward_input_s=facts.backward_input_s,
         unshard_s=facts.unshard_s)
+    work = dict(facts.workspace)
     return StageCost(
         forward_s=forward_s + loss_s / 2,
         backward_input_s=backward_input_s + loss_s / 2,
         backward_weight_s=facts.backward_weight_s,
         unshard_s=unshard_s,
         reduce_grad_s=facts.reduce_grad_s,
-        activation_bytes_per_microbatch=facts.activation_bytes or 0,
+        activation_bytes_per_microbatch=(facts.activation_bytes or 0) + facts.loss_bytes,
         activation_bytes_kept_for_w=facts.kept_for_w_bytes,
         p2p_bytes_per_microbatch=p2p_bytes,
         param_bytes=state.parameters,
@@ -150,15 +175,20 @@ def stage_cost(facts: StageFacts, state: StateBytes, *, loss_s: float = 0.0,
         unreduced_grad_bytes=state.unreduced_gradients,
         optimizer_bytes=state.optimizer,
         gathered_param_bytes=facts.gathered_bytes,
+        buffer_bytes=buffer_bytes,
+        forward_workspace_bytes=work.get("F", 0),
+        backward_workspace_bytes=work.get("B", 0),
+        backward_input_workspace_bytes=work.get("I", 0),
+        backward_weight_workspace_bytes=work.get("W", 0),
     )
 
 
 def full_checkpointing_cost(cost: StageCost, facts: StageFacts) -> StageCost:
     """``cost`` with full activation checkpointing per unit (see module doc): a microbatch
-    keeps the units' inputs; I (or B) recomputes the forward first (the loss is not
-    recomputed); what W reads stays as it was."""
+    keeps the units' inputs and what the loss keeps; I (or B) recomputes the forward first
+    (the loss is not recomputed); what W reads stays as it was."""
     kept = facts.checkpoint_bytes if facts.checkpoint_bytes is not None else 0
-    return replace(cost, activation_bytes_per_microbatch=kept,
+    return replace(cost, activation_bytes_per_microbatch=kept + facts.loss_bytes,
                    backward_input_s=cost.backward_input_s + facts.forward_s,
                    backward_s=None if cost.backward_s is None else
                    cost.backward_s + facts.forward_s)
@@ -279,16 +309,19 @@ class _UnitFacts:
 
     times: Mapping[str, float]
     saved: int
+    saved_inputs: int
+    """Of ``saved``, the unit's inputs saved as they are (or views of them)."""
     kept_for_w: int
     gathered: int
     input_bytes: int
     output: tuple[tuple[int, ...], torch.dtype]
+    workspace: Mapping[str, tuple[int, int]]
 
 
 def _unit_facts(joint, unit, bplan, plan: StagePlan, mesh, costs, n_microbatches: int
                 ) -> _UnitFacts:
     from autopp.lower.local_graphs import lower_joint, split_local
-    from autopp.lower.memory import saved_bytes, unsharded_bytes
+    from autopp.lower.memory import action_workspace_bytes, saved_bytes, unsharded_bytes
 
     graphs = split_local(lower_joint(joint, bplan, mesh), recompute=plan.recompute or "none")
     saved = saved_bytes(graphs)
@@ -298,10 +331,12 @@ def _unit_facts(joint, unit, bplan, plan: StagePlan, mesh, costs, n_microbatches
     out = joint.outputs[0].meta["val"]
     return _UnitFacts(
         times=_unit_phase_times(joint, unit, bplan, plan, costs, n_microbatches),
-        saved=saved, kept_for_w=saved if w is None else _input_bytes(w),
+        saved=saved, saved_inputs=saved - saved_bytes(graphs, include_inputs=False),
+        kept_for_w=saved if w is None else _input_bytes(w),
         gathered=unsharded_bytes(graphs),
         input_bytes=int(x_bytes),
         output=(tuple(out.shape), out.dtype),
+        workspace=action_workspace_bytes(graphs),
     )
 
 
@@ -323,7 +358,9 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
     traced: dict[str, Any] = {}
     times = dict.fromkeys(PHASES, 0.0)
     acts = kept_w = gathered = ckpt = largest = 0
-    for bplan in plan.blocks:  # as autopp.lower.apply.planned_units walks them
+    grads_made: dict[str, int] = {}
+    transient: dict[str, int] = {}
+    for index, bplan in enumerate(plan.blocks):  # as autopp.lower.apply.planned_units walks them
         key = (bplan.signature, bplan.nodes, plan.profile, plan.tf32, tuple(plan.mesh_shape),
                plan.param_dtype, n_microbatches, plan.recompute, plan.trace_settings)
         if key not in memo:  # identical blocks with one plan: traced and lowered once
@@ -339,17 +376,34 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
         f = memo[key]
         for k, v in f.times.items():
             times[k] += v
-        acts += f.saved
+        # the stage's own input, where its first unit saves it, is already held: in torch's
+        # receive buffer (or the caller's microbatch on the first stage)
+        acts += f.saved - (f.saved_inputs if index == 0 else 0)
         kept_w += f.kept_for_w
         gathered += f.gathered
         ckpt += f.input_bytes
         largest = max(largest, f.saved)
+        for kind, (g, t) in f.workspace.items():
+            grads_made[kind] = grads_made.get(kind, 0) + g
+            transient[kind] = max(transient.get(kind, 0), t)
         x = torch.empty(f.output[0], dtype=f.output[1], device="meta")
+    loss = 0
+    if plan.loss is not None and x.is_floating_point() and x.ndim >= 2:
+        # the last stage: x is its logits (dp-global), in the plan's output placement
+        from autopp.sharding.loss_cost import cross_entropy_kept_bytes
+
+        local = int(costs.local_bytes(x, from_strs(plan.output_placements)))
+        loss = cross_entropy_kept_bytes(local // x.element_size(), x.element_size())
+        for kind in ("B", "I"):  # the loss's gradient of the logits, which they read
+            if kind in transient:
+                transient[kind] += local
+    work = tuple((k, grads_made[k] + transient[k]) for k in sorted(transient))
     return StageFacts(
         forward_s=times["F"], backward_input_s=times["I"], backward_weight_s=times["W"],
         unshard_s=times["unshard"], reduce_grad_s=times["reduce_grad"],
         activation_bytes=acts, kept_for_w_bytes=kept_w, gathered_bytes=gathered,
         checkpoint_bytes=ckpt, largest_unit_activation_bytes=largest, from_graphs=True,
+        loss_bytes=loss, workspace=work,
     )
 
 
@@ -404,8 +458,8 @@ def pipeline_estimates(sim: Any, stage_times: list[float], stage_ids_per_rank: A
 
 def usable_bytes(profile: Any, reserve: float) -> float:
     """Device memory left for the categories the simulator counts: the profile's memory
-    minus ``reserve`` (a fraction, for the allocator, workspaces, communication buffers and
-    what is not modelled)."""
+    minus ``reserve`` (a fraction, for allocator fragmentation and what is not modelled:
+    each action's working memory, sent tensors held to the step's end)."""
     from autopp.profiles.lookup import get_profile
 
     if not 0 <= reserve < 1 or not math.isfinite(reserve):

@@ -31,6 +31,7 @@ from torch import nn
 
 from autopp.plan.objective import boundary_split
 from autopp.profiles.devices import matmul_peak
+from autopp.schedules import MEMORY_CATEGORIES
 from autopp.layout_search.layouts import Layout
 from autopp.layout_search.unit_costs import ShapeCosts, UnitCost
 
@@ -84,9 +85,8 @@ class Split:
 
 
 def _largest(mem: Any) -> str:
-    parts = sorted(((getattr(mem, k), k.replace("_", " ")) for k in (
-        "parameters", "gradients", "optimizer", "gathered_parameters", "activations")),
-        reverse=True)
+    parts = sorted(((getattr(mem, k), k.replace("_", " ")) for k in MEMORY_CATEGORIES),
+                   reverse=True)
     return ", ".join(f"{name} {b / 2**30:.1f} GiB" for b, name in parts[:2] if b)
 
 

@@ -121,15 +121,20 @@ def _returns_alias(node: Any) -> bool:
 
 def op_scratch_bytes(node: Any) -> int:
     """Bytes an op holds internally while it runs, beyond its inputs and outputs, where that
-    is large and known: ``autopp::sdpa_backward`` (:mod:`autopp.ops.attention`)
-    recomputes the attention in fp32 and holds up to five ``batch x heads x seq x seq``
-    tensors at once (scores, probabilities, their gradient and two temporaries)."""
+    is large and known: ``autopp::sdpa_backward`` (:mod:`autopp.ops.attention`) re-runs the
+    fused forward for its output (q's shape with v's head size, q's dtype) and fp32
+    log-sum-exp (batch x heads x seq), and the fused backward's q, k and v gradients exist
+    before they are copied into the op's outputs. No seq x seq tensor: the kernels are
+    fused (before they were, five fp32 batch x heads x seq x seq tensors were counted)."""
     if "sdpa_backward" not in str(node.target):
         return 0
-    q, k = (a.meta.get("val") for a in node.args[1:3])
-    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+    q, k, v = (a.meta.get("val") for a in node.args[1:4])
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return 0
-    return 5 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * 4
+    out = q.numel() // q.shape[-1] * v.shape[-1] * q.element_size()
+    lse = q.numel() // q.shape[-1] * 4
+    grads = sum(t.numel() * t.element_size() for t in (q, k, v))
+    return out + lse + grads
 
 
 def graph_peak_bytes(gm: Any) -> int:
@@ -186,3 +191,43 @@ def workspace_bytes(graphs: StageGraphs) -> dict[str, int]:
     "full_backward", "backward_input", "backward_weight", "unshard", "reduce_grad"): the
     memory an action holds while its graph runs, on top of what it was handed."""
     return {name: graph_peak_bytes(gm) for name, gm in graphs.graphs().items()}
+
+
+def _outputs_bytes(gm: Any, first: int = 0, count: int | None = None) -> int:
+    """Bytes of ``gm``'s tensor outputs ``first .. first + count`` that the graph allocates
+    (each once; not its inputs or views of them, which :func:`graph_peak_bytes` does not
+    count either)."""
+    outs = list(gm.graph.output_node().args[0])
+    outs = outs[first:] if count is None else outs[first:first + count]
+    seen, total = set(), 0
+    for n in outs:
+        val = n.meta.get("val") if hasattr(n, "meta") else None
+        if isinstance(val, torch.Tensor) and n not in seen and _owns_storage(n):
+            seen.add(n)
+            total += val.numel() * val.element_size()
+    return total
+
+
+def action_workspace_bytes(graphs: StageGraphs) -> dict[str, tuple[int, int]]:
+    """Per compute action ("F", and "B" or "I" / "W"), what its graph allocates while it runs
+    beyond what the simulator already holds: ``(gradients, transient)``, where
+    ``gradients`` are the fresh parameter gradients it returns (added into the step's
+    accumulators after it; they add up over a stage's units) and ``transient`` the rest of
+    its :func:`graph_peak_bytes` (intermediates, and the input gradients it sends), less
+    what it keeps: F's outputs (its saved values are the activations, its output is the
+    stage's), I's values kept for W."""
+    sig = graphs.convention.signature
+    out: dict[str, tuple[int, int]] = {}
+    fw = graphs.forward_graph
+    out["F"] = (0, max(0, graph_peak_bytes(fw) - _outputs_bytes(fw)))
+    b = graphs.full_backward_graph
+    if b is not None:
+        g = _outputs_bytes(b, 0, sig.num_param_grads)
+        out["B"] = (g, max(0, graph_peak_bytes(b) - g))
+    i, w = graphs.backward_input_graph, graphs.backward_weight_graph
+    if i is not None:
+        out["I"] = (0, max(0, graph_peak_bytes(i) - _outputs_bytes(i, sig.num_input_grads)))
+    if w is not None:
+        g = _outputs_bytes(w)
+        out["W"] = (g, max(0, graph_peak_bytes(w) - g))
+    return out

@@ -1,5 +1,7 @@
 """How much memory each planned stage may use: the device's (or a given) budget shared by
-the stages of a pp rank, and the activations of the microbatches the schedule keeps in
+the stages of a pp rank, less what the step holds outside the ILP's memory row (receive
+buffers, registered buffers, communicators, the last stage's loss: :func:`fixed_stage_bytes`,
+:func:`loss_kept_bytes`, :func:`budgets_less_fixed`), and the activations of the microbatches the schedule keeps in
 flight on each stage, read off torch's own action lists."""
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ def memory_budgets(options: Any, profile: str, schedule: str, pp: int, n_microba
     (:func:`in_flight_per_stage`); AdamW's two moments as optimizer state; the recompute
     mode asked for. With ``options.parameter_budget_bytes``: that bound on parameter bytes
     alone (shared the same way), nothing else counted, recomputation as asked ("auto":
-    none, since nothing counts activations)."""
+    none, since nothing counts activations). The whole-memory budgets still include the
+    fixed terms; the maker takes them off once the stages' inputs are known
+    (:func:`budgets_less_fixed`)."""
     from autopp.profiles import get_profile
 
     n = len(stage_ranks)
@@ -47,3 +51,46 @@ def memory_budgets(options: Any, profile: str, schedule: str, pp: int, n_microba
     memory = [dict(activation_factor=float(f), recompute=options.recompute,
                    optimizer_state_factor=2.0) for f in in_flight]
     return budgets, memory
+
+
+def fixed_stage_bytes(metas: Sequence[Any], inputs: Sequence[tuple[Any, ...]], *,
+                      n_microbatches: int, dp: int, tp: int) -> list[int]:
+    """Per stage, the bytes it holds for the whole step outside what the ILP counts: its
+    receive buffers (:func:`autopp.schedules.memory_terms.stage_receive_bytes`, at the
+    "batch" boundary's bytes, the largest kind: the boundaries are chosen with the stage
+    plans) and its registered buffers (:func:`~autopp.schedules.memory_terms.module_buffer_bytes`).
+    ``metas``: the stages on meta; ``inputs``: each stage's dp-global microbatch inputs."""
+    from autopp.plan.objective import boundary_bytes
+    from autopp.schedules.memory_terms import module_buffer_bytes, stage_receive_bytes
+
+    n = len(metas)
+    send = [boundary_bytes(inputs[s + 1][0], dp, tp, "batch") if s + 1 < n else 0
+            for s in range(n)]
+    recv = stage_receive_bytes(n_microbatches, send)
+    return [r + module_buffer_bytes(m) for r, m in zip(recv, metas)]
+
+
+def budgets_less_fixed(budgets: Sequence[float], fixed: Sequence[int], communicators: int,
+                       stage_ranks: Sequence[int]) -> list[float]:
+    """The per-stage budgets the ILP plans under, once the fixed terms are taken off: a
+    stage's own (:func:`fixed_stage_bytes`) and its share of its rank's communicators
+    (:func:`autopp.schedules.memory_terms.communicator_bytes`), shared equally by the
+    rank's stages as the budget is."""
+    per_rank = [list(stage_ranks).count(r) for r in stage_ranks]
+    return [b - f - communicators / k for b, f, k in zip(budgets, fixed, per_rank)]
+
+
+def loss_kept_bytes(logits: Any, dp: int, tp: int, kinds: Sequence[str], in_flight: float
+                    ) -> int:
+    """The last stage's loss's bytes per device that the ILP's row does not count (its
+    graph ends at the logits): :func:`autopp.sharding.loss_cost.cross_entropy_kept_bytes`
+    × the microbatches in flight on it, at the smallest of the loss placements compared
+    (``kinds``: "vocab" splits the logits over tp as well as dp), so no choice is refused
+    for a term it would not hold. ``logits``: the dp-global microbatch's, on meta."""
+    from autopp.sharding.loss_cost import cross_entropy_kept_bytes
+
+    if not (logits.is_floating_point() and logits.ndim >= 2):
+        return 0
+    split = max(dp * (tp if k == "vocab" else 1) for k in kinds)
+    return int(in_flight * cross_entropy_kept_bytes(logits.numel() // split,
+                                                    logits.element_size()))

@@ -56,11 +56,13 @@ def planner_source_files() -> list[Path]:
     """The code a plan depends on: the sharding planner (``autopp/sharding/``), the pipeline
     plan and its maker (``autopp/plan/``, ``tied.py``), the ops' rules (``autopp/ops/``), the
     recompute rules the memory row uses (``autopp/graph/``), the stage split
-    (``autopp/stage_split/``) and the model adapters (``autopp/adapters/``, whose settings are
-    in the key too)."""
+    (``autopp/stage_split/``), the model adapters (``autopp/adapters/``, whose settings are
+    in the key too) and the fixed memory terms taken off the budgets
+    (``autopp/schedules/memory_terms.py``)."""
     root = Path(__file__).parent.parent
     folders = ("sharding", "plan", "ops", "graph", "stage_split", "adapters")
-    return [*(f for d in folders for f in sorted((root / d).glob("*.py"))), root / "tied.py"]
+    return [*(f for d in folders for f in sorted((root / d).glob("*.py"))), root / "tied.py",
+            root / "schedules" / "memory_terms.py"]
 
 
 def _planner_source_hash() -> str:

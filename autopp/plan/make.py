@@ -38,7 +38,13 @@ from autopp.plan.cache import (
     pipeline_plan_key,
     plan_key,
 )
-from autopp.plan.budgets import memory_budgets
+from autopp.plan.budgets import (
+    budgets_less_fixed,
+    fixed_stage_bytes,
+    loss_kept_bytes,
+    memory_budgets,
+)
+from autopp.schedules.memory_terms import communicator_bytes
 from autopp.plan.loss_choice import describe_loss, loss_kinds, loss_time_s
 from autopp.plan.objective import boundary_bytes, pipeline_objective_s, pp_link, transfer_s
 from autopp.plan.options import PlannerOptions
@@ -404,11 +410,13 @@ def plan_whole_pipeline(
     last_kinds = loss_kinds(sub_mesh, loss_fn, options.loss_parallel)
     record = PlanOptions.of(options, profile)
     n = len(fqns_per_stage)
+    whole_memory = budgets is None and options.parameter_budget_bytes is None
     if budgets is None:
         budgets, memory = memory_budgets(options, profile, schedule, pp, n_microbatches,
                                          stage_ranks)
     else:  # explicit per-stage budgets: parameter bytes only (the dry run's comparisons)
         budgets, memory = list(budgets), None
+    whole_budgets = budgets
     dp, tp = sub_mesh["dp"].size(), sub_mesh["tp"].size()
     fqns = tuple(tuple(f) for f in fqns_per_stage)
     fingerprint = model_fingerprint(model)
@@ -421,6 +429,17 @@ def plan_whole_pipeline(
     def _solve() -> PipelinePlan:
         metas, inputs = stage_meta_inputs(model, fqns, example_inputs[0], n_microbatches, dp,
                                           record.compute_dtype, stage_modules)
+        budgets = whole_budgets
+        if whole_memory:  # what the ILP's row does not count comes off the budget
+            fixed = fixed_stage_bytes(metas, inputs, n_microbatches=n_microbatches, dp=dp,
+                                      tp=tp)
+            fixed[-1] += loss_kept_bytes(
+                last_stage_output(metas, inputs, mp), dp, tp, last_kinds,
+                memory[-1]["activation_factor"])
+            budgets = budgets_less_fixed(
+                whole_budgets, fixed,
+                communicator_bytes(get_profile(profile).communicator_bytes, (pp, dp, tp)),
+                stage_ranks)
         plan_kw = dict(profile=profile, mixed_precision=mp, n_microbatches=n_microbatches,
                        tf32=options.tf32)
         fixed = tied_placements(model, fqns, metas, inputs, sub_mesh, budgets, memory,

@@ -65,6 +65,11 @@ class DeviceProfile:
     shared_cores: int | None = None
     """CPU cores that all ranks share (a measured CPU profile with more ranks than cores;
     its rates were measured with every rank busy at once); None: a device per rank."""
+    communicator_bytes: float = 0.0
+    """Device memory a rank's communicator holds per process group it uses (each pp, dp or
+    tp group of size > 1, :func:`autopp.schedules.memory_terms.communicator_bytes`), held
+    for the whole run. 0 for CPU / gloo (its buffers are host memory it allocates per
+    call). The GPU profiles use :data:`NCCL_COMMUNICATOR_BYTES`."""
 
     def flops(self, dtype: torch.dtype, tf32: bool = False) -> float:
         """The FLOP rate a large matmul in ``dtype`` reaches: :func:`matmul_peak` times
@@ -94,9 +99,18 @@ def matmul_peak(profile: DeviceProfile, dtype: torch.dtype, tf32: bool = False) 
     return profile.flops_fp32
 
 
+NCCL_COMMUNICATOR_BYTES = 4 * 2**20 * 2 * 8
+"""Per NCCL communicator (one process group), 64 MiB: NCCL allocates ``NCCL_BUFFSIZE``
+(4 MiB by default) per channel per peer; in a ring (and a pipeline's send/recv) a rank has
+2 peers, the previous and the next, and we assume 8 channels: 4 MiB x 2 peers x 8 channels
+= 64 MiB. An allowance, not a measurement: ``NCCL_BUFFSIZE``, the channel count NCCL picks
+for the topology and its LL / LL128 buffers move it."""
+
+
 PROFILES: dict[str, DeviceProfile] = {
     "H100": DeviceProfile(
         name="H100",
+        communicator_bytes=NCCL_COMMUNICATOR_BYTES,
         flops_bf16=989e12,
         flops_fp32=67e12,
         flops_tf32=494e12,
@@ -107,6 +121,7 @@ PROFILES: dict[str, DeviceProfile] = {
     ),
     "H200": DeviceProfile(
         name="H200",
+        communicator_bytes=NCCL_COMMUNICATOR_BYTES,
         flops_bf16=989e12,
         flops_fp32=67e12,
         flops_tf32=494e12,
@@ -117,6 +132,7 @@ PROFILES: dict[str, DeviceProfile] = {
     ),
     "A100": DeviceProfile(
         name="A100",
+        communicator_bytes=NCCL_COMMUNICATOR_BYTES,
         flops_bf16=312e12,
         flops_fp32=19.5e12,
         flops_tf32=156e12,

@@ -49,6 +49,7 @@ import torch
 
 from autopp.profiles import collectives
 from autopp.profiles.devices import (
+    NCCL_COMMUNICATOR_BYTES,
     MEASURED_PREFIX,
     DeviceProfile,
     load_profile,
@@ -575,6 +576,7 @@ def _measure(name: str, world_size: int, backend: str, device: str,
         p2p_latency=p2p_fit.latency_s,
         shared_cores=(os.cpu_count() if device == "cpu" and world_size > (os.cpu_count() or 1)
                       else None),
+        communicator_bytes=NCCL_COMMUNICATOR_BYTES if backend == "nccl" else 0.0,
     )
     details = {
         "host": socket.gethostname(), "device": _device_description(device),

@@ -13,6 +13,7 @@ from autopp.schedules.actions import ScheduleActions
 #: Memory categories, in the order results list them.
 MEMORY_CATEGORIES: tuple[str, ...] = (
     "parameters", "gradients", "optimizer", "gathered_parameters", "activations",
+    "workspace", "buffers", "receive_buffers", "communicators",
 )
 COMPUTE_KINDS: frozenset[str] = frozenset({"F", "B", "I", "W"})
 """Action kinds that are compute; UNSHARD and REDUCE_GRAD also occupy the rank (see busy)."""
@@ -29,12 +30,21 @@ class MemoryBreakdown:
     optimizer: int = 0
     gathered_parameters: int = 0
     activations: int = 0
+    workspace: int = 0
+    """The running compute action's working memory (its graph's intermediates and fresh
+    gradients), held during the action only."""
+    buffers: int = 0
+    """The stages' registered buffers (e.g. RoPE tables), held all step."""
+    receive_buffers: int = 0
+    """torch's preallocated p2p receive buffers, held all step
+    (:func:`autopp.schedules.memory_terms.receive_buffer_bytes`)."""
+    communicators: int = 0
+    """The rank's process groups' communicator allowance, held all step."""
 
     @property
     def total(self) -> int:
         """Sum of all categories."""
-        return (self.parameters + self.gradients + self.optimizer + self.gathered_parameters
-                + self.activations)
+        return sum(getattr(self, c) for c in MEMORY_CATEGORIES)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -158,7 +168,10 @@ class SimulationResult:
                 f"bubble {r.bubble_fraction:.1%}, peak {r.peak_bytes / gib:.3f} GiB "
                 f"(params {p.parameters / gib:.3f}, grads {p.gradients / gib:.3f}, "
                 f"optim {p.optimizer / gib:.3f}, gathered {p.gathered_parameters / gib:.3f}, "
-                f"acts {p.activations / gib:.3f}), in flight "
+                f"acts {p.activations / gib:.3f}, work {p.workspace / gib:.3f}, "
+                f"buffers {p.buffers / gib:.3f}, "
+                f"recv {p.receive_buffers / gib:.3f}, comm {p.communicators / gib:.3f}), "
+                "in flight "
                 + ", ".join(f"s{s}:{self.max_in_flight[s]}" for s in r.stages)
             )
         return "\n".join(lines)

@@ -30,10 +30,21 @@ Memory per rank, by category (each the sum over the rank's stages):
 * gathered parameters: from the start of an UNSHARD to its RESHARD;
 * activations: ``activation_bytes_per_microbatch`` from the start of F(s, m) to the end of
   its B; with a split backward, ``activation_bytes_kept_for_w`` of it stays from the end of
-  I(s, m) to the end of W(s, m).
+  I(s, m) to the end of W(s, m). The last stage's includes what its loss keeps (the
+  logits and their log-probabilities, :mod:`autopp.estimate.stage_costs`);
+* buffers (``buffer_bytes``), receive buffers and communicators: held for the whole step
+  (:mod:`autopp.schedules.memory_terms`: torch preallocates one input and one
+  output-gradient receive buffer per microbatch for each stage, ``p2p_bytes_per_microbatch``
+  each; ``communicator_bytes`` is the rank's, given to :func:`simulate`).
 
-Not modelled: the receive buffers of p2p transfers, allocator fragmentation, the loss, and
-communication that overlaps compute on the same device slowing it down.
+* workspace: a compute action's working memory (``forward_workspace_bytes`` and the
+  others: its graph's intermediates and fresh gradients above what it keeps), from its
+  start to its end.
+
+Not modelled: sent tensors that the runtime holds until the step's end (torch waits on its
+sends only then), UNSHARD's and REDUCE_GRAD's working memory, kernels' internal scratch
+(beyond autopp's attention backward's), allocator fragmentation, and communication that
+overlaps compute on the same device slowing it down.
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ from dataclasses import dataclass, fields
 
 from autopp._compat import pipelining as _torch_compat
 from autopp.schedules.actions import ScheduleActions, schedule_actions
+from autopp.schedules.memory_terms import stage_receive_bytes
 from autopp.schedules.registry import ScheduleInfo
 from autopp.schedules.sim_result import (
     COMM_KINDS,
@@ -64,7 +76,8 @@ __all__ = [
     "simulate", "simulate_schedule",
 ]
 
-_PARAMS, _GRADS, _OPT, _GATHERED, _ACTS = range(len(MEMORY_CATEGORIES))
+(_PARAMS, _GRADS, _OPT, _GATHERED, _ACTS, _WORK, _BUFS, _RECV,
+ _COMM) = range(len(MEMORY_CATEGORIES))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,6 +122,17 @@ class StageCost:
     lower precision, plus two fp32 moments, sharded as the parameters)."""
     gathered_param_bytes: int = 0
     """Bytes of the parameters gathered by UNSHARD, held until RESHARD."""
+    buffer_bytes: int = 0
+    """Bytes of the stage's registered buffers (e.g. RoPE tables), held all step."""
+    forward_workspace_bytes: int = 0
+    """Working memory of one F above what it keeps (its graph's intermediates), held while
+    it runs (:func:`autopp.lower.memory.action_workspace_bytes`)."""
+    backward_workspace_bytes: int = 0
+    """Working memory of one B (intermediates, fresh gradients, the input gradient)."""
+    backward_input_workspace_bytes: int = 0
+    """Working memory of one I."""
+    backward_weight_workspace_bytes: int = 0
+    """Working memory of one W."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -232,6 +256,7 @@ def simulate(
     *,
     link: Link = Link(),
     links: Mapping[tuple[int, int], Link] | None = None,
+    communicator_bytes: int = 0,
 ) -> SimulationResult:
     """Simulate one training step of ``actions`` (see :func:`schedule_actions`).
 
@@ -240,6 +265,8 @@ def simulate(
         costs: one StageCost for every stage, or a list with one per stage (index = stage).
         link: the link between any two pp ranks.
         links: links that differ, by (sending rank, receiving rank).
+        communicator_bytes: what each rank's process groups hold
+            (:func:`~autopp.schedules.memory_terms.communicator_bytes`).
 
     Raises ValueError if ``costs`` does not match the stages, or if the lists deadlock
     (which torch's validator should have prevented), naming each blocked rank's next action.
@@ -308,6 +335,9 @@ def simulate(
             c = cost[s]
             start = max(clock[r], done[key]) if key is not None else clock[r]
             duration = 0.0
+            work = _workspace(c, kind)
+            if work:
+                mem[r].append((start, _WORK, work))
             if kind == "F":
                 duration = c.forward_s
                 mem[r].append((start, _ACTS, c.activation_bytes_per_microbatch))
@@ -362,6 +392,8 @@ def simulate(
             if duration > 0 or kind in COMPUTE_KINDS:
                 first[r] = min(first[r], start)
             # frees and completions
+            if work:
+                mem[r].append((end, _WORK, -work))
             if kind == "B":
                 mem[r].append((end, _ACTS, -c.activation_bytes_per_microbatch))
                 alive[s].append((end, -1))
@@ -405,12 +437,17 @@ def simulate(
             peer_rank=peer, nbytes=cost[min(stage, xkey[1])].p2p_bytes_per_microbatch)
 
     step = max(max(clock), max(send_end)) if pp else 0.0
+    receive = stage_receive_bytes(actions.n_microbatches,
+                                  [c.p2p_bytes_per_microbatch for c in cost[:last]] + [0])
     memory, summaries = [], []
     for r in range(pp):
         stages = tuple(actions.stage_ids(r))
         static = [0] * len(MEMORY_CATEGORIES)
         static[_PARAMS] = sum(cost[s].param_bytes for s in stages)
         static[_OPT] = sum(cost[s].optimizer_bytes for s in stages)
+        static[_BUFS] = sum(cost[s].buffer_bytes for s in stages)
+        static[_RECV] = sum(receive[s] for s in stages)
+        static[_COMM] = communicator_bytes if stages else 0
         timeline = _timeline(r, static, mem[r])
         memory.append(timeline)
         totals = timeline.total()
@@ -434,6 +471,19 @@ def simulate(
         memory=tuple(memory),
         max_in_flight=tuple(_max_alive(changes) for changes in alive),
     )
+
+
+def _workspace(c: StageCost, kind: str) -> int:
+    """The working memory of a compute action of kind ``kind`` on the stage costing ``c``."""
+    if kind == "F":
+        return c.forward_workspace_bytes
+    if kind == "B":
+        return c.backward_workspace_bytes
+    if kind == "I":
+        return c.backward_input_workspace_bytes
+    if kind == "W":
+        return c.backward_weight_workspace_bytes
+    return 0
 
 
 def _timeline(rank: int, static: list[int], changes: list[tuple[float, int, int]]
@@ -474,6 +524,7 @@ def simulate_schedule(
     n_stages: int | None = None,
     link: Link = Link(),
     links: Mapping[tuple[int, int], Link] | None = None,
+    communicator_bytes: int = 0,
 ) -> SimulationResult:
     """Simulate one training step of a schedule given by name, CSV path or action lists.
 
@@ -487,6 +538,7 @@ def simulate_schedule(
         n_stages: stages in total; default pp for GPipe / 1F1B, 2 * pp for the others.
         link: the link between any two pp ranks; default: instantaneous.
         links: links that differ, by (sending rank, receiving rank).
+        communicator_bytes: what each rank's process groups hold (see :func:`simulate`).
 
     Example: ``simulate_schedule("1F1B", StageCost(forward_s=1, backward_input_s=1,
     backward_weight_s=1), pp=4, n_microbatches=8).bubble_fraction`` is 3 / 11.
@@ -501,4 +553,5 @@ def simulate_schedule(
     else:
         actions = schedule_actions(schedule, pp=pp, n_microbatches=n_microbatches,
                                    n_stages=n_stages)
-    return simulate(actions, costs, link=link, links=links)
+    return simulate(actions, costs, link=link, links=links,
+                    communicator_bytes=communicator_bytes)

@@ -58,3 +58,14 @@ def cross_entropy_time_s(
         t += 3 * collective_s("all_reduce", tp, tokens * 4, links.bandwidth[i],
                               links.latency[i])
     return t
+
+
+def cross_entropy_kept_bytes(local_numel: int, itemsize: int) -> int:
+    """Bytes the last stage keeps per microbatch from its forward to its backward for the
+    loss, on one device holding ``local_numel`` logits of ``itemsize`` bytes each (1/tp of
+    the vocabulary under loss parallel): the logits themselves (the runtime's eager loss
+    keeps them as the leaf it differentiates, :meth:`autopp.graph.StageGraphs.with_eager_loss`)
+    plus the fp32 log-probabilities cross entropy's log-softmax saves for its backward (the
+    fp32 upcast of lower-precision logits is freed after the log-softmax). The planned
+    graph ends at the logits, so its saved values have neither."""
+    return local_numel * (itemsize + 4)

@@ -184,3 +184,49 @@ def test_plan_json_keeps_memory_fields_and_loads_old_json(long_seq_auto):
     assert loaded.recompute_options == () and loaded.blocks[0].recompute == "none"
     assert loaded.params == plan.params and loaded.step_time_s == plan.step_time_s
     str(loaded)  # the report reads old plans too
+
+
+def test_budgets_less_the_fixed_terms_by_hand():
+    """What the step holds outside the ILP's memory row comes off each stage's budget:
+    receive buffers (torch's, one per microbatch each way, at the "batch" boundary's
+    bytes), registered buffers, and a share of the rank's communicators.
+
+    Two stages, M = 4 microbatches, dp = 2, tp = 2. The boundary is a dp-global
+    (8, 16, 32) fp32 activation: 8 * 16 * 32 / dp * 4 = 8192 bytes per device. Stage 0
+    (first) holds 4 gradient buffers, 32768 bytes, and a registered 16-float buffer, 64
+    bytes; stage 1 (last) holds 4 input buffers, 32768 bytes. A 1000-byte communicator
+    allowance comes off whole with one stage per rank, and half each with both on one rank.
+    """
+    from torch import nn
+
+    from autopp.plan.budgets import budgets_less_fixed, fixed_stage_bytes
+
+    first = nn.Linear(2, 2, device="meta")
+    first.register_buffer("table", torch.empty(16, device="meta"), persistent=False)
+    metas = [first, nn.Linear(2, 2, device="meta")]
+    inputs = [(torch.empty(8, 16, dtype=torch.long, device="meta"),),
+              (torch.empty(8, 16, 32, device="meta"),)]
+    fixed = fixed_stage_bytes(metas, inputs, n_microbatches=4, dp=2, tp=2)
+    assert fixed == [32768 + 64, 32768]
+    assert budgets_less_fixed([1e6, 1e6], fixed, 1000, [0, 1]) == [
+        1e6 - 32832 - 1000, 1e6 - 32768 - 1000]
+    assert budgets_less_fixed([5e5, 5e5], fixed, 1000, [0, 0]) == [
+        5e5 - 32832 - 500, 5e5 - 32768 - 500]
+
+
+def test_the_loss_term_off_the_last_stage_budget_by_hand():
+    """The last stage's graph ends at the logits, so the ILP's row misses what its loss
+    keeps: the logits and their fp32 log-probabilities, per microbatch in flight. For a
+    dp-global (4, 16, 2048) microbatch at dp = 2, tp = 2: fp32 logits on the gathered
+    vocabulary ("batch") are 4 * 16 * 2048 / 2 = 65536 per device, x (4 + 4) bytes =
+    524288; with loss parallel a candidate ("vocab"), the smaller 1/tp of that counts:
+    262144; bf16 logits: (2 + 4) bytes each; two microbatches in flight: twice."""
+    from autopp.plan.budgets import loss_kept_bytes
+
+    logits = torch.empty(4, 16, 2048, device="meta")
+    assert loss_kept_bytes(logits, 2, 2, ("batch",), 1) == 524288
+    assert loss_kept_bytes(logits, 2, 2, ("batch", "vocab"), 1) == 262144
+    assert loss_kept_bytes(logits, 2, 2, ("batch",), 2) == 2 * 524288
+    assert loss_kept_bytes(logits.to(torch.bfloat16), 2, 2, ("batch",), 1) == 65536 * 6
+    assert loss_kept_bytes(torch.empty(4, 16, dtype=torch.long, device="meta"), 2, 2,
+                           ("batch",), 1) == 0
