@@ -5,12 +5,9 @@ hands the options to every compiled callable."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch import fx
 
-from autopp import init_fake_world
 from autopp.plan.options import CompileOptions
 
 GATHER = "_c10d_functional.all_gather_into_tensor"
@@ -20,15 +17,6 @@ def _three_gathers(a, b, c):
     outs = [torch.ops._c10d_functional.all_gather_into_tensor(t, 2, "0") for t in (a, b, c)]
     outs = [torch.ops._c10d_functional.wait_tensor(t) for t in outs]
     return outs[0] * 2, outs[1] + 1, outs[2] - 1
-
-
-@pytest.fixture
-def fake_world2():
-    init_fake_world(2)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _gather_calls(options: CompileOptions) -> int:

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import fx
 
-from autopp import init_fake_world
 from autopp.graph.overlap import is_barrier, is_collective, is_wait, overlap_collectives
 
 ops = torch.ops._c10d_functional
@@ -64,15 +62,6 @@ OVERLAPPED = ["a", "b", "buf", "add", "mul", "all_reduce_default",
               "all_gather_into_tensor_default", "mm", "relu", "mul_1", "wait_tensor_default",
               "add_1", "wait_tensor_default_1", "copy__default", "all_reduce_default_1",
               "sum_1", "wait_tensor_default_2", "sub", "output"]
-
-
-@pytest.fixture
-def fake_world2():
-    init_fake_world(2)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_collectives_issue_early_and_wait_at_first_use(fake_world2):
