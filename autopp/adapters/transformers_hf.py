@@ -77,7 +77,9 @@ _PADDING: list[torch.Tensor | None] = []
 def _take_padding_mask(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook of a transformers model: keep the call's 2-D padding mask for the
     attention (None when there is none or it masks nothing), after refusing what the
-    attention would not apply."""
+    attention would not apply. The entry is pushed first, so the forward hook (which runs
+    even when this hook or the forward raises) always pops this call's own entry."""
+    _PADDING.append(None)
     inputs = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs_embeds"))
     seq = inputs.shape[1] if isinstance(inputs, torch.Tensor) and inputs.dim() > 1 else None
     config = model.config
@@ -97,7 +99,7 @@ def _take_padding_mask(model: nn.Module, args: tuple, kwargs: dict) -> None:
                          "supported; pass the 2-D padding mask (batch, seq)")
     if isinstance(mask, torch.Tensor) and mask.device.type != "meta" and bool(mask.all()):
         mask = None  # nothing padded: plain causal attention (the fused kernel)
-    _PADDING.append(mask if isinstance(mask, torch.Tensor) else None)
+    _PADDING[-1] = mask if isinstance(mask, torch.Tensor) else None
 
 
 def _drop_padding_mask(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
