@@ -70,6 +70,17 @@ class PipelineLayout:
         return "\n".join(lines)
 
 
+def _by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by their DTensor mesh (plain tensors together), in first-seen
+    order (the same on every rank of a stage): DTensor's ops take one mesh at a time."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return list(groups.values())
+
+
 def _with_persistence(named: list[tuple[str, torch.Tensor]], modules: list[nn.Module]
                       ) -> list[tuple[str, torch.Tensor, bool]]:
     """(FQN, buffer, persistent) for ``named`` buffers, persistence as the stage modules as
@@ -514,12 +525,8 @@ class Pipeline:
             # one reduction per mesh: a user's parallelize may put parameters on several
             # (e.g. TP + FSDP over (dp, tp) on some, FSDP over dp alone on others), and
             # DTensor stacks only norms of one mesh
-            by_mesh: dict[Any, list[torch.Tensor]] = {}
-            for n in norms:
-                by_mesh.setdefault(n.device_mesh if isinstance(n, DTensor) else None,
-                                   []).append(n)
             parts = []
-            for group_norms in by_mesh.values():
+            for group_norms in _by_mesh(norms):
                 part = torch.linalg.vector_norm(torch.stack(group_norms), norm_type)
                 parts.append(part.full_tensor() if isinstance(part, DTensor) else part)
             total = torch.linalg.vector_norm(torch.stack(parts), norm_type)
@@ -535,12 +542,7 @@ class Pipeline:
                 total = total ** (1.0 / norm_type)
         # tied copies were counted once; every copy is clipped by the same factor
         # (per mesh: torch's foreach scaling takes one mesh at a time)
-        every: dict[Any, list[torch.Tensor]] = {}
-        for p in self.parameters():
-            if p.grad is not None:
-                every.setdefault(p.device_mesh if isinstance(p, DTensor) else None,
-                                 []).append(p)
-        for same_mesh in every.values():
+        for same_mesh in _by_mesh([p for p in self.parameters() if p.grad is not None]):
             torch.nn.utils.clip_grads_with_norm_(same_mesh, max_norm, total.float())
         norm = float(total)
         self._check_finite("gradient norm", norm)
