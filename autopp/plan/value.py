@@ -431,7 +431,9 @@ class PipelinePlan:
             + ("none" if o.memory_budget_bytes is None else f"{o.memory_budget_bytes / mib:.1f} MiB")
             + f", boundary {o.boundary}, loss_parallel {o.loss_parallel}, "
             + ("full precision" if o.param_dtype is None
-               else f"parameters computed in {o.param_dtype}, gradients reduced in {o.reduce_dtype}"),
+               else f"parameters computed in {o.param_dtype}, gradients reduced in {o.reduce_dtype}")
+            + (", fp32 matmuls priced at TF32 (torch's precision 'high'/'medium' or allow_tf32)"
+               if o.tf32 else ", fp32 matmuls priced at fp32 (no TF32)"),
         ]
         for s, (fqns, plan) in enumerate(zip(self.fqns_per_stage, self.stage_plans)):
             lines += [
