@@ -10,7 +10,9 @@ What is reused from torchtitan's ``graph_trainer.graph_pp`` (torchtitan 0.3.0), 
   names of the values saved for backward. Correct, typed, handles mutations and tuples.
 - ``split_di_dw_graph``: backward -> backward-input (dI) / backward-weight (dW) graphs.
 - ``split_forward_fsdp_collectives`` / ``split_backward_fsdp_collectives``: peel the
-  SimpleFSDP all-gathers (unshard) and reduce-scatters (reduce-grad) off the graphs.
+  SimpleFSDP all-gathers (unshard) and reduce-scatters (reduce-grad) off the graphs; the
+  backward one with autopp's choice of where each gradient's reduction starts
+  (:mod:`autopp.graph.reduce_grad`), swapped into the pass's module for the call.
 - ``GraphPipelineStage`` / ``GraphPipelineRuntime``: the action handlers that plug
   graph callables into torch's ``_PipelineScheduleRuntime``.
 - ``minimal_fx_tracer``: make_fx tracing of a stage step with tensor subclasses
@@ -23,6 +25,8 @@ What is reused from torchtitan's ``graph_trainer.graph_pp`` (torchtitan 0.3.0), 
 from __future__ import annotations
 
 import functools
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,8 +70,10 @@ from torchtitan.experiments.graph_trainer.graph_pp.split_di_dw import (  # noqa:
     GraphPPDiDwSplit,
     split_di_dw_graph,
 )
+from torchtitan.experiments.graph_trainer.graph_pp import (
+    split_fsdp_collectives as _tt_split_fsdp,
+)
 from torchtitan.experiments.graph_trainer.graph_pp.split_fsdp_collectives import (  # noqa: F401
-    split_backward_fsdp_collectives,
     split_forward_fsdp_collectives,
 )
 from torchtitan.experiments.graph_trainer.graph_pp.stage import (  # noqa: F401
@@ -99,6 +105,35 @@ RUNTIME_ACTIONS = (
     REDUCE_GRAD,
     OVERLAP_F_B,
 )
+
+
+_SPLIT_POINT_LOCK = threading.Lock()
+
+
+def split_backward_fsdp_collectives(
+    bw: fx.GraphModule, *, num_param_grads: int,
+    split_point: Callable[[Any, Any], Any] | None = None,
+) -> Any:
+    """torchtitan's backward split (reduce-grad epilogues peeled off the backward), with
+    each parameter gradient's split point chosen by ``split_point(grad_output,
+    torchtitan_point)`` where given (``torchtitan_point``: the input of the earliest
+    reduce-scatter / all-reduce of the gradient's unary tail, or None). torchtitan's pass
+    looks its finder up in its module, so the finder is swapped there for the call (under a
+    lock: the swap is process-wide)."""
+    if split_point is None:
+        return _tt_split_fsdp.split_backward_fsdp_collectives(bw, num_param_grads=num_param_grads)
+    with _SPLIT_POINT_LOCK:
+        original = _tt_split_fsdp.find_fsdp_reduce_grad_input
+
+        def find(grad_output: Any) -> Any:
+            return split_point(grad_output, original(grad_output))
+
+        _tt_split_fsdp.find_fsdp_reduce_grad_input = find
+        try:
+            return _tt_split_fsdp.split_backward_fsdp_collectives(
+                bw, num_param_grads=num_param_grads)
+        finally:
+            _tt_split_fsdp.find_fsdp_reduce_grad_input = original
 
 
 class _GraphOnly:

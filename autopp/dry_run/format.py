@@ -35,8 +35,10 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.3f} ms"
 
 
-def _split_line(c, from_graphs: bool) -> str:
+def _split_line(c, from_graphs: bool, hidden_s: float = 0.0) -> str:
     how = "from the graphs" if from_graphs else "by rule: a third each"
+    if hidden_s > 0:
+        how += f", {_ms(hidden_s)} of communication hidden under compute"
     return (f"    per microbatch F {_ms(c.forward_s)}, I {_ms(c.backward_input_s)}, W "
             f"{_ms(c.backward_weight_s)} ({how}); per step unshard {_ms(c.unshard_s)}, "
             f"reduce-grad {_ms(c.reduce_grad_s)}")
@@ -53,7 +55,7 @@ def _stage_lines(r: DryRunReport) -> list[str]:
             f" (compute {_ms(p.compute_s)} + comm {_ms(p.comm_s)}"
             + (f" + loss {_ms(s.loss_s)}" if s.loss_s else "")
             + f"); params {format_bytes(p.param_bytes_per_device)}/device",
-            _split_line(c, s.facts.from_graphs),
+            _split_line(c, s.facts.from_graphs, s.facts.hidden_comm_s),
             f"    placements: {placement_summary(p)}",
             *([f"    kept for the backward: {format_bytes(s.activation_bytes)}/device per microbatch "
                "in flight (saved activations, from the lowered graphs; recompute "

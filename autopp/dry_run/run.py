@@ -408,11 +408,11 @@ def dry_run(
 
 
 def _stage_estimate(meta, plan, sub_mesh, x, n_microbatches, *, activations, loss_s,
-                    send, memo, gathering) -> tuple[StageFacts, StageCost]:
+                    send, memo, gathering, overlap=True) -> tuple[StageFacts, StageCost]:
     """A stage's facts (from its lowered graphs, or by rule) and its simulator cost."""
     return stage_estimate(meta, plan, sub_mesh, x, n_microbatches,
                           mode="graphs" if activations else "rule", loss_s=loss_s,
-                          send_bytes=send, memo=memo, gathering=gathering)
+                          send_bytes=send, memo=memo, gathering=gathering, overlap=overlap)
 
 
 def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, seq_len,
@@ -483,7 +483,8 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
         t0 = time.perf_counter()
         facts, cost = _stage_estimate(metas[s], plan, sub_mesh, x, n_microbatches,
                                       activations=activations, loss_s=plan.loss_s, send=send,
-                                      memo=memo, gathering=gathering)
+                                      memo=memo, gathering=gathering,
+                                      overlap=options.overlap_collectives)
         logger.info("stage %d/%d (%s): %.3f ms per microbatch, %.2f GiB params/device, "
                     "planned in %.1f s (%d solved), costed in %.1f s", s, n_stages,
                     compact_modules(fqns_per_stage[s]), plan.step_time_s * 1e3,
@@ -498,7 +499,8 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
             _, tt_cost = _stage_estimate(metas[s], tt[0], sub_mesh, x, n_microbatches,
                                          activations=activations, loss_s=tt_loss,
                                          send=tt_send, memo=memo,
-                                         gathering=WeightGathering())
+                                         gathering=WeightGathering(),
+                                         overlap=options.overlap_collectives)
         stages.append(StageReport(
             index=s, pp_rank=rank_of[s], modules=compact_modules(fqns_per_stage[s]),
             input_shapes=tuple(tuple(t.shape) for t in x if isinstance(t, torch.Tensor)),

@@ -37,12 +37,15 @@ EstimateMode = Literal["graphs", "rule"]
 def stage_estimate(meta: nn.Module, plan: Any, sub_mesh: Any, inputs: tuple, n_microbatches: int,
                    *, mode: EstimateMode, loss_s: float, send_bytes: int,
                    gathering: WeightGathering = WeightGathering(),
-                   memo: dict | None = None) -> tuple[StageFacts, StageCost]:
+                   memo: dict | None = None, overlap: bool = True
+                   ) -> tuple[StageFacts, StageCost]:
     """One stage's facts and its simulator cost: ``meta`` the stage on meta, ``plan`` its
     :class:`~autopp.sharding.StagePlan`, ``inputs`` its dp-global microbatch inputs,
-    ``gathering`` the pipeline's weight-gathering policy."""
+    ``gathering`` the pipeline's weight-gathering policy, ``overlap`` whether its graphs
+    overlap communication with compute (``PlannerOptions.overlap_collectives``)."""
     if mode == "graphs":
-        facts = stage_facts(meta, plan, sub_mesh, inputs, n_microbatches, memo=memo)
+        facts = stage_facts(meta, plan, sub_mesh, inputs, n_microbatches, memo=memo,
+                            overlap=overlap)
     elif mode == "rule":
         facts = stage_facts_by_rule(plan, n_microbatches)
     else:
@@ -98,7 +101,8 @@ def estimate_plan(plan: Any, model: nn.Module, sub_mesh: Any, *, mode: EstimateM
         _, cost = stage_estimate(meta, splan, sub_mesh, plan.stage_example_inputs(s),
                                  plan.n_microbatches, mode=mode, loss_s=splan.loss_s,
                                  send_bytes=plan.send_bytes[s], memo=memo,
-                                 gathering=gathering)
+                                 gathering=gathering,
+                                 overlap=getattr(plan.options, "overlap_collectives", True))
         costs.append(cost)
         times.append(splan.step_time_s + splan.loss_s)
     profile = plan.options.profile

@@ -19,9 +19,13 @@ joint graph and puts every priced item in the runtime piece that runs it:
 * W: the remaining backward nodes (what only the parameter gradients need);
 
 a redistribution belongs where the node that consumes it runs. The last stage's loss
-(priced outside the plan) counts half in F and half in I. So
-``F + I + W + (unshard + reduce_grad) / M == plan.step_time_s + loss`` up to the casts
-(parameter-only compute, priced per microbatch by the plan but run once per step).
+(priced outside the plan) counts half in F and half in I. F, I and W are each priced as
+the overlapped graphs run them (:mod:`autopp.estimate.exposed_comm`: a collective issued
+after its input, waited before its reader, compute between them hiding it), so
+``F + I + W + hidden + (unshard + reduce_grad) / M == plan.step_time_s + loss`` up to the
+casts (parameter-only compute, priced per microbatch by the plan but run once per step),
+``hidden`` (:attr:`StageFacts.hidden_comm_s`) being what the compute hid; the sharding ILP
+prices the sum (its objective stays linear; an upper bound).
 Without graphs (:func:`stage_facts_by_rule`): F = I = W = a third of the per-microbatch time
 (a matmul's backward is two matmuls of its size, one for each gradient), gathers and casts
 not told apart from F.
@@ -107,6 +111,9 @@ class StageFacts:
     parameter gradients of all units plus the largest unit's other transient bytes
     (:func:`autopp.lower.memory.action_workspace_bytes`), and on the last stage the logits'
     gradient in B and I. Empty without graphs."""
+    hidden_comm_s: float = 0.0
+    """Communication per microbatch that F, I and W run under their compute (not in their
+    times; :mod:`autopp.estimate.exposed_comm`). 0 without graphs or without overlap."""
     loss_bytes: int = 0
     """Last stage: what its loss keeps per microbatch until the backward
     (:func:`autopp.sharding.loss_cost.cross_entropy_kept_bytes`); 0 for other stages and
@@ -247,17 +254,22 @@ def _phase_of_nodes(joint) -> dict[fx.Node, str]:
     return phase
 
 
-def _unit_phase_times(joint, unit, bplan, plan: StagePlan, costs, n_microbatches: int
-                      ) -> dict[str, float]:
-    """Seconds of one unit by phase (once-per-step phases at their whole price); ``costs``:
-    the planner's CostModel for the plan's profile and mesh."""
+def _unit_phase_times(joint, unit, bplan, plan: StagePlan, costs, n_microbatches: int,
+                      *, overlap: bool = True) -> tuple[dict[str, float], float]:
+    """Seconds of one unit by phase (once-per-step phases at their whole price), and the
+    communication per microbatch that F, I and W hide under compute; ``costs``: the
+    planner's CostModel for the plan's profile and mesh. F, I and W are each the span of
+    their compute and collectives as the overlapped graphs run them
+    (:func:`autopp.estimate.exposed_comm.piece_time`; ``overlap=False``: the sum)."""
     import operator
 
+    from autopp.estimate.exposed_comm import Transfer, piece_time
     from autopp.sharding.strategies import NodeStrategy, Option, _tensor_args, tensor_vals
 
     phase = _phase_of_nodes(joint)
     out = dict.fromkeys(PHASES, 0.0)
     by_name = {n.name: n for n in joint.gm.graph.nodes}
+    compute: dict[fx.Node, float] = {}
     for name, outs, ins in bplan.nodes:
         node = by_name[name]
         if (node.op != "call_function" or node.target is operator.getitem
@@ -266,13 +278,16 @@ def _unit_phase_times(joint, unit, bplan, plan: StagePlan, costs, n_microbatches
         ns = NodeStrategy(node, "op", [(a, 0) for a in _tensor_args(node)])
         opt = Option(tuple(None if o is None else from_strs(o) for o in outs),
                      tuple(from_strs(i) for i in ins))
-        out[phase[node]] += costs.compute_time(ns, opt)
+        compute[node] = costs.compute_time(ns, opt)
+        if phase[node] == "unshard":
+            out["unshard"] += compute[node]
     # consumers and producers as the plan names them (planner._node_labels)
     label = {n.name: unit.stage_fqn(f) for f, n in [*joint.params.items(), *joint.buffers.items()]}
     label.update({n.name: f"input{i}" for i, n in joint.inputs.items()})
     label.update({n.name: f"output{i}" for i, n in joint.tangents.items()})
     node_of = {label.get(n.name, n.name): n for n in joint.gm.graph.nodes}
     fqns = {p.fqn for p in plan.params}
+    transfers: dict[str, list[Transfer]] = {"F": [], "I": [], "W": []}
     for c in plan.collectives:
         if c.block != bplan.prefix:
             continue
@@ -282,15 +297,28 @@ def _unit_phase_times(joint, unit, bplan, plan: StagePlan, costs, n_microbatches
         producer = node_of.get(c.producer)
         if producer is not None and phase.get(producer) == "unshard":
             out["unshard"] += c.time_s * n_microbatches
-        elif c.node.startswith("output") and c.node not in by_name:
-            out["F"] += c.time_s  # the unit's output into its planned output placement
+            continue
+        if c.node.startswith("output") and c.node not in by_name:
+            where, consumer = "F", None  # the unit's output into its planned output placement
         elif c.node.startswith("input") and c.node not in by_name:
-            out["I"] += c.time_s  # the input gradient into the input's placement
+            where, consumer = "I", None  # the input gradient into the input's placement
         else:
-            out[phase.get(node_of.get(c.node), "F")] += c.time_s
-    # recomputation: the backward-input piece re-runs the forward values it recomputes
-    out["I"] += getattr(bplan, "recompute_s", 0.0)
-    return out
+            consumer = node_of.get(c.node)
+            where = phase.get(consumer, "F")
+            if where not in transfers:
+                out[where] += c.time_s
+                continue
+        transfers[where].append(Transfer(producer, consumer, c.time_s))
+    hidden = 0.0
+    for where, items in transfers.items():
+        order = [n for n in joint.gm.graph.nodes if phase.get(n) == where]
+        reads = {n: n.all_input_nodes for n in order}  # other phases' values: ready at 0
+        # recomputation: the backward-input piece re-runs the forward values it recomputes
+        lead = getattr(bplan, "recompute_s", 0.0) if where == "I" else 0.0
+        piece = piece_time(order, compute, reads, items, overlap=overlap, lead_s=lead)
+        out[where] += piece.span_s
+        hidden += piece.hidden_comm_s
+    return out, hidden
 
 
 def _input_bytes(gm: fx.GraphModule) -> int:
@@ -308,6 +336,7 @@ class _UnitFacts:
     """One unit plan's share of :class:`StageFacts`, and its output (the next unit's input)."""
 
     times: Mapping[str, float]
+    hidden_comm_s: float
     saved: int
     saved_inputs: int
     """Of ``saved``, the unit's inputs saved as they are (or views of them)."""
@@ -318,19 +347,22 @@ class _UnitFacts:
     workspace: Mapping[str, tuple[int, int]]
 
 
-def _unit_facts(joint, unit, bplan, plan: StagePlan, mesh, costs, n_microbatches: int
-                ) -> _UnitFacts:
+def _unit_facts(joint, unit, bplan, plan: StagePlan, mesh, costs, n_microbatches: int,
+                overlap: bool = True) -> _UnitFacts:
     from autopp.lower.local_graphs import lower_joint, split_local
     from autopp.lower.memory import action_workspace_bytes, saved_bytes, unsharded_bytes
 
-    graphs = split_local(lower_joint(joint, bplan, mesh), recompute=plan.recompute or "none")
+    graphs = split_local(lower_joint(joint, bplan, mesh), recompute=plan.recompute or "none",
+                         overlap=overlap)
     saved = saved_bytes(graphs)
     w = graphs.backward_weight_graph
     x = joint.inputs[0].meta["val"] if 0 in joint.inputs else None
     x_bytes = 0 if x is None else costs.local_bytes(x, from_strs(bplan.input_placements))
     out = joint.outputs[0].meta["val"]
+    times, hidden = _unit_phase_times(joint, unit, bplan, plan, costs, n_microbatches,
+                                      overlap=overlap)
     return _UnitFacts(
-        times=_unit_phase_times(joint, unit, bplan, plan, costs, n_microbatches),
+        times=times, hidden_comm_s=hidden,
         saved=saved, saved_inputs=saved - saved_bytes(graphs, include_inputs=False),
         kept_for_w=saved if w is None else _input_bytes(w),
         gathered=unsharded_bytes(graphs),
@@ -341,10 +373,14 @@ def _unit_facts(joint, unit, bplan, plan: StagePlan, mesh, costs, n_microbatches
 
 
 def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: tuple[Any, ...],
-                n_microbatches: int, *, memo: dict | None = None) -> StageFacts:
+                n_microbatches: int, *, memo: dict | None = None,
+                overlap: bool = True) -> StageFacts:
     """Time by runtime piece and memory of the planned stage ``module`` (on meta) on one
     device of ``mesh`` (fake process groups work). Each distinct unit plan is traced and
-    lowered once; ``memo`` (any dict, e.g. one per dry run) carries them across stages."""
+    lowered once; ``memo`` (any dict, e.g. one per dry run) carries them across stages.
+    ``overlap``: the graphs issue collectives early and wait at first use
+    (:attr:`autopp.plan.PlannerOptions.overlap_collectives`), so F, I and W are priced by
+    their exposed communication (:mod:`autopp.estimate.exposed_comm`)."""
     from autopp.sharding.costs import CostModel
     from autopp.sharding.precision import maybe_cast
     from autopp.profiles.lookup import get_profile
@@ -358,11 +394,12 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
     traced: dict[str, Any] = {}
     times = dict.fromkeys(PHASES, 0.0)
     acts = kept_w = gathered = ckpt = largest = 0
+    hidden = 0.0
     grads_made: dict[str, int] = {}
     transient: dict[str, int] = {}
     for index, bplan in enumerate(plan.blocks):  # as autopp.lower.apply.planned_units walks them
         key = (bplan.signature, bplan.nodes, plan.profile, plan.tf32, tuple(plan.mesh_shape),
-               plan.param_dtype, n_microbatches, plan.recompute, plan.trace_settings)
+               plan.param_dtype, n_microbatches, plan.recompute, plan.trace_settings, overlap)
         if key not in memo:  # identical blocks with one plan: traced and lowered once
             unit = by_name[bplan.prefix]
             if bplan.signature not in traced:
@@ -372,10 +409,12 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
                         example_inputs if flat else (x,))
             joint = traced[bplan.signature]
             check_planned_graph(joint, bplan)
-            memo[key] = _unit_facts(joint, unit, bplan, plan, mesh, costs, n_microbatches)
+            memo[key] = _unit_facts(joint, unit, bplan, plan, mesh, costs, n_microbatches,
+                                    overlap)
         f = memo[key]
         for k, v in f.times.items():
             times[k] += v
+        hidden += f.hidden_comm_s
         # the stage's own input, where its first unit saves it, is already held: in torch's
         # receive buffer (or the caller's microbatch on the first stage)
         acts += f.saved - (f.saved_inputs if index == 0 else 0)
@@ -403,7 +442,7 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
         unshard_s=times["unshard"], reduce_grad_s=times["reduce_grad"],
         activation_bytes=acts, kept_for_w_bytes=kept_w, gathered_bytes=gathered,
         checkpoint_bytes=ckpt, largest_unit_activation_bytes=largest, from_graphs=True,
-        loss_bytes=loss, workspace=work,
+        loss_bytes=loss, workspace=work, hidden_comm_s=hidden,
     )
 
 

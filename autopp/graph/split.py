@@ -15,6 +15,7 @@ from autopp._compat import graph as _compat
 from autopp.graph.callables import StageGraphs, ValueLayouts
 from autopp.graph.convention import CallingConvention, JointSignature
 from autopp.graph.peel import peel_param_work
+from autopp.graph.reduce_grad import reduce_grad_split_point
 from autopp.graph.recompute import check_recompute, Recompute, recompute_in_backward
 
 
@@ -127,7 +128,8 @@ def _split(gm: fx.GraphModule, signature: JointSignature, layouts: ValueLayouts 
         fwd_input_names=meta.fwd_input_names,
         fwd_flat_input_indices=meta.fwd_flat_input_indices,
     )
-    fsdp_bw = _compat.split_backward_fsdp_collectives(bw, num_param_grads=signature.num_param_grads)
+    fsdp_bw = _compat.split_backward_fsdp_collectives(
+        bw, num_param_grads=signature.num_param_grads, split_point=reduce_grad_split_point)
     didw = None
     if split_weight_grad and signature.num_input_grads:
         didw = _compat.split_di_dw_graph(

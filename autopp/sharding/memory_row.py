@@ -15,11 +15,13 @@ per device, bytes):
 * State (``_state_terms``). Legacy (``optimizer_state_factor=None``):
   :math:`\sum_p \sum_o s\, m_{p,o} x_{p,o}` with :math:`m_{p,o}` the parameter's local
   bytes and :math:`s` = ``param_state_factor`` (everything sharded like the parameter).
-  Explicit categories: :math:`\sum_p [(1 + s_{opt}) \sum_o m_{p,o} x_{p,o} + G_p]`,
+  Explicit categories: :math:`\sum_p [(1 + s_{opt}) \sum_o m_{p,o} x_{p,o} + k\,G_p]`,
   :math:`G_p \ge \sum_o m_{p,o} x_{p,o}`, :math:`G_p \ge \sum_o m_{\nabla p,o}
   x_{\nabla p,o}`: parameters, optimizer state sharded like them, and the gradient at the
   larger of its reduced size and its size before reduction (the step's accumulator, e.g. dp
-  times a dp-sharded parameter: gradients are reduced once per step).
+  times a dp-sharded parameter: gradients are reduced once per step), :math:`k` =
+  ``gradient_copies`` of it (2 with several microbatches: a backward's fresh gradients next
+  to the accumulator they are added to).
 * Act (``_activation_terms``), only when ``activation_factor`` :math:`f` is set: the
   forward values the backward reads, under the recomputation policy of
   :func:`autopp.graph.recompute.recompute_sets` (``"none"``: every forward value a backward
@@ -88,6 +90,11 @@ class MemorySpec:
     activation_factor: float | None = None
     """Microbatches in flight on the stage: activations count this many times and gathered
     parameters once. None: neither is counted (the legacy parameter-only row)."""
+    gradient_copies: float = 1.0
+    """How many gradient-sized tensors the explicit state holds per parameter at the
+    step's peak: 1 (the accumulator) for a step of one microbatch, 2 where later
+    microbatches' backwards each return fresh gradients that exist next to the accumulator
+    they are added to (torch's graph runtime adds them after the backward's graph returns)."""
 
     @property
     def counts_activations(self) -> bool:
@@ -256,7 +263,7 @@ class MemoryRow:
                 continue
             grad = j.grads.get(fqn)
             g = t.col()
-            t.state[g] = 1.0
+            t.state[g] = spec.gradient_copies
             t.row([(g, 1.0)] + [(c, -b) for c, b in pcols], 0.0)
             if grad is not None and grad in self.options:
                 t.row([(g, 1.0)] + [(self.col0[grad] + i, -self.param_bytes(grad, o))
@@ -376,7 +383,7 @@ class MemoryRow:
             if explicit:
                 grad = j.grads.get(fqn)
                 gb = self.param_bytes(grad, choice[grad]) if grad in choice else 0.0
-                state += max(pb, gb)
+                state += spec.gradient_copies * max(pb, gb)
         act = rtime = 0.0
         if spec.counts_activations or recompute != "none":
             direct, must, _ = self._policy_structure(recompute)

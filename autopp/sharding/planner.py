@@ -144,7 +144,8 @@ def plan_stage(
     if optimizer_state_factor is not None and param_state_factor != 1.0:
         raise ValueError("pass optimizer_state_factor (explicit state categories) or "
                          "param_state_factor (one factor for all state), not both")
-    memory = MemorySpec(param_state_factor, optimizer_state_factor, activation_factor)
+    memory = MemorySpec(param_state_factor, optimizer_state_factor, activation_factor,
+                        gradient_copies=2.0 if microbatches_per_grad_reduce > 1 else 1.0)
     names = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(mesh.ndim)))
     prof = get_profile(profile)
     costs = CostModel(prof, tuple(mesh.shape), tf32_enabled() if tf32 is None else tf32)

@@ -107,3 +107,4 @@ def test_lowered_pieces_issue_collectives_early_and_wait_at_first_use(make_mesh,
     assert deferred["unshard"] > 0 and deferred["forward"] > 0, deferred  # all gathers, then all waits
     assert sum(deferred.values()) > 3, deferred
     assert late, "the plain split was already in overlap order: the test sees nothing"
+

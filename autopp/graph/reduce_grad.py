@@ -1,0 +1,90 @@
+"""Where a parameter gradient's reduction starts: the cut between a stage's backward and its
+REDUCE_GRAD, so what the step accumulates across microbatches is the gradient as the
+backward computed it.
+
+A stage's backward returns, for each parameter, the gradient its last compute node made
+(with the dtype cast to the reduce dtype); REDUCE_GRAD, once per step, turns the
+accumulated sum into the parameter's placement. torchtitan's pass
+(:func:`autopp._compat.graph.split_backward_fsdp_collectives`) cuts at the input of the
+earliest reduce-scatter / all-reduce of the gradient's unary tail. That is right for
+SimpleFSDP graphs, where the tail is cast -> reduce -> wait. DTensor's redistribution of a
+gradient into a nested sharding (``S(1)`` over dp and ``S(1)`` over tp, both on one tensor
+dim) runs all-gather over tp -> reduce-scatter over dp -> local slice over tp: cut at the
+reduce-scatter, the step accumulates the tp-gathered gradient, tp times the bytes the
+planner counted (a 70B block at tp=8 held 1.4 GiB of gradients instead of 0.4, every block
+of the stage, twice: the accumulator and the fresh gradient being added to it).
+
+:func:`reduce_grad_split_point` moves the cut back to where the redistribution starts: over
+the data-movement nodes (collectives, their waits, views, slices, splits, concatenations,
+clones) that lead to torchtitan's cut from one compute node and that nothing else reads. The
+accumulator is then that node's output (the cast gradient, in the placement the sharding
+ILP gave the gradient node), and REDUCE_GRAD runs the whole redistribution once per step.
+The cut only moves where it makes the accumulator no larger.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from autopp.graph.overlap import is_collective, is_wait
+
+_MOVEMENT_OPS = frozenset({
+    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
+    "aten.slice.Tensor", "aten.split.Tensor", "aten.split_with_sizes.default",
+    "aten.cat.default", "aten.clone.default", "aten.t.default", "aten.transpose.int",
+    "aten.permute.default", "aten.alias.default", "aten.contiguous.default",
+    "aten.squeeze.dim", "aten.unsqueeze.default",
+})
+
+
+def _moves_data(node: fx.Node) -> bool:
+    """Whether ``node`` only moves or regroups its inputs' values (no arithmetic beyond a
+    collective's reduction)."""
+    if node.op != "call_function":
+        return False
+    return (is_collective(node) or is_wait(node) or node.target is operator.getitem
+            or str(node.target) in _MOVEMENT_OPS)
+
+
+def _bytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else -1
+
+
+def reduce_grad_split_point(grad_output: object, torchtitan_point: fx.Node | None
+                            ) -> fx.Node | None:
+    """The node whose value the step accumulates for ``grad_output`` (a backward output:
+    a parameter's reduced gradient), REDUCE_GRAD computing the rest; ``torchtitan_point``:
+    torchtitan's cut (None: the gradient has no reduction, nothing is peeled).
+
+    Walks from ``torchtitan_point`` back through data-movement nodes to the compute nodes
+    they start from. The cut moves to that node when there is exactly one, the nodes
+    between are read by nothing outside the walk (so REDUCE_GRAD can take them all), at
+    least one of them is a collective, and the node's value is no larger than
+    ``torchtitan_point``'s. Otherwise torchtitan's cut stands."""
+    if not isinstance(torchtitan_point, fx.Node) or not _moves_data(torchtitan_point):
+        return torchtitan_point
+    region: set[fx.Node] = set()
+    roots: set[fx.Node] = set()
+    stack = [torchtitan_point]
+    while stack:
+        n = stack.pop()
+        if n in region or n in roots:
+            continue
+        if _moves_data(n):
+            region.add(n)
+            stack += n.all_input_nodes
+        else:
+            roots.add(n)
+    if len(roots) != 1 or not any(is_collective(n) for n in region):
+        return torchtitan_point
+    (root,) = roots
+    for n in region - {torchtitan_point}:
+        if any(u not in region for u in n.users):
+            return torchtitan_point
+    if not 0 <= _bytes(root) <= _bytes(torchtitan_point):
+        return torchtitan_point
+    return root
