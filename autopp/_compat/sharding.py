@@ -8,6 +8,7 @@ an underscore module of torch.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -293,6 +294,25 @@ def tensor_meta(t: torch.Tensor) -> TensorMeta:
 # ---------------------------------------------------------------------------------------------
 # Lowering a plan to a local graph (lower.py)
 # ---------------------------------------------------------------------------------------------
+
+
+def redistribution_peak_bytes(mesh: Any, val: torch.Tensor, src: Sequence[Placement],
+                              dst: Sequence[Placement]) -> int:
+    """The largest local tensor DTensor's own redistribution of ``val`` (a global value)
+    from ``src`` to ``dst`` makes on this rank, its end included: it changes one mesh dim at
+    a time in the order ``_gen_transform_infos`` plans, and a tensor dim sharded by several
+    mesh dims is gathered over the inner ones before the outer one changes (a nested
+    ``S(1), S(1)`` into ``R, S(1)`` passes through the whole tensor)."""
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    meta = tensor_meta(val)
+    size = val.element_size()
+    current = list(src)
+    peak = math.prod(local_shape(val.shape, mesh, current)) * size
+    for step in _gen_transform_infos(make_spec(mesh, src, meta), make_spec(mesh, dst, meta)):
+        current[step.mesh_dim] = step.src_dst_placements[1]
+        peak = max(peak, math.prod(local_shape(val.shape, mesh, current)) * size)
+    return peak
 
 
 def local_shape(global_shape: Sequence[int], mesh: Any, placements: Sequence[Placement]):

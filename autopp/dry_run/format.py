@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from autopp.plan.budgets import WORKSPACE_SHARE
 from autopp.plan.make import describe_loss
 from autopp.schedules import MEMORY_CATEGORIES
 from autopp.format import format_bytes
@@ -198,8 +199,10 @@ def format_report(r: DryRunReport) -> str:
         f"({r.microbatch_rows * r.dp} dp-global, what the planner sees)",
         ("  parameter-memory budget per device: torchtitan's per stage (compare)" if r.compare
          else "  memory budget per device (parameters, gradients, AdamW state, gathered "
-         "weights, activations x microbatches in flight; receive buffers, buffers and "
-         "communicators taken off first): "
+         "weights, activations x microbatches in flight; the running action's working "
+         f"memory ({2 * WORKSPACE_SHARE:.2%} of the device's), receive buffers, buffers and "
+         "communicators taken off first; no tensor made within an action above "
+         f"{WORKSPACE_SHARE:.2%} of it): "
          + (format_bytes(r.memory_budget_bytes) if r.memory_budget_bytes is not None
             else f"the device's memory less {r.memory_reserve:.0%}")),
         "",

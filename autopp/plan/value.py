@@ -419,7 +419,7 @@ class PipelinePlan:
         from autopp.plan.loss_choice import describe_loss
         from autopp.format import compact_modules, format_bytes
         from autopp.sharding.report import placement_summary
-        from autopp.sharding.plan import FLOP_FAILURE
+        from autopp.sharding.plan import CAP_DROPPED, FLOP_FAILURE
 
         o = self.options
         mib = 2**20
@@ -451,7 +451,7 @@ class PipelinePlan:
                 *([f"    replicated for want of a DTensor rule: {len(plan.fallbacks)} ops "
                    f"({', '.join(plan.fallbacks[:3])}{', ...' if len(plan.fallbacks) > 3 else ''})"]
                   if plan.fallbacks else []),
-                *[f"    {n}" for n in plan.degraded() if n.startswith(FLOP_FAILURE)],
+                *[f"    {n}" for n in plan.degraded() if n.startswith((FLOP_FAILURE, CAP_DROPPED))],
             ]
         lines.append(f"  {describe_loss(self.loss_placement)}")
         tied = sorted({(f, "/".join(p)) for d in self.tied_placements for f, p in d})

@@ -120,7 +120,11 @@ class WarmLps:
         dt = time.perf_counter() - t0
         status = h.modelStatusToString(h.getModelStatus())
         sol = h.getSolution()
-        if not sol.value_valid:
+        infeasible = h.getModelStatus() in (highspy().HighsModelStatus.kInfeasible,
+                                            highspy().HighsModelStatus.kUnboundedOrInfeasible)
+        if not sol.value_valid or infeasible:
+            # a warm-started LP proven infeasible under new bounds still holds the last
+            # call's solution as "valid": it is not a solution of this one
             return np.zeros(0), dt, status, 0.0, -math.inf
         info = h.getInfo()
         obj = info.objective_function_value / scale

@@ -90,6 +90,13 @@ class MemorySpec:
     activation_factor: float | None = None
     """Microbatches in flight on the stage: activations count this many times and gathered
     parameters once. None: neither is counted (the legacy parameter-only row)."""
+    largest_tensor_bytes: float | None = None
+    """A bound on every tensor the stage makes while it runs and frees within an action
+    (an op's output, a redistributed value: ``Model.col_bytes``), not a term of the row:
+    choices that make a larger one are excluded (where no plan remains, the solve drops the
+    bound and its status says so). The row counts what stays (state, activations, gathered
+    weights); a backward that gathers a whole vocabulary's logits gradient over dp (16 GiB
+    for a 405B stage) would stay invisible to it. None: no bound."""
     gradient_copies: float = 1.0
     """How many gradient-sized tensors the explicit state holds per parameter at the
     step's peak: 1 (the accumulator) for a step of one microbatch, 2 where later

@@ -94,6 +94,9 @@ class BlockPlan:
 
 
 FLOP_FAILURE = "FLOP formula of "
+CAP_DROPPED = "largest-tensor cap"
+"""How a plan's note begins where a unit's solve dropped the largest-tensor bound
+(``MemorySpec.largest_tensor_bytes``): its working memory is then not bounded."""
 """How a stage plan's note about an op priced without its FLOPs begins."""
 
 
@@ -177,10 +180,11 @@ class StagePlan:
     def degraded(self) -> list[str]:
         """What was planned on a fallback that changes the plan: ops replicated because
         DTensor's rule failed or had no option (:attr:`fallbacks`), and ops priced without
-        their FLOPs because their formula failed (from :attr:`notes`). ``describe()`` shows
+        their FLOPs because their formula failed, units planned without the largest-tensor bound
+        because no plan met it (both from :attr:`notes`). ``describe()`` shows
         them; ``PlannerOptions(strict=True)`` refuses a plan that has any."""
         return [*(f"replicated for want of a DTensor rule: {f}" for f in self.fallbacks),
-                *(n for n in self.notes if n.startswith(FLOP_FAILURE))]
+                *(n for n in self.notes if n.startswith((FLOP_FAILURE, CAP_DROPPED)))]
 
     def param_placements(self) -> dict[str, tuple[Any, ...]]:
         """FQN -> torch placements."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 import time
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -33,7 +34,7 @@ from autopp.sharding.units import POST, PRE, Unit, stage_units, unit_signature
 from autopp.sharding.costs import CostModel
 from autopp.sharding.memory_row import MemorySpec
 from autopp.sharding.precision import check_policy, maybe_cast, reduce_after_cast
-from autopp.sharding.plan import FLOP_FAILURE, BlockPlan, CollectivePlan, ParamPlan, StagePlan, to_strs
+from autopp.sharding.plan import CAP_DROPPED, FLOP_FAILURE, BlockPlan, CollectivePlan, ParamPlan, StagePlan, to_strs
 from autopp.profiles.devices import DeviceProfile, tf32_enabled
 from autopp.profiles.lookup import get_profile
 from autopp.sharding.option import PlacementSpec, matches
@@ -80,6 +81,7 @@ def plan_stage(
     reuse_blocks: bool = True,
     mixed_precision: MixedPrecisionPolicy | None = None,
     microbatches_per_grad_reduce: int = 1,
+    largest_tensor_bytes: float | None = None,
     activation_factor: float | None = None,
     recompute: RecomputeChoice = "none",
     optimizer_state_factor: float | None = None,
@@ -98,6 +100,11 @@ def plan_stage(
         param_placements: FQN -> placement per mesh dim, to fix some parameters.
         memory_budget_bytes: per-device bound on what the memory row counts (see
             ``activation_factor``); None = no bound (the memory is still estimated).
+        largest_tensor_bytes: no tensor the stage makes and frees within an action (an
+            op's output, a redistributed activation) may be larger; plans that would are
+            excluded (where none remains, the bound is dropped and the plan's notes say so).
+            The pipeline planner passes :data:`autopp.plan.budgets.WORKSPACE_SHARE` of the
+            device's memory; None = no bound.
         param_state_factor: parameter state held per parameter byte, all sharded like the
             parameter (e.g. 4 for fp32 parameters + gradients + Adam's two states); the
             legacy way to count state, used when ``optimizer_state_factor`` is None.
@@ -145,6 +152,7 @@ def plan_stage(
         raise ValueError("pass optimizer_state_factor (explicit state categories) or "
                          "param_state_factor (one factor for all state), not both")
     memory = MemorySpec(param_state_factor, optimizer_state_factor, activation_factor,
+                        largest_tensor_bytes=largest_tensor_bytes,
                         gradient_copies=2.0 if microbatches_per_grad_reduce > 1 else 1.0)
     names = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(mesh.ndim)))
     prof = get_profile(profile)
@@ -383,6 +391,8 @@ def _assemble(parts, solved, mesh, names, prof, costs, budget, t0, pdtype=None) 
             "read off the traced joint graph under the recomputation policy)",
             *(f"{FLOP_FAILURE}{op} failed ({why}): priced by its memory traffic only"
               for op, why in sorted(costs.flop_failures.items())),
+            *dict.fromkeys(f"{m.group(1)} ({unit.name or 'stage'})" for unit, _, r in parts
+                           if (m := re.search(rf"\(({CAP_DROPPED}[^)]*)\)", r.status))),
         ),
     )
 

@@ -67,7 +67,10 @@ from autopp.graph.walk import param_only_nodes
 from autopp.sharding.costs import Collective, CostModel
 from autopp.sharding.highs import WarmLps, highspy
 from autopp.sharding.memory_row import MemoryAccount, MemoryRow, MemorySpec, Recompute, Terms
+from autopp._compat.sharding import redistribution_peak_bytes
 from autopp.sharding.option import PlacementSpec, matches
+from autopp.format import format_bytes
+from autopp.sharding.plan import CAP_DROPPED
 from autopp.sharding.strategies import Option, Strategies, tensor_vals
 
 """Per mesh dim: a torch Placement, or None for "any"."""
@@ -170,6 +173,8 @@ class Model:
         self.grad_reduce_scale = grad_reduce_scale
         self._param_nodes = set(strategies.joint.params.values())
         self._param_only = param_only_nodes(strategies.joint.gm, self._param_nodes)
+        self._state_only = param_only_nodes(
+            strategies.joint.gm, self._param_nodes | set(strategies.joint.buffers.values()))
         self.costs = costs
         #: The default budget of :meth:`solve`.
         self.memory_budget_bytes = memory_budget_bytes
@@ -177,6 +182,13 @@ class Model:
         self.param_state_factor = self.memory.param_state_factor
         self.cost: list[float] = []
         self.integer: list[bool] = []
+        #: Per column, the largest tensor its choice makes while the stage runs (an option's
+        #: outputs, an edge pair's redistributed value), in bytes on one device; 0 for the
+        #: step-long values the memory row counts instead (parameter-only values, gathered
+        #: weights, gradients reduced into their parameters). What
+        #: ``MemorySpec.largest_tensor_bytes`` bounds.
+        self.col_bytes: list[float] = []
+        self._redist_bytes: dict[tuple, float] = {}
         self.rows: list[tuple[list[int], list[float], float, float]] = []
         self.options: dict[fx.Node, list[Option]] = {
             n: ns.options for n, ns in strategies.nodes.items() if ns.options
@@ -209,17 +221,27 @@ class Model:
         other._warm = self._warm  # keyed by the LP's structure; the memory row is re-set
         return other
 
-    def new_col(self, cost: float, integer: bool) -> int:
+    def new_col(self, cost: float, integer: bool, nbytes: float = 0.0) -> int:
         self.cost.append(cost)
         self.integer.append(integer)
+        self.col_bytes.append(nbytes)
         return len(self.cost) - 1
+
+    def _transient_bytes(self, node: fx.Node, o: Option) -> float:
+        """The largest output of ``node`` under option ``o`` (0 for values computed from
+        parameters and buffers alone: held for the step, counted as state or gathered)."""
+        if node in self._state_only:
+            return 0.0
+        vals = tensor_vals(node)
+        return max((self.costs.local_bytes(v, pl) for v, pl in zip(vals, o.out)
+                    if pl is not None), default=0.0)
 
     def _one_option_per_node(self) -> None:
         for node, opts in self.options.items():
             ns = self.st.nodes[node]
             self.col0[node] = len(self.cost)
             for o in opts:
-                self.new_col(self.costs.compute_time(ns, o), True)
+                self.new_col(self.costs.compute_time(ns, o), True, self._transient_bytes(node, o))
             self.rows.append((list(range(self.col0[node], len(self.cost))), [1.0] * len(opts), 1, 1))
 
     def _tie_edges(self):
@@ -262,6 +284,14 @@ class Model:
             val = tensor_vals(src)[k]
             shape, dtype = tuple(val.shape), val.dtype
             scale = self.edge_scale(dst, i, src)
+            # the largest tensor a redistribution makes on its way (DTensor's own path, the
+            # landed value included); once-per-step edges (gathers of weights, gradients
+            # into their parameters) are the memory row's
+            step_long = scale != 1.0 or (i is None and dst in self._param_nodes) \
+                or src in self._state_only
+
+            def lands(a, g, val=val, step_long=step_long) -> float:
+                return 0.0 if step_long else self._redistribution_bytes(val, a, g)
             have: dict[Any, list[int]] = {}
             for idx, o in enumerate(self.options[src]):
                 have.setdefault(o.out[k], []).append(self.col0[src] + idx)
@@ -279,6 +309,7 @@ class Model:
                         t = price(a, g, shape, dtype) * scale
                         for c in gcols if len(have) == 1 else acols:
                             self.cost[c] += t
+                            self.col_bytes[c] = max(self.col_bytes[c], lands(a, g))
                             cols.append((c, a, g))
                 continue
             if pairs is None:
@@ -292,7 +323,7 @@ class Model:
             by_g: dict[Any, list[int]] = {g: [] for g in want}
             for a, g in pairs:
                 if a in have and g in want:
-                    c = self.new_col(price(a, g, shape, dtype) * scale, False)
+                    c = self.new_col(price(a, g, shape, dtype) * scale, False, lands(a, g))
                     by_a[a].append(c)
                     by_g[g].append(c)
                     cols.append((c, a, g))
@@ -300,6 +331,24 @@ class Model:
                 for key, cols_ in groups.items():
                     ys = side[key]
                     self.rows.append((ys + cols_, [1.0] * len(ys) + [-1.0] * len(cols_), 0, 0))
+
+    def _redistribution_bytes(self, val: Any, a: Any, g: Any) -> float:
+        """The largest local tensor moving ``val`` from placement ``a`` to ``g`` makes."""
+        if a == g:
+            return self.costs.local_bytes(val, g)
+        key = (tuple(val.shape), val.dtype, a, g)
+        hit = self._redist_bytes.get(key)
+        if hit is None:
+            mesh = self.st.mesh
+            try:
+                hit = float(redistribution_peak_bytes(mesh, val, a, g)) if mesh is not None \
+                    else None
+            except Exception:  # a placement pair DTensor's planner refuses: the landed value
+                hit = None
+            if hit is None:
+                hit = max(self.costs.local_bytes(val, a), self.costs.local_bytes(val, g))
+            self._redist_bytes[key] = hit
+        return hit
 
     def edge_scale(self, dst: fx.Node, i: int | None, src: fx.Node | None = None) -> float:
         """Cost factor of an edge: :attr:`grad_reduce_scale` for a gradient-to-parameter tie
@@ -431,6 +480,11 @@ class Model:
         t = self.memory_row.terms(recompute)
         upper = np.concatenate([self._upper_bounds(restrict, names, budget),
                                 np.asarray(t.upper, dtype=np.float64)])
+        cap = self.memory.largest_tensor_bytes
+        if cap is not None:
+            uncapped = upper.copy()
+            over = np.asarray(self.col_bytes) > cap
+            upper[: len(over)][over] = 0.0
         lp = self._lp_for(t)
         t.row_upper[-1] = np.inf if budget is None else budget / _MIB
         lp.row_upper_ = t.row_upper
@@ -446,6 +500,16 @@ class Model:
         x, dt, status, obj, bound = self._warm.run(
             lp, upper, integer, False, time_limit_s, threads, scale=_SCALE, rel_gap=rel_gap,
             warm=warm, mem_row=mem_row)
+        if x.size == 0 and cap is not None:
+            # no plan keeps every tensor under the cap (with these restrictions): plan
+            # without it, and say so (the stage's working memory may then not fit)
+            upper = uncapped
+            x, dt2, status, obj, bound = self._warm.run(
+                lp, upper, integer, False, time_limit_s, threads, scale=_SCALE,
+                rel_gap=rel_gap, warm=warm, mem_row=mem_row)
+            dt += dt2
+            status += (f" ({CAP_DROPPED} of {format_bytes(cap)} dropped: no plan keeps "
+                       "every tensor under it)")
         if x.size and np.any((x[ints] > 1e-6) & (x[ints] < 1 - 1e-6)):
             hint = None
             if start is not None:  # x columns of a feasible choice: 1 chosen, 0 the others

@@ -21,6 +21,7 @@ import itertools
 import logging
 import operator
 from collections.abc import Sequence
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -84,6 +85,8 @@ class Strategies:
     """Ops replicated because DTensor has no (working) rule, as "node: op (reason)"."""
     pruned: int
     """Options dropped because they held ``_StridedShard`` or uneven shards."""
+    mesh: Any = None
+    """The (real or fake) DeviceMesh the options were enumerated on."""
 
 
 def all_placements(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Placements]:
@@ -153,7 +156,7 @@ class _Enumerator:
                 elif node.op == "call_function":
                     self._call(node)
         return Strategies(
-            self.joint, self.mesh_shape, self.nodes, self.fallbacks, self.pruned
+            self.joint, self.mesh_shape, self.nodes, self.fallbacks, self.pruned, self.mesh
         )
 
     def _placeholder(self, node: fx.Node) -> None:

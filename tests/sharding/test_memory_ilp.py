@@ -230,3 +230,37 @@ def test_the_loss_term_off_the_last_stage_budget_by_hand():
     assert loss_kept_bytes(logits.to(torch.bfloat16), 2, 2, ("batch",), 1) == 65536 * 6
     assert loss_kept_bytes(torch.empty(4, 16, dtype=torch.long, device="meta"), 2, 2,
                            ("batch",), 1) == 0
+
+
+def test_largest_tensor_bound_holds_in_the_lowered_graphs(block, make_mesh):
+    """``largest_tensor_bytes``: no tensor the lowered forward or backward makes is larger
+    (values of parameters and buffers alone aside: the step holds those); a tighter bound
+    costs time; one no plan meets is dropped, and the plan says so where describe() reads."""
+    from autopp.lower.local_graphs import lower_joint, split_local
+    from autopp.sharding.trace import trace_joint
+    from autopp.sharding.units import stage_units
+
+    mesh = make_mesh(2, 2)
+    x = torch.empty(8, 64, 256, device="meta")
+    (unit,) = stage_units(block)
+    joint = trace_joint(unit.module, (x,))
+    kw = dict(activation_factor=1.0, optimizer_state_factor=2.0)
+
+    def largest(plan):
+        g = split_local(lower_joint(joint, plan.blocks[0], mesh))
+        return max(n.meta["val"].numel() * n.meta["val"].element_size()
+                   for gm in (g.forward_graph, g.full_backward_graph) for n in gm.graph.nodes
+                   if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor))
+
+    free = plan_stage(block, (x,), mesh, **kw)
+    times, biggest = [free.step_time_s], largest(free)
+    for share in (0.6, 0.3):
+        cap = share * biggest
+        plan = plan_stage(block, (x,), mesh, largest_tensor_bytes=cap, **kw)
+        assert largest(plan) <= cap and not plan.degraded()
+        times.append(plan.step_time_s)
+    assert times == sorted(times) and times[-1] > times[0]
+    hopeless = plan_stage(block, (x,), mesh, largest_tensor_bytes=1, **kw)
+    assert hopeless.step_time_s == pytest.approx(free.step_time_s)
+    (note,) = hopeless.degraded()
+    assert note.startswith("largest-tensor cap of 1 B dropped") and "layers.0" in note
