@@ -315,6 +315,37 @@ def redistribution_peak_bytes(mesh: Any, val: torch.Tensor, src: Sequence[Placem
     return peak
 
 
+@contextlib.contextmanager
+def shard_to_shard_as_on(device_type: str) -> Iterator[None]:
+    """Redistributions from one shard dim to another traced as ``device_type`` runs them,
+    whatever the mesh's own type: on a CPU mesh DTensor all-gathers the whole tensor and
+    keeps a chunk (gloo has no all-to-all; the gathered tensor is mesh-dim times the
+    shard), on a device mesh it calls its all-to-all op. The dry run lowers a GPU
+    target's stages on a fake CPU mesh; without this its graphs (and the working memory
+    read off them) would hold the CPU path's gathers."""
+    if device_type == "cpu":
+        yield
+        return
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.tensor import placement_types
+
+    def device_alltoall(input, gather_dim, shard_dim, mesh, mesh_dim):
+        # the all-to-all as a functional collective (what the lowered graphs hold): chunk
+        # ``shard_dim``, exchange chunk i with rank i, concatenate on ``gather_dim``; no
+        # tensor larger than the input (the caller pads to even chunks)
+        n = mesh.size(mesh_dim)
+        chunks = torch.stack(torch.chunk(input, n, dim=shard_dim))
+        out = funcol.all_to_all_single(chunks, None, None, (mesh, mesh_dim))
+        return torch.cat(list(funcol.wait_tensor(out).unbind(0)), dim=gather_dim)
+
+    saved = placement_types.shard_dim_alltoall
+    placement_types.shard_dim_alltoall = device_alltoall
+    try:
+        yield
+    finally:
+        placement_types.shard_dim_alltoall = saved
+
+
 def local_shape(global_shape: Sequence[int], mesh: Any, placements: Sequence[Placement]):
     """This rank's shard shape of a tensor of ``global_shape`` in ``placements``."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

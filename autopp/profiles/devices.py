@@ -65,6 +65,10 @@ class DeviceProfile:
     shared_cores: int | None = None
     """CPU cores that all ranks share (a measured CPU profile with more ranks than cores;
     its rates were measured with every rank busy at once); None: a device per rank."""
+    device_type: str = "cuda"
+    """The torch device type the profile's devices are ("cuda", "cpu"): how DTensor runs a
+    redistribution there (a CPU mesh has no all-to-all: DTensor gathers the whole tensor
+    and keeps a chunk), which the dry run's lowered graphs follow."""
     communicator_bytes: float = 0.0
     """Device memory a rank's communicator holds per process group it uses (each pp, dp or
     tp group of size > 1, :func:`autopp.schedules.memory_terms.communicator_bytes`), held
@@ -143,6 +147,7 @@ PROFILES: dict[str, DeviceProfile] = {
     ),
     "CPU": DeviceProfile(
         name="CPU",
+        device_type="cpu",
         flops_bf16=0.2e12,
         flops_fp32=0.2e12,
         mem_bw=50e9,

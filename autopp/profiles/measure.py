@@ -577,6 +577,7 @@ def _measure(name: str, world_size: int, backend: str, device: str,
         shared_cores=(os.cpu_count() if device == "cpu" and world_size > (os.cpu_count() or 1)
                       else None),
         communicator_bytes=NCCL_COMMUNICATOR_BYTES if backend == "nccl" else 0.0,
+        device_type=device,
     )
     details = {
         "host": socket.gethostname(), "device": _device_description(device),

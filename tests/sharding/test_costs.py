@@ -224,3 +224,18 @@ def test_a_failing_flop_formula_is_logged_and_noted(make_mesh, monkeypatch, capl
     assert "FLOP formula of aten.mm.default failed" in caplog.text
     assert any(n.startswith("FLOP formula of aten.mm.default failed (RuntimeError: no formula")
                for n in plan.notes), plan.notes
+
+
+def test_redistribution_peak_follows_dtensors_own_path(make_mesh):
+    """A nested shard (dp and tp both on dim 1) into (R, S(1)): DTensor gathers over tp
+    first, so the whole tensor exists on the way (hand-computed: 64 x 128 x 4 bytes); from
+    (S(0), S(1)) only dp is gathered and the landed (64, 64) shard is the largest."""
+    from autopp._compat.sharding import redistribution_peak_bytes
+    from autopp.sharding.plan import from_strs
+
+    mesh = make_mesh(2, 2)
+    val = torch.empty(64, 128, device="meta")
+    nested = redistribution_peak_bytes(mesh, val, from_strs(("S(1)", "S(1)")), from_strs(("R", "S(1)")))
+    assert nested == 64 * 128 * 4
+    plain = redistribution_peak_bytes(mesh, val, from_strs(("S(0)", "S(1)")), from_strs(("R", "S(1)")))
+    assert plain == 64 * 64 * 4

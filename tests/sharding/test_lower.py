@@ -108,3 +108,37 @@ def test_lowered_pieces_issue_collectives_early_and_wait_at_first_use(make_mesh,
     assert sum(deferred.values()) > 3, deferred
     assert late, "the plain split was already in overlap order: the test sees nothing"
 
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_shard_to_shard_is_traced_as_the_target_device_runs_it(make_mesh, device_type):
+    """S(0) -> S(1) over tp on a (fake) CPU mesh: gloo has no all-to-all, so DTensor gathers
+    the whole tensor (tp x the shard) and keeps a chunk; for a CUDA target the dry run
+    traces the all-to-all the devices run, no tensor larger than the shard."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autopp._compat.sharding import shard_to_shard_as_on
+
+    mesh = make_mesh(2, 2)
+
+    def move(local):
+        d = DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False)
+        return d.redistribute(mesh, [Replicate(), Shard(1)]).to_local()
+
+    shard = torch.empty(8, 16, device="meta")
+    with shard_to_shard_as_on(device_type):
+        gm = make_fx(move)(shard)
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    largest = max(n.meta["val"].numel() for n in gm.graph.nodes
+                  if isinstance(n.meta.get("val"), torch.Tensor))
+    if device_type == "cpu":
+        assert "_c10d_functional.all_gather_into_tensor.default" in targets
+        assert largest == 2 * shard.numel()
+    else:
+        assert "_c10d_functional.all_to_all_single.default" in targets
+        assert not any("all_gather" in t for t in targets)
+        assert largest == shard.numel()
+    (out,) = gm.graph.find_nodes(op="output")
+    result = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
+    assert tuple(result.meta["val"].shape) == (16, 8)
