@@ -55,6 +55,7 @@ built model serves every boundary pair of a block.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -75,6 +76,8 @@ from autopp.sharding.strategies import Option, Strategies, tensor_vals
 
 """Per mesh dim: a torch Placement, or None for "any"."""
 
+
+logger = logging.getLogger(__name__)
 
 _SCALE = 1e6
 """Costs go to the solver in microseconds so its tolerances sit far below one cost unit."""
@@ -343,7 +346,10 @@ class Model:
             try:
                 hit = float(redistribution_peak_bytes(mesh, val, a, g)) if mesh is not None \
                     else None
-            except Exception:  # a placement pair DTensor's planner refuses: the landed value
+            except Exception as e:  # a pair DTensor's planner refuses: bound by both ends
+                logger.warning("largest-tensor bound: DTensor plans no path %s -> %s for "
+                               "shape %s (%s); its ends' sizes stand in", a, g,
+                               tuple(val.shape), e)
                 hit = None
             if hit is None:
                 hit = max(self.costs.local_bytes(val, a), self.costs.local_bytes(val, g))
