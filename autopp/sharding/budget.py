@@ -8,8 +8,9 @@ over-budget error that names the largest consumers.
 
 Memory (``memory_budget_bytes``, per device). Each unit's ILP has one memory row
 (:mod:`autopp.sharding.memory_row`: parameter state, activations × ``activation_factor``,
-gathered parameters). A stage planned flat, or as a single unit, is solved with the budget
-in that row: exact. A stage of several units shares the budget, and the units' plans
+gathered parameters). A stage planned flat, or as a single unit, is searched the same way;
+its polish (the budget in that row) is then the whole stage's ILP, to within
+:data:`_POLISH_GAP`. A stage of several units shares the budget, and the units' plans
 are only additive (each unit is solved per boundary pair and chained), so the budget is
 allocated by a Lagrangian price: every unit is solved minimising time + λ × its counted
 bytes, the chain is chosen by the same sum, and λ is searched (geometrically, from
@@ -173,14 +174,20 @@ class _Bound:
             self.objective_s = min(priced.objective_s, b - max(over, 0.0) if over == over else b)
 
 
-POLISH_NODES = 500
-"""Branch-and-bound nodes a polish's MIP may take (deterministic, unlike a time limit): it
-starts from the searched plan, so it returns that plan or a better one; measured on the
-70B and 405B dry runs, the polishes that improved a plan did so well within this."""
-
 CERTIFIED_GAP = 0.01
 """A budget-bound chain whose time is within this fraction of the certified lower bound is
 kept as it is (the price search stops, no polish)."""
+
+_POLISH_GAP = CERTIFIED_GAP / 2
+"""Relative MIP gap of a polish: it only has to bring its chain within the certified gap."""
+
+POLISH_NODES = 60
+"""Branch-and-bound nodes a polish's MIP may take (deterministic, unlike a time limit). It
+starts from the fastest known plan that fits its share (:func:`_start_within`), so it
+returns that plan or a better one. Measured on the 405B dry run (2026-12-02): a block's MIP
+under its share has a weak LP bound (28% below its best plan, where the price search's
+bound over the chain is 1.3% below), so 500 nodes (60 s) proved and found nothing there;
+the finer price search (:data:`_PRICE_TOLERANCE`) closes those gaps instead."""
 
 
 _SEARCH_GAP = 1e-3
@@ -195,7 +202,10 @@ def _solve(stage: Stage, kind: int, pair: tuple, mode: str, price: float,
     key = (rep.mkey, pair, rep.fixed_key, time_limit_s, mode, price, budget)
     res = None if stage.solves is None else stage.solves.get(key)
     if res is None:
-        gap = _SEARCH_GAP if 0 < price < math.inf else 1e-6
+        # the price search's intermediate solves; a polish, which only has to bring its
+        # chain within the certified gap; the exact solves
+        gap = _SEARCH_GAP if 0 < price < math.inf else _POLISH_GAP \
+            if budget is not None else 1e-6
         try:
             res = rep.model.solve(*rep.pairs[pair], time_limit_s=time_limit_s,
                                   recompute=mode, budget=budget, price=price, start=start,
@@ -313,7 +323,7 @@ def _search_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: fl
     for r, pair, kind in zip(least.results, least.pairs, stage.kinds):
         seen.setdefault((kind, pair), {})[r.objective_s, r.memory_bytes] = r
     price = fast.time_s / max(fast.memory_bytes, 1.0)
-    for _ in range(12):
+    for _ in range(_PRICE_STEPS):
         c = _chain(stage, mode, price, time_limit_s, seen=seen)
         bound = max(bound, c.priced_bound_s - price * budget)
         ilp_bound = max(ilp_bound, c.priced_ilp_bound_s - price * budget)
@@ -358,9 +368,14 @@ def _close_gap(stage: Stage, s: _Searched, budget: float, incumbent: float,
     s.fit = best
 
 
-_PRICE_TOLERANCE = 2.0
-"""The price search stops when the feasible and infeasible prices are this close (a factor):
-each step re-solves every unit, and :func:`_polish` closes the remaining gap per unit."""
+_PRICE_TOLERANCE = 1.05
+"""The price search stops when the feasible and infeasible prices are this close (a factor).
+Each step re-solves every unit at a price (LPs whose relaxation is integral: tenths of a
+second for a 405B block) and adds its solutions to the mix, which is what closes the gap
+where identical blocks share the budget; :func:`_polish` is left the rest."""
+
+_PRICE_STEPS = 24
+"""At most this many prices per policy (the bisection's steps included)."""
 
 
 def _polish(stage: Stage, mode: str, budget: float, best: Chain, time_limit_s: float,
@@ -378,9 +393,11 @@ def _polish(stage: Stage, mode: str, budget: float, best: Chain, time_limit_s: f
             continue
         pair = pairs.pop()
         others = sum(r.memory_bytes for i, r in enumerate(best.results) if i not in at)
-        cur = min((best.results[i] for i in at), key=lambda r: r.objective_s)
         share = (budget - others) / len(at)
-        res = _solve(stage, kind, pair, mode, 0.0, share, time_limit_s, start=cur.choice)
+        start = _start_within(share, [best.results[i] for i in at],
+                              seen.get((kind, pair), {}).values())
+        res = _solve(stage, kind, pair, mode, 0.0, share, time_limit_s,
+                     start=None if start is None else start.choice)
         if isinstance(res, InfeasiblePlanError) or res.memory_bytes > share:
             continue
         seen.setdefault((kind, pair), {})[res.objective_s, res.memory_bytes] = res
@@ -392,6 +409,17 @@ def _polish(stage: Stage, mode: str, budget: float, best: Chain, time_limit_s: f
                       sum(r.memory_bytes for r in results), best.price, best.free,
                       best.priced_bound_s, priced_ilp_bound_s=best.priced_ilp_bound_s)
     return best
+
+
+def _start_within(share: float, *groups) -> SolveResult | None:
+    """The fastest known solution whose memory, as the ILP's row counts it, fits ``share``:
+    the polish's MIP start. A start over the share is no start (HiGHS drops an infeasible
+    one and searches from nothing: measured on the 405B dry run, 500 nodes in 58 s ending
+    far slower than the searched plan)."""
+    fits = [r for g in groups for r in g
+            if (r.ilp_memory_bytes if r.ilp_memory_bytes == r.ilp_memory_bytes
+                else r.memory_bytes) <= share]
+    return min(fits, key=lambda r: r.objective_s, default=None)
 
 
 def choose_chain(stage: Stage, modes: Sequence[str], budget: float | None,

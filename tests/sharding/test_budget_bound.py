@@ -138,3 +138,28 @@ def plan_module_memo():
     from autopp.sharding import planner
 
     return planner._MEMO
+
+
+def test_a_polish_starts_from_a_plan_that_fits_its_share(monkeypatch):
+    """At budget 37 the fastest chain mixes plans of the four identical blocks (10, 7, 7, 7
+    bytes beside the end's 4): the fastest of them (10 bytes) is over the blocks' share
+    (33 / 4 = 8.25), so a polish started from it would start from no plan at all (HiGHS
+    drops an infeasible start). Forced to polish, every solve with the budget in the row
+    gets a start that fits the budget it is given."""
+    starts: list[tuple[float | None, float]] = []
+
+    class _Recording(_ListedModel):
+        def solve(self, *restrictions, budget, price, start, **kw):
+            res = super().solve(*restrictions, budget=budget, price=price, start=start, **kw)
+            if budget is not None:
+                starts.append((None if start is None else start["plan"][1], budget))
+            return SolveResult(**{**{f: getattr(res, f) for f in res.__slots__},
+                                  "choice": {"plan": (res.objective_s, res.memory_bytes)}})
+
+    models = [_Recording({"none": END}), _Recording({"none": BLOCK})]
+    stage = _stage(models, [0, 1, 1, 1, 1])
+    monkeypatch.setattr(B, "CERTIFIED_GAP", -1.0)  # never certified: always polished
+    chosen, _, _ = B.choose_chain(stage, ["none"], 37.0, MemorySpec(1.0, None, 1.0), 60.0)
+    assert chosen.time_s == pytest.approx(_exact(models, [0, 1, 1, 1, 1], "none", 37.0))
+    assert sorted(r.memory_bytes for r in chosen.results[1:]) == [7.0, 7.0, 7.0, 10.0]
+    assert starts and all(m is not None and m <= share for m, share in starts), starts
