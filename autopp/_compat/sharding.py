@@ -303,16 +303,35 @@ def redistribution_peak_bytes(mesh: Any, val: torch.Tensor, src: Sequence[Placem
     a time in the order ``_gen_transform_infos`` plans, and a tensor dim sharded by several
     mesh dims is gathered over the inner ones before the outer one changes (a nested
     ``S(1), S(1)`` into ``R, S(1)`` passes through the whole tensor)."""
-    from torch.distributed.tensor._redistribute import _gen_transform_infos
-
-    meta = tensor_meta(val)
     size = val.element_size()
     current = list(src)
     peak = math.prod(local_shape(val.shape, mesh, current)) * size
-    for step in _gen_transform_infos(make_spec(mesh, src, meta), make_spec(mesh, dst, meta)):
-        current[step.mesh_dim] = step.src_dst_placements[1]
+    for mesh_dim, placement in _transform_steps(mesh, val, tuple(src), tuple(dst)):
+        current[mesh_dim] = placement
         peak = max(peak, math.prod(local_shape(val.shape, mesh, current)) * size)
     return peak
+
+
+_STEPS: dict[tuple, tuple[tuple[int, Placement], ...]] = {}
+"""DTensor's greedy redistribution steps by (mesh shape, tensor rank, src, dst): the
+greedy planner's steps depend on the placements alone, not on the tensor's sizes (its
+graph-based planner, used for ``_StridedShard``, weighs sizes and is asked every time)."""
+
+
+def _transform_steps(mesh: Any, val: torch.Tensor, src: tuple, dst: tuple
+                     ) -> tuple[tuple[int, Placement], ...]:
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    strided = any(isinstance(p, _StridedShard) for p in (*src, *dst))
+    key = (tuple(mesh.shape), val.dim(), src, dst)
+    steps = None if strided else _STEPS.get(key)
+    if steps is None:
+        meta = tensor_meta(val)
+        steps = tuple((t.mesh_dim, t.src_dst_placements[1]) for t in _gen_transform_infos(
+            make_spec(mesh, src, meta), make_spec(mesh, dst, meta)))
+        if not strided:
+            _STEPS[key] = steps
+    return steps
 
 
 @contextlib.contextmanager

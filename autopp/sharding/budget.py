@@ -105,8 +105,9 @@ class Stage:
     """(ILP variables of each model built, solve seconds of each solve)."""
     flat: bool
     solves: dict[tuple, Any] | None = None
-    """Solutions by (unit, boundary pair, policy, price, budget), kept across ``plan_stage``
-    calls (the planner's memo); None: not kept (a flat stage)."""
+    """Solutions by (unit, boundary pair, policy, price, budget), and each policy's last
+    fitting price by its units (:data:`_NEAR_STEP`), kept across ``plan_stage`` calls (the
+    planner's memo); None: not kept (a flat stage)."""
 
 
 @dataclass(slots=True)
@@ -322,7 +323,10 @@ def _search_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: fl
     seen: dict = {}
     for r, pair, kind in zip(least.results, least.pairs, stage.kinds):
         seen.setdefault((kind, pair), {})[r.objective_s, r.memory_bytes] = r
-    price = fast.time_s / max(fast.memory_bytes, 1.0)
+    # the units without their memory accounting (another stage's in-flight count)
+    key = ("price", tuple(rep.mkey[:2] + rep.mkey[3:] for rep in stage.reps), mode)
+    memo = stage.solves if stage.solves is not None else {}
+    price, step = memo.get(key, (fast.time_s / max(fast.memory_bytes, 1.0), 8.0))
     for _ in range(_PRICE_STEPS):
         c = _chain(stage, mode, price, time_limit_s, seen=seen)
         bound = max(bound, c.priced_bound_s - price * budget)
@@ -337,13 +341,15 @@ def _search_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: fl
         if ilp_bound >= incumbent or best.time_s - bound <= CERTIFIED_GAP * best.time_s:
             break  # no solve can beat the other policy's chain, or certified close enough
         if math.isinf(hi):
-            price *= 8
+            price *= step
         elif lo == 0.0:
-            price /= 8
+            price /= step
         elif hi / lo < _PRICE_TOLERANCE:
             break
         else:
             price = math.sqrt(lo * hi)
+    if not math.isinf(hi):
+        memo[key] = (hi, _NEAR_STEP)
     best.bound_s, best.ilp_bound_s = bound, ilp_bound
     return _Searched(mode, best, least, seen)
 
@@ -376,6 +382,12 @@ where identical blocks share the budget; :func:`_polish` is left the rest."""
 
 _PRICE_STEPS = 24
 """At most this many prices per policy (the bisection's steps included)."""
+
+_NEAR_STEP = 2.0
+"""The price search of a stage whose distinct units an earlier search priced (kept in
+``Stage.solves``, the planner's memo) starts from that search's fitting price and steps by
+this factor, not 8, until it brackets: a pipeline's stages hold the same blocks under
+budgets and in-flight counts that differ a little, so their prices are near."""
 
 
 def _polish(stage: Stage, mode: str, budget: float, best: Chain, time_limit_s: float,
