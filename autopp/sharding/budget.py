@@ -105,9 +105,8 @@ class Stage:
     """(ILP variables of each model built, solve seconds of each solve)."""
     flat: bool
     solves: dict[tuple, Any] | None = None
-    """Solutions by (unit, boundary pair, policy, price, budget), and each policy's last
-    fitting price by its units (:data:`_NEAR_STEP`), kept across ``plan_stage`` calls (the
-    planner's memo); None: not kept (a flat stage)."""
+    """Solutions by (unit, boundary pair, policy, price, budget), kept across ``plan_stage``
+    calls (the planner's memo); None: not kept (a flat stage)."""
 
 
 @dataclass(slots=True)
@@ -178,6 +177,12 @@ class _Bound:
 CERTIFIED_GAP = 0.01
 """A budget-bound chain whose time is within this fraction of the certified lower bound is
 kept as it is (the price search stops, no polish)."""
+
+POLISH_TIME_S = 10.0
+"""Wall-clock bound of one polish's MIP, beside :data:`POLISH_NODES`: a 405B block's MIP
+took 60 s for 60 nodes (its LPs are large). The plan it returns then depends on the
+machine's speed (rank 0 plans and broadcasts, and the plan is cached, so a job's ranks
+agree); it is never worse than its start."""
 
 _POLISH_GAP = CERTIFIED_GAP / 2
 """Relative MIP gap of a polish: it only has to bring its chain within the certified gap."""
@@ -323,10 +328,7 @@ def _search_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: fl
     seen: dict = {}
     for r, pair, kind in zip(least.results, least.pairs, stage.kinds):
         seen.setdefault((kind, pair), {})[r.objective_s, r.memory_bytes] = r
-    # the units without their memory accounting (another stage's in-flight count)
-    key = ("price", tuple(rep.mkey[:2] + rep.mkey[3:] for rep in stage.reps), mode)
-    memo = stage.solves if stage.solves is not None else {}
-    price, step = memo.get(key, (fast.time_s / max(fast.memory_bytes, 1.0), 8.0))
+    price = fast.time_s / max(fast.memory_bytes, 1.0)
     for _ in range(_PRICE_STEPS):
         c = _chain(stage, mode, price, time_limit_s, seen=seen)
         bound = max(bound, c.priced_bound_s - price * budget)
@@ -341,15 +343,13 @@ def _search_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: fl
         if ilp_bound >= incumbent or best.time_s - bound <= CERTIFIED_GAP * best.time_s:
             break  # no solve can beat the other policy's chain, or certified close enough
         if math.isinf(hi):
-            price *= step
+            price *= 8
         elif lo == 0.0:
-            price /= step
+            price /= 8
         elif hi / lo < _PRICE_TOLERANCE:
             break
         else:
             price = math.sqrt(lo * hi)
-    if not math.isinf(hi):
-        memo[key] = (hi, _NEAR_STEP)
     best.bound_s, best.ilp_bound_s = bound, ilp_bound
     return _Searched(mode, best, least, seen)
 
@@ -383,11 +383,6 @@ where identical blocks share the budget; :func:`_polish` is left the rest."""
 _PRICE_STEPS = 24
 """At most this many prices per policy (the bisection's steps included)."""
 
-_NEAR_STEP = 2.0
-"""The price search of a stage whose distinct units an earlier search priced (kept in
-``Stage.solves``, the planner's memo) starts from that search's fitting price and steps by
-this factor, not 8, until it brackets: a pipeline's stages hold the same blocks under
-budgets and in-flight counts that differ a little, so their prices are near."""
 
 
 def _polish(stage: Stage, mode: str, budget: float, best: Chain, time_limit_s: float,
@@ -408,7 +403,7 @@ def _polish(stage: Stage, mode: str, budget: float, best: Chain, time_limit_s: f
         share = (budget - others) / len(at)
         start = _start_within(share, [best.results[i] for i in at],
                               seen.get((kind, pair), {}).values())
-        res = _solve(stage, kind, pair, mode, 0.0, share, time_limit_s,
+        res = _solve(stage, kind, pair, mode, 0.0, share, min(time_limit_s, POLISH_TIME_S),
                      start=None if start is None else start.choice)
         if isinstance(res, InfeasiblePlanError) or res.memory_bytes > share:
             continue

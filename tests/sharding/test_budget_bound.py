@@ -164,31 +164,3 @@ def test_a_polish_starts_from_a_plan_that_fits_its_share(monkeypatch):
     assert sorted(r.memory_bytes for r in chosen.results[1:]) == [7.0, 7.0, 7.0, 10.0]
     assert starts and all(m is not None and m <= share for m, share in starts), starts
 
-
-def test_a_stage_of_the_same_units_starts_its_price_search_near_the_last_price(monkeypatch):
-    """Two stages of the same blocks under budgets a little apart (as a pipeline's stages
-    with other in-flight counts): the second search starts from the first's fitting price,
-    so it tries fewer prices, and it still finds its own budget's optimum to the gap."""
-    block = [(1.0 + 0.01 * i, 40.0 - i) for i in range(30)]  # many near-equal trade-offs
-    prices: list[float] = []
-    chain = B._chain
-
-    def recorded(stage, mode, price, *a, **k):
-        prices.append(price)
-        return chain(stage, mode, price, *a, **k)
-
-    monkeypatch.setattr(B, "_chain", recorded)
-    memo: dict = {}
-    counts = []
-    for budget in (100.0, 96.0):
-        prices.clear()
-        models = [_ListedModel({"none": block})]
-        stage = _stage(models, [0, 0, 0, 0])
-        stage.solves = memo  # the planner's memo, shared by its stages
-        chosen, _, _ = B.choose_chain(stage, ["none"], budget, MemorySpec(1.0, None, 1.0),
-                                      60.0)
-        assert chosen.time_s == pytest.approx(_exact(models, [0] * 4, "none", budget),
-                                              rel=B.CERTIFIED_GAP)
-        counts.append(len([p for p in prices if 0 < p < math.inf]))
-    print("prices searched", counts)
-    assert counts[1] < counts[0], counts
