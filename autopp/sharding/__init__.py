@@ -17,7 +17,7 @@ docs/design.md (section "The sharding planner").
 
 from autopp.sharding.plan import StagePlan
 from autopp.sharding.planner import plan_stage
-from autopp.sharding.solver import InfeasiblePlanError
+from autopp.sharding.solution import InfeasiblePlanError
 
 __all__ = [
     "InfeasiblePlanError",

@@ -34,7 +34,7 @@ with the budget in their row (the exact ILP of a unit's share, the slow MIPs). A
 another recomputation policy's fitting chain (``incumbent``), a policy whose bound reaches
 that chain's time is dropped without its polish: it cannot be faster. The bound and the gap
 are reported (``StagePlan.time_bound_s``). It is proven in the ILP's accounting; the
-evaluated time and memory of a solution (:func:`~autopp.sharding.solver.evaluate`, what
+evaluated time and memory of a solution (:func:`~autopp.sharding.solution.evaluate`, what
 plans report) can sit a little below the ILP's (its memory row over-counts the selective
 policy's saved values by a few percent), so each unit's bound is moved down by its own
 solution's difference: exact where the two agree, an estimate where they do not. The
@@ -65,7 +65,8 @@ from typing import Any
 
 from autopp.sharding.chain import TracedBlock, chain_dp
 from autopp.sharding.memory_row import MemorySpec
-from autopp.sharding.solver import InfeasiblePlanError, Model, SolveResult
+from autopp.sharding.solution import InfeasiblePlanError, SolveResult
+from autopp.sharding.solver import Model
 from autopp.sharding.units import Unit
 
 logger = logging.getLogger(__name__)

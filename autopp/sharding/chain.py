@@ -25,7 +25,7 @@ from torch import nn
 
 from autopp._compat import sharding as compat
 from autopp.sharding.option import PlacementSpec, matches
-from autopp.sharding.solver import InfeasiblePlanError, SolveResult
+from autopp.sharding.solution import InfeasiblePlanError, SolveResult
 from autopp.sharding.strategies import Strategies, enumerate_strategies
 from autopp.sharding.trace import JointGraph, trace_joint
 from autopp.sharding.units import BlockCall, default_extra_args, module_signature

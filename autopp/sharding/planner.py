@@ -38,7 +38,8 @@ from autopp.sharding.plan import CAP_DROPPED, FLOP_FAILURE, BlockPlan, Collectiv
 from autopp.profiles.devices import DeviceProfile, tf32_enabled
 from autopp.profiles.lookup import get_profile
 from autopp.sharding.option import PlacementSpec, matches
-from autopp.sharding.solver import InfeasiblePlanError, Model
+from autopp.sharding.solution import InfeasiblePlanError
+from autopp.sharding.solver import Model
 from autopp.sharding.strategies import enumerate_strategies, tensor_vals
 from autopp.sharding.trace import check_on_meta, graph_signature, trace_joint
 

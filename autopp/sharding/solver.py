@@ -34,7 +34,9 @@ branches only when some :math:`x` is fractional.
 
 The memory row and the recomputation costs (State, Act, Gath, Recomp: what each counts, and
 :meth:`Model.account`, the exact count of a chosen plan that plans report) are
-:mod:`autopp.sharding.memory_row`'s. :meth:`Model.solve` takes the budget as the row's
+:mod:`autopp.sharding.memory_row`'s; what a solve returns (:class:`SolveResult`) and the
+exact price of a chosen plan (:func:`evaluate`) are :mod:`autopp.sharding.solution`'s.
+:meth:`Model.solve` takes the budget as the row's
 bound, or a price per byte added to the objective instead (Lagrangian: the row stays out of
 the constraints, so the LP relaxation stays integral in practice; budget.py searches the
 price).
@@ -54,7 +56,6 @@ built model serves every boundary pair of a block.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections.abc import Mapping
@@ -65,13 +66,14 @@ import numpy as np
 from torch import fx
 
 from autopp.graph.walk import param_only_nodes
-from autopp.sharding.costs import Collective, CostModel
+from autopp.sharding.costs import CostModel
 from autopp.sharding.highs import WarmLps, highspy
 from autopp.sharding.memory_row import MemoryAccount, MemoryRow, MemorySpec, Recompute, Terms
 from autopp._compat.sharding import redistribution_peak_bytes
 from autopp.sharding.option import PlacementSpec, matches
 from autopp.format import format_bytes
 from autopp.sharding.plan import CAP_DROPPED
+from autopp.sharding.solution import InfeasiblePlanError, SolveResult, evaluate
 from autopp.sharding.strategies import Option, Strategies, tensor_vals
 
 """Per mesh dim: a torch Placement, or None for "any"."""
@@ -83,54 +85,8 @@ _SCALE = 1e6
 """Costs go to the solver in microseconds so its tolerances sit far below one cost unit."""
 
 
-class InfeasiblePlanError(ValueError):
-    """The constraints admit no plan; the message names them."""
-
-
 _MIB = float(2**20)
 """The memory row is in MiB, so its coefficients sit near the cost columns' scale."""
-
-
-@dataclass(frozen=True, slots=True)
-class SolveResult:
-    choice: dict[fx.Node, Option]
-    objective_s: float
-    """Estimated time: compute + communication + recomputation."""
-    compute_s: float
-    comm_s: float
-    collectives: tuple[tuple[str, str, Collective], ...]
-    """(consumer node, producer node, collective) of every chosen redistribution."""
-    param_bytes: float
-    """Per-device parameter bytes (without the state factor)."""
-    num_vars: int
-    num_binary: int
-    num_rows: int
-    solve_s: float
-    status: str
-    ilp_objective_s: float = float("nan")
-    """The solver's objective; equals :attr:`objective_s` up to tolerances (a consistency
-    check between the ILP and :func:`evaluate`) when solved without a memory price."""
-    recompute: str = "none"
-    recompute_s: float = 0.0
-    """Forward time the backward spends recomputing (in :attr:`objective_s`)."""
-    state_bytes: float = 0.0
-    activation_bytes: float = 0.0
-    """Per microbatch, under :attr:`recompute`."""
-    gathered_bytes: float = 0.0
-    memory_bytes: float = 0.0
-    """What the memory row counts for this choice (:class:`MemoryAccount`)."""
-    ilp_memory_bytes: float = float("nan")
-    """The memory row's value in the solver's solution (equals :attr:`memory_bytes` up to
-    tolerances)."""
-    bound_s: float = float("nan")
-    """A proven lower bound of the solved objective (time + price × counted bytes, in
-    seconds, in the ILP's accounting; the LP optimum where the relaxation was integral,
-    else the MIP's dual bound); nan where the objective has no time scale (price ``inf``).
-    The budget search's bound is built from it (:mod:`autopp.sharding.budget`)."""
-    ilp_value_s: float = float("nan")
-    """The solver's objective at its solution, at the price solved (compare with
-    :attr:`objective_s` + price × :attr:`memory_bytes`: the ILP's memory row and time
-    columns may count a little more than :func:`evaluate`)."""
 
 
 @dataclass(slots=True)
@@ -563,53 +519,3 @@ def solve(prob: Problem) -> SolveResult:
     return model.solve(
         prob.restrict, prob.restrict_names, time_limit_s=prob.time_limit_s, threads=prob.threads
     )
-
-
-def evaluate(
-    model: Model,
-    choice: Mapping[fx.Node, Option],
-    *,
-    num_vars: int = 0,
-    solve_s: float = 0.0,
-    status: str = "evaluated",
-    recompute: Recompute = "none",
-) -> SolveResult:
-    """Price a full choice of options under the cost model (what the ILP objective measures)
-    and its memory (:meth:`Model.account`)."""
-    costs, st = model.costs, model.st
-    compute = sum(costs.compute_time(st.nodes[n], o) for n, o in choice.items())
-    comm, colls = 0.0, []
-    for dst, src, k, _, i in model._all_edges():
-        if src not in choice or dst not in choice:
-            continue
-        val = tensor_vals(src)[k]
-        a = choice[src].out[k]
-        g = choice[dst].out[0] if i is None else choice[dst].ins[i]
-        t, steps = costs.redistribute(a, g, tuple(val.shape), val.dtype)
-        scale = model.edge_scale(dst, i, src)
-        comm += t * scale
-        colls += [(dst.name, src.name, dataclasses.replace(c, time_s=c.time_s * scale))
-                  for c in steps]
-    param_bytes = sum(model.param_bytes(n, choice[n]) for n in st.joint.params.values())
-    acc = model.account(choice, recompute)
-    return SolveResult(
-        choice=dict(choice),
-        objective_s=compute + comm + acc.recompute_s,
-        compute_s=compute,
-        comm_s=comm,
-        collectives=tuple(colls),
-        param_bytes=param_bytes,
-        num_vars=num_vars,
-        num_binary=int(sum(model.integer)),
-        num_rows=len(model.rows),
-        solve_s=solve_s,
-        status=status,
-        recompute=recompute,
-        recompute_s=acc.recompute_s,
-        state_bytes=acc.state_bytes,
-        activation_bytes=acc.activation_bytes,
-        gathered_bytes=acc.gathered_bytes,
-        memory_bytes=acc.counted_bytes,
-    )
-
-

@@ -15,7 +15,7 @@ from torch import nn
 from autopp.sharding import budget as B
 from autopp.sharding import plan_stage
 from autopp.sharding.memory_row import MemorySpec
-from autopp.sharding.solver import InfeasiblePlanError, SolveResult
+from autopp.sharding.solution import InfeasiblePlanError, SolveResult
 from autopp.sharding.units import Unit
 
 PAIR = ("a", "a")

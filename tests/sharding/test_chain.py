@@ -5,7 +5,7 @@ import torch
 
 from autopp.sharding import plan_stage
 from autopp.sharding.chain import chain_dp
-from autopp.sharding.solver import InfeasiblePlanError
+from autopp.sharding.solution import InfeasiblePlanError
 
 
 class _R:

@@ -1,0 +1,116 @@
+"""A solution of a unit's sharding ILP (:mod:`autopp.sharding.solver`): what it holds
+(:class:`SolveResult`: the choice, its time split, its memory as the row counts it, the
+solver's bound), how a full choice is priced exactly (:func:`evaluate`, what plans report),
+and the error when no choice satisfies the constraints."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import fx
+
+from autopp.sharding.costs import Collective
+from autopp.sharding.memory_row import Recompute
+from autopp.sharding.strategies import Option, tensor_vals
+
+if TYPE_CHECKING:
+    from autopp.sharding.solver import Model
+
+
+class InfeasiblePlanError(ValueError):
+    """The constraints admit no plan; the message names them."""
+
+
+@dataclass(frozen=True, slots=True)
+class SolveResult:
+    choice: dict[fx.Node, Option]
+    objective_s: float
+    """Estimated time: compute + communication + recomputation."""
+    compute_s: float
+    comm_s: float
+    collectives: tuple[tuple[str, str, Collective], ...]
+    """(consumer node, producer node, collective) of every chosen redistribution."""
+    param_bytes: float
+    """Per-device parameter bytes (without the state factor)."""
+    num_vars: int
+    num_binary: int
+    num_rows: int
+    solve_s: float
+    status: str
+    ilp_objective_s: float = float("nan")
+    """The solver's objective; equals :attr:`objective_s` up to tolerances (a consistency
+    check between the ILP and :func:`evaluate`) when solved without a memory price."""
+    recompute: str = "none"
+    recompute_s: float = 0.0
+    """Forward time the backward spends recomputing (in :attr:`objective_s`)."""
+    state_bytes: float = 0.0
+    activation_bytes: float = 0.0
+    """Per microbatch, under :attr:`recompute`."""
+    gathered_bytes: float = 0.0
+    memory_bytes: float = 0.0
+    """What the memory row counts for this choice (:class:`MemoryAccount`)."""
+    ilp_memory_bytes: float = float("nan")
+    """The memory row's value in the solver's solution (equals :attr:`memory_bytes` up to
+    tolerances)."""
+    bound_s: float = float("nan")
+    """A proven lower bound of the solved objective (time + price × counted bytes, in
+    seconds, in the ILP's accounting; the LP optimum where the relaxation was integral,
+    else the MIP's dual bound); nan where the objective has no time scale (price ``inf``).
+    The budget search's bound is built from it (:mod:`autopp.sharding.budget`)."""
+    ilp_value_s: float = float("nan")
+    """The solver's objective at its solution, at the price solved (compare with
+    :attr:`objective_s` + price × :attr:`memory_bytes`: the ILP's memory row and time
+    columns may count a little more than :func:`evaluate`)."""
+
+
+def evaluate(
+    model: Model,
+    choice: Mapping[fx.Node, Option],
+    *,
+    num_vars: int = 0,
+    solve_s: float = 0.0,
+    status: str = "evaluated",
+    recompute: Recompute = "none",
+) -> SolveResult:
+    """Price a full choice of options under the cost model (what the ILP objective measures)
+    and its memory (:meth:`Model.account`)."""
+    costs, st = model.costs, model.st
+    compute = sum(costs.compute_time(st.nodes[n], o) for n, o in choice.items())
+    comm, colls = 0.0, []
+    for dst, src, k, _, i in model._all_edges():
+        if src not in choice or dst not in choice:
+            continue
+        val = tensor_vals(src)[k]
+        a = choice[src].out[k]
+        g = choice[dst].out[0] if i is None else choice[dst].ins[i]
+        t, steps = costs.redistribute(a, g, tuple(val.shape), val.dtype)
+        scale = model.edge_scale(dst, i, src)
+        comm += t * scale
+        colls += [(dst.name, src.name, dataclasses.replace(c, time_s=c.time_s * scale))
+                  for c in steps]
+    param_bytes = sum(model.param_bytes(n, choice[n]) for n in st.joint.params.values())
+    acc = model.account(choice, recompute)
+    return SolveResult(
+        choice=dict(choice),
+        objective_s=compute + comm + acc.recompute_s,
+        compute_s=compute,
+        comm_s=comm,
+        collectives=tuple(colls),
+        param_bytes=param_bytes,
+        num_vars=num_vars,
+        num_binary=int(sum(model.integer)),
+        num_rows=len(model.rows),
+        solve_s=solve_s,
+        status=status,
+        recompute=recompute,
+        recompute_s=acc.recompute_s,
+        state_bytes=acc.state_bytes,
+        activation_bytes=acc.activation_bytes,
+        gathered_bytes=acc.gathered_bytes,
+        memory_bytes=acc.counted_bytes,
+    )
+
+
