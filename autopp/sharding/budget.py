@@ -385,7 +385,6 @@ _PRICE_STEPS = 24
 """At most this many prices per policy (the bisection's steps included)."""
 
 
-
 def _polish(stage: Stage, mode: str, budget: float, best: Chain, time_limit_s: float,
             seen: dict) -> Chain:
     """Close the price's gap: each distinct unit (the most time first) whose positions share
