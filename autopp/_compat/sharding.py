@@ -419,6 +419,20 @@ def flatten_mesh_dims(mesh: Any, names: Sequence[str]) -> None:
     mesh[tuple(names)]._flatten("_".join(names))
 
 
+def group_ranks(group_name: str) -> tuple[int, ...]:
+    """The global ranks of the process group registered as ``group_name``, in group order."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return tuple(dist.get_process_group_ranks(_resolve_process_group(group_name)))
+
+
+def flattened_group_names(mesh: Any) -> list[str]:
+    """This rank's process groups of every flattened mesh made on ``mesh``'s root mesh."""
+    return [m.get_group().group_name
+            for m in mesh._get_root_mesh()._flatten_mapping.values()]
+
+
 def flattened_group_name(mesh: Any, names: Sequence[str]) -> str | None:
     """The process group of this rank over ``mesh``'s dims ``names`` taken together (made
     by :func:`flatten_mesh_dims` on its root mesh), or None when it was not made."""

@@ -6,7 +6,8 @@ runs one of two ways:
 
 * as graphs (what pipelines run): :meth:`ShardedStage.stage_graphs` lowers the whole stage,
   its units chained, to one local joint graph with explicit collectives
-  (:func:`autopp.lower.local_graphs.lower_stage`) and splits it with :mod:`autopp.graph` into
+  (:func:`autopp.lower.local_graphs.lower_stage`; a stage lowered before in this process
+  is reused, :mod:`autopp.lower.reuse`) and splits it with :mod:`autopp.graph` into
   unshard / forward / backward-input / backward-weight / reduce-grad graphs, which
   :class:`autopp.graph.GraphStage` runs under torch's schedule runtime;
 * eagerly, under autograd (``stage(x)``): each unit's joint graph interpreted node by node on
@@ -32,9 +33,9 @@ from autopp.lower.local_graphs import (
     LocalJoint,
     LoweredUnit,
     lower_joint,
-    lower_stage,
     split_local,
 )
+from autopp.lower.reuse import lowered_stage, split_stage
 from autopp.sharding.plan import BlockPlan, StagePlan, from_strs
 from autopp.sharding.precision import maybe_cast
 from autopp.sharding.trace import JointGraph, graph_signature, trace_joint
@@ -124,11 +125,11 @@ class ShardedStage(nn.Module):
         mode = self.recompute if recompute is None else recompute
         check_recompute(mode)
         if self._local is None:
-            self._local = lower_stage(
+            self._local = lowered_stage(
                 [b.lowered_unit() for b in self.blocks.values()], self.mesh,
                 from_strs(self.plan.input_placements), from_strs(self.plan.output_placements))
         if mode not in self._graphs:
-            self._graphs[mode] = split_local(self._local, recompute=mode,
+            self._graphs[mode] = split_stage(self._local, recompute=mode,
                                              overlap=self.overlap_collectives)
         return self._local, self._graphs[mode]
 

@@ -142,3 +142,76 @@ def test_shard_to_shard_is_traced_as_the_target_device_runs_it(make_mesh, device
     (out,) = gm.graph.find_nodes(op="output")
     result = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
     assert tuple(result.meta["val"].shape) == (16, 8)
+
+
+def test_a_stage_lowered_again_is_reused_with_the_current_meshs_groups(make_mesh, stack_of,
+                                                                     monkeypatch):
+    """A stage lowered before in the process (same units, plans, ranks, boundaries) is
+    served again; on a new mesh over the same ranks (new process groups) its collectives
+    name the new mesh's groups, and the graph is the one a fresh lowering on that mesh gives
+    (op for op, each collective over the same ranks: DTensor's own caches treat equal
+    meshes as one, so a fresh lowering may name either mesh's groups)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from autopp._compat import sharding as compat
+    from autopp.lower import reuse
+    from autopp.lower.local_graphs import LoweredUnit, lower_stage, split_local
+    from autopp.sharding import plan_stage
+    from autopp.sharding.trace import trace_joint
+    from autopp.sharding.units import stage_units
+
+    mesh = make_mesh(2, 2)
+    stack = stack_of(1)
+    total = sum(p.numel() * p.element_size() for p in stack.parameters())
+    x = torch.empty(4, 16, 256, device="meta")
+    plan = plan_stage(stack, (x,), mesh, memory_budget_bytes=total / 4, output_placements=None)
+    units = []
+    for bplan, unit in zip(plan.blocks, stage_units(stack)):
+        joint = trace_joint(unit.module, (x,))
+        units.append(LoweredUnit(joint, bplan, tuple(f"{unit.name}.{f}" for f in joint.params),
+                                 tuple(joint.buffers)))
+    ends = (from_strs(plan.input_placements), from_strs(plan.output_placements))
+    reuse.clear()
+    first = reuse.lowered_stage(units, mesh, *ends)
+    again = reuse.lowered_stage(units, mesh, *ends)
+    assert reuse.reuse_stats() == {"hits": 1, "misses": 1}
+    assert again.gm is first.gm and again.param_fqns == first.param_fqns
+
+    other = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("dp", "tp"))
+    old = {mesh.get_group(i).group_name for i in range(2)}
+    new = {other.get_group(i).group_name for i in range(2)}
+    assert not old & new  # a new mesh, new process groups over the same ranks
+    moved = reuse.lowered_stage(units, other, *ends)
+    assert reuse.reuse_stats() == {"hits": 2, "misses": 1}
+    named = reuse._group_names(moved.gm)
+    assert named and named <= new, (named, new)
+    fresh = lower_stage(units, other, *ends)
+
+    def by_ranks(gm):
+        code = gm.code
+        for name in reuse._group_names(gm):
+            code = code.replace(f"'{name}'", str(compat.group_ranks(name)))
+        return code
+
+    assert by_ranks(moved.gm) == by_ranks(fresh.gm)
+    # and so are its pieces, split once per recompute mode
+    pieces = reuse.split_stage(moved, recompute="selective", overlap=True).graphs()
+    fresh_pieces = split_local(fresh, recompute="selective", overlap=True).graphs()
+    assert pieces.keys() == fresh_pieces.keys() and "unshard" in pieces
+    for name, gm in pieces.items():
+        assert reuse._group_names(gm) <= new, name
+        assert by_ranks(gm) == by_ranks(fresh_pieces[name]), name
+    splits = []
+    monkeypatch.setattr(reuse, "split_local",
+                        lambda *a, **k: splits.append(a) or split_local(*a, **k))
+    again = reuse.split_stage(reuse.lowered_stage(units, other, *ends), recompute="selective",
+                              overlap=True).graphs()
+    assert not splits and all(by_ranks(again[n]) == by_ranks(gm) for n, gm in pieces.items())
+    reuse.split_stage(moved, recompute="full", overlap=True)
+    assert len(splits) == 1
+    # a stage taking its input in another placement is lowered afresh
+    replicated = tuple(from_strs(("R",) * 2))
+    assert replicated != ends[0]
+    reuse.lowered_stage(units, other, replicated, ends[1])
+    assert reuse.reuse_stats()["misses"] == 2
+    reuse.clear()
