@@ -81,7 +81,8 @@ def collective_counts(gm: fx.GraphModule) -> dict[str, int]:
     return counts
 
 
-def _device(mesh: Any) -> torch.device:
+def mesh_device(mesh: Any) -> torch.device:
+    """This rank's device of ``mesh`` (the current CUDA device on a CUDA mesh)."""
     if mesh.device_type == "cpu":
         return torch.device("cpu")
     mod = getattr(torch, mesh.device_type)
@@ -107,7 +108,7 @@ def lower_joint(joint: JointGraph, bplan: BlockPlan, mesh: Any) -> LocalJoint:
         ValueError: a graph input is planned ``Partial``, the mesh does not match the plan,
             or the joint has no tangent (a last stage; not supported here).
     """
-    runner = GraphRunner(joint, bplan, mesh, _device(mesh))
+    runner = GraphRunner(joint, bplan, mesh, mesh_device(mesh))
     if not joint.tangents:
         raise ValueError("lower_joint needs a joint with output tangents (a non-last unit)")
     unit = LoweredUnit(joint, bplan, tuple(joint.params), tuple(joint.buffers))
@@ -219,7 +220,7 @@ def lower_stage(units: Sequence[LoweredUnit], mesh: Any, in_placements: tuple,
         ValueError: a parameter, buffer or boundary is planned ``Partial``, or a unit has no
             output tangent.
     """
-    dev = _device(mesh)
+    dev = mesh_device(mesh)
     runners = [GraphRunner(u.joint, u.plan, mesh, dev) for u in units]
     for u in units:
         if not u.joint.tangents or len(u.joint.outputs) != 1 or len(u.joint.inputs) != 1:

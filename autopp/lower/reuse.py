@@ -33,7 +33,13 @@ from torch import fx
 
 from autopp._compat import sharding as compat
 from autopp.graph import Recompute, StageGraphs
-from autopp.lower.local_graphs import LocalJoint, LoweredUnit, lower_stage, split_local
+from autopp.lower.local_graphs import (
+    LocalJoint,
+    LoweredUnit,
+    lower_stage,
+    mesh_device,
+    split_local,
+)
 from autopp.sharding.plan import to_strs
 
 logger = logging.getLogger(__name__)
@@ -120,13 +126,10 @@ def clear() -> None:
 
 
 def _key(units: Sequence[LoweredUnit], mesh: Any, in_pl: tuple, out_pl: tuple) -> tuple:
-    from autopp.lower.local_graphs import _device
-
-    dev = _device(mesh)
     return (
         tuple((u.plan.signature, u.plan.nodes) for u in units),
         to_strs(tuple(in_pl)), to_strs(tuple(out_pl)),
-        str(dev), tuple(mesh.shape), tuple(mesh.mesh_dim_names or ()),
+        str(mesh_device(mesh)), tuple(mesh.shape), tuple(mesh.mesh_dim_names or ()),
         tuple(mesh.mesh.flatten().tolist()), tuple(mesh.get_coordinate() or ()),
     )
 
