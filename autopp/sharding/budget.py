@@ -18,8 +18,9 @@ bytes, the chain is chosen by the same sum, and λ is searched (geometrically, f
 moves memory to where it buys the most time (a block whose activations dominate gets
 recomputed or resharded before the embedding is); unlike "budget minus the others'
 minimum", the chosen plan fits as a whole. λ = 0 first (the time-optimal chain: done if it
-fits), then λ = ∞ (least memory first: if even that does not fit, the plan is infeasible
-and the error names the consumers). The price is exact up to the duality gap of one λ
+fits), then λ = ∞ (least memory first, time breaking ties; if that does not fit, the
+memory row alone decides: if even its least does not fit, the plan is infeasible and the
+error names the consumers). The price is exact up to the duality gap of one λ
 for all units (a knapsack's rounding: a few blocks could have used a slower, smaller
 plan).
 
@@ -66,7 +67,7 @@ from typing import Any
 from autopp.sharding.chain import TracedBlock, chain_dp
 from autopp.sharding.memory_row import MemorySpec
 from autopp.sharding.solution import InfeasiblePlanError, SolveResult
-from autopp.sharding.solver import Model
+from autopp.sharding.solver import BYTES_ONLY, Model
 from autopp.sharding.units import Unit
 
 logger = logging.getLogger(__name__)
@@ -322,7 +323,11 @@ def _search_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: fl
         return _Searched(mode, fast, fast, {})
     least = _chain(stage, mode, math.inf, time_limit_s)
     if least.memory_bytes > budget:
-        return _Searched(mode, None, least, {})
+        # the time tie-break may have traded bytes for time: fits or not is the memory
+        # row's alone
+        least = _chain(stage, mode, BYTES_ONLY, time_limit_s)
+        if least.memory_bytes > budget:
+            return _Searched(mode, None, least, {})
     # Lagrangian price: geometric search between an infeasible and a feasible price
     best, lo, hi, bound = least, 0.0, math.inf, fast.priced_bound_s
     ilp_bound = fast.priced_ilp_bound_s

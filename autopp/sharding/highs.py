@@ -6,7 +6,9 @@ Why warm: a budget search solves one unit's LP many times with only some numbers
 row's bound for a polish, the memory row's coefficients between stages that keep another
 number of microbatches in flight); HiGHS re-solves such an LP from its last optimal basis
 in a fraction of a cold solve's time (measured: the 70B pp4 dry run's price solves went
-from 0.34 s to 0.08 s each).
+from 0.34 s to 0.08 s each). Not always: a warm least-memory re-solve of the debug model
+(61k columns) took 0.1 s in most runs and over 60 s in some (a cold one: 0.4 s), so a warm
+re-solve gets twice its cold solve's time and then starts cold (:data:`WARM_GUARD`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ def new_highs() -> Any:
         os.close(devnull)
 
 
+WARM_GUARD = (2.0, 0.25)
+"""A warm re-solve's time limit: this many times the cold solve of the same LP, and at
+least this many seconds; past it the LP is solved cold."""
+
+
 class WarmLps:
     """Solved LP relaxations by key (one per recomputation policy and LP structure), shared
     by a unit's models under every memory accounting."""
@@ -73,12 +80,16 @@ class WarmLps:
         branch-and-bound node limit. Returns (x, seconds, status, objective, proven lower
         bound of the objective); x is empty where no solution was found."""
         t0 = time.perf_counter()
-        h, last_upper, last_mem = self._lps.get(warm, (None, None, None)) if warm else (
-            None, None, None)
+        h, last_upper, last_mem, cold_s = self._lps.get(warm, (None,) * 4) if warm else (
+            None,) * 4
         row = len(lp.row_upper_) - 1  # the memory row: the budget (inf: none)
-        if h is not None:
+        guard, hit = time_limit_s, h is not None
+        if hit:
             cols = np.arange(len(lp.col_cost_), dtype=np.int32)
-            h.setOptionValue("time_limit", float(time_limit_s))
+            guard = min(time_limit_s, max(WARM_GUARD[0] * cold_s, WARM_GUARD[1]))
+            # HiGHS measures its time limit from the instance's first run, not this one
+            # (ERGO-Code/HiGHS#1477): a warm LP would hit it after a minute of solves
+            h.setOptionValue("time_limit", h.getRunTime() + float(guard))
             h.changeColsCost(len(cols), cols, np.asarray(lp.col_cost_, dtype=np.float64))
             if not np.array_equal(upper, last_upper):  # another boundary pair's restrictions
                 h.changeColsBounds(len(cols), cols, np.zeros(len(cols)),
@@ -90,7 +101,7 @@ class WarmLps:
                 for c in set(last_mem[0].tolist()) | set(new):
                     h.changeCoeff(row, c, new.get(c, 0.0))
             h.changeRowBounds(row, float(lp.row_lower_[row]), float(lp.row_upper_[row]))
-            self._lps[warm] = (h, upper, mem_row)
+            self._lps[warm] = (h, upper, mem_row, cold_s)
         else:
             lp.col_upper_ = upper
             kint, kcont = highspy().HighsVarType.kInteger, highspy().HighsVarType.kContinuous
@@ -106,11 +117,19 @@ class WarmLps:
             h.passModel(lp)
             if hint is not None:
                 h.setSolution(len(hint[0]), *hint)
-            if warm is not None:
-                if len(self._lps) >= self.LIMIT:
-                    self._lps.pop(next(iter(self._lps)))
-                self._lps[warm] = (h, upper, mem_row)
         h.run()
+        if hit and guard < time_limit_s and (
+                h.getModelStatus() == highspy().HighsModelStatus.kTimeLimit):
+            del self._lps[warm]  # a warm start gone astray: solve it cold, as if new
+            x, dt, status, obj, bound = self.run(
+                lp, upper, integer, as_mip, time_limit_s, threads, scale=scale, hint=hint,
+                rel_gap=rel_gap, warm=warm, max_nodes=max_nodes, mem_row=mem_row)
+            return x, dt + (time.perf_counter() - t0), status + " (warm start dropped)", obj, \
+                bound
+        if warm is not None and cold_s is None:
+            if len(self._lps) >= self.LIMIT:
+                self._lps.pop(next(iter(self._lps)))
+            self._lps[warm] = (h, upper, mem_row, time.perf_counter() - t0)
         if h.getModelStatus() == highspy().HighsModelStatus.kInfeasible:
             # HiGHS's presolve can call a feasible model infeasible when its values span
             # many orders of magnitude (a dp=512 head's 2 TiB replicated logits beside 1-byte

@@ -82,6 +82,8 @@ from autopp.sharding.strategies import Option, Strategies, tensor_vals
 logger = logging.getLogger(__name__)
 
 _SCALE = 1e6
+BYTES_ONLY = -math.inf
+"""The ``price`` of :meth:`Model.solve` that minimises the memory row alone."""
 """Costs go to the solver in microseconds so its tolerances sit far below one cost unit."""
 
 
@@ -356,9 +358,10 @@ class Model:
         t.lp = lp
         return lp
 
-    def _costs_for(self, t: Terms, price: float) -> np.ndarray:
+    def _costs_for(self, t: Terms, price: float, least: str | None = None) -> np.ndarray:
         """Objective per column, in microseconds: time (+ recomputation) + price × bytes
-        (``price``: seconds per byte; ``inf``: memory first, time only as a tie-break)."""
+        (``price``: seconds per byte). ``least``: the memory row first instead, in KiB
+        ("bytes": alone; "tied": 1 byte per microsecond of time as the tie-break)."""
         n = len(self.cost) + len(t.upper)
         time = np.zeros(n)
         time[: len(self.cost)] = self.cost
@@ -369,8 +372,15 @@ class Model:
         mem = np.zeros(n)
         for c, v in self.memory_row.coefs(t).items():
             mem[c] = v
-        if math.isinf(price):
-            return mem / 1024 + time * _SCALE * 1e-6  # KiB; 1 ms of time weighs 1 byte
+        if least == "bytes":
+            return mem / 1024
+        if least == "tied":
+            # bytes, time as the tie-break at 1 byte per microsecond. A lighter time weight
+            # sinks below HiGHS's tolerances on small models (an op of 1e-4 us weighed
+            # 1e-10) and left the LP degenerate: the debug model's least-memory LPs
+            # took 10.9 s cold at 1 byte per second, 1.85 s at 1 byte per us, same plans.
+            # Not strict: solve() checks the bytes against a bytes-only solve
+            return (mem + time * _SCALE) / 1024
         return (time + price * mem) * _SCALE
 
     @property
@@ -431,13 +441,16 @@ class Model:
         ``recompute``: the backward's recomputation policy (memory and time). ``budget``:
         bytes per device for the memory row (``"default"``: the model's
         ``memory_budget_bytes``; None: no bound). ``price``: seconds per byte of the memory
-        row added to the objective (Lagrangian; ``inf``: least memory first). ``start``: a
+        row added to the objective (Lagrangian; ``inf``: least memory, time breaking ties at
+        1 byte per microsecond, which may trade a few bytes for time; :data:`BYTES_ONLY`:
+        the memory row alone, strictly least). ``start``: a
         feasible choice to start branching from (a MIP incumbent). ``rel_gap``: the MIP's
         relative optimality gap (looser for the price search's intermediate solves).
         ``max_nodes``: a deterministic bound on the MIP's branch-and-bound nodes (the best
         solution found by then is returned; its bound says how far it may be)."""
         if budget == "default":
             budget = self.memory_budget_bytes
+        least = None if not math.isinf(price) else "tied" if price > 0 else "bytes"
         restrict, names = dict(restrict or {}), dict(restrict_names or {})
         t = self.memory_row.terms(recompute)
         upper = np.concatenate([self._upper_bounds(restrict, names, budget),
@@ -450,19 +463,20 @@ class Model:
         lp = self._lp_for(t)
         t.row_upper[-1] = np.inf if budget is None else budget / _MIB
         lp.row_upper_ = t.row_upper
-        lp.col_cost_ = self._costs_for(t, price)
+        lp.col_cost_ = self._costs_for(t, price, least)
         integer = self.integer + [False] * len(t.upper)
         ints = np.asarray(integer, dtype=bool)
         mem_coefs = self.memory_row.coefs(t)
         mem_row = (np.fromiter(mem_coefs, dtype=np.int32, count=len(mem_coefs)),
                    np.fromiter(mem_coefs.values(), dtype=np.float64, count=len(mem_coefs)) / _MIB)
-        # the LP's structure (all but the memory row's coefficients), and whether memory
-        # comes first: a basis optimal for least memory is a poor start for a time-first
-        # solve and the reverse (measured: the debug model's least-memory LPs 37.6 s warm
-        # from the time-first basis, 19.8 s from each other's)
+        # the LP's structure (all but the memory row's coefficients) and its objective's
+        # kind: a basis optimal for least memory is a poor start for a time-first solve and
+        # the reverse (measured: the debug model's least-memory LPs 37.6 s warm from the
+        # time-first basis, 19.8 s from each other's, before the tie-break weighed 1 byte
+        # per microsecond); a warm start gone astray is cut short (highs.WARM_GUARD)
         m = self.memory
-        warm = (recompute, m.param_state_factor, m.optimizer_state_factor,
-                m.counts_activations, len(t.upper), len(t.rows), math.isinf(price))
+        warm = (recompute, m.param_state_factor, m.optimizer_state_factor, m.counts_activations,
+                len(t.upper), len(t.rows), least)
         x, dt, status, obj, bound = self._warm.run(
             lp, upper, integer, False, time_limit_s, threads, scale=_SCALE, rel_gap=rel_gap,
             warm=warm, mem_row=mem_row)
@@ -510,7 +524,6 @@ class Model:
                        ilp_memory_bytes=ilp_mem, num_vars=len(integer),
                        bound_s=float("nan") if math.isinf(price) else bound,
                        ilp_value_s=float("nan") if math.isinf(price) else obj)
-
 
 
 def solve(prob: Problem) -> SolveResult:
