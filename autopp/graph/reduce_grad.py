@@ -24,20 +24,14 @@ The cut only moves where it makes the accumulator no larger.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch import fx
 
 from autopp.graph.overlap import is_collective, is_wait
+from autopp.graph.walk import is_view
 
-_MOVEMENT_OPS = frozenset({
-    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
-    "aten.slice.Tensor", "aten.split.Tensor", "aten.split_with_sizes.default",
-    "aten.cat.default", "aten.clone.default", "aten.t.default", "aten.transpose.int",
-    "aten.permute.default", "aten.alias.default", "aten.contiguous.default",
-    "aten.squeeze.dim", "aten.unsqueeze.default",
-})
+_COPY_OPS = frozenset({torch.ops.aten.cat.default, torch.ops.aten.clone.default})
+"""Ops that copy their inputs' values into new memory without arithmetic (views aside)."""
 
 
 def _moves_data(node: fx.Node) -> bool:
@@ -45,8 +39,7 @@ def _moves_data(node: fx.Node) -> bool:
     collective's reduction)."""
     if node.op != "call_function":
         return False
-    return (is_collective(node) or is_wait(node) or node.target is operator.getitem
-            or str(node.target) in _MOVEMENT_OPS)
+    return is_collective(node) or is_wait(node) or is_view(node) or node.target in _COPY_OPS
 
 
 def _bytes(node: fx.Node) -> int:

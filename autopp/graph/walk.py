@@ -1,10 +1,27 @@
-"""Walks over FX graphs that several floors share: a value's ancestors (:func:`closure`) and
+"""Walks over FX graphs that several floors share: a value's ancestors (:func:`closure`),
 the nodes computed from parameters alone (:func:`param_only_nodes`, the work a stage's
-UNSHARD runs once per step)."""
+UNSHARD runs once per step), and which nodes are views of their input (:func:`is_view`)."""
 
 from __future__ import annotations
 
+import operator
+
+import torch
 from torch import fx
+
+
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node``'s output is a view of its input (the same storage, no data moved):
+    an op torch's schema marks as a view (``OpOverload.is_view``: view, slice, select,
+    split, transpose, permute, expand, detach, ...), ``_unsafe_view`` (what ``reshape``
+    becomes in a traced graph, unmarked in its schema), or a ``getitem`` of a multi-output
+    op. The one rule for the planner's compute costs and memory row, the lowered graphs'
+    memory count and the reduce-grad walk."""
+    if node.op != "call_function":
+        return False
+    t = node.target
+    return (t is operator.getitem or t is torch.ops.aten._unsafe_view.default
+            or bool(getattr(t, "is_view", False)))
 
 
 def closure(values: object, within: set[fx.Node] | None = None) -> set[fx.Node]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from autopp.graph.walk import closure
+from autopp.graph.walk import closure, is_view
 from autopp.graph import StageGraphs
 
 
@@ -45,15 +45,6 @@ def saved_bytes(graphs: StageGraphs, *, include_inputs: bool = True) -> int:
     return total
 
 
-_VIEW_OPS = frozenset({
-    "aten.t.default", "aten.transpose.int", "aten.view.default", "aten._unsafe_view.default",
-    "aten.permute.default", "aten.slice.Tensor", "aten.select.int", "aten.split.Tensor",
-    "aten.split_with_sizes.default", "aten.alias.default", "aten.expand.default",
-    "aten.detach.default", "aten.unsqueeze.default", "aten.squeeze.dim",
-    "aten.as_strided.default", "<built-in function getitem>",
-})
-
-
 def _owns_storage(node: Any) -> bool:
     """Whether an unshard output is new memory (a gather, cast or copy on its way from the
     parameter), not a view of the parameter itself."""
@@ -63,7 +54,7 @@ def _owns_storage(node: Any) -> bool:
         if n in seen or n.op == "placeholder":
             continue
         seen.add(n)
-        if str(n.target) not in _VIEW_OPS:
+        if not is_view(n):
             return True
         stack += n.all_input_nodes
     return False
@@ -114,7 +105,7 @@ def _returns_alias(node: Any) -> bool:
         return True
     schema = getattr(target, "_schema", None)
     if schema is None:
-        return str(target) in _VIEW_OPS
+        return is_view(node)
     return bool(getattr(target, "is_view", False)) or any(
         r.alias_info is not None for r in schema.returns)
 

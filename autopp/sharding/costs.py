@@ -40,7 +40,8 @@ from autopp._compat import sharding as compat
 from autopp.sharding import op_hooks
 from autopp.profiles.collectives import collective_latency_s, collective_s
 from autopp.profiles.devices import DeviceProfile, mesh_links
-from autopp.sharding.strategies import VIEW_OPS, NodeStrategy, Option, local_shape, tensor_vals
+from autopp.graph.walk import is_view
+from autopp.sharding.strategies import NodeStrategy, Option, local_shape, tensor_vals
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +166,7 @@ class CostModel:
 
     def compute_time(self, ns: NodeStrategy, opt: Option) -> float:
         """Per-device time of running ``ns.node`` as ``opt``."""
-        if ns.kind not in ("op",) or ns.node.target in VIEW_OPS:
+        if ns.kind not in ("op",) or is_view(ns.node):
             return 0.0
         placements = [p for p in opt.out if p is not None] + list(opt.ins)
         split = 1

@@ -56,7 +56,6 @@ priced they sit at their bounds, and with integral :math:`x` the row then equals
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -64,7 +63,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from torch import fx
 
-from autopp.sharding.strategies import VIEW_OPS, Option, tensor_vals
+from autopp.graph.walk import is_view
+from autopp.sharding.strategies import Option, tensor_vals
 
 if TYPE_CHECKING:
     from autopp.sharding.solver import Model
@@ -323,7 +323,7 @@ class MemoryRow:
             ns = self.st.nodes[n]
             if n.op == "placeholder":
                 owned[n] = 0.0
-            elif (n.target in VIEW_OPS or n.target is operator.getitem) and len(ns.edges) == 1 \
+            elif is_view(n) and len(ns.edges) == 1 \
                     and ns.edges[0][0] in owned:
                 p = owned[ns.edges[0][0]]
                 moved = [(c, 1.0) for c, a, g in self.edge_cols.get((n, 0), ()) if a != g]
@@ -425,8 +425,7 @@ class MemoryRow:
                 ns = self.st.nodes[n]
                 if n.op == "placeholder":
                     owned[n] = False
-                elif (n.target in VIEW_OPS or n.target is operator.getitem) \
-                        and len(ns.edges) == 1 and ns.edges[0][0] in owned:
+                elif is_view(n) and len(ns.edges) == 1 and ns.edges[0][0] in owned:
                     p, k = ns.edges[0]
                     owned[n] = owned[p] or choice[p].out[k] != choice[n].ins[0]
                 else:

@@ -37,29 +37,6 @@ logger = logging.getLogger(__name__)
 _WARNED: set[str] = set()
 """Ops already warned about in this process (one warning per op and reason)."""
 
-"""One torch ``Placement`` per mesh dim."""
-
-VIEW_OPS = {
-    torch.ops.aten.view.default,
-    torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.reshape.default,
-    torch.ops.aten.t.default,
-    torch.ops.aten.transpose.int,
-    torch.ops.aten.permute.default,
-    torch.ops.aten.expand.default,
-    torch.ops.aten.unsqueeze.default,
-    torch.ops.aten.squeeze.dim,
-    torch.ops.aten.squeeze.dims,
-    torch.ops.aten.alias.default,
-    torch.ops.aten.detach.default,
-    torch.ops.aten.slice.Tensor,
-    torch.ops.aten.split_with_sizes.default,
-    torch.ops.aten.view_as_complex.default,
-    torch.ops.aten.view_as_real.default,
-    torch.ops.aten._conj.default,
-}
-"""Ops that move no data (their compute cost is zero)."""
-
 
 @dataclass(slots=True)
 class NodeStrategy:
