@@ -121,11 +121,10 @@ class WarmLps:
         if hit and guard < time_limit_s and (
                 h.getModelStatus() == highspy().HighsModelStatus.kTimeLimit):
             del self._lps[warm]  # a warm start gone astray: solve it cold, as if new
-            x, dt, status, obj, bound = self.run(
+            x, _, status, obj, bound = self.run(
                 lp, upper, integer, as_mip, time_limit_s, threads, scale=scale, hint=hint,
                 rel_gap=rel_gap, warm=warm, max_nodes=max_nodes, mem_row=mem_row)
-            return x, dt + (time.perf_counter() - t0), status + " (warm start dropped)", obj, \
-                bound
+            return x, time.perf_counter() - t0, status + " (warm start dropped)", obj, bound
         if warm is not None and cold_s is None:
             if len(self._lps) >= self.LIMIT:
                 self._lps.pop(next(iter(self._lps)))
