@@ -168,6 +168,75 @@ def padded_batch(batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, torc
     return tokens, target, mask
 
 
+def packed_batch(batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                list[list[int]]]:
+    """Tokens, targets, ``position_ids`` and document lengths of a padding-free packed batch:
+    three documents a row, of lengths that differ between rows; positions restart at each
+    document and each document's last target (the next document's first token) is ignored,
+    as are the targets ``make_batch`` ignores."""
+    tokens, target = make_batch(batch, seq)
+    positions = torch.empty(batch, seq, dtype=torch.long)
+    lengths = []
+    for b in range(batch):
+        first, second = 3 + b % 4, 4 + (2 * b) % 5
+        row = [first, second, seq - first - second]
+        start = 0
+        for n in row:
+            positions[b, start:start + n] = torch.arange(n)
+            target[b, start + n - 1] = -100
+            start += n
+        lengths.append(row)
+    return tokens, target, positions, lengths
+
+
+def hf_tensor_parallel(stage: torch.nn.Module, sub_mesh) -> torch.nn.Module:
+    """A user ``parallelize`` for transformers' Llama blocks: torch's Megatron-style tensor
+    parallelism over "tp" (q/k/v and gate/up column-wise, o and down row-wise); the rest
+    stays replicated."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, RowwiseParallel, parallelize_module)
+
+    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel()}
+    for block in stage.model.layers.values():
+        parallelize_module(block, sub_mesh["tp"], plan)
+    return stage
+
+
+def packed_steps(mesh, cfg: dict) -> dict:
+    """A transformers decoder, tensor parallel by a user ``parallelize``, stepped on a
+    packed batch: ``position_ids`` go to every stage, whose attention keeps each token in
+    its own document."""
+    from autopp import pipeline_autoparallel
+
+    tokens, target, positions, _ = packed_batch(cfg["batch"], cfg["seq"])
+    pipe = pipeline_autoparallel(
+        MODELS[cfg["model"]](cfg["n_layers"]), mesh, example_inputs=(tokens,),
+        loss_fn=ce_loss, schedule=cfg["schedule"], n_microbatches=cfg["n_microbatches"],
+        parallelize=hf_tensor_parallel)
+    pipe.init_weights(seed=0)
+    loss = pipe.step(tokens, target=target, position_ids=positions)
+    grads = {name: _full(p.grad).detach().clone() for name, p in pipe.named_parameters()}
+    return {"loss": loss, "grads": grads,
+            "tp_sharded": sorted(n for n, p in pipe.named_parameters()
+                                 if isinstance(p, DTensor) and p.placements[-1].is_shard()),
+            "eval": pipe.eval(tokens, target=target, position_ids=positions),
+            "eval_unpacked": pipe.eval(tokens, target=target)}
+
+
+def masked_steps(rank: int, world_size: int, cfg: dict) -> dict:
+    """One launch of 4 ranks, two meshes: :func:`padded_steps` at pp2 × dp2, then
+    :func:`packed_steps` at pp2 × tp2."""
+    from autopp import build_world_mesh
+
+    out = padded_steps(rank, world_size, cfg)
+    dist.barrier()
+    out["packed"] = packed_steps(build_world_mesh(pp=2, dp=1, tp=2), cfg)
+    return out
+
+
 def padded_steps(rank: int, world_size: int, cfg: dict) -> dict:
     """A transformers decoder replicated on its stages (``parallelize=None``) stepped on a
     padded batch: the mask goes to every stage as a keyword input. And the refusal of a

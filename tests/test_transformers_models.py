@@ -167,13 +167,97 @@ def test_buffers_and_weights_are_the_models_own(kind):
 
 
 
+def _separate_documents(model: torch.nn.Module, tokens, target, lengths) -> dict:
+    """Loss (the mean over every counted target) and gradients of ``model`` run on each
+    document of a packed batch alone, by transformers' own forward (plain causal attention
+    over one document; no positions, no mask)."""
+    model.zero_grad()
+    total, count = 0.0, 0
+    for b, row in enumerate(lengths):
+        start = 0
+        for n in row:
+            doc = slice(start, start + n)
+            logits = logits_of(model(tokens[b:b + 1, doc], use_cache=False)).float()
+            total = total + torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), target[b, doc], ignore_index=-100, reduction="sum")
+            count += int((target[b, doc] != -100).sum())
+            start += n
+    loss = total / count
+    loss.backward()
+    return {"loss": loss.item(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+def _cpu_hf_llama(n_layers: int) -> torch.nn.Module:
+    """transformers' Llama of the suite's config built on CPU as transformers builds it,
+    initialised under autopp's per-FQN seeds (each module by the model's own init)."""
+    from autopp import init_module_
+
+    meta = MODELS["hf_llama"](n_layers)
+    with torch.device("cpu"):
+        model = type(meta)(meta.config)
+    return init_module_(model, seed=0, device="cpu")
+
+
+def test_packed_documents_attend_only_within_themselves():
+    """A padding-free packed batch (three documents a row, ``position_ids`` restarting at
+    each): autopp's attention keeps each token in its own document, as transformers' own
+    model does (training, no cache), so loss and gradients equal running every document
+    alone; the mask is one boolean per sequence, never one per head (measured: no allocation
+    of attention at seq 2048 reaches one fp32 seq x seq tensor per head)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import transformers
+
+    from autopp import adapters
+    from tests.decoder_workers import packed_batch
+
+    model = _cpu_hf_llama(2)
+    tokens, target, positions, lengths = packed_batch(4, SEQ)
+    theirs = logits_of(model(tokens, position_ids=positions, use_cache=False))
+    ref = _separate_documents(model, tokens, target, lengths)
+    adapters.prepare(model)
+    model.zero_grad()
+    loss = ce_loss(logits_of(model(tokens, position_ids=positions)), target)
+    loss.backward()
+    assert loss.item() == pytest.approx(ref["loss"], abs=1e-6)
+    assert_all_parity({n: p.grad for n, p in model.named_parameters()}, ref["grads"],
+                      what="packed llama grad")
+    with torch.no_grad():
+        torch.testing.assert_close(logits_of(model(tokens, position_ids=positions)), theirs,
+                                   atol=1e-5, rtol=1e-5)
+        # an attention_mask turns packing off (transformers' rule): the same positions,
+        # attending across documents
+        across = ce_loss(logits_of(model(tokens, position_ids=positions,
+                                         attention_mask=torch.ones_like(tokens))), target)
+    assert abs(across.item() - ref["loss"]) > 1e-3
+
+    # attention's memory at seq 2048, 8 heads: the largest allocation of any op in a forward
+    # and backward is torch's one fp32 mask per sequence (s * s * 4 bytes; the boolean one is
+    # s * s), an eighth of one fp32 score tensor for every head
+    seq, heads = 2048, 8
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=heads,
+                                      num_key_value_heads=heads)
+    long = transformers.LlamaForCausalLM(config)
+    adapters.prepare(long)
+    pos = torch.cat([torch.arange(n) for n in (700, 900, seq - 1600)])[None]
+    tok = torch.zeros(1, seq, dtype=torch.long)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        logits_of(long(tok, position_ids=pos)).float().sum().backward()
+    largest = max(e.self_cpu_memory_usage for e in prof.events())
+    assert largest <= 4 * seq * seq, f"{largest / 2**20:.1f} MiB allocated by one op"
+    assert 4 * seq * seq * heads > 4 * largest
+
+
 @pytest.mark.multiprocess
-def test_padded_batch_mask_reaches_every_stage():
+def test_padded_and_packed_batches_reach_every_stage():
     """A padding ``attention_mask`` passed to ``step`` reaches every stage (pp=2 × dp=2,
     1F1B, stages replicated): loss and gradients equal transformers' own model run on the
     whole padded batch with that mask; without the mask the loss differs (so the later stage
-    really used it)."""
-    from tests.decoder_workers import padded_batch, padded_steps
+    really used it). In the same launch, a packed batch's ``position_ids`` reach every stage
+    of a pp=2 × tp=2 pipeline (a user tensor-parallel ``parallelize``): loss and gradients
+    equal running every document alone."""
+    from tests.decoder_workers import masked_steps, packed_batch, padded_batch
 
     cfg = dict(model="hf_llama", pp=2, dp=2, schedule="1F1B", n_microbatches=2,
                n_layers=N_LAYERS, batch=BATCH, seq=SEQ)
@@ -191,7 +275,19 @@ def test_padded_batch_mask_reaches_every_stage():
     with torch.no_grad():
         unmasked = ce_loss(logits_of(model(tokens)), target).item()
     assert abs(unmasked - ref.item()) > 1e-3  # the mask changes the loss
-    results = run_on_ranks(padded_steps, 4, cfg)
+    tokens_p, target_p, _, lengths = packed_batch(BATCH, SEQ)
+    packed_ref = _separate_documents(_cpu_hf_llama(N_LAYERS), tokens_p, target_p, lengths)
+    results = run_on_ranks(masked_steps, 4, cfg)
+    seen_packed = set()
+    for r in results:
+        p = r["packed"]
+        assert p["loss"] == pytest.approx(packed_ref["loss"], abs=1e-5)
+        assert p["eval"] == pytest.approx(packed_ref["loss"], abs=1e-5)
+        assert abs(p["eval_unpacked"] - p["eval"]) > 1e-3
+        assert_all_parity(p["grads"], packed_ref["grads"], what="packed llama grad")
+        seen_packed |= set(p["grads"])
+        assert [n for n in p["tp_sharded"] if "_proj" in n], p["tp_sharded"]
+    assert seen_packed == set(packed_ref["grads"])
     seen = set()
     for r in results:
         assert r["loss"] == pytest.approx(ref.item(), abs=1e-5)

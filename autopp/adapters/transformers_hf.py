@@ -9,9 +9,13 @@ What autopp needs to know about them, and nothing else does:
   op ``autopp::sdpa`` (:mod:`autopp.ops.attention`; no seq x seq tensor in either direction).
   ``"autopp"`` is not one of transformers' mask interfaces, so its mask helpers give the
   attention no mask (they would drop the user's, and on meta tensors they could not look
-  for packed sequences). The user's 2-D padding ``attention_mask`` is taken at the model's
-  own call instead (a forward pre-hook, :func:`_take_padding_mask`) and applied by the
-  attention as one boolean (batch, 1, q, k) mask with the causal part (the math kernel).
+  for packed sequences). What transformers would mask is taken at the model's own call
+  instead (a forward pre-hook, :func:`_take_masks`) and applied by the attention as one
+  boolean (batch, 1, q, k) mask with the causal part
+  (:func:`autopp.ops.attention.keep_mask`; the fused kernel, no mask per head): the 2-D
+  padding ``attention_mask``, or, as transformers does when no ``attention_mask`` is given,
+  packed documents read from ``position_ids`` that restart (padding-free batches, as
+  ``DataCollatorWithFlattening`` makes them): each token attends to its own document only.
   A sliding window shorter than the sequence, which this path would not apply, is refused.
 * **No KV cache.** ``use_cache`` is turned off: training keeps no cache, and a cache object
   would be a stage output.
@@ -32,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopp.adapters.adapter import Adapter, register
+from autopp.ops.attention import keep_mask, packed_documents
 
 IMPLEMENTATION = "autopp"
 
@@ -52,34 +57,33 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    mask = None
-    if attention_mask is None:
-        attention_mask = _PADDING[-1] if _PADDING else None
-    if attention_mask is not None:
-        if attention_mask.ndim != 2:
-            raise ValueError(f"autopp's attention takes a 2-D padding mask (batch, seq), got "
-                             f"shape {tuple(attention_mask.shape)}")
-        q_len, k_len = query.shape[2], key.shape[2]
-        mask = attention_mask.to(torch.bool)[:, None, None, :k_len]
-        if causal:
-            mask = mask & torch.ones(q_len, k_len, dtype=torch.bool,
-                                     device=query.device).tril(k_len - q_len)
-        causal = False
+    documents = None
+    if attention_mask is None and _MASKS:
+        attention_mask, documents = _MASKS[-1]
+    if attention_mask is not None and attention_mask.ndim != 2:
+        raise ValueError(f"autopp's attention takes a 2-D padding mask (batch, seq), got "
+                         f"shape {tuple(attention_mask.shape)}")
+    mask = keep_mask(query.shape[2], key.shape[2], device=query.device, causal=causal,
+                     key_valid=attention_mask, documents=documents)
+    if mask is not None:
+        causal = False  # in the mask
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal,
                                          dropout_p=dropout, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
-_PADDING: list[torch.Tensor | None] = []
-"""The padding masks of the model calls in progress (innermost last)."""
+_MASKS: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+"""``(padding mask, packed documents)`` of the model calls in progress (innermost last)."""
 
 
-def _take_padding_mask(model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook of a transformers model: keep the call's 2-D padding mask for the
-    attention (None when there is none or it masks nothing), after refusing what the
-    attention would not apply. The entry is pushed first, so the forward hook (which runs
-    even when this hook or the forward raises) always pops this call's own entry."""
-    _PADDING.append(None)
+def _take_masks(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a transformers model: keep what the call masks for the attention,
+    after refusing what the attention would not apply: its 2-D padding mask (None when there
+    is none or it masks nothing) or, without one, the packed documents its ``position_ids``
+    give (:func:`autopp.ops.attention.packed_documents`; None when every row is one
+    document). The entry is pushed first, so the forward hook (which runs even when this
+    hook or the forward raises) always pops this call's own entry."""
+    _MASKS.append((None, None))
     inputs = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs_embeds"))
     seq = inputs.shape[1] if isinstance(inputs, torch.Tensor) and inputs.dim() > 1 else None
     config = model.config
@@ -99,12 +103,24 @@ def _take_padding_mask(model: nn.Module, args: tuple, kwargs: dict) -> None:
                          "supported; pass the 2-D padding mask (batch, seq)")
     if isinstance(mask, torch.Tensor) and mask.device.type != "meta" and bool(mask.all()):
         mask = None  # nothing padded: plain causal attention (the fused kernel)
-    _PADDING[-1] = mask if isinstance(mask, torch.Tensor) else None
+    mask = mask if isinstance(mask, torch.Tensor) else None
+    documents = None
+    positions = kwargs.get("position_ids")
+    if kwargs.get("attention_mask") is None and isinstance(positions, torch.Tensor):
+        if positions.dim() != 2:
+            raise ValueError(f"{type(model).__name__}: position_ids must be (batch, seq), got "
+                             f"shape {tuple(positions.shape)}")
+        documents = packed_documents(positions)
+        if isinstance(inputs, torch.Tensor) and documents.shape[0] != inputs.shape[0]:
+            documents = documents.expand(inputs.shape[0], -1)
+        if documents.device.type != "meta" and not bool((documents[:, -1] != 0).any()):
+            documents = None  # one document a row: plain causal attention
+    _MASKS[-1] = (mask, documents)
 
 
-def _drop_padding_mask(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    if _PADDING:
-        _PADDING.pop()
+def _drop_masks(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    if _MASKS:
+        _MASKS.pop()
 
 
 def _prepare(model: nn.Module) -> list[str]:
@@ -117,8 +133,8 @@ def _prepare(model: nn.Module) -> list[str]:
     notes = []
     name = type(model).__name__
     if not getattr(model, "_autopp_padding_hooks", False):
-        model.register_forward_pre_hook(_take_padding_mask, with_kwargs=True)
-        model.register_forward_hook(_drop_padding_mask, with_kwargs=True, always_call=True)
+        model.register_forward_pre_hook(_take_masks, with_kwargs=True)
+        model.register_forward_hook(_drop_masks, with_kwargs=True, always_call=True)
         model._autopp_padding_hooks = True
     configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
     impls = {getattr(c, "_attn_implementation", None) for c in configs.values()}

@@ -145,6 +145,48 @@ def _sdpa_backward_flop(grad_shape, q_shape, k_shape, v_shape, is_causal, *args,
     return int(3.5 * _attention_flops(q_shape, k_shape, v_shape, is_causal))
 
 
+def packed_documents(position_ids: Tensor) -> Tensor:
+    """Document index of every token of packed rows ``(batch, seq)``: a document starts
+    wherever a position does not follow the one before it by 1 (positions restart at each
+    document, as transformers' packed-sequence rule and torchtitan's per-document positions
+    have it). ``[[0, 1, 2, 0, 1, 0]]`` gives ``[[0, 0, 0, 1, 1, 2]]``."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
+def keep_mask(q_len: int, k_len: int, *, device: torch.device, causal: bool = True,
+              key_valid: Tensor | None = None, documents: Tensor | None = None
+              ) -> Tensor | None:
+    """Which (query, key) pairs attention uses, as one boolean mask per sequence shared by
+    every head: ``(batch or 1, 1, q_len, k_len)``, True where attended; None when nothing
+    is masked beyond ``causal`` (run the fused causal kernel instead).
+
+    Args:
+        causal: keys after the query are masked (aligned at the end: query ``i`` of
+            ``q_len`` sees keys up to ``i + k_len - q_len``).
+        key_valid: ``(batch, >= k_len)`` padding mask, nonzero for real tokens: padding
+            keys are masked (padding queries still attend; their targets are ignored).
+        documents: ``(batch, seq)`` document index per token (:func:`packed_documents`;
+            needs ``q_len == k_len == seq``): a token attends to its own document only.
+
+    The mask holds ``q_len * k_len`` bytes per sequence, never one per head: the fused
+    kernels take it as it is (torch's CPU flash kernel turns it into one additive fp32 mask
+    per sequence, ``4 * q_len * k_len`` bytes)."""
+    if key_valid is None and documents is None:
+        return None
+    mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    mask = mask.tril(k_len - q_len) if causal else mask
+    mask = mask[None, None]
+    if key_valid is not None:
+        mask = mask & key_valid.to(torch.bool)[:, None, None, :k_len]
+    if documents is not None:
+        if not q_len == k_len == documents.shape[-1]:
+            raise ValueError(f"document masks need queries and keys of the packed rows' "
+                             f"length {documents.shape[-1]}, got {q_len} and {k_len}")
+        mask = mask & (documents[:, None, :, None] == documents[:, None, None, :])
+    return mask
+
+
 class AttentionAsOneOp(TorchFunctionMode):
     """While active, SDPA calls without a mask or dropout become ``autopp::sdpa``."""
 
