@@ -7,7 +7,7 @@ Launch (8 CPU processes, gloo)::
 
 For each configuration (schedule x microbatch count x recomputation) it builds llama3
 debugmodel at pp=2 x dp=2 x tp=2 with autopp's planner under a parameter-only budget
-(``parameter_budget_bytes``, shared by a rank's stages: give Interleaved1F1B twice) small
+(``parameter_budget_bytes``, ``--budget`` per stage, times a rank's stages) small
 enough that weights are sharded over dp (the FSDP-like case whose gathered copies matter),
 ``PlannerOptions(recompute=...)``, a fixed microbatch size (the global batch grows with the
 count), runs one step and one AdamW step (gradients, optimizer state, receive buffers and
@@ -64,8 +64,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--n-layers", type=int, default=8)
     p.add_argument("--budget", type=float, default=5e6,
-                   help="parameter_budget_bytes per device (parameters alone): forces "
-                        "dp-sharded weights")
+                   help="parameter budget per stage (parameters alone; a rank's stages "
+                        "share budget x stages per rank): forces dp-sharded weights")
     p.add_argument("--reshard-after-forward", default="keep", choices=["keep", "regather"],
                    help="keep the gathered weights for the step (default), or re-gather them "
                         "for every forward and backward (not modelled by the prediction)")
@@ -263,6 +263,7 @@ def plan_estimate(pipe, args, mesh, pp_rank: int) -> dict | None:
 def measure(args, schedule: str, n_mb: int, recompute: str) -> dict:
     from autopp import build_world_mesh, pipeline_autoparallel
     from autopp.backends import Planner, PlannerOptions
+    from autopp.schedules.registry import default_n_stages
     from tests.models import ce_loss, llama3_meta, make_batch
 
     mesh = build_world_mesh(pp=2, dp=2, tp=2)
@@ -276,7 +277,9 @@ def measure(args, schedule: str, n_mb: int, recompute: str) -> dict:
         llama3_meta(args.n_layers), mesh, example_inputs=(tok,), loss_fn=ce_loss,
         schedule=schedule, n_microbatches=n_mb,
         parallelize=Planner(PlannerOptions(
-            parameter_budget_bytes=args.budget, recompute=recompute,
+            # the budget is per device, shared by the rank's stages: --budget is per stage
+            parameter_budget_bytes=args.budget * default_n_stages(schedule, 2) // 2,
+            recompute=recompute,
             reshard_after_forward=args.reshard_after_forward == "regather")))
     pipe.init_weights(seed=0)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
@@ -316,8 +319,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"llama3 debugmodel ({args.n_layers} layers) pp=2 x dp=2 x tp=2, "
               f"{args.mb_size} x {args.seq_len} tokens per microbatch per dp rank, parameter "
-              f"budget {args.budget / MIB:.1f} MiB; MiB per rank: measured = live at step "
-              "start + profiler peak during the step; predicted = simulator + receive buffers "
+              f"budget {args.budget / MIB:.1f} MiB a stage; MiB per rank: measured = live at "
+              "step start + profiler peak during the step; predicted = simulator + receive buffers "
               "+ working memory of the running action; step ratio: the same without what is "
               "held before the step (measured: its peak above the start; predicted: minus "
               "parameters, buffers, optimizer state and receive buffers)")
