@@ -120,7 +120,7 @@ def check(kind: str, plan, repeats: int) -> list[tuple[str, str, str]]:
     """Rows 1-6 on device ``kind`` with ``plan`` (made for this model and batch)."""
     from autopp import build_world_mesh, init_module_, pipeline_autoparallel
     from autopp.backends import Planner, PlannerOptions
-    from autopp.profiles.lookup import profile_for_device
+    from autopp.profiles.devices import profile_for_device
     from tests.models import ce_loss, make_batch
     from tests.parity import relative_error
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autopp import mesh as mesh_mod
-from autopp.profiles.lookup import profile_for_device
+from autopp.profiles.devices import profile_for_device
 
 
 def test_device_type_follows_the_backend():

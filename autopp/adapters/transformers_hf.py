@@ -36,7 +36,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopp.adapters.adapter import Adapter, register
-from autopp.ops.attention import keep_mask, packed_documents
 
 IMPLEMENTATION = "autopp"
 
@@ -56,6 +55,8 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     if groups > 1:  # grouped-query attention: each key/value head serves `groups` heads
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
+    from autopp.ops.attention import keep_mask  # not at import: `import autopp` stays light
+
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     documents = None
     if attention_mask is None and _MASKS:
@@ -110,6 +111,8 @@ def _take_masks(model: nn.Module, args: tuple, kwargs: dict) -> None:
         if positions.dim() != 2:
             raise ValueError(f"{type(model).__name__}: position_ids must be (batch, seq), got "
                              f"shape {tuple(positions.shape)}")
+        from autopp.ops.attention import packed_documents
+
         documents = packed_documents(positions)
         if isinstance(inputs, torch.Tensor) and documents.shape[0] != inputs.shape[0]:
             documents = documents.expand(inputs.shape[0], -1)

@@ -173,8 +173,8 @@ class PlannedStage:
 
 def default_profile(device_type: str) -> str:
     """The device profile the planner assumes when none is given: the detected device's
-    (:func:`autopp.profiles.lookup.profile_for_device`)."""
-    from autopp.profiles.lookup import profile_for_device
+    (:func:`autopp.profiles.devices.profile_for_device`)."""
+    from autopp.profiles.devices import profile_for_device
 
     return profile_for_device(device_type)
 

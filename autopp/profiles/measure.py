@@ -9,14 +9,20 @@ CPU, nccl on CUDA) and times, on those processes:
   (fp32 at torch's default precision, "highest"; on CUDA also at "high", TF32 tensor
   cores: ``flops_tf32``; on CPU ``flops_tf32`` is None, the fp32 rate);
 - a large tensor copy, all ranks at once: ``mem_bw`` = bytes read + written per second;
-- the collectives the lowered stage graphs call (``_c10d_functional.all_gather_into_tensor``,
-  ``reduce_scatter_tensor``, ``all_reduce``) over all ranks at several message sizes; one
-  latency per ring step and one bandwidth are fitted to all of them by least squares on the
-  cost model's steps and wire bytes (:mod:`autopp.profiles.collectives`) and used for both the
-  intra- and inter-node link (all ranks are on this one node: ``devices_per_node`` is the
-  world size);
-- send/recv ping-pong between ranks 0 and 1: ``p2p_latency`` and ``p2p_bw``, fitted the
-  same way.
+- with two ranks or more, the collectives the lowered stage graphs call
+  (``_c10d_functional.all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``)
+  over all ranks at several message sizes; one latency per ring step and one bandwidth are
+  fitted to all of them by least squares on the cost model's steps and wire bytes
+  (:mod:`autopp.profiles.collectives`): the intra-node link (all ranks are on this one node:
+  ``devices_per_node`` is the world size);
+- with two ranks or more, send/recv ping-pong between ranks 0 and 1: ``p2p_latency`` and
+  ``p2p_bw``, fitted the same way.
+
+What one host cannot measure comes from a built-in profile (``links_from``; by default the
+one of this device, :func:`autopp.profiles.devices.profile_for_device`), and the
+measurement says so (a warning, and ``details["not_measured"]`` in the stored JSON): the
+inter-node link always; on one rank (one GPU) also the intra-node link, send/recv and
+``devices_per_node``.
 
 ``memory_bytes`` is one rank's device memory: the GPU's memory on CUDA; on CPU, where the
 ranks share the host's RAM, the RAM divided by the world size.
@@ -33,7 +39,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import platform
 import queue as queue_mod
@@ -41,19 +46,20 @@ import socket
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from autopp.profiles import collectives
+from autopp.profiles.link_fit import fitted_links
 from autopp.profiles.devices import (
     NCCL_COMMUNICATOR_BYTES,
     MEASURED_PREFIX,
+    PROFILES,
     DeviceProfile,
     load_profile,
     profile_cache_dir,
+    profile_for_device,
     register_profile,
     save_profile,
 )
@@ -75,98 +81,6 @@ COPY_BYTES = {"cpu": 64 * _MIB, "cuda": 512 * _MIB}
 REPEATS = 5
 """Timed repeats per measurement (after one warm-up); figures are their median."""
 COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
-
-
-# -- fitting -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class LinkFit:
-    """``seconds ≈ latency_s · steps + bytes / bandwidth`` fitted to timings."""
-
-    latency_s: float
-    """Seconds per latency-bound step, independent of the size (>= 0): per send for
-    point-to-point, per ring step for collectives (:mod:`autopp.profiles.collectives`)."""
-    bandwidth: float
-    """Bytes per second."""
-    rel_rms: float
-    """Root mean square of the relative residuals (fit - measured) / measured."""
-
-
-def fit_latency_bandwidth(nbytes: Sequence[float], seconds: Sequence[float], *,
-                          relative: bool = True,
-                          steps: Sequence[float] | None = None) -> LinkFit:
-    """Least-squares fit of ``seconds = latency · steps + nbytes / bandwidth``.
-
-    Args:
-        nbytes: bytes moved by each timed operation (wire bytes for collectives); at least
-            two distinct values.
-        seconds: the measured time of each operation, same length as ``nbytes``.
-        relative: weigh each point by ``1 / seconds**2``, i.e. minimise relative errors, so
-            that small messages (which fix the latency) count as much as large ones (which
-            fix the bandwidth); False: ordinary least squares on seconds.
-        steps: latency-bound steps of each operation (a collective's ring steps,
-            :func:`~autopp.profiles.collectives.collective_steps`); None: one each.
-
-    A negative fitted latency (noise on a link whose latency is tiny next to the smallest
-    message's transfer) is clamped to 0 and the bandwidth refitted through the origin.
-    Raises ValueError when the times do not grow with the bytes.
-    """
-    xs, ts = [float(x) for x in nbytes], [float(t) for t in seconds]
-    ss = [1.0] * len(xs) if steps is None else [float(k) for k in steps]
-    if not len(xs) == len(ts) == len(ss):
-        raise ValueError(f"{len(xs)} byte counts, {len(ts)} timings and {len(ss)} step "
-                         "counts: pass one of each per point")
-    if len(set(xs)) < 2:
-        raise ValueError("fitting latency and bandwidth needs timings at >= 2 message sizes")
-    if not all(t > 0 and math.isfinite(t) for t in ts):
-        raise ValueError(f"timings must be positive and finite, got {ts}")
-    ws = [1 / t**2 if relative else 1.0 for t in ts]
-    # normal equations of t = a·s + b·x (with s = 1: the usual line through an intercept)
-    a_ss = sum(w * k * k for w, k in zip(ws, ss))
-    a_sx = sum(w * k * x for w, k, x in zip(ws, ss, xs))
-    a_xx = sum(w * x * x for w, x in zip(ws, xs))
-    b_s = sum(w * k * t for w, k, t in zip(ws, ss, ts))
-    b_x = sum(w * x * t for w, x, t in zip(ws, xs, ts))
-    det = a_ss * a_xx - a_sx * a_sx
-    if not det > 1e-12 * a_ss * a_xx:
-        raise ValueError("fitting latency and bandwidth needs timings at >= 2 message sizes "
-                         "not in proportion to their steps")
-    latency = (a_xx * b_s - a_sx * b_x) / det
-    slope = (a_ss * b_x - a_sx * b_s) / det
-    if latency < 0:
-        latency, slope = 0.0, b_x / a_xx
-    if not slope > 0:
-        raise ValueError(
-            f"timings {ts} do not grow with the bytes {xs}: no bandwidth can be fitted; "
-            "measure larger messages or more repeats"
-        )
-    rel = [(latency * k + slope * x - t) / t for k, x, t in zip(ss, xs, ts)]
-    return LinkFit(latency, 1 / slope, math.sqrt(sum(r * r for r in rel) / len(rel)))
-
-
-KIND_OF = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter",
-           "all_gather_into_tensor": "all_gather"}
-"""The cost model's name (:mod:`autopp.profiles.collectives`) of each collective timed."""
-
-
-def _kind(collective: str) -> str:
-    if collective not in KIND_OF:
-        raise ValueError(f"no wire-bytes rule for collective {collective!r}; one of "
-                         f"{COLLECTIVES}")
-    return KIND_OF[collective]
-
-
-def wire_bytes(collective: str, local_bytes: float, world_size: int) -> float:
-    """Bytes one rank sends for ``collective`` on a ``local_bytes`` input, as the cost model
-    counts them (:func:`autopp.profiles.collectives.wire_bytes`)."""
-    return collectives.wire_bytes(_kind(collective), world_size, local_bytes)
-
-
-def ring_steps(collective: str, world_size: int) -> int:
-    """Latency-bound steps of ``collective`` over ``world_size`` ranks, as the cost model
-    counts them (:func:`autopp.profiles.collectives.collective_steps`)."""
-    return collectives.collective_steps(_kind(collective), world_size)
 
 
 # -- naming --------------------------------------------------------------------------------
@@ -204,15 +118,42 @@ def _device_description(device: str) -> str:
 
 
 def measured_name(*, world_size: int = DEFAULT_WORLD_SIZE, backend: str | None = None,
-                  device: str | None = None) -> str:
+                  device: str | None = None,
+                  links_from: str | DeviceProfile | None = None) -> str:
     """The name :func:`measure_profile` gives this machine's profile: ``"measured-"`` and a
-    hash of the host name, the device, the backend, the world size and torch's version.
-    Arguments as for :func:`measure_profile`."""
+    hash of the host name, the device, the backend, the world size, torch's version and the
+    profile the unmeasured links come from. Arguments as for :func:`measure_profile`."""
     backend, device = _resolve(backend, device)
     key = {"host": socket.gethostname(), "device": _device_description(device),
-           "backend": backend, "world_size": world_size, "torch": torch.__version__}
+           "backend": backend, "world_size": world_size, "torch": torch.__version__,
+           "links_from": _base_name(links_from)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     return MEASURED_PREFIX + digest
+
+
+def _base_name(links_from: str | DeviceProfile | None) -> str | None:
+    return links_from.name if isinstance(links_from, DeviceProfile) else links_from
+
+
+def _base_profile(links_from: str | DeviceProfile | None, device: str) -> DeviceProfile | None:
+    """The profile whose links stand for those one host cannot measure: ``links_from`` (a
+    built-in or registered name, or a profile), else this device's built-in profile; None
+    when this device has none (an unknown GPU)."""
+    if isinstance(links_from, DeviceProfile):
+        return links_from
+    if links_from is not None:
+        from autopp.profiles.devices import registered_profile
+
+        if links_from in PROFILES:
+            return PROFILES[links_from]
+        if registered_profile(links_from) is not None:
+            return registered_profile(links_from)
+        raise ValueError(f"links_from={links_from!r} is no built-in or registered profile; "
+                         f"choose one of {sorted(PROFILES)} or pass a DeviceProfile")
+    try:
+        return PROFILES[profile_for_device(device)]
+    except ValueError:
+        return None
 
 
 def _memory_bytes(device: str, world_size: int) -> float:
@@ -406,8 +347,9 @@ def _worker(rank: int, world_size: int, port: int, backend: str, device: str,
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         r = _Rank(rank, world_size, device, report)
-        result = {"matmul": _matmul_rates(r), "copy": _copy_rate(r),
-                  "collectives": _collectives(r), "p2p": _p2p(r)}
+        result = {"matmul": _matmul_rates(r), "copy": _copy_rate(r)}
+        if world_size > 1:  # one rank has no link to measure
+            result.update(collectives=_collectives(r), p2p=_p2p(r))
         r.align()
         if rank == 0:
             queue.put(("result", result))
@@ -490,7 +432,8 @@ def _run_world(world_size: int, backend: str, device: str, timeout_s: float) -> 
 
 def measure_profile(*, world_size: int = DEFAULT_WORLD_SIZE, backend: str | None = None,
                     device: str | None = None, cache: bool = True,
-                    timeout_s: float = 600.0) -> DeviceProfile:
+                    timeout_s: float = 600.0,
+                    links_from: str | DeviceProfile | None = None) -> DeviceProfile:
     """This machine's profile, measured on ``world_size`` processes (see the module doc).
 
     Args:
@@ -505,6 +448,12 @@ def measure_profile(*, world_size: int = DEFAULT_WORLD_SIZE, backend: str | None
             :func:`measured_name`). False: always measure, store nothing. Either way the
             profile is registered under its name in this process.
         timeout_s: give up (RuntimeError) when the measurement takes longer.
+        links_from: the profile (a built-in or registered name, or a DeviceProfile) whose
+            links stand for what this host cannot measure: the inter-node link, and on one
+            rank the intra-node link, send/recv and devices per node. Default: this
+            device's built-in profile (:func:`autopp.profiles.devices.profile_for_device`).
+            An unknown GPU has none: on one rank that is an error naming this argument; on
+            more, the inter-node link is set to the measured intra-node one, with a warning.
 
     Takes tens of seconds; progress is logged at INFO on ``autopp.profiles.measure``.
     Processes on one host that ask for the same profile at once take a file lock, so one
@@ -512,21 +461,27 @@ def measure_profile(*, world_size: int = DEFAULT_WORLD_SIZE, backend: str | None
     (forkserver, else spawn): a script that measures must keep its top-level code under
     ``if __name__ == "__main__":``.
     """
-    if world_size < 2:
-        raise ValueError(f"world_size={world_size}: measuring collectives and send/recv "
-                         "needs at least 2 processes")
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: measuring needs at least 1 process")
     backend, device = _resolve(backend, device)
+    base = _base_profile(links_from, device)
+    if base is None and world_size == 1:
+        raise ValueError("one rank measures no link, and this GPU has no built-in profile to "
+                         "take them from: pass links_from= (one of "
+                         f"{sorted(PROFILES)} or a DeviceProfile), or world_size >= 2")
     if device == "cuda" and backend == "nccl" and world_size > torch.cuda.device_count():
         raise ValueError(f"world_size={world_size} > {torch.cuda.device_count()} GPUs: nccl "
                          "needs one GPU per rank; pass a smaller world_size")
-    name = measured_name(world_size=world_size, backend=backend, device=device)
+    name = measured_name(world_size=world_size, backend=backend, device=device,
+                         links_from=links_from)
     if not cache:
-        return register_profile(_measure(name, world_size, backend, device, timeout_s)[0])
+        return register_profile(_measure(name, world_size, backend, device, timeout_s,
+                                         base)[0])
     from autopp.disk_cache import cached_file
 
     directory = profile_cache_dir()
     (profile, _), hit = cached_file(
-        directory, name, lambda: _measure(name, world_size, backend, device, timeout_s),
+        directory, name, lambda: _measure(name, world_size, backend, device, timeout_s, base),
         lambda path: (load_profile(path), None),
         lambda value, path: save_profile(value[0], path, value[1]))
     logger.info("measured profile %s %s %s", name, "read from" if hit else "stored in",
@@ -534,30 +489,17 @@ def measure_profile(*, world_size: int = DEFAULT_WORLD_SIZE, backend: str | None
     return register_profile(profile)
 
 
-def _measure(name: str, world_size: int, backend: str, device: str,
-             timeout_s: float) -> tuple[DeviceProfile, dict[str, Any]]:
+def _measure(name: str, world_size: int, backend: str, device: str, timeout_s: float,
+             base: DeviceProfile | None = None) -> tuple[DeviceProfile, dict[str, Any]]:
     logger.info("measuring device profile %s: %d %s ranks over %s (takes tens of seconds)",
                 name, world_size, device, backend)
     start = time.perf_counter()
     raw = _run_world(world_size, backend, device, timeout_s)
     seconds = time.perf_counter() - start
 
-    coll = raw["collectives"]
-    if not coll["points"]:
-        raise RuntimeError(f"backend {backend!r} ran none of {COLLECTIVES}: "
-                           f"{coll['unsupported']}; pass another backend")
-    xs, ts, ks = [], [], []
-    for op, points in coll["points"].items():
-        for nbytes, t in points:
-            xs.append(wire_bytes(op, nbytes, world_size))
-            ts.append(t)
-            ks.append(ring_steps(op, world_size))
-    coll_fit = fit_latency_bandwidth(xs, ts, steps=ks)
-    per_op = {op: asdict(fit_latency_bandwidth(
-        [wire_bytes(op, b, world_size) for b, _ in pts], [t for _, t in pts],
-        steps=[ring_steps(op, world_size)] * len(pts)))
-        for op, pts in coll["points"].items()}
-    p2p_fit = fit_latency_bandwidth([b for b, _ in raw["p2p"]], [t for _, t in raw["p2p"]])
+    links, fits, not_measured = fitted_links(raw, world_size, base, COLLECTIVES)
+    for what in not_measured:
+        logger.warning("profile %s: not measured: %s", name, what)
 
     profile = DeviceProfile(
         name=name,
@@ -567,13 +509,7 @@ def _measure(name: str, world_size: int, backend: str, device: str,
         mem_bw=raw["copy"]["bytes_per_s"],
         memory_bytes=_memory_bytes(device, world_size),
         compute_efficiency=1.0,
-        devices_per_node=world_size,
-        intra_node_bw=coll_fit.bandwidth,
-        inter_node_bw=coll_fit.bandwidth,
-        intra_node_latency=coll_fit.latency_s,
-        inter_node_latency=coll_fit.latency_s,
-        p2p_bw=p2p_fit.bandwidth,
-        p2p_latency=p2p_fit.latency_s,
+        **links,
         shared_cores=(os.cpu_count() if device == "cpu" and world_size > (os.cpu_count() or 1)
                       else None),
         communicator_bytes=NCCL_COMMUNICATOR_BYTES if backend == "nccl" else 0.0,
@@ -583,16 +519,15 @@ def _measure(name: str, world_size: int, backend: str, device: str,
         "host": socket.gethostname(), "device": _device_description(device),
         "backend": backend, "world_size": world_size, "torch": torch.__version__,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": seconds,
-        "repeats": REPEATS, "raw": raw,
-        "collective_fit": asdict(coll_fit), "collective_fit_by_op": per_op,
-        "p2p_fit": asdict(p2p_fit),
+        "repeats": REPEATS, "raw": raw, **fits, "not_measured": not_measured,
     }
-    logger.info(
-        "measured %s in %.1f s: fp32 %.1f GFLOP/s, bf16 %.1f GFLOP/s, copy %.1f GB/s, "
+    links_line = "links not measured (one rank)" if world_size == 1 else (
         "collectives %.1f us + bytes / %.2f GB/s (rel. rms %.0f%%), send/recv %.1f us + "
-        "bytes / %.2f GB/s (rel. rms %.0f%%)",
-        name, seconds, profile.flops_fp32 / 1e9, profile.flops_bf16 / 1e9, profile.mem_bw / 1e9,
-        coll_fit.latency_s * 1e6, coll_fit.bandwidth / 1e9, coll_fit.rel_rms * 100,
-        p2p_fit.latency_s * 1e6, p2p_fit.bandwidth / 1e9, p2p_fit.rel_rms * 100,
-    )
+        "bytes / %.2f GB/s (rel. rms %.0f%%)" % (
+            profile.intra_node_latency * 1e6, profile.intra_node_bw / 1e9,
+            fits["collective_fit"]["rel_rms"] * 100, profile.p2p_latency * 1e6,
+            profile.p2p_bw / 1e9, fits["p2p_fit"]["rel_rms"] * 100))
+    logger.info("measured %s in %.1f s: fp32 %.1f GFLOP/s, bf16 %.1f GFLOP/s, copy %.1f GB/s, "
+                "%s", name, seconds, profile.flops_fp32 / 1e9, profile.flops_bf16 / 1e9,
+                profile.mem_bw / 1e9, links_line)
     return profile, details

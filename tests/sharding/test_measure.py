@@ -14,13 +14,8 @@ from autopp.plan.objective import pp_link
 from autopp._compat import sharding as compat
 from autopp.profiles import measure, devices as profiles
 from autopp.sharding.costs import CostModel
-from autopp.profiles.measure import (
-    fit_latency_bandwidth,
-    measure_profile,
-    measured_name,
-    ring_steps,
-    wire_bytes,
-)
+from autopp.profiles.link_fit import fit_latency_bandwidth, ring_steps, wire_bytes
+from autopp.profiles.measure import measure_profile, measured_name
 from autopp.profiles.devices import (
     DeviceProfile,
     load_profile,
@@ -208,5 +203,40 @@ def test_measure_two_ranks(profile_cache):
     assert prof.compute_efficiency == 1.0 and prof.devices_per_node == 2
     stored = json.loads((profile_cache / f"{prof.name}.json").read_text())
     assert set(stored["details"]["raw"]["collectives"]["points"]) == set(measure.COLLECTIVES)
+    # one host measures no inter-node link: the device's built-in one, and the file says so
+    cpu = profiles.PROFILES["CPU"]
+    assert (prof.inter_node_bw, prof.inter_node_latency) == \
+        (cpu.inter_node_bw, cpu.inter_node_latency)
+    assert prof.intra_node_bw == stored["details"]["collective_fit"]["bandwidth"]
+    assert stored["details"]["not_measured"] == ["inter-node link (one host): 'CPU''s"]
     profiles._REGISTERED.clear()  # as another process would: resolved from the file
     assert load_profile(prof.name) == prof == get_profile(prof.name)
+
+
+@pytest.mark.multiprocess
+def test_measure_one_rank_says_which_links_come_from_a_built_in_profile(profile_cache, caplog):
+    """One rank (one GPU, or a CPU process) measures its compute and memory rates; its links,
+    which one rank cannot measure, are the device's built-in profile's, with a warning and
+    the list in the stored file."""
+    import logging
+
+    from tests.dist_harness import context as _context
+
+    _context()
+    with pytest.raises(ValueError, match="links_from='nope' is no built-in or registered"):
+        measure_profile(world_size=1, device="cpu", links_from="nope")
+    with caplog.at_level(logging.WARNING, logger="autopp.profiles.measure"):
+        prof = measure_profile(world_size=1, device="cpu")
+    cpu = profiles.PROFILES["CPU"]
+    for field in ("flops_fp32", "flops_bf16", "mem_bw"):  # measured, not the built-in's
+        value = getattr(prof, field)
+        assert math.isfinite(value) and value > 0 and value != getattr(cpu, field), field
+    links = ("intra_node_bw", "inter_node_bw", "intra_node_latency", "inter_node_latency",
+             "p2p_bw", "p2p_latency", "devices_per_node")
+    assert {f: getattr(prof, f) for f in links} == {f: getattr(cpu, f) for f in links}
+    stored = json.loads((profile_cache / f"{prof.name}.json").read_text())
+    assert "collectives" not in stored["details"]["raw"]
+    assert stored["details"]["not_measured"] == [
+        "collectives, send/recv and devices per node (one rank): 'CPU''s"]
+    assert "not measured: collectives, send/recv" in caplog.text
+    assert prof.name != measured_name(world_size=1, device="cpu", links_from="H100")
