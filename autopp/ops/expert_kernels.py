@@ -62,31 +62,34 @@ def dispatched(x: Tensor, scores: Tensor, ids: Tensor, expert_ids: Tensor, w1: T
     k = ids.shape[-1]
     rank, n = compat.group_rank_size(group_name)
     x_td, flat = x.reshape(b * l, d), ids.reshape(-1)
-    first, n_local = int(expert_ids[0]), expert_ids.numel()
+    n_local = expert_ids.numel()
     outer = block * n
+    # every index computed on the device; one host sync below reads all the sizes at once
+    first = expert_ids[0]
     start = first // outer * outer
     leaf = first - (start + rank * block)  # the local experts' offset in this rank's block
+    order, send_counts = sort_routed(flat, start, outer)
+    recv_counts = compat.all_to_all(send_counts, [block] * n, [block] * n, group_name)
+    per_expert = recv_counts.view(n, block).sum(0)
+    slot = torch.arange(block, device=x.device)
+    lo = (per_expert * (slot < leaf)).sum()
+    mine = (slot >= leaf) & (slot < leaf + n_local)
+    sizes = torch.cat([send_counts.view(n, block).sum(1), recv_counts.view(n, block).sum(1),
+                       torch.stack([lo, (per_expert * mine).sum(), first, leaf])]).tolist()
+    in_splits, out_splits = sizes[:n], sizes[n:2 * n]
+    lo, n_mine, first, leaf = sizes[2 * n:]
     if not 0 <= leaf <= block - n_local:
         raise ValueError(f"local experts {first}..{first + n_local - 1} are not in rank "
-                         f"{rank}'s dispatch block of {block} (experts from {start}): the "
-                         "experts must be split over the dispatch mesh dim in mesh order")
-    # (token, k) rows sorted by expert: grouped by destination rank, then by expert
-    order = torch.argsort(flat, stable=True)
-    sorted_ids = flat[order]
-    keep = (sorted_ids >= start) & (sorted_ids < start + outer)
-    order, sorted_ids = order[keep], sorted_ids[keep]
+                         f"{rank}'s dispatch block of {block} (experts from "
+                         f"{first - leaf - rank * block}): the experts must be split over the "
+                         "dispatch mesh dim in mesh order")
+    order = order[:sum(in_splits)]  # the rows routed inside this group's range, by expert
     token_of = order // k
-    send_counts = torch.bincount(sorted_ids - start, minlength=outer)  # per (dest, expert)
-    recv_counts = compat.all_to_all(send_counts, [block] * n, [block] * n, group_name)
-    in_splits = send_counts.view(n, block).sum(1).tolist()
-    out_splits = recv_counts.view(n, block).sum(1).tolist()
     received = compat.all_to_all(x_td[token_of], out_splits, in_splits, group_name)
     # rank-major (source, expert) -> expert-major (expert, source), sources in rank order
-    expert_of_row = torch.arange(block, device=x.device).repeat(n).repeat_interleave(recv_counts)
+    expert_of_row = slot.repeat(n).repeat_interleave(recv_counts, output_size=sum(out_splits))
     perm = torch.argsort(expert_of_row, stable=True)
-    per_expert = recv_counts.view(n, block).sum(0)
-    lo = int(per_expert[:leaf].sum())
-    hi = lo + int(per_expert[leaf : leaf + n_local].sum())
+    hi = lo + n_mine
     routed = received[perm]
     y_local = expert_mlp(routed[lo:hi], per_expert[leaf : leaf + n_local], w1, w2, w3,
                          compute_dtype)
@@ -94,3 +97,16 @@ def dispatched(x: Tensor, scores: Tensor, ids: Tensor, expert_ids: Tensor, w1: T
                    y_local.new_zeros(routed.shape[0] - hi, d)])
     back = compat.all_to_all(y[torch.argsort(perm)], in_splits, out_splits, group_name)
     return combine(back, scores.reshape(-1)[order], token_of, x_td).reshape(b, l, d)
+
+
+def sort_routed(flat_ids: Tensor, start: Tensor | int, span: int) -> tuple[Tensor, Tensor]:
+    """``(order, counts)``: the (token, k) rows sorted by expert, those routed to experts
+    ``[start, start + span)`` first (stable: in token order within an expert) and the others
+    after them; and the rows routed to each of those experts. No host sync (a boolean mask
+    or ``bincount`` would need one on CUDA)."""
+    inside = (flat_ids >= start) & (flat_ids < start + span)
+    key = torch.where(inside, flat_ids - start, span)
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(span + 1, dtype=torch.long, device=flat_ids.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    return order, counts[:span]

@@ -49,7 +49,7 @@ from torch.distributed.tensor.experimental import register_sharding
 from torch.utils.flop_counter import register_flop_formula
 
 from autopp._compat.sharding import autograd_inside_custom_op
-from autopp.ops.expert_kernels import dispatched, combine, expert_mlp
+from autopp.ops.expert_kernels import combine, dispatched, expert_mlp, sort_routed
 
 
 def _routed(x: Tensor, scores: Tensor, ids: Tensor, expert_ids: Tensor, w1: Tensor,
@@ -66,13 +66,11 @@ def _routed(x: Tensor, scores: Tensor, ids: Tensor, expert_ids: Tensor, w1: Tens
     x_td = x.reshape(b * l, d)
     flat_ids = ids.reshape(-1)
     # the local experts are a contiguous run of global ids (a Shard(0) slice of arange(E))
-    first, n_local = int(expert_ids[0]) if expert_ids.numel() else 0, expert_ids.numel()
-    order = torch.argsort(flat_ids, stable=True)
-    sorted_ids = flat_ids[order]
-    keep = (sorted_ids >= first) & (sorted_ids < first + n_local)
-    order, sorted_ids = order[keep], sorted_ids[keep]
+    n_local = expert_ids.numel()
+    first = expert_ids[0] if n_local else 0
+    order, counts = sort_routed(flat_ids, first, n_local)
+    order = order[:int(counts.sum())]  # the one host sync: how many rows are routed here
     token_of = order // k
-    counts = torch.bincount(sorted_ids - first, minlength=n_local)
     y = expert_mlp(x_td[token_of], counts, w1, w2, w3, compute_dtype)
     return combine(y, scores.reshape(-1)[order], token_of, x_td).reshape(b, l, d)
 

@@ -29,6 +29,44 @@ def dense_moe(x, scores, ids, w1, w2, w3):
     return torch.einsum("ble,ebld->bld", weight, y)
 
 
+class HostSyncs(torch.overrides.TorchFunctionMode):
+    """Counts the calls that copy a device value to the host (on CUDA each waits for the
+    device): reading a tensor as a Python number or list, and ops whose output size
+    depends on the data (a boolean index, ``nonzero``, ``bincount``, ``unique``,
+    ``masked_select``, ``repeat_interleave`` without ``output_size``). Run on CPU, it counts
+    the syncs a CUDA run would make."""
+
+    READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__"}
+    SIZED = {"nonzero", "bincount", "unique", "masked_select", "argwhere"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        tensor_index = len(args) > 1 and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool
+            for i in (args[1] if isinstance(args[1], tuple) else (args[1],)))
+        if (name in self.READS or name in self.SIZED
+                or (name == "repeat_interleave" and kwargs.get("output_size") is None
+                    and len(args) > 1 and isinstance(args[1], torch.Tensor))
+                or (name == "__getitem__" and tensor_index)):
+            self.calls.append(name)
+        return func(*args, **kwargs)
+
+
+def host_syncs_of_dispatch(x, scores, ids, ws, tok_rows, experts, group, block) -> list[str]:
+    """The host syncs of one forward of the all-to-all kernel (its backward re-runs it)."""
+    from autopp.ops.expert_kernels import dispatched
+
+    with HostSyncs() as counter:
+        dispatched(x[tok_rows], scores[tok_rows], ids[tok_rows], torch.arange(E)[experts],
+                   *[w[experts] for w in ws], "", group.group_name, block)
+    return counter.calls
+
+
 def _case(x, scores, ids, ws, tok_rows, experts, group, block, partial_over):
     """Run the op on this rank's token rows and experts, the output summed over
     ``partial_over``; return (output, grads of x rows, scores rows, weights) and the
@@ -64,6 +102,8 @@ def run(rank: int, world_size: int) -> dict:
     world = dist.group.WORLD
     out["flat"] = _case(x, scores, ids, ws, slice(rank, rank + 1),
                         slice(2 * rank, 2 * rank + 2), world, 2, None)
+    syncs = host_syncs_of_dispatch(x, scores, ids, ws, slice(rank, rank + 1),
+                                   slice(2 * rank, 2 * rank + 2), world, 2)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
     c0, c1 = mesh.get_coordinate()
     local = slice(2 * (2 * c0 + c1), 2 * (2 * c0 + c1) + 2)  # experts split over (a, b)
@@ -75,4 +115,4 @@ def run(rank: int, world_size: int) -> dict:
     # the outer dim; tokens routed to the other block are that block's devices' work)
     out["inner"] = _case(x, scores, ids, ws, slice(2 * c1, 2 * c1 + 2), local,
                          mesh.get_group("b"), 2, mesh.get_group("a"))
-    return out
+    return out, syncs

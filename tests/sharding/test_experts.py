@@ -58,6 +58,21 @@ def test_matches_a_hand_written_moe_forward_and_backward():
             torch.testing.assert_close(a.grad, r.grad, atol=1e-5, rtol=1e-5)
 
 
+def test_local_experts_read_one_size_from_the_device():
+    """The kernel without dispatch (experts all local, or a slice of them) syncs with the
+    host once per forward: the number of rows routed to its experts."""
+    from autopp.ops.experts import _routed
+    from tests.sharding._dispatch_worker import HostSyncs
+
+    x, scores, ids, w1, w2, w3 = _inputs()
+    for experts in (slice(0, E), slice(2, 5)):
+        with HostSyncs() as counter:
+            out = _routed(x, scores, ids, torch.arange(E)[experts], w1[experts], w2[experts],
+                          w3[experts], "")
+        assert counter.calls == ["__int__"], counter.calls
+        assert out.shape == x.shape
+
+
 def test_expert_and_hidden_shards_sum_to_the_whole():
     """What the sharding rule promises: experts split on dim 0 (with their ids) or the
     hidden dim split give partial outputs that sum to the whole, and weight gradients that
