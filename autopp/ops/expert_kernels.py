@@ -75,7 +75,8 @@ def dispatched(x: Tensor, scores: Tensor, ids: Tensor, expert_ids: Tensor, w1: T
     lo = (per_expert * (slot < leaf)).sum()
     mine = (slot >= leaf) & (slot < leaf + n_local)
     sizes = torch.cat([send_counts.view(n, block).sum(1), recv_counts.view(n, block).sum(1),
-                       torch.stack([lo, (per_expert * mine).sum(), first, leaf])]).tolist()
+                       torch.stack([lo, (per_expert * mine).sum(), first.long(), leaf.long()])
+                       ]).tolist()
     in_splits, out_splits = sizes[:n], sizes[n:2 * n]
     lo, n_mine, first, leaf = sizes[2 * n:]
     if not 0 <= leaf <= block - n_local:

@@ -104,16 +104,18 @@ def ring_steps(collective: str, world_size: int) -> int:
     return collectives.collective_steps(_kind(collective), world_size)
 
 
-
 def fitted_links(raw: dict[str, Any], world_size: int, base: DeviceProfile | None,
-                 collectives_run: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+                 collectives_run: Sequence[str]
+                 ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """The profile's link fields from :func:`autopp.profiles.measure.measure_profile`'s raw
     timings ``raw``: measured where this host can (the intra-node link and send/recv, with
     two ranks or more), from ``base`` where it cannot; the fits' details; and what was not
     measured, each with where its value comes from. ``collectives_run``: the collectives
     timed (for the error when the backend ran none)."""
     if world_size == 1:
-        assert base is not None
+        if base is None:
+            raise ValueError("one rank measures no link and no profile was given to take "
+                             "them from (links_from=)")
         fields = {f: getattr(base, f) for f in (
             "intra_node_bw", "inter_node_bw", "intra_node_latency", "inter_node_latency",
             "p2p_bw", "p2p_latency", "devices_per_node")}
