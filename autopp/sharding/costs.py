@@ -57,11 +57,21 @@ class Collective:
 
 
 def _is_shard(p: Any) -> bool:
-    return isinstance(p, (compat.Shard, compat.StridedShard))
+    return compat.placement_kind(p) in ("shard", "strided")
 
 
 def _is_partial(p: Any) -> bool:
-    return isinstance(p, compat.Partial)
+    return compat.placement_kind(p) == "partial"
+
+
+_REDIST: dict[tuple, dict[tuple, tuple[float, tuple["Collective", ...]]]] = {}
+"""Redistribution prices by (profile, mesh shape), shared by every CostModel of the process:
+a price depends on the profile's numbers (the key holds the frozen profile itself, so a
+profile re-registered with other numbers gets its own table) and the mesh's links alone.
+A search builds a CostModel per probe stage, and the same activations recur across them."""
+
+_REDIST_MAX = 1 << 21
+"""Entries one table keeps before it starts again (bounds a long process's memory)."""
 
 
 logger = logging.getLogger(__name__)
@@ -80,7 +90,7 @@ class CostModel:
         self.mesh_shape = tuple(mesh_shape)
         self.tf32 = bool(tf32)
         self.links = mesh_links(profile, self.mesh_shape)
-        self._redist: dict[tuple, tuple[float, tuple[Collective, ...]]] = {}
+        self._redist = _REDIST.setdefault((profile, self.mesh_shape), {})
         self._flops: dict[Any, float] = {}
         self.flop_failures: dict[str, str] = {}
         """Op -> why its FLOP formula failed: such an op is priced by its memory traffic
@@ -97,6 +107,8 @@ class CostModel:
         key = (src, dst, tuple(shape), dtype)
         hit = self._redist.get(key)
         if hit is None:
+            if len(self._redist) >= _REDIST_MAX:
+                self._redist.clear()
             hit = self._redist[key] = self._redistribute(src, dst, shape, dtype)
         return hit
 
@@ -121,7 +133,7 @@ class CostModel:
             s, d, n = src[i], dst[i], self.mesh_shape[i]
             if n == 1:  # a size-1 mesh dim: every placement is the same data
                 continue
-            if _is_partial(s) and isinstance(d, compat.Replicate):
+            if _is_partial(s) and compat.placement_kind(d) == "replicate":
                 kind, after = "all_reduce", local
             elif _is_partial(s) and _is_shard(d):
                 kind, after = "reduce_scatter", local / n

@@ -40,9 +40,10 @@ def local_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequen
     """Per-device shape, or None if a sharded dim does not divide evenly."""
     out = list(shape)
     for p, n in zip(placements, mesh_shape):
-        if isinstance(p, compat.StridedShard):
+        kind = compat.placement_kind(p)
+        if kind == "strided":
             return None
-        if isinstance(p, compat.Shard):
+        if kind == "shard":
             if out[p.dim] % n:
                 return None
             out[p.dim] //= n

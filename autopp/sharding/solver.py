@@ -107,6 +107,16 @@ class Problem:
     threads: int = 2
 
 
+_PEAKS: dict[tuple, dict[tuple, float]] = {}
+"""The largest tensor a redistribution makes (:meth:`Model._redistribution_bytes`), by
+(mesh shape, this rank's coordinate) and then (shape, dtype, src, dst): it depends on
+nothing else, so every Model of the process shares it (a search builds one per probe unit,
+and the same activations recur across them)."""
+
+_PEAKS_MAX = 1 << 21
+"""Entries one table keeps before it starts again (bounds a long process's memory)."""
+
+
 class Model:
     """The ILP of one joint graph over all its options, built once.
 
@@ -147,9 +157,15 @@ class Model:
         #: outputs, an edge pair's redistributed value), in bytes on one device; 0 for the
         #: step-long values the memory row counts instead (parameter-only values, gathered
         #: weights, gradients reduced into their parameters). What
-        #: ``MemorySpec.largest_tensor_bytes`` bounds.
+        #: ``MemorySpec.largest_tensor_bytes`` bounds. Read it through :meth:`column_bytes`:
+        #: the edge columns' redistribution paths are worked out on the first solve under a
+        #: cap (a search's probes plan without one, and never pay for them).
         self.col_bytes: list[float] = []
-        self._redist_bytes: dict[tuple, float] = {}
+        self._pending_bytes: list[tuple[int, Any, Any, Any]] = []
+        mesh = strategies.mesh
+        self._redist_bytes = _PEAKS.setdefault(
+            (None,) if mesh is None else (tuple(mesh.shape), tuple(mesh.get_coordinate() or ())),
+            {})
         self.rows: list[tuple[list[int], list[float], float, float]] = []
         self.options: dict[fx.Node, list[Option]] = {
             n: ns.options for n, ns in strategies.nodes.items() if ns.options
@@ -251,8 +267,9 @@ class Model:
             step_long = scale != 1.0 or (i is None and dst in self._param_nodes) \
                 or src in self._state_only
 
-            def lands(a, g, val=val, step_long=step_long) -> float:
-                return 0.0 if step_long else self._redistribution_bytes(val, a, g)
+            def lands(c: int, a, g, val=val, step_long=step_long) -> None:
+                if not step_long:
+                    self._pending_bytes.append((c, val, a, g))
             have: dict[Any, list[int]] = {}
             for idx, o in enumerate(self.options[src]):
                 have.setdefault(o.out[k], []).append(self.col0[src] + idx)
@@ -270,7 +287,7 @@ class Model:
                         t = price(a, g, shape, dtype) * scale
                         for c in gcols if len(have) == 1 else acols:
                             self.cost[c] += t
-                            self.col_bytes[c] = max(self.col_bytes[c], lands(a, g))
+                            lands(c, a, g)
                             cols.append((c, a, g))
                 continue
             if pairs is None:
@@ -284,7 +301,8 @@ class Model:
             by_g: dict[Any, list[int]] = {g: [] for g in want}
             for a, g in pairs:
                 if a in have and g in want:
-                    c = self.new_col(price(a, g, shape, dtype) * scale, False, lands(a, g))
+                    c = self.new_col(price(a, g, shape, dtype) * scale, False)
+                    lands(c, a, g)
                     by_a[a].append(c)
                     by_g[g].append(c)
                     cols.append((c, a, g))
@@ -292,6 +310,15 @@ class Model:
                 for key, cols_ in groups.items():
                     ys = side[key]
                     self.rows.append((ys + cols_, [1.0] * len(ys) + [-1.0] * len(cols_), 0, 0))
+
+    def column_bytes(self) -> np.ndarray:
+        """:attr:`col_bytes` with every edge column's redistribution path included (worked
+        out once, on first use, and shared with the :meth:`with_memory` copies)."""
+        pending = self._pending_bytes
+        for c, val, a, g in pending:
+            self.col_bytes[c] = max(self.col_bytes[c], self._redistribution_bytes(val, a, g))
+        pending.clear()  # in place: the copies share the list
+        return np.asarray(self.col_bytes)
 
     def _redistribution_bytes(self, val: Any, a: Any, g: Any) -> float:
         """The largest local tensor moving ``val`` from placement ``a`` to ``g`` makes."""
@@ -311,6 +338,8 @@ class Model:
                 hit = None
             if hit is None:
                 hit = max(self.costs.local_bytes(val, a), self.costs.local_bytes(val, g))
+            if len(self._redist_bytes) >= _PEAKS_MAX:
+                self._redist_bytes.clear()
             self._redist_bytes[key] = hit
         return hit
 
@@ -458,7 +487,7 @@ class Model:
         cap = self.memory.largest_tensor_bytes
         if cap is not None:
             uncapped = upper.copy()
-            over = np.asarray(self.col_bytes) > cap
+            over = self.column_bytes() > cap
             upper[: len(over)][over] = 0.0
         lp = self._lp_for(t)
         t.row_upper[-1] = np.inf if budget is None else budget / _MIB

@@ -239,3 +239,29 @@ def test_redistribution_peak_follows_dtensors_own_path(make_mesh):
     assert nested == 64 * 128 * 4
     plain = redistribution_peak_bytes(mesh, val, from_strs(("S(0)", "S(1)")), from_strs(("R", "S(1)")))
     assert plain == 64 * 64 * 4
+
+
+def test_placement_kind_agrees_with_isinstance():
+    """The per-type memo answers what isinstance does, Partial's subclasses included."""
+    from torch.distributed.tensor._ops._math_ops import _NormPartial
+
+    cases = [(R, "replicate"), (S1, "shard"), (P, "partial"), (compat.Partial("avg"), "partial"),
+             (_NormPartial(2), "partial"), (compat.StridedShard(0, split_factor=2), "strided")]
+    for p, kind in cases:
+        assert compat.placement_kind(p) == kind, p
+        assert compat.placement_kind(p) == kind, p  # served from the memo
+
+
+def test_redistribution_prices_shared_only_between_equal_profiles():
+    """Cost models share their price table only with profiles of the same numbers: a
+    profile registered again under its name with a slower link is priced anew."""
+    import dataclasses
+
+    h100 = get_profile("H100")
+    slow = dataclasses.replace(h100, intra_node_bw=h100.intra_node_bw / 4)
+    shape, dt = (4096, 1024), torch.float32
+    t_fast = CostModel(h100, (8,)).redistribute((S0,), (R,), shape, dt)[0]
+    assert CostModel(h100, (8,)).redistribute((S0,), (R,), shape, dt)[0] == t_fast
+    t_slow = CostModel(slow, (8,)).redistribute((S0,), (R,), shape, dt)[0]
+    lat = 7 * mesh_links(h100, (8,)).latency[0]
+    assert t_slow - lat == pytest.approx(4 * (t_fast - lat))
