@@ -23,6 +23,7 @@ search's own (scaled tables, no plan per layout).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,7 +129,8 @@ class Pricer:
     def split(self, lay: Layout, usable: float | None = None) -> Split | str:
         """The layout's split and stage costs, or why it does not fit. ``usable``: the
         device memory (None: the search's; ``inf``: unbounded, for a lower bound)."""
-        from autopp.plan.budgets import in_flight_per_stage
+        from autopp.plan.budgets import in_flight_per_stage, workspace_allowance
+        from autopp.schedules.memory_terms import communicator_bytes, receive_buffer_bytes
         from autopp.estimate.stage_costs import (
             StateBytes,
             contended_step_s,
@@ -148,7 +150,22 @@ class Pricer:
         post = {md: shape.post[md].scaled(f) for md in modes}
         loss = shape.loss_s * f
         in_flight = in_flight_per_stage(lay.schedule, lay.pp, m, n)
-        budget = usable / lay.stages_per_rank
+        # the boundary activation: batch over dp, sequence over tp
+        send = shape.hidden_bytes * f / boundary_split(shape.dp, shape.tp, "batch+seq")
+        k_rank = lay.stages_per_rank
+        if math.isinf(usable):
+            rank_share = math.inf
+        else:  # what the exact planner takes off before its ILP's row (plan.budgets)
+            comm = communicator_bytes(self.profile.communicator_bytes, (lay.pp, lay.dp, lay.tp))
+            rank_share = (usable - workspace_allowance(usable)[1] - comm) / k_rank
+
+        def budget_of(kind: tuple[int, bool, bool]) -> float:
+            """A stage's budget for what the ILP's row counts, as the exact planner sets it:
+            the rank's share less the stage's receive buffers and, on the last stage, what
+            its loss keeps per microbatch in flight."""
+            held, first, last = kind
+            recv = receive_buffer_bytes(m, 0 if first else int(send), 0 if last else int(send))
+            return rank_share - recv - (held * shape.loss_kept_bytes * f if last else 0.0)
         ks = np.arange(L + 1, dtype=np.float64)
 
         def need_and_time(kind: tuple[int, bool, bool]) -> tuple[np.ndarray, np.ndarray]:
@@ -168,7 +185,7 @@ class Pricer:
         tables: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         for kind in set(kinds):
             need, time = need_and_time(kind)
-            t = np.where(need <= budget, time, np.inf)
+            t = np.where(need <= budget_of(kind), time, np.inf)
             best = t.argmin(axis=0)
             cost = t[best, np.arange(L + 1)]
             _, first, last = kind
@@ -202,11 +219,9 @@ class Pricer:
                              in_flight[s] * u.activation_bytes)], key=lambda p: -p[1])
             largest = ", ".join(f"{name} {b / 2**30:.1f} GiB" for name, b in parts[:3] if b)
             return (f"does not fit: stage {s} ({k} layers) needs ~{got / 2**30:.1f} GiB of "
-                    f"{budget / 2**30:.1f} GiB even under its least-memory plan probed "
+                    f"{budget_of(kinds[s]) / 2**30:.1f} GiB even under its least-memory plan probed "
                     f"(recompute={least.split('@')[0]!r}{lean}: {largest}), and no split "
                     "does better")
-        # the boundary activation: batch over dp, sequence over tp
-        send = shape.hidden_bytes * f / boundary_split(shape.dp, shape.tp, "batch+seq")
         costs, chosen, work = [], [], [0.0] * lay.pp
         _, stage_to_rank = compute_order(lay.schedule, pp=lay.pp, n_microbatches=m, n_stages=n)
         for s, (a, b) in enumerate(zip(cuts, cuts[1:])):

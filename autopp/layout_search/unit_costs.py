@@ -120,6 +120,10 @@ class ShapeCosts:
     planning_s: float
     solved: int
     """Stage plans solved (the rest came from the plan cache)."""
+    loss_kept_bytes: float = 0.0
+    """What the last stage's loss keeps per microbatch in flight outside the ILP's memory
+    row, per device, at the reference microbatch (:func:`autopp.plan.budgets.loss_kept_bytes`:
+    the exact planner takes it off the last stage's budget, and so does the search)."""
 
 
 def _unit_cost(plan: StagePlan, prefix: str, fqns: set[str], dtypes: dict[str, torch.dtype],
@@ -171,6 +175,7 @@ def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.T
     """
     import time
 
+    from autopp.plan.budgets import loss_kept_bytes
     from autopp.plan.make import loss_time_s, plan_local_stage
     from autopp.plan.stage_inputs import last_stage_output, stage_meta_inputs
 
@@ -224,4 +229,5 @@ def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.T
         if len(probes) > 1 else 0.0,
         planning_s=time.perf_counter() - t0,
         solved=sum(t[1] for t in timings.values()),
+        loss_kept_bytes=float(loss_kept_bytes(logits, dp, tp, (loss_kind,), 1)),
     )

@@ -77,17 +77,22 @@ def memory_budgets(options: Any, profile: str, schedule: str, pp: int, n_microba
 
 
 def fixed_stage_bytes(metas: Sequence[Any], inputs: Sequence[tuple[Any, ...]], *,
-                      n_microbatches: int, dp: int, tp: int) -> list[int]:
+                      n_microbatches: int, dp: int, tp: int,
+                      bounds: Sequence[str] | None = None) -> list[int]:
     """Per stage, the bytes it holds for the whole step outside what the ILP counts: its
-    receive buffers (:func:`autopp.schedules.memory_terms.stage_receive_bytes`, at the
-    "batch" boundary's bytes, the largest kind: the boundaries are chosen with the stage
-    plans) and its registered buffers (:func:`~autopp.schedules.memory_terms.module_buffer_bytes`).
-    ``metas``: the stages on meta; ``inputs``: each stage's dp-global microbatch inputs."""
+    receive buffers (:func:`autopp.schedules.memory_terms.stage_receive_bytes`) and its
+    registered buffers (:func:`~autopp.schedules.memory_terms.module_buffer_bytes`).
+    ``metas``: the stages on meta; ``inputs``: each stage's dp-global microbatch inputs;
+    ``bounds``: the boundary placements (``bounds[s]`` into stage ``s``, as
+    :func:`autopp.plan.make.plan_boundaries` returns them). Without ``bounds`` every
+    boundary is counted at "batch", the largest kind (tp-replicated: tp times a
+    "batch+seq" boundary's bytes)."""
     from autopp.plan.objective import boundary_bytes
     from autopp.schedules.memory_terms import module_buffer_bytes, stage_receive_bytes
 
     n = len(metas)
-    send = [boundary_bytes(inputs[s + 1][0], dp, tp, "batch") if s + 1 < n else 0
+    kind = (lambda s: "batch") if bounds is None else (lambda s: bounds[s + 1])
+    send = [boundary_bytes(inputs[s + 1][0], dp, tp, kind(s)) if s + 1 < n else 0
             for s in range(n)]
     recv = stage_receive_bytes(n_microbatches, send)
     return [r + module_buffer_bytes(m) for r, m in zip(recv, metas)]

@@ -270,7 +270,11 @@ def plan_boundaries(
 
     Args:
         metas / inputs: all stages on meta and their dp-global microbatch inputs.
-        budgets: per-stage parameter-memory budget (None = none).
+        budgets: per-stage memory budget (None = none); or, with the whole memory
+            counted (``memory``), a function of the chosen boundaries giving them (the
+            receive buffers a stage holds depend on its boundaries' placements): the
+            boundaries are then compared on unbudgeted plans and only ``plan_of`` plans
+            under the budgets.
         boundary: "auto" (by cost), "batch" or "batch+seq" for every boundary.
         last_kinds: the last stage's output placements to compare (:func:`loss_kinds`);
             its time includes the loss's (:mod:`autopp.sharding.loss_cost`).
@@ -297,17 +301,21 @@ def plan_boundaries(
     mesh_shape = (pp or len(set(ranks)), dp, tp)
     logits = last_stage_output(metas, inputs, mixed_precision)
 
+    whole = bool(memory) and any(m and m.get("activation_factor") is not None for m in memory)
+    if callable(budgets) and not whole:
+        raise ValueError("budgets as a function of the boundaries needs the whole memory "
+                         "counted (memory=): boundaries are then compared unbudgeted")
+    chosen: list[Sequence[float | None]] = [] if callable(budgets) else [budgets]
+
     def plan(s: int, k_in: str, k_out: str, budgeted: bool = True) -> StagePlan:
         return plan_local_stage(
             metas[s], inputs[s], sub_mesh, profile=profile,
-            memory_budget_bytes=budgets[s] if budgeted else None,
+            memory_budget_bytes=chosen[0][s] if budgeted else None,
             stage_index=s, boundary_in=k_in, boundary_out=k_out, timings=timings,
             mixed_precision=mixed_precision, n_microbatches=n_microbatches,
             param_placements=param_placements[s] if param_placements else None,
             memory=memory[s] if memory else None, tf32=tf32,
         )
-
-    whole = bool(memory) and any(m and m.get("activation_factor") is not None for m in memory)
 
     def loss_s(s: int, k_out: str) -> float:
         return loss_time_s(logits, sub_mesh, profile, k_out) if s == n - 1 else 0.0
@@ -340,6 +348,9 @@ def plan_boundaries(
     if math.isinf(sum(stage_time(s, bounds[s], bounds[s + 1]) for s in range(n))):
         for s in range(n):  # no feasible choice: raise the first stage's planner error
             plan(s, bounds[s], bounds[s + 1], budgeted=not whole)
+
+    if not chosen:
+        chosen.append(budgets(bounds))
 
     def plan_of(s: int) -> StagePlan:
         p = plan(s, bounds[s], bounds[s + 1])
@@ -429,23 +440,31 @@ def plan_whole_pipeline(
     def _solve() -> PipelinePlan:
         metas, inputs = stage_meta_inputs(model, fqns, example_inputs[0], n_microbatches, dp,
                                           record.compute_dtype, stage_modules)
-        budgets = whole_budgets
-        if whole_memory:  # what the ILP's row does not count comes off the budget
+        def budgets_at(bounds: Sequence[str] | None) -> list[float]:
+            """The budgets less what the ILP's row does not count, with the receive
+            buffers at ``bounds`` (None: every boundary at its largest kind)."""
+            if not whole_memory:
+                return list(whole_budgets)
             fixed = fixed_stage_bytes(metas, inputs, n_microbatches=n_microbatches, dp=dp,
-                                      tp=tp)
+                                      tp=tp, bounds=bounds)
             fixed[-1] += loss_kept_bytes(
                 last_stage_output(metas, inputs, mp), dp, tp, last_kinds,
                 memory[-1]["activation_factor"])
-            budgets = budgets_less_fixed(
+            return budgets_less_fixed(
                 whole_budgets, fixed,
                 communicator_bytes(get_profile(profile).communicator_bytes, (pp, dp, tp)),
                 stage_ranks)
+
+        # tied copies are placed before the boundaries are chosen: under the budgets with
+        # every boundary at its largest kind (a bound that holds whatever is chosen)
+        budgets = budgets_at(None)
         plan_kw = dict(profile=profile, mixed_precision=mp, n_microbatches=n_microbatches,
                        tf32=options.tf32)
         fixed = tied_placements(model, fqns, metas, inputs, sub_mesh, budgets, memory,
                                 **plan_kw)
         bounds, plan_of = plan_boundaries(
-            metas, inputs, sub_mesh, profile=profile, budgets=budgets, boundary=options.boundary,
+            metas, inputs, sub_mesh, profile=profile,
+            budgets=budgets_at if whole_memory else budgets, boundary=options.boundary,
             last_kinds=last_kinds, timings=timings, mixed_precision=mp,
             n_microbatches=n_microbatches, rank_of=list(stage_ranks), param_placements=fixed,
             memory=memory, pp=pp, tf32=options.tf32,

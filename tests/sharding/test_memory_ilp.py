@@ -188,8 +188,8 @@ def test_plan_json_keeps_memory_fields_and_loads_old_json(long_seq_auto):
 
 def test_budgets_less_the_fixed_terms_by_hand():
     """What the step holds outside the ILP's memory row comes off each stage's budget:
-    receive buffers (torch's, one per microbatch each way, at the "batch" boundary's
-    bytes), registered buffers, and a share of the rank's communicators.
+    receive buffers (torch's, one per microbatch each way, at the chosen boundary's bytes;
+    "batch", the largest, before the boundaries are chosen), registered buffers, and a share of the rank's communicators.
 
     Two stages, M = 4 microbatches, dp = 2, tp = 2. The boundary is a dp-global
     (8, 16, 32) fp32 activation: 8 * 16 * 32 / dp * 4 = 8192 bytes per device. Stage 0
@@ -212,6 +212,12 @@ def test_budgets_less_the_fixed_terms_by_hand():
         1e6 - 32832 - 1000, 1e6 - 32768 - 1000]
     assert budgets_less_fixed([5e5, 5e5], fixed, 1000, [0, 0]) == [
         5e5 - 32832 - 500, 5e5 - 32768 - 500]
+    # at the boundary the plan chose: "batch+seq" splits the sequence over tp as well,
+    # 4096 bytes per buffer (a "batch" default would refuse plans that fit; measured on
+    # the 70B/512 search's best layout: a negative budget, every stage refused)
+    at = fixed_stage_bytes(metas, inputs, n_microbatches=4, dp=2, tp=2,
+                           bounds=["batch", "batch+seq", "vocab"])
+    assert at == [16384 + 64, 16384]
 
 
 def test_the_loss_term_off_the_last_stage_budget_by_hand():
