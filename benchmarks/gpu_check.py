@@ -2,35 +2,54 @@
 autopp's GPU figures are trusted, in one process, printed as one table.
 
 The GPU machine this project is sometimes lent has no torchtitan, no HiGHS and no network,
-so the model is a pure-torch Hugging Face style decoder (``tests/models.py``) and the plan
-is made here, on CPU, and carried as JSON (``--make-plan``); the device only applies it:
+so the model is a pure-torch Hugging Face style decoder (``tests/models.py``) and the plans
+are made here, on CPU, and carried as JSON (``--make-plans``); the device only applies them:
 
-    .venv/bin/python benchmarks/gpu_check.py --make-plan benchmarks/gpu_check_plan.json
-    python benchmarks/gpu_check.py --plan benchmarks/gpu_check_plan.json      # on the GPU
-    .venv/bin/python benchmarks/gpu_check.py --cpu       # the same checks on CPU (gloo),
-                                                         # planning in-process (wide test)
+    .venv/bin/python benchmarks/gpu_check.py --make-plans benchmarks   # here, with HiGHS
+    python benchmarks/gpu_check.py                  # on the GPU: the plans in benchmarks/
+    .venv/bin/python benchmarks/gpu_check.py --cpu  # the same checks on CPU (gloo),
+                                                    # planning in-process (wide test)
+
+Three pipelines of the one model on the one device (:data:`PIPELINES`): GPipe in fp32 (one
+stage), ZBVZeroBubble in fp32 (two stages on the one rank: same-rank hand-off, input and
+weight gradients split), and 1F1B under bf16 compute with fp32 masters, the last also with
+its stage graphs compiled by Inductor (``compile=True``: on CUDA with collective bucketing
+and reordering on).
 
 Rows (check, result, figures):
 
 1. ``device``: the profile autopp detects for the device (an H200 must not be planned as
    an 80 GB H100) and the mesh's device type under the process group's backend.
 2. ``attention``: autopp's attention op forward + backward against torch's own SDPA under
-   autograd, on the device: time, allocator peak (CUDA), largest gradient difference.
-3. ``parity``: the planned pipeline (the carried plan, ``plan=``) runs a step; its loss and
-   every gradient against the plain model on the same device (fp32; TF32 off, torch's
-   default), by the suite's parity metric (per tensor ‖g − r‖ / max(‖r‖, 1e-3) ≤ 1e-5).
-4. ``step time``: the median of ``--repeats`` steps against the plan's simulated step.
-5. ``peak memory``: ``torch.cuda.max_memory_allocated`` during a step against the plan's
-   predicted peak (CUDA only).
+   autograd, on the device: time, allocator peak (CUDA), largest gradient difference, the
+   FLOP rate by the op's registered FLOPs.
+3. ``parity <pipeline>``: the planned pipeline (a carried plan, ``plan=``) runs a step; its
+   loss and every gradient against the plain model on the same device. fp32 (TF32 off,
+   torch's default): the suite's parity metric (per tensor ‖g − r‖ / max(‖r‖, 1e-3)
+   ≤ 1e-5). bf16: every gradient within 2% of the plain model run on bf16 copies of its
+   fp32 parameters, and most of them nearer to it than to the fp32 run's (compiled: the 2%
+   alone, since Inductor rounds a fused chain of elementwise ops once).
+4. ``step <pipeline>``: the median of ``--repeats`` steps against the plan's simulated step,
+   and against the plain model's forward + backward in eager torch over the same
+   microbatches (same FLOPs and kernels, no pipeline: what autopp's runtime adds).
+5. ``peak <pipeline>``: ``torch.cuda.max_memory_allocated`` over the timed steps, less what
+   was allocated before the pipeline was built (the references' gradients), and the
+   reserved peak, against the plan's predicted peak (CUDA only).
 6. ``checkpoint``: a DCP save and load on the device (NCCL all-reduces the finiteness
-   flag on the device) and the loaded pipeline's eval loss.
+   flag on the device) and the loaded pipeline's eval loss (first pipeline).
+7. ``profile``: the device's rates measured on one rank (``measure_profile(world_size=1)``:
+   fp32, TF32 and bf16 matmuls, memory copy) against those the plans were priced with (the
+   built-in profile's peak x its compute efficiency); ``--save-profile`` stores the
+   measurement as JSON, so the plans can be re-priced with it where HiGHS is.
 
-Parity and checkpoint fail the script above their bounds; the ratios are measurements.
+Parity, attention and checkpoint fail the script above their bounds; the ratios are
+measurements.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -48,7 +67,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SIZES = {"cuda": dict(vocab=32000, dim=1024, n_layers=4, n_heads=16, hidden=4096, max_seq=2048),
          "cpu": dict(vocab=2048, dim=64, n_layers=4, n_heads=4, hidden=128, max_seq=64)}
 BATCH = {"cuda": (8, 2048), "cpu": (8, 64)}
-SCHEDULE, N_MICROBATCHES = "GPipe", 2
+#: The checked pipelines: name -> (schedule, microbatches, bf16 compute). The first is the
+#: strict fp32 parity check and runs the checkpoint round trip.
+PIPELINES = {"gpipe": ("GPipe", 2, False), "zbv": ("ZBVZeroBubble", 4, False),
+             "bf16": ("1F1B", 2, True)}
+#: Pipelines also run with Inductor (``compile=True``), from the same plan: name -> plan's.
+COMPILED = {"bf16-compiled": "bf16"}
+PLAN_DIR = Path(__file__).resolve().parent
+
+
+def plan_path(name: str, directory: str | os.PathLike = PLAN_DIR) -> Path:
+    """Where pipeline ``name``'s carried plan lies (the first keeps its old file name)."""
+    return Path(directory) / ("gpu_check_plan.json" if name == "gpipe"
+                              else f"gpu_check_plan_{name}.json")
 
 
 def _model(kind: str) -> torch.nn.Module:
@@ -58,57 +89,111 @@ def _model(kind: str) -> torch.nn.Module:
         return HFForCausalLM(**SIZES[kind])
 
 
-def make_plan(kind: str, profile: str, path: str | None = None):
-    """The pp1 x dp1 x tp1 plan of the checked model (a dry run on the fake process
-    group): its PipelinePlan, with the simulator's estimates."""
+def _bf16_policy():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def make_plan(kind: str, profile: str, name: str):
+    """The pp1 x dp1 x tp1 plan of the checked model for pipeline ``name`` (a dry run on the
+    fake process group): its PipelinePlan, with the simulator's estimates."""
     from autopp.backends import PlannerOptions
     from autopp.dry_run import dry_run
 
+    schedule, microbatches, bf16 = PIPELINES[name]
     batch, seq = BATCH[kind]
-    report = dry_run(_model(kind), pp=1, dp=1, tp=1, schedule=SCHEDULE,
-                     n_microbatches=N_MICROBATCHES, global_batch=batch, seq_len=seq,
-                     options=PlannerOptions(profile=profile))
-    if path is not None:
-        report.plan.save(path)
-    return report.plan
+    options = PlannerOptions(profile=profile, mixed_precision=_bf16_policy() if bf16 else None)
+    return dry_run(_model(kind), pp=1, dp=1, tp=1, schedule=schedule,
+                   n_microbatches=microbatches, global_batch=batch, seq_len=seq,
+                   options=options).plan
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+#: Attention shapes (b, h, s, d) and dtypes the attention row times: on CUDA also a
+#: llama3-70B-like head size at seq 8192 in bf16, the training case the cost model prices.
+ATTENTION_CASES = {"cuda": (((1, 16, 4096, 64), torch.float32),
+                            ((1, 32, 8192, 128), torch.bfloat16)),
+                   "cpu": (((1, 4, 512, 32), torch.float32),)}
+
+
 def _attention_row(device: torch.device) -> tuple[str, str, str]:
+    """Row 2: autopp's attention op forward + backward against torch's SDPA under autograd:
+    median time, CUDA allocator peak, largest gradient difference, and the FLOP rate the
+    op reaches by its registered FLOPs (what the cost model divides by the profile's)."""
     import autopp.ops.attention  # noqa: F401  (registers autopp::sdpa)
+    from torch.utils.flop_counter import FlopCounterMode
 
-    b, h, s, d = (1, 16, 4096, 64) if device.type == "cuda" else (1, 4, 512, 32)
-    q, k, v = (torch.randn(b, h, s, d, device=device, requires_grad=True) for _ in range(3))
-    g = torch.randn(b, h, s, d, device=device)
+    worst, cases = 0.0, []
+    for shape, dtype in ATTENTION_CASES[device.type]:
+        b, h, s, d = shape
+        q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+        g = torch.randn(shape, device=device, dtype=dtype)
 
-    def run(op):
-        out = op(q, k, v)
-        return torch.autograd.grad(out, (q, k, v), g)
+        def run(op):
+            out = op(q, k, v)
+            return torch.autograd.grad(out, (q, k, v), g)
 
-    ours = lambda q, k, v: torch.ops.autopp.sdpa(q, k, v, True, d ** -0.5, False)  # noqa: E731
-    theirs = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-    figures = []
-    for name, op in (("autopp", ours), ("torch", theirs)):
-        run(op)
-        _sync(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
+        ours = lambda q, k, v: torch.ops.autopp.sdpa(q, k, v, True, d ** -0.5, False)  # noqa: E731
+        theirs = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+        with FlopCounterMode(display=False) as counter:
+            run(ours)
+        flops = counter.get_total_flops()
+        figures = []
+        for name, op in (("autopp", ours), ("torch", theirs)):
             run(op)
             _sync(device)
-            times.append(time.perf_counter() - t0)
-        peak = (f", peak {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB"
-                if device.type == "cuda" else "")
-        figures.append(f"{name} {statistics.median(times) * 1e3:.2f} ms{peak}")
-    err = max(float((a - b).abs().max()) for a, b in zip(run(ours), run(theirs)))
-    return ("attention", "ok" if err <= 1e-4 else "FAIL",
-            f"(b, h, s, d) {(b, h, s, d)} causal fwd+bwd: {'; '.join(figures)}; max |grad "
-            f"diff| {err:.1e}")
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                run(op)
+                _sync(device)
+                times.append(time.perf_counter() - t0)
+            t = statistics.median(times)
+            peak = (f", peak {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB"
+                    if device.type == "cuda" else "")
+            rate = f", {flops / t / 1e12:.3g} TFLOP/s by its FLOPs" if name == "autopp" else ""
+            figures.append(f"{name} {t * 1e3:.2f} ms{peak}{rate}")
+        err = max(float((a - b).abs().max()) for a, b in zip(run(ours), run(theirs)))
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        worst = max(worst, err / tol)
+        cases.append(f"{shape} {str(dtype).removeprefix('torch.')}: {'; '.join(figures)}; "
+                     f"max |grad diff| {err:.1e}")
+    return ("attention", "ok" if worst <= 1 else "FAIL",
+            "causal fwd+bwd " + " | ".join(cases))
+
+
+def _profile_row(kind: str, priced_with: str, save: str | None) -> tuple[str, str, str]:
+    """Row 7: measured rates against the plan's profile (before any process group exists
+    here: the measurement starts its own rank process)."""
+    from autopp.profiles.devices import save_profile
+    from autopp.profiles.lookup import get_profile
+    from autopp.profiles.measure import measure_profile
+
+    measured, priced = measure_profile(world_size=1, device=kind, cache=False), \
+        get_profile(priced_with)
+    if save:
+        save_profile(measured, Path(save))
+
+    def rate(p, attr):
+        value = getattr(p, attr)
+        return None if value is None else value * (p.compute_efficiency if attr != "mem_bw"
+                                                   else 1.0)
+
+    figures = []
+    for attr, unit in (("flops_fp32", "TFLOP/s"), ("flops_tf32", "TFLOP/s"),
+                       ("flops_bf16", "TFLOP/s"), ("mem_bw", "TB/s")):
+        m, p = rate(measured, attr), rate(priced, attr)
+        if m is None or p is None:
+            continue
+        figures.append(f"{attr} {m / 1e12:.3g} vs {p / 1e12:.3g} {unit} ({m / p:.2f})")
+    return ("profile", "measured", f"measured vs {priced.name}'s priced: " + "; ".join(figures))
 
 
 def _sync(device: torch.device) -> None:
@@ -116,13 +201,109 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def check(kind: str, plan, repeats: int) -> list[tuple[str, str, str]]:
-    """Rows 1-6 on device ``kind`` with ``plan`` (made for this model and batch)."""
-    from autopp import build_world_mesh, init_module_, pipeline_autoparallel
+def _reference(kind: str, device: torch.device, tokens, target, param_dtype=None):
+    """The plain model's loss and gradients on ``device`` (seed 0), with the forward on
+    ``param_dtype`` copies of its fp32 parameters when given (plain torch: gradients flow
+    back to the fp32 masters)."""
+    from autopp import init_module_
+    from tests.models import ce_loss
+
+    ref = init_module_(_model(kind), seed=0, device=device)
+    params = None if param_dtype is None else \
+        {n: p.to(param_dtype) for n, p in ref.named_parameters()}
+    logits = ref(tokens) if params is None else torch.func.functional_call(ref, params,
+                                                                           (tokens,))
+    loss = ce_loss(logits, target)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in ref.named_parameters()}
+
+
+def _timed(device: torch.device, fn, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _plain_step(kind: str, device: torch.device, tokens, target, microbatches: int,
+                param_dtype=None):
+    """One training step's forward + backward of the plain model in eager torch, over the
+    same microbatches (gradients accumulated), as a function to time: the yardstick for
+    autopp's step on one device (no parallelism: same FLOPs, same kernels)."""
+    from autopp import init_module_
+    from tests.models import ce_loss
+
+    model = init_module_(_model(kind), seed=0, device=device)
+
+    def step():
+        model.zero_grad(set_to_none=False)
+        for tok, tgt in zip(tokens.chunk(microbatches), target.chunk(microbatches)):
+            if param_dtype is None:
+                logits = model(tok)
+            else:
+                params = {n: p.to(param_dtype) for n, p in model.named_parameters()}
+                logits = torch.func.functional_call(model, params, (tok,))
+            (ce_loss(logits, tgt) / microbatches).backward()
+    return step
+
+
+def _trace(device: torch.device, fn, path: Path) -> None:
+    """The profiler's table of one ``fn()`` (ops by device time), written to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
+                                           else [])
+    with profile(activities=activities) as prof:
+        fn()
+        _sync(device)
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60))
+
+
+def _parity_row(name: str, bf16: bool, loss: float, grads: dict, refs: dict,
+                compiled: bool = False):
+    from tests.parity import relative_error
+
+    ref_loss, ref_grads = refs["fp32"]
+    if set(grads) != set(ref_grads):
+        return (f"parity {name}", "FAIL", f"gradients of {sorted(set(grads) ^ set(ref_grads))}"
+                " missing on one side")
+    if not bf16:
+        errs = {n: relative_error(g, ref_grads[n]) for n, g in grads.items()}
+        worst = max(errs, key=errs.get)
+        ok = errs[worst] <= 1e-5 and abs(loss - ref_loss) <= 1e-5
+        return (f"parity {name}", "ok" if ok else "FAIL",
+                f"loss {loss:.6f} vs {ref_loss:.6f}; worst gradient {worst} rel "
+                f"{errs[worst]:.1e} of {len(errs)} tensors")
+    loss16, grads16 = refs["bf16"]
+    errs = {n: float((g - grads16[n]).norm() / grads16[n].norm()) for n, g in grads.items()}
+    nearer = sum(errs[n] < float((g - ref_grads[n]).norm() / ref_grads[n].norm())
+                 for n, g in grads.items())
+    worst = max(errs, key=errs.get)
+    # Inductor computes a fused chain of bf16 elementwise ops in fp32 and rounds once, so a
+    # compiled step sits between the eager bf16 run and the fp32 one: only the 2% bound
+    ok = errs[worst] < 0.02 and (compiled or nearer >= 0.75 * len(grads))
+    return (f"parity {name}", "ok" if ok else "FAIL",
+            f"loss {loss:.6f} vs bf16 run {loss16:.6f} (fp32 {ref_loss:.6f}); worst gradient "
+            f"{worst} rel {errs[worst]:.1e} to the bf16 run; {nearer} of {len(grads)} nearer "
+            "to it than to the fp32 run")
+
+
+def check(kind: str, plans: dict, repeats: int,
+          trace: str | None = None) -> list[tuple[str, str, str]]:
+    """Rows 1-6 on device ``kind`` with ``plans`` (name in :data:`PIPELINES` -> the plan
+    made for this model and batch); ``trace``: a folder for the profiler's op tables of
+    each pipeline's step and of the plain model's."""
+    from autopp import build_world_mesh, pipeline_autoparallel
     from autopp.backends import Planner, PlannerOptions
     from autopp.profiles.devices import profile_for_device
     from tests.models import ce_loss, make_batch
-    from tests.parity import relative_error
 
     device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" \
         else torch.device("cpu")
@@ -134,72 +315,86 @@ def check(kind: str, plan, repeats: int) -> list[tuple[str, str, str]]:
         mesh = build_world_mesh(pp=1, dp=1, tp=1)
         name = torch.cuda.get_device_name(device) if kind == "cuda" else "cpu"
         detected = profile_for_device(kind)
+        profiles = sorted({p.options.profile for p in plans.values()})
         rows.append(("device", "ok" if mesh.device_type == kind else "FAIL",
-                     f"{name}: profile {detected} (the plan's: {plan.options.profile}); mesh "
+                     f"{name}: profile {detected} (the plans': {', '.join(profiles)}); mesh "
                      f"device {mesh.device_type} under {dist.get_backend()}"))
         rows.append(_attention_row(device))
 
         batch, seq = BATCH[kind]
         tokens, target = (t.to(device) for t in make_batch(batch, seq, vocab=SIZES[kind]["vocab"]))
+        refs = {"fp32": _reference(kind, device, tokens, target)}
+        if any(PIPELINES[COMPILED.get(n, n)][2] for n in plans):
+            refs["bf16"] = _reference(kind, device, tokens, target, torch.bfloat16)
 
-        def pipeline(seed: int):
+        def pipeline(plan, seed: int, compile: bool = False):
             pipe = pipeline_autoparallel(
                 _model(kind), mesh, example_inputs=(tokens,), loss_fn=ce_loss,
-                schedule=SCHEDULE, n_microbatches=N_MICROBATCHES,
-                parallelize=Planner(PlannerOptions(), plan=plan))
+                schedule=plan.schedule, n_microbatches=plan.n_microbatches,
+                parallelize=Planner(PlannerOptions(), plan=plan, compile=compile))
             pipe.init_weights(seed=seed)
             return pipe
 
-        pipe = pipeline(0)
-        loss = pipe.step(tokens, target=target)
-        ref = init_module_(_model(kind), seed=0, device=device)
-        ref_out = ce_loss(ref(tokens), target)
-        ref_out.backward()
-        ref_loss = ref_out.item()
-        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-        errs = {n: relative_error(_full(p.grad), ref_grads[n]) for n, p in pipe.named_parameters()}
-        worst = max(errs, key=errs.get)
-        ok = (errs[worst] <= 1e-5 and abs(loss - ref_loss) <= 1e-5
-              and set(errs) == set(ref_grads))
-        rows.append(("parity", "ok" if ok else "FAIL",
-                     f"loss {loss:.6f} vs {ref_loss:.6f}; worst gradient {worst} rel "
-                     f"{errs[worst]:.1e} of {len(errs)} tensors"))
-        del ref, ref_grads
+        for i, (pname, plan) in enumerate(plans.items()):
+            if kind == "cuda":  # what earlier pipelines left is not this one's
+                gc.collect()
+                torch.cuda.empty_cache()
+                base = torch.cuda.memory_allocated(device)
+            pipe = pipeline(plan, 0, compile=pname in COMPILED)
+            loss = pipe.step(tokens, target=target)
+            grads = {n: _full(p.grad) for n, p in pipe.named_parameters()}
+            bf16 = PIPELINES[COMPILED.get(pname, pname)][2]
+            rows.append(_parity_row(pname, bf16, loss, grads, refs, pname in COMPILED))
+            del grads
 
-        times = []
-        for _ in range(repeats):
-            pipe.zero_grad()
-            _sync(device)
+            def autopp_step(pipe=pipe):
+                pipe.zero_grad()
+                pipe.step(tokens, target=target)
+
             if kind == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            t0 = time.perf_counter()
-            pipe.step(tokens, target=target)
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-        step, est = statistics.median(times), plan.estimates
-        rows.append(("step time", "measured",
-                     f"median {step * 1e3:.2f} ms of {repeats}; the plan's "
-                     f"{est.step_time_s * 1e3:.2f} ms (measured / planned "
-                     f"{step / est.step_time_s:.2f})"))
-        if kind == "cuda":
-            peak, planned = torch.cuda.max_memory_allocated(device), est.peak_bytes[0]
-            rows.append(("peak memory", "measured",
-                         f"{peak / 2**20:.0f} MiB allocated ("
-                         f"{torch.cuda.max_memory_reserved(device) / 2**20:.0f} reserved); "
-                         f"planned {planned / 2**20:.0f} MiB (measured / planned "
-                         f"{peak / planned:.2f})"))
-        else:
-            rows.append(("peak memory", "skipped", "the CPU allocator keeps no peak"))
-
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "ckpt")
-            before = pipe.eval(tokens, target=target)
-            pipe.save_checkpoint(path)
-            other = pipeline(1)
-            other.load_checkpoint(path)
-            after = other.eval(tokens, target=target)
-        rows.append(("checkpoint", "ok" if abs(after - before) <= 1e-6 else "FAIL",
-                     f"eval loss {before:.6f} saved, {after:.6f} loaded"))
+            step, est = _timed(device, autopp_step, repeats), plan.estimates
+            # the pipeline's own peak: the allocator's, less what was held before it was built
+            # (the references' gradients)
+            peak_bytes = torch.cuda.max_memory_allocated(device) - base if kind == "cuda" else 0
+            peak_reserved = torch.cuda.max_memory_reserved(device) if kind == "cuda" else 0
+            plain = _plain_step(kind, device, tokens, target, plan.n_microbatches,
+                                torch.bfloat16 if bf16 else None)
+            plain_s = _timed(device, plain, repeats)
+            if trace:
+                _trace(device, autopp_step, Path(trace) / f"{pname}_autopp_ops.txt")
+                _trace(device, plain, Path(trace) / f"{pname}_plain_ops.txt")
+            del plain
+            rows.append((f"step {pname}", "measured",
+                         f"{plan.schedule}, {plan.n_microbatches} microbatches, "
+                         f"{len(plan.fqns_per_stage)} stage(s): median {step * 1e3:.2f} ms of "
+                         f"{repeats}; the plan's {est.step_time_s * 1e3:.2f} ms (measured / "
+                         f"planned {step / est.step_time_s:.2f}); the plain model in eager "
+                         f"torch {plain_s * 1e3:.2f} ms (autopp / plain {step / plain_s:.2f})"))
+            if kind == "cuda":
+                planned = est.peak_bytes[0]
+                rows.append((f"peak {pname}", "measured",
+                             f"{peak_bytes / 2**20:.0f} MiB allocated over the timed steps, "
+                             f"beyond the {base / 2**20:.0f} MiB held before ("
+                             f"{peak_reserved / 2**20:.0f} reserved); planned "
+                             f"{planned / 2**20:.0f} MiB (measured / planned "
+                             f"{peak_bytes / planned:.2f})"))
+            if i == 0:
+                with tempfile.TemporaryDirectory() as tmp:
+                    path = os.path.join(tmp, "ckpt")
+                    before = pipe.eval(tokens, target=target)
+                    pipe.save_checkpoint(path)
+                    other = pipeline(plan, 1, compile=pname in COMPILED)
+                    other.load_checkpoint(path)
+                    after = other.eval(tokens, target=target)
+                    del other
+                rows.append(("checkpoint", "ok" if abs(after - before) <= 1e-6 else "FAIL",
+                             f"eval loss {before:.6f} saved, {after:.6f} loaded"))
+            del pipe, autopp_step
+            if kind == "cuda":
+                torch.cuda.empty_cache()
+        if kind != "cuda":
+            rows.append(("peak", "skipped", "the CPU allocator keeps no peak"))
     finally:
         dist.destroy_process_group()
     return rows
@@ -208,26 +403,50 @@ def check(kind: str, plan, repeats: int) -> list[tuple[str, str, str]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true",
-                   help="run the checks on CPU (gloo), planning in-process")
-    p.add_argument("--plan", default=None, help="the carried plan JSON (made by --make-plan)")
-    p.add_argument("--make-plan", default=None, metavar="PATH",
-                   help="make the GPU model's plan here (CPU, HiGHS) and save it; no checks")
-    p.add_argument("--profile", default="H200", help="profile of --make-plan's plan")
+                   help="run the checks on CPU (gloo), planning in-process unless --plans")
+    p.add_argument("--plans", default=None, metavar="DIR",
+                   help="the carried plans' folder (default on CUDA: benchmarks/)")
+    p.add_argument("--make-plans", default=None, metavar="DIR",
+                   help="make the plans here (HiGHS) and save them in DIR (the GPU model's; "
+                        "with --cpu the CPU model's); no checks")
+    p.add_argument("--only", default=None, help="comma-separated pipelines of "
+                   f"{', '.join([*PIPELINES, *COMPILED])} (default: all)")
+    p.add_argument("--profile", default="H200", help="profile of --make-plans' GPU plans")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--save-profile", default=None, metavar="PATH",
+                   help="store the device's measured profile (row 7) as JSON here")
+    p.add_argument("--no-measure", action="store_true", help="leave out row 7")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="write the profiler's op tables of each step (autopp's and the plain "
+                        "model's) to DIR")
     args = p.parse_args()
     from autopp import PipelinePlan
 
-    if args.make_plan:
-        make_plan("cuda", args.profile, args.make_plan)
-        print(f"saved the {args.profile} plan of the GPU check's model to {args.make_plan}")
-        return
     kind = "cpu" if args.cpu else "cuda"
+    names = args.only.split(",") if args.only else [*PIPELINES, *COMPILED]
+    profile = "CPU" if args.cpu else args.profile
+    if args.make_plans:
+        for name in (n for n in names if n in PIPELINES):
+            path = plan_path(name, args.make_plans)
+            make_plan(kind, profile, name).save(path)
+            print(f"saved the {profile} plan of the check's {name} pipeline to {path}")
+        return
     if kind == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here: run with --cpu for the same checks on CPU")
     t0 = time.perf_counter()
-    plan = PipelinePlan.load(args.plan) if args.plan else make_plan(kind, "CPU" if args.cpu
-                                                                     else args.profile)
-    rows = check(kind, plan, args.repeats)
+    plan_dir = args.plans or (None if args.cpu else PLAN_DIR)
+    made = {}
+    for name in names:
+        of = COMPILED.get(name, name)
+        if of not in made:
+            made[of] = PipelinePlan.load(plan_path(of, plan_dir)) if plan_dir \
+                else make_plan(kind, profile, of)
+    plans = {name: made[COMPILED.get(name, name)] for name in names}
+    if args.trace:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
+    rows = check(kind, plans, args.repeats, args.trace)
+    if not args.no_measure:
+        rows.append(_profile_row(kind, plans[names[0]].options.profile, args.save_profile))
     width = max(len(r[0]) for r in rows)
     print(f"autopp device check ({kind}, torch {torch.__version__}, "
           f"{time.perf_counter() - t0:.0f} s)")

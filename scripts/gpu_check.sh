@@ -2,8 +2,8 @@
 # The prepared GPU check (issue 26): one process on one GPU, one table, under 5 minutes.
 #
 # The lent GPU machine has CUDA torch but no torchtitan, HiGHS or network. So:
-#   - the plan is made here on CPU and carried in the working tree:
-#       .venv/bin/python benchmarks/gpu_check.py --make-plan benchmarks/gpu_check_plan.json
+#   - the plans are made here on CPU and carried in the working tree:
+#       .venv/bin/python benchmarks/gpu_check.py --make-plans benchmarks
 #   - the model is a pure-torch decoder (tests/models.py's Hugging Face style one);
 #   - autopp's graph runtime imports torchtitan's graph_pp code (autopp/_compat/graph.py):
 #     carry torchtitan's pure-Python wheel and install it there with --no-deps
@@ -19,4 +19,4 @@ fi
 if [[ " $* " == *" --cpu "* ]]; then
   exec "$python" benchmarks/gpu_check.py "$@"
 fi
-exec "$python" benchmarks/gpu_check.py --plan benchmarks/gpu_check_plan.json "$@"
+exec "$python" benchmarks/gpu_check.py --plans benchmarks "$@"

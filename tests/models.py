@@ -124,7 +124,9 @@ class HFAttention(torch.nn.Module):
         b, t, _ = x.shape
         q, k, v = (p(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
                    for p in (self.q_proj, self.k_proj, self.v_proj))
-        cos, sin = position_embeddings[0, :t], position_embeddings[1, :t]
+        # as transformers' rotary code: the tables in the activations' dtype (a no-op in
+        # fp32; under bf16 compute with fp32 buffers, q and k stay bf16 like v)
+        cos, sin = (position_embeddings[i, :t].to(q.dtype) for i in (0, 1))
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -11,21 +11,30 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PLAN = ROOT / "benchmarks" / "gpu_check_plan.json"
 
 
-def test_the_carried_plan_matches_the_checked_model():
+@pytest.fixture(scope="module")
+def gpu_check():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import gpu_check
 
+    return gpu_check
+
+
+def test_the_carried_plans_match_the_checked_model(gpu_check):
     from autopp import PipelinePlan
     from autopp.plan.value import model_fingerprint
 
-    plan = PipelinePlan.load(PLAN)  # an older format is refused: remake it with --make-plan
-    assert plan.model == model_fingerprint(gpu_check._model("cuda"))
-    assert (plan.pp, plan.dp, plan.tp, plan.schedule) == (1, 1, 1, gpu_check.SCHEDULE)
-    assert plan.input_shapes == ((*gpu_check.BATCH["cuda"],),)
-    assert plan.estimates is not None and plan.options.profile == "H200"
+    fingerprint = model_fingerprint(gpu_check._model("cuda"))
+    for name, (schedule, microbatches, bf16) in gpu_check.PIPELINES.items():
+        # an older format is refused: remake them with --make-plans benchmarks
+        plan = PipelinePlan.load(gpu_check.plan_path(name))
+        assert plan.model == fingerprint, name
+        assert (plan.pp, plan.dp, plan.tp, plan.schedule, plan.n_microbatches) == \
+            (1, 1, 1, schedule, microbatches), name
+        assert plan.input_shapes == ((*gpu_check.BATCH["cuda"],),)
+        assert plan.estimates is not None and plan.options.profile == "H200"
+        assert plan.options.param_dtype == ("torch.bfloat16" if bf16 else None), name
 
 
 @pytest.mark.wide
@@ -34,5 +43,8 @@ def test_cpu_mode_runs_every_check():
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    for row in ("device", "attention", "parity", "checkpoint"):
-        assert any(line.split()[:2] == [row, "ok"] for line in proc.stdout.splitlines()), out
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    for row in ("device", "attention", "parity gpipe", "parity zbv", "parity bf16",
+                "checkpoint"):
+        n = len(row.split())
+        assert any(r[:n + 1] == [*row.split(), "ok"] for r in rows), out

@@ -77,7 +77,8 @@ from torchtitan.experiments.graph_trainer.graph_pp.split_fsdp_collectives import
     split_forward_fsdp_collectives,
 )
 from torchtitan.experiments.graph_trainer.graph_pp.stage import (  # noqa: F401
-    GraphPipelineStage,
+    GraphPipelineStage as _TTGraphPipelineStage,
+    GraphPPStageRuntimeState as _TTStageState,
 )
 from torchtitan.experiments.graph_trainer.graph_pp.utils import (  # noqa: F401
     flatten_graph_values,
@@ -94,6 +95,53 @@ from torchtitan.experiments.graph_trainer.remove_noop_passes import (
     canonicalize_graph_pass,
     eliminate_dead_code_pass,
 )
+
+
+def _stage_takes_get_mesh() -> bool:
+    import inspect
+
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    return "get_mesh" in inspect.signature(PipelineStage.__init__).parameters
+
+
+if _stage_takes_get_mesh():
+    GraphPipelineStage = _TTGraphPipelineStage
+else:
+    class GraphPipelineStage(_TTGraphPipelineStage):  # type: ignore[no-redef]
+        """torchtitan 0.3.0's graph stage on a torch whose ``PipelineStage`` has no
+        ``get_mesh`` (torch 2.11, the GPU machine's): torchtitan's ``__init__`` passes it
+        through, so this one calls ``PipelineStage.__init__`` without it and sets the state
+        torchtitan's ``__init__`` sets (and ``_runtime_validate``, which torchtitan's runtime
+        reads and torch 2.13's stage sets). autopp's stages exchange local tensors (never
+        DTensors), so the mesh callback is not needed there."""
+
+        def __init__(self, submodule, *, stage_index, num_stages, device, input_args=None,
+                     output_args=None, group=None, get_mesh=None) -> None:
+            from torch.distributed.pipelining.stage import PipelineStage
+
+            if get_mesh is not None:
+                raise NotImplementedError(
+                    f"torch {torch.__version__}'s PipelineStage takes no get_mesh "
+                    "(DTensors between stages need torch >= 2.13)")
+            PipelineStage.__init__(self, submodule, stage_index, num_stages, device,
+                                   input_args=input_args, output_args=output_args,
+                                   group=group)
+            self.graphs = None
+            self.state = _TTStageState()
+            self.saved_values_for_backward_weight_cache = {}
+            self._graph_pp_grads_scaled = False
+            # torchtitan's runtime reads this flag, which torch 2.13's stage sets
+            self._runtime_validate = (torch.distributed.get_debug_level()
+                                      == torch.distributed.DebugLevel.DETAIL)
+
+        def _get_init_p2p_neighbors_ops(self):
+            # torch 2.11 warms up the links to both neighbour stages by send/recv, also when
+            # the neighbour is on this rank (two stages of a V schedule on one rank), which
+            # gloo refuses; torch 2.13 skips them. The runtime hands those over in memory.
+            me = torch.distributed.get_rank(self.group)
+            return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != me]
+
 
 RUNTIME_ACTIONS = (
     FORWARD,
