@@ -65,8 +65,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 #: The checked model: sizes for a GPU (a few GiB at most), and for the CPU mode.
 SIZES = {"cuda": dict(vocab=32000, dim=1024, n_layers=4, n_heads=16, hidden=4096, max_seq=2048),
+         # --large: two blocks of llama3-70B's width (dim 8192, 64 heads, MLP 28672; no
+         # GQA in this model) at seq 8192, where kernels are long enough to hide launches
+         "cuda-large": dict(vocab=32000, dim=8192, n_layers=2, n_heads=64, hidden=28672,
+                            max_seq=8192),
          "cpu": dict(vocab=2048, dim=64, n_layers=4, n_heads=4, hidden=128, max_seq=64)}
-BATCH = {"cuda": (8, 2048), "cpu": (8, 64)}
+BATCH = {"cuda": (8, 2048), "cuda-large": (2, 8192), "cpu": (8, 64)}
+#: The pipelines --large runs (fp32 steps of that size take seconds each).
+LARGE = ("bf16", "bf16-compiled")
 #: The checked pipelines: name -> (schedule, microbatches, bf16 compute). The first is the
 #: strict fp32 parity check and runs the checkpoint round trip.
 PIPELINES = {"gpipe": ("GPipe", 2, False), "zbv": ("ZBVZeroBubble", 4, False),
@@ -76,8 +82,10 @@ COMPILED = {"bf16-compiled": "bf16"}
 PLAN_DIR = Path(__file__).resolve().parent
 
 
-def plan_path(name: str, directory: str | os.PathLike = PLAN_DIR) -> Path:
+def plan_path(name: str, directory: str | os.PathLike = PLAN_DIR, kind: str = "cuda") -> Path:
     """Where pipeline ``name``'s carried plan lies (the first keeps its old file name)."""
+    if kind == "cuda-large":
+        return Path(directory) / f"gpu_check_plan_large_{name}.json"
     return Path(directory) / ("gpu_check_plan.json" if name == "gpipe"
                               else f"gpu_check_plan_{name}.json")
 
@@ -176,7 +184,7 @@ def _profile_row(kind: str, priced_with: str, save: str | None) -> tuple[str, st
     from autopp.profiles.lookup import get_profile
     from autopp.profiles.measure import measure_profile
 
-    measured, priced = measure_profile(world_size=1, device=kind, cache=False), \
+    measured, priced = measure_profile(world_size=1, device=kind.split("-")[0], cache=False), \
         get_profile(priced_with)
     if save:
         save_profile(measured, Path(save))
@@ -305,18 +313,19 @@ def check(kind: str, plans: dict, repeats: int,
     from autopp.profiles.devices import profile_for_device
     from tests.models import ce_loss, make_batch
 
-    device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" \
+    dev = kind.split("-")[0]  # "cuda-large": the larger model on CUDA
+    device = torch.device("cuda", torch.cuda.current_device()) if dev == "cuda" \
         else torch.device("cpu")
     rows = []
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")
-    dist.init_process_group("nccl" if kind == "cuda" else "gloo", rank=0, world_size=1)
+    dist.init_process_group("nccl" if dev == "cuda" else "gloo", rank=0, world_size=1)
     try:
         mesh = build_world_mesh(pp=1, dp=1, tp=1)
-        name = torch.cuda.get_device_name(device) if kind == "cuda" else "cpu"
-        detected = profile_for_device(kind)
+        name = torch.cuda.get_device_name(device) if dev == "cuda" else "cpu"
+        detected = profile_for_device(dev)
         profiles = sorted({p.options.profile for p in plans.values()})
-        rows.append(("device", "ok" if mesh.device_type == kind else "FAIL",
+        rows.append(("device", "ok" if mesh.device_type == dev else "FAIL",
                      f"{name}: profile {detected} (the plans': {', '.join(profiles)}); mesh "
                      f"device {mesh.device_type} under {dist.get_backend()}"))
         rows.append(_attention_row(device))
@@ -336,7 +345,7 @@ def check(kind: str, plans: dict, repeats: int,
             return pipe
 
         for i, (pname, plan) in enumerate(plans.items()):
-            if kind == "cuda":  # what earlier pipelines left is not this one's
+            if dev == "cuda":  # what earlier pipelines left is not this one's
                 gc.collect()
                 torch.cuda.empty_cache()
                 base = torch.cuda.memory_allocated(device)
@@ -351,13 +360,13 @@ def check(kind: str, plans: dict, repeats: int,
                 pipe.zero_grad()
                 pipe.step(tokens, target=target)
 
-            if kind == "cuda":
+            if dev == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             step, est = _timed(device, autopp_step, repeats), plan.estimates
             # the pipeline's own peak: the allocator's, less what was held before it was built
             # (the references' gradients)
-            peak_bytes = torch.cuda.max_memory_allocated(device) - base if kind == "cuda" else 0
-            peak_reserved = torch.cuda.max_memory_reserved(device) if kind == "cuda" else 0
+            peak_bytes = torch.cuda.max_memory_allocated(device) - base if dev == "cuda" else 0
+            peak_reserved = torch.cuda.max_memory_reserved(device) if dev == "cuda" else 0
             plain = _plain_step(kind, device, tokens, target, plan.n_microbatches,
                                 torch.bfloat16 if bf16 else None)
             plain_s = _timed(device, plain, repeats)
@@ -371,7 +380,7 @@ def check(kind: str, plans: dict, repeats: int,
                          f"{repeats}; the plan's {est.step_time_s * 1e3:.2f} ms (measured / "
                          f"planned {step / est.step_time_s:.2f}); the plain model in eager "
                          f"torch {plain_s * 1e3:.2f} ms (autopp / plain {step / plain_s:.2f})"))
-            if kind == "cuda":
+            if dev == "cuda":
                 planned = est.peak_bytes[0]
                 rows.append((f"peak {pname}", "measured",
                              f"{peak_bytes / 2**20:.0f} MiB allocated over the timed steps, "
@@ -391,9 +400,9 @@ def check(kind: str, plans: dict, repeats: int,
                 rows.append(("checkpoint", "ok" if abs(after - before) <= 1e-6 else "FAIL",
                              f"eval loss {before:.6f} saved, {after:.6f} loaded"))
             del pipe, autopp_step
-            if kind == "cuda":
+            if dev == "cuda":
                 torch.cuda.empty_cache()
-        if kind != "cuda":
+        if dev != "cuda":
             rows.append(("peak", "skipped", "the CPU allocator keeps no peak"))
     finally:
         dist.destroy_process_group()
@@ -409,6 +418,9 @@ def main() -> None:
     p.add_argument("--make-plans", default=None, metavar="DIR",
                    help="make the plans here (HiGHS) and save them in DIR (the GPU model's; "
                         "with --cpu the CPU model's); no checks")
+    p.add_argument("--large", action="store_true",
+                   help="the larger model (two llama3-70B-wide blocks, seq 8192) on CUDA, "
+                        f"pipelines {', '.join(LARGE)}")
     p.add_argument("--only", default=None, help="comma-separated pipelines of "
                    f"{', '.join([*PIPELINES, *COMPILED])} (default: all)")
     p.add_argument("--profile", default="H200", help="profile of --make-plans' GPU plans")
@@ -422,16 +434,17 @@ def main() -> None:
     args = p.parse_args()
     from autopp import PipelinePlan
 
-    kind = "cpu" if args.cpu else "cuda"
-    names = args.only.split(",") if args.only else [*PIPELINES, *COMPILED]
+    kind = "cpu" if args.cpu else "cuda-large" if args.large else "cuda"
+    names = args.only.split(",") if args.only else list(LARGE) if args.large \
+        else [*PIPELINES, *COMPILED]
     profile = "CPU" if args.cpu else args.profile
     if args.make_plans:
         for name in (n for n in names if n in PIPELINES):
-            path = plan_path(name, args.make_plans)
+            path = plan_path(name, args.make_plans, kind)
             make_plan(kind, profile, name).save(path)
             print(f"saved the {profile} plan of the check's {name} pipeline to {path}")
         return
-    if kind == "cuda" and not torch.cuda.is_available():
+    if kind != "cpu" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here: run with --cpu for the same checks on CPU")
     t0 = time.perf_counter()
     plan_dir = args.plans or (None if args.cpu else PLAN_DIR)
@@ -439,7 +452,7 @@ def main() -> None:
     for name in names:
         of = COMPILED.get(name, name)
         if of not in made:
-            made[of] = PipelinePlan.load(plan_path(of, plan_dir)) if plan_dir \
+            made[of] = PipelinePlan.load(plan_path(of, plan_dir, kind)) if plan_dir \
                 else make_plan(kind, profile, of)
     plans = {name: made[COMPILED.get(name, name)] for name in names}
     if args.trace:
