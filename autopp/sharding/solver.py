@@ -464,6 +464,7 @@ class Model:
         start: Mapping[fx.Node, Option] | None = None,
         rel_gap: float = 1e-6,
         max_nodes: int | None = None,
+        round_fractional: bool = False,
     ) -> SolveResult:
         """Solve with some nodes' placements restricted; raise InfeasiblePlanError naming them.
 
@@ -476,7 +477,10 @@ class Model:
         feasible choice to start branching from (a MIP incumbent). ``rel_gap``: the MIP's
         relative optimality gap (looser for the price search's intermediate solves).
         ``max_nodes``: a deterministic bound on the MIP's branch-and-bound nodes (the best
-        solution found by then is returned; its bound says how far it may be)."""
+        solution found by then is returned; its bound says how far it may be).
+        ``round_fractional``: where the LP relaxation is not integral, return its rounding
+        (each node's largest option) instead of solving the MIP; the LP's optimum stays the
+        result's proven bound (the price search's intermediate solves)."""
         if budget == "default":
             budget = self.memory_budget_bytes
         least = None if not math.isinf(price) else "tied" if price > 0 else "bytes"
@@ -519,7 +523,11 @@ class Model:
             dt += dt2
             status += (f" ({CAP_DROPPED} of {format_bytes(cap)} dropped: no plan keeps "
                        "every tensor under it)")
-        if x.size and np.any((x[ints] > 1e-6) & (x[ints] < 1 - 1e-6)):
+        rounded = False
+        if x.size and np.any((x[ints] > 1e-6) & (x[ints] < 1 - 1e-6)) and round_fractional:
+            rounded = True
+            status += " (LP relaxation fractional: rounded)"
+        elif x.size and np.any((x[ints] > 1e-6) & (x[ints] < 1 - 1e-6)):
             hint = None
             if start is not None:  # x columns of a feasible choice: 1 chosen, 0 the others
                 vals = np.zeros(self.num_x)
@@ -548,7 +556,9 @@ class Model:
         res = evaluate(self, choice, num_vars=self.num_vars, solve_s=dt, status=status,
                        recompute=recompute)
         mem = self.memory_row.coefs(t)
-        ilp_mem = float(sum(v * x[c] for c, v in mem.items()))
+        # a rounded LP has no memory row value of its own (its continuous terms belong to the
+        # fractional point): what it holds is the evaluated memory
+        ilp_mem = float("nan") if rounded else float(sum(v * x[c] for c, v in mem.items()))
         return replace(res, ilp_objective_s=obj if price == 0 else float("nan"),
                        ilp_memory_bytes=ilp_mem, num_vars=len(integer),
                        bound_s=float("nan") if math.isinf(price) else bound,

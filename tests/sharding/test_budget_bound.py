@@ -36,7 +36,7 @@ class _ListedModel:
         self.budget_solves = 0
 
     def solve(self, *restrictions, time_limit_s, recompute, budget, price, start, rel_gap,
-              max_nodes=None):
+              max_nodes=None, round_fractional=False):
         plans = [(t, m) for t, m in self.plans[recompute] if budget is None or m <= budget]
         if budget is not None:
             self.budget_solves += 1

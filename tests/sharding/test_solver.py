@@ -100,3 +100,48 @@ def test_least_memory_breaks_ties_by_time(stack_of, make_mesh):
     assert fastest.memory_bytes <= least.memory_bytes
     assert least.objective_s <= fastest.objective_s * (1 + 1e-6), (least.objective_s,
                                                                   fastest.objective_s)
+
+
+def test_a_fractional_price_solve_is_rounded_not_branched(llama_debug, make_mesh):
+    """``round_fractional=True`` (the price search's intermediate solves): where the LP
+    relaxation is fractional, the result is its rounding (each node's largest option) with
+    the LP's optimum as its proven bound, and no MIP runs; without it, the MIP runs. The LP
+    is made fractional here by rewriting one node's columns in the relaxation's answer
+    (0.6 / 0.4 over its first two options): small blocks' relaxations come out integral."""
+    import math
+
+    from autopp.sharding.chain import block_restrictions, boundary_candidates, trace_block
+    from autopp.sharding.costs import CostModel
+    from autopp.profiles.lookup import get_profile
+    from autopp.sharding.memory_row import MemorySpec
+    from autopp.sharding.solver import Model
+
+    mesh = make_mesh(2, 2)
+    traced = trace_block(llama_debug.layers["0"], torch.empty(8, 64, 256, device="meta"), mesh)
+    model = Model(traced.strategies, CostModel(get_profile("H100"), (2, 2)),
+                  memory=MemorySpec(optimizer_state_factor=2.0, activation_factor=2.0))
+    a = next(iter(boundary_candidates(traced, ("dp", "tp"))))
+    restrict = block_restrictions(traced, a, a)
+    node = next(n for n, opts in model.options.items() if len(opts) >= 2 and n not in restrict[0])
+    real, calls = model._warm.run, []
+
+    def fractional(lp, upper, integer, as_mip, *args, **kw):
+        x, dt, status, obj, bound = real(lp, upper, integer, as_mip, *args, **kw)
+        calls.append(as_mip)
+        if not as_mip:
+            x = x.copy()
+            c = model.col0[node]
+            x[c:c + len(model.options[node])] = 0.0
+            x[c], x[c + 1] = 0.6, 0.4
+        return x, dt, status, obj, bound
+
+    model._warm.run = fractional
+    price = 1e-12
+    res = model.solve(*restrict, budget=None, price=price, round_fractional=True)
+    assert calls == [False] and "rounded" in res.status
+    assert res.choice[node] == model.options[node][0]
+    assert res.bound_s <= res.objective_s + price * res.memory_bytes
+    assert math.isnan(res.ilp_memory_bytes)
+    calls.clear()
+    branched = model.solve(*restrict, budget=None, price=price)
+    assert calls == [False, True] and "rounded" not in branched.status
