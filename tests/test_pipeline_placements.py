@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from autopp import build_world_mesh, cross_entropy, init_fake_world, stage_sub_mesh
-from autopp.plan.make import choose_boundaries, describe_loss, loss_kinds
+from autopp.plan.boundaries import choose_boundaries
+from autopp.plan.make import describe_loss, loss_kinds
 from autopp.sharding.loss_cost import cross_entropy_time_s
 
 

@@ -47,7 +47,8 @@ import torch.distributed as dist
 from torch import nn
 
 from autopp.stage_split.for_schedule import split_for_schedule, stage_ranks_of
-from autopp.plan.make import BOUNDARIES, loss_time_s, plan_whole_pipeline
+from autopp.plan.boundaries import BOUNDARIES
+from autopp.plan.make import loss_time_s, plan_whole_pipeline
 from autopp.plan.stage_inputs import last_stage_output, stage_meta_inputs
 from autopp.backends import PlannerOptions
 from autopp.format import compact_modules
@@ -113,7 +114,7 @@ class StageReport:
     torchtitan_cached: bool = False
     torchtitan_cost: StageCost | None = None
     boundary_out: str = "batch"
-    """Placement of what the stage sends (a key of ``autopp.plan.make.BOUNDARIES``); for the
+    """Placement of what the stage sends (a key of ``autopp.plan.boundaries.BOUNDARIES``); for the
     last stage, of its logits ("vocab": loss parallel)."""
     loss_s: float = 0.0
     """Last stage: estimated fwd+bwd time of the loss on one microbatch (0 elsewhere)."""

@@ -252,7 +252,7 @@ class PipelinePlan:
     """Each stage's sharding plan over its dp × tp sub-mesh."""
     boundaries: tuple[str, ...]
     """Placement into stage ``s`` (``boundaries[s]``) and out of it (``boundaries[s + 1]``):
-    "batch" or "batch+seq" (a key of :data:`autopp.plan.make.BOUNDARIES`); the last entry
+    "batch" or "batch+seq" (a key of :data:`autopp.plan.boundaries.BOUNDARIES`); the last entry
     is the loss placement ("vocab": loss parallel)."""
     recompute: tuple[str, ...]
     """Per stage: the activation recomputation its backward pieces run ("none",
