@@ -523,11 +523,11 @@ class Model:
             dt += dt2
             status += (f" ({CAP_DROPPED} of {format_bytes(cap)} dropped: no plan keeps "
                        "every tensor under it)")
-        rounded = False
-        if x.size and np.any((x[ints] > 1e-6) & (x[ints] < 1 - 1e-6)) and round_fractional:
-            rounded = True
+        fractional = bool(x.size) and bool(np.any((x[ints] > 1e-6) & (x[ints] < 1 - 1e-6)))
+        rounded = fractional and round_fractional
+        if rounded:
             status += " (LP relaxation fractional: rounded)"
-        elif x.size and np.any((x[ints] > 1e-6) & (x[ints] < 1 - 1e-6)):
+        elif fractional:
             hint = None
             if start is not None:  # x columns of a feasible choice: 1 chosen, 0 the others
                 vals = np.zeros(self.num_x)
@@ -556,13 +556,13 @@ class Model:
         res = evaluate(self, choice, num_vars=self.num_vars, solve_s=dt, status=status,
                        recompute=recompute)
         mem = self.memory_row.coefs(t)
-        # a rounded LP has no memory row value of its own (its continuous terms belong to the
-        # fractional point): what it holds is the evaluated memory
+        # a rounded LP has no memory row or objective value of its own (they belong to the
+        # fractional point, whose optimum stays the bound): its evaluation is what it holds
         ilp_mem = float("nan") if rounded else float(sum(v * x[c] for c, v in mem.items()))
         return replace(res, ilp_objective_s=obj if price == 0 else float("nan"),
                        ilp_memory_bytes=ilp_mem, num_vars=len(integer),
                        bound_s=float("nan") if math.isinf(price) else bound,
-                       ilp_value_s=float("nan") if math.isinf(price) else obj)
+                       ilp_value_s=float("nan") if math.isinf(price) or rounded else obj)
 
 
 def solve(prob: Problem) -> SolveResult:

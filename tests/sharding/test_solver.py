@@ -141,7 +141,7 @@ def test_a_fractional_price_solve_is_rounded_not_branched(llama_debug, make_mesh
     assert calls == [False] and "rounded" in res.status
     assert res.choice[node] == model.options[node][0]
     assert res.bound_s <= res.objective_s + price * res.memory_bytes
-    assert math.isnan(res.ilp_memory_bytes)
+    assert math.isnan(res.ilp_memory_bytes) and math.isnan(res.ilp_value_s)
     calls.clear()
     branched = model.solve(*restrict, budget=None, price=price)
     assert calls == [False, True] and "rounded" not in branched.status
