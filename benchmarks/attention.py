@@ -1,5 +1,7 @@
 """Attention forward + backward on CPU: autopp's op against torch's own SDPA under autograd
-and against the op's previous, unfused backward (probabilities recomputed in fp32 matmuls).
+and against the op's two previous backwards: the one that ran torch's SDPA forward again
+under autograd (before the op saved its output and log-sum-exp, 2026-12-05), and the
+unfused one (probabilities recomputed in fp32 matmuls).
 
     .venv/bin/python benchmarks/attention.py --seq 2048 --heads 8 --dim 64
 
@@ -8,8 +10,8 @@ allocator events, which also see a fused kernel's scratch: :func:`peak_bytes_dur
 ``benchmarks/memory.py``), the median time of ``--repeats`` runs side by side in one
 process, and the largest difference of the gradients from torch's; then the backward op's time over
 the forward op's, and the causal forward's over the full one's, measured and as the cost
-model prices them (their registered FLOPs). The previous backward is
-written out here only to measure it (it is what ``autopp::sdpa_backward`` ran before).
+model prices them (their registered FLOPs). The previous backwards are written out here
+only to measure them (they are what ``autopp::sdpa_backward`` ran before).
 """
 
 from __future__ import annotations
@@ -60,8 +62,13 @@ def main() -> None:
         return torch.autograd.grad(out, (q, k, v), g)
 
     def autopp_op():
-        out = torch.ops.autopp.sdpa(q, k, v, True, scale, False)
+        out, _ = torch.ops.autopp.sdpa(q, k, v, True, scale, False)
         return torch.autograd.grad(out, (q, k, v), g)
+
+    def forward_again():
+        with torch.no_grad():
+            torch.ops.autopp.sdpa(q, k, v, True, scale, False)
+        return torch_sdpa()
 
     def previous():
         with torch.no_grad():
@@ -71,6 +78,7 @@ def main() -> None:
     ref = torch_sdpa()
     rows = []
     for name, fn in (("torch SDPA autograd", torch_sdpa), ("autopp::sdpa (fused bwd)", autopp_op),
+                     ("bwd re-running the fwd", forward_again),
                      ("previous unfused bwd", previous)):
         got = fn()
         err = max(float((a - b).abs().max()) for a, b in zip(got, ref))
@@ -92,13 +100,15 @@ def main() -> None:
 
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     fwd = median_s(lambda: torch.ops.autopp.sdpa(qd, kd, vd, True, scale, False))
-    bwd = median_s(lambda: torch.ops.autopp.sdpa_backward(g, qd, kd, vd, True, scale, False))
+    out, lse = torch.ops.autopp.sdpa(qd, kd, vd, True, scale, False)
+    bwd = median_s(lambda: torch.ops.autopp.sdpa_backward(g, qd, kd, vd, out, lse, True, scale,
+                                                          False))
     from torch.utils.flop_counter import FlopCounterMode
 
     with FlopCounterMode(display=False) as fc_f:
         torch.ops.autopp.sdpa(qd, kd, vd, True, scale, False)
     with FlopCounterMode(display=False) as fc_b:
-        torch.ops.autopp.sdpa_backward(g, qd, kd, vd, True, scale, False)
+        torch.ops.autopp.sdpa_backward(g, qd, kd, vd, out, lse, True, scale, False)
     priced = fc_b.get_total_flops() / fc_f.get_total_flops()
     seq2 = args.batch * args.heads * args.seq ** 2 * 4
     print(f"attention fwd+bwd, causal, fp32, (b, h, s, d) = {shape}; one fp32 (b, h, s, s) "

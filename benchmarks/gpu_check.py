@@ -147,7 +147,7 @@ def _attention_row(device: torch.device) -> tuple[str, str, str]:
             out = op(q, k, v)
             return torch.autograd.grad(out, (q, k, v), g)
 
-        ours = lambda q, k, v: torch.ops.autopp.sdpa(q, k, v, True, d ** -0.5, False)  # noqa: E731
+        ours = lambda q, k, v: torch.ops.autopp.sdpa(q, k, v, True, d ** -0.5, False)[0]  # noqa: E731
         theirs = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
         with FlopCounterMode(display=False) as counter:
             run(ours)

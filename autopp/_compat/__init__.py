@@ -10,6 +10,9 @@ torchtitan. A torch or torchtitan upgrade that moves one of them should touch th
 * :mod:`autopp._compat.torchtitan`: torchtitan's private pipeline-split helpers and torch's
   state-dict hook tables, used by :mod:`autopp.integrations.torchtitan`.
 * :mod:`autopp._compat.distributed`: c10d's process-group internals and the fake store.
+* :mod:`autopp._compat.attention`: the fused SDPA kernels' aten entry points (CPU flash;
+  CUDA flash, memory-efficient, cuDNN) and torch's choice among them, used by
+  :mod:`autopp.ops.attention`.
 
 A test (``tests/test_layout.py``) fails on an underscore import of torch or torchtitan
 anywhere else in the package.

@@ -112,20 +112,27 @@ def _returns_alias(node: Any) -> bool:
 
 def op_scratch_bytes(node: Any) -> int:
     """Bytes an op holds internally while it runs, beyond its inputs and outputs, where that
-    is large and known: ``autopp::sdpa_backward`` (:mod:`autopp.ops.attention`) re-runs the
-    fused forward for its output (q's shape with v's head size, q's dtype) and fp32
-    log-sum-exp (batch x heads x seq), and the fused backward's q, k and v gradients exist
-    before they are copied into the op's outputs. No seq x seq tensor: the kernels are
-    fused (before they were, five fp32 batch x heads x seq x seq tensors were counted)."""
-    if "sdpa_backward" not in str(node.target):
+    is large and known: autopp's attention (:mod:`autopp.ops.attention`). Its forward
+    repeats keys and values per query head under grouped-query attention; its backward
+    (the fused kernel's, from the saved output and log-sum-exp: the forward is not run
+    again) repeats them too, and the kernel's q, k and v gradients (at the query's head
+    count) exist before they are summed per group and copied into the op's outputs. No
+    seq x seq tensor: the kernels are fused."""
+    target = str(node.target)
+    backward = "autopp.sdpa_backward" in target
+    if not backward and "autopp.sdpa." not in target:
         return 0
-    q, k, v = (a.meta.get("val") for a in node.args[1:4])
+    tensors = node.args[1:4] if backward else node.args[0:3]
+    q, k, v = (a.meta.get("val") for a in tensors)
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return 0
-    out = q.numel() // q.shape[-1] * v.shape[-1] * q.element_size()
-    lse = q.numel() // q.shape[-1] * 4
-    grads = sum(t.numel() * t.element_size() for t in (q, k, v))
-    return out + lse + grads
+    groups = q.shape[1] // k.shape[1]
+    repeated = 0 if groups == 1 else groups * sum(t.numel() * t.element_size() for t in (k, v))
+    if not backward:
+        return repeated
+    grads = q.numel() * q.element_size() + groups * sum(
+        t.numel() * t.element_size() for t in (k, v))
+    return repeated + grads
 
 
 def graph_peak_bytes(gm: Any) -> int:
@@ -133,7 +140,7 @@ def graph_peak_bytes(gm: Any) -> int:
     fx's generated code runs it (a value is freed after its last reader; views, in-place
     ops and collective waits share their input's memory). Its inputs are not counted (the
     caller holds them); its outputs are, and stay to the end. Kernels' internal scratch
-    memory is not seen, except autopp's attention backward's (:func:`op_scratch_bytes`)."""
+    memory is not seen, except autopp's attention's (:func:`op_scratch_bytes`)."""
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     last = {n: max((index[u] for u in n.users), default=index[n]) for n in nodes}

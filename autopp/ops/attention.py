@@ -9,20 +9,25 @@ routes SDPA calls (no mask, no dropout) to the custom op ``autopp::sdpa``:
 * its sharding rule (registered with DTensor's public ``register_sharding``) splits batch or
   heads, never the sequence, on each mesh dim, so the planner's candidates for attention are
   the same on every device;
-* its kernel is ``F.scaled_dot_product_attention`` on the local shards, so at run time the
-  device picks its fused kernel (flash on GPUs, the CPU flash kernel on CPUs);
-* its backward ``autopp::sdpa_backward`` runs torch's own SDPA forward and backward on the
-  local shards (autograd switched back on inside the kernel), so the device's fused
-  backward runs (the CPU flash kernel, flash / memory-efficient / cuDNN on CUDA, as torch
-  chooses) and no seq x seq tensor exists in either direction; the forward saves only q, k
-  and v, so the backward re-runs the forward once for the output and log-sum-exp the fused
-  backward reads (priced: 3.5x the forward's FLOPs).
+* its kernel is the fused kernel torch picks for the same SDPA call on the local shards
+  (the CPU flash kernel; flash, memory-efficient or cuDNN on CUDA), called through its
+  aten entry point (:mod:`autopp._compat.attention`) so the op returns, and autograd saves,
+  the output *and* the log-sum-exp that kernel's backward reads;
+* its backward ``autopp::sdpa_backward`` runs that kernel's fused backward on the saved
+  output and log-sum-exp: the forward is never run again, and no seq x seq tensor exists in
+  either direction. Priced as the fused kernels run: the backward's five matmuls are 2.5x
+  the forward's two, over the pairs the causal mask keeps.
+
+Where torch would run its math path instead (no fused kernel for these inputs), the op runs
+``F.scaled_dot_product_attention`` and its backward re-runs it under autograd (same values,
+slower; logged once).
 
 FLOPs are registered with torch's FLOP counter, which the planner's cost model reads.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -33,24 +38,46 @@ from torch.distributed.tensor.experimental import register_sharding
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import register_flop_formula
 
+from autopp._compat import attention as fused
 from autopp._compat.sharding import autograd_inside_custom_op
 from autopp.graph.recompute import save_under_selective
+
+logger = logging.getLogger(__name__)
+_UNFUSED_LOGGED: set[tuple[str, torch.dtype]] = set()
+
+
+def _log_unfused(q: Tensor) -> None:
+    key = (q.device.type, q.dtype)
+    if key not in _UNFUSED_LOGGED:
+        _UNFUSED_LOGGED.add(key)
+        logger.info("autopp::sdpa: torch picks no fused attention kernel for %s %s inputs "
+                    "of shape %s; running its math path (the backward runs it again)",
+                    q.device.type, q.dtype, tuple(q.shape))
 
 
 @torch.library.custom_op("autopp::sdpa", mutates_args=())
 def sdpa(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
-         enable_gqa: bool) -> Tensor:
-    """Scaled dot-product attention, ``(batch, heads, seq, head_dim)`` layout.
+         enable_gqa: bool) -> tuple[Tensor, Tensor]:
+    """Scaled dot-product attention, ``(batch, heads, seq, head_dim)`` layout: its output
+    and the fp32 log-sum-exp ``(batch, heads, seq)`` of each query's scores, which the fused
+    backward reads (nothing meaningful on the math path, where no fused kernel ran).
 
     The output is contiguous, as the fake kernel promises (the fused kernels return other
     strides for transposed inputs; Inductor checks the promise)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
-                                          enable_gqa=enable_gqa).contiguous()
+    got = fused.fused_forward(q, k, v, is_causal, scale)
+    if got is None:
+        _log_unfused(q)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                             enable_gqa=enable_gqa)
+        return out.contiguous(), q.new_zeros(q.shape[:3], dtype=fused.LSE_DTYPE)
+    out, lse = got
+    return out.contiguous(), lse.contiguous()
 
 
 @sdpa.register_fake
 def _(q, k, v, is_causal, scale, enable_gqa):
-    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+    return (q.new_empty((*q.shape[:-1], v.shape[-1])),
+            q.new_empty(q.shape[:3], dtype=fused.LSE_DTYPE))
 
 
 # selective recompute saves attention's output rather than running attention a third time
@@ -58,39 +85,45 @@ save_under_selective(torch.ops.autopp.sdpa)
 
 
 @torch.library.custom_op("autopp::sdpa_backward", mutates_args=())
-def sdpa_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
-                  scale: float, enable_gqa: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of :func:`sdpa` w.r.t. q, k, v, by the device's fused SDPA backward.
+def sdpa_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                  is_causal: bool, scale: float, enable_gqa: bool
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`sdpa` w.r.t. q, k, v, by the fused backward of the kernel the
+    forward ran, from the forward's saved output ``out`` and log-sum-exp ``lse``.
 
-    A custom op's kernel runs below autograd; autograd is switched back on inside it
-    (:func:`~autopp._compat.sharding.autograd_inside_custom_op`) to run torch's own SDPA
-    forward and backward on the local shards, so torch picks the fused kernels as it does
-    for any SDPA call (CPU: the flash kernel for CPUs; CUDA: flash, memory-efficient or
-    cuDNN). The forward is re-run once to give the backward what it needs (its output and
-    log-sum-exp); nothing of size seq x seq is made in either direction."""
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    with autograd_inside_custom_op(), torch.enable_grad():
-        out = F.scaled_dot_product_attention(*leaves, is_causal=is_causal, scale=scale,
-                                             enable_gqa=enable_gqa)
-        grads = torch.autograd.grad(out, leaves, grad)
+    Where no fused kernel applies, autograd is switched back on inside the op
+    (:func:`~autopp._compat.sharding.autograd_inside_custom_op`) to re-run torch's own SDPA
+    forward and backward on the local shards."""
+    grads = fused.fused_backward(grad, q, k, v, out, lse, is_causal, scale)
+    if grads is None:
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        with autograd_inside_custom_op(), torch.enable_grad():
+            again = F.scaled_dot_product_attention(*leaves, is_causal=is_causal, scale=scale,
+                                                   enable_gqa=enable_gqa)
+            grads = torch.autograd.grad(again, leaves, grad)
     # each gradient laid out like its input, as the fake kernel promises
     return tuple(torch.empty_like(t).copy_(d) for t, d in zip((q, k, v), grads))
 
 
 @sdpa_backward.register_fake
-def _(grad, q, k, v, is_causal, scale, enable_gqa):
+def _(grad, q, k, v, out, lse, is_causal, scale, enable_gqa):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup(ctx, inputs, output):
     q, k, v, is_causal, scale, enable_gqa = inputs
-    ctx.save_for_backward(q, k, v)
+    out, lse = output
+    ctx.mark_non_differentiable(lse)  # statistics for the backward, not a value to train
+    ctx.set_materialize_grads(False)  # no zeros made for the log-sum-exp's gradient
+    ctx.save_for_backward(q, k, v, out, lse)
     ctx.args = (is_causal, scale, enable_gqa)
 
 
-def _backward(ctx, grad):
-    q, k, v = ctx.saved_tensors
-    dq, dk, dv = sdpa_backward(grad, q, k, v, *ctx.args)
+def _backward(ctx, grad, _grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if grad is None:  # the output is not used (only reachable through its statistics)
+        return None, None, None, None, None, None
+    dq, dk, dv = sdpa_backward(grad, q, k, v, out, lse, *ctx.args)
     return dq, dk, dv, None, None, None
 
 
@@ -107,12 +140,12 @@ def _split_batch_or_heads(n_tensors_out: int, n_tensors_in: int):
 
 @register_sharding(torch.ops.autopp.sdpa.default)
 def _sdpa_sharding(q, k, v, is_causal, scale, enable_gqa):
-    return _split_batch_or_heads(1, 3)
+    return _split_batch_or_heads(2, 3)  # output and log-sum-exp: (batch, heads, ...)
 
 
 @register_sharding(torch.ops.autopp.sdpa_backward.default)
-def _sdpa_backward_sharding(grad, q, k, v, is_causal, scale, enable_gqa):
-    return _split_batch_or_heads(3, 4)
+def _sdpa_backward_sharding(grad, q, k, v, out, lse, is_causal, scale, enable_gqa):
+    return _split_batch_or_heads(3, 6)
 
 
 def attended_pairs(lq: int, lk: int, is_causal: bool) -> int:
@@ -137,12 +170,16 @@ def _sdpa_flop(q_shape, k_shape, v_shape, is_causal, *args, **kwargs) -> int:
     return _attention_flops(q_shape, k_shape, v_shape, is_causal)
 
 
+BACKWARD_FLOPS_PER_FORWARD = 2.5
+"""The fused backward's FLOPs per forward FLOP: five matmuls against the forward's two."""
+
+
 @register_flop_formula(torch.ops.autopp.sdpa_backward)
-def _sdpa_backward_flop(grad_shape, q_shape, k_shape, v_shape, is_causal, *args,
-                        **kwargs) -> int:
-    # the forward re-run (1x) + the fused backward's five matmuls (q·kᵀ again, dV, dP, dQ,
-    # dK: 2.5x the forward's two)
-    return int(3.5 * _attention_flops(q_shape, k_shape, v_shape, is_causal))
+def _sdpa_backward_flop(grad_shape, q_shape, k_shape, v_shape, saved_out_shape, lse_shape,
+                        is_causal, *args, **kwargs) -> int:
+    # the fused backward's five matmuls (q·kᵀ again, dV, dP, dQ, dK): 2.5x the forward's two
+    return int(BACKWARD_FLOPS_PER_FORWARD * _attention_flops(q_shape, k_shape, v_shape,
+                                                             is_causal))
 
 
 def packed_documents(position_ids: Tensor) -> Tensor:
@@ -195,7 +232,7 @@ class AttentionAsOneOp(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             call = _as_sdpa(*args, **kwargs)
             if call is not None:
-                return torch.ops.autopp.sdpa(*call)
+                return torch.ops.autopp.sdpa(*call)[0]
         return func(*args, **kwargs)
 
 

@@ -27,8 +27,10 @@ per device, bytes):
   :func:`autopp.graph.recompute.recompute_sets` (``"none"``: every forward value a backward
   node reads; ``"selective"`` / ``"full"``: its ``MUST_SAVE`` values and inputs reached from
   the backward through recomputed nodes), each at :math:`\sum_o b_{u,o} x_{u,o}` (local
-  bytes in the chosen placement). Parameter-only values (views, casts of weights: the
-  unshard graph's) are state, not activations. A recomputing backward re-runs the
+  bytes in the chosen placement; a multi-output node read only through ``getitem``s counts
+  the outputs those read, e.g. attention's log-sum-exp next to its separately saved
+  output). Parameter-only values (views, casts of weights: the unshard graph's) are state,
+  not activations. A recomputing backward re-runs the
   all-gathers of activations (from their saved input: their time is recomputation) and
   never re-runs a reduction: on an edge :math:`e` into a recomputed node whose pair
   :math:`(a, g)` runs a reduction (before any trailing all-gathers), that collective's
@@ -56,6 +58,7 @@ priced they sit at their bounds, and with integral :math:`x` the row then equals
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -176,10 +179,13 @@ class MemoryRow:
         self._terms: dict[str, Terms] = {}
         self._structure: dict[str, tuple] = {}
 
-    def _out_bytes(self, node: fx.Node, o: Option) -> float:
-        """Local bytes of all of ``node``'s tensor outputs under option ``o``."""
-        return sum(self.costs.local_bytes(v, pl) for v, pl in zip(tensor_vals(node), o.out)
-                   if v is not None and pl is not None)
+    def _out_bytes(self, node: fx.Node, o: Option,
+                   only: frozenset[int] | None = None) -> float:
+        """Local bytes of ``node``'s tensor outputs under option ``o`` (those numbered in
+        ``only``, when given)."""
+        return sum(self.costs.local_bytes(v, pl)
+                   for i, (v, pl) in enumerate(zip(tensor_vals(node), o.out))
+                   if v is not None and pl is not None and (only is None or i in only))
 
     def _edge_cut(self, src: fx.Node, k: int, a: Any, g: Any) -> tuple[float, float]:
         """What a recomputing backward does when ``src``'s output ``k`` moves from ``a`` to
@@ -240,7 +246,19 @@ class MemoryRow:
         reach = {by_name[n] for n in sets.saved | sets.recomputed if n in by_name}
         if sig is None:
             reach = set(direct)
-        hit = self._structure[recompute] = (direct, must, reach)
+        # a saved multi-output node that is read only through ``getitem``s of some of its
+        # outputs (the others' getitems saved themselves, or unread) is saved for those
+        # outputs only: e.g. attention's log-sum-exp, which only the backward unpacks, next
+        # to its output, saved as the forward's own getitem
+        readers = bwd_only | {n for n in reach if not self._is_saved_kind(n, must)}
+        partial = {}
+        for n in direct | reach:
+            if len(tensor_vals(n)) < 2:
+                continue
+            users = [u for u in n.users if u in readers]
+            if users and all(u.target is operator.getitem for u in users):
+                partial[n] = frozenset(u.args[1] for u in users)
+        hit = self._structure[recompute] = (direct, must, reach, partial)
         return hit
 
     def _is_saved_kind(self, node: fx.Node, must: set[fx.Node]) -> bool:
@@ -277,7 +295,7 @@ class MemoryRow:
                                     for i, o in enumerate(self.options[grad])], 0.0)
 
     def _activation_terms(self, t: Terms, recompute: Recompute) -> None:
-        direct, must, reach = self._policy_structure(recompute)
+        direct, must, reach, partial = self._policy_structure(recompute)
         nodes = [n for n in self.st.joint.gm.graph.nodes
                  if n in reach and not self._is_state(n) and n in self.options]
         known = set(nodes)
@@ -302,7 +320,7 @@ class MemoryRow:
                             _add(t.act, c, self.costs.local_bytes(tensor_vals(n)[k], a))
                 else:
                     for c, o in opts:
-                        _add(t.act, c, self._out_bytes(n, o))
+                        _add(t.act, c, self._out_bytes(n, o, partial.get(n)))
                 continue
             ns = self.st.nodes[n]
             for c, o in opts:
@@ -393,7 +411,7 @@ class MemoryRow:
                 state += spec.gradient_copies * max(pb, gb)
         act = rtime = 0.0
         if spec.counts_activations or recompute != "none":
-            direct, must, _ = self._policy_structure(recompute)
+            direct, must, _, partial = self._policy_structure(recompute)
             seen: set[fx.Node] = set()
             stack = [n for n in direct if not self._is_state(n) and n in choice]
             while stack:
@@ -402,7 +420,7 @@ class MemoryRow:
                     continue
                 seen.add(n)
                 if self._is_saved_kind(n, must):
-                    act += self._out_bytes(n, choice[n])
+                    act += self._out_bytes(n, choice[n], partial.get(n))
                     continue
                 ns = self.st.nodes[n]
                 rtime += costs.compute_time(ns, choice[n])

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import autopp.ops.attention  # noqa: F401  (registers autopp::sdpa)
+from tests.parity import assert_all_parity, assert_parity
 
 
 @pytest.mark.parametrize("causal,gqa", [(True, False), (False, False), (True, True)])
@@ -17,12 +18,13 @@ def test_sdpa_matches_torch(causal, gqa):
     kv_heads = 2 if gqa else 4
     k = torch.randn(2, kv_heads, 16, 8, requires_grad=True)
     v = torch.randn(2, kv_heads, 16, 8, requires_grad=True)
-    ours = torch.ops.autopp.sdpa(q, k, v, causal, 0.3, gqa)
+    ours, _ = torch.ops.autopp.sdpa(q, k, v, causal, 0.3, gqa)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3, enable_gqa=gqa)
-    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
+    assert_parity(ours, ref, what="output")
     g = torch.randn_like(ours)
-    for a, b in zip(torch.autograd.grad(ours, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_all_parity(dict(zip("qkv", torch.autograd.grad(ours, (q, k, v), g))),
+                      dict(zip("qkv", torch.autograd.grad(ref, (q, k, v), g))),
+                      what="gradient")
 
 
 def test_traced_block_keeps_attention_as_one_op(stack_of):
@@ -45,8 +47,10 @@ def test_custom_ops_pass_opcheck_with_transposed_inputs():
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 16, 4, 8).transpose(1, 2) for _ in range(3))
     g = torch.randn(2, 4, 16, 8)
+    out, lse = torch.ops.autopp.sdpa(q, k, v, True, 0.3, False)
     torch.library.opcheck(torch.ops.autopp.sdpa.default, (q, k, v, True, 0.3, False))
-    torch.library.opcheck(torch.ops.autopp.sdpa_backward.default, (g, q, k, v, True, 0.3, False))
+    torch.library.opcheck(torch.ops.autopp.sdpa_backward.default,
+                          (g, q, k, v, out, lse, True, 0.3, False))
 
 
 def test_selective_recompute_saves_attention_instead_of_running_it_again(stack_of):
@@ -81,7 +85,7 @@ def test_backward_is_fused_and_holds_no_seq_by_seq_tensor():
     g = torch.randn(b, h, s, d)
 
     def ours():
-        out = torch.ops.autopp.sdpa(q, k, v, True, d ** -0.5, False)
+        out, _ = torch.ops.autopp.sdpa(q, k, v, True, d ** -0.5, False)
         return torch.autograd.grad(out, (q, k, v), g)
 
     ref = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), g)
@@ -93,7 +97,8 @@ def test_backward_is_fused_and_holds_no_seq_by_seq_tensor():
 def test_causal_attention_is_priced_by_the_pairs_it_computes():
     """The registered FLOPs (what the planner prices) count the (query, key) pairs the
     causal mask keeps, by hand: seq 4 keeps 4 + 3 + 2 + 1 = 10 of 16 pairs; q·kᵀ and p·v
-    are 2 FLOPs per pair and head dim each; the backward is 3.5 forwards."""
+    are 2 FLOPs per pair and head dim each; the fused backward's five matmuls are 2.5
+    forwards (the forward is not run again)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     import autopp.ops.attention  # noqa: F401  (registers autopp::sdpa)
@@ -101,12 +106,35 @@ def test_causal_attention_is_priced_by_the_pairs_it_computes():
     q = torch.randn(1, 1, 4, 2)
     for causal, pairs in ((False, 16), (True, 10)):
         with FlopCounterMode(display=False) as fc:
-            torch.ops.autopp.sdpa(q, q, q, causal, 1.0, False)
+            out, lse = torch.ops.autopp.sdpa(q, q, q, causal, 1.0, False)
         assert fc.get_total_flops() == 2 * pairs * (2 + 2), (causal, fc.get_total_flops())
         with FlopCounterMode(display=False) as fc:
-            torch.ops.autopp.sdpa_backward(q, q, q, q, causal, 1.0, False)
-        assert fc.get_total_flops() == int(3.5 * 2 * pairs * 4)
+            torch.ops.autopp.sdpa_backward(q, q, q, q, out, lse, causal, 1.0, False)
+        assert fc.get_total_flops() == int(2.5 * 2 * pairs * 4)
     # a longer query than key (top-left causal): query i sees min(i + 1, 3) of 3 keys
     with FlopCounterMode(display=False) as fc:
         torch.ops.autopp.sdpa(q, q[:, :, :3], q[:, :, :3], True, 1.0, False)
     assert fc.get_total_flops() == 2 * (1 + 2 + 3 + 3) * 4
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_backward_runs_the_fused_backward_from_the_saved_statistics(gqa):
+    """Forward + backward run torch's fused CPU kernel once each: the backward reads the
+    output and log-sum-exp the forward saved and never runs the forward again (counted by
+    the profiler, which sees the aten kernels inside the custom ops)."""
+    from torch.profiler import profile
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 64, 16, requires_grad=True)
+    k, v = (torch.randn(2, 2 if gqa else 4, 64, 16, requires_grad=True) for _ in range(2))
+    with profile() as prof:
+        out, lse = torch.ops.autopp.sdpa(q, k, v, True, 0.25, gqa)
+        out.sum().backward()
+    calls = {e.key: e.count for e in prof.key_averages() if "flash_attention" in e.key}
+    assert calls == {"aten::_scaled_dot_product_flash_attention_for_cpu": 1,
+                     "aten::_scaled_dot_product_flash_attention_for_cpu_backward": 1}, calls
+    assert lse.shape == (2, 4, 64) and lse.dtype == torch.float32 and not lse.requires_grad
+    # the log-sum-exp is the one of each query's (causal, scaled) scores, by hand
+    scores = (q @ torch.repeat_interleave(k, 2 if gqa else 1, dim=1).transpose(-2, -1)) * 0.25
+    scores = scores.masked_fill(torch.ones(64, 64, dtype=torch.bool).triu(1), float("-inf"))
+    assert_parity(lse, torch.logsumexp(scores, dim=-1).detach(), what="log-sum-exp")

@@ -1,0 +1,134 @@
+"""The fused SDPA kernels' private aten entry points, forward and backward, one pair per
+backend: what ``autopp::sdpa`` (:mod:`autopp.ops.attention`) calls so that its forward keeps
+the output and log-sum-exp the fused backward reads, and its backward never re-runs the
+forward. torch's own SDPA autograd calls the same pairs (its ``derivatives.yaml``).
+
+The backend is the one torch would pick for ``F.scaled_dot_product_attention`` on the same
+inputs (``torch._fused_sdp_choice``, which honours ``torch.nn.attention.sdpa_kernel``):
+
+===================  =================================================  ================
+backend              forward / backward                                 log-sum-exp
+===================  =================================================  ================
+CPU flash            ``_scaled_dot_product_flash_attention_for_cpu``    (b, h, s_q)
+CUDA flash           ``_scaled_dot_product_flash_attention``            (b, h, s_q)
+CUDA efficient       ``_scaled_dot_product_efficient_attention``        (b, h, ⌈s_q/32⌉·32)
+CUDA cuDNN           ``_scaled_dot_product_cudnn_attention``            (b, h, s_q, 1)
+===================  =================================================  ================
+
+Every log-sum-exp is handed out as ``(b, h, s_q)`` fp32 (:data:`LSE_DTYPE`) and given back
+to its kernel in the kernel's own shape. The kernels run without dropout, so the random
+state their backwards take is never read; it is passed as the forwards return it when not
+capturing a CUDA graph (host tensors of the forwards' shapes). Grouped-query attention
+(fewer key/value heads) is run on keys and values repeated per query head, as torch's math
+path does, and their gradients summed back per group. Where torch would pick no fused
+kernel (its math path, or a backend not listed), :func:`fused_forward` returns None.
+
+The CPU pair is checked against ``F.scaled_dot_product_attention`` in the test suite; the
+CUDA pairs by the prepared GPU check (``scripts/gpu_check.sh``), which compares them with
+torch's SDPA autograd on the device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+from torch.nn.attention import SDPBackend
+
+LSE_DTYPE = torch.float32
+"""dtype of the log-sum-exp every fused kernel keeps for its backward."""
+
+_aten = torch.ops.aten
+
+
+def _repeat_kv(q: Tensor, t: Tensor) -> Tensor:
+    """Keys or values repeated per query head (grouped-query attention), as torch's math
+    path repeats them; ``t`` itself when the head counts agree."""
+    groups = q.shape[1] // t.shape[1]
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _sum_groups(grad: Tensor, like: Tensor) -> Tensor:
+    """A repeated key's or value's gradient summed back over its query-head group."""
+    kv_heads = like.shape[1]
+    if grad.shape[1] == kv_heads:
+        return grad
+    return grad.unflatten(1, (kv_heads, grad.shape[1] // kv_heads)).sum(2)
+
+
+def fused_backend(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
+                  scale: float) -> SDPBackend | None:
+    """The fused backend torch picks for these (equal-head) inputs, None for its math path
+    or a backend this module does not drive."""
+    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale)
+    backend = SDPBackend(choice)
+    if q.device.type == "cpu":
+        return backend if backend == SDPBackend.FLASH_ATTENTION else None
+    if q.device.type == "cuda" and backend in (
+            SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+            SDPBackend.CUDNN_ATTENTION):
+        return backend
+    return None
+
+
+def fused_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
+                  scale: float) -> tuple[Tensor, Tensor] | None:
+    """``(output, log-sum-exp)`` of causal or full attention by the fused kernel torch
+    picks; None where it would pick none (the caller then runs torch's own SDPA)."""
+    k, v = _repeat_kv(q, k), _repeat_kv(q, v)
+    backend = fused_backend(q, k, v, is_causal, scale)
+    b, h, s = q.shape[:3]
+    if backend is None:
+        return None
+    if q.device.type == "cpu":
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, scale=scale)
+    elif backend == SDPBackend.FLASH_ATTENTION:
+        out, lse = _aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, is_causal, False, scale=scale)[:2]
+    elif backend == SDPBackend.EFFICIENT_ATTENTION:
+        out, lse = _aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, is_causal, scale=scale)[:2]
+    else:
+        out, lse = _aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, is_causal, False, scale=scale)[:2]
+    return out, lse.reshape(b, h, -1)[..., :s].to(LSE_DTYPE)
+
+
+def _host_scalars(dtype: torch.dtype, seed_shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    return (torch.zeros(seed_shape, dtype=dtype), torch.zeros((), dtype=dtype))
+
+
+def fused_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                   is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Gradients of q, k and v by the backward of the kernel :func:`fused_forward` ran
+    (the same choice, made again on the same inputs), from its output and log-sum-exp;
+    None where no fused kernel applies."""
+    k_rep, v_rep = _repeat_kv(q, k), _repeat_kv(q, v)
+    backend = fused_backend(q, k_rep, v_rep, is_causal, scale)
+    if backend is None:
+        return None
+    b, h, s = q.shape[:3]
+    grad = grad.contiguous()  # laid out as the saved output is (contiguous)
+    if q.device.type == "cpu":
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k_rep, v_rep, out, lse, 0.0, is_causal, scale=scale)
+    elif backend == SDPBackend.FLASH_ATTENTION:
+        seed, offset = _host_scalars(torch.uint64, (2,))
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+            grad, q, k_rep, v_rep, out, lse, None, None, s, k.shape[2], 0.0, is_causal,
+            seed, offset, scale=scale)
+    elif backend == SDPBackend.EFFICIENT_ATTENTION:
+        padded = lse.new_zeros(b, h, math.ceil(s / 32) * 32)
+        padded[..., :s] = lse
+        seed, offset = _host_scalars(torch.int64, ())
+        dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+            grad, q, k_rep, v_rep, None, out, padded, seed, offset, 0.0,
+            [True, True, True, False], is_causal, scale=scale)
+    else:
+        seed, offset = _host_scalars(torch.int64, ())
+        dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
+            grad, q, k_rep, v_rep, out, lse.unsqueeze(-1), seed, offset, None, None, None,
+            s, k.shape[2], 0.0, is_causal, scale=scale)
+    return dq, _sum_groups(dk, k), _sum_groups(dv, v)
