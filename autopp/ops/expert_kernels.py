@@ -199,11 +199,14 @@ def _pack(*parts: Tensor) -> Tensor:
 
 def _unpack(buf: Tensor, likes: tuple[Tensor, ...]) -> list[Tensor]:
     """The inverse of :func:`_pack`: one tensor per ``like`` (its dtype and row width, the
-    row width of a 1-D ``like`` being 1)."""
+    row width of a 1-D ``like`` being 1), each a copy of its own (the slice of one row is
+    contiguous already, but neither aligned for its dtype nor strided as the grouped matmul
+    needs)."""
     out, at = [], 0
     for t in likes:
         width = (t.shape[-1] if t.dim() > 1 else 1) * t.element_size()
-        part = buf[:, at:at + width].contiguous().view(t.dtype)
+        part = buf[:, at:at + width].clone(memory_format=torch.contiguous_format)
+        part = part.view(t.dtype)
         out.append(part if t.dim() > 1 else part.reshape(-1))
         at += width
     return out

@@ -172,3 +172,16 @@ def test_active_parameters_count_k_of_e_routed_experts():
     assert adapters.active_parameters(model) == total - 3 * experts_per_layer * (1 - 3 / 8)
     dense = llama3_meta(2)
     assert adapters.active_parameters(dense) == sum(p.numel() for p in dense.parameters())
+
+
+def test_a_single_exchanged_row_unpacks_aligned_for_the_grouped_matmul():
+    """The backward's exchanges pack rows of several dtypes as bytes; a single row's slice
+    is contiguous already, but unpacked it must be a fresh tensor (aligned, strided by its
+    own width): the grouped matmul refuses other strides (test_moe once met one row)."""
+    from autopp.ops.expert_kernels import _pack, _unpack
+
+    x, g, s = torch.randn(5, D), torch.randn(5, D), torch.rand(5)
+    got = _unpack(_pack(x, g, s)[3:4], (x, g, s))
+    for a, want in zip(got, (x[3:4], g[3:4], s[3:4])):
+        assert torch.equal(a, want) and a.is_contiguous() and a.data_ptr() % 16 == 0
+    assert got[1].stride() == (D, 1)
