@@ -128,7 +128,8 @@ def _dispatch_of(ins) -> str:
     """How a planned routed-experts node gets tokens to its experts: "all_to_all (dims)"
     (tokens and experts split over those sub-mesh dims: 0 dp, 1 tp), "all_gather" (experts
     split, tokens whole), or "local" (experts not split)."""
-    x, expert_ids = ins[1 if len(ins) == 8 else 0], ins[4 if len(ins) == 8 else 3]
+    bwd = len(ins) == 10  # the backward: (grad, x, scores, ids, expert_ids, w1-3, routing)
+    x, expert_ids = ins[1 if bwd else 0], ins[4 if bwd else 3]
     split = [e.startswith("S") for e in expert_ids]
     dims = tuple(d for d, (s, t) in enumerate(zip(split, x)) if s and t.startswith("S"))
     if dims:

@@ -106,7 +106,7 @@ def _routed_forward(moe):
         return torch.ops.autopp.routed_experts(
             x_BLD, topk_scores_BLK, topk_expert_ids_BLK, expert_ids, experts.w1_EFD,
             experts.w2_EDF, experts.w3_EFD, n, "" if dtype == "param" else dtype,
-            tracing.setting("token_dispatch"))
+            tracing.setting("token_dispatch"))[0]  # [1:]: the routing its backward reuses
 
     return forward
 

@@ -34,8 +34,12 @@ exchange), selected by the op's ``dispatch`` argument.
 Numerics follow torchtitan's ``GroupedExperts`` and ``LocalTokenDispatcher``: tokens sorted by
 expert (stable), the matmuls in ``compute_dtype`` when given (torchtitan computes experts in
 bf16), each routed output scaled by its score in fp32, summed per token by a deterministic
-scatter-add. The backward recomputes the forward under autograd (nothing but the inputs is
-saved) and returns the gradients of x, scores and the weights. FLOPs are registered with
+scatter-add. The forward also returns its routing (the rows sorted by expert, the rows per
+expert and, with all-to-all dispatch, the rows received per source and expert; static
+shapes, :mod:`autopp.ops.expert_kernels`), which ``autopp::routed_experts_backward`` takes
+with the inputs: it sorts nothing and exchanges no counts, re-runs only the experts' forward
+on their rows under autograd (their hidden activations are not saved) and returns the
+gradients of x, scores and the weights. FLOPs are registered with
 torch's FLOP counter, which the planner's cost model reads: the expected routed tokens on the
 local experts, ``T·K·E_local/E``.
 """
@@ -48,88 +52,102 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 from torch.utils.flop_counter import register_flop_formula
 
-from autopp._compat.sharding import autograd_inside_custom_op
-from autopp.ops.expert_kernels import combine, dispatched, expert_mlp, sort_routed
+from autopp.ops.expert_kernels import (
+    combine,
+    dispatched,
+    dispatched_backward,
+    expert_mlp,
+    local_backward,
+    local_rows,
+    routing,
+    sort_routed,
+)
 
 
 def _routed(x: Tensor, scores: Tensor, ids: Tensor, expert_ids: Tensor, w1: Tensor,
-            w2: Tensor, w3: Tensor, compute_dtype: str, group_name: str = "",
-            dispatch_block: int = 0) -> Tensor:
-    """The local computation (differentiable in x, scores and the weights); with a
-    ``group_name``, tokens travel to their experts' devices by all-to-all
-    (:mod:`autopp.sharding.expert_dispatch`)."""
+            w2: Tensor, w3: Tensor, num_experts: int, compute_dtype: str,
+            group_name: str = "", dispatch_block: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """The local computation: (output, ``order``, ``counts``; the routing the backward
+    reuses, see :mod:`autopp.ops.expert_kernels`). With a ``group_name``, tokens travel to
+    their experts' devices by all-to-all (:mod:`autopp.sharding.expert_dispatch`)."""
     if group_name:
-        return dispatched(x, scores, ids, expert_ids, w1, w2, w3,
-                                          compute_dtype, group_name, dispatch_block)
+        return dispatched(x, scores, ids, expert_ids, w1, w2, w3, num_experts, compute_dtype,
+                          group_name, dispatch_block)
     b, l, d = x.shape
     k = ids.shape[-1]
     x_td = x.reshape(b * l, d)
-    flat_ids = ids.reshape(-1)
     # the local experts are a contiguous run of global ids (a Shard(0) slice of arange(E))
-    n_local = expert_ids.numel()
-    first = expert_ids[0] if n_local else 0
-    order, counts = sort_routed(flat_ids, first, n_local)
-    order = order[:int(counts.sum())]  # the one host sync: how many rows are routed here
-    token_of = order // k
-    y = expert_mlp(x_td[token_of], counts, w1, w2, w3, compute_dtype)
-    return combine(y, scores.reshape(-1)[order], token_of, x_td).reshape(b, l, d)
+    order, counts = sort_routed(ids.reshape(-1), num_experts)
+    lo, n = local_rows(counts, expert_ids)  # the one host sync
+    rows = order[lo:lo + n]
+    token_of = rows // k
+    y = expert_mlp(x_td[token_of], counts[expert_ids], w1, w2, w3, compute_dtype)
+    out = combine(y, scores.reshape(-1)[rows], token_of, x_td).reshape(b, l, d)
+    return (out, *routing(order, counts, ids))
 
 
 @torch.library.custom_op("autopp::routed_experts", mutates_args=())
 def routed_experts(x: Tensor, scores: Tensor, ids: Tensor, expert_ids: Tensor, w1: Tensor,
                    w2: Tensor, w3: Tensor, num_experts: int, compute_dtype: str,
                    dispatch: str = "auto", group_name: str = "",
-                   dispatch_block: int = 0) -> Tensor:
-    """Routed SwiGLU experts on the local shards; see the module docstring.
+                   dispatch_block: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """Routed SwiGLU experts on the local shards; see the module docstring. Returns the
+    output and the routing its backward reuses (``order`` shaped like ``ids``, ``counts``
+    ``(2, num_experts)``, int64; :mod:`autopp.ops.expert_kernels`): callers use ``[0]``.
 
-    ``num_experts`` is the global expert count (for FLOPs); ``compute_dtype`` is ``""`` (the
+    ``num_experts`` is the global expert count; ``compute_dtype`` is ``""`` (the
     weights' dtype) or a dtype name the matmuls run in; ``dispatch`` ("auto", "all_to_all"
     or "all_gather") is how the planner may bring tokens to expert-parallel devices
     (:data:`DISPATCHES`). ``group_name`` and ``dispatch_block`` are set only by the runtime
     when the plan dispatches by all-to-all: the process group of the mesh dim the experts
     are split over, and how many experts each of its devices holds at that level."""
-    return _routed(x, scores, ids, expert_ids, w1, w2, w3, compute_dtype, group_name,
-                   dispatch_block)
+    return _routed(x, scores, ids, expert_ids, w1, w2, w3, num_experts, compute_dtype,
+                   group_name, dispatch_block)
 
 
 @routed_experts.register_fake
 def _(x, scores, ids, expert_ids, w1, w2, w3, num_experts, compute_dtype, dispatch="auto",
       group_name="", dispatch_block=0):
-    return torch.empty_like(x)
+    return (x.new_empty(x.shape), ids.new_empty(ids.shape, dtype=torch.long),
+            ids.new_empty((2, num_experts), dtype=torch.long))
 
 
 @torch.library.custom_op("autopp::routed_experts_backward", mutates_args=())
 def routed_experts_backward(grad: Tensor, x: Tensor, scores: Tensor, ids: Tensor,
                             expert_ids: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
-                            num_experts: int, compute_dtype: str, dispatch: str = "auto",
+                            order: Tensor, counts: Tensor, num_experts: int,
+                            compute_dtype: str, dispatch: str = "auto",
                             group_name: str = "", dispatch_block: int = 0
                             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of :func:`routed_experts` w.r.t. x, scores, w1, w2, w3 (forward recomputed,
-    its all-to-alls included when ``group_name`` is set)."""
-    # a custom op's kernel runs below autograd; autograd is switched back on for the
-    # recomputation so the gradients are exactly those of the model's own code
-    with autograd_inside_custom_op(), torch.enable_grad():
-        leaves = [t.detach().requires_grad_(True) for t in (x, scores, w1, w2, w3)]
-        out = _routed(leaves[0], leaves[1], ids, expert_ids, *leaves[2:], compute_dtype,
-                      group_name, dispatch_block)
-        grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
-    return tuple(torch.zeros_like(t) if g is None else g.contiguous()
-                 for t, g in zip((x, scores, w1, w2, w3), grads))
+    """Gradients of :func:`routed_experts` w.r.t. x, scores, w1, w2, w3, routed by the
+    forward's ``order`` and ``counts``: no sort, no count exchange, one host sync; the
+    experts' forward is re-run on their rows (its hidden activations are not saved), and
+    with ``group_name`` set the rows travel by two all-to-alls
+    (:func:`~autopp.ops.expert_kernels.dispatched_backward` says why not fewer)."""
+    if group_name:
+        grads = dispatched_backward(grad, x, scores, ids, expert_ids, w1, w2, w3, order,
+                                    counts, compute_dtype, group_name, dispatch_block)
+    else:
+        grads = local_backward(grad, x, scores, ids, expert_ids, w1, w2, w3, order, counts,
+                               compute_dtype)
+    return tuple(g.contiguous() for g in grads)
 
 
 @routed_experts_backward.register_fake
-def _(grad, x, scores, ids, expert_ids, w1, w2, w3, num_experts, compute_dtype,
-      dispatch="auto", group_name="", dispatch_block=0):
-    return tuple(torch.empty_like(t) for t in (x, scores, w1, w2, w3))
+def _(grad, x, scores, ids, expert_ids, w1, w2, w3, order, counts, num_experts,
+      compute_dtype, dispatch="auto", group_name="", dispatch_block=0):
+    return tuple(t.new_empty(t.shape) for t in (x, scores, w1, w2, w3))
 
 
 def _setup(ctx, inputs, output):
     x, scores, ids, expert_ids, w1, w2, w3, *args = inputs
-    ctx.save_for_backward(x, scores, ids, expert_ids, w1, w2, w3)
+    _, order, counts = output
+    ctx.mark_non_differentiable(order, counts)
+    ctx.save_for_backward(x, scores, ids, expert_ids, w1, w2, w3, order, counts)
     ctx.args = tuple(args)
 
 
-def _backward(ctx, grad):
+def _backward(ctx, grad, _order_grad, _counts_grad):
     gx, gs, g1, g2, g3 = routed_experts_backward(grad, *ctx.saved_tensors, *ctx.args)
     return (gx, gs, None, None, g1, g2, g3) + (None,) * len(ctx.args)
 
@@ -148,28 +166,36 @@ _R = Replicate()
 
 
 def _forward_rules(n_args: int):
+    """Outputs (out, order, counts), inputs (x, scores, ids, expert_ids, w1, w2, w3, ...).
+    ``order`` is placed like ``ids`` (its shape); ``counts`` ``Replicate`` (it is small; a
+    device's values are its own: the routing is the op's state between its forward and its
+    backward, pinned there (:mod:`autopp.sharding.op_hooks`), never redistributed)."""
     tail = [None] * (n_args - 7)  # num_experts, compute_dtype, dispatch, ...
-    rules = [([_R], [_R] * 7 + tail)]
+    rules = [([_R] * 3, [_R] * 7 + tail)]
     for tok in (Shard(0), Shard(1)):  # tokens split: batch or sequence
-        rules.append(([tok], [tok, tok, tok, _R, _R, _R, _R] + tail))
+        rules.append(([tok, tok, _R], [tok, tok, tok, _R, _R, _R, _R] + tail))
     # experts split (expert parallel, tokens by all-gather): tokens whole, output summed
     # over the dim; expert_dispatch adds the all-to-all form of this option
-    rules.append(([Partial()], [_R, _R, _R, Shard(0), Shard(0), Shard(0), Shard(0)] + tail))
+    rules.append(([Partial(), _R, _R],
+                  [_R, _R, _R, Shard(0), Shard(0), Shard(0), Shard(0)] + tail))
     # hidden dim split inside every expert
-    rules.append(([Partial()], [_R, _R, _R, _R, Shard(1), Shard(2), Shard(1)] + tail))
+    rules.append(([Partial(), _R, _R], [_R, _R, _R, _R, Shard(1), Shard(2), Shard(1)] + tail))
     return rules
 
 
 def _backward_rules(n_args: int):
+    """Outputs the gradients of (x, scores, w1, w2, w3); inputs (grad, x, scores, ids,
+    expert_ids, w1, w2, w3, order, counts, ...), the routing placed as the forward's rule of
+    the same option gives it."""
     p = Partial()
-    tail = [None] * (n_args - 8)
-    rules = [([_R] * 5, [_R] * 8 + tail)]
+    tail = [None] * (n_args - 10)
+    rules = [([_R] * 5, [_R] * 10 + tail)]
     for tok in (Shard(0), Shard(1)):
-        rules.append(([tok, tok, p, p, p], [tok, tok, tok, tok, _R, _R, _R, _R] + tail))
+        rules.append(([tok, tok, p, p, p], [tok, tok, tok, tok, _R, _R, _R, _R, tok, _R] + tail))
     rules.append(([p, p, Shard(0), Shard(0), Shard(0)],
-                  [_R, _R, _R, _R, Shard(0), Shard(0), Shard(0), Shard(0)] + tail))
+                  [_R, _R, _R, _R, Shard(0), Shard(0), Shard(0), Shard(0), _R, _R] + tail))
     rules.append(([p, p, Shard(1), Shard(2), Shard(1)],
-                  [_R, _R, _R, _R, _R, Shard(1), Shard(2), Shard(1)] + tail))
+                  [_R, _R, _R, _R, _R, Shard(1), Shard(2), Shard(1), _R, _R] + tail))
     return rules
 
 
@@ -200,5 +226,8 @@ def _routed_flop(x_shape, scores_shape, ids_shape, eids_shape, w1_shape, w2_shap
 
 @register_flop_formula(torch.ops.autopp.routed_experts_backward)
 def _routed_backward_flop(grad_shape, x_shape, scores_shape, ids_shape, eids_shape, w1_shape,
-                          w2_shape, w3_shape, num_experts, *args, **kwargs) -> int:
+                          w2_shape, w3_shape, order_shape, counts_shape, num_experts, *args,
+                          **kwargs) -> int:
+    # the experts' forward re-run on their rows (1x: its hidden activations are not saved)
+    # and their backward (2x)
     return 3 * _expert_flops(x_shape, ids_shape, eids_shape, w1_shape, num_experts)

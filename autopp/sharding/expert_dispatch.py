@@ -19,10 +19,14 @@ op's kernel does it. This module adds the option to the planner through
   others. One mesh dim per op dispatches this way; other dims keep their placements
   (experts split further with tokens whole there, the hidden dim split, tokens split).
 * **Price.** The forward runs two all-to-alls of ``T_local·K·D`` elements (tokens out,
-  outputs back) and one of the token counts; its backward recomputes the forward and sends
-  the gradients back the same way, so four and one. :mod:`costs` prices them with the
+  outputs back) and one of the token counts; its backward reuses the forward's routing
+  (no count exchange) and runs two: tokens, output gradients and scores out (``2·D + 1``
+  per row), token and score gradients back (``D + 1``). :mod:`costs` prices them with the
   all-to-all row of its table (``(n-1)/n`` of the rows leave the device under uniform
   routing; skew is not modelled).
+* **Routing.** The forward's routing outputs (``order``, ``counts``) are the op's own
+  state: the backward's inputs 8 and 9 are pinned (:class:`op_hooks.OpHooks`), so the
+  planner pairs the two ops' options only where they arrive as the forward made them.
 * **Run.** The interpreter calls the op on the local shards with the mesh dim's process
   group and the experts each of its devices holds (``dispatch_block``); :func:`dispatched`
   is the kernel. The lowered stage graph keeps the op as one node, its collectives inside.
@@ -61,10 +65,12 @@ _TOKEN_SPLITS = (Shard(0), Shard(1))  # batch or sequence
 
 def _layout(node) -> tuple[tuple[int, ...], int, tuple[int, ...], int]:
     """(token input positions, expert_ids position, token output positions, position of the
-    ``dispatch`` argument) of the forward or backward op."""
+    ``dispatch`` argument) of the forward or backward op; ``num_experts`` is the argument
+    before ``compute_dtype``, two before ``dispatch``. The forward's routing ``order`` (an
+    output; a backward input) is split like the tokens."""
     if node.target == _FWD:
-        return (0, 1, 2), 3, (0,), 9
-    return (0, 1, 2, 3), 4, (0, 1), 10
+        return (0, 1, 2), 3, (0, 1), 9
+    return (0, 1, 2, 3, 8), 4, (0, 1), 12
 
 
 def _mode(node) -> str:
@@ -117,7 +123,7 @@ def _extra_options(node, options: list[Option], mesh_shape: tuple[int, ...]) -> 
         ep = tuple(d for d, p in enumerate(o.ins[eid])
                    if isinstance(p, Shard) and mesh_shape[d] > 1
                    and isinstance(o.ins[tok_in[0]][d], Replicate)
-                   and all(isinstance(o.out[i][d], Partial) for i in tok_out))
+                   and isinstance(o.out[tok_out[0]][d], Partial))
         groups = [(d,) for d in ep] + ([ep] if len(ep) > 1 else [])
         for dims in groups:
             for toks in itertools.product(_TOKEN_SPLITS, repeat=len(dims)):
@@ -143,17 +149,22 @@ def _collectives(node, opt: Option, mesh_shape: tuple[int, ...]
     shape = local_shape(x.shape, opt.ins[xi], mesh_shape)
     rows = math.prod(shape[:-1]) * ids.shape[-1]
     row_bytes = rows * x.shape[-1] * x.element_size()
-    counts = tensor_vals(node.args[eid])[0].numel() * 8
-    exchanges = 2 if node.target == _FWD else 4  # the backward recomputes the forward
-    return [("all_to_all", dims, counts)] + [("all_to_all", dims, row_bytes)] * exchanges
+    if node.target == _FWD:  # the counts, tokens out, outputs back
+        counts = tensor_vals(node.args[eid])[0].numel() * 8
+        return [("all_to_all", dims, counts)] + [("all_to_all", dims, row_bytes)] * 2
+    # the backward reuses the forward's counts: tokens, output gradients and scores out,
+    # token and score gradients back (dispatched_backward)
+    score_bytes = rows * tensor_vals(node.args[xi + 1])[0].element_size()
+    return [("all_to_all", dims, 2 * row_bytes + score_bytes),
+            ("all_to_all", dims, row_bytes + score_bytes)]
 
 
 def _local_call(node, opt: Option, mesh):
     dims = dispatch_dims(node, opt)
     if not dims:
         return None
-    _, eid, _, _ = _layout(node)
-    num_experts = node.args[eid + 4]
+    _, eid, _, mode_at = _layout(node)
+    num_experts = node.args[mode_at - 2]
     split = math.prod(mesh.shape[e] for e in range(max(dims) + 1)
                       if isinstance(opt.ins[eid][e], Shard))
     if len(dims) == 1:
@@ -168,5 +179,6 @@ def _local_call(node, opt: Option, mesh):
     return functools.partial(node.target, group_name=group, dispatch_block=num_experts // split)
 
 
-for _op in (_FWD, _BWD):
-    op_hooks.register(_op, op_hooks.OpHooks(_extra_options, _collectives, _local_call))
+op_hooks.register(_FWD, op_hooks.OpHooks(_extra_options, _collectives, _local_call))
+op_hooks.register(_BWD, op_hooks.OpHooks(_extra_options, _collectives, _local_call,
+                                         pinned=(8, 9)))

@@ -13,7 +13,11 @@ keyed by its ``OpOverload``:
   as ``(kind, mesh_dim, local_bytes)`` (:mod:`costs` prices them like a redistribution's);
 * ``local_call(node, option, mesh)``: ``None`` when DTensor can run the option as usual, or
   a function of the local shards (the interpreter wraps its result in the planned output
-  placements; :mod:`interpret`).
+  placements; :mod:`interpret`);
+* ``pinned``: positions of tensor arguments that are the op's own state (e.g. the routing
+  a forward op returns for its backward op): their values are per device, so they must
+  arrive exactly as produced; the solver links only equal placements on those edges
+  (:mod:`solver`), never a redistribution.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ class OpHooks:
     """(node, option, mesh shape) -> [(collective kind, mesh dim, local bytes in)]."""
     local_call: Callable[[Any, Any, Any], Callable[..., Any] | None]
     """(node, option, mesh) -> a function of the local shards, or None."""
+    pinned: tuple[int, ...] = ()
+    """Tensor-argument positions taken only in the placement their producer gave them."""
 
 
 _HOOKS: dict[Any, OpHooks] = {}

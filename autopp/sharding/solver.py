@@ -66,6 +66,7 @@ import numpy as np
 from torch import fx
 
 from autopp.graph.walk import param_only_nodes
+from autopp.sharding import op_hooks
 from autopp.sharding.costs import CostModel
 from autopp.sharding.highs import WarmLps, highspy
 from autopp.sharding.memory_row import MemoryAccount, MemoryRow, MemorySpec, Recompute, Terms
@@ -239,8 +240,11 @@ class Model:
         yield from self._tie_edges()
 
     def _allowed_pairs(self, dst: fx.Node, i: int | None):
-        """(producer placement, required placement) pairs a follower edge may carry."""
+        """(producer placement, required placement) pairs a follower edge, or an edge into
+        a pinned argument (:mod:`op_hooks`: equal placements only), may carry."""
         ns = self.st.nodes[dst]
+        if i is not None and ns.kind == "op" and i in _pinned(dst):
+            return {(o.ins[i], o.ins[i]) for o in self.options[dst]}
         if i is None or ns.follows is None:
             return None
         return {(a, o.ins[i]) for o in self.options[dst] for a in ns.follows.get(o, ())}
@@ -296,7 +300,8 @@ class Model:
                 # A producer placement the follower has no option for (e.g. its view would be
                 # a pruned _StridedShard) is redistributed into any placement it accepts.
                 covered = {a for a, _ in pairs}
-                pairs = [*pairs, *((a, g) for a in have if a not in covered for g in want)]
+                if i not in _pinned(dst):
+                    pairs = [*pairs, *((a, g) for a in have if a not in covered for g in want)]
             by_a: dict[Any, list[int]] = {a: [] for a in have}
             by_g: dict[Any, list[int]] = {g: [] for g in want}
             for a, g in pairs:
@@ -563,6 +568,12 @@ class Model:
                        ilp_memory_bytes=ilp_mem, num_vars=len(integer),
                        bound_s=float("nan") if math.isinf(price) else bound,
                        ilp_value_s=float("nan") if math.isinf(price) or rounded else obj)
+
+
+def _pinned(node: fx.Node) -> tuple[int, ...]:
+    """Tensor-argument positions of ``node`` its op hooks pin (:mod:`op_hooks`)."""
+    hooks = op_hooks.hooks_of(node.target)
+    return () if hooks is None else hooks.pinned
 
 
 def solve(prob: Problem) -> SolveResult:

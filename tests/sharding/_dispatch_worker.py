@@ -34,7 +34,8 @@ class HostSyncs(torch.overrides.TorchFunctionMode):
     device): reading a tensor as a Python number or list, and ops whose output size
     depends on the data (a boolean index, ``nonzero``, ``bincount``, ``unique``,
     ``masked_select``, ``repeat_interleave`` without ``output_size``). Run on CPU, it counts
-    the syncs a CUDA run would make."""
+    the syncs a CUDA run would make. ``ops`` lists every torch function called, by name
+    (the collectives and sorts among them: :meth:`all_to_alls`)."""
 
     READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__"}
     SIZED = {"nonzero", "bincount", "unique", "masked_select", "argwhere"}
@@ -42,10 +43,15 @@ class HostSyncs(torch.overrides.TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.calls: list[str] = []
+        self.ops: list[str] = []
+
+    def all_to_alls(self) -> int:
+        return sum("all_to_all" in op for op in self.ops)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
+        self.ops.append(name)
         tensor_index = len(args) > 1 and any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool
             for i in (args[1] if isinstance(args[1], tuple) else (args[1],)))
@@ -57,14 +63,24 @@ class HostSyncs(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def host_syncs_of_dispatch(x, scores, ids, ws, tok_rows, experts, group, block) -> list[str]:
-    """The host syncs of one forward of the all-to-all kernel (its backward re-runs it)."""
-    from autopp.ops.expert_kernels import dispatched
+def host_syncs_of_dispatch(x, scores, ids, ws, tok_rows, experts, group, block
+                           ) -> dict[str, tuple[list[str], int, bool]]:
+    """Per direction ("forward", "backward") of the all-to-all kernels: the host syncs,
+    the all-to-alls, and whether anything was sorted."""
+    from autopp.ops.expert_kernels import dispatched, dispatched_backward
 
+    args = (x[tok_rows], scores[tok_rows], ids[tok_rows], torch.arange(E)[experts],
+            *[w[experts] for w in ws])
+    out = {}
     with HostSyncs() as counter:
-        dispatched(x[tok_rows], scores[tok_rows], ids[tok_rows], torch.arange(E)[experts],
-                   *[w[experts] for w in ws], "", group.group_name, block)
-    return counter.calls
+        y, order, counts = dispatched(*args, E, "", group.group_name, block)
+    out["forward"] = counter
+    with HostSyncs() as counter:
+        dispatched_backward(torch.ones_like(y), *args, order, counts, "", group.group_name,
+                            block)
+    out["backward"] = counter
+    return {k: (c.calls, c.all_to_alls(), any("sort" in op for op in c.ops))
+            for k, c in out.items()}
 
 
 def _case(x, scores, ids, ws, tok_rows, experts, group, block, partial_over):
@@ -81,7 +97,7 @@ def _case(x, scores, ids, ws, tok_rows, experts, group, block, partial_over):
     lw = [w[experts].clone().requires_grad_() for w in ws]
     out = torch.ops.autopp.routed_experts(
         lx, ls, ids[tok_rows], torch.arange(E)[experts], *lw, E, "", "all_to_all",
-        group.group_name, block)
+        group.group_name, block)[0]
     out.backward(g[tok_rows])
     got = [out.detach(), lx.grad, ls.grad]
     if partial_over is not None:  # partial over that mesh dim: sum it

@@ -23,9 +23,12 @@ def test_all_to_all_dispatch_matches_a_dense_moe():
     results = run_on_ranks(run, 4, timeout=300)
     names = ["output", "x grad", "scores grad", "w1 grad", "w2 grad", "w3 grad"]
     for rank, (res, syncs) in enumerate(results):
-        # one read of every size the exchange needs, per forward (and per backward, which
-        # re-runs it): no boolean mask, bincount or per-size read
-        assert syncs == ["tolist"], (rank, syncs)
+        # one read of every size the exchange needs per direction (no boolean mask,
+        # bincount or per-size read); the forward exchanges counts, tokens and outputs, the
+        # backward reuses its routing: no sort, no count exchange, tokens with their
+        # gradients out and gradients back
+        assert syncs == {"forward": (["tolist"], 3, True),
+                         "backward": (["tolist"], 2, False)}, (rank, syncs)
         for case, (got, want) in res.items():
             for name, a, b in zip(names, got, want):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5,
@@ -96,6 +99,30 @@ def test_planner_gets_the_dispatch_options_the_setting_allows(make_mesh, mode, k
     assert _kinds_bwd(bwd, st.nodes[bwd].options) == kinds
 
 
+def test_backward_takes_the_forwards_routing_as_it_was_made(make_mesh):
+    """The forward's routing (order, counts) is per-device state: the solver links the
+    backward's routing inputs (pinned, positions 8 and 9) to the forward's outputs only in
+    equal placements, never through a redistribution, and every placement the forward can
+    give them has such a link."""
+    from autopp.profiles import get_profile
+    from autopp.sharding.costs import CostModel
+    from autopp.sharding.solver import Model
+    from autopp.sharding.strategies import enumerate_strategies
+
+    joint, fwd = _routed_node("auto")
+    bwd = next(n for n in joint.gm.graph.nodes
+               if n.target == torch.ops.autopp.routed_experts_backward.default)
+    st = enumerate_strategies(joint, make_mesh(2, 2))
+    model = Model(st, CostModel(get_profile("H100"), (2, 2)))
+    for i, k in ((8, 1), (9, 2)):
+        src, idx = st.nodes[bwd].edges[i]
+        assert src.args[0] is fwd and src.args[1] == k  # getitem of the forward's output k
+        pairs = {(a, g) for _, a, g in model.edge_cols[bwd, i]}
+        assert pairs and all(a == g for a, g in pairs), (i, pairs)
+        made = {o.out[0] for o in st.nodes[src].options}
+        assert made <= {a for a, _ in pairs}, (i, made)
+
+
 def _kinds_bwd(node, options) -> set[str]:
     from autopp.sharding.expert_dispatch import dispatch_dims
 
@@ -127,6 +154,13 @@ def test_all_to_all_moves_k_rows_per_token_and_wins_only_when_ep_exceeds_top_k(m
         colls = hooks_of(node.target).collectives(node, a2a, (n,))
         rows = 512 * 16 * k  # 512 batch rows of 16 tokens per device, K rows each
         assert colls[1:] == [("all_to_all", (0,), rows * d * 4)] * 2
+        # its backward exchanges no counts: tokens, output gradients and fp32 scores out,
+        # token and score gradients back
+        bwd = next(m for m in joint.gm.graph.nodes
+                   if m.target == torch.ops.autopp.routed_experts_backward.default)
+        colls = hooks_of(bwd.target).collectives(bwd, Option((s0,) * 5, (s0,) * 10), (n,))
+        assert colls == [("all_to_all", (0,), rows * (2 * d + 1) * 4),
+                         ("all_to_all", (0,), rows * (d + 1) * 4)]
         costs = CostModel(get_profile("H100"), (n,))
         ns = NodeStrategy(node, "op", [(a, 0) for a in node.args[:7]])
         t_a2a = costs.kernel_comm_time(ns, a2a)

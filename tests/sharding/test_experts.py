@@ -40,7 +40,7 @@ def _reference(x, scores, ids, w1, w2, w3):
 
 def _op(x, scores, ids, w1, w2, w3, expert_ids=None):
     eids = torch.arange(E) if expert_ids is None else expert_ids
-    return torch.ops.autopp.routed_experts(x, scores, ids, eids, w1, w2, w3, E, "")
+    return torch.ops.autopp.routed_experts(x, scores, ids, eids, w1, w2, w3, E, "")[0]
 
 
 def test_matches_a_hand_written_moe_forward_and_backward():
@@ -58,19 +58,40 @@ def test_matches_a_hand_written_moe_forward_and_backward():
             torch.testing.assert_close(a.grad, r.grad, atol=1e-5, rtol=1e-5)
 
 
-def test_local_experts_read_one_size_from_the_device():
+def test_local_experts_read_one_size_from_the_device_each_way():
     """The kernel without dispatch (experts all local, or a slice of them) syncs with the
-    host once per forward: the number of rows routed to its experts."""
+    host once per forward (the range of rows routed to its experts) and once per backward
+    (the same range, read from the forward's routing: no sort)."""
+    from autopp.ops.expert_kernels import local_backward
     from autopp.ops.experts import _routed
     from tests.sharding._dispatch_worker import HostSyncs
 
     x, scores, ids, w1, w2, w3 = _inputs()
     for experts in (slice(0, E), slice(2, 5)):
+        eids, ws = torch.arange(E)[experts], (w1[experts], w2[experts], w3[experts])
         with HostSyncs() as counter:
-            out = _routed(x, scores, ids, torch.arange(E)[experts], w1[experts], w2[experts],
-                          w3[experts], "")
-        assert counter.calls == ["__int__"], counter.calls
+            out, order, counts = _routed(x, scores, ids, eids, *ws, E, "")
+        assert counter.calls == ["tolist"], counter.calls
         assert out.shape == x.shape
+        g = torch.randn_like(out)
+        with HostSyncs() as counter:
+            local_backward(g, x, scores, ids, eids, *ws, order, counts, "")
+        assert counter.calls == ["tolist"], counter.calls
+        assert "argsort" not in counter.ops and "sort" not in counter.ops, counter.ops
+
+
+def test_custom_ops_pass_opcheck():
+    """The fake kernels promise the real kernels' shapes, strides and dtypes (the routing
+    outputs included), with transposed (non-contiguous) tokens too."""
+    x, scores, ids, w1, w2, w3 = _inputs()
+    xt = x.transpose(0, 1).contiguous().transpose(0, 1)
+    for xs in (x, xt):
+        args = (xs, scores, ids, torch.arange(E), w1, w2, w3, E, "")
+        torch.library.opcheck(torch.ops.autopp.routed_experts.default, args)
+        out, order, counts = torch.ops.autopp.routed_experts(*args)
+        torch.library.opcheck(torch.ops.autopp.routed_experts_backward.default,
+                              (torch.randn_like(out), xs, scores, ids, torch.arange(E),
+                               w1, w2, w3, order, counts, E, ""))
 
 
 def test_expert_and_hidden_shards_sum_to_the_whole():
@@ -86,11 +107,13 @@ def test_expert_and_hidden_shards_sum_to_the_whole():
     parts = [_op(x, scores, ids, w1[:, s], w2[:, :, s], w3[:, s]) for s in hid]
     torch.testing.assert_close(parts[0] + parts[1], whole, atol=1e-6, rtol=1e-5)
     g = torch.randn_like(whole)
+    routing = torch.ops.autopp.routed_experts(x, scores, ids, torch.arange(E), w1, w2, w3, E,
+                                              "")[1:]
     full = torch.ops.autopp.routed_experts_backward(g, x, scores, ids, torch.arange(E), w1, w2,
-                                                    w3, E, "")
+                                                    w3, *routing, E, "")
     for s in halves:
         part = torch.ops.autopp.routed_experts_backward(g, x, scores, ids, torch.arange(E)[s],
-                                                        w1[s], w2[s], w3[s], E, "")
+                                                        w1[s], w2[s], w3[s], *routing, E, "")
         for got, want in zip(part[2:], full[2:]):
             torch.testing.assert_close(got, want[s], atol=1e-6, rtol=1e-5)
 
@@ -149,3 +172,16 @@ def test_active_parameters_count_k_of_e_routed_experts():
     assert adapters.active_parameters(model) == total - 3 * experts_per_layer * (1 - 3 / 8)
     dense = llama3_meta(2)
     assert adapters.active_parameters(dense) == sum(p.numel() for p in dense.parameters())
+
+
+def test_a_single_exchanged_row_unpacks_aligned_for_the_grouped_matmul():
+    """The backward's exchanges pack rows of several dtypes as bytes; a single row's slice
+    is contiguous already, but unpacked it must be a fresh tensor (aligned, strided by its
+    own width): the grouped matmul refuses other strides (test_moe once met one row)."""
+    from autopp.ops.expert_kernels import _pack, _unpack
+
+    x, g, s = torch.randn(5, D), torch.randn(5, D), torch.rand(5)
+    got = _unpack(_pack(x, g, s)[3:4], (x, g, s))
+    for a, want in zip(got, (x[3:4], g[3:4], s[3:4])):
+        assert torch.equal(a, want) and a.is_contiguous() and a.data_ptr() % 16 == 0
+    assert got[1].stride() == (D, 1)
