@@ -5,6 +5,13 @@ Launch (8 CPU processes, gloo)::
     .venv/bin/torchrun --standalone --nproc-per-node 8 benchmarks/vs_torchtitan.py \
         --pp 2 --dp 2 --tp 2 --schedule 1F1B --steps 12 --warmup 2
 
+On one 8-GPU node (NCCL), as the prepared GPU check's node mode runs it
+(``bash scripts/gpu_check.sh --node``; ``--node --cpu`` runs the same on 8 gloo processes)::
+
+    torchrun --standalone --nproc-per-node 8 benchmarks/vs_torchtitan.py --device cuda \
+        --pp 2 --dp 2 --tp 2 --schedule 1F1B --runs torchtitan,autopp-auto \
+        --max-loss-rel 1e-4
+
 In one launch it trains llama3 (SDPA attention) for ``--steps`` steps with each of:
 
 * ``torchtitan``: ``pipeline_llm`` + ``parallelize_llama`` (FSDP over dp, TP with sequence
@@ -63,6 +70,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--runs", default="torchtitan,autopp,autopp-auto,autopp+titan",
                    help="comma-separated subset of: " + ", ".join(RUNNERS))
+    p.add_argument("--max-loss-rel", type=float, default=None, metavar="TOL",
+                   help="fail (exit 1) unless every run's loss is within TOL of the first "
+                        "run's (torchtitan's, when it runs), relative, at every step")
     return p.parse_args()
 
 
@@ -354,6 +364,25 @@ def report(args, results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def loss_parity(args, results: dict[str, dict]) -> list[str]:
+    """Print one verdict line per run against the first run's losses (torchtitan's when it
+    ran); the runs whose largest step-wise relative difference ``|l - ref| / |ref|`` exceeds
+    ``--max-loss-rel``. Relative: rounding differences scale with the loss, and grow with
+    each AdamW step the two runs take from slightly different gradients."""
+    base_name = "torchtitan" if "torchtitan" in results else next(iter(results))
+    base, failed = results[base_name]["losses"], []
+    for name, r in results.items():
+        if name == base_name:
+            continue
+        rel = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], base))
+        ok = rel <= args.max_loss_rel
+        failed += [] if ok else [name]
+        print(f"loss parity {name} vs {base_name}: {'ok' if ok else 'FAIL'} (max relative "
+              f"difference {rel:.2e} over {len(base)} steps, bound {args.max_loss_rel:g})",
+              flush=True)
+    return failed
+
+
 def main() -> None:
     args = parse_args()
     if args.device == "cuda":
@@ -371,9 +400,14 @@ def main() -> None:
             raise SystemExit(f"unknown run {name!r}; choose from {sorted(RUNNERS)}")
         results[name] = RUNNERS[name](args, data, device)
         dist.barrier()
+    failed = []
     if dist.get_rank() == 0:
         print(report(args, results), flush=True)
+        if args.max_loss_rel is not None:
+            failed = loss_parity(args, results)
     dist.destroy_process_group()
+    if failed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ log file of its own) and its state, so a hang fails in bounded time with the evi
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import os
 import queue as queue_mod
@@ -45,6 +46,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
+    # a crash in native code (a segfault, an abort) writes every thread's Python stack to
+    # the log, so the launch's error shows where the rank died, not "(no output)"
+    faulthandler.enable(file=log, all_threads=True)
     import torch
     import torch.distributed as dist
 

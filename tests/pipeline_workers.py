@@ -297,3 +297,17 @@ def exit_without_result(rank: int, world_size: int) -> None:
     if rank == 1:
         os._exit(3)
     time.sleep(30)
+
+
+def segfault_in_a_function(rank: int, world_size: int) -> None:
+    """Rank 1 crashes in native code (a null read) inside a named function (the harness's
+    test: its log must show where)."""
+    import ctypes
+    import time
+
+    def read_address_zero():
+        ctypes.string_at(0)
+
+    if rank == 1:
+        read_address_zero()
+    time.sleep(30)

@@ -48,3 +48,14 @@ def test_cpu_mode_runs_every_check():
                 "checkpoint"):
         n = len(row.split())
         assert any(r[:n + 1] == [*row.split(), "ok"] for r in rows), out
+
+
+@pytest.mark.wide
+def test_node_mode_matches_torchtitan_on_eight_processes():
+    """The check's 8-GPU node mode, run on 8 gloo processes: autopp's planned pp2 x dp2 x tp2
+    against torchtitan's own PP x FSDP x TP, loss within 1e-5 (relative) at every step."""
+    from tests.dist_harness import run_command
+
+    out = run_command(["bash", "scripts/gpu_check.sh", "--node", "--cpu"], timeout=1200,
+                      cwd=ROOT, check=True)
+    assert "loss parity autopp-auto vs torchtitan: ok" in out, out[-4000:]

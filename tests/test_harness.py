@@ -31,6 +31,17 @@ def test_a_rank_that_dies_without_a_result_ends_the_launch():
         run_on_ranks(pipeline_workers.exit_without_result, 2, timeout=60)
 
 
+def test_a_rank_that_segfaults_shows_where_it_died():
+    """A crash in native code (seen under load: a rank exiting with -11 and no output) shows
+    the rank's Python stack at the crash in the launch's error."""
+    with pytest.raises(LaunchError) as e:
+        run_on_ranks(pipeline_workers.segfault_in_a_function, 2, timeout=60)
+    msg = str(e.value)
+    assert "rank 1 exited with code -11 without a result" in msg, msg
+    assert "Fatal Python error: Segmentation fault" in msg, msg
+    assert "read_address_zero" in msg, msg
+
+
 def test_parity_metric_agrees_with_hand_cases_and_assert_close():
     """The one comparator (tests/parity.py): the per-tensor relative bound, the near-zero
     floor, and the elementwise bound, whose fast path must give torch's verdict."""

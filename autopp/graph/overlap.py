@@ -24,8 +24,10 @@ collective in flight still reads.
 Overlap happens at run time only where collectives are asynchronous: NCCL on CUDA (eager,
 the functional collectives run on their own stream until ``wait_tensor``; compiled,
 Inductor keeps the order it is given unless told to reorder), and gloo's work threads on
-CPU. The planner, the schedule simulator and the estimates still price every collective as
-exposed (not overlapped).
+CPU. The estimates and the schedule simulator price what this order hides
+(:mod:`autopp.estimate.exposed_comm`: one compute stream in graph order, one communication
+stream in issue order); the sharding ILP still prices every collective as exposed, an upper
+bound on the time it optimises.
 """
 
 from __future__ import annotations
