@@ -26,6 +26,11 @@ def register(factory: Callable[[], ContextManager]) -> None:
         _ON_META.append(factory)
 
 
+def registered() -> tuple[Callable[[], ContextManager], ...]:
+    """The registered context factories, in registration order."""
+    return tuple(_ON_META)
+
+
 @contextlib.contextmanager
 def on_meta() -> Iterator[None]:
     """The registered contexts, entered in registration order."""

@@ -107,6 +107,16 @@ def export_joint(module: torch.nn.Module, args: tuple[Any, ...],
     return gm
 
 
+def global_module_hooks() -> tuple[dict, ...]:
+    """torch's module hooks registered for every module (``register_module_forward_hook``
+    and the like), each table hook id -> hook or flag: what a trace of any module runs."""
+    from torch.nn.modules import module as _m
+
+    return (_m._global_forward_pre_hooks, _m._global_forward_hooks,
+            _m._global_forward_hooks_always_called, _m._global_forward_hooks_with_kwargs,
+            _m._global_backward_pre_hooks, _m._global_backward_hooks)
+
+
 def is_param_input(desc: Any) -> bool:
     return isinstance(desc, _desc.ParamAOTInput)
 

@@ -389,7 +389,7 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
     from autopp.sharding.costs import CostModel
     from autopp.sharding.precision import maybe_cast
     from autopp.profiles.lookup import get_profile
-    from autopp.sharding.trace import trace_joint
+    from autopp.sharding.trace_cache import traced_unit
     from autopp.lower.apply import check_planned_graph, units_of_plan
 
     flat, by_name = units_of_plan(module, plan, mesh, example_inputs[0])
@@ -409,9 +409,10 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
             unit = by_name[bplan.prefix]
             if bplan.signature not in traced:
                 with tracing.settings(plan.trace_settings):  # as the stage was planned
-                    traced[bplan.signature] = trace_joint(
-                        maybe_cast(unit.module, plan.param_dtype),
-                        example_inputs if flat else (x,))
+                    traced[bplan.signature] = traced_unit(
+                        unit.module, example_inputs if flat else (x,),
+                        param_dtype=plan.param_dtype,
+                        prepare=lambda m: maybe_cast(m, plan.param_dtype))
             joint = traced[bplan.signature]
             check_planned_graph(joint, bplan)
             memo[key] = _unit_facts(joint, unit, bplan, plan, mesh, costs, n_microbatches,

@@ -38,7 +38,8 @@ from autopp.lower.local_graphs import (
 from autopp.lower.reuse import lowered_stage, split_stage
 from autopp.sharding.plan import BlockPlan, StagePlan, from_strs
 from autopp.sharding.precision import maybe_cast
-from autopp.sharding.trace import JointGraph, graph_signature, trace_joint
+from autopp.sharding.trace import JointGraph, graph_signature
+from autopp.sharding.trace_cache import traced_unit
 
 
 class ShardedBlock(nn.Module):
@@ -209,8 +210,9 @@ def planned_units(
         if bplan.signature not in traced:
             args = example_inputs if flat else (x,)
             with tracing.settings(plan.trace_settings):  # as the stage was planned
-                traced[bplan.signature] = trace_joint(
-                    maybe_cast(_meta_copy(unit.module), plan.param_dtype), args)
+                traced[bplan.signature] = traced_unit(
+                    unit.module, args, param_dtype=plan.param_dtype,
+                    prepare=lambda m: maybe_cast(_meta_copy(m), plan.param_dtype))
         joint = traced[bplan.signature]
         check_planned_graph(joint, bplan)
         low = None
