@@ -30,6 +30,8 @@ import torch.multiprocessing as mp
 
 #: Lines of each rank's output shown when a launch fails.
 TAIL_LINES = 15
+#: Lines shown of a rank killed by a signal (its faulthandler stacks, every thread's).
+CRASH_LINES = 200
 
 
 def free_port() -> int:
@@ -144,8 +146,12 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600
                 p.kill()
         for p in procs:
             p.join(10)
+        # a rank killed by a signal (a crash in native code) shows its whole log: its
+        # faulthandler stacks name the frame it died in, above the tail
+        shown = [CRASH_LINES if (p.exitcode or 0) < 0 else TAIL_LINES for p in procs]
         tails = "\n".join(f"--- rank {r} ({states[r]}), last lines ---\n"
-                          f"{_tail(log_dir / f'rank{r}.log')}" for r in range(world_size))
+                          f"{_tail(log_dir / f'rank{r}.log', shown[r])}"
+                          for r in range(world_size))
         raise LaunchError(f"{fn.__name__} on {world_size} ranks: {failure}\n{tails}")
     for p in procs:
         p.join(max(1.0, deadline - time.monotonic()))
