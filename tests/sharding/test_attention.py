@@ -138,3 +138,28 @@ def test_backward_runs_the_fused_backward_from_the_saved_statistics(gqa):
     scores = (q @ torch.repeat_interleave(k, 2 if gqa else 1, dim=1).transpose(-2, -1)) * 0.25
     scores = scores.masked_fill(torch.ones(64, 64, dtype=torch.bool).triu(1), float("-inf"))
     assert_parity(lse, torch.logsumexp(scores, dim=-1).detach(), what="log-sum-exp")
+
+
+@pytest.mark.parametrize("backend", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION",
+                                     "CUDNN_ATTENTION"])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_cuda_entry_points_are_called_as_their_schemas_and_meta_kernels_say(
+        monkeypatch, backend, gqa):
+    """No GPU here: the CUDA branches run on meta tensors, where torch's meta kernels check
+    each private entry point's arguments and give its outputs' shapes (the log-sum-exp
+    layouts differ per backend: (b, h, s), padded to 32, (b, h, s, 1)). The op's contract
+    holds for each: output (b, h, s, d), log-sum-exp (b, h, s) fp32, gradients shaped like
+    q, k, v (grouped-query heads summed back)."""
+    from torch.nn.attention import SDPBackend
+
+    from autopp._compat import attention as fused
+
+    monkeypatch.setattr(fused, "fused_backend", lambda *a, **k: getattr(SDPBackend, backend))
+    b, h, s, d = 2, 4, 40, 16
+    kv = 2 if gqa else 4
+    q = torch.empty(b, h, s, d, device="meta", dtype=torch.bfloat16)
+    k, v = (torch.empty(b, kv, s, d, device="meta", dtype=torch.bfloat16) for _ in range(2))
+    out, lse = fused.fused_forward(q, k, v, True, 0.25)
+    assert out.shape == (b, h, s, d) and lse.shape == (b, h, s) and lse.dtype == torch.float32
+    dq, dk, dv = fused.fused_backward(torch.empty_like(out), q, k, v, out, lse, True, 0.25)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
