@@ -41,44 +41,6 @@ def make_batch(batch: int, seq: int, vocab: int = 2048, seed: int = 0):
     return tokens, target
 
 
-def reference_step(n_layers: int, tokens, target, seed: int = 0, param_dtype=None):
-    """Single-process loss and gradients (by FQN) of the whole model: fp32, or with its
-    parameters cast to ``param_dtype`` for the forward (fp32 masters and gradients)."""
-    from autopp import init_module_
-
-    model = llama3_meta(n_layers)
-    init_module_(model, seed=seed, device="cpu")
-    if param_dtype is None:
-        logits = model(tokens)
-    else:  # plain torch: the forward on cast copies, gradients flow back to the fp32 masters
-        cast = {n: p.to(param_dtype) for n, p in model.named_parameters()}
-        logits = torch.func.functional_call(model, cast, (tokens,))
-    loss = ce_loss(logits, target)
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return float(loss), grads, model
-
-
-def reference_adamw_losses(n_layers: int, batch: int, seq: int, *, steps: int, lr: float,
-                           max_norm: float, data_seed0: int = 100) -> list[float]:
-    """Single-process losses of ``steps`` AdamW steps with global-norm clipping; step k
-    trains on ``make_batch(batch, seq, seed=data_seed0 + k)``."""
-    from autopp import init_module_
-
-    model = init_module_(llama3_meta(n_layers), seed=0, device="cpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
-    for step in range(steps):
-        tok, tgt = make_batch(batch, seq, seed=data_seed0 + step)
-        loss = ce_loss(model(tok), tgt)
-        loss.backward()
-        losses.append(loss.item())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        opt.step()
-        opt.zero_grad()
-    return losses
-
-
 # ---------------------------------------------------------------- other decoders
 def qwen3_meta(n_layers: int = 4) -> torch.nn.Module:
     """torchtitan's qwen3 debugmodel (tied input embedding and output head), SDPA attention."""
@@ -272,14 +234,3 @@ MODELS = {"llama3": llama3_meta, "qwen3": qwen3_meta, "hf": hf_meta,
           "qwen3_moe": qwen3_moe_meta, "deepseek_v3": deepseek_v3_meta}
 
 
-def reference_step_of(kind: str, n_layers: int, tokens, target, seed: int = 0):
-    """Single-process fp32 loss and gradients (by every FQN, tied ones under each name) of
-    the whole model ``kind`` (see :data:`MODELS`)."""
-    from autopp import init_module_
-
-    model = init_module_(MODELS[kind](n_layers), seed=seed, device="cpu")
-    loss = ce_loss(model(tokens), target)
-    loss.backward()
-    grads = {n: p.grad.detach().clone()
-             for n, p in model.named_parameters(remove_duplicate=False)}
-    return float(loss), grads, model

@@ -13,29 +13,16 @@ import torch
 from tests.parity import assert_all_parity
 from tests.dist_harness import run_on_ranks
 from tests.decoder_workers import mismatched_tied_parallelize, run
-from tests.models import MODELS, ce_loss, make_batch
+from tests.models import MODELS, make_batch
+from tests.reference import Reference, reference_run
 
 N_LAYERS, BATCH, SEQ, LR, MAX_NORM = 4, 8, 16, 1e-2, 0.5
 
 
-def _reference(kind: str) -> dict:
-    """Loss, gradients (every FQN), global norm and second-step loss of the single-process
-    model under plain torch: init_module_, AdamW, clip_grad_norm_."""
-    from autopp import init_module_
-
-    tokens, target = make_batch(BATCH, SEQ)
-    model = init_module_(MODELS[kind](N_LAYERS), seed=0, device="cpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    loss = ce_loss(model(tokens), target)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    norm = float(torch.linalg.vector_norm(torch.stack(  # in float64, each tied tensor once
-        [torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in model.parameters()])))
-    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-    opt.step()
-    opt.zero_grad()
-    loss2 = ce_loss(model(tokens), target)
-    return {"losses": [loss.item(), loss2.item()], "grads": grads, "norm": norm}
+def _reference(kind: str) -> Reference:
+    """Single-process plain torch: a step with clipping, then the loss after it."""
+    batch = make_batch(BATCH, SEQ)
+    return reference_run(MODELS[kind](N_LAYERS), [batch, batch], lr=LR, max_norm=MAX_NORM)
 
 
 @pytest.mark.multiprocess
@@ -72,9 +59,9 @@ def test_tied_qwen3_and_nested_decoder_match_single_process(tmp_path):
         seen = set()
         for rank_results in results:
             res = rank_results[i]
-            assert res["losses"] == pytest.approx(ref["losses"], abs=1e-5), cfg["model"]
-            assert res["norm"] == pytest.approx(ref["norm"], rel=1e-5), cfg
-            assert_all_parity(res["grads"], ref["grads"], what=f"{cfg['model']} grad")
+            assert res["losses"] == pytest.approx(ref.losses, abs=1e-5), cfg["model"]
+            assert res["norm"] == pytest.approx(ref.norm, rel=1e-5), cfg
+            assert_all_parity(res["grads"], ref.grads, what=f"{cfg['model']} grad")
             seen |= set(res["grads"])
             # the block-reuse path: units are the part before the blocks, each block, the
             # part after, never one flat graph

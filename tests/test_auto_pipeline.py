@@ -13,7 +13,8 @@ import pytest
 
 from tests.parity import assert_w_after_i
 from tests.dist_harness import run_on_ranks
-from tests.models import make_batch, reference_step
+from tests.models import llama3_meta, make_batch
+from tests.reference import reference_run
 from tests.pipeline_workers import checkpoint_resume, run_configs, train_and_round_trip
 from tests.test_pipeline_numerics import (
     BATCH,
@@ -38,7 +39,7 @@ def _cfg(schedule, pp, **kw):
 @pytest.fixture(scope="module")
 def reference():
     tokens, target = make_batch(BATCH, SEQ)
-    return reference_step(N_LAYERS, tokens, target)
+    return reference_run(llama3_meta(N_LAYERS), [(tokens, target)])
 
 
 GOLDEN_CSV = str(Path(__file__).parent / "golden" / "interleaved1f1b_pp2_spr2_mb4.csv")
@@ -100,22 +101,22 @@ def test_auto_mixed_precision_bf16_compute_fp32_masters():
     import torch
 
     tokens, target = make_batch(BATCH, SEQ)
-    ref16 = reference_step(N_LAYERS, tokens, target, param_dtype=torch.bfloat16)
-    ref32 = reference_step(N_LAYERS, tokens, target)
+    ref16 = reference_run(llama3_meta(N_LAYERS), [(tokens, target)], param_dtype=torch.bfloat16)
+    ref32 = reference_run(llama3_meta(N_LAYERS), [(tokens, target)])
     cfg = _cfg("ZBVZeroBubble", 2, dp=2, tp=2, parallelize="auto", bf16=True)
     for (r,) in run_on_ranks(run_configs, 8, [cfg]):
         assert r["param_dtypes"] == r["grad_dtypes"] == ["torch.float32"]
-        print(f"bf16 pipeline loss {r['loss']:.6f}, bf16 reference {ref16[0]:.6f}, "
-              f"fp32 reference {ref32[0]:.6f}")
+        print(f"bf16 pipeline loss {r['loss']:.6f}, bf16 reference {ref16.losses[0]:.6f}, "
+              f"fp32 reference {ref32.losses[0]:.6f}")
         # bf16 rounding depends on the plan's reduction order (equal-cost plans differ in
         # where activations are cast and reduced): the loss stays within bf16 noise of the
         # bf16 run; which run the step follows is told by the gradients below
-        assert abs(r["loss"] - ref16[0]) < 2e-3
+        assert abs(r["loss"] - ref16.losses[0]) < 2e-3
         closer_to_bf16 = 0
         for name, g in r["grads"].items():
-            rel = ((g - ref16[1][name]).norm() / ref16[1][name].norm()).item()
+            rel = ((g - ref16.grads[name]).norm() / ref16.grads[name].norm()).item()
             assert rel < 0.02, (name, rel)
-            rel32 = ((g - ref32[1][name]).norm() / ref32[1][name].norm()).item()
+            rel32 = ((g - ref32.grads[name]).norm() / ref32.grads[name].norm()).item()
             closer_to_bf16 += rel < rel32
         # and the gradients, not only the loss, follow the bf16 run rather than the fp32 one
         assert closer_to_bf16 >= 0.75 * len(r["grads"]), (closer_to_bf16, len(r["grads"]))
@@ -129,7 +130,7 @@ def test_auto_parameters_gathered_once_per_step():
     gathers them again instead.
     The loss and gradients equal the single-process model's either way."""
     batch, seq = 8, 128
-    reference = reference_step(REPLICATED_LAYERS, *make_batch(batch, seq))
+    reference = reference_run(llama3_meta(REPLICATED_LAYERS), [make_batch(batch, seq)])
     configs = [_cfg("1F1B", 2, dp=2, tp=2, count_collectives=True, n_microbatches=m,
                     n_layers=REPLICATED_LAYERS,
                     batch=batch, seq=seq, planner_options=dict(

@@ -10,7 +10,8 @@ import pytest
 
 from autopp.backends.meta_autoparallel import available
 from tests.dist_harness import run_on_ranks
-from tests.models import make_batch, reference_step
+from tests.models import llama3_meta, make_batch
+from tests.reference import reference_run
 from tests.pipeline_workers import run_configs
 from tests.test_pipeline_numerics import BATCH, N_LAYERS, SEQ, _cfg, _check
 
@@ -23,7 +24,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def reference():
-    return reference_step(N_LAYERS, *make_batch(BATCH, SEQ))
+    return reference_run(llama3_meta(N_LAYERS), [make_batch(BATCH, SEQ)])
 
 
 # dp=2 (8 ranks, each solving AutoParallel's ILP on 2 cores: ~165 s) is in the wide matrix

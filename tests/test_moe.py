@@ -22,9 +22,10 @@ import torch
 
 from tests.parity import assert_all_parity
 from tests.dist_harness import run_on_ranks
-from tests.models import MODELS, ce_loss, make_batch
+from tests.models import MODELS, make_batch
 from tests.moe_workers import fp32_experts as _fp32_experts
 from tests.moe_workers import run
+from tests.reference import Reference, reference_run
 
 N_LAYERS, BATCH, SEQ, LR, MAX_NORM = 4, 8, 16, 1e-2, 0.5
 REFERENCE_THREADS = 2
@@ -43,56 +44,34 @@ def _update_biases(model) -> None:
             counts.zero_()
 
 
-def _reference(kind: str, steps: int, lr: float = LR) -> dict:
-    threads = torch.get_num_threads()
-    # the reference's own rounding depends on the thread count (after three AdamW steps at
-    # lr 1e-2 its loss is 7.729608 on 1 thread, 7.729625 on 2): pinned, so that an earlier
-    # test leaving this process on another count cannot move it (the flake of 2026-12-01)
-    torch.set_num_threads(REFERENCE_THREADS)
-    try:
-        return _reference_steps(kind, steps, lr)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _reference_steps(kind: str, steps: int, lr: float) -> dict:
-    from autopp import init_module_
-
-    model = init_module_(MODELS[kind](N_LAYERS), seed=0, device="cpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    out: dict = {"losses": []}
+def _reference(kind: str, steps: int, lr: float = LR) -> Reference:
+    """Single-process plain torch over ``steps + 1`` batches, the router's bias update after
+    each backward. The thread count is pinned: the reference's own rounding depends on it
+    (after three AdamW steps at lr 1e-2 its loss is 7.729608 on 1 thread, 7.729625 on 2), so
+    an earlier test leaving this process on another count cannot move it (the flake of
+    2026-12-01)."""
+    batches = [make_batch(BATCH, SEQ, seed=100 + step) for step in range(steps + 1)]
     with _fp32_experts():
-        for step in range(steps + 1):
-            tok, tgt = make_batch(BATCH, SEQ, seed=100 + step)
-            loss = ce_loss(model(tok), tgt)
-            loss.backward()
-            out["losses"].append(loss.item())
-            if step == 0:
-                out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
-            _update_biases(model)
-            if step == 0:
-                out["bias"] = {n: b.clone() for n, b in model.named_buffers()
-                               if n.endswith("expert_bias_E")}
-            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-            opt.step()
-            opt.zero_grad()
-    return out
+        return reference_run(MODELS[kind](N_LAYERS), batches, lr=lr, max_norm=MAX_NORM,
+                             after_backward=_update_biases,
+                             keep_buffers=lambda n: n.endswith("expert_bias_E"),
+                             threads=REFERENCE_THREADS)
 
 
-def _check(res: dict, ref: dict, cfg: dict, track: float = 1e-6) -> set[str]:
+def _check(res: dict, ref: Reference, cfg: dict, track: float = 1e-6) -> set[str]:
     steps = cfg["steps"]
-    assert res["losses"][0] == pytest.approx(ref["losses"][0], abs=1e-5), cfg
-    assert_all_parity(res["grads"], ref["grads"], what=f"{cfg['model']} grad")
+    assert res["losses"][0] == pytest.approx(ref.losses[0], abs=1e-5), cfg
+    assert_all_parity(res["grads"], ref.grads, what=f"{cfg['model']} grad")
     for name, b in res["bias"].items():
-        torch.testing.assert_close(b, ref["bias"][name], atol=1e-7, rtol=0)
+        torch.testing.assert_close(b, ref.first_buffers[name], atol=1e-7, rtol=0)
     # the first steps agree exactly; later a routing near-tie may flip (top-k is discrete),
     # so a long curve is held to track the reference, not to equal it
     exact = min(steps, 3)
-    assert res["losses"][:exact] == pytest.approx(ref["losses"][:exact], rel=1e-5), cfg
-    curves = f"{cfg['model']}: {res['losses']} vs {ref['losses'][:steps]}"
-    assert res["losses"] == pytest.approx(ref["losses"][:steps], rel=track), curves
+    assert res["losses"][:exact] == pytest.approx(ref.losses[:exact], rel=1e-5), cfg
+    curves = f"{cfg['model']}: {res['losses']} vs {ref.losses[:steps]}"
+    assert res["losses"] == pytest.approx(ref.losses[:steps], rel=track), curves
     if cfg.get("resume"):
-        assert res["next"] == pytest.approx(ref["losses"][steps], rel=track)
+        assert res["next"] == pytest.approx(ref.losses[steps], rel=track)
         assert res["resumed"] == pytest.approx(res["next"], abs=1e-6)
     return set(res["grads"])
 
@@ -173,7 +152,7 @@ def test_moe_schedules_and_loss_curves_match_single_process(tmp_path):
         for rank_results in results:
             if cfg.get("mixed_precision"):  # measured: within rel 2e-4 over 5 steps
                 assert rank_results[i]["losses"] == pytest.approx(
-                    ref["losses"][:cfg["steps"]], rel=1e-3), cfg
+                    ref.losses[:cfg["steps"]], rel=1e-3), cfg
                 continue
             _check(rank_results[i], ref, cfg, track=1e-3)
         if cfg.get("dispatch") == "all_to_all":

@@ -8,7 +8,8 @@ import torch
 
 from tests.parity import assert_all_parity
 from tests.dist_harness import run_on_ranks
-from tests.models import make_batch, reference_step
+from tests.models import llama3_meta, make_batch
+from tests.reference import reference_run
 from tests.pipeline_workers import CLIP_NORM, run_configs, tp_fsdp_parallelize
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
@@ -22,11 +23,11 @@ pytestmark = pytest.mark.multiprocess
 @pytest.fixture(scope="module")
 def reference():
     tokens, target = make_batch(BATCH, SEQ)
-    return reference_step(N_LAYERS, tokens, target)
+    return reference_run(llama3_meta(N_LAYERS), [(tokens, target)])
 
 
 def _check(results_per_rank, configs, reference):
-    ref_loss, ref_grads, _ = reference
+    ref_loss, ref_grads = reference.losses[0], reference.grads
     for i, cfg in enumerate(configs):
         seen: set[str] = set()
         for rank_results in results_per_rank:
@@ -58,11 +59,9 @@ def _cfg(schedule, pp, **kw):
 def _check_tracks_adamw_reference(results, cfg, abs_tol):
     """Every rank's per-step losses equal single-process AdamW's within ``abs_tol``; the
     state_dict round trip and eval checks of ``train_and_round_trip`` hold."""
-    from tests.models import reference_adamw_losses
-
-    ref = reference_adamw_losses(
-        cfg["n_layers"], BATCH, SEQ, steps=cfg["steps"], lr=cfg["lr"], max_norm=cfg["max_norm"]
-    )
+    batches = [make_batch(BATCH, SEQ, seed=100 + k) for k in range(cfg["steps"])]
+    ref = reference_run(llama3_meta(cfg["n_layers"]), batches, lr=cfg["lr"],
+                        max_norm=cfg["max_norm"]).losses
     assert ref[-1] < ref[0]
     for r in results:
         assert r["losses"] == pytest.approx(ref, abs=abs_tol)

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from autopp import PipelinePlan, build_world_mesh, init_fake_world, pipeline_autoparallel
-from tests.models import ce_loss, llama3_meta, make_batch, reference_step
+from tests.models import ce_loss, llama3_meta, make_batch
+from tests.reference import reference_run
 from tests.test_pipeline_numerics import BATCH, N_LAYERS, SEQ, _cfg, _check
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,7 +199,7 @@ def test_saved_plan_runs_without_planning(saved_plan):
     from tests.dist_harness import run_on_ranks
     from tests.pipeline_workers import run_configs
 
-    reference = reference_step(N_LAYERS, *make_batch(BATCH, SEQ))
+    reference = reference_run(llama3_meta(N_LAYERS), [make_batch(BATCH, SEQ)])
     configs = [_cfg("1F1B", 2, dp=DP, n_microbatches=N_MB, parallelize="auto", plan=str(saved_plan)),
                _cfg("1F1B", 2, dp=DP, n_microbatches=N_MB, parallelize="auto", plan=None)]
     results = run_on_ranks(run_configs, 4, configs)

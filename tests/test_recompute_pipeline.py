@@ -13,7 +13,8 @@ import pytest
 
 from tests.parity import assert_w_after_i
 from tests.dist_harness import run_on_ranks
-from tests.models import make_batch, reference_step
+from tests.models import llama3_meta, make_batch
+from tests.reference import reference_run
 from tests.pipeline_workers import run_configs
 from tests.test_pipeline_numerics import BATCH, N_LAYERS, SEQ, _cfg, _check
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("fresh_plan_cache")
 @pytest.fixture(scope="module")
 def reference():
     tokens, target = make_batch(BATCH, SEQ)
-    return reference_step(N_LAYERS, tokens, target)
+    return reference_run(llama3_meta(N_LAYERS), [(tokens, target)])
 
 
 def _planned(schedule, recompute, *, dp, tp, **options):
