@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from tests.case import Case, vary
 from tests.models import MODELS, ce_loss, make_batch
 
 
@@ -44,54 +45,54 @@ def _dp_slice(mesh, batch: int, seq: int, seed: int):
     return tokens[dp_rank * n:(dp_rank + 1) * n], target[dp_rank * n:(dp_rank + 1) * n]
 
 
-def _build(cfg: dict, mesh, tok):
+def _build(cfg: Case, mesh, tok):
     """The pipeline of ``cfg``; planned, with the MoE planner options ``cfg`` asks for
     (token dispatch, experts in fp32 or bf16)."""
     from autopp import pipeline_autoparallel
     from autopp.backends import Planner, PlannerOptions
 
-    parallelize = cfg.get("parallelize", "auto")
+    parallelize = cfg.parallelize
     if parallelize == "auto":
         parallelize = Planner(options=PlannerOptions(
-            mixed_precision=_policy(cfg), token_dispatch=cfg.get("dispatch", "auto"),
-            expert_compute_dtype="param" if cfg.get("fp32_experts") else "bfloat16"))
+            mixed_precision=_policy(cfg), token_dispatch=cfg.dispatch,
+            expert_compute_dtype="param" if cfg.fp32_experts else "bfloat16"))
     return pipeline_autoparallel(
-        MODELS[cfg["model"]](cfg["n_layers"]), mesh, example_inputs=(tok,), loss_fn=ce_loss,
-        schedule=cfg["schedule"], n_microbatches=cfg["n_microbatches"],
+        MODELS[cfg.model](cfg.n_layers), mesh, example_inputs=(tok,), loss_fn=ce_loss,
+        schedule=cfg.schedule, n_microbatches=cfg.n_microbatches,
         parallelize=parallelize,
         mixed_precision=None if not isinstance(parallelize, str) else _policy(cfg))
 
 
-def _policy(cfg: dict):
+def _policy(cfg: Case):
     """bf16 compute with fp32 gradient reductions (torchtitan's training policy) when
-    ``cfg["mixed_precision"]``, else None."""
-    if not cfg.get("mixed_precision"):
+    ``cfg.bf16``, else None."""
+    if not cfg.bf16:
         return None
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def train(mesh, cfg: dict, path: str | None) -> dict:
-    """``cfg["steps"]`` AdamW steps with clipping (step k on batch seed 100 + k): the first
+def train(mesh, cfg: Case, path: str | None) -> dict:
+    """``cfg.steps`` AdamW steps with clipping (step k on batch seed 100 + k): the first
     step's gradients and expert biases after it, every loss, the plan's expert placements.
-    With ``path`` and ``cfg["resume"]`` (pp, dp, tp): save after the steps, train one more
+    With ``path`` and ``cfg.resume`` (pp, dp, tp): save after the steps, train one more
     step, then a pipeline at the resume layout loads the checkpoint and trains that step."""
     from autopp import build_world_mesh
 
-    tok, tgt = _dp_slice(mesh, cfg["batch"], cfg["seq"], 100)
+    tok, tgt = _dp_slice(mesh, cfg.batch, cfg.seq, 100)
     pipe = _build(cfg, mesh, tok)
     pipe.init_weights(seed=0)
-    opt = torch.optim.AdamW(pipe.parameters(), lr=cfg["lr"])
+    opt = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr)
     out: dict = {"losses": []}
-    for step in range(cfg["steps"]):
-        tok, tgt = _dp_slice(mesh, cfg["batch"], cfg["seq"], 100 + step)
+    for step in range(cfg.steps):
+        tok, tgt = _dp_slice(mesh, cfg.batch, cfg.seq, 100 + step)
         out["losses"].append(pipe.step(tok, target=tgt))
         if step == 0:
             out["grads"] = {n: _full(p.grad) for n, p in pipe.named_parameters()}
             out["bias"] = {k: _full(v) for k, v in pipe.state_dict().items()
                            if k.endswith("expert_bias_E")}
-        pipe.clip_grad_norm_(cfg["max_norm"])
+        pipe.clip_grad_norm_(cfg.max_norm)
         opt.step()
         opt.zero_grad()
     out["placements"] = sorted({str(b) for plan in (pipe.plans or {}).values()
@@ -104,16 +105,16 @@ def train(mesh, cfg: dict, path: str | None) -> dict:
               sorted({_dispatch_of(ins) for b in plan.blocks for name, _, ins in b.nodes
                       if name.startswith("routed_experts")}))
         for sid, plan in (pipe.plans or {}).items()}
-    if path is not None and cfg.get("resume"):
+    if path is not None and cfg.resume:
         pipe.save_checkpoint(path, opt)
-        tok, tgt = _dp_slice(mesh, cfg["batch"], cfg["seq"], 100 + cfg["steps"])
+        tok, tgt = _dp_slice(mesh, cfg.batch, cfg.seq, 100 + cfg.steps)
         out["next"] = pipe.step(tok, target=tgt)
-        pp, dp, tp = cfg["resume"]
+        pp, dp, tp = cfg.resume
         mesh2 = build_world_mesh(pp=pp, dp=dp, tp=tp)
-        tok2, tgt2 = _dp_slice(mesh2, cfg["batch"], cfg["seq"], 100 + cfg["steps"])
-        other = _build(dict(cfg, schedule="1F1B", n_microbatches=pp), mesh2, tok2)
+        tok2, tgt2 = _dp_slice(mesh2, cfg.batch, cfg.seq, 100 + cfg.steps)
+        other = _build(vary(cfg, schedule="1F1B", n_microbatches=pp), mesh2, tok2)
         other.init_weights(seed=1)
-        opt2 = torch.optim.AdamW(other.parameters(), lr=cfg["lr"])
+        opt2 = torch.optim.AdamW(other.parameters(), lr=cfg.lr)
         other.load_checkpoint(path, opt2)
         out["resumed"] = other.step(tok2, target=tgt2)
     return out
@@ -137,15 +138,15 @@ def _dispatch_of(ins) -> str:
     return "all_gather" if any(split) else "local"
 
 
-def run(rank: int, world_size: int, configs: list[dict], path: str) -> list[dict]:
+def run(rank: int, world_size: int, configs: list[Case], path: str) -> list[dict]:
     from autopp import build_world_mesh
 
     out = []
     for i, cfg in enumerate(configs):
-        mesh = build_world_mesh(pp=cfg["pp"], dp=cfg["dp"], tp=cfg["tp"])
+        mesh = build_world_mesh(pp=cfg.pp, dp=cfg.dp, tp=cfg.tp)
         # stages that run the model's modules as written (parallelize=None) compute its
         # experts in fp32 as the reference does
-        as_written = cfg.get("parallelize", "auto") is None and cfg.get("fp32_experts")
+        as_written = cfg.parallelize is None and cfg.fp32_experts
         with fp32_experts() if as_written else contextlib.nullcontext():
             out.append(train(mesh, cfg, f"{path}/{i}"))
         dist.barrier()

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from tests.case import Case
 from tests.models import ce_loss, llama3_meta, make_batch
 
 
@@ -27,29 +28,31 @@ def _dp_slice(t: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
     return t[dp_rank * n : (dp_rank + 1) * n]
 
 
-def one_step(mesh, cfg: dict) -> dict:
+def one_step(mesh, cfg: Case) -> dict:
     """Build a pipeline for ``cfg``, run one step, return its loss and full gradients."""
     from autopp import pipeline_autoparallel
 
-    tokens, target = make_batch(cfg["batch"], cfg["seq"], seed=cfg.get("data_seed", 0))
+    tokens, target = make_batch(cfg.batch, cfg.seq, seed=cfg.data_seed)
     dp_rank = mesh.get_coordinate()[1]
     dp_size = mesh.shape[1]
     tok = _dp_slice(tokens, dp_rank, dp_size)
     tgt = _dp_slice(target, dp_rank, dp_size)
     from autopp import cross_entropy
 
-    extra = {k: cfg[k] for k in ("boundary", "loss_parallel", "memory_budget_bytes", "compile") if k in cfg}
-    if cfg.get("bf16"):
+    extra = dict(cfg.options)
+    if cfg.loss_parallel:
+        extra["loss_parallel"] = True
+    if cfg.bf16:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         extra["mixed_precision"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    parallelize = cfg.get("parallelize")
-    if "planner_options" in cfg:  # a backend object instead of the shorthands
+    parallelize = cfg.parallelize
+    if cfg.planner_options is not None:  # a backend object instead of the shorthands
         from autopp.backends import Planner, PlannerOptions
 
-        parallelize = Planner(PlannerOptions(**cfg["planner_options"]))
-    if "plan" in cfg:  # a saved PipelinePlan (or None): count what this rank plans
+        parallelize = Planner(PlannerOptions(**cfg.planner_options))
+    if cfg.count_planning:  # a saved PipelinePlan (or None): count what this rank plans
         import autopp.plan.make as auto_plan
 
         planners = {f: getattr(auto_plan, f) for f in ("plan_whole_pipeline", "plan_local_stage")}
@@ -63,20 +66,20 @@ def one_step(mesh, cfg: dict) -> dict:
 
         for f in planners:
             setattr(auto_plan, f, counted(f))
-        extra["plan"] = cfg["plan"]
+        extra["plan"] = cfg.plan
     pipe = pipeline_autoparallel(
-        llama3_meta(cfg["n_layers"]),
+        llama3_meta(cfg.n_layers),
         mesh,
         example_inputs=(tok,),
-        loss_fn=cross_entropy if "loss_parallel" in cfg else ce_loss,
-        schedule=cfg["schedule"],
-        n_microbatches=cfg["n_microbatches"],
-        split=cfg.get("split"),
+        loss_fn=cross_entropy if cfg.loss_parallel else ce_loss,
+        schedule=cfg.schedule,
+        n_microbatches=cfg.n_microbatches,
+        split=cfg.split,
         parallelize=parallelize,
         **extra,
     )
     pipe.init_weights(seed=0)
-    counter = pipe.count_collectives() if cfg.get("count_collectives") else None
+    counter = pipe.count_collectives() if cfg.count_collectives else None
     loss = pipe.step(tok, target=tgt)
     grads = {n: _local(p.grad).detach().clone() for n, p in pipe.named_parameters() if p.grad is not None}
     out = {"loss": loss, "grads": grads, "stage_ids": pipe.layout.stage_ids,
@@ -96,33 +99,33 @@ def one_step(mesh, cfg: dict) -> dict:
             collective_counts(m.stage_graphs()[1].unshard_graph).get("all_gather_into_tensor", 0)
             for m in pipe.stage_modules)
         out["gathered_bytes"] = sum(m.gathered_param_bytes() for m in pipe.stage_modules)
-    if cfg.get("saved_bytes"):  # planned stages: what each keeps per microbatch, as run and
+    if cfg.saved_bytes:  # planned stages: what each keeps per microbatch, as run and
         from autopp.lower.memory import saved_bytes  # without recomputation
 
         out["recompute"] = [m.stage_graphs()[1].convention.recompute for m in pipe.stage_modules]
         out["saved_bytes"] = [m.saved_bytes_per_microbatch() for m in pipe.stage_modules]
         out["saved_bytes_none"] = [saved_bytes(m.stage_graphs("none")[1])
                                    for m in pipe.stage_modules]
-    if "plan" in cfg:
+    if cfg.count_planning:
         for f, fn in planners.items():
             setattr(auto_plan, f, fn)
         out["plan_source"], out["planning_calls"] = pipe.backend.plan_source, calls
         out["pipeline_plan"] = pipe.backend.pipeline_plan.to_json()
-    if cfg.get("eval"):
+    if cfg.eval:
         out["eval_loss"] = pipe.eval(tok, target=tgt)
-    if cfg.get("clip"):  # a bound the step's gradient norm exceeds: the gradients shrink
+    if cfg.clip:  # a bound the step's gradient norm exceeds: the gradients shrink
         out["norm"] = pipe.clip_grad_norm_(CLIP_NORM)
         out["clipped_grads"] = {n: _local(p.grad).detach().clone()
                                 for n, p in pipe.named_parameters() if p.grad is not None}
     return out
 
 
-def run_configs(rank: int, world_size: int, configs: list[dict]) -> list[dict]:
+def run_configs(rank: int, world_size: int, configs: list[Case]) -> list[dict]:
     from autopp import build_world_mesh
 
     results = []
     for cfg in configs:
-        mesh = build_world_mesh(pp=cfg["pp"], dp=cfg.get("dp", 1), tp=cfg.get("tp", 1))
+        mesh = build_world_mesh(pp=cfg.pp, dp=cfg.dp, tp=cfg.tp)
         results.append(one_step(mesh, cfg))
         dist.barrier()
     return results
@@ -153,38 +156,38 @@ def tp_fsdp_parallelize(stage: torch.nn.Module, sub_mesh) -> torch.nn.Module:
     return stage
 
 
-def _build(layout: dict, cfg: dict, seed: int):
+def _build(layout: Case, cfg: Case, seed: int):
     """A pipeline over a fresh world mesh of ``layout``, initialised with ``seed``; and a
     function giving this rank's dp slice of the batch of a data seed."""
     from autopp import build_world_mesh, pipeline_autoparallel
 
-    mesh = build_world_mesh(pp=layout["pp"], dp=layout.get("dp", 1), tp=layout.get("tp", 1))
+    mesh = build_world_mesh(pp=layout.pp, dp=layout.dp, tp=layout.tp)
     dp_rank, dp_size = mesh.get_coordinate()[1], mesh.shape[1]
 
     def batch(data_seed: int):
-        tok, tgt = make_batch(cfg["batch"], cfg["seq"], seed=data_seed)
+        tok, tgt = make_batch(cfg.batch, cfg.seq, seed=data_seed)
         return _dp_slice(tok, dp_rank, dp_size), _dp_slice(tgt, dp_rank, dp_size)
 
     pipe = pipeline_autoparallel(
-        llama3_meta(cfg["n_layers"]), mesh,
+        llama3_meta(cfg.n_layers), mesh,
         example_inputs=(batch(0)[0],), loss_fn=ce_loss,
-        schedule=layout["schedule"], n_microbatches=layout["n_microbatches"],
-        parallelize=layout.get("parallelize"),
+        schedule=layout.schedule, n_microbatches=layout.n_microbatches,
+        parallelize=layout.parallelize,
     )
     pipe.init_weights(seed=seed)
     return pipe, batch
 
 
-def train_and_round_trip(rank: int, world_size: int, cfg: dict) -> dict:
+def train_and_round_trip(rank: int, world_size: int, cfg: Case) -> dict:
     """A few AdamW steps with clipping (losses returned), then a state_dict round trip into a
     pipeline initialised differently: the reloaded pipeline's weights and eval loss match."""
     pipe, batch = _build(cfg, cfg, seed=0)
-    opt = torch.optim.AdamW(pipe.parameters(), lr=cfg["lr"])
+    opt = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr)
     losses = []
-    for step in range(cfg["steps"]):
+    for step in range(cfg.steps):
         tok, tgt = batch(100 + step)
         losses.append(pipe.step(tok, target=tgt))
-        pipe.clip_grad_norm_(cfg["max_norm"])
+        pipe.clip_grad_norm_(cfg.max_norm)
         opt.step()
         pipe.zero_grad()
     tok, tgt = batch(999)
@@ -206,13 +209,13 @@ def train_and_round_trip(rank: int, world_size: int, cfg: dict) -> dict:
                 same=same, strict_error=strict_error)
 
 
-def checkpoint_resume(rank: int, world_size: int, cfg: dict, path: str) -> dict:
+def checkpoint_resume(rank: int, world_size: int, cfg: Case, path: str) -> dict:
     """Train, save a DCP checkpoint (model + AdamW) mid-run, train on; then a fresh pipeline
-    in another layout (``cfg["resume"]``) loads it and trains the same steps."""
+    in another layout (``cfg.resume``) loads it and trains the same steps."""
 
-    def run(layout: dict, seed: int, first: int, last: int, save_at: int | None, load: bool):
+    def run(layout: Case, seed: int, first: int, last: int, save_at: int | None, load: bool):
         pipe, batch = _build(layout, cfg, seed=seed)
-        opt = torch.optim.AdamW(pipe.parameters(), lr=cfg["lr"])
+        opt = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr)
         if load:
             pipe.load_checkpoint(path, opt)
         losses = {}
@@ -227,11 +230,11 @@ def checkpoint_resume(rank: int, world_size: int, cfg: dict, path: str) -> dict:
 
     straight = run(cfg, seed=0, first=0, last=4, save_at=2, load=False)
     dist.barrier()
-    resumed = run(cfg["resume"], seed=7, first=2, last=4, save_at=None, load=True)
+    resumed = run(cfg.resume, seed=7, first=2, last=4, save_at=None, load=True)
     return {"straight": straight, "resumed": resumed}
 
 
-def guards(rank: int, world_size: int, cfg: dict, path: str) -> dict:
+def guards(rank: int, world_size: int, cfg: Case, path: str) -> dict:
     """Each guard on real processes: what every rank raised, and that the last good
     checkpoint survives a refused save."""
     import math

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.parity import assert_w_after_i
+from tests.case import vary
 from tests.dist_harness import run_on_ranks
 from tests.models import llama3_meta, make_batch
 from tests.reference import reference_run
@@ -53,7 +54,8 @@ def test_auto_schedules_and_layouts_match_single_process(reference):
     configs.append(_cfg("1F1B", 4, dp=2, tp=1, parallelize="auto", n_microbatches=4))
     configs.append(_cfg("1F1B", 2, dp=1, tp=4, parallelize="auto", clip=True))
     # activations sent between stages with their sequence split over tp
-    configs.append(_cfg("1F1B", 2, dp=2, tp=2, parallelize="auto", boundary="batch+seq"))
+    configs.append(_cfg("1F1B", 2, dp=2, tp=2, parallelize="auto",
+                        options=dict(boundary="batch+seq")))
     # one stage holding the whole model, planned on a 2 x 4 (dp x tp) sub-mesh
     configs.append(_cfg("GPipe", 1, dp=2, tp=4, parallelize="auto", n_microbatches=2))
     # loss parallel: the last stage's logits stay split on the vocabulary over tp
@@ -63,14 +65,14 @@ def test_auto_schedules_and_layouts_match_single_process(reference):
     _check(results, configs, reference)
     # planned stages run their blocks' weight gradients as deferred W work: under the
     # zero-bubble schedule every rank ran some (4 microbatches x at least one block)
-    zbv = configs.index(next(c for c in configs if c["schedule"] == "ZBVZeroBubble"))
+    zbv = next(i for i, c in enumerate(configs) if c.schedule == "ZBVZeroBubble")
     assert all(r[zbv]["deferred_w"] >= 4 for r in results), [r[zbv]["deferred_w"] for r in results]
     for rank, r in enumerate(results):  # and each W ran after its I
         assert_w_after_i(r[zbv]["action_log"], what=f"ZBV rank {rank}")
     for i, cfg in enumerate(configs):  # one UNSHARD and one REDUCE_GRAD per stage per step
         for r in results:
             acts, n_local = r[i]["actions"], len(r[i]["stage_ids"])
-            assert acts["UNSHARD"] == acts["REDUCE_GRAD"] == n_local, (cfg["schedule"], acts)
+            assert acts["UNSHARD"] == acts["REDUCE_GRAD"] == n_local, (cfg.schedule, acts)
     said = [r[-1]["describe"] for r in results if 1 in r[-1]["stage_ids"]]
     assert said and all(
         "loss: loss parallel: logits stay split on the vocabulary over tp (no gather)" in d
@@ -87,8 +89,8 @@ def test_auto_checkpoint_resume(tmp_path):
     # 6 blocks: the resumed layout's 8 stages need them
     cfg = _cfg("1F1B", 2, dp=2, tp=2, parallelize="auto", lr=1e-3, n_layers=REPLICATED_LAYERS)
     # resumed in another planned layout (other stages, other shards of every tensor)
-    cfg["resume"] = dict(schedule="Interleaved1F1B", pp=4, dp=2, tp=1, n_microbatches=4,
-                         parallelize="auto")
+    cfg = vary(cfg, resume=vary(cfg, schedule="Interleaved1F1B", pp=4, dp=2, tp=1,
+                                n_microbatches=4))
     for r in run_on_ranks(checkpoint_resume, 8, cfg, str(tmp_path / "ckpt")):
         assert set(r["resumed"]) == {2, 3}
         for step, loss in r["resumed"].items():
@@ -160,5 +162,5 @@ def test_auto_parameters_gathered_once_per_step():
 
 def test_auto_compiled_stages_match_single_process(reference):
     """compile=True: every planned stage's graphs run through Inductor (2 ranks, pp=2)."""
-    configs = [_cfg("1F1B", 2, parallelize="auto", compile=True, eval=True)]
+    configs = [_cfg("1F1B", 2, parallelize="auto", options=dict(compile=True), eval=True)]
     _check(run_on_ranks(run_configs, 2, configs), configs, reference)

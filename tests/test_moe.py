@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.parity import assert_all_parity
+from tests.case import Case, vary
 from tests.dist_harness import run_on_ranks
 from tests.models import MODELS, make_batch
 from tests.moe_workers import fp32_experts as _fp32_experts
@@ -58,19 +59,19 @@ def _reference(kind: str, steps: int, lr: float = LR) -> Reference:
                              threads=REFERENCE_THREADS)
 
 
-def _check(res: dict, ref: Reference, cfg: dict, track: float = 1e-6) -> set[str]:
-    steps = cfg["steps"]
+def _check(res: dict, ref: Reference, cfg: Case, track: float = 1e-6) -> set[str]:
+    steps = cfg.steps
     assert res["losses"][0] == pytest.approx(ref.losses[0], abs=1e-5), cfg
-    assert_all_parity(res["grads"], ref.grads, what=f"{cfg['model']} grad")
+    assert_all_parity(res["grads"], ref.grads, what=f"{cfg.model} grad")
     for name, b in res["bias"].items():
         torch.testing.assert_close(b, ref.first_buffers[name], atol=1e-7, rtol=0)
     # the first steps agree exactly; later a routing near-tie may flip (top-k is discrete),
     # so a long curve is held to track the reference, not to equal it
     exact = min(steps, 3)
     assert res["losses"][:exact] == pytest.approx(ref.losses[:exact], rel=1e-5), cfg
-    curves = f"{cfg['model']}: {res['losses']} vs {ref.losses[:steps]}"
+    curves = f"{cfg.model}: {res['losses']} vs {ref.losses[:steps]}"
     assert res["losses"] == pytest.approx(ref.losses[:steps], rel=track), curves
-    if cfg.get("resume"):
+    if cfg.resume:
         assert res["next"] == pytest.approx(ref.losses[steps], rel=track)
         assert res["resumed"] == pytest.approx(res["next"], abs=1e-6)
     return set(res["grads"])
@@ -78,25 +79,25 @@ def _check(res: dict, ref: Reference, cfg: dict, track: float = 1e-6) -> set[str
 
 @pytest.mark.multiprocess
 def test_moe_decoders_match_single_process(tmp_path):
-    common = dict(pp=2, dp=2, tp=2, n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=LR,
+    common = Case(pp=2, dp=2, tp=2, n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=LR,
                   max_norm=MAX_NORM, fp32_experts=True)
     configs = [
-        dict(common, model="qwen3_moe", schedule="1F1B", n_microbatches=2, steps=3,
+        vary(common, model="qwen3_moe", schedule="1F1B", n_microbatches=2, steps=3,
              resume=(4, 2, 1)),
         # deepseek's tokens by all-to-all over dp, its experts split further over tp. The
         # rows reach each expert in another order than in one process, so its losses are
         # held to the acceptance's 1e-5 (measured: rel 1.1e-6 at the third step), not to
         # the 1e-6 the other configurations meet
-        dict(common, model="deepseek_v3", schedule="ZBVZeroBubble", n_microbatches=4,
+        vary(common, model="deepseek_v3", schedule="ZBVZeroBubble", n_microbatches=4,
              steps=3, dispatch="all_to_all", track=1e-5),
         # stages that run the modules as written (no planner): counts summed over dp, the
         # first step's shape-inference forward not counted
-        dict(common, model="deepseek_v3", schedule="1F1B", n_microbatches=2, steps=3,
+        vary(common, model="deepseek_v3", schedule="1F1B", n_microbatches=2, steps=3,
              dp=4, tp=1, parallelize=None),
     ]
     results = run_on_ranks(run, 8, configs, str(tmp_path), timeout=1500)
     for i, cfg in enumerate(configs):
-        ref = _reference(cfg["model"], cfg["steps"])
+        ref = _reference(cfg.model, cfg.steps)
         seen: set[str] = set()
         for rank_results in results:
             # after AdamW steps both sides move between runs of the same code, the
@@ -107,22 +108,22 @@ def test_moe_decoders_match_single_process(tmp_path):
             # bounds these configs had: every curve and resumed loss is held to the
             # acceptance's rel 1e-5; the first step's loss and every gradient stay at the
             # parity bounds, and a resumed run equals the uninterrupted one within 1e-6
-            seen |= _check(rank_results[i], ref, cfg, track=cfg.get("track", 1e-5))
-        names = {n for n, _ in MODELS[cfg["model"]](N_LAYERS).named_parameters()}
-        assert seen == names, (cfg["model"], names ^ seen)
-        if cfg.get("parallelize", "auto") is None:
+            seen |= _check(rank_results[i], ref, cfg, track=cfg.track)
+        names = {n for n, _ in MODELS[cfg.model](N_LAYERS).named_parameters()}
+        assert seen == names, (cfg.model, names ^ seen)
+        if cfg.parallelize is None:
             continue
         # the routed experts were planned as one op with its own rule (not traced op by op):
         # the op is in the plan of every stage holding an MoE layer
-        moe_layers = {f"layers.{n}" for n, layer in MODELS[cfg["model"]](N_LAYERS).layers.items()
+        moe_layers = {f"layers.{n}" for n, layer in MODELS[cfg.model](N_LAYERS).layers.items()
                       if any(type(m).__name__ == "MoE" for m in layer.modules())}
         stages = {sid: v for r in results for sid, v in r[i]["stage_dispatch"].items()}
-        assert len(stages) == (4 if cfg["schedule"] == "ZBVZeroBubble" else 2), stages
+        assert len(stages) == (4 if cfg.schedule == "ZBVZeroBubble" else 2), stages
         for sid, (fqns, kinds) in stages.items():
-            assert bool(kinds) == bool(moe_layers & set(fqns)), (cfg["model"], sid, fqns, kinds)
+            assert bool(kinds) == bool(moe_layers & set(fqns)), (cfg.model, sid, fqns, kinds)
         assert {p for r in results for p in r[i]["placements"]}, cfg
         kinds = {d for r in results for d in r[i]["dispatch"]}
-        if cfg.get("dispatch") == "all_to_all":  # tokens reached the experts by all-to-all,
+        if cfg.dispatch == "all_to_all":  # tokens reached the experts by all-to-all,
             # so the experts are split (expert parallel), not replicated
             assert all(k.startswith("all_to_all") for k in kinds), (cfg, kinds)
             placements = {p for r in results for p in r[i]["placements"]}
@@ -134,27 +135,27 @@ def test_moe_decoders_match_single_process(tmp_path):
 def test_moe_schedules_and_loss_curves_match_single_process(tmp_path):
     """The other schedule for each model, and 20 AdamW steps tracking the single-process
     loss curve (expert biases updated every step); qwen3 under bf16 mixed precision."""
-    common = dict(pp=2, dp=2, tp=2, n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=1e-3,
+    common = Case(pp=2, dp=2, tp=2, n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=1e-3,
                   max_norm=MAX_NORM, fp32_experts=True, steps=20)
     configs = [
         # qwen3's tokens by all-to-all over the whole dp x tp group (one flattened group)
-        dict(common, model="qwen3_moe", schedule="ZBVZeroBubble", n_microbatches=4,
+        vary(common, model="qwen3_moe", schedule="ZBVZeroBubble", n_microbatches=4,
              dispatch="all_to_all"),
-        dict(common, model="deepseek_v3", schedule="1F1B", n_microbatches=2),
+        vary(common, model="deepseek_v3", schedule="1F1B", n_microbatches=2),
         # mixed precision as torchtitan trains (bf16 parameters and experts, fp32 gradient
         # reductions) against the fp32 reference: the losses to bf16 accuracy
-        dict(common, model="qwen3_moe", schedule="1F1B", n_microbatches=2, steps=5,
-             fp32_experts=False, mixed_precision=True, dispatch="all_to_all"),
+        vary(common, model="qwen3_moe", schedule="1F1B", n_microbatches=2, steps=5,
+             fp32_experts=False, bf16=True, dispatch="all_to_all"),
     ]
     results = run_on_ranks(run, 8, configs, str(tmp_path), timeout=3000)
     for i, cfg in enumerate(configs):
-        ref = _reference(cfg["model"], cfg["steps"], lr=cfg["lr"])
+        ref = _reference(cfg.model, cfg.steps, lr=cfg.lr)
         for rank_results in results:
-            if cfg.get("mixed_precision"):  # measured: within rel 2e-4 over 5 steps
+            if cfg.bf16:  # measured: within rel 2e-4 over 5 steps
                 assert rank_results[i]["losses"] == pytest.approx(
-                    ref.losses[:cfg["steps"]], rel=1e-3), cfg
+                    ref.losses[:cfg.steps], rel=1e-3), cfg
                 continue
             _check(rank_results[i], ref, cfg, track=1e-3)
-        if cfg.get("dispatch") == "all_to_all":
+        if cfg.dispatch == "all_to_all":
             kinds = {d for r in results for d in r[i]["dispatch"]}
             assert kinds and all(k.startswith("all_to_all") for k in kinds), (cfg, kinds)

@@ -8,6 +8,7 @@ import torch
 
 from tests.parity import assert_all_parity
 from tests.dist_harness import run_on_ranks
+from tests.case import Case, vary
 from tests.models import llama3_meta, make_batch
 from tests.reference import reference_run
 from tests.pipeline_workers import CLIP_NORM, run_configs, tp_fsdp_parallelize
@@ -34,7 +35,7 @@ def _check(results_per_rank, configs, reference):
             res = rank_results[i]
             assert res["loss"] == pytest.approx(ref_loss, abs=ATOL), (cfg, res["loss"], ref_loss)
             assert_all_parity(res["grads"], ref_grads,
-                              what=f"{cfg['schedule']} pp={cfg['pp']} grad")
+                              what=f"{cfg.schedule} pp={cfg.pp} grad")
             seen |= set(res["grads"])
             if "norm" in res:  # clipping: the global norm and the clipped gradients
                 ref_norm = float(torch.linalg.vector_norm(torch.stack(  # in float64
@@ -44,24 +45,24 @@ def _check(results_per_rank, configs, reference):
                 assert coef < 1, ref_norm  # the bound really clips
                 assert_all_parity(res["clipped_grads"],  # scaled by the norm it reported
                                   {n: g * coef for n, g in res["grads"].items()},
-                                  what=f"{cfg['schedule']} pp={cfg['pp']} clipped grad")
+                                  what=f"{cfg.schedule} pp={cfg.pp} clipped grad")
             if "eval_loss" in res:
                 assert res["eval_loss"] == pytest.approx(ref_loss, abs=ATOL)
         assert seen == set(ref_grads), (cfg, set(ref_grads) - seen)
 
 
-def _cfg(schedule, pp, **kw):
-    cfg = dict(schedule=schedule, pp=pp, n_layers=N_LAYERS, batch=BATCH, seq=SEQ, n_microbatches=4)
-    cfg.update(kw)
-    return cfg
+def _cfg(schedule, pp, **kw) -> Case:
+    """A llama3 case of this module's size, replicated stages unless ``parallelize`` says."""
+    return Case(**{**dict(schedule=schedule, pp=pp, n_layers=N_LAYERS, batch=BATCH, seq=SEQ,
+                          n_microbatches=4, parallelize=None), **kw})
 
 
 def _check_tracks_adamw_reference(results, cfg, abs_tol):
     """Every rank's per-step losses equal single-process AdamW's within ``abs_tol``; the
     state_dict round trip and eval checks of ``train_and_round_trip`` hold."""
-    batches = [make_batch(BATCH, SEQ, seed=100 + k) for k in range(cfg["steps"])]
-    ref = reference_run(llama3_meta(cfg["n_layers"]), batches, lr=cfg["lr"],
-                        max_norm=cfg["max_norm"]).losses
+    batches = [make_batch(BATCH, SEQ, seed=100 + k) for k in range(cfg.steps)]
+    ref = reference_run(llama3_meta(cfg.n_layers), batches, lr=cfg.lr,
+                        max_norm=cfg.max_norm).losses
     assert ref[-1] < ref[0]
     for r in results:
         assert r["losses"] == pytest.approx(ref, abs=abs_tol)
@@ -105,7 +106,7 @@ def test_checkpoint_resumes_in_another_layout(tmp_path):
     from tests.pipeline_workers import checkpoint_resume
 
     cfg = _cfg("Interleaved1F1B", 2, dp=2, n_microbatches=2, lr=1e-3)
-    cfg["resume"] = dict(schedule="1F1B", pp=4, dp=1, n_microbatches=4)
+    cfg = vary(cfg, resume=vary(cfg, schedule="1F1B", pp=4, dp=1, n_microbatches=4))
     results = run_on_ranks(checkpoint_resume, 4, cfg, str(tmp_path / "ckpt"))
     for r in results:
         assert set(r["resumed"]) == {2, 3}

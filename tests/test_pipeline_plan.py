@@ -200,8 +200,10 @@ def test_saved_plan_runs_without_planning(saved_plan):
     from tests.pipeline_workers import run_configs
 
     reference = reference_run(llama3_meta(N_LAYERS), [make_batch(BATCH, SEQ)])
-    configs = [_cfg("1F1B", 2, dp=DP, n_microbatches=N_MB, parallelize="auto", plan=str(saved_plan)),
-               _cfg("1F1B", 2, dp=DP, n_microbatches=N_MB, parallelize="auto", plan=None)]
+    configs = [_cfg("1F1B", 2, dp=DP, n_microbatches=N_MB, parallelize="auto", plan=str(saved_plan),
+                    count_planning=True),
+               _cfg("1F1B", 2, dp=DP, n_microbatches=N_MB, parallelize="auto", plan=None,
+                    count_planning=True)]
     results = run_on_ranks(run_configs, 4, configs)
     _check(results, configs, reference)
     saved = PipelinePlan.load(saved_plan)

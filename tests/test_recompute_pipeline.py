@@ -70,28 +70,28 @@ def test_recompute_selective_and_full_match_single_process(reference):
     configs += [_planned("1F1B", "full", dp=2, tp=1, parameter_budget_bytes=7e6),
                 _planned("ZBVZeroBubble", "selective", dp=2, tp=1, parameter_budget_bytes=7e6)]
     for cfg in configs[-2:]:
-        cfg["count_collectives"] = True
+        cfg.count_collectives = True
     results = run_on_ranks(run_configs, 4, configs)
     _check(results, configs, reference)
     for i, cfg in enumerate(configs):
-        mode = cfg["planner_options"]["recompute"]
+        mode = cfg.planner_options["recompute"]
         for r in results:
             res = r[i]
             assert set(res["recompute"]) == {mode}, (cfg, res["recompute"])
             assert all(a < b for a, b in zip(res["saved_bytes"], res["saved_bytes_none"])), (
                 cfg, res["saved_bytes"], res["saved_bytes_none"])
-            if cfg.get("count_collectives"):  # weights gathered at UNSHARD only
+            if cfg.count_collectives:  # weights gathered at UNSHARD only
                 assert not [k for k in res["collectives"]
                             if "params" in k and not k.startswith("UNSHARD")], res["collectives"]
-            if cfg["schedule"] == "ZBVZeroBubble":  # W really deferred, under recomputation
+            if cfg.schedule == "ZBVZeroBubble":  # W really deferred, under recomputation
                 assert res["deferred_w"] >= 4, (cfg, res["actions"])
-                assert_w_after_i(res["action_log"], what=f"{cfg['schedule']} {mode}")
-        if cfg.get("count_collectives"):  # the budget made some weights dp-sharded
+                assert_w_after_i(res["action_log"], what=f"{cfg.schedule} {mode}")
+        if cfg.count_collectives:  # the budget made some weights dp-sharded
             assert any(r[i]["unshard_gathers"] > 0 for r in results), (
                 cfg, [r[i]["unshard_gathers"] for r in results])
     # "full" keeps less than "selective" for the same stage
-    by = {(c["schedule"], c["planner_options"]["recompute"]): i for i, c in enumerate(configs)
-          if c["tp"] == 2}
+    by = {(c.schedule, c.planner_options["recompute"]): i for i, c in enumerate(configs)
+          if c.tp == 2}
     for s in ("1F1B", "ZBVZeroBubble"):
         for r in results:
             assert all(f < sel for f, sel in zip(r[by[s, "full"]]["saved_bytes"],
