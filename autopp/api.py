@@ -4,7 +4,7 @@ and run them under a torch pipeline schedule."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -41,6 +41,7 @@ def pipeline_autoparallel(
     mesh: DeviceMesh,
     *,
     example_inputs: Sequence[torch.Tensor],
+    example_kwargs: Mapping[str, torch.Tensor] | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     schedule: str = "1F1B",
     n_microbatches: int,
@@ -71,6 +72,12 @@ def pipeline_autoparallel(
             Each pipeline rank's stages live on its sub-mesh (dp × tp).
         example_inputs: the model's positional inputs for one step on this dp rank (the local
             batch, batch on dim 0); used to check the batch against the microbatch count.
+        example_kwargs: keyword inputs of the model's forward the steps will pass (name ->
+            tensor of this dp rank's batch, batch on dim 0; e.g. a padding
+            ``attention_mask`` or packed documents' ``position_ids``). Planned stages
+            (``"auto"``) are planned for them (names, shapes, dtypes; in the plan cache key)
+            and take them with every step as graph inputs; other backends take any keyword
+            inputs without it.
         loss_fn: ``loss_fn(output, target)`` returning the MEAN loss over the microbatch's
             counted tokens (targets equal to ``ignore_index`` do not count), as
             ``F.cross_entropy(..., ignore_index=...)`` does. autopp weights each microbatch by
@@ -127,10 +134,12 @@ def pipeline_autoparallel(
     if coords is None:
         raise ValueError("this rank is not part of the mesh")
     pp_rank, dp_rank, tp_rank = coords
+    keyword = _keyword_inputs(example_kwargs, example_inputs)
     saved = backend.plan if isinstance(backend, Planner) else None
     if saved is not None:  # before the split: its errors would hide what differs
         saved.check(model=model, pp=pp, dp=dp, tp=tp, schedule=str(schedule),
-                    n_microbatches=n_microbatches, example_inputs=example_inputs)
+                    n_microbatches=n_microbatches, example_inputs=example_inputs,
+                    keyword_inputs=keyword)
         if split is None:
             split = [list(f) for f in saved.fqns_per_stage]
 
@@ -157,7 +166,7 @@ def pipeline_autoparallel(
         model=model, fqns_per_stage=tuple(tuple(f) for f in fqns_per_stage),
         stage_ids=tuple(stage_ids), rank_of=rank_of, mesh=mesh, sub_mesh=sub_mesh,
         example_inputs=tuple(example_inputs), n_microbatches=n_microbatches, loss_fn=loss_fn,
-        schedule=str(schedule), stage_modules=metas,
+        schedule=str(schedule), stage_modules=metas, keyword_inputs=tuple(keyword.items()),
     ))
     modules = [backend.build(s, metas[s], sub_mesh) for s in stage_ids]
     from autopp.tied import find_tied
@@ -180,7 +189,26 @@ def pipeline_autoparallel(
     return Pipeline(layout=layout, stage_modules=modules, mesh=mesh, loss_fn=loss_fn,
                     ignore_index=ignore_index, backend=backend,
                     input_shapes=tuple(tuple(x.shape) for x in example_inputs),
-                    raise_on_nonfinite=raise_on_nonfinite, tied=tied, rank_of=rank_of)
+                    raise_on_nonfinite=raise_on_nonfinite, tied=tied, rank_of=rank_of,
+                    keyword_inputs=tuple((n, tuple(t.shape), str(t.dtype))
+                                         for n, t in keyword.items()))
+
+
+def _keyword_inputs(example_kwargs: Mapping[str, torch.Tensor] | None,
+                    example_inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``example_kwargs`` checked (tensors batched like the inputs) and sorted by name."""
+    batch = int(example_inputs[0].shape[0]) if example_inputs else None
+    out = {}
+    for name, t in sorted((example_kwargs or {}).items()):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or (
+                batch is not None and t.shape[0] != batch):
+            what = (f"a tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+                    else type(t).__name__)
+            raise ValueError(f"example_kwargs[{name!r}] is {what}: keyword inputs are split "
+                             f"into microbatches on dim 0 like the inputs, so each must be a "
+                             f"tensor whose dim 0 is this dp rank's batch ({batch})")
+        out[name] = t
+    return out
 
 
 def resolve_backend(

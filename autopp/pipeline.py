@@ -110,6 +110,7 @@ class Pipeline:
         raise_on_nonfinite: bool = True,
         tied: Sequence[TiedParameter] = (),
         rank_of: Sequence[int] | None = None,
+        keyword_inputs: tuple[tuple[str, tuple[int, ...], str], ...] = (),
     ) -> None:
         self.layout = layout
         self.mesh = mesh
@@ -137,6 +138,9 @@ class Pipeline:
         self._stages: list = []
         self._all_fqns = {f for stage in layout.fqns_per_stage for f in stage}
         self._input_shapes = input_shapes
+        #: (name, shape, dtype) of the keyword inputs the pipeline was built for
+        #: (``example_kwargs``): what planned stages take with every step.
+        self._keyword_inputs = tuple(keyword_inputs)
         #: A non-finite loss or gradient norm raises FloatingPointError (True, the default)
         #: or warns (False).
         self.raise_on_nonfinite = raise_on_nonfinite
@@ -376,7 +380,9 @@ class Pipeline:
                 ``attention_mask`` or ``position_ids``), batch on dim 0: each is split into
                 the same microbatches and given to every stage's forward (every rank passes
                 them). Stages that run the model's modules (``parallelize=None``, your own
-                function, FSDP) take them; planned stages do not yet (an error says so).
+                function, FSDP) take any; planned stages take those the pipeline was built
+                for (``pipeline_autoparallel(example_kwargs=...)``: names, shapes and
+                dtypes), every step (an error names what differs).
 
         Returns the loss of the whole global batch (mean over its counted tokens, exactly
         as the unpipelined model computes it), on every rank. Gradients are left in the
@@ -447,16 +453,8 @@ class Pipeline:
 
     def _check_model_kwargs(self, inputs: tuple[torch.Tensor, ...],
                             model_kwargs: dict[str, Any]) -> None:
-        """Keyword inputs the stages can take: tensors batched like the inputs, and stages
-        that run the model's own forward (a planned stage's graphs take one input)."""
-        if not model_kwargs:
-            return
-        if self._runtime is not None:
-            raise ValueError(
-                f"keyword inputs {sorted(model_kwargs)} reach stages that run the model's own "
-                "forward; planned stages (parallelize='auto') trace one input and take none "
-                "yet. Build the pipeline with parallelize=None or your own parallelize "
-                "function to pass them, or drop them (e.g. an all-ones attention_mask)")
+        """Keyword inputs the stages can take: tensors batched like the inputs and, for
+        planned stages, the ones they were planned for (graph inputs of their traces)."""
         batch = inputs[0].shape[0] if inputs else None
         for name, value in model_kwargs.items():
             if not isinstance(value, torch.Tensor) or value.dim() == 0 or (
@@ -467,6 +465,21 @@ class Pipeline:
                     f"keyword input {name!r} is {what}: keyword inputs are split into "
                     f"microbatches on dim 0 like the inputs, so each must be a tensor whose "
                     f"dim 0 is this dp rank's batch ({batch})")
+        if not self.backend.uses_graph_runtime:
+            return
+        from autopp.sharding.plan import describe_keyword_inputs
+
+        built = [[n, list(shape), d] for n, shape, d in self._keyword_inputs]
+        got = [[n, list(shape), d] for n, shape, d in describe_keyword_inputs(
+            dict(sorted(model_kwargs.items())))]
+        if sorted(built) != got:
+            raise ValueError(
+                f"keyword inputs (name, shape, dtype) {got}: this pipeline's planned stages "
+                f"(parallelize='auto') were planned for {sorted(built) or 'none'}, and take "
+                "exactly those as graph inputs with every step. Pass the same ones (an "
+                "all-ones attention_mask masks nothing), or build the pipeline with "
+                "pipeline_autoparallel(example_kwargs={...}) naming the ones you pass (plans "
+                "are cached on disk by them)")
 
     def _run(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, *, train: bool,
              model_kwargs: dict[str, Any] | None = None) -> float:

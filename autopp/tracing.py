@@ -103,3 +103,59 @@ def settings(values: Mapping[str, str] | Iterable[tuple[str, str]] = ()) -> Iter
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+# ---- a model call's keyword inputs, for a block run alone ------------------------------------
+#
+# A model's forward may turn its keyword inputs into state its blocks read rather than pass
+# them as block arguments (a transformers model's padding mask and packed documents: a
+# forward pre-hook takes them, its attention reads them). The planner traces each block
+# alone (a unit called on the stage activation and the step's keyword inputs); it enters
+# :func:`call_inputs` there, the contexts the adapters registered to set that state from the
+# unit's own inputs, so the traced graph reads them as inputs. While it captures the stage's
+# forward at block boundaries (each block one call, its insides not traced), it enters
+# :func:`blocks_stand_alone`: the adapters then leave that state unset, as no block body
+# is traced there.
+
+_CALL_INPUTS: list[Callable[..., ContextManager | None]] = []
+_STAND_ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "autopp_blocks_stand_alone", default=False)
+
+
+def register_call_inputs(factory: Callable[..., ContextManager | None]) -> None:
+    """``factory(model, kwargs)``: a context that sets what ``model``'s forward would set
+    from its keyword inputs ``kwargs`` (name -> tensor) for its blocks, or None when that
+    model is not the factory's. Registering twice is a no-op."""
+    if factory not in _CALL_INPUTS:
+        _CALL_INPUTS.append(factory)
+
+
+def registered_call_inputs() -> tuple[Callable[..., ContextManager | None], ...]:
+    """The registered call-input context factories, in registration order."""
+    return tuple(_CALL_INPUTS)
+
+
+@contextlib.contextmanager
+def call_inputs(model: object, kwargs: Mapping[str, object]) -> Iterator[None]:
+    """The registered call-input contexts of ``model`` for ``kwargs``, entered in order."""
+    with contextlib.ExitStack() as stack:
+        for factory in _CALL_INPUTS:
+            ctx = factory(model, kwargs)
+            if ctx is not None:
+                stack.enter_context(ctx)
+        yield
+
+
+@contextlib.contextmanager
+def blocks_stand_alone() -> Iterator[None]:
+    """While a stage's forward is captured at block boundaries (see above)."""
+    token = _STAND_ALONE.set(True)
+    try:
+        yield
+    finally:
+        _STAND_ALONE.reset(token)
+
+
+def standing_alone() -> bool:
+    """Whether :func:`blocks_stand_alone` is active here."""
+    return _STAND_ALONE.get()

@@ -154,31 +154,32 @@ def run_then_round_trip(rank: int, world_size: int, configs: list[dict], path: s
             hf_checkpoint_round_trip(rank, world_size, src, dst, kind))
 
 
-def padded_batch(batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tokens, targets and a 2-D padding ``attention_mask``: row b has its first (3·b) % seq
-    positions padded (left padding: mask 0, target ignored), so rows differ in length and
-    the real tokens would attend to the padding without the mask."""
+def padded_batch(batch: int, seq: int, shift: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens, targets and a 2-D padding ``attention_mask``: row b has its first
+    (3·b + shift) % seq positions padded (left padding: mask 0, target ignored), so rows
+    differ in length and the real tokens would attend to the padding without the mask."""
     tokens, target = make_batch(batch, seq)
     mask = torch.ones(batch, seq, dtype=torch.long)
     for b in range(batch):
-        pad = (3 * b) % seq
+        pad = (3 * b + shift) % seq
         if pad:
             mask[b, :pad] = 0
             target[b, :pad] = -100
     return tokens, target, mask
 
 
-def packed_batch(batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                list[list[int]]]:
+def packed_batch(batch: int, seq: int, shift: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
     """Tokens, targets, ``position_ids`` and document lengths of a padding-free packed batch:
-    three documents a row, of lengths that differ between rows; positions restart at each
-    document and each document's last target (the next document's first token) is ignored,
-    as are the targets ``make_batch`` ignores."""
+    three documents a row, of lengths that differ between rows (and with ``shift``);
+    positions restart at each document and each document's last target (the next
+    document's first token) is ignored, as are the targets ``make_batch`` ignores."""
     tokens, target = make_batch(batch, seq)
     positions = torch.empty(batch, seq, dtype=torch.long)
     lengths = []
     for b in range(batch):
-        first, second = 3 + b % 4, 4 + (2 * b) % 5
+        first, second = 3 + (b + shift) % 4, 4 + (2 * (b + shift)) % 5
         row = [first, second, seq - first - second]
         start = 0
         for n in row:
@@ -226,14 +227,56 @@ def packed_steps(mesh, cfg: dict) -> dict:
             "eval_unpacked": pipe.eval(tokens, target=target)}
 
 
+def planned_keyword_steps(mesh, cfg: dict, kind: str) -> dict:
+    """A transformers decoder planned (``parallelize="auto"``) for a keyword input: a padded
+    batch's ``attention_mask`` (``kind="padded"``) or a packed batch's ``position_ids``
+    (``"packed"``), stepped twice from the same weights (gradients zeroed between, no
+    optimizer) with a different mask or document layout each time, and evaluated: each
+    step's loss, eval loss and gradients by FQN. And the refusal of a step without it."""
+    from autopp import pipeline_autoparallel
+
+    def batch(shift: int):
+        if kind == "padded":
+            tokens, target, mask = padded_batch(cfg["batch"], cfg["seq"], shift)
+            return tokens, target, {"attention_mask": mask}
+        tokens, target, positions, _ = packed_batch(cfg["batch"], cfg["seq"], shift)
+        return tokens, target, {"position_ids": positions}
+
+    tokens, target, kw = batch(0)
+    pipe = pipeline_autoparallel(
+        MODELS[cfg["model"]](cfg["n_layers"]), mesh, example_inputs=(tokens,),
+        example_kwargs=kw, loss_fn=ce_loss, schedule=cfg["schedule"],
+        n_microbatches=cfg["n_microbatches"], parallelize="auto")
+    pipe.init_weights(seed=0)
+    out: dict = {"steps": []}
+    for shift in cfg["shifts"]:
+        tokens, target, kw = batch(shift)
+        pipe.zero_grad()
+        loss = pipe.step(tokens, target=target, **kw)
+        grads = {name: _full(p.grad).detach().clone() for name, p in pipe.named_parameters()}
+        out["steps"].append({"loss": loss, "grads": grads,
+                             "eval": pipe.eval(tokens, target=target, **kw)})
+    try:
+        pipe.eval(tokens, target=target)
+    except ValueError as e:
+        out["refused"] = str(e)
+    return out
+
+
 def masked_steps(rank: int, world_size: int, cfg: dict) -> dict:
     """One launch of 4 ranks, two meshes: :func:`padded_steps` at pp2 × dp2, then
-    :func:`packed_steps` at pp2 × tp2."""
+    :func:`packed_steps` at pp2 × tp2, then the same batches' keyword inputs to planned
+    stages at pp2 × tp2 (:func:`planned_keyword_steps`)."""
     from autopp import build_world_mesh
 
     out = padded_steps(rank, world_size, cfg)
     dist.barrier()
-    out["packed"] = packed_steps(build_world_mesh(pp=2, dp=1, tp=2), cfg)
+    mesh = build_world_mesh(pp=2, dp=1, tp=2)
+    out["packed"] = packed_steps(mesh, cfg)
+    dist.barrier()
+    for kind in ("padded", "packed"):
+        out[f"planned_{kind}"] = planned_keyword_steps(mesh, cfg, kind)
+        dist.barrier()
     return out
 
 

@@ -249,6 +249,26 @@ def test_packed_documents_attend_only_within_themselves():
     assert 4 * seq * seq * heads > 4 * largest
 
 
+def _padded_reference(shift: int) -> dict:
+    """transformers' own model (its "sdpa" attention) on the whole padded batch with its
+    mask: loss and gradients."""
+    from tests.decoder_workers import padded_batch
+
+    model = _cpu_hf_llama(N_LAYERS)
+    tokens, target, mask = padded_batch(BATCH, SEQ, shift)
+    loss = ce_loss(logits_of(model(tokens, attention_mask=mask)), target)
+    loss.backward()
+    return {"loss": loss.item(), "grads": {n: p.grad for n, p in model.named_parameters()}}
+
+
+def _packed_reference(shift: int) -> dict:
+    """transformers' own model on every document of the packed batch alone."""
+    from tests.decoder_workers import packed_batch
+
+    tokens, target, _, lengths = packed_batch(BATCH, SEQ, shift)
+    return _separate_documents(_cpu_hf_llama(N_LAYERS), tokens, target, lengths)
+
+
 @pytest.mark.multiprocess
 def test_padded_and_packed_batches_reach_every_stage():
     """A padding ``attention_mask`` passed to ``step`` reaches every stage (pp=2 × dp=2,
@@ -256,11 +276,19 @@ def test_padded_and_packed_batches_reach_every_stage():
     whole padded batch with that mask; without the mask the loss differs (so the later stage
     really used it). In the same launch, a packed batch's ``position_ids`` reach every stage
     of a pp=2 × tp=2 pipeline (a user tensor-parallel ``parallelize``): loss and gradients
-    equal running every document alone."""
-    from tests.decoder_workers import masked_steps, packed_batch, padded_batch
+    equal running every document alone.
 
+    Then planned stages (``parallelize="auto"``, pp=2 × tp=2) built with
+    ``example_kwargs``: the padded batch's mask, and the packed batch's positions, each
+    stepped twice from the same weights with a different mask / document layout: every
+    step's loss, eval loss and gradient equal the single-process reference of that batch
+    (so the mask is an input of the planned graphs, not a constant of one batch's trace),
+    and a step without the keyword input is refused with the fix."""
+    from tests.decoder_workers import masked_steps, padded_batch, packed_batch
+
+    shifts = [0, 5]
     cfg = dict(model="hf_llama", pp=2, dp=2, schedule="1F1B", n_microbatches=2,
-               n_layers=N_LAYERS, batch=BATCH, seq=SEQ)
+               n_layers=N_LAYERS, batch=BATCH, seq=SEQ, shifts=shifts)
     meta = MODELS["hf_llama"](N_LAYERS)
     with torch.device("cpu"):
         model = type(meta)(meta.config)
@@ -277,7 +305,11 @@ def test_padded_and_packed_batches_reach_every_stage():
     assert abs(unmasked - ref.item()) > 1e-3  # the mask changes the loss
     tokens_p, target_p, _, lengths = packed_batch(BATCH, SEQ)
     packed_ref = _separate_documents(_cpu_hf_llama(N_LAYERS), tokens_p, target_p, lengths)
-    results = run_on_ranks(masked_steps, 4, cfg)
+    planned_refs = {"padded": [_padded_reference(s) for s in shifts],
+                    "packed": [_packed_reference(s) for s in shifts]}
+    for refs in planned_refs.values():  # the two batches of each kind differ
+        assert abs(refs[0]["loss"] - refs[1]["loss"]) > 1e-3
+    results = run_on_ranks(masked_steps, 4, cfg, timeout=1200)
     seen_packed = set()
     for r in results:
         p = r["packed"]
@@ -299,6 +331,19 @@ def test_padded_and_packed_batches_reach_every_stage():
                                          "shape (1, 16)"), r["bad_kwarg"]
         assert "dim 0 is this dp rank's batch (4)" in r["bad_kwarg"], r["bad_kwarg"]
     assert seen == set(ref_grads)
+    for kind, refs in planned_refs.items():
+        seen = [set() for _ in shifts]
+        for r in results:
+            planned = r[f"planned_{kind}"]
+            for i, (got, want) in enumerate(zip(planned["steps"], refs)):
+                what = f"planned {kind} step {i}"
+                assert got["loss"] == pytest.approx(want["loss"], abs=1e-5), what
+                assert got["eval"] == pytest.approx(want["loss"], abs=1e-5), what
+                assert_all_parity(got["grads"], want["grads"], what=f"{what} grad")
+                seen[i] |= set(got["grads"])
+            assert "planned for [['" in planned["refused"], planned["refused"]
+            assert "example_kwargs" in planned["refused"], planned["refused"]
+        assert all(s == set(refs[0]["grads"]) for s in seen), kind
 
 
 def test_a_padding_mask_applies_and_a_short_sliding_window_is_refused():

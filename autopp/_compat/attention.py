@@ -23,6 +23,10 @@ capturing a CUDA graph (host tensors of the forwards' shapes). Grouped-query att
 path does, and their gradients summed back per group. Where torch would pick no fused
 kernel (its math path, or a backend not listed), :func:`fused_forward` returns None.
 
+A boolean mask (one per sequence, ``(b, 1, s_q, s_k)``) is run by the CPU flash pair, given
+as the additive mask torch's own SDPA makes of it (0 where attended, -inf elsewhere, in the
+query's dtype); on CUDA a masked call returns None (torch's own SDPA runs it).
+
 The CPU pair is checked against ``F.scaled_dot_product_attention`` in the test suite; the
 CUDA pairs by the prepared GPU check (``scripts/gpu_check.sh``), which compares them with
 torch's SDPA autograd on the device.
@@ -57,14 +61,24 @@ def _sum_groups(grad: Tensor, like: Tensor) -> Tensor:
     return grad.unflatten(1, (kv_heads, grad.shape[1] // kv_heads)).sum(2)
 
 
+def additive_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """A boolean keep-mask as the additive mask torch's SDPA hands its kernels."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        mask.logical_not(), float("-inf"))
+
+
 def fused_backend(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
-                  scale: float) -> SDPBackend | None:
+                  scale: float, mask: Tensor | None = None) -> SDPBackend | None:
     """The fused backend torch picks for these (equal-head) inputs, None for its math path
-    or a backend this module does not drive."""
-    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale)
+    or a backend this module does not drive (and, with a mask, for any CUDA backend)."""
+    choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal, scale=scale)
     backend = SDPBackend(choice)
     if q.device.type == "cpu":
         return backend if backend == SDPBackend.FLASH_ATTENTION else None
+    if mask is not None:
+        return None
     if q.device.type == "cuda" and backend in (
             SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
             SDPBackend.CUDNN_ATTENTION):
@@ -73,17 +87,18 @@ def fused_backend(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
 
 
 def fused_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
-                  scale: float) -> tuple[Tensor, Tensor] | None:
-    """``(output, log-sum-exp)`` of causal or full attention by the fused kernel torch
-    picks; None where it would pick none (the caller then runs torch's own SDPA)."""
+                  scale: float, mask: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
+    """``(output, log-sum-exp)`` of causal or full attention (under ``mask``, a boolean
+    ``(b, 1, s_q, s_k)`` keep-mask, when given) by the fused kernel torch picks; None where
+    it would pick none (the caller then runs torch's own SDPA)."""
     k, v = _repeat_kv(q, k), _repeat_kv(q, v)
-    backend = fused_backend(q, k, v, is_causal, scale)
+    backend = fused_backend(q, k, v, is_causal, scale, mask)
     b, h, s = q.shape[:3]
     if backend is None:
         return None
     if q.device.type == "cpu":
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, is_causal, scale=scale)
+            q, k, v, 0.0, is_causal, attn_mask=additive_mask(mask, q.dtype), scale=scale)
     elif backend == SDPBackend.FLASH_ATTENTION:
         out, lse = _aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, is_causal, False, scale=scale)[:2]
@@ -101,19 +116,21 @@ def _host_scalars(dtype: torch.dtype, seed_shape: tuple[int, ...]) -> tuple[Tens
 
 
 def fused_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                   is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor] | None:
+                   is_causal: bool, scale: float, mask: Tensor | None = None
+                   ) -> tuple[Tensor, Tensor, Tensor] | None:
     """Gradients of q, k and v by the backward of the kernel :func:`fused_forward` ran
     (the same choice, made again on the same inputs), from its output and log-sum-exp;
     None where no fused kernel applies."""
     k_rep, v_rep = _repeat_kv(q, k), _repeat_kv(q, v)
-    backend = fused_backend(q, k_rep, v_rep, is_causal, scale)
+    backend = fused_backend(q, k_rep, v_rep, is_causal, scale, mask)
     if backend is None:
         return None
     b, h, s = q.shape[:3]
     grad = grad.contiguous()  # laid out as the saved output is (contiguous)
     if q.device.type == "cpu":
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k_rep, v_rep, out, lse, 0.0, is_causal, scale=scale)
+            grad, q, k_rep, v_rep, out, lse, 0.0, is_causal,
+            attn_mask=additive_mask(mask, q.dtype), scale=scale)
     elif backend == SDPBackend.FLASH_ATTENTION:
         seed, offset = _host_scalars(torch.uint64, (2,))
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(

@@ -17,6 +17,10 @@ What autopp needs to know about them, and nothing else does:
   packed documents read from ``position_ids`` that restart (padding-free batches, as
   ``DataCollatorWithFlattening`` makes them): each token attends to its own document only.
   A sliding window shorter than the sequence, which this path would not apply, is refused.
+  Planned stages trace each block alone: there the masks come from the block's own inputs
+  (the step's keyword inputs, :func:`autopp.tracing.call_inputs`), so the traced graphs read
+  them as inputs and apply them through ``autopp::sdpa``'s masked form; nothing of one
+  batch's mask is kept in a plan.
 * **No KV cache.** ``use_cache`` is turned off: training keeps no cache, and a cache object
   would be a stage output.
 * **Initialisation.** Each module is initialised by the model's own ``_init_weights``
@@ -28,13 +32,16 @@ transformers is imported only when a model of it is given (``import autopp`` sta
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autopp import tracing
 from autopp.adapters.adapter import Adapter, register
 
 IMPLEMENTATION = "autopp"
@@ -78,13 +85,25 @@ _MASKS: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
 
 
 def _take_masks(model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook of a transformers model: keep what the call masks for the attention,
-    after refusing what the attention would not apply: its 2-D padding mask (None when there
-    is none or it masks nothing) or, without one, the packed documents its ``position_ids``
-    give (:func:`autopp.ops.attention.packed_documents`; None when every row is one
-    document). The entry is pushed first, so the forward hook (which runs even when this
-    hook or the forward raises) always pops this call's own entry."""
+    """Forward pre-hook of a transformers model: keep what the call masks for the attention
+    (:func:`_call_masks`). The entry is pushed first, so the forward hook (which runs even
+    when this hook or the forward raises) always pops this call's own entry. While the
+    planner captures a stage at block boundaries (:func:`autopp.tracing.blocks_stand_alone`)
+    the entry stays empty: no attention is traced there, and each block, traced alone, gets
+    its masks from its own inputs (:func:`_unit_masks`)."""
     _MASKS.append((None, None))
+    masks = _call_masks(model, args, kwargs)
+    if not tracing.standing_alone():
+        _MASKS[-1] = masks
+
+
+def _call_masks(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """What a call of ``model`` masks, after refusing what the attention would not apply:
+    its 2-D padding mask (None when there is none or it masks nothing) or, without one, the
+    packed documents its ``position_ids`` give (:func:`autopp.ops.attention.packed_documents`;
+    None when every row is one document). On meta and fake tensors (planning) nothing is
+    read off the values: a given mask or positions always apply."""
     inputs = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs_embeds"))
     seq = inputs.shape[1] if isinstance(inputs, torch.Tensor) and inputs.dim() > 1 else None
     config = model.config
@@ -118,7 +137,24 @@ def _take_masks(model: nn.Module, args: tuple, kwargs: dict) -> None:
             documents = documents.expand(inputs.shape[0], -1)
         if documents.device.type != "meta" and not bool((documents[:, -1] != 0).any()):
             documents = None  # one document a row: plain causal attention
-    _MASKS[-1] = (mask, documents)
+    return mask, documents
+
+
+@contextlib.contextmanager
+def _pushed(masks: tuple[torch.Tensor | None, torch.Tensor | None]) -> Iterator[None]:
+    _MASKS.append(masks)
+    try:
+        yield
+    finally:
+        _MASKS.pop()
+
+
+def _unit_masks(model: Any, kwargs: Mapping[str, Any]):
+    """:func:`autopp.tracing.call_inputs` for a block of ``model`` run alone: the masks its
+    call would take from ``kwargs`` (the unit's own inputs), for its attention."""
+    if not isinstance(model, nn.Module) or not _pretrained(model) or not kwargs:
+        return None
+    return _pushed(_call_masks(model, (), kwargs))
 
 
 def _drop_masks(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -160,3 +196,4 @@ def _module_init(root: nn.Module, module: nn.Module):
 
 
 ADAPTER = register(Adapter(name="transformers", prepare=_prepare, module_init=_module_init))
+tracing.register_call_inputs(_unit_masks)

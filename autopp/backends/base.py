@@ -49,6 +49,9 @@ class PipelineSpec:
     stage_modules: tuple[nn.Module, ...] = ()
     """Every stage's module on the meta device, in stage order, built once per rank by
     :func:`autopp.pipeline_autoparallel`; the backend builds its stages from these."""
+    keyword_inputs: tuple[tuple[str, torch.Tensor], ...] = ()
+    """(name, tensor) of the keyword inputs of the model's forward the pipeline is built to
+    take with every step (``example_kwargs``; batch on dim 0, this dp rank's)."""
 
     @property
     def dp(self) -> int:

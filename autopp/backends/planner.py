@@ -89,7 +89,8 @@ class Planner(StageBackend):
                 model=spec.model, pp=sizes["pp"], dp=sizes["dp"], tp=sizes["tp"],
                 schedule=spec.schedule, n_microbatches=spec.n_microbatches,
                 example_inputs=spec.example_inputs, fqns_per_stage=spec.fqns_per_stage,
-                stage_ranks=spec.rank_of, loss_fn=spec.loss_fn)
+                stage_ranks=spec.rank_of, loss_fn=spec.loss_fn,
+                keyword_inputs=dict(spec.keyword_inputs))
             if self.options.strict:  # every rank holds the given plan: all raise together
                 self.plan.check_strict()
             self._pipeline_plan, self.plan_source = self.plan, "given"
@@ -211,4 +212,5 @@ def plan_for_spec(spec: PipelineSpec, options: PlannerOptions) -> tuple[Pipeline
         stage_ranks=spec.rank_of, sub_mesh=spec.sub_mesh, schedule=spec.schedule,
         n_microbatches=spec.n_microbatches, example_inputs=spec.example_inputs,
         options=options, loss_fn=spec.loss_fn, stage_modules=spec.stage_modules or None,
+        keyword_inputs=dict(spec.keyword_inputs),
     ))

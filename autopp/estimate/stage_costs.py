@@ -392,7 +392,8 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
     from autopp.sharding.trace_cache import traced_unit
     from autopp.lower.apply import check_planned_graph, units_of_plan
 
-    flat, by_name = units_of_plan(module, plan, mesh, example_inputs[0])
+    keyword = plan.keyword_examples()
+    flat, by_name = units_of_plan(module, plan, mesh, example_inputs[0], keyword)
     memo = {} if memo is None else memo
     costs = CostModel(get_profile(plan.profile), tuple(plan.mesh_shape), plan.tf32)
     x = example_inputs[0]
@@ -404,15 +405,17 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
     transient: dict[str, int] = {}
     for index, bplan in enumerate(plan.blocks):  # as autopp.lower.apply.planned_units walks them
         key = (bplan.signature, bplan.nodes, plan.profile, plan.tf32, tuple(plan.mesh_shape),
-               plan.param_dtype, n_microbatches, plan.recompute, plan.trace_settings, overlap)
+               plan.param_dtype, n_microbatches, plan.recompute, plan.trace_settings, overlap,
+               plan.keyword_inputs)
         if key not in memo:  # identical blocks with one plan: traced and lowered once
             unit = by_name[bplan.prefix]
             if bplan.signature not in traced:
                 with tracing.settings(plan.trace_settings):  # as the stage was planned
                     traced[bplan.signature] = traced_unit(
-                        unit.module, example_inputs if flat else (x,),
+                        unit.module, example_inputs if flat else (x, *keyword.values()),
                         param_dtype=plan.param_dtype,
-                        prepare=lambda m: maybe_cast(m, plan.param_dtype))
+                        prepare=lambda m: maybe_cast(m, plan.param_dtype),
+                        differentiable=None if flat else 1)
             joint = traced[bplan.signature]
             check_planned_graph(joint, bplan)
             memo[key] = _unit_facts(joint, unit, bplan, plan, mesh, costs, n_microbatches,

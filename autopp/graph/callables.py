@@ -110,6 +110,10 @@ class StageGraphs:
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
     """An eager loss after the graphs (see :meth:`with_eager_loss`); None: the graphs end in
     the stage's outputs (or in the loss, when traced with one)."""
+    keyword_inputs: tuple[str, ...] = ()
+    """Names of the keyword inputs the graphs take after the positional ones, in that order
+    (the schedule hands each microbatch's as a dict, by name); empty: keyword inputs are
+    flattened after the positional ones as they come."""
 
     def with_eager_loss(self, loss_fn: Callable[[Any, Any], torch.Tensor],
                         loss_meta: torch.Tensor | None = None) -> "StageGraphs":
@@ -219,6 +223,8 @@ class StageGraphs:
                 flat_buffer_values: list[Any], runtime_validate: bool = False,
                 ) -> tuple[Any, tuple[Any, ...]]:
         """Run the forward of one microbatch; returns ``(stage_output, saved_for_backward)``."""
+        if self.keyword_inputs or kwargs:
+            kwargs = self._keyword_values(kwargs)
         tree = (args, kwargs, target, loss_kwargs) if self.convention.signature.is_last else (args, kwargs)
         leaves, _ = _compat.tree_flatten((tree, {}))
         user_inputs = _compat.flatten_graph_values(list(leaves))
@@ -238,6 +244,17 @@ class StageGraphs:
         # the stage's output (the logits) alive past this microbatch's backward, which reads
         # the live loss from the saved values.
         return loss.detach(), (*saved, _EagerLoss(loss, leaves))
+
+    def _keyword_values(self, kwargs: dict[str, Any]) -> Any:
+        """The microbatch's keyword inputs in the order the graphs take them."""
+        if not self.keyword_inputs:
+            return kwargs
+        if set(kwargs) != set(self.keyword_inputs):
+            raise ValueError(
+                f"this stage's graphs take the keyword inputs {list(self.keyword_inputs)}, "
+                f"got {sorted(kwargs)}; pass exactly those to step/eval (they were planned "
+                "for them), or build the pipeline for the ones you pass")
+        return [kwargs[name] for name in self.keyword_inputs]
 
     def _loss_grads(self, saved: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """With an eager loss: (saved values of the graphs, gradients of their outputs)."""

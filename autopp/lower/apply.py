@@ -182,15 +182,17 @@ def apply_plan(
     return ShardedStage(done, plan, mesh)
 
 
-def units_of_plan(module: nn.Module, plan: StagePlan, mesh,
-                  example: Any = None) -> tuple[bool, dict[str, Unit]]:
+def units_of_plan(module: nn.Module, plan: StagePlan, mesh, example: Any = None,
+                  keyword: dict[str, torch.Tensor] | None = None
+                  ) -> tuple[bool, dict[str, Unit]]:
     """``(flat, units by name)``: how ``plan`` sees ``module``: one flat unit (the plan has
     one block with no prefix) or its block stack (:func:`~autopp.sharding.units.stage_units`,
-    with ``example`` the stage input). Raises when the mesh or the module does not fit."""
+    with ``example`` the stage input and ``keyword`` the plan's keyword inputs). Raises when
+    the mesh or the module does not fit."""
     if tuple(mesh.shape) != tuple(plan.mesh_shape):
         raise ValueError(f"plan is for mesh {plan.mesh_shape}, got {tuple(mesh.shape)}")
     flat = len(plan.blocks) == 1 and plan.blocks[0].prefix == ""
-    units = [Unit("", module)] if flat else stage_units(module, example)
+    units = [Unit("", module)] if flat else stage_units(module, example, keyword)
     if units is None:
         raise ValueError("the plan is per unit (blocks) but the module is not a block stack")
     return flat, {u.name: u for u in units}
@@ -202,17 +204,19 @@ def planned_units(
     """Each planned unit of ``module`` with its re-traced joint graph and, with ``lower``,
     its lowered joint and split graphs (shared by units with the same plan)."""
     x = example_inputs[0]
-    flat, by_name = units_of_plan(module, plan, mesh, x)
+    keyword = plan.keyword_examples()
+    flat, by_name = units_of_plan(module, plan, mesh, x, keyword)
     traced: dict[str, JointGraph] = {}
     lowered: dict[tuple, tuple[Any, Any]] = {}
     for bplan in plan.blocks:
         unit = by_name[bplan.prefix]
         if bplan.signature not in traced:
-            args = example_inputs if flat else (x,)
+            args = example_inputs if flat else (x, *keyword.values())
             with tracing.settings(plan.trace_settings):  # as the stage was planned
                 traced[bplan.signature] = traced_unit(
                     unit.module, args, param_dtype=plan.param_dtype,
-                    prepare=lambda m: maybe_cast(_meta_copy(m), plan.param_dtype))
+                    prepare=lambda m: maybe_cast(_meta_copy(m), plan.param_dtype),
+                    differentiable=None if flat else 1)
         joint = traced[bplan.signature]
         check_planned_graph(joint, bplan)
         low = None

@@ -212,7 +212,9 @@ def lower_stage(units: Sequence[LoweredUnit], mesh: Any, in_placements: tuple,
     unit's output placement. Collectives come out explicit, as in :func:`lower_joint`.
 
     Graph inputs: every unit's parameters then every unit's buffers (units in order, each in
-    its joint's order), the stage input (in ``in_placements``) and the output gradient.
+    its joint's order), the stage input (in ``in_placements``), the keyword inputs every
+    unit takes after its activation (in the first unit's planned placements; never
+    differentiated) and the output gradient.
     Outputs: the stage output, one gradient per parameter (in its planned placement; zeros
     where there is none) and, when the first unit's input is differentiable, its gradient.
 
@@ -222,10 +224,13 @@ def lower_stage(units: Sequence[LoweredUnit], mesh: Any, in_placements: tuple,
     """
     dev = mesh_device(mesh)
     runners = [GraphRunner(u.joint, u.plan, mesh, dev) for u in units]
+    n_kw = len(units[0].joint.inputs) - 1
     for u in units:
-        if not u.joint.tangents or len(u.joint.outputs) != 1 or len(u.joint.inputs) != 1:
-            raise ValueError("every unit of a stage takes one input and returns one output "
-                             "with a tangent")
+        if not u.joint.tangents or len(u.joint.outputs) != 1 or \
+                sorted(u.joint.inputs) != list(range(n_kw + 1)):
+            raise ValueError("every unit of a stage takes one input (and the same keyword "
+                             "inputs) and returns one output with a tangent")
+    kw_nodes = [units[0].joint.inputs[i] for i in range(1, n_kw + 1)]
     p_nodes = [(r, n) for u, r in zip(units, runners) for n in u.joint.params.values()]
     b_nodes = [(r, n) for u, r in zip(units, runners) for n in u.joint.buffers.values()]
     p_fqns = [f for u in units for f in u.param_fqns]
@@ -233,10 +238,12 @@ def lower_stage(units: Sequence[LoweredUnit], mesh: Any, in_placements: tuple,
     x_node = units[0].joint.inputs[0]
     out_node = units[-1].joint.outputs[0]
     x_pl, out_pl = tuple(in_placements), tuple(out_placements)
-    placements = [r.placement(n) for r, n in p_nodes + b_nodes] + [x_pl, out_pl]
+    kw_pl = [runners[0].placement(n) for n in kw_nodes]
+    placements = [r.placement(n) for r, n in p_nodes + b_nodes] + [x_pl, *kw_pl, out_pl]
     vals = [n.meta["val"] for _, n in p_nodes + b_nodes]
-    vals += [x_node.meta["val"], out_node.meta["val"]]
-    names = p_fqns + b_fqns + ["stage input", "stage output gradient"]
+    vals += [x_node.meta["val"], *(n.meta["val"] for n in kw_nodes), out_node.meta["val"]]
+    names = p_fqns + b_fqns + ["stage input", *(f"keyword input {i}" for i in range(n_kw)),
+                               "stage output gradient"]
     for name, pl in zip(names, placements):
         if len(pl) != mesh.ndim:
             raise ValueError(f"{name} is planned for a {len(pl)}-d mesh, got {mesh.ndim}-d")
@@ -254,6 +261,7 @@ def lower_stage(units: Sequence[LoweredUnit], mesh: Any, in_placements: tuple,
         params_it, bufs_it = iter(wrapped[:n_p]), iter(wrapped[n_p : n_p + n_b])
         raw_bufs = iter(local[n_p : n_p + n_b])
         h = wrapped[n_p + n_b]
+        kws = wrapped[n_p + n_b + 1 : n_p + n_b + 1 + n_kw]
         envs = []
         for u, r in zip(units, runners):
             j = u.joint
@@ -261,6 +269,8 @@ def lower_stage(units: Sequence[LoweredUnit], mesh: Any, in_placements: tuple,
             env.update({n: next(bufs_it) for n in j.buffers.values()})
             raw = {n: next(raw_bufs) for n in j.buffers.values()}
             env[j.inputs[0]] = redistribute_to(h, r.placement(j.inputs[0]))
+            for i, kw in enumerate(kws, start=1):
+                env[j.inputs[i]] = redistribute_to(kw, r.placement(j.inputs[i]))
             # buffers the forward writes (e.g. MoE token counts) are written in place before
             # the rest of the forward runs: the graph split keeps forward mutations that come
             # before the stage output
@@ -306,7 +316,7 @@ def lower_stage(units: Sequence[LoweredUnit], mesh: Any, in_placements: tuple,
     pl_strs = [to_strs(p) for p in placements]
     out_pls = [to_strs(out_pl)] + pl_strs[:n_p] + ([to_strs(x_pl)] if has_input_grad else [])
     sig = JointSignature(
-        num_params=n_p, num_buffers=n_b, num_user_inputs=1, num_output_grads=1,
+        num_params=n_p, num_buffers=n_b, num_user_inputs=1 + n_kw, num_output_grads=1,
         num_outputs=1, num_param_grads=n_p,
         input_grad_indices=(0,) if has_input_grad else (),
     )

@@ -61,7 +61,8 @@ def planned_stage_graphs(
     """The planned stage's split graphs as a pipeline runs them (recomputing as
     ``sharded.recompute`` says; ``compile``: False, True or
     :class:`autopp.backends.CompileOptions`: Inductor): local tensors in and out
-    (shaped like one microbatch), parameters handed in as local shards and gradients
+    (shaped like one microbatch; the plan's keyword inputs, this rank's slice of the
+    microbatch's, taken by name), parameters handed in as local shards and gradients
     returned as DTensors like their parameters (``state_as_local_shards``), and on the last
     stage ``loss_fn`` run eagerly on the local output."""
     local, graphs = sharded.stage_graphs()
@@ -79,6 +80,7 @@ def planned_stage_graphs(
         output_meta=(torch.empty(local.input_shapes[-1], dtype=out_dtype, device="meta")
                      .requires_grad_(True),),
         runners={},
+        keyword_inputs=tuple(name for name, _, _ in sharded.plan.keyword_inputs),
     )
     if compile:
         compile_graphs(graphs, compile)

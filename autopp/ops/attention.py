@@ -4,11 +4,13 @@ Traced on meta, ``F.scaled_dot_product_attention`` decomposes into matmuls and a
 (the math backend): a plan made that way does not depend on the tracing device's kernel, but
 the lowered stage would then run math attention everywhere and keep the attention
 probabilities for the backward. Instead, while autopp traces a unit, :class:`AttentionAsOneOp`
-routes SDPA calls (no mask, no dropout) to the custom op ``autopp::sdpa``:
+routes SDPA calls (no dropout; no mask, or one boolean mask per sequence shared by every
+head, ``(batch, 1, q, k)``: :func:`keep_mask`'s) to the custom op ``autopp::sdpa``:
 
 * its sharding rule (registered with DTensor's public ``register_sharding``) splits batch or
-  heads, never the sequence, on each mesh dim, so the planner's candidates for attention are
-  the same on every device;
+  heads, never the sequence, on each mesh dim (a mask follows the batch split and is
+  replicated over heads), so the planner's candidates for attention are the same on every
+  device;
 * its kernel is the fused kernel torch picks for the same SDPA call on the local shards
   (the CPU flash kernel; flash, memory-efficient or cuDNN on CUDA), called through its
   aten entry point (:mod:`autopp._compat.attention`) so the op returns, and autograd saves,
@@ -18,9 +20,11 @@ routes SDPA calls (no mask, no dropout) to the custom op ``autopp::sdpa``:
   either direction. Priced as the fused kernels run: the backward's five matmuls are 2.5x
   the forward's two, over the pairs the causal mask keeps.
 
-Where torch would run its math path instead (no fused kernel for these inputs), the op runs
+Where torch would run its math path instead (no fused kernel for these inputs, or a mask on
+CUDA, where the op drives no masked kernel yet), the op runs
 ``F.scaled_dot_product_attention`` and its backward re-runs it under autograd (same values,
-slower; logged once).
+slower; logged once). A mask is priced as the kernels run it: every (query, key) pair, since
+an explicit mask turns the causal block skipping off.
 
 FLOPs are registered with torch's FLOP counter, which the planner's cost model reads.
 """
@@ -57,25 +61,27 @@ def _log_unfused(q: Tensor) -> None:
 
 @torch.library.custom_op("autopp::sdpa", mutates_args=())
 def sdpa(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
-         enable_gqa: bool) -> tuple[Tensor, Tensor]:
+         enable_gqa: bool, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Scaled dot-product attention, ``(batch, heads, seq, head_dim)`` layout: its output
     and the fp32 log-sum-exp ``(batch, heads, seq)`` of each query's scores, which the fused
     backward reads (nothing meaningful on the math path, where no fused kernel ran).
+    ``mask``: None, or a boolean ``(batch, 1, q, k)`` mask, True where attended (one per
+    sequence, every head's: :func:`keep_mask`).
 
     The output is contiguous, as the fake kernel promises (the fused kernels return other
     strides for transposed inputs; Inductor checks the promise)."""
-    got = fused.fused_forward(q, k, v, is_causal, scale)
+    got = fused.fused_forward(q, k, v, is_causal, scale, mask)
     if got is None:
         _log_unfused(q)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
-                                             enable_gqa=enable_gqa)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                             scale=scale, enable_gqa=enable_gqa)
         return out.contiguous(), q.new_zeros(q.shape[:3], dtype=fused.LSE_DTYPE)
     out, lse = got
     return out.contiguous(), lse.contiguous()
 
 
 @sdpa.register_fake
-def _(q, k, v, is_causal, scale, enable_gqa):
+def _(q, k, v, is_causal, scale, enable_gqa, mask=None):
     return (q.new_empty((*q.shape[:-1], v.shape[-1])),
             q.new_empty(q.shape[:3], dtype=fused.LSE_DTYPE))
 
@@ -86,7 +92,7 @@ save_under_selective(torch.ops.autopp.sdpa)
 
 @torch.library.custom_op("autopp::sdpa_backward", mutates_args=())
 def sdpa_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                  is_causal: bool, scale: float, enable_gqa: bool
+                  is_causal: bool, scale: float, enable_gqa: bool, mask: Tensor | None = None
                   ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of :func:`sdpa` w.r.t. q, k, v, by the fused backward of the kernel the
     forward ran, from the forward's saved output ``out`` and log-sum-exp ``lse``.
@@ -94,11 +100,12 @@ def sdpa_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     Where no fused kernel applies, autograd is switched back on inside the op
     (:func:`~autopp._compat.sharding.autograd_inside_custom_op`) to re-run torch's own SDPA
     forward and backward on the local shards."""
-    grads = fused.fused_backward(grad, q, k, v, out, lse, is_causal, scale)
+    grads = fused.fused_backward(grad, q, k, v, out, lse, is_causal, scale, mask)
     if grads is None:
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
         with autograd_inside_custom_op(), torch.enable_grad():
-            again = F.scaled_dot_product_attention(*leaves, is_causal=is_causal, scale=scale,
+            again = F.scaled_dot_product_attention(*leaves, attn_mask=mask,
+                                                   is_causal=is_causal, scale=scale,
                                                    enable_gqa=enable_gqa)
             grads = torch.autograd.grad(again, leaves, grad)
     # each gradient laid out like its input, as the fake kernel promises
@@ -106,46 +113,50 @@ def sdpa_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
 
 
 @sdpa_backward.register_fake
-def _(grad, q, k, v, out, lse, is_causal, scale, enable_gqa):
+def _(grad, q, k, v, out, lse, is_causal, scale, enable_gqa, mask=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, is_causal, scale, enable_gqa = inputs
+    q, k, v, is_causal, scale, enable_gqa, *rest = inputs
+    mask = rest[0] if rest else None
     out, lse = output
     ctx.mark_non_differentiable(lse)  # statistics for the backward, not a value to train
     ctx.set_materialize_grads(False)  # no zeros made for the log-sum-exp's gradient
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, mask)
     ctx.args = (is_causal, scale, enable_gqa)
 
 
 def _backward(ctx, grad, _grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, mask = ctx.saved_tensors
     if grad is None:  # the output is not used (only reachable through its statistics)
-        return None, None, None, None, None, None
-    dq, dk, dv = sdpa_backward(grad, q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None
+        return None, None, None, None, None, None, None
+    dq, dk, dv = sdpa_backward(grad, q, k, v, out, lse, *ctx.args, mask)
+    return dq, dk, dv, None, None, None, None
 
 
 sdpa.register_autograd(_backward, setup_context=_setup)
 
 
-def _split_batch_or_heads(n_tensors_out: int, n_tensors_in: int):
-    """Per mesh dim: everything replicated, or batch (dim 0) / heads (dim 1) split alike."""
+def _split_batch_or_heads(n_tensors_out: int, n_tensors_in: int, mask: Any):
+    """Per mesh dim: everything replicated, or batch (dim 0) / heads (dim 1) split alike;
+    a mask (one per sequence) split with the batch and whole over heads. Input placements
+    are listed for the tensor arguments in order (DTensor pairs them with those)."""
     rules = []
     for p in (Replicate(), Shard(0), Shard(1)):
-        rules.append(([p] * n_tensors_out, [p] * n_tensors_in + [None, None, None]))
+        on_mask = [] if mask is None else [Replicate() if p == Shard(1) else p]
+        rules.append(([p] * n_tensors_out, [p] * n_tensors_in + on_mask + [None] * 3))
     return rules
 
 
 @register_sharding(torch.ops.autopp.sdpa.default)
-def _sdpa_sharding(q, k, v, is_causal, scale, enable_gqa):
-    return _split_batch_or_heads(2, 3)  # output and log-sum-exp: (batch, heads, ...)
+def _sdpa_sharding(q, k, v, is_causal, scale, enable_gqa, mask=None):
+    return _split_batch_or_heads(2, 3, mask)  # output and log-sum-exp: (batch, heads, ...)
 
 
 @register_sharding(torch.ops.autopp.sdpa_backward.default)
-def _sdpa_backward_sharding(grad, q, k, v, out, lse, is_causal, scale, enable_gqa):
-    return _split_batch_or_heads(3, 6)
+def _sdpa_backward_sharding(grad, q, k, v, out, lse, is_causal, scale, enable_gqa, mask=None):
+    return _split_batch_or_heads(3, 6, mask)
 
 
 def attended_pairs(lq: int, lk: int, is_causal: bool) -> int:
@@ -225,7 +236,8 @@ def keep_mask(q_len: int, k_len: int, *, device: torch.device, causal: bool = Tr
 
 
 class AttentionAsOneOp(TorchFunctionMode):
-    """While active, SDPA calls without a mask or dropout become ``autopp::sdpa``."""
+    """While active, SDPA calls without dropout, with no mask or one boolean mask per
+    sequence (``(batch, 1, q, k)``), become ``autopp::sdpa``."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -238,8 +250,14 @@ class AttentionAsOneOp(TorchFunctionMode):
 
 def _as_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
              enable_gqa=False) -> tuple[Any, ...] | None:
-    if attn_mask is not None or dropout_p != 0.0:
+    if dropout_p != 0.0 or not (attn_mask is None or _per_sequence(attn_mask, q, k)):
         return None
     return q, k, v, bool(is_causal), float(scale if scale is not None else q.shape[-1] ** -0.5), \
-        bool(enable_gqa)
+        bool(enable_gqa), attn_mask
+
+
+def _per_sequence(mask: Tensor, q: Tensor, k: Tensor) -> bool:
+    """A boolean mask shared by every head, one per sequence: ``(batch, 1, q, k)``."""
+    return (mask.dtype == torch.bool and mask.dim() == 4
+            and tuple(mask.shape) == (q.shape[0], 1, q.shape[2], k.shape[2]))
 

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +59,7 @@ from autopp.plan.value import (
     model_structure,
 )
 from autopp.sharding import InfeasiblePlanError, StagePlan, plan_stage
+from autopp.sharding.plan import describe_keyword_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ def plan_local_stage(
     param_placements: dict[str, tuple[str, ...]] | None = None,
     memory: dict[str, Any] | None = None,
     tf32: bool | None = None,
+    keyword_inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> StagePlan:
     """Plan ``stage`` (meta) over ``sub_mesh``; from the on-disk cache when possible.
 
@@ -117,6 +119,8 @@ def plan_local_stage(
     ``recompute``, ``optimizer_state_factor``); without it ``memory_budget_bytes`` bounds
     parameter bytes only. ``tf32``: fp32 matmuls at the TF32 rate (``PlannerOptions.tf32``;
     None: as torch is set now, :func:`~autopp.profiles.devices.tf32_enabled`); in the key.
+    ``keyword_inputs``: the model's keyword inputs for one dp-global microbatch (meta, by
+    name), which the stage takes as graph inputs (names, shapes and dtypes in the key).
     """
     from autopp.profiles import get_profile
     from autopp.profiles.devices import tf32_enabled
@@ -133,6 +137,9 @@ def plan_local_stage(
         options["microbatches_per_grad_reduce"] = n_microbatches
     if memory:
         options["memory"] = sorted(memory.items())
+    if keyword_inputs:
+        options["keyword_inputs"] = [[n, list(shape), d] for n, shape, d in
+                                     describe_keyword_inputs(keyword_inputs)]
     key = plan_key(stage, example_inputs, tuple(sub_mesh.shape), sub_mesh.mesh_dim_names, options)
     t0 = time.perf_counter()
     plan, hit = cached_plan(
@@ -144,7 +151,7 @@ def plan_local_stage(
             output_placements=BOUNDARIES[boundary_out],
             mixed_precision=mixed_precision,
             microbatches_per_grad_reduce=n_microbatches,
-            param_placements=param_placements, tf32=tf32,
+            param_placements=param_placements, tf32=tf32, keyword_inputs=keyword_inputs,
             **(memory or {}),
         ),
     )
@@ -176,6 +183,7 @@ def plan_boundaries(
     memory: Sequence[dict[str, Any] | None] | None = None,
     pp: int | None = None,
     tf32: bool | None = None,
+    keyword_inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[list[str], Any]:
     """Choose every stage boundary's placement (and the last stage's logits placement).
 
@@ -196,6 +204,7 @@ def plan_boundaries(
             ``inputs`` must then already be in its ``param_dtype`` (:func:`~autopp.plan.stage_inputs.stage_input_shapes`).
         param_placements: per stage, parameters whose placement is fixed (tied copies).
         memory: per stage, the whole-memory accounting (see :func:`plan_local_stage`).
+        keyword_inputs: the keyword inputs every stage takes (see :func:`plan_local_stage`).
 
     Returns ``(bounds, plan_of)``: ``bounds[s]`` is the placement into stage ``s`` and
     ``bounds[s + 1]`` out of it (``len(metas) + 1`` entries), and ``plan_of(s)`` the stage's
@@ -225,7 +234,7 @@ def plan_boundaries(
             stage_index=s, boundary_in=k_in, boundary_out=k_out, timings=timings,
             mixed_precision=mixed_precision, n_microbatches=n_microbatches,
             param_placements=param_placements[s] if param_placements else None,
-            memory=memory[s] if memory else None, tf32=tf32,
+            memory=memory[s] if memory else None, tf32=tf32, keyword_inputs=keyword_inputs,
         )
 
     def loss_s(s: int, k_out: str) -> float:
@@ -301,6 +310,7 @@ def plan_whole_pipeline(
     example_inputs: Sequence[torch.Tensor], options: Any, loss_fn: Any,
     budgets: Sequence[float | None] | None = None, timings: dict[int, list] | None = None,
     use_cache: bool = True, stage_modules: Sequence[nn.Module] | None = None,
+    keyword_inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[PipelinePlan, bool]:
     """Plan every stage of a split pipeline into one :class:`~autopp.plan.value.PipelinePlan`
     (without estimates): tied parameters' placements, then boundaries and loss placement by
@@ -321,6 +331,9 @@ def plan_whole_pipeline(
         stage_modules: every stage of ``fqns_per_stage`` on meta, when the caller built them
             already (:func:`autopp.pipeline_autoparallel` does, once per rank); None: built
             here when the plan is not cached.
+        keyword_inputs: keyword inputs of the model's forward for one step on one dp rank
+            (by name, batch on dim 0, e.g. a padding ``attention_mask``): every stage takes
+            them with each microbatch (planned unit by unit, as graph inputs).
 
     Returns ``(plan, was_cached)``. The plan depends on nothing else (and the planning code,
     which :mod:`autopp.plan.cache` hashes into the key).
@@ -343,6 +356,7 @@ def plan_whole_pipeline(
     fqns = tuple(tuple(f) for f in fqns_per_stage)
     fingerprint = model_fingerprint(model)
     mp = options.mixed_precision
+    keyword = microbatch_keyword_inputs(keyword_inputs, n_microbatches, dp)
 
     def solve() -> PipelinePlan:
         with tracing.settings(options.trace_settings()):  # MoE dispatch, expert dtype
@@ -370,7 +384,7 @@ def plan_whole_pipeline(
         # every boundary at its largest kind (a bound that holds whatever is chosen)
         budgets = budgets_at(None)
         plan_kw = dict(profile=profile, mixed_precision=mp, n_microbatches=n_microbatches,
-                       tf32=options.tf32)
+                       tf32=options.tf32, keyword_inputs=keyword)
         fixed = tied_placements(model, fqns, metas, inputs, sub_mesh, budgets, memory,
                                 **plan_kw)
         bounds, plan_of = plan_boundaries(
@@ -378,7 +392,7 @@ def plan_whole_pipeline(
             budgets=budgets_at if whole_memory else budgets, boundary=options.boundary,
             last_kinds=last_kinds, timings=timings, mixed_precision=mp,
             n_microbatches=n_microbatches, rank_of=list(stage_ranks), param_placements=fixed,
-            memory=memory, pp=pp, tf32=options.tf32,
+            memory=memory, pp=pp, tf32=options.tf32, keyword_inputs=keyword,
         )
         t0, stage_plans = time.perf_counter(), ()
         for s in range(n):  # under the chosen boundaries and each stage's budget
@@ -398,6 +412,7 @@ def plan_whole_pipeline(
             stage_inputs=tuple(describe_inputs(x) for x in inputs),
             send_bytes=tuple(boundary_bytes(inputs[s + 1][0], dp, tp, bounds[s + 1])
                              if s + 1 < n else 0 for s in range(n)),
+            keyword_inputs=describe_keyword_inputs(keyword_inputs),
         )
 
     if not use_cache:
@@ -409,12 +424,24 @@ def plan_whole_pipeline(
             "sub_mesh": [list(sub_mesh.shape), list(sub_mesh.mesh_dim_names)],
             "schedule": str(schedule), "n_microbatches": n_microbatches,
             "inputs": [[list(x.shape), str(x.dtype)] for x in example_inputs],
+            **({"keyword_inputs": [[k, list(shape), d] for k, shape, d in
+                                   describe_keyword_inputs(keyword_inputs)]}
+               if keyword_inputs else {}),
             "options": dataclasses.asdict(record), "recompute": options.recompute,
             "last_kinds": list(last_kinds), "budgets": budgets, "memory": memory,
         })
     if options.strict:  # planned or cached: a fallback in either is refused
         plan.check_strict()
     return plan, hit
+
+
+def microbatch_keyword_inputs(keyword_inputs: Mapping[str, torch.Tensor] | None,
+                              n_microbatches: int, dp: int) -> dict[str, torch.Tensor]:
+    """Meta tensors of the keyword inputs of one dp-global microbatch (what each stage is
+    planned with), from those of one step on one dp rank."""
+    return {name: torch.empty((t.shape[0] // n_microbatches * dp, *t.shape[1:]),
+                              dtype=t.dtype, device="meta")
+            for name, t in (keyword_inputs or {}).items()}
 
 
 def _cached_solve(solve: Callable[[], PipelinePlan], fields: dict) -> tuple[PipelinePlan, bool]:

@@ -31,7 +31,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -273,6 +273,10 @@ class PipelinePlan:
     model_structure: tuple[ModelEntry, ...] = ()
     """:func:`model_structure` of the model it was made for: how a mismatching model
     differs is said from it (empty in plans saved before it was recorded)."""
+    keyword_inputs: tuple[tuple[str, tuple[int, ...], str], ...] = ()
+    """The keyword inputs of the model's forward for one step on one dp rank (name, shape,
+    dtype; e.g. a padding ``attention_mask``), which every stage takes with each microbatch
+    (each stage plan records its microbatch's, :attr:`StagePlan.keyword_inputs`)."""
     cache_entries: tuple[str, ...] = ()
     """The on-disk plan cache entries (:mod:`autopp.plan.cache` keys) this plan was made
     from or stored under: the whole plan's and its stages'. A plan that fails to apply has
@@ -341,6 +345,7 @@ class PipelinePlan:
         example_inputs: Sequence[torch.Tensor] | None = None,
         fqns_per_stage: Sequence[Sequence[str]] | None = None,
         stage_ranks: Sequence[int] | None = None, loss_fn: Callable | None = None,
+        keyword_inputs: Mapping[str, torch.Tensor] | None = None,
     ) -> list[str]:
         """What differs between the plan and the given pipeline (arguments left None are
         not checked), one phrase each."""
@@ -368,6 +373,12 @@ class PipelinePlan:
             differ("input shapes", [list(s) for s in self.input_shapes],
                    [list(x.shape) for x in example_inputs])
             differ("input dtypes", list(self.input_dtypes), [str(x.dtype) for x in example_inputs])
+        if keyword_inputs is not None:
+            from autopp.sharding.plan import describe_keyword_inputs
+
+            differ("keyword inputs (name, shape, dtype)",
+                   [[n, list(s), d] for n, s, d in self.keyword_inputs],
+                   [[n, list(s), d] for n, s, d in describe_keyword_inputs(keyword_inputs)])
         if fqns_per_stage is not None:
             from autopp.format import compact_modules
 

@@ -39,9 +39,11 @@ class TracedBlock:
     signature: tuple
 
 
-def trace_unit(unit_module: nn.Module, x: torch.Tensor, mesh) -> TracedBlock:
-    """Trace and enumerate one unit called on ``x`` (meta, global shape)."""
-    joint = trace_joint(unit_module, (x,))
+def trace_unit(unit_module: nn.Module, x: torch.Tensor, mesh,
+               inputs: Sequence[torch.Tensor] = ()) -> TracedBlock:
+    """Trace and enumerate one unit called on ``x`` (meta, global shape) and the keyword
+    inputs ``inputs`` (meta, in the units' order; never differentiated)."""
+    joint = trace_joint(unit_module, (x, *inputs), differentiable=1)
     sig = (type(unit_module).__qualname__, module_signature(unit_module))
     return TracedBlock(unit_module, joint, enumerate_strategies(joint, mesh), sig)
 
@@ -84,13 +86,20 @@ def block_restrictions(
     in_pl: PlacementSpec | None,
     out_pl: PlacementSpec | None,
     param_placements: dict[str, PlacementSpec] | None = None,
+    keyword_pl: PlacementSpec | None = None,
 ) -> tuple[dict, dict]:
-    """Node restrictions (and their names) fixing a unit's input, output and parameters."""
+    """Node restrictions (and their names) fixing a unit's input, output and parameters,
+    and its keyword inputs (every input after the first) to ``keyword_pl``: the step's
+    keyword inputs reach each rank as its dp slice, whole over the other mesh dims."""
     j = traced.joint
     restrict, names = {}, {}
     if in_pl is not None and 0 in j.inputs:
         restrict[j.inputs[0]] = tuple(in_pl)
         names[j.inputs[0]] = "input_placements"
+    for i, node in j.inputs.items():
+        if i > 0 and keyword_pl is not None:
+            restrict[node] = tuple(keyword_pl)
+            names[node] = f"keyword input {i - 1}"
     if out_pl is not None and 0 in j.tangents:
         restrict[j.tangents[0]] = tuple(out_pl)
         names[j.tangents[0]] = "output_placements"

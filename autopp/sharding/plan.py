@@ -100,6 +100,12 @@ CAP_DROPPED = "largest-tensor cap"
 """How a stage plan's note about an op priced without its FLOPs begins."""
 
 
+def describe_keyword_inputs(inputs: Any) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+    """``(name, shape, dtype)`` of keyword inputs (name -> tensor), in order."""
+    return tuple((name, tuple(int(d) for d in t.shape), str(t.dtype))
+                 for name, t in dict(inputs or {}).items())
+
+
 @dataclass(frozen=True, slots=True)
 class StagePlan:
     """A sharding plan for one stage on its sub-mesh."""
@@ -168,6 +174,10 @@ class StagePlan:
     trace_settings: tuple[tuple[str, str], ...] = ()
     """The tracing settings the stage was planned under (:mod:`autopp.tracing`: e.g. MoE
     token dispatch), by name; every later trace of it (applying, estimating) uses them."""
+    keyword_inputs: tuple[tuple[str, tuple[int, ...], str], ...] = ()
+    """The keyword inputs of the model's forward the stage was planned to take with every
+    microbatch, as (name, global shape of one microbatch, dtype), in the order its graphs
+    take them after the activation (:func:`describe_keyword_inputs`)."""
     cache_entry: str | None = None
     """The plan cache key it was stored or read under (:mod:`autopp.plan.cache`), if any."""
     time_bound_s: float | None = None
@@ -185,6 +195,14 @@ class StagePlan:
         them; ``PlannerOptions(strict=True)`` refuses a plan that has any."""
         return [*(f"replicated for want of a DTensor rule: {f}" for f in self.fallbacks),
                 *(n for n in self.notes if n.startswith((FLOP_FAILURE, CAP_DROPPED)))]
+
+    def keyword_examples(self) -> dict[str, Any]:
+        """Meta tensors of :attr:`keyword_inputs`, by name, in order (what it re-traces on)."""
+        import torch
+
+        return {name: torch.empty(shape, dtype=getattr(torch, dtype.split(".")[-1]),
+                                  device="meta")
+                for name, shape, dtype in self.keyword_inputs}
 
     def param_placements(self) -> dict[str, tuple[Any, ...]]:
         """FQN -> torch placements."""

@@ -14,7 +14,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -34,7 +34,7 @@ from autopp.sharding.units import POST, PRE, Unit, stage_units, unit_signature
 from autopp.sharding.costs import CostModel
 from autopp.sharding.memory_row import MemorySpec
 from autopp.sharding.precision import check_policy, maybe_cast, reduce_after_cast
-from autopp.sharding.plan import CAP_DROPPED, FLOP_FAILURE, BlockPlan, CollectivePlan, ParamPlan, StagePlan, to_strs
+from autopp.sharding.plan import CAP_DROPPED, FLOP_FAILURE, BlockPlan, CollectivePlan, ParamPlan, StagePlan, describe_keyword_inputs, to_strs
 from autopp.profiles.devices import DeviceProfile, tf32_enabled
 from autopp.profiles.lookup import get_profile
 from autopp.sharding.option import PlacementSpec, matches
@@ -88,6 +88,7 @@ def plan_stage(
     optimizer_state_factor: float | None = None,
     memory_price: float = 0.0,
     tf32: bool | None = None,
+    keyword_inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> StagePlan:
     """Plan the DP×TP sharding of one stage module on ``mesh`` (its sub-mesh).
 
@@ -139,6 +140,12 @@ def plan_stage(
         tf32: price fp32 matmuls at the profile's TF32 rate (torch lets them use TF32
             tensor cores); None: as torch is set in this process
             (:func:`~autopp.profiles.devices.tf32_enabled`). Recorded in ``StagePlan.tf32``.
+        keyword_inputs: keyword inputs of the model's forward the stage takes with every
+            microbatch (name -> meta tensor of one microbatch, batch on dim 0, e.g. a padding
+            ``attention_mask``): every unit takes them as graph inputs after its
+            activation, placed as the batch is (``S(0)`` on dp, ``R`` elsewhere), never
+            differentiated; recorded in ``StagePlan.keyword_inputs``. Planned unit by unit
+            only (a stage that must be planned flat with them is refused).
 
     Raises:
         InfeasiblePlanError: the constraints admit no plan (the message names them; over
@@ -163,14 +170,25 @@ def plan_stage(
     out_spec = _spec(output_placements, names, shape)
     fixed = {k: _spec(v, names, shape) for k, v in (param_placements or {}).items()}
     pdtype = check_policy(mixed_precision, module)
-    units = stage_units(module, example_inputs[0]) if reuse_blocks else None
+    keyword_inputs = dict(keyword_inputs or {})
+    check_on_meta(module, tuple(keyword_inputs.values()))
+    units = (stage_units(module, example_inputs[0], keyword_inputs)
+             if reuse_blocks or keyword_inputs else None)
     grad_scale = 1.0 / microbatches_per_grad_reduce
+    if units is None and keyword_inputs:
+        raise ValueError(
+            f"keyword inputs {sorted(keyword_inputs)}: planned stages take them unit by unit "
+            f"(the part before the blocks, each block, the part after), and this stage "
+            f"({type(module).__name__}) does not fit that pattern (the log says why at INFO). "
+            "Build the pipeline with parallelize=None or your own parallelize function to "
+            "pass them")
     if units is None:
         stage = _flat_stage(module, example_inputs, mesh, costs, memory, in_spec, out_spec,
                             fixed, pdtype, grad_scale)
     else:
         stage = _unit_stage(module, units, example_inputs[0], mesh, names, costs, memory,
-                            in_spec, out_spec, fixed, pdtype, grad_scale)
+                            in_spec, out_spec, fixed, pdtype, grad_scale,
+                            tuple(keyword_inputs.values()))
     modes = MODES if recompute == "auto" else (recompute,)
     if memory_price:
         if recompute == "auto" or memory_budget_bytes is not None:
@@ -186,6 +204,7 @@ def plan_stage(
                      pdtype)
     return dataclasses.replace(
         _with_memory(plan, chosen, tried, recompute, memory),
+        keyword_inputs=describe_keyword_inputs(keyword_inputs),
         trace_settings=tuple(tracing.current_settings().items()), tf32=costs.tf32,
         time_bound_s=None if bound is None or not math.isfinite(bound) else bound)
 
@@ -237,9 +256,12 @@ _MEMO = _Memo()
 
 
 def _unit_stage(module, units, x, mesh, names, costs, memory, in_spec, out_spec, fixed,
-                pdtype, grad_scale) -> Stage:
-    """Trace each distinct unit once and list the boundary pairs a chain can use."""
+                pdtype, grad_scale, inputs: tuple[torch.Tensor, ...] = ()) -> Stage:
+    """Trace each distinct unit once and list the boundary pairs a chain can use (every unit
+    also takes the keyword ``inputs``, fixed where the batch is)."""
     _MEMO.trim()
+    kw_spec = _spec(DEFAULT, names, tuple(mesh.shape)) if inputs else None
+    kw_key = tuple((tuple(t.shape), str(t.dtype)) for t in inputs)
     kinds: list[int] = []
     reps_traced: list[tuple[Unit, TracedBlock, tuple]] = []
     sig_index: dict[tuple, int] = {}
@@ -247,12 +269,13 @@ def _unit_stage(module, units, x, mesh, names, costs, memory, in_spec, out_spec,
         sig = unit_signature(unit)
         if sig not in sig_index:
             sig_index[sig] = len(reps_traced)
-            ukey = (sig, tuple(x.shape), str(x.dtype), tuple(mesh.shape), names, pdtype,
-                    tuple(tracing.current_settings().items()))
+            ukey = (sig, tuple(x.shape), str(x.dtype), kw_key, tuple(mesh.shape), names,
+                    pdtype, tuple(tracing.current_settings().items()))
             hit = _MEMO.traced.get(ukey)
             if hit is None:
                 t0 = time.perf_counter()
-                hit = _MEMO.traced[ukey] = trace_unit(maybe_cast(unit.module, pdtype), x, mesh)
+                hit = _MEMO.traced[ukey] = trace_unit(maybe_cast(unit.module, pdtype), x, mesh,
+                                                      inputs)
                 if pdtype is not None:
                     reduce_after_cast(hit.strategies)
                 logger.info("unit %s (%s) on mesh %s: traced, %d nodes with options, in "
@@ -305,7 +328,7 @@ def _unit_stage(module, units, x, mesh, names, costs, memory, in_spec, out_spec,
         pairs = {}
         for a in ins:
             for b in outs:
-                pairs[a, b] = block_restrictions(traced, a, b, local_fixed)
+                pairs[a, b] = block_restrictions(traced, a, b, local_fixed, kw_spec)
         reps.append(DistinctUnit(unit, traced, model, mkey, pairs,
                                  tuple(sorted(local_fixed.items()))))
     if not first_in:

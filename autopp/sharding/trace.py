@@ -75,17 +75,21 @@ def check_on_meta(module: nn.Module, example_inputs: tuple[Any, ...]) -> None:
         )
 
 
-def trace_joint(module: nn.Module, example_inputs: tuple[Any, ...]) -> JointGraph:
+def trace_joint(module: nn.Module, example_inputs: tuple[Any, ...],
+                differentiable: int | None = None) -> JointGraph:
     """Trace ``module(*example_inputs)`` forward and backward.
 
-    Floating-point tensor inputs are made to require grad so their gradients (what a previous
-    pipeline stage or block needs) appear in the graph. Non-tensor inputs (e.g. ``None`` masks)
-    are passed through.
+    Floating-point tensor inputs (the first ``differentiable`` of them when given: the others
+    are keyword inputs, never differentiated) are made to require grad so their gradients
+    (what a previous pipeline stage or block needs) appear in the graph. Non-tensor inputs
+    (e.g. ``None`` masks) are passed through.
     """
     check_on_meta(module, example_inputs)
+    n = len(example_inputs) if differentiable is None else differentiable
     args = tuple(
-        a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
-        for a in example_inputs
+        a.detach().requires_grad_(a.is_floating_point() and i < n)
+        if isinstance(a, torch.Tensor) else a
+        for i, a in enumerate(example_inputs)
     )
     gm = compat.export_joint(module, args, [AttentionAsOneOp(), tracing.on_meta()])
 

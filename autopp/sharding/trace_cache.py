@@ -67,6 +67,7 @@ _SKIPPED_ATTRS = frozenset({
     "_graph", "_code", "_lineno_map", "_prologue_start", "_tracer_cls", "_tracer_extras",
     "meta", "shape_env", "_create_node_hooks", "_deepcopy_hooks", "_erase_node_hooks",
     "_replace_hooks",
+    "_call_inputs",  # a unit's call-input contexts: keyed by the registered ones (env)
 })
 #: A module's hook tables (hook id -> hook), with the tables of per-hook flags keyed by the
 #: same ids: a hook is keyed by its place in the table, not by its id (new per module).
@@ -85,24 +86,26 @@ class _Uncacheable(Exception):
 
 def traced_unit(module: nn.Module, example_inputs: tuple[Any, ...], *,
                 prepare: Callable[[nn.Module], nn.Module] = lambda m: m,
-                param_dtype: str | None = None) -> JointGraph:
+                param_dtype: str | None = None, differentiable: int | None = None
+                ) -> JointGraph:
     """``trace_joint(prepare(module), example_inputs)``, served from this process's earlier
     traces where one has the same trace key (see the module's docstring). ``prepare`` (e.g. a
     meta copy, a cast to ``param_dtype``) must keep parameter and buffer shapes and, apart
-    from the cast to ``param_dtype`` (part of the key), dtypes."""
+    from the cast to ``param_dtype`` (part of the key), dtypes. ``differentiable``: as
+    :func:`~autopp.sharding.trace.trace_joint` takes it."""
     try:
-        key = trace_key(module, example_inputs, param_dtype)
+        key = (trace_key(module, example_inputs, param_dtype), differentiable)
     except _Uncacheable as e:
         _stats["uncached"] += 1
         logger.debug("unit %s traced uncached: %s", type(module).__name__, e)
-        return trace_joint(prepare(module), example_inputs)
+        return trace_joint(prepare(module), example_inputs, differentiable)
     joint = _traced.get(key)
     if joint is not None:
         _traced.move_to_end(key)
         _stats["hits"] += 1
         return joint
     _stats["misses"] += 1
-    joint = trace_joint(prepare(module), example_inputs)
+    joint = trace_joint(prepare(module), example_inputs, differentiable)
     _traced[key] = joint
     while len(_traced) > CAPACITY:
         _traced.popitem(last=False)
@@ -136,7 +139,8 @@ def trace_key(module: nn.Module, example_inputs: tuple[Any, ...],
     ins = tuple(_tensor_fp(a) if isinstance(a, torch.Tensor) else _fp(a) for a in example_inputs)
     global_hooks = tuple(_fp(list(d.values())) for d in compat.global_module_hooks())
     env = (param_dtype, global_hooks, tuple(tracing.current_settings().items()),
-           tuple(_fp(f) for f in tracing.registered()), torch.get_default_dtype())
+           tuple(_fp(f) for f in tracing.registered()),
+           tuple(_fp(f) for f in tracing.registered_call_inputs()), torch.get_default_dtype())
     return tuple(mods), params, bufs, ins, env
 
 

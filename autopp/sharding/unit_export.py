@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -39,20 +39,25 @@ class ExportFailed(Exception):
     """The forward cannot be exported at module boundaries (the message says why)."""
 
 
-def export_at_blocks(module: nn.Module, block_fqns: list[str],
-                     example: torch.Tensor) -> tuple[fx.Graph, dict[str, Any]]:
-    """``(graph, extras)``: ``module``'s forward on ``example``'s shape with each block in
-    ``block_fqns`` one ``call_module`` node (its arguments as the forward passes them) and
-    everything else inlined; ``extras`` maps the graph's ``get_attr`` targets that are not
-    attributes of ``module`` to their values."""
+def export_at_blocks(module: nn.Module, block_fqns: list[str], example: torch.Tensor,
+                     kwargs: Mapping[str, torch.Tensor] | None = None,
+                     ) -> tuple[fx.Graph, dict[str, Any]]:
+    """``(graph, extras)``: ``module``'s forward on ``example``'s shape (and keyword inputs
+    ``kwargs``, by name, shape and dtype) with each block in ``block_fqns`` one
+    ``call_module`` node (its arguments as the forward passes them) and everything else
+    inlined; ``extras`` maps the graph's ``get_attr`` targets that are not attributes of
+    ``module`` to their values. The graph's placeholders are the example input, then the
+    keyword inputs in the order of ``kwargs``."""
     x = torch.empty(example.shape, dtype=example.dtype, device="meta")
+    kw = {k: torch.empty(v.shape, dtype=v.dtype, device="meta")
+          for k, v in (kwargs or {}).items()}
     try:
         with tracing.on_meta(), _on_meta(module), warnings.catch_warnings():
             # torch's own notes while unflattening (its TreeSpec constants, a pytree
             # deprecation): nothing a user can act on
             warnings.filterwarnings("ignore", message=".*get_attr Node with no underlying")
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            program = torch.export.export(module, (x,), strict=False,
+            program = torch.export.export(module, (x,), kw, strict=False,
                                           preserve_module_call_signature=tuple(block_fqns))
             tree = torch.export.unflatten(program)
     except Exception as e:  # noqa: BLE001 - any export failure means "plan it flat"

@@ -10,8 +10,16 @@ a plain ``nn.Module``); no attribute name is assumed:
   (embeddings, scaling, dropout...), as that part of the traced graph;
 - ``<layers_attr>.<key>``: each block, called as the forward calls it: the previous unit's
   output first, then the forward's other arguments (constants such as ``None`` masks, or
-  tensors computed from buffers and constants only, e.g. a RoPE cache, recomputed per block);
+  tensors computed from buffers, constants and the step's keyword inputs only, e.g. a RoPE
+  cache or per-document positions' rotations, recomputed per block);
 - ``post``: whatever the forward computes from the last block's output (norm, head).
+
+With keyword inputs (the step's ``attention_mask``, ``position_ids``: tensors batched like the
+input), every unit takes them after its activation, in the order given, whether it reads them
+or not: ``unit.module(x, *kwargs)``. A block runs inside
+:func:`autopp.tracing.call_inputs` of the stage for them, so what the model's forward would
+derive from them for its blocks outside their arguments (a transformers model's masks) is
+derived from the unit's own inputs.
 
 The graph is cut where the stage is cut (:class:`~autopp.stage_split.build.StageCut`): a
 stage after the first feeds its input to its first block, a stage before the last returns its
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,29 +81,43 @@ class BlockCall(nn.Module):
     """Calls ``block(x, *args, **kwargs)`` as the stage's forward does.
 
     ``args``/``kwargs`` are constants, or :class:`ExtraRef` for the outputs of
-    :attr:`extra` (a graph computing tensors from the stage's buffers and constants only,
-    e.g. a RoPE cache slice), recomputed on each call.
+    :attr:`extra` (a graph computing tensors from the stage's buffers and constants and the
+    keyword inputs only, e.g. a RoPE cache slice), recomputed on each call.
+    ``forward(x, *inputs)``: ``inputs`` are the stage's keyword inputs named
+    :attr:`input_names` (the extra graph takes them all, in that order); the block runs
+    inside ``enter(dict of them)``: :func:`autopp.tracing.call_inputs` of its stage.
     """
 
     def __init__(self, block: nn.Module, args: tuple[Any, ...] = (),
-                 kwargs: dict[str, Any] | None = None, extra: fx.GraphModule | None = None):
+                 kwargs: dict[str, Any] | None = None, extra: fx.GraphModule | None = None,
+                 input_names: tuple[str, ...] = (), enter: Any = None):
         super().__init__()
         self.block = block
         self.extra = extra
         self.args = args
         self.kwargs = dict(kwargs or {})
+        self.input_names = tuple(input_names)
+        # a plain function (not a module or partial): copies of this unit share it; the trace
+        # cache keys it by the registered call-input contexts (autopp.tracing)
+        object.__setattr__(self, "_call_inputs", enter)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.extra is None:
-            return self.block(x, *self.args, **self.kwargs)
-        vals = self.extra()
+    def forward(self, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        if len(inputs) != len(self.input_names):
+            raise TypeError(f"this block takes the keyword inputs {list(self.input_names)} "
+                            f"after its activation, got {len(inputs)} tensors")
+        args, kwargs = self.args, self.kwargs
+        if self.extra is not None:
+            vals = self.extra(*inputs)
 
-        def fill(a: Any) -> Any:
-            return vals[a.index] if isinstance(a, ExtraRef) else a
+            def fill(a: Any) -> Any:
+                return vals[a.index] if isinstance(a, ExtraRef) else a
 
-        args = fx.node.map_aggregate(self.args, fill)
-        kwargs = fx.node.map_aggregate(self.kwargs, fill)
-        return self.block(x, *args, **kwargs)
+            args = fx.node.map_aggregate(self.args, fill)
+            kwargs = fx.node.map_aggregate(self.kwargs, fill)
+        if self._call_inputs is None or not inputs:
+            return self.block(x, *args, **kwargs)
+        with self._call_inputs(dict(zip(self.input_names, inputs))):
+            return self.block(x, *args, **kwargs)
 
 
 def default_extra_args(block: nn.Module) -> tuple[Any, ...]:
@@ -116,8 +139,8 @@ def module_signature(module: nn.Module) -> tuple:
     bufs = tuple((n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers())
     code = tuple(_graph_key(m.graph) for _, m in module.named_modules()
                  if isinstance(m, fx.GraphModule))
-    call = (repr(module.args), repr(sorted(module.kwargs.items()))) if isinstance(
-        module, BlockCall) else ()
+    call = (repr(module.args), repr(sorted(module.kwargs.items())),
+            module.input_names) if isinstance(module, BlockCall) else ()
     return mods, params, bufs, code, call
 
 
@@ -161,10 +184,13 @@ def layers_path(module: nn.Module) -> str | None:
     return path if isinstance(container, (nn.ModuleList, nn.ModuleDict)) else None
 
 
-def stage_units(module: nn.Module, example: torch.Tensor | None = None) -> list[Unit] | None:
+def stage_units(module: nn.Module, example: torch.Tensor | None = None,
+                inputs: Mapping[str, torch.Tensor] | None = None) -> list[Unit] | None:
     """The units of ``module`` (a stage on meta, or materialised: nothing is run), or None
     when it must be planned as one flat graph (the reason is logged at INFO). ``example``:
-    a stage input (its shape and dtype), for forwards only ``torch.export`` can trace."""
+    a stage input (its shape and dtype), for forwards only ``torch.export`` can trace;
+    ``inputs``: the step's keyword inputs (name -> tensor of their shape and dtype), which
+    every unit then takes after its activation, in this order."""
     path = layers_path(module)
     if path is None:
         return None
@@ -176,7 +202,7 @@ def stage_units(module: nn.Module, example: torch.Tensor | None = None) -> list[
     if not blocks:
         return None
     try:
-        return _units(module, path, blocks, example)
+        return _units(module, path, blocks, example, dict(inputs or {}))
     except _Flat as e:
         logger.info("planning %s as one graph: %s", type(module).__name__, e)
         return None
@@ -187,24 +213,30 @@ class _Flat(Exception):
 
 
 def _capture(module: nn.Module, path: str, blocks: list[tuple[str, nn.Module]],
-             example: torch.Tensor | None) -> tuple[fx.Graph, dict[str, Any]]:
+             example: torch.Tensor | None, inputs: dict[str, torch.Tensor]
+             ) -> tuple[fx.Graph, dict[str, Any]]:
     """The stage's forward with each block one ``call_module`` node: by ``torch.fx``, else
-    by ``torch.export`` on ``example``; ``(graph, values of get_attr targets the module does
-    not have)``."""
-    try:
-        return _capture_fx(module, {id(b) for _, b in blocks}), {}
-    except _Flat as e:
-        if example is None:
-            raise
-        from autopp.sharding.unit_export import ExportFailed, export_at_blocks
+    by ``torch.export`` on ``example`` and ``inputs``; ``(graph, values of get_attr targets
+    the module does not have)``. Captured with the blocks standing alone
+    (:func:`autopp.tracing.blocks_stand_alone`)."""
+    from autopp import tracing
 
+    with tracing.blocks_stand_alone():
         try:
-            return export_at_blocks(module, [f"{path}.{k}" for k, _ in blocks], example)
-        except ExportFailed as e2:
-            raise _Flat(f"{e}; {e2}") from e2
+            return _capture_fx(module, {id(b) for _, b in blocks}, tuple(inputs)), {}
+        except _Flat as e:
+            if example is None:
+                raise
+            from autopp.sharding.unit_export import ExportFailed, export_at_blocks
+
+            try:
+                return export_at_blocks(module, [f"{path}.{k}" for k, _ in blocks], example,
+                                        inputs)
+            except ExportFailed as e2:
+                raise _Flat(f"{e}; {e2}") from e2
 
 
-def _capture_fx(module: nn.Module, leaves: set[int]) -> fx.Graph:
+def _capture_fx(module: nn.Module, leaves: set[int], names: tuple[str, ...] = ()) -> fx.Graph:
     class Tracer(fx.Tracer):
         def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
             return id(m) in leaves or super().is_leaf_module(m, qualname)
@@ -212,8 +244,11 @@ def _capture_fx(module: nn.Module, leaves: set[int]) -> fx.Graph:
     sig = inspect.signature(module.forward)
     params = list(sig.parameters.values())
     concrete = {}
+    missing = [n for n in names if n not in sig.parameters]
+    if missing:
+        raise _Flat(f"its forward takes no keyword input {missing[0]!r}")
     for p in params[1:]:
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name in names:
             continue
         if p.default is p.empty:
             raise _Flat(f"its forward takes a second required argument {p.name!r}")
@@ -271,16 +306,35 @@ def _with_extras(module: nn.Module, extras: dict[str, Any]) -> nn.Module:
     return root
 
 
+def _input_placeholders(placeholders: list[fx.Node], names: list[str]) -> dict[fx.Node, str]:
+    """The keyword inputs' placeholders (by name; the captures name them after the forward's
+    parameters), placeholder -> name, in the order of ``names``."""
+    by_name = {str(n.target): n for n in placeholders[1:]}
+    missing = [k for k in names if k not in by_name]
+    if missing:
+        raise _Flat(f"its captured forward has no input {missing[0]!r} "
+                    f"(inputs: {sorted(by_name)})")
+    return {by_name[k]: k for k in names}
+
+
 def _units(module: nn.Module, path: str, blocks: list[tuple[str, nn.Module]],
-           example: torch.Tensor | None = None) -> list[Unit]:
+           example: torch.Tensor | None = None,
+           inputs: dict[str, torch.Tensor] | None = None) -> list[Unit]:
+    from autopp import tracing
     from autopp.stage_split.build import CUT_ATTR
 
-    graph, extras = _capture(module, path, blocks, example)
+    inputs = inputs or {}
+    graph, extras = _capture(module, path, blocks, example, inputs)
     root = _with_extras(module, extras)
     cut = getattr(module, CUT_ATTR, None)
     nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     x = placeholders[0]
+    kw = _input_placeholders(placeholders, list(inputs))
+    names = tuple(inputs)
+
+    def enter(values: dict[str, torch.Tensor]) -> Any:
+        return tracing.call_inputs(module, values)
     calls = [n for n in nodes if n.op == "call_module"
              and n.target.startswith(path + ".") and n.target.count(".") == path.count(".") + 1]
     want = [f"{path}.{k}" for k, _ in blocks]
@@ -289,7 +343,7 @@ def _units(module: nn.Module, path: str, blocks: list[tuple[str, nn.Module]],
                     f"each in order ({want})")
     pos = {n: i for i, n in enumerate(nodes)}
     side = {n for n in nodes if not ({x, *calls} & (_ancestors(n) | {n}))}
-    # side values: computed from buffers and constants only
+    # side values: computed from buffers, constants and the keyword inputs only
     for prev, call in zip(calls, calls[1:]):
         if not call.args or call.args[0] is not prev or len(prev.users) != 1:
             raise _Flat(f"{call.target}'s first argument is not {prev.target}'s output alone")
@@ -304,11 +358,12 @@ def _units(module: nn.Module, path: str, blocks: list[tuple[str, nn.Module]],
         pre_nodes = sorted(_ancestors(h0) | {h0}, key=pos.get)
         if x not in pre_nodes:
             raise _Flat(f"{first.target}'s input does not depend on the stage input")
-        units.append(Unit(PRE, _subgraph(pre_nodes, {x: "x"}, h0, root)))
+        units.append(Unit(PRE, _subgraph(pre_nodes, {x: "x", **kw}, h0, root)))
     extras_cache: dict[tuple, tuple] = {}
     for (key, block), call in zip(blocks, calls):
-        args, kwargs, extra = _block_args(call, side, pos, root, extras_cache)
-        units.append(Unit(f"{path}.{key}", BlockCall(block, args, kwargs, extra),
+        args, kwargs, extra = _block_args(call, side, pos, root, extras_cache, kw)
+        units.append(Unit(f"{path}.{key}", BlockCall(block, args, kwargs, extra, names,
+                                                     enter if names else None),
                           (("block.", f"{path}.{key}."), ("extra.", ""))))
     (out_node,) = [n for n in nodes if n.op == "output"]
     last = calls[-1]
@@ -319,7 +374,8 @@ def _units(module: nn.Module, path: str, blocks: list[tuple[str, nn.Module]],
         raise _Flat("its forward does not return one tensor")
     if out is not last:
         post = _ancestors(out, stop=last) | {out}
-        early = [n for n in post if n.op == "placeholder" or n in calls[:-1]]
+        early = [n for n in post if (n.op == "placeholder" and n not in kw)
+                 or n in calls[:-1]]
         if early:
             raise _Flat(f"the part after the blocks reads {early[0].name}, from before them")
         for n in post - side:
@@ -327,7 +383,7 @@ def _units(module: nn.Module, path: str, blocks: list[tuple[str, nn.Module]],
             if bad:
                 raise _Flat(f"the part after the blocks reads {bad[0].name}, computed before them")
         post_nodes = sorted(post, key=pos.get)
-        units.append(Unit(POST, _subgraph(post_nodes, {last: "h"}, out, root)))
+        units.append(Unit(POST, _subgraph(post_nodes, {last: "h", **kw}, out, root)))
     owner: dict[int, str] = {}
     for unit in units:
         for _, p in unit.module.named_parameters():
@@ -337,9 +393,11 @@ def _units(module: nn.Module, path: str, blocks: list[tuple[str, nn.Module]],
 
 
 def _block_args(call: fx.Node, side: set[fx.Node], pos: dict, root: nn.Module,
-                cache: dict) -> tuple[tuple, dict, fx.GraphModule | None]:
+                cache: dict, kw: dict[fx.Node, str] | None = None
+                ) -> tuple[tuple, dict, fx.GraphModule | None]:
     """A block call's arguments after the first: constants as they are, side tensors (from
-    buffers and constants only) as named outputs of one small graph ``extra``."""
+    buffers, constants and the keyword inputs ``kw`` only) as named outputs of one small
+    graph ``extra``, which takes every keyword input in order."""
     refs: list[fx.Node] = []
 
     def ref(a: Any) -> Any:
@@ -347,7 +405,8 @@ def _block_args(call: fx.Node, side: set[fx.Node], pos: dict, root: nn.Module,
             return a
         if a not in side:
             raise _Flat(f"{call.target}'s argument {a.name} is computed from the stage input; "
-                        "only constants and values of buffers can be passed to blocks")
+                        "only constants, values of buffers and keyword inputs can be passed "
+                        "to blocks")
         if a not in refs:
             refs.append(a)
         return ExtraRef(refs.index(a))
@@ -359,7 +418,7 @@ def _block_args(call: fx.Node, side: set[fx.Node], pos: dict, root: nn.Module,
     key = tuple(refs)
     if key not in cache:
         nodes = sorted(set().union(*(_ancestors(r) | {r} for r in refs)), key=pos.get)
-        cache[key] = (_subgraph(nodes, {}, tuple(refs), root),)
+        cache[key] = (_subgraph(nodes, dict(kw or {}), tuple(refs), root),)
     return args, kwargs, cache[key][0]
 
 

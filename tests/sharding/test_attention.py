@@ -27,6 +27,57 @@ def test_sdpa_matches_torch(causal, gqa):
                       what="gradient")
 
 
+@pytest.mark.parametrize("gqa", [False, True])
+def test_masked_sdpa_is_one_op_and_matches_torch(gqa):
+    """A boolean mask per sequence (padding and packed documents, :func:`keep_mask`) is
+    traced into ``autopp::sdpa`` (not math attention, no score tensor per head), runs the
+    CPU flash kernel forward and backward with torch's SDPA values, passes opcheck, and its
+    sharding rule splits the mask with the batch and keeps it whole over heads."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autopp.ops.attention import AttentionAsOneOp, keep_mask, packed_documents
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 16, 8, requires_grad=True)
+    kv_heads = 2 if gqa else 4
+    k = torch.randn(2, kv_heads, 16, 8, requires_grad=True)
+    v = torch.randn(2, kv_heads, 16, 8, requires_grad=True)
+    valid = torch.ones(2, 16)
+    valid[1, :5] = 0  # left padding: query 0 of row 1 attends to nothing
+    documents = packed_documents(torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6,
+                                                7, 8]] * 2))
+    mask = keep_mask(16, 16, device=torch.device("cpu"), key_valid=valid, documents=documents)
+    assert mask.shape == (2, 1, 16, 16) and mask.dtype == torch.bool
+
+    def attend(q, k, v, mask):
+        with AttentionAsOneOp():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+    graph = make_fx(attend)(q, k, v, mask).graph
+    targets = [str(n.target) for n in graph.nodes if n.op == "call_function"]
+    assert "autopp.sdpa.default" in targets and not any("softmax" in t for t in targets)
+    ours = attend(q, k, v, mask)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    assert_parity(ours, ref, what="masked output")
+    g = torch.randn_like(ours)
+    assert_all_parity(dict(zip("qkv", torch.autograd.grad(ours, (q, k, v), g))),
+                      dict(zip("qkv", torch.autograd.grad(ref, (q, k, v), g))),
+                      what="masked gradient")
+    q, k, v = q.detach(), k.detach(), v.detach()
+    out, lse = torch.ops.autopp.sdpa(q, k, v, False, 0.3, gqa, mask)
+    torch.library.opcheck(torch.ops.autopp.sdpa.default, (q, k, v, False, 0.3, gqa, mask))
+    torch.library.opcheck(torch.ops.autopp.sdpa_backward.default,
+                          (g, q, k, v, out, lse, False, 0.3, gqa, mask))
+
+    from autopp._compat import sharding as compat
+    from autopp.ops.attention import _sdpa_sharding
+
+    rules = _sdpa_sharding(None, None, None, False, 0.3, gqa, object())
+    on_mask = {str(outs[0]): ins[3] for outs, ins in rules}
+    assert on_mask == {"R": compat.Replicate(), "S(0)": compat.Shard(0),
+                       "S(1)": compat.Replicate()}
+
+
 def test_traced_block_keeps_attention_as_one_op(stack_of):
     from autopp.sharding.units import stage_units
     from autopp.sharding.trace import trace_joint

@@ -131,3 +131,49 @@ def test_find_tied_and_init_keeps_ties():
     whole = init_module_(qwen3_meta(2), seed=0, device="cpu")
     assert whole.tok_embeddings.weight is whole.lm_head.weight
     assert whole.lm_head.weight.abs().max() < 1  # the head's initialiser, not garbage
+
+
+@pytest.mark.parametrize("name", ["attention_mask", "position_ids"])
+def test_keyword_inputs_are_inputs_of_every_unit_and_reach_attention(name):
+    """A transformers stage planned with a keyword input: every unit takes it after its
+    activation; traced, each block's attention mask (one boolean per sequence, fed to
+    ``autopp::sdpa``) is computed from that graph input (the padding mask, or the documents
+    the positions give), never a constant, and it gets no gradient. Without the keyword
+    input the block traces to plain causal attention."""
+    import transformers
+
+    from autopp import adapters
+    from autopp.sharding.trace import trace_joint
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    adapters.prepare(model)
+    layout = inspect_model(model)
+    stage = build_stage_module(model, [*layout.layer_fqns[1:], *layout.post])
+    x = torch.empty(2, 8, 32, device="meta")
+    kw = {name: torch.empty(2, 8, dtype=torch.long, device="meta")}
+    units = stage_units(stage, x, kw)
+    assert [u.name for u in units] == ["model.layers.1", "post"]
+    block = units[0].module
+    assert block.input_names == (name,)
+    joint = trace_joint(block, (x, *kw.values()), differentiable=1)
+    assert sorted(joint.inputs) == [0, 1] and list(joint.input_grads) == [0]
+    (sdpa,) = [n for n in joint.gm.graph.nodes if str(n.target) == "autopp.sdpa.default"]
+    mask = sdpa.args[6]
+    assert tuple(mask.meta["val"].shape) == (2, 1, 8, 8)
+    seen, stack = set(), [mask]
+    while stack:  # the mask's ancestors
+        n = stack.pop()
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    assert joint.inputs[1] in seen
+    # the stage captured without it: causal attention, no mask argument
+    (plain,) = stage_units(stage, x)[:1]
+    joint = trace_joint(plain.module, (x,))
+    (sdpa,) = [n for n in joint.gm.graph.nodes if str(n.target) == "autopp.sdpa.default"]
+    assert len(sdpa.args) < 7 or sdpa.args[6] is None
