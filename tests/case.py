@@ -50,6 +50,8 @@ class Case:
     """MoE: the planner's token dispatch."""
     # the training
     data_seed: int = 0
+    shifts: tuple[int, ...] = ()
+    """Data variants stepped in turn (a keyword-input test: other masks, other documents)."""
     steps: int = 1
     lr: float = 1e-2
     max_norm: float | None = None

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from tests.case import Case
 from tests.models import MODELS, ce_loss, make_batch
 
 
@@ -14,34 +15,34 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def two_steps(mesh, cfg: dict, path: str | None = None) -> dict:
+def two_steps(mesh, cfg: Case, path: str | None = None) -> dict:
     """Step, clip, AdamW step, step again; the first step's gradients by FQN. With ``path``:
     save a checkpoint, load it into a fresh pipeline, and compare eval losses."""
     from autopp import pipeline_autoparallel
 
-    tokens, target = make_batch(cfg["batch"], cfg["seq"])
+    tokens, target = make_batch(cfg.batch, cfg.seq)
     dp_rank, dp = mesh.get_coordinate()[1], mesh.shape[1]
-    n = cfg["batch"] // dp
+    n = cfg.batch // dp
     tok, tgt = tokens[dp_rank * n:(dp_rank + 1) * n], target[dp_rank * n:(dp_rank + 1) * n]
 
-    def build(schedule=cfg["schedule"]):
+    def build(schedule=cfg.schedule):
         return pipeline_autoparallel(
-            MODELS[cfg["model"]](cfg["n_layers"]), mesh, example_inputs=(tok,),
-            loss_fn=ce_loss, schedule=schedule, n_microbatches=cfg["n_microbatches"],
-            parallelize=cfg.get("parallelize", "auto"))
+            MODELS[cfg.model](cfg.n_layers), mesh, example_inputs=(tok,),
+            loss_fn=ce_loss, schedule=schedule, n_microbatches=cfg.n_microbatches,
+            parallelize=cfg.parallelize)
 
     pipe = build()
-    if cfg.get("expect_error"):
+    if cfg.expect_error:
         try:
             pipe.init_weights(seed=0)
         except ValueError as e:
             return {"error": str(e)}
         return {"error": None}
     pipe.init_weights(seed=0)
-    opt = torch.optim.AdamW(pipe.parameters(), lr=cfg["lr"])
+    opt = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr)
     losses = [pipe.step(tok, target=tgt)]
     grads = {name: _full(p.grad).detach().clone() for name, p in pipe.named_parameters()}
-    norm = pipe.clip_grad_norm_(cfg["max_norm"])
+    norm = pipe.clip_grad_norm_(cfg.max_norm)
     opt.step()
     opt.zero_grad()
     losses.append(pipe.step(tok, target=tgt))
@@ -56,8 +57,8 @@ def two_steps(mesh, cfg: dict, path: str | None = None) -> dict:
         fresh.load_checkpoint(path)
         ckpt["eval_loaded"] = fresh.eval(tok, target=tgt)
         ckpt["keys"] = sorted(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
-        if cfg.get("cross"):  # into the other placement (loop <-> V) and back
-            other = build(cfg["cross"])
+        if cfg.cross:  # into the other placement (loop <-> V) and back
+            other = build(cfg.cross)
             other.init_weights(seed=2)
             other.load_checkpoint(path)
             ckpt["eval_cross"] = other.eval(tok, target=tgt)
@@ -77,13 +78,13 @@ def two_steps(mesh, cfg: dict, path: str | None = None) -> dict:
                        if "embed" in name or "lm_head" in name}}
 
 
-def run(rank: int, world_size: int, configs: list[dict], path: str) -> list[dict]:
+def run(rank: int, world_size: int, configs: list[Case], path: str) -> list[dict]:
     from autopp import build_world_mesh
 
     out = []
     for i, cfg in enumerate(configs):
-        mesh = build_world_mesh(pp=cfg["pp"], dp=cfg["dp"], tp=cfg["tp"])
-        out.append(two_steps(mesh, cfg, f"{path}/{i}" if cfg.get("checkpoint") else None))
+        mesh = build_world_mesh(pp=cfg.pp, dp=cfg.dp, tp=cfg.tp)
+        out.append(two_steps(mesh, cfg, f"{path}/{i}" if cfg.checkpoint else None))
         dist.barrier()
     return out
 
@@ -147,7 +148,7 @@ def hf_checkpoint_round_trip(rank: int, world_size: int, src: str, dst: str, kin
     return out
 
 
-def run_then_round_trip(rank: int, world_size: int, configs: list[dict], path: str,
+def run_then_round_trip(rank: int, world_size: int, configs: list[Case], path: str,
                         src: str, dst: str, kind: str) -> tuple[list[dict], dict]:
     """:func:`run` and then :func:`hf_checkpoint_round_trip`, in one launch."""
     return (run(rank, world_size, configs, path),
@@ -206,16 +207,16 @@ def hf_tensor_parallel(stage: torch.nn.Module, sub_mesh) -> torch.nn.Module:
     return stage
 
 
-def packed_steps(mesh, cfg: dict) -> dict:
+def packed_steps(mesh, cfg: Case) -> dict:
     """A transformers decoder, tensor parallel by a user ``parallelize``, stepped on a
     packed batch: ``position_ids`` go to every stage, whose attention keeps each token in
     its own document."""
     from autopp import pipeline_autoparallel
 
-    tokens, target, positions, _ = packed_batch(cfg["batch"], cfg["seq"])
+    tokens, target, positions, _ = packed_batch(cfg.batch, cfg.seq)
     pipe = pipeline_autoparallel(
-        MODELS[cfg["model"]](cfg["n_layers"]), mesh, example_inputs=(tokens,),
-        loss_fn=ce_loss, schedule=cfg["schedule"], n_microbatches=cfg["n_microbatches"],
+        MODELS[cfg.model](cfg.n_layers), mesh, example_inputs=(tokens,),
+        loss_fn=ce_loss, schedule=cfg.schedule, n_microbatches=cfg.n_microbatches,
         parallelize=hf_tensor_parallel)
     pipe.init_weights(seed=0)
     loss = pipe.step(tokens, target=target, position_ids=positions)
@@ -227,7 +228,7 @@ def packed_steps(mesh, cfg: dict) -> dict:
             "eval_unpacked": pipe.eval(tokens, target=target)}
 
 
-def planned_keyword_steps(mesh, cfg: dict, kind: str) -> dict:
+def planned_keyword_steps(mesh, cfg: Case, kind: str) -> dict:
     """A transformers decoder planned (``parallelize="auto"``) for a keyword input: a padded
     batch's ``attention_mask`` (``kind="padded"``) or a packed batch's ``position_ids``
     (``"packed"``), stepped twice from the same weights (gradients zeroed between, no
@@ -237,19 +238,19 @@ def planned_keyword_steps(mesh, cfg: dict, kind: str) -> dict:
 
     def batch(shift: int):
         if kind == "padded":
-            tokens, target, mask = padded_batch(cfg["batch"], cfg["seq"], shift)
+            tokens, target, mask = padded_batch(cfg.batch, cfg.seq, shift)
             return tokens, target, {"attention_mask": mask}
-        tokens, target, positions, _ = packed_batch(cfg["batch"], cfg["seq"], shift)
+        tokens, target, positions, _ = packed_batch(cfg.batch, cfg.seq, shift)
         return tokens, target, {"position_ids": positions}
 
     tokens, target, kw = batch(0)
     pipe = pipeline_autoparallel(
-        MODELS[cfg["model"]](cfg["n_layers"]), mesh, example_inputs=(tokens,),
-        example_kwargs=kw, loss_fn=ce_loss, schedule=cfg["schedule"],
-        n_microbatches=cfg["n_microbatches"], parallelize="auto")
+        MODELS[cfg.model](cfg.n_layers), mesh, example_inputs=(tokens,),
+        example_kwargs=kw, loss_fn=ce_loss, schedule=cfg.schedule,
+        n_microbatches=cfg.n_microbatches, parallelize="auto")
     pipe.init_weights(seed=0)
     out: dict = {"steps": []}
-    for shift in cfg["shifts"]:
+    for shift in cfg.shifts:
         tokens, target, kw = batch(shift)
         pipe.zero_grad()
         loss = pipe.step(tokens, target=target, **kw)
@@ -263,7 +264,7 @@ def planned_keyword_steps(mesh, cfg: dict, kind: str) -> dict:
     return out
 
 
-def masked_steps(rank: int, world_size: int, cfg: dict) -> dict:
+def masked_steps(rank: int, world_size: int, cfg: Case) -> dict:
     """One launch of 4 ranks, two meshes: :func:`padded_steps` at pp2 × dp2, then
     :func:`packed_steps` at pp2 × tp2, then the same batches' keyword inputs to planned
     stages at pp2 × tp2 (:func:`planned_keyword_steps`)."""
@@ -280,21 +281,21 @@ def masked_steps(rank: int, world_size: int, cfg: dict) -> dict:
     return out
 
 
-def padded_steps(rank: int, world_size: int, cfg: dict) -> dict:
+def padded_steps(rank: int, world_size: int, cfg: Case) -> dict:
     """A transformers decoder replicated on its stages (``parallelize=None``) stepped on a
     padded batch: the mask goes to every stage as a keyword input. And the refusal of a
     planned pipeline given one."""
     from autopp import build_world_mesh, pipeline_autoparallel
 
-    mesh = build_world_mesh(pp=cfg["pp"], dp=cfg["dp"], tp=1)
-    tokens, target, mask = padded_batch(cfg["batch"], cfg["seq"])
+    mesh = build_world_mesh(pp=cfg.pp, dp=cfg.dp, tp=1)
+    tokens, target, mask = padded_batch(cfg.batch, cfg.seq)
     dp_rank, dp = mesh.get_coordinate()[1], mesh.shape[1]
-    n = cfg["batch"] // dp
+    n = cfg.batch // dp
     part = slice(dp_rank * n, (dp_rank + 1) * n)
     tok, tgt, msk = tokens[part], target[part], mask[part]
     pipe = pipeline_autoparallel(
-        MODELS[cfg["model"]](cfg["n_layers"]), mesh, example_inputs=(tok,), loss_fn=ce_loss,
-        schedule=cfg["schedule"], n_microbatches=cfg["n_microbatches"], parallelize=None)
+        MODELS[cfg.model](cfg.n_layers), mesh, example_inputs=(tok,), loss_fn=ce_loss,
+        schedule=cfg.schedule, n_microbatches=cfg.n_microbatches, parallelize=None)
     pipe.init_weights(seed=0)
     loss = pipe.step(tok, target=tgt, attention_mask=msk)
     grads = {name: _full(p.grad).detach().clone() for name, p in pipe.named_parameters()}

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.parity import assert_all_parity
+from tests.case import Case, vary
 from tests.dist_harness import run_on_ranks
 from tests.decoder_workers import mismatched_tied_parallelize, run
 from tests.models import MODELS, make_batch
@@ -27,17 +28,17 @@ def _reference(kind: str) -> Reference:
 
 @pytest.mark.multiprocess
 def test_tied_qwen3_and_nested_decoder_match_single_process(tmp_path):
-    configs = [dict(model=kind, pp=2, dp=2, tp=2, schedule="1F1B", n_microbatches=2,
+    configs = [Case(model=kind, pp=2, dp=2, tp=2, schedule="1F1B", n_microbatches=2,
                     n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=LR, max_norm=MAX_NORM,
                     checkpoint=kind == "qwen3")
                for kind in ("qwen3", "hf", "llama3")]
     # tied copies without the planner too (replicated stages, plain tensors)
-    configs.append(dict(configs[0], checkpoint=False, parallelize=None))
+    configs.append(vary(configs[0], checkpoint=False, parallelize=None))
     # V placement: the embedding's and the head's stages on one rank (a mirror copy); its
     # checkpoint loads into the loop placement, and the loop's back into V
-    configs.append(dict(configs[0], schedule="ZBVZeroBubble", n_microbatches=4, cross="1F1B"))
+    configs.append(vary(configs[0], schedule="ZBVZeroBubble", n_microbatches=4, cross="1F1B"))
     # a user parallelize placing the two copies differently: refused on every rank
-    configs.append(dict(configs[0], checkpoint=False, expect_error=True,
+    configs.append(vary(configs[0], checkpoint=False, expect_error=True,
                         parallelize=mismatched_tied_parallelize))
     results = run_on_ranks(run, 8, configs, str(tmp_path), timeout=900)
     errors = {r[-1]["error"] for r in results}
@@ -55,22 +56,22 @@ def test_tied_qwen3_and_nested_decoder_match_single_process(tmp_path):
             assert ck["eval_cross"] == pytest.approx(ck["eval"], abs=1e-6) != ck["eval_fresh"]
             assert ck["eval_back"] == pytest.approx(ck["eval"], abs=1e-6)
     for i, cfg in enumerate(configs):
-        ref = _reference(cfg["model"])
+        ref = _reference(cfg.model)
         seen = set()
         for rank_results in results:
             res = rank_results[i]
-            assert res["losses"] == pytest.approx(ref.losses, abs=1e-5), cfg["model"]
+            assert res["losses"] == pytest.approx(ref.losses, abs=1e-5), cfg.model
             assert res["norm"] == pytest.approx(ref.norm, rel=1e-5), cfg
-            assert_all_parity(res["grads"], ref.grads, what=f"{cfg['model']} grad")
+            assert_all_parity(res["grads"], ref.grads, what=f"{cfg.model} grad")
             seen |= set(res["grads"])
             # the block-reuse path: units are the part before the blocks, each block, the
             # part after, never one flat graph
-            per_rank = 2 if cfg["schedule"] == "ZBVZeroBubble" else 1
-            assert len(res["units"]) == (0 if "parallelize" in cfg else per_rank)
+            per_rank = 2 if cfg.schedule == "ZBVZeroBubble" else 1
+            assert len(res["units"]) == (0 if cfg.parallelize != "auto" else per_rank)
             # the model's own state-dict hooks hold for planned stages too: torchtitan's
             # fused QKV is saved as wq/wk/wv, as single-process torchtitan saves it
             assert not [k for k in res["state_keys"] if "wqkv" in k], cfg
-            if cfg["model"] != "hf":
+            if cfg.model != "hf":
                 assert [k for k in res["state_keys"] if k.endswith(".wq.weight")], cfg
             for sid, units in res["units"].items():
                 if not any(".layers." in f".{f}" for f in res["stage_fqns"][sid]):
@@ -79,8 +80,8 @@ def test_tied_qwen3_and_nested_decoder_match_single_process(tmp_path):
                 assert "" not in units and any(".layers." in f".{u}" for u in units), units
                 assert units[0] == "pre" if sid == 0 else \
                     units[-1] == "post" if sid == 2 * per_rank - 1 else True
-        names = {n for n, _ in MODELS[cfg["model"]](N_LAYERS).named_parameters()}
-        assert seen == names, (cfg["model"], names ^ seen)
+        names = {n for n, _ in MODELS[cfg.model](N_LAYERS).named_parameters()}
+        assert seen == names, (cfg.model, names ^ seen)
     # tied: the head's copy is named (and checkpointed) as the embedding, once; both copies
     # keep one value after the optimizer step
     last = next(r[0] for r in results if "norm.weight" in r[0]["state_keys"])

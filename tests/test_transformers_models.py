@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from tests.decoder_workers import run
+from tests.case import Case
 from tests.dist_harness import run_on_ranks
+from tests.reference import Reference, reference_run
 from tests.models import MODELS, ce_loss, logits_of, make_batch
 from tests.parity import assert_all_parity
 
@@ -21,63 +23,46 @@ pytest.importorskip("transformers")
 N_LAYERS, BATCH, SEQ, LR, MAX_NORM = 4, 8, 16, 1e-2, 0.5
 
 
-def _reference(kind: str) -> dict:
+def _reference(kind: str) -> Reference:
     """The model built on CPU as transformers builds it, initialised by autopp's per-FQN
     seeds (each module by the model's own ``_init_weights``), run by transformers' forward
-    with its default attention; plain AdamW and clip_grad_norm_."""
+    with its default attention; plain AdamW and clip_grad_norm_: a step, then the loss."""
     import transformers
-
-    from autopp import init_module_
 
     meta = MODELS[kind](N_LAYERS)
     with torch.device("cpu"):
         model = type(meta)(meta.config)
     assert model.config._attn_implementation == "sdpa"  # transformers' own path
-    model = init_module_(model, seed=0, device="cpu")
     assert isinstance(model, transformers.PreTrainedModel)
-    tokens, target = make_batch(BATCH, SEQ)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    loss = ce_loss(logits_of(model(tokens)), target)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    norm = float(torch.linalg.vector_norm(torch.stack(
-        [torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in model.parameters()])))
-    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-    opt.step()
-    opt.zero_grad()
-    loss2 = ce_loss(logits_of(model(tokens)), target)
-    return {"losses": [loss.item(), loss2.item()], "grads": grads, "norm": norm}
+    batch = make_batch(BATCH, SEQ)
+    return reference_run(model, [batch, batch], lr=LR, max_norm=MAX_NORM)
 
 
-def _check(configs: list[dict], results: list[list[dict]]) -> None:
+def _check(configs: list[Case], results: list[list[dict]]) -> None:
     for i, cfg in enumerate(configs):
-        ref = _reference(cfg["model"])
+        ref = _reference(cfg.model)
         seen = set()
         for rank_results in results:
             res = rank_results[i]
-            assert res["losses"] == pytest.approx(ref["losses"], abs=1e-5), cfg
-            assert res["norm"] == pytest.approx(ref["norm"], rel=1e-5), cfg
-            assert_all_parity(res["grads"], ref["grads"], what=f"{cfg['model']} grad")
+            assert res["losses"] == pytest.approx(ref.losses, abs=1e-5), cfg
+            assert res["norm"] == pytest.approx(ref.norm, rel=1e-5), cfg
+            assert_all_parity(res["grads"], ref.grads, what=f"{cfg.model} grad")
             seen |= set(res["grads"])
-            if "parallelize" in cfg:
+            if cfg.parallelize != "auto":
                 continue
             for sid, units in res["units"].items():  # the block-reuse path
                 assert "" not in units, units
                 assert any(".layers." in f".{u}" for u in units), units
                 assert units[0] == "pre" if sid == 0 else units[-1] == "post", units
-        names = {n for n, _ in MODELS[cfg["model"]](N_LAYERS).named_parameters()}
-        assert seen == names, (cfg["model"], names ^ seen)
+        names = {n for n, _ in MODELS[cfg.model](N_LAYERS).named_parameters()}
+        assert seen == names, (cfg.model, names ^ seen)
 
 
-def _configs(models_and_backends) -> list[dict]:
-    out = []
-    for model, parallelize in models_and_backends:
-        cfg = dict(model=model, pp=2, dp=2, tp=2, schedule="1F1B", n_microbatches=2,
-                   n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=LR, max_norm=MAX_NORM)
-        if parallelize != "auto":
-            cfg["parallelize"] = parallelize
-        out.append(cfg)
-    return out
+def _configs(models_and_backends) -> list[Case]:
+    return [Case(model=model, pp=2, dp=2, tp=2, schedule="1F1B", n_microbatches=2,
+                 n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=LR, max_norm=MAX_NORM,
+                 parallelize=parallelize)
+            for model, parallelize in models_and_backends]
 
 
 def _hf_loss(path: str) -> float:
@@ -287,8 +272,8 @@ def test_padded_and_packed_batches_reach_every_stage():
     from tests.decoder_workers import masked_steps, padded_batch, packed_batch
 
     shifts = [0, 5]
-    cfg = dict(model="hf_llama", pp=2, dp=2, schedule="1F1B", n_microbatches=2,
-               n_layers=N_LAYERS, batch=BATCH, seq=SEQ, shifts=shifts)
+    cfg = Case(model="hf_llama", pp=2, dp=2, schedule="1F1B", n_microbatches=2,
+               n_layers=N_LAYERS, batch=BATCH, seq=SEQ, shifts=tuple(shifts))
     meta = MODELS["hf_llama"](N_LAYERS)
     with torch.device("cpu"):
         model = type(meta)(meta.config)
