@@ -11,20 +11,20 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from graph_models import lm_loss, mse_loss  # noqa: E402
+from graph_models import mse_loss  # noqa: E402
 
 from autopp.graph import split_joint_graph, trace_stage  # noqa: E402
 from autopp.lower.memory import saved_bytes  # noqa: E402
-from tests.dist_harness import free_port
+from tests.dist_harness import run_on_ranks
+from tests.graph.graph_workers import recomputed as _recomputed
+from tests.parity import assert_parity
 
 RECOMPUTE = ("none", "selective", "full")
 D, HEADS, S, B = 32, 4, 8, 2
-ATOL = 1e-5
 
 
 class _Block(nn.Module):
@@ -84,14 +84,6 @@ def _eager(net: nn.Module, x, g, tgt, last: bool):
     return out.detach(), [p.grad.clone() for p in net.parameters()], xe.grad.clone()
 
 
-def _recomputed(gm: fx.GraphModule | None) -> set[str]:
-    """Names of the forward nodes ``gm`` recomputes (not those it receives recomputed)."""
-    if gm is None:
-        return set()
-    return {n.meta["recomputed_from"] for n in gm.graph.nodes
-            if n.op == "call_function" and "recomputed_from" in n.meta}
-
-
 @pytest.mark.parametrize("recompute", RECOMPUTE)
 @pytest.mark.parametrize("split_weight_grad", [False, True], ids=["FB", "FIW"])
 @pytest.mark.parametrize("peel_params", [False, True], ids=["", "peeled"])
@@ -114,10 +106,10 @@ def test_recompute_matches_eager(case, recompute, split_weight_grad, peel_params
         ig, pg = graphs.full_backward(outs, saved, grads)
 
     ref_out, ref_pg, ref_ig = _eager(net, x, g, tgt, last)
-    torch.testing.assert_close(outs[0], ref_out, atol=ATOL, rtol=ATOL)
+    assert_parity(outs[0], ref_out, what="output")
     assert len(pg) == len(ref_pg) and len(ig) == 1
-    for a, b in zip([*pg, *ig], [*ref_pg, ref_ig]):
-        torch.testing.assert_close(a, b, atol=ATOL, rtol=ATOL)
+    for i, (a, b) in enumerate(zip([*pg, *ig], [*ref_pg, ref_ig])):
+        assert_parity(a, b, what=f"gradient {i}")
 
     bw_pieces = [graphs.full_backward_graph, graphs.backward_input_graph,
                  graphs.backward_weight_graph]
@@ -232,54 +224,9 @@ def test_collectives_and_random_ops_are_saved_not_recomputed(world_of_one, recom
 
 
 
-def _zbv_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    """llama3 debugmodel, 4 stages in a V on 2 ranks, ZBVZeroBubble (I and W apart), with
-    recomputing graph stages, against one process."""
-    import traceback
-
-    import graph_workers as gw
-    from torch.distributed.pipelining import ScheduleZBVZeroBubble
-
-    from autopp.graph import build_stage_graphs
-
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            init_method=f"tcp://127.0.0.1:{port}")
-    report = []
-    try:
-        _, tokens, target, ref_grads, ref_losses, stage_module, _ = gw._llama_case(rank, world)
-        ids = gw._stage_ids(rank, world, "v")
-        for rc in ("full", "selective"):
-            mods = {sid: stage_module(sid) for sid in ids}
-            graphs = {}
-            for sid in ids:
-                last = sid == gw.N_STAGES - 1
-                x = tokens[:gw.MB] if sid == 0 else torch.randn(gw.MB, gw.SEQ, 256)
-                graphs[sid] = build_stage_graphs(
-                    mods[sid], (x,), loss_fn=lm_loss if last else None,
-                    target=target[:gw.MB] if last else None, recompute=rc)
-                assert _recomputed(graphs[sid].full_backward_graph)
-            losses = gw._run_schedule(ScheduleZBVZeroBubble, mods, graphs, tokens, target,
-                                      lm_loss, rank, world)
-            n = gw._compare(f"ZBV {rc}", mods, ref_grads, losses, ref_losses, ids)
-            report.append(f"ZBVZeroBubble recompute={rc}: {n} grads ok")
-    except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-            f.write("\n".join(report))
-        dist.destroy_process_group()
-
-
 @pytest.mark.multiprocess
-def test_recompute_under_zbv_matches_single_process(tmp_path):
-    world = 2
-    try:
-        mp.spawn(_zbv_worker, args=(world, free_port(), str(tmp_path)), nprocs=world)
-    except Exception:
-        errs = [p.read_text() for p in sorted(tmp_path.glob("rank*.err"))]
-        pytest.fail("worker failed:\n" + "\n".join(errs))
-    for rank in range(world):
-        lines = (tmp_path / f"rank{rank}.txt").read_text().splitlines()
+def test_recompute_under_zbv_matches_single_process():
+    from tests.graph.graph_workers import zbv_recompute
+
+    for lines in run_on_ranks(zbv_recompute, 2, timeout=600):
         assert len(lines) == 2 and all("grads ok" in line for line in lines), lines

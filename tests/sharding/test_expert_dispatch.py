@@ -16,6 +16,7 @@ import torch
 from autopp.ops import experts  # noqa: F401  (registers the op and its hooks)
 from tests.dist_harness import run_on_ranks
 from tests.sharding._dispatch_worker import run
+from tests.parity import assert_parity
 
 
 @pytest.mark.multiprocess
@@ -31,8 +32,7 @@ def test_all_to_all_dispatch_matches_a_dense_moe():
                          "backward": (["tolist"], 2, False)}, (rank, syncs)
         for case, (got, want) in res.items():
             for name, a, b in zip(names, got, want):
-                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5,
-                                           msg=lambda m: f"rank {rank} {case} {name}: {m}")
+                assert_parity(a, b, what=f"rank {rank} {case} {name}")
 
 
 def _routed_node(mode: str, batch: int = 4):
