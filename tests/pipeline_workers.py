@@ -314,3 +314,44 @@ def segfault_in_a_function(rank: int, world_size: int) -> None:
     if rank == 1:
         read_address_zero()
     time.sleep(30)
+
+
+def built_schedules(rank: int, world_size: int, names: list[tuple[str, int]]) -> list:
+    """Each schedule of ``names`` ((name or CSV path, microbatches)) built by
+    :func:`autopp.schedules.build_schedule` over plain ``PipelineStage`` s of small linear
+    stages, one step: per schedule, this rank's stages' gradients and the single-process
+    model's, by stage and parameter index."""
+    import logging
+
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+
+    from autopp.schedules import build_schedule, default_n_stages, schedule_info
+
+    def sum_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((out - target) ** 2).sum()
+
+    logging.getLogger("torch.distributed.pipelining").setLevel(logging.ERROR)
+    dim, out = 4, []
+    for name, n_mb in names:
+        n_stages = default_n_stages(name, world_size)
+        torch.manual_seed(0)
+        mods = [nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(n_stages)]
+        x, target = torch.randn(2 * n_mb, dim), torch.randn(2 * n_mb, dim)
+        y = x
+        for m in mods:
+            y = m(y)
+        sum_loss(y, target).backward()
+        expected = {i: {str(k): p.grad.clone() for k, p in enumerate(m.parameters())}
+                    for i, m in enumerate(mods)}
+        for m in mods:
+            m.zero_grad()
+        ids = schedule_info(name).stage_ids_for_rank(rank, world_size, n_stages)
+        stages = [PipelineStage(mods[i], i, n_stages, torch.device("cpu")) for i in ids]
+        sched = build_schedule(name, stages, n_microbatches=n_mb, loss_fn=sum_loss,
+                               scale_grads=False)
+        sched.step(*((x,) if 0 in ids else ()), target=target if n_stages - 1 in ids else None)
+        got = {i: {str(k): p.grad.clone() for k, p in enumerate(mods[i].parameters())}
+               for i in ids}
+        out.append((name, {i: (got[i], expected[i]) for i in ids}))
+    return out

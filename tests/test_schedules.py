@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
@@ -31,6 +30,7 @@ from autopp.schedules import (
     stage_ids_for_rank,
 )
 from autopp._compat import pipelining as _torch_compat
+from tests.parity import assert_all_parity
 
 GOLDEN = Path(__file__).parent / "golden"
 DIM = 4
@@ -306,61 +306,20 @@ def test_build_rejects_wrong_stages():
 # --- running: 2 gloo processes against a single-process reference -------------------------
 
 
-def _run_rank(rank: int, init_file: str, csv_path: str, errors) -> None:
-    logging.getLogger("torch.distributed.pipelining").setLevel(logging.ERROR)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        for name, n_mb in [(csv_path, 2), ("ZBVZeroBubble", 2), ("1F1B", 4)]:
-            n_stages = default_n_stages(name, 2)
-            torch.manual_seed(0)
-            mods = [nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(n_stages)]
-            x, target = torch.randn(2 * n_mb, DIM), torch.randn(2 * n_mb, DIM)
-            out = x
-            for m in mods:
-                out = m(out)
-            sum_loss(out, target).backward()
-            expected = {i: [p.grad.clone() for p in m.parameters()] for i, m in enumerate(mods)}
-            for m in mods:
-                m.zero_grad()
-            ids = schedule_info(name).stage_ids_for_rank(rank, 2, n_stages)
-            stages = [PipelineStage(mods[i], i, n_stages, torch.device("cpu")) for i in ids]
-            sched = build_schedule(
-                name, stages, n_microbatches=n_mb, loss_fn=sum_loss, scale_grads=False
-            )
-            args = (x,) if 0 in ids else ()
-            sched.step(*args, target=target if n_stages - 1 in ids else None)
-            for i in ids:
-                for p, g in zip(mods[i].parameters(), expected[i]):
-                    if not torch.allclose(p.grad, g, atol=1e-5):
-                        errors.put(f"{name}: rank {rank} stage {i} gradient differs")
-    except Exception as exc:  # report to the parent rather than hang it
-        errors.put(f"rank {rank}: {exc!r}")
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.multiprocess
 def test_built_schedules_match_single_process_gradients(tmp_path):
+    from tests.dist_harness import run_on_ranks
+    from tests.pipeline_workers import built_schedules
+
     csv_path = tmp_path / "zbv_mb2.csv"
     with fake_pp(2):
         dump_schedule_csv(build_for("ZBVZeroBubble", pp=2, n_microbatches=2), csv_path)
-    # fork: children share the imported torch (a spawned child spends seconds importing it);
-    # safe here as in a DataLoader worker: CPU only, one thread, gloo started after the fork.
-    ctx = mp.get_context("fork")
-    errors = ctx.Queue()
-    init_file = str(tmp_path / "gloo_init")
-    procs = [
-        ctx.Process(target=_run_rank, args=(r, init_file, str(csv_path), errors)) for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    problems = []
-    while not errors.empty():
-        problems.append(errors.get())
-    assert [p.exitcode for p in procs] == [0, 0] and not problems, problems
+    names = [(str(csv_path), 2), ("ZBVZeroBubble", 2), ("1F1B", 4)]
+    for rank, grads in enumerate(run_on_ranks(built_schedules, 2, names, timeout=300)):
+        assert [name for name, _ in grads] == [n for n, _ in names], grads
+        for name, per_stage in grads:
+            for stage, (got, want) in per_stage.items():
+                assert_all_parity(got, want, what=f"{name} rank {rank} stage {stage}")
 
 
 def test_every_microbatch_suggestion_passes_the_checks_it_replaces():
