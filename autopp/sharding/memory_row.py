@@ -146,6 +146,9 @@ class Terms:
     (:meth:`autopp.sharding.solver.Model.solve`)."""
     row_upper: Any = None
     """That LP's row upper bounds; the last is the memory row's (the budget)."""
+    arrays: dict[str, Any] = field(default_factory=dict)
+    """The solver's per-column arrays of these terms, made on first use (the terms do not
+    change once built: :meth:`autopp.sharding.solver.Model.solve` reads them every solve)."""
 
     def col(self, upper: float = np.inf) -> int:
         self.upper.append(upper)

@@ -89,6 +89,9 @@ BYTES_ONLY = -math.inf
 
 
 _MIB = float(2**20)
+
+_TIME_ONLY_MAX = 256
+"""Time-only solutions a model keeps (per boundary pair and recomputation policy: a few)."""
 """The memory row is in MiB, so its coefficients sit near the cost columns' scale."""
 
 
@@ -163,6 +166,7 @@ class Model:
         #: cap (a search's probes plan without one, and never pay for them).
         self.col_bytes: list[float] = []
         self._pending_bytes: list[tuple[int, Any, Any, Any]] = []
+        self._col_bytes_array: np.ndarray | None = None
         mesh = strategies.mesh
         self._redist_bytes = _PEAKS.setdefault(
             (None,) if mesh is None else (tuple(mesh.shape), tuple(mesh.get_coordinate() or ())),
@@ -184,6 +188,8 @@ class Model:
         #: costs, another boundary pair only column bounds: the next solve starts from the
         #: last optimal basis; a polish, the memory row's bound), by recomputation policy.
         self._warm = WarmLps()
+        #: Time-only solves by LP (see :meth:`solve`), shared by the with_memory copies.
+        self._time_only: dict[tuple, tuple] = {}
 
     def with_memory(self, memory: MemorySpec) -> Model:
         """This model under another memory accounting (another activation factor, state
@@ -320,10 +326,13 @@ class Model:
         """:attr:`col_bytes` with every edge column's redistribution path included (worked
         out once, on first use, and shared with the :meth:`with_memory` copies)."""
         pending = self._pending_bytes
+        if not pending and self._col_bytes_array is not None:
+            return self._col_bytes_array
         for c, val, a, g in pending:
             self.col_bytes[c] = max(self.col_bytes[c], self._redistribution_bytes(val, a, g))
         pending.clear()  # in place: the copies share the list
-        return np.asarray(self.col_bytes)
+        self._col_bytes_array = np.asarray(self.col_bytes)
+        return self._col_bytes_array
 
     def _redistribution_bytes(self, val: Any, a: Any, g: Any) -> float:
         """The largest local tensor moving ``val`` from placement ``a`` to ``g`` makes."""
@@ -396,16 +405,9 @@ class Model:
         """Objective per column, in microseconds: time (+ recomputation) + price × bytes
         (``price``: seconds per byte). ``least``: the memory row first instead, in KiB
         ("bytes": alone; "tied": 1 byte per microsecond of time as the tie-break)."""
-        n = len(self.cost) + len(t.upper)
-        time = np.zeros(n)
-        time[: len(self.cost)] = self.cost
-        for c, v in t.rtime.items():
-            time[c] += v
+        time, mem = self._arrays(t)["time"], self._arrays(t)["mem"]
         if price == 0:
             return time * _SCALE
-        mem = np.zeros(n)
-        for c, v in self.memory_row.coefs(t).items():
-            mem[c] = v
         if least == "bytes":
             return mem / 1024
         if least == "tied":
@@ -416,6 +418,27 @@ class Model:
             # Not strict: solve() checks the bytes against a bytes-only solve
             return (mem + time * _SCALE) / 1024
         return (time + price * mem) * _SCALE
+
+    def _arrays(self, t: Terms) -> dict[str, Any]:
+        """Per column of ``t``'s LP, made once: time (+ recomputation), the memory row's
+        bytes, integrality; and the memory row as (columns, bytes) in its own order."""
+        a = t.arrays
+        if not a:
+            n = len(self.cost) + len(t.upper)
+            time = np.zeros(n)
+            time[: len(self.cost)] = self.cost
+            for c, v in t.rtime.items():
+                time[c] += v
+            coefs = self.memory_row.coefs(t)
+            mem = np.zeros(n)
+            for c, v in coefs.items():
+                mem[c] = v
+            integer = self.integer + [False] * len(t.upper)
+            a.update(time=time, mem=mem, integer=integer,
+                     ints=np.asarray(integer, dtype=bool),
+                     mem_cols=np.fromiter(coefs, dtype=np.int32, count=len(coefs)),
+                     mem_vals=np.fromiter(coefs.values(), dtype=np.float64, count=len(coefs)))
+        return a
 
     @property
     def num_vars(self) -> int:
@@ -498,15 +521,6 @@ class Model:
             uncapped = upper.copy()
             over = self.column_bytes() > cap
             upper[: len(over)][over] = 0.0
-        lp = self._lp_for(t)
-        t.row_upper[-1] = np.inf if budget is None else budget / _MIB
-        lp.row_upper_ = t.row_upper
-        lp.col_cost_ = self._costs_for(t, price, least)
-        integer = self.integer + [False] * len(t.upper)
-        ints = np.asarray(integer, dtype=bool)
-        mem_coefs = self.memory_row.coefs(t)
-        mem_row = (np.fromiter(mem_coefs, dtype=np.int32, count=len(mem_coefs)),
-                   np.fromiter(mem_coefs.values(), dtype=np.float64, count=len(mem_coefs)) / _MIB)
         # the LP's structure (all but the memory row's coefficients) and its objective's
         # kind: a basis optimal for least memory is a poor start for a time-first solve and
         # the reverse (measured: the debug model's least-memory LPs 37.6 s warm from the
@@ -515,6 +529,36 @@ class Model:
         m = self.memory
         warm = (recompute, m.param_state_factor, m.optimizer_state_factor, m.counts_activations,
                 len(t.upper), len(t.rows), least)
+        # A time-only solve (no price, no budget) never reads the memory row: its LP, hence
+        # its solution, is the same under every memory accounting of this model's columns
+        # (another activation factor: a stage with another number of microbatches in
+        # flight), so it is solved once and re-counted under each (``_time_only``, shared by
+        # the with_memory copies; the key holds all the LP is made of besides the row)
+        shared = None
+        if price == 0 and budget is None and start is None:
+            shared = (warm, upper.tobytes(), time_limit_s, threads, rel_gap, max_nodes,
+                      round_fractional)
+            hit = self._time_only.get(shared)
+            if hit is not None:  # its time as priced; its memory under this row
+                res, cols, vals = hit
+                acc = self.account(res.choice, recompute)
+                arrays = self._arrays(t)
+                ilp_mem = res.ilp_memory_bytes
+                if ilp_mem == ilp_mem:  # not a rounded LP's (nan)
+                    x = np.zeros(len(upper))
+                    x[cols] = vals
+                    ilp_mem = float(sum((arrays["mem_vals"] * x[arrays["mem_cols"]]).tolist()))
+                return replace(res, solve_s=0.0, state_bytes=acc.state_bytes,
+                               activation_bytes=acc.activation_bytes,
+                               gathered_bytes=acc.gathered_bytes,
+                               memory_bytes=acc.counted_bytes, ilp_memory_bytes=ilp_mem)
+        lp = self._lp_for(t)
+        t.row_upper[-1] = np.inf if budget is None else budget / _MIB
+        lp.row_upper_ = t.row_upper
+        lp.col_cost_ = self._costs_for(t, price, least)
+        arrays = self._arrays(t)
+        integer, ints = arrays["integer"], arrays["ints"]
+        mem_row = (arrays["mem_cols"], arrays["mem_vals"] / _MIB)
         x, dt, status, obj, bound = self._warm.run(
             lp, upper, integer, False, time_limit_s, threads, scale=_SCALE, rel_gap=rel_gap,
             warm=warm, mem_row=mem_row)
@@ -560,14 +604,22 @@ class Model:
             choice[node] = opts[int(np.argmax(vals))]
         res = evaluate(self, choice, num_vars=self.num_vars, solve_s=dt, status=status,
                        recompute=recompute)
-        mem = self.memory_row.coefs(t)
+        arrays = self._arrays(t)
         # a rounded LP has no memory row or objective value of its own (they belong to the
-        # fractional point, whose optimum stays the bound): its evaluation is what it holds
-        ilp_mem = float("nan") if rounded else float(sum(v * x[c] for c, v in mem.items()))
-        return replace(res, ilp_objective_s=obj if price == 0 else float("nan"),
-                       ilp_memory_bytes=ilp_mem, num_vars=len(integer),
-                       bound_s=float("nan") if math.isinf(price) else bound,
-                       ilp_value_s=float("nan") if math.isinf(price) or rounded else obj)
+        # fractional point, whose optimum stays the bound): its evaluation is what it holds;
+        # summed in the row's order, as a Python sum (the same float as term by term)
+        ilp_mem = float("nan") if rounded else float(
+            sum((arrays["mem_vals"] * x[arrays["mem_cols"]]).tolist()))
+        res = replace(res, ilp_objective_s=obj if price == 0 else float("nan"),
+                      ilp_memory_bytes=ilp_mem, num_vars=len(integer),
+                      bound_s=float("nan") if math.isinf(price) else bound,
+                      ilp_value_s=float("nan") if math.isinf(price) or rounded else obj)
+        if shared is not None:
+            if len(self._time_only) >= _TIME_ONLY_MAX:
+                self._time_only.pop(next(iter(self._time_only)))
+            cols = np.flatnonzero(x)
+            self._time_only[shared] = (res, cols, x[cols])
+        return res
 
 
 def _pinned(node: fx.Node) -> tuple[int, ...]:
