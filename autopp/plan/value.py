@@ -27,7 +27,6 @@ stays light); the planner loads when a plan is made or read.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os

@@ -66,7 +66,7 @@ import numpy as np
 from torch import fx
 
 from autopp.graph.walk import param_only_nodes
-from autopp.sharding import op_hooks
+from autopp.sharding import op_hooks, time_only
 from autopp.sharding.costs import CostModel
 from autopp.sharding.highs import WarmLps, highspy
 from autopp.sharding.memory_row import MemoryAccount, MemoryRow, MemorySpec, Recompute, Terms
@@ -89,9 +89,6 @@ BYTES_ONLY = -math.inf
 
 
 _MIB = float(2**20)
-
-_TIME_ONLY_MAX = 256
-"""Time-only solutions a model keeps (per boundary pair and recomputation policy: a few)."""
 """The memory row is in MiB, so its coefficients sit near the cost columns' scale."""
 
 
@@ -182,20 +179,24 @@ class Model:
         self._one_option_per_node()
         self.num_x = len(self.cost)  # the option columns come first
         self._edge_flows()
+        #: Time-only solves by LP (:mod:`autopp.sharding.time_only`), shared by the
+        #: with_memory copies.
+        self._time_only: dict[tuple, tuple] = {}
+        #: The memory row's parts that do not depend on the activation factor (MemoryRow).
+        self._shared_terms: dict[str, dict] = {}
         #: The memory row and recomputation costs, per recomputation policy.
         self.memory_row = MemoryRow(self)
         #: Solved LP relaxations kept for the next solve (a price search changes only the
         #: costs, another boundary pair only column bounds: the next solve starts from the
         #: last optimal basis; a polish, the memory row's bound), by recomputation policy.
         self._warm = WarmLps()
-        #: Time-only solves by LP (see :meth:`solve`), shared by the with_memory copies.
-        self._time_only: dict[tuple, tuple] = {}
 
     def with_memory(self, memory: MemorySpec) -> Model:
         """This model under another memory accounting (another activation factor, state
         factor): the option and edge columns, their costs and rows are shared (they do not
         depend on it), and so are the warm LP relaxations (their memory row is set per
-        solve); the memory row's terms are its own."""
+        solve); the memory row's weights are its own (its terms' columns and rows are
+        shared: they do not read the activation factor)."""
         import copy
 
         other = copy.copy(self)
@@ -405,7 +406,7 @@ class Model:
         """Objective per column, in microseconds: time (+ recomputation) + price × bytes
         (``price``: seconds per byte). ``least``: the memory row first instead, in KiB
         ("bytes": alone; "tied": 1 byte per microsecond of time as the tie-break)."""
-        time, mem = self._arrays(t)["time"], self._arrays(t)["mem"]
+        time, mem = self.memory_row.arrays(t)["time"], self.memory_row.arrays(t)["mem"]
         if price == 0:
             return time * _SCALE
         if least == "bytes":
@@ -418,27 +419,6 @@ class Model:
             # Not strict: solve() checks the bytes against a bytes-only solve
             return (mem + time * _SCALE) / 1024
         return (time + price * mem) * _SCALE
-
-    def _arrays(self, t: Terms) -> dict[str, Any]:
-        """Per column of ``t``'s LP, made once: time (+ recomputation), the memory row's
-        bytes, integrality; and the memory row as (columns, bytes) in its own order."""
-        a = t.arrays
-        if not a:
-            n = len(self.cost) + len(t.upper)
-            time = np.zeros(n)
-            time[: len(self.cost)] = self.cost
-            for c, v in t.rtime.items():
-                time[c] += v
-            coefs = self.memory_row.coefs(t)
-            mem = np.zeros(n)
-            for c, v in coefs.items():
-                mem[c] = v
-            integer = self.integer + [False] * len(t.upper)
-            a.update(time=time, mem=mem, integer=integer,
-                     ints=np.asarray(integer, dtype=bool),
-                     mem_cols=np.fromiter(coefs, dtype=np.int32, count=len(coefs)),
-                     mem_vals=np.fromiter(coefs.values(), dtype=np.float64, count=len(coefs)))
-        return a
 
     @property
     def num_vars(self) -> int:
@@ -529,34 +509,20 @@ class Model:
         m = self.memory
         warm = (recompute, m.param_state_factor, m.optimizer_state_factor, m.counts_activations,
                 len(t.upper), len(t.rows), least)
-        # A time-only solve (no price, no budget) never reads the memory row: its LP, hence
-        # its solution, is the same under every memory accounting of this model's columns
-        # (another activation factor: a stage with another number of microbatches in
-        # flight), so it is solved once and re-counted under each (``_time_only``, shared by
-        # the with_memory copies; the key holds all the LP is made of besides the row)
+        # a time-only solve never reads the memory row: solved once for every activation
+        # factor, re-counted under each (:mod:`autopp.sharding.time_only`)
         shared = None
         if price == 0 and budget is None and start is None:
             shared = (warm, upper.tobytes(), time_limit_s, threads, rel_gap, max_nodes,
                       round_fractional)
-            hit = self._time_only.get(shared)
-            if hit is not None:  # its time as priced; its memory under this row
-                res, cols, vals = hit
-                acc = self.account(res.choice, recompute)
-                arrays = self._arrays(t)
-                ilp_mem = res.ilp_memory_bytes
-                if ilp_mem == ilp_mem:  # not a rounded LP's (nan)
-                    x = np.zeros(len(upper))
-                    x[cols] = vals
-                    ilp_mem = float(sum((arrays["mem_vals"] * x[arrays["mem_cols"]]).tolist()))
-                return replace(res, solve_s=0.0, state_bytes=acc.state_bytes,
-                               activation_bytes=acc.activation_bytes,
-                               gathered_bytes=acc.gathered_bytes,
-                               memory_bytes=acc.counted_bytes, ilp_memory_bytes=ilp_mem)
+            hit = time_only.lookup(self, shared, t, recompute, len(upper))
+            if hit is not None:
+                return hit
         lp = self._lp_for(t)
         t.row_upper[-1] = np.inf if budget is None else budget / _MIB
         lp.row_upper_ = t.row_upper
         lp.col_cost_ = self._costs_for(t, price, least)
-        arrays = self._arrays(t)
+        arrays = self.memory_row.arrays(t)
         integer, ints = arrays["integer"], arrays["ints"]
         mem_row = (arrays["mem_cols"], arrays["mem_vals"] / _MIB)
         x, dt, status, obj, bound = self._warm.run(
@@ -604,7 +570,7 @@ class Model:
             choice[node] = opts[int(np.argmax(vals))]
         res = evaluate(self, choice, num_vars=self.num_vars, solve_s=dt, status=status,
                        recompute=recompute)
-        arrays = self._arrays(t)
+        arrays = self.memory_row.arrays(t)
         # a rounded LP has no memory row or objective value of its own (they belong to the
         # fractional point, whose optimum stays the bound): its evaluation is what it holds;
         # summed in the row's order, as a Python sum (the same float as term by term)
@@ -615,10 +581,7 @@ class Model:
                       bound_s=float("nan") if math.isinf(price) else bound,
                       ilp_value_s=float("nan") if math.isinf(price) or rounded else obj)
         if shared is not None:
-            if len(self._time_only) >= _TIME_ONLY_MAX:
-                self._time_only.pop(next(iter(self._time_only)))
-            cols = np.flatnonzero(x)
-            self._time_only[shared] = (res, cols, x[cols])
+            time_only.store(self, shared, res, x)
         return res
 
 
