@@ -40,3 +40,18 @@ def compact_modules(fqns: Sequence[str]) -> str:
             out.append(f)
     flush()
     return ", ".join(out)
+
+
+def dataclass_json(value: object, indent: int | None = None) -> str:
+    """``json.dumps(dataclasses.asdict(value))`` without ``asdict``'s deep copy of every
+    nested tuple (seconds for a 405B pipeline plan's per-node placements): nested dataclass
+    instances become objects of their fields, tuples lists, as ``asdict`` would give them."""
+    import dataclasses
+    import json
+
+    def fields_of(o: object) -> dict:
+        if dataclasses.is_dataclass(o) and not isinstance(o, type):
+            return {f.name: getattr(o, f.name) for f in dataclasses.fields(o)}
+        raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
+
+    return json.dumps(value, indent=indent, default=fields_of)

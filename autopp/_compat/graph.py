@@ -305,6 +305,16 @@ def use_flat_codegen(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def lazy_graph_modules() -> Any:
+    """A context in which the graph modules torch's FX passes make defer their Python code
+    until it is read or run (torch's ``_LazyGraphModule``): for graphs that are only walked,
+    never called (the estimates' lowered graphs), the code generation of every pass's
+    ``recompile`` is skipped."""
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    return _use_lazy_graph_module(True)
+
+
 def local_shard(t: Any) -> Any:
     """A DTensor's local shard (its inner tensor); other values as they are."""
     return t.to_local() if is_dtensor(t) else t

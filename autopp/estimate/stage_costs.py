@@ -352,13 +352,16 @@ def _unit_facts(joint, unit, bplan, plan: StagePlan, mesh, costs, n_microbatches
     from autopp.lower.local_graphs import lower_joint, split_local
     from autopp.lower.memory import action_workspace_bytes, saved_bytes, unsharded_bytes
 
+    from autopp._compat.graph import lazy_graph_modules
     from autopp._compat.sharding import shard_to_shard_as_on
     from autopp.profiles.lookup import get_profile
 
-    # lowered as the plan's devices run it (a GPU target's all-to-alls, not gloo's gathers)
-    with shard_to_shard_as_on(get_profile(plan.profile).device_type):
-        local = lower_joint(joint, bplan, mesh)
-    graphs = split_local(local, recompute=plan.recompute or "none", overlap=overlap)
+    # lowered as the plan's devices run it (a GPU target's all-to-alls, not gloo's gathers);
+    # the graphs are only read here, never run: their Python code is not generated
+    with lazy_graph_modules():
+        with shard_to_shard_as_on(get_profile(plan.profile).device_type):
+            local = lower_joint(joint, bplan, mesh)
+        graphs = split_local(local, recompute=plan.recompute or "none", overlap=overlap)
     saved = saved_bytes(graphs)
     w = graphs.backward_weight_graph
     x = joint.inputs[0].meta["val"] if 0 in joint.inputs else None

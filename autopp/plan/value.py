@@ -27,7 +27,6 @@ stays light); the planner loads when a plan is made or read.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -38,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from autopp.format import dataclass_json
 
 if TYPE_CHECKING:
 
@@ -303,11 +304,7 @@ class PipelinePlan:
     # ---- JSON -----------------------------------------------------------------------------
     def to_json(self, indent: int | None = None) -> str:
         """The plan as JSON (compact by default, as :meth:`StagePlan.to_json`)."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["stage_plans"] = [dataclasses.asdict(p) for p in self.stage_plans]
-        d["options"] = dataclasses.asdict(self.options)
-        d["estimates"] = None if self.estimates is None else dataclasses.asdict(self.estimates)
-        return json.dumps(d, indent=indent)
+        return dataclass_json(self, indent=indent)
 
     @classmethod
     def from_json(cls, text: str) -> PipelinePlan:

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -146,6 +146,9 @@ class Terms:
     (:meth:`autopp.sharding.solver.Model.solve`)."""
     row_upper: Any = None
     """That LP's row upper bounds; the last is the memory row's (the budget)."""
+    arrays: dict[str, Any] = field(default_factory=dict)
+    """The solver's per-column arrays of these terms, made on first use (the terms do not
+    change once built: :meth:`autopp.sharding.solver.Model.solve` reads them every solve)."""
 
     def col(self, upper: float = np.inf) -> int:
         self.upper.append(upper)
@@ -177,7 +180,12 @@ class MemoryRow:
         self.param_bytes = model.param_bytes
         self._param_only = model._param_only
         self._terms: dict[str, Terms] = {}
-        self._structure: dict[str, tuple] = {}
+        # what does not depend on the activation factor, shared by the model's
+        # with_memory copies (Model._shared_terms): the recomputation structure per policy,
+        # and the terms per policy and accounting with the factor left out
+        shared = model._shared_terms
+        self._structure: dict[str, tuple] = shared.setdefault("structure", {})
+        self._shared: dict[tuple, Terms] = shared.setdefault("terms", {})
 
     def _out_bytes(self, node: fx.Node, o: Option,
                    only: frozenset[int] | None = None) -> float:
@@ -265,14 +273,23 @@ class MemoryRow:
         return node.op != "call_function" or node in must
 
     def terms(self, recompute: Recompute) -> Terms:
+        """The policy's columns, rows and per-column terms; built once for every activation
+        factor (they do not read it: :meth:`coefs` weighs the activations), each row
+        getting its own LP and arrays."""
         t = self._terms.get(recompute)
         if t is None:
-            t = self._terms[recompute] = Terms(first_col=len(self._model.cost))
-            self._state_terms(t)
-            if self.memory.counts_activations or recompute != "none":
-                self._activation_terms(t, recompute)
-            if self.memory.counts_activations:
-                self._gathered_terms(t)
+            spec = self.memory
+            key = (recompute, replace(spec, largest_tensor_bytes=None, activation_factor=(
+                None if spec.activation_factor is None else 1.0)))
+            base = self._shared.get(key)
+            if base is None:
+                base = self._shared[key] = Terms(first_col=len(self._model.cost))
+                self._state_terms(base)
+                if spec.counts_activations or recompute != "none":
+                    self._activation_terms(base, recompute)
+                if spec.counts_activations:
+                    self._gathered_terms(base)
+            t = self._terms[recompute] = replace(base, lp=None, row_upper=None, arrays={})
         return t
 
     def _state_terms(self, t: Terms) -> None:
@@ -393,6 +410,27 @@ class MemoryRow:
             for c, v in t.gathered.items():
                 _add(coefs, c, v)
         return coefs
+
+    def arrays(self, t: Terms) -> dict[str, Any]:
+        """Per column of ``t``'s LP, made once: time (+ recomputation), the memory row's
+        bytes, integrality; and the memory row as (columns, bytes) in its own order."""
+        a = t.arrays
+        if not a:
+            n = len(self._model.cost) + len(t.upper)
+            time = np.zeros(n)
+            time[: len(self._model.cost)] = self._model.cost
+            for c, v in t.rtime.items():
+                time[c] += v
+            coefs = self.coefs(t)
+            mem = np.zeros(n)
+            for c, v in coefs.items():
+                mem[c] = v
+            integer = self._model.integer + [False] * len(t.upper)
+            a.update(time=time, mem=mem, integer=integer,
+                     ints=np.asarray(integer, dtype=bool),
+                     mem_cols=np.fromiter(coefs, dtype=np.int32, count=len(coefs)),
+                     mem_vals=np.fromiter(coefs.values(), dtype=np.float64, count=len(coefs)))
+        return a
 
     def account(self, choice: Mapping[fx.Node, Option], recompute: Recompute = "none"
                 ) -> MemoryAccount:

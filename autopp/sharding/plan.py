@@ -7,11 +7,12 @@ tensor dim d), ``"P(sum)"`` (pending reduction).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from autopp._compat import sharding as compat
+from autopp.format import dataclass_json
 
 PlacementStrs = tuple[str, ...]
 
@@ -211,7 +212,7 @@ class StagePlan:
     def to_json(self, indent: int | None = None) -> str:
         """The plan as JSON (compact by default: a large stage's plan is megabytes, and only
         the compact form is written by the C encoder)."""
-        return json.dumps(asdict(self), indent=indent)
+        return dataclass_json(self, indent=indent)
 
     @classmethod
     def from_json(cls, text: str) -> StagePlan:

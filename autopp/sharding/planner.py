@@ -313,13 +313,15 @@ def _unit_stage(module, units, x, mesh, names, costs, memory, in_spec, out_spec,
             for f, _ in traced.module.named_parameters()
             if unit.stage_fqn(f) in fixed
         }
-        mkey = (ukey, costs.profile, memory, grad_scale)
+        # the columns' costs depend on the profile and the TF32 rate, the memory row on
+        # the accounting (an activation factor per stage's microbatches in flight)
+        mkey = (ukey, costs.profile, costs.tf32, memory, grad_scale)
         model = _MEMO.models.get(mkey)
         if model is None:  # the columns, once per unit; the memory row per accounting
-            base = _MEMO.models.get(mkey[:2] + mkey[3:])
+            base = _MEMO.models.get(mkey[:3] + mkey[4:])
             if base is None:
                 t0 = time.perf_counter()
-                base = _MEMO.models[mkey[:2] + mkey[3:]] = Model(
+                base = _MEMO.models[mkey[:3] + mkey[4:]] = Model(
                     traced.strategies, costs, grad_reduce_scale=grad_scale, memory=memory)
                 logger.info("unit %s: ILP of %d variables built in %.1f s", unit.name or
                             "<stage>", base.num_vars, time.perf_counter() - t0)

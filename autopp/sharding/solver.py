@@ -66,7 +66,7 @@ import numpy as np
 from torch import fx
 
 from autopp.graph.walk import param_only_nodes
-from autopp.sharding import op_hooks
+from autopp.sharding import op_hooks, time_only
 from autopp.sharding.costs import CostModel
 from autopp.sharding.highs import WarmLps, highspy
 from autopp.sharding.memory_row import MemoryAccount, MemoryRow, MemorySpec, Recompute, Terms
@@ -163,6 +163,7 @@ class Model:
         #: cap (a search's probes plan without one, and never pay for them).
         self.col_bytes: list[float] = []
         self._pending_bytes: list[tuple[int, Any, Any, Any]] = []
+        self._col_bytes_array: np.ndarray | None = None
         mesh = strategies.mesh
         self._redist_bytes = _PEAKS.setdefault(
             (None,) if mesh is None else (tuple(mesh.shape), tuple(mesh.get_coordinate() or ())),
@@ -178,6 +179,11 @@ class Model:
         self._one_option_per_node()
         self.num_x = len(self.cost)  # the option columns come first
         self._edge_flows()
+        #: Time-only solves by LP (:mod:`autopp.sharding.time_only`), shared by the
+        #: with_memory copies.
+        self._time_only: dict[tuple, tuple] = {}
+        #: The memory row's parts that do not depend on the activation factor (MemoryRow).
+        self._shared_terms: dict[str, dict] = {}
         #: The memory row and recomputation costs, per recomputation policy.
         self.memory_row = MemoryRow(self)
         #: Solved LP relaxations kept for the next solve (a price search changes only the
@@ -189,7 +195,8 @@ class Model:
         """This model under another memory accounting (another activation factor, state
         factor): the option and edge columns, their costs and rows are shared (they do not
         depend on it), and so are the warm LP relaxations (their memory row is set per
-        solve); the memory row's terms are its own."""
+        solve); the memory row's weights are its own (its terms' columns and rows are
+        shared: they do not read the activation factor)."""
         import copy
 
         other = copy.copy(self)
@@ -320,10 +327,13 @@ class Model:
         """:attr:`col_bytes` with every edge column's redistribution path included (worked
         out once, on first use, and shared with the :meth:`with_memory` copies)."""
         pending = self._pending_bytes
+        if not pending and self._col_bytes_array is not None:
+            return self._col_bytes_array
         for c, val, a, g in pending:
             self.col_bytes[c] = max(self.col_bytes[c], self._redistribution_bytes(val, a, g))
         pending.clear()  # in place: the copies share the list
-        return np.asarray(self.col_bytes)
+        self._col_bytes_array = np.asarray(self.col_bytes)
+        return self._col_bytes_array
 
     def _redistribution_bytes(self, val: Any, a: Any, g: Any) -> float:
         """The largest local tensor moving ``val`` from placement ``a`` to ``g`` makes."""
@@ -396,16 +406,9 @@ class Model:
         """Objective per column, in microseconds: time (+ recomputation) + price × bytes
         (``price``: seconds per byte). ``least``: the memory row first instead, in KiB
         ("bytes": alone; "tied": 1 byte per microsecond of time as the tie-break)."""
-        n = len(self.cost) + len(t.upper)
-        time = np.zeros(n)
-        time[: len(self.cost)] = self.cost
-        for c, v in t.rtime.items():
-            time[c] += v
+        time, mem = self.memory_row.arrays(t)["time"], self.memory_row.arrays(t)["mem"]
         if price == 0:
             return time * _SCALE
-        mem = np.zeros(n)
-        for c, v in self.memory_row.coefs(t).items():
-            mem[c] = v
         if least == "bytes":
             return mem / 1024
         if least == "tied":
@@ -498,15 +501,6 @@ class Model:
             uncapped = upper.copy()
             over = self.column_bytes() > cap
             upper[: len(over)][over] = 0.0
-        lp = self._lp_for(t)
-        t.row_upper[-1] = np.inf if budget is None else budget / _MIB
-        lp.row_upper_ = t.row_upper
-        lp.col_cost_ = self._costs_for(t, price, least)
-        integer = self.integer + [False] * len(t.upper)
-        ints = np.asarray(integer, dtype=bool)
-        mem_coefs = self.memory_row.coefs(t)
-        mem_row = (np.fromiter(mem_coefs, dtype=np.int32, count=len(mem_coefs)),
-                   np.fromiter(mem_coefs.values(), dtype=np.float64, count=len(mem_coefs)) / _MIB)
         # the LP's structure (all but the memory row's coefficients) and its objective's
         # kind: a basis optimal for least memory is a poor start for a time-first solve and
         # the reverse (measured: the debug model's least-memory LPs 37.6 s warm from the
@@ -515,6 +509,22 @@ class Model:
         m = self.memory
         warm = (recompute, m.param_state_factor, m.optimizer_state_factor, m.counts_activations,
                 len(t.upper), len(t.rows), least)
+        # a time-only solve never reads the memory row: solved once for every activation
+        # factor, re-counted under each (:mod:`autopp.sharding.time_only`)
+        shared = None
+        if price == 0 and budget is None and start is None:
+            shared = (warm, upper.tobytes(), time_limit_s, threads, rel_gap, max_nodes,
+                      round_fractional)
+            hit = time_only.lookup(self, shared, t, recompute, len(upper))
+            if hit is not None:
+                return hit
+        lp = self._lp_for(t)
+        t.row_upper[-1] = np.inf if budget is None else budget / _MIB
+        lp.row_upper_ = t.row_upper
+        lp.col_cost_ = self._costs_for(t, price, least)
+        arrays = self.memory_row.arrays(t)
+        integer, ints = arrays["integer"], arrays["ints"]
+        mem_row = (arrays["mem_cols"], arrays["mem_vals"] / _MIB)
         x, dt, status, obj, bound = self._warm.run(
             lp, upper, integer, False, time_limit_s, threads, scale=_SCALE, rel_gap=rel_gap,
             warm=warm, mem_row=mem_row)
@@ -560,14 +570,19 @@ class Model:
             choice[node] = opts[int(np.argmax(vals))]
         res = evaluate(self, choice, num_vars=self.num_vars, solve_s=dt, status=status,
                        recompute=recompute)
-        mem = self.memory_row.coefs(t)
+        arrays = self.memory_row.arrays(t)
         # a rounded LP has no memory row or objective value of its own (they belong to the
-        # fractional point, whose optimum stays the bound): its evaluation is what it holds
-        ilp_mem = float("nan") if rounded else float(sum(v * x[c] for c, v in mem.items()))
-        return replace(res, ilp_objective_s=obj if price == 0 else float("nan"),
-                       ilp_memory_bytes=ilp_mem, num_vars=len(integer),
-                       bound_s=float("nan") if math.isinf(price) else bound,
-                       ilp_value_s=float("nan") if math.isinf(price) or rounded else obj)
+        # fractional point, whose optimum stays the bound): its evaluation is what it holds;
+        # summed in the row's order, as a Python sum (the same float as term by term)
+        ilp_mem = float("nan") if rounded else float(
+            sum((arrays["mem_vals"] * x[arrays["mem_cols"]]).tolist()))
+        res = replace(res, ilp_objective_s=obj if price == 0 else float("nan"),
+                      ilp_memory_bytes=ilp_mem, num_vars=len(integer),
+                      bound_s=float("nan") if math.isinf(price) else bound,
+                      ilp_value_s=float("nan") if math.isinf(price) or rounded else obj)
+        if shared is not None:
+            time_only.store(self, shared, res, x)
+        return res
 
 
 def _pinned(node: fx.Node) -> tuple[int, ...]:
