@@ -30,9 +30,8 @@ chain that fits (mixes of plans for identical blocks included): for a fitting ch
 time(c) ≥ time(c) + λ (mem(c) − B) ≥ min over chains of Σ(time + λ mem) − λ B, the minimum
 taken over the units' bounds (weak duality). The search keeps the best such bound
 (:attr:`Chain.bound_s`) and stops as soon as the fitting chain it holds is within
-:data:`CERTIFIED_GAP` of it; only where the gap stays larger than :data:`POLISH_GAP_FACTOR`
-times that does the polish solve units with the budget in their row (the exact ILP of a
-unit's share, the slow MIPs). Against
+:data:`CERTIFIED_GAP` of it; only where the gap stays larger does the polish solve units
+with the budget in their row (the exact ILP of a unit's share, the slow MIPs). Against
 another recomputation policy's fitting chain (``incumbent``), a policy whose bound reaches
 that chain's time is dropped without its polish: it cannot be faster. The bound and the gap
 are reported (``StagePlan.time_bound_s``). It is proven in the ILP's accounting; the
@@ -180,14 +179,6 @@ class _Bound:
 CERTIFIED_GAP = 0.01
 """A budget-bound chain whose time is within this fraction of the certified lower bound is
 kept as it is (the price search stops, no polish)."""
-
-POLISH_GAP_FACTOR = 2.0
-"""A chain the price search leaves within this many times :data:`CERTIFIED_GAP` of its
-bound is kept without a polish. Measured on the 405B pp8 dry run (2026-12-05): the four
-polishes it ran (gaps 1.12% and 1.36%, stages 0 and 15) took 21 s of its 77 s of planning
-and improved no chain (a polish gives every position of a unit one plan, where the gap is
-mostly the price's rounding over identical blocks, which the mix already takes); the
-70B pp4 dry run ran none."""
 
 POLISH_TIME_S = 10.0
 """Wall-clock bound of one polish's MIP, beside :data:`POLISH_NODES`: a 405B block's MIP
@@ -378,12 +369,12 @@ def _search_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: fl
 
 def _close_gap(stage: Stage, s: _Searched, budget: float, incumbent: float,
                time_limit_s: float) -> None:
-    """Polish ``s``'s chain where its gap to its bound exceeds :data:`POLISH_GAP_FACTOR` ×
-    :data:`CERTIFIED_GAP` and its bound is more than that below ``incumbent`` (the fastest fitting chain of any
+    """Polish ``s``'s chain where its gap to its bound exceeds :data:`CERTIFIED_GAP` and
+    its bound is more than that below ``incumbent`` (the fastest fitting chain of any
     policy): otherwise the incumbent is already within the gap of anything it could give."""
     best = s.fit
     if best is None or best.free or best.ilp_bound_s >= incumbent * (1 - CERTIFIED_GAP) or (
-            best.time_s - best.ilp_bound_s <= POLISH_GAP_FACTOR * CERTIFIED_GAP * best.time_s):
+            best.time_s - best.ilp_bound_s <= CERTIFIED_GAP * best.time_s):
         return  # a polish (an ILP solve) cannot gain more than the gap
     searched = best.time_s
     best = _best_mix(stage, _polish(stage, s.mode, budget, best, time_limit_s, s.seen),
