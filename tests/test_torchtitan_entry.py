@@ -35,6 +35,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tests.dist_harness import run_command
 
@@ -83,13 +84,14 @@ def _layout(pp: int, dp: int, tp: int) -> list[str]:
             "--parallelism.tensor_parallel_degree", str(tp)]
 
 
-def _compare_runs(work: Path, n: int, layout: list[str], resume: list[str]) -> dict:
+def _compare_runs(work: Path, n: int, layout: list[str], resume: list[str],
+                  extra: tuple[str, ...] = ()) -> dict:
     seed_out = _train(work, 1, "llama3_debugmodel_torchtitan", "--dump_folder", "seed",
                       "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
                       *_layout(1, 1, 1))
     assert (work / "seed/checkpoint/step-0").is_dir(), seed_out[-3000:]
     common = ["--training.steps", str(STEPS), "--checkpoint.enable",
-              "--checkpoint.interval", str(SAVE_AT)]
+              "--checkpoint.interval", str(SAVE_AT), *extra]
     from_seed = [*common, "--checkpoint.initial_load_path", str(work / "seed/checkpoint/step-0")]
     autopp = _train(work, n, "llama3_debugmodel_autopp", *layout, *from_seed,
                     "--dump_folder", "run_autopp", "--autopp.losses_file", str(work / "autopp"))
@@ -113,13 +115,47 @@ def _compare_runs(work: Path, n: int, layout: list[str], resume: list[str]) -> d
     return {"autopp_out": autopp, "runs": runs}
 
 
+def _position_resets(work: Path, dp: int, rows: int) -> list[list[int]]:
+    """Per dp rank, how often the per-document positions restart inside each of the first
+    ``rows`` rows torchtitan's own dataset class gives that rank (the launches' data)."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
+
+    from autopp.integrations.torchtitan.trainer import SHORT_DOCS_DATASET_PATH, TOKENIZER_PATH
+
+    tok = HuggingFaceTokenizer(tokenizer_path=str(work / TOKENIZER_PATH))
+    out = []
+    for rank in range(dp):
+        it = iter(HuggingFaceTextDataset(
+            dataset_name="c4_test", dataset_path=str(work / SHORT_DOCS_DATASET_PATH),
+            tokenizer=tok, seq_len=128, dp_rank=rank, dp_world_size=dp, infinite=True))
+        out.append([int((next(it)[0]["positions"][1:] == 0).sum()) for _ in range(rows)])
+    return out
+
+
+#: torchtitan's per-document positions on, with rows packing several documents
+POSITIONS = ("--autopp.per_document_positions", "--dataloader.dataset_path",
+             "./outputs/autopp_assets/c4_test_short_docs")
+
+
 @pytest.mark.multiprocess
 @needs_torchtitan
 def test_torchtitan_train_with_autopp_matches_torchtitans_own(tmp_path):
+    """With ``--autopp.per_document_positions`` on a dataset whose rows pack several
+    documents: both runs give each stage torchtitan's ``positions`` (RoPE restarts at each
+    document; attention stays plain causal under SDPA in both); the resumed run uses
+    ``--autopp.parallelize replicate``, so both autopp backends take them."""
     from autopp.integrations.torchtitan.logs import read_metrics
 
     res = _compare_runs(tmp_path, 4, _layout(2, 2, 1),
-                        [*_layout(2, 2, 1), "--parallelism.pipeline_parallel_schedule", "1F1B"])
+                        [*_layout(2, 2, 1), "--parallelism.pipeline_parallel_schedule", "1F1B",
+                         "--autopp.parallelize", "replicate"], extra=POSITIONS)
+    # the positions the runs trained on restart inside rows: in the first step's batch (4
+    # rows) on each dp rank, and in the resumed run's first step (SAVE_AT + 1) on some
+    resets = _position_resets(tmp_path, 2, 4 * STEPS)
+    print("position resets per row, dp rank 0 and 1:", resets)
+    assert all(sum(per_row[:4]) > 0 for per_row in resets), resets
+    assert any(sum(per_row[4 * SAVE_AT:4 * SAVE_AT + 4]) > 0 for per_row in resets), resets
     out = res["autopp_out"]
     assert "autopp plan:" in out and "autopp pipeline: 4 stages over pp=2" in out, out[-6000:]
     metrics = read_metrics(out)  # torchtitan's metrics line, every step
@@ -178,8 +214,16 @@ def test_startup_refusals_name_the_problem():
 
     cfg = llama3_debugmodel_autopp()
     cfg.autopp.per_document_positions = True
-    with pytest.raises(ValueError, match="per_document_positions must stay off"):
-        AutoppTrainer._prepare(cfg)
+    AutoppTrainer._prepare(cfg)  # accepted: positions reach every stage
+
+    # the schedule joins torchtitan's microbatch lists, keyword inputs included
+    tok = [(torch.full((1, 3), i),) for i in range(2)]
+    pos = [{"positions": torch.tensor([[0, 1, 0]]) + i} for i in range(2)]
+    labels = [torch.zeros(1, 3, dtype=torch.long)] * 2
+    x, y, kw = pipelining.AutoppSchedule._batch(tok, pos, labels)
+    assert x.shape == y.shape == kw["positions"].shape == (2, 3) and kw["positions"][1, 2] == 1
+    with pytest.raises(ValueError, match="model keyword input 'attention_masks' is dict"):
+        pipelining.AutoppSchedule._batch(tok, [{"attention_masks": {}}] * 2, labels)
     cfg = llama3_debugmodel_autopp()
     cfg.validator.enable = True
     with pytest.raises(ValueError, match="set --validator.enable false"):

@@ -110,17 +110,26 @@ class AutoppSchedule:
         self.plan = plan
 
     @staticmethod
-    def _batch(arg_mbs, kwarg_mbs, target_mbs) -> tuple[torch.Tensor, torch.Tensor]:
+    def _batch(arg_mbs, kwarg_mbs, target_mbs
+               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """This dp rank's batch, labels and keyword inputs (each joined over the
+        microbatches torchtitan split them into; autopp's schedule splits them again)."""
         if arg_mbs is None or target_mbs is None:
             raise ValueError("autopp's schedule needs every rank's tokens and labels")
-        extra = sorted({k for kw in (kwarg_mbs or []) for k in kw})
-        if extra:
-            raise ValueError(
-                f"autopp pipelines take the token ids only, got model kwargs {extra}; "
-                "keep --autopp.per_document_positions off")
         if any(len(a) != 1 for a in arg_mbs):
             raise ValueError("autopp's schedule expects one positional input (tokens)")
-        return torch.cat([a[0] for a in arg_mbs]), torch.cat(list(target_mbs))
+        kwargs: dict[str, torch.Tensor] = {}
+        for key in sorted({k for kw in (kwarg_mbs or []) for k in kw}):
+            values = [kw.get(key) for kw in kwarg_mbs]
+            if not all(isinstance(v, torch.Tensor) for v in values):
+                kinds = sorted({type(v).__name__ for v in values})
+                raise ValueError(
+                    f"model keyword input {key!r} is {'/'.join(kinds)}: autopp's pipeline "
+                    "takes tensors batched like the tokens (e.g. --autopp."
+                    "per_document_positions' positions), not attention masks built by the "
+                    "model (use the SDPA attention of this registry's configs)")
+            kwargs[key] = torch.cat(values)
+        return torch.cat([a[0] for a in arg_mbs]), torch.cat(list(target_mbs)), kwargs
 
     def step(self, *args, arg_mbs: Sequence[tuple[torch.Tensor, ...]] | None = None,
              kwarg_mbs: Sequence[dict[str, Any]] | None = None,
@@ -133,8 +142,8 @@ class AutoppSchedule:
         if return_outputs:
             raise ValueError("autopp's schedule does not return outputs")
         del loss_kwargs  # autopp counts the global tokens itself
-        inputs, target = self._batch(arg_mbs, kwarg_mbs, target_mbs)
-        loss = self.pipeline.step(inputs, target=target)
+        inputs, target, model_kwargs = self._batch(arg_mbs, kwarg_mbs, target_mbs)
+        loss = self.pipeline.step(inputs, target=target, **model_kwargs)
         if losses is not None:
             losses.append(torch.tensor(loss / self.dp_size, dtype=torch.float32,
                                        device=inputs.device))
@@ -223,6 +232,10 @@ def pipeline_autopp(
     schedule = parallelism.pipeline_parallel_schedule_csv or parallelism.pipeline_parallel_schedule
     n_microbatches = training.local_batch_size // parallelism.pipeline_parallel_microbatch_size
     tokens = torch.zeros(training.local_batch_size, training.seq_len, dtype=torch.long)
+    # torchtitan's dataloader positions (``--autopp.per_document_positions``): every stage
+    # takes them (planned stages as graph inputs, placed like the tokens)
+    example_kwargs = ({"positions": torch.zeros_like(tokens)}
+                      if options.per_document_positions else None)
     _, fqns_per_stage = split_for_schedule(
         model, schedule=schedule, split=split, pp=parallel_dims.pp,
         n_microbatches=n_microbatches, local_batch_size=training.local_batch_size)
@@ -249,7 +262,8 @@ def pipeline_autopp(
         backend = Replicate()
 
     pipe = pipeline_autoparallel(
-        model, mesh, example_inputs=(tokens,), loss_fn=_loss_for_autopp(loss_fn),
+        model, mesh, example_inputs=(tokens,), example_kwargs=example_kwargs,
+        loss_fn=_loss_for_autopp(loss_fn),
         schedule=schedule, n_microbatches=n_microbatches, split=split, parallelize=backend,
     )
     pipe.init_weights(seed=options.seed)
