@@ -224,6 +224,10 @@ def test_startup_refusals_name_the_problem():
     assert x.shape == y.shape == kw["positions"].shape == (2, 3) and kw["positions"][1, 2] == 1
     with pytest.raises(ValueError, match="model keyword input 'attention_masks' is dict"):
         pipelining.AutoppSchedule._batch(tok, [{"attention_masks": {}}] * 2, labels)
+    built_without = pipelining.AutoppSchedule(None, dp_size=1)
+    with pytest.raises(ValueError, match=r"keyword inputs \['positions'\]; this autopp pipeline "
+                                         r"was built for \[\].*Turn the option off"):
+        built_without.step(arg_mbs=tok, kwarg_mbs=pos, target_mbs=labels)
     cfg = llama3_debugmodel_autopp()
     cfg.validator.enable = True
     with pytest.raises(ValueError, match="set --validator.enable false"):

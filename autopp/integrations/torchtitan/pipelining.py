@@ -101,9 +101,13 @@ class AutoppSchedule:
     the exact global mean.
     """
 
-    def __init__(self, pipeline, *, dp_size: int, plan=None) -> None:
+    def __init__(self, pipeline, *, dp_size: int, plan=None,
+                 keyword_inputs: Sequence[str] = ()) -> None:
         self.pipeline = pipeline
         self.dp_size = dp_size
+        #: The model keyword inputs every step hands the stages (``("positions",)`` with
+        #: ``--autopp.per_document_positions``).
+        self.keyword_inputs = tuple(sorted(keyword_inputs))
         #: The whole pipeline's :class:`~autopp.plan.value.PipelinePlan` with the
         #: simulator's estimates (``--autopp.estimate``); None with ``parallelize
         #: replicate``. ``plan.save(path)`` keeps it.
@@ -143,6 +147,12 @@ class AutoppSchedule:
             raise ValueError("autopp's schedule does not return outputs")
         del loss_kwargs  # autopp counts the global tokens itself
         inputs, target, model_kwargs = self._batch(arg_mbs, kwarg_mbs, target_mbs)
+        if tuple(model_kwargs) != self.keyword_inputs:
+            raise ValueError(
+                f"torchtitan handed the model keyword inputs {list(model_kwargs)}; this autopp "
+                f"pipeline was built for {list(self.keyword_inputs)} "
+                "(--autopp.per_document_positions: the dataloader's positions). Turn the option "
+                "off for a dataloader without positions, or on for one with them")
         loss = self.pipeline.step(inputs, target=target, **model_kwargs)
         if losses is not None:
             losses.append(torch.tensor(loss / self.dp_size, dtype=torch.float32,
@@ -270,7 +280,8 @@ def pipeline_autopp(
     logger.info("autopp plan:\n%s", pipe.describe())
     plan = _estimated_plan(backend, model, mesh, options, logger)
     part = AutoppModelPart(pipe, model)
-    return AutoppSchedule(pipe, dp_size=dp, plan=plan), [part], True, True
+    return (AutoppSchedule(pipe, dp_size=dp, plan=plan, keyword_inputs=list(example_kwargs or ())),
+            [part], True, True)
 
 
 def _estimated_plan(backend, model: nn.Module, mesh, options: AutoppOptions, logger):
