@@ -14,7 +14,14 @@ microbatches, 5 steps):
    hands it microbatch lists); both runs share the configs' CPU settings (SDPA attention,
    plain cross entropy, fp32, seq 128);
 3. autopp again, resumed from (1)'s step-3 checkpoint in another layout: 1F1B (2 stages
-   of 4 blocks instead of Interleaved1F1B's 4 stages of 2), steps 4-5.
+   of 4 blocks instead of Interleaved1F1B's 4 stages of 2), steps 4-5; in the default test
+   with ``--autopp.parallelize replicate``.
+
+The default test runs all three with ``--autopp.per_document_positions`` on the
+short-documents dataset (rows pack several documents; the positions restart inside rows,
+asserted from torchtitan's own dataset class): torchtitan's ``positions`` reach every stage
+(RoPE per document; attention plain causal in both runs, torchtitan's SDPA attention takes
+``is_causal`` only). The wide test runs without them.
 
 The losses are torchtitan's own values as its Trainer computed them (``global_avg_loss``,
 full precision, recorded by ``--autopp.losses_file``), not the metrics line's 5 digits:
