@@ -3,6 +3,8 @@
 # through autopp, pp=2 x dp=2 x tp=2 on 8 CPU processes (gloo).
 #
 #   bash examples/torchtitan_autopp.sh           # 20 steps with autopp; extra args go to torchtitan
+#       (e.g. --autopp.per_document_positions --dataloader.dataset_path
+#        ./outputs/autopp_assets/c4_test_short_docs: RoPE positions restarting per document)
 #   bash examples/torchtitan_autopp.sh compare   # the acceptance checks, on the same weights:
 #       1. a seed checkpoint (torchtitan's init, 1 process);
 #       2. autopp at pp2 x dp2 x tp2 from it, 20 steps, checkpoints at steps 10 and 20;

@@ -14,7 +14,14 @@ microbatches, 5 steps):
    hands it microbatch lists); both runs share the configs' CPU settings (SDPA attention,
    plain cross entropy, fp32, seq 128);
 3. autopp again, resumed from (1)'s step-3 checkpoint in another layout: 1F1B (2 stages
-   of 4 blocks instead of Interleaved1F1B's 4 stages of 2), steps 4-5.
+   of 4 blocks instead of Interleaved1F1B's 4 stages of 2), steps 4-5; in the default test
+   with ``--autopp.parallelize replicate``.
+
+The default test runs all three with ``--autopp.per_document_positions`` on the
+short-documents dataset (rows pack several documents; the positions restart inside rows,
+asserted from torchtitan's own dataset class): torchtitan's ``positions`` reach every stage
+(RoPE per document; attention plain causal in both runs, torchtitan's SDPA attention takes
+``is_causal`` only). The wide test runs without them.
 
 The losses are torchtitan's own values as its Trainer computed them (``global_avg_loss``,
 full precision, recorded by ``--autopp.losses_file``), not the metrics line's 5 digits:
@@ -35,6 +42,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tests.dist_harness import run_command
 
@@ -83,13 +91,14 @@ def _layout(pp: int, dp: int, tp: int) -> list[str]:
             "--parallelism.tensor_parallel_degree", str(tp)]
 
 
-def _compare_runs(work: Path, n: int, layout: list[str], resume: list[str]) -> dict:
+def _compare_runs(work: Path, n: int, layout: list[str], resume: list[str],
+                  extra: tuple[str, ...] = ()) -> dict:
     seed_out = _train(work, 1, "llama3_debugmodel_torchtitan", "--dump_folder", "seed",
                       "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
                       *_layout(1, 1, 1))
     assert (work / "seed/checkpoint/step-0").is_dir(), seed_out[-3000:]
     common = ["--training.steps", str(STEPS), "--checkpoint.enable",
-              "--checkpoint.interval", str(SAVE_AT)]
+              "--checkpoint.interval", str(SAVE_AT), *extra]
     from_seed = [*common, "--checkpoint.initial_load_path", str(work / "seed/checkpoint/step-0")]
     autopp = _train(work, n, "llama3_debugmodel_autopp", *layout, *from_seed,
                     "--dump_folder", "run_autopp", "--autopp.losses_file", str(work / "autopp"))
@@ -113,13 +122,47 @@ def _compare_runs(work: Path, n: int, layout: list[str], resume: list[str]) -> d
     return {"autopp_out": autopp, "runs": runs}
 
 
+def _position_resets(work: Path, dp: int, rows: int) -> list[list[int]]:
+    """Per dp rank, how often the per-document positions restart inside each of the first
+    ``rows`` rows torchtitan's own dataset class gives that rank (the launches' data)."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
+
+    from autopp.integrations.torchtitan.trainer import SHORT_DOCS_DATASET_PATH, TOKENIZER_PATH
+
+    tok = HuggingFaceTokenizer(tokenizer_path=str(work / TOKENIZER_PATH))
+    out = []
+    for rank in range(dp):
+        it = iter(HuggingFaceTextDataset(
+            dataset_name="c4_test", dataset_path=str(work / SHORT_DOCS_DATASET_PATH),
+            tokenizer=tok, seq_len=128, dp_rank=rank, dp_world_size=dp, infinite=True))
+        out.append([int((next(it)[0]["positions"][1:] == 0).sum()) for _ in range(rows)])
+    return out
+
+
+#: torchtitan's per-document positions on, with rows packing several documents
+POSITIONS = ("--autopp.per_document_positions", "--dataloader.dataset_path",
+             "./outputs/autopp_assets/c4_test_short_docs")
+
+
 @pytest.mark.multiprocess
 @needs_torchtitan
 def test_torchtitan_train_with_autopp_matches_torchtitans_own(tmp_path):
+    """With ``--autopp.per_document_positions`` on a dataset whose rows pack several
+    documents: both runs give each stage torchtitan's ``positions`` (RoPE restarts at each
+    document; attention stays plain causal under SDPA in both); the resumed run uses
+    ``--autopp.parallelize replicate``, so both autopp backends take them."""
     from autopp.integrations.torchtitan.logs import read_metrics
 
     res = _compare_runs(tmp_path, 4, _layout(2, 2, 1),
-                        [*_layout(2, 2, 1), "--parallelism.pipeline_parallel_schedule", "1F1B"])
+                        [*_layout(2, 2, 1), "--parallelism.pipeline_parallel_schedule", "1F1B",
+                         "--autopp.parallelize", "replicate"], extra=POSITIONS)
+    # the positions the runs trained on restart inside rows: in the first step's batch (4
+    # rows) on each dp rank, and in the resumed run's first step (SAVE_AT + 1) on some
+    resets = _position_resets(tmp_path, 2, 4 * STEPS)
+    print("position resets per row, dp rank 0 and 1:", resets)
+    assert all(sum(per_row[:4]) > 0 for per_row in resets), resets
+    assert any(sum(per_row[4 * SAVE_AT:4 * SAVE_AT + 4]) > 0 for per_row in resets), resets
     out = res["autopp_out"]
     assert "autopp plan:" in out and "autopp pipeline: 4 stages over pp=2" in out, out[-6000:]
     metrics = read_metrics(out)  # torchtitan's metrics line, every step
@@ -178,8 +221,20 @@ def test_startup_refusals_name_the_problem():
 
     cfg = llama3_debugmodel_autopp()
     cfg.autopp.per_document_positions = True
-    with pytest.raises(ValueError, match="per_document_positions must stay off"):
-        AutoppTrainer._prepare(cfg)
+    AutoppTrainer._prepare(cfg)  # accepted: positions reach every stage
+
+    # the schedule joins torchtitan's microbatch lists, keyword inputs included
+    tok = [(torch.full((1, 3), i),) for i in range(2)]
+    pos = [{"positions": torch.tensor([[0, 1, 0]]) + i} for i in range(2)]
+    labels = [torch.zeros(1, 3, dtype=torch.long)] * 2
+    x, y, kw = pipelining.AutoppSchedule._batch(tok, pos, labels)
+    assert x.shape == y.shape == kw["positions"].shape == (2, 3) and kw["positions"][1, 2] == 1
+    with pytest.raises(ValueError, match="model keyword input 'attention_masks' is dict"):
+        pipelining.AutoppSchedule._batch(tok, [{"attention_masks": {}}] * 2, labels)
+    built_without = pipelining.AutoppSchedule(None, dp_size=1)
+    with pytest.raises(ValueError, match=r"keyword inputs \['positions'\]; this autopp pipeline "
+                                         r"was built for \[\].*Turn the option off"):
+        built_without.step(arg_mbs=tok, kwarg_mbs=pos, target_mbs=labels)
     cfg = llama3_debugmodel_autopp()
     cfg.validator.enable = True
     with pytest.raises(ValueError, match="set --validator.enable false"):

@@ -10,6 +10,10 @@ stand-ins in the same formats, so torchtitan's own ``HuggingFaceTokenizer`` and
   tokens, within llama3 debugmodel's vocabulary of 2048.
 - ``c4_test/data.json``: JSON lines ``{"text": ...}``, one per source file of the Python
   standard library (sorted, capped at ``max_bytes``), the same bytes on every machine.
+- ``c4_test_short_docs/data.json``: the same texts cut at blank lines, one document per
+  paragraph (mostly tens to hundreds of bytes), so each row of torchtitan's packed
+  sequences holds several documents and its per-document ``positions`` restart inside
+  rows (what ``--autopp.per_document_positions`` is tested with).
 
 Writing is idempotent and atomic (temporary file, then rename), so every rank of a job may
 call it at once.
@@ -80,11 +84,17 @@ def stdlib_documents(max_bytes: int) -> list[str]:
     return docs
 
 
+def paragraphs(texts: list[str]) -> list[str]:
+    """``texts`` cut at blank lines: each non-blank paragraph one document, in order."""
+    return [p for t in texts for p in t.split("\n\n") if p.strip()]
+
+
 def ensure_assets(root: str | os.PathLike, *, max_bytes: int = 2 << 20) -> tuple[str, str]:
     """Write (or keep) the tokenizer and dataset under ``root``.
 
     Returns ``(tokenizer_dir, dataset_dir)``: pass them as torchtitan's ``hf_assets_path``
-    and ``dataloader.dataset_path`` (dataset ``c4_test``).
+    and ``dataloader.dataset_path`` (dataset ``c4_test``); the short-documents dataset is
+    ``<root>/c4_test_short_docs`` (dataset ``c4_test`` too).
     """
     root = Path(root)
     tok_dir, data_dir = root / "tokenizer", root / "c4_test"
@@ -92,8 +102,10 @@ def ensure_assets(root: str | os.PathLike, *, max_bytes: int = 2 << 20) -> tuple
     _write_atomic(tok_dir / "tokenizer_config.json", json.dumps(
         {"bos_token": BOS, "eos_token": EOS, "add_bos_token": True, "add_eos_token": True},
         indent=2))
-    lines = "".join(json.dumps({"text": t}) + "\n" for t in stdlib_documents(max_bytes))
-    _write_atomic(data_dir / "data.json", lines)
+    docs = stdlib_documents(max_bytes)
+    _write_atomic(data_dir / "data.json", "".join(json.dumps({"text": t}) + "\n" for t in docs))
+    _write_atomic(root / "c4_test_short_docs" / "data.json",
+                  "".join(json.dumps({"text": t}) + "\n" for t in paragraphs(docs)))
     return str(tok_dir), str(data_dir)
 
 

@@ -15,8 +15,9 @@ Configs:
 
 Both run on CPU processes (gloo) or GPUs. Differences from torchtitan's
 ``llama3_debugmodel``, each for a reason: SDPA attention (FlexAttention has no CPU
-backward; the per-document ``positions`` are dropped, see
-:attr:`AutoppOptions.per_document_positions`); plain ``CrossEntropyLoss`` (the chunked
+backward; torchtitan then builds no document mask: attention is plain causal, and the
+per-document ``positions`` reach RoPE only with :attr:`AutoppOptions.per_document_positions`,
+dropped otherwise); plain ``CrossEntropyLoss`` (the chunked
 loss needs the lm_head outside the pipeline); float32 parameters; sequence length 128 and 4
 sequences per dp rank (CPU-sized); no activation checkpointing; no validator; a byte-level
 tokenizer and a standard-library text dataset written on first use

@@ -48,9 +48,15 @@ class AutoppOptions:
     """Seed of autopp's split-independent initialisation (used when no checkpoint loads)."""
 
     per_document_positions: bool = False
-    """Pass the dataloader's per-document ``positions`` to the model. autopp pipelines take
-    the token ids only, so this must stay False with autopp (the model then uses positions
-    0..seq_len-1); the ``*_torchtitan`` configs may set it."""
+    """Pass the dataloader's per-document ``positions`` (restarting at 0 at each document
+    of a packed row) to the model, as torchtitan's Trainer does: every pipeline stage takes
+    them as a keyword input (planned stages as graph inputs placed like the tokens; with
+    ``parallelize replicate``, the model's own forward), and torchtitan's llama3 rotates
+    its queries and keys by them (RoPE). Attention stays plain causal across the
+    documents of a row: with the SDPA attention of this registry's configs torchtitan
+    builds no document mask (``ScaledDotProductAttention`` takes ``is_causal`` only), in
+    its own runs as in autopp's. False (the default): the positions are dropped and the
+    model uses 0..seq_len-1 in every row. Both configs of this registry take it."""
 
     losses_file: str | None = None
     """Write each step's loss and gradient norm as torchtitan's Trainer computed them

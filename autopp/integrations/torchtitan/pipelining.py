@@ -101,26 +101,39 @@ class AutoppSchedule:
     the exact global mean.
     """
 
-    def __init__(self, pipeline, *, dp_size: int, plan=None) -> None:
+    def __init__(self, pipeline, *, dp_size: int, plan=None,
+                 keyword_inputs: Sequence[str] = ()) -> None:
         self.pipeline = pipeline
         self.dp_size = dp_size
+        #: The model keyword inputs every step hands the stages (``("positions",)`` with
+        #: ``--autopp.per_document_positions``).
+        self.keyword_inputs = tuple(sorted(keyword_inputs))
         #: The whole pipeline's :class:`~autopp.plan.value.PipelinePlan` with the
         #: simulator's estimates (``--autopp.estimate``); None with ``parallelize
         #: replicate``. ``plan.save(path)`` keeps it.
         self.plan = plan
 
     @staticmethod
-    def _batch(arg_mbs, kwarg_mbs, target_mbs) -> tuple[torch.Tensor, torch.Tensor]:
+    def _batch(arg_mbs, kwarg_mbs, target_mbs
+               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """This dp rank's batch, labels and keyword inputs (each joined over the
+        microbatches torchtitan split them into; autopp's schedule splits them again)."""
         if arg_mbs is None or target_mbs is None:
             raise ValueError("autopp's schedule needs every rank's tokens and labels")
-        extra = sorted({k for kw in (kwarg_mbs or []) for k in kw})
-        if extra:
-            raise ValueError(
-                f"autopp pipelines take the token ids only, got model kwargs {extra}; "
-                "keep --autopp.per_document_positions off")
         if any(len(a) != 1 for a in arg_mbs):
             raise ValueError("autopp's schedule expects one positional input (tokens)")
-        return torch.cat([a[0] for a in arg_mbs]), torch.cat(list(target_mbs))
+        kwargs: dict[str, torch.Tensor] = {}
+        for key in sorted({k for kw in (kwarg_mbs or []) for k in kw}):
+            values = [kw.get(key) for kw in kwarg_mbs]
+            if not all(isinstance(v, torch.Tensor) for v in values):
+                kinds = sorted({type(v).__name__ for v in values})
+                raise ValueError(
+                    f"model keyword input {key!r} is {'/'.join(kinds)}: autopp's pipeline "
+                    "takes tensors batched like the tokens (e.g. --autopp."
+                    "per_document_positions' positions), not attention masks built by the "
+                    "model (use the SDPA attention of this registry's configs)")
+            kwargs[key] = torch.cat(values)
+        return torch.cat([a[0] for a in arg_mbs]), torch.cat(list(target_mbs)), kwargs
 
     def step(self, *args, arg_mbs: Sequence[tuple[torch.Tensor, ...]] | None = None,
              kwarg_mbs: Sequence[dict[str, Any]] | None = None,
@@ -133,8 +146,14 @@ class AutoppSchedule:
         if return_outputs:
             raise ValueError("autopp's schedule does not return outputs")
         del loss_kwargs  # autopp counts the global tokens itself
-        inputs, target = self._batch(arg_mbs, kwarg_mbs, target_mbs)
-        loss = self.pipeline.step(inputs, target=target)
+        inputs, target, model_kwargs = self._batch(arg_mbs, kwarg_mbs, target_mbs)
+        if tuple(model_kwargs) != self.keyword_inputs:
+            raise ValueError(
+                f"torchtitan handed the model keyword inputs {list(model_kwargs)}; this autopp "
+                f"pipeline was built for {list(self.keyword_inputs)} "
+                "(--autopp.per_document_positions: the dataloader's positions). Turn the option "
+                "off for a dataloader without positions, or on for one with them")
+        loss = self.pipeline.step(inputs, target=target, **model_kwargs)
         if losses is not None:
             losses.append(torch.tensor(loss / self.dp_size, dtype=torch.float32,
                                        device=inputs.device))
@@ -223,6 +242,10 @@ def pipeline_autopp(
     schedule = parallelism.pipeline_parallel_schedule_csv or parallelism.pipeline_parallel_schedule
     n_microbatches = training.local_batch_size // parallelism.pipeline_parallel_microbatch_size
     tokens = torch.zeros(training.local_batch_size, training.seq_len, dtype=torch.long)
+    # torchtitan's dataloader positions (``--autopp.per_document_positions``): every stage
+    # takes them (planned stages as graph inputs, placed like the tokens)
+    example_kwargs = ({"positions": torch.zeros_like(tokens)}
+                      if options.per_document_positions else None)
     _, fqns_per_stage = split_for_schedule(
         model, schedule=schedule, split=split, pp=parallel_dims.pp,
         n_microbatches=n_microbatches, local_batch_size=training.local_batch_size)
@@ -249,14 +272,16 @@ def pipeline_autopp(
         backend = Replicate()
 
     pipe = pipeline_autoparallel(
-        model, mesh, example_inputs=(tokens,), loss_fn=_loss_for_autopp(loss_fn),
+        model, mesh, example_inputs=(tokens,), example_kwargs=example_kwargs,
+        loss_fn=_loss_for_autopp(loss_fn),
         schedule=schedule, n_microbatches=n_microbatches, split=split, parallelize=backend,
     )
     pipe.init_weights(seed=options.seed)
     logger.info("autopp plan:\n%s", pipe.describe())
     plan = _estimated_plan(backend, model, mesh, options, logger)
     part = AutoppModelPart(pipe, model)
-    return AutoppSchedule(pipe, dp_size=dp, plan=plan), [part], True, True
+    return (AutoppSchedule(pipe, dp_size=dp, plan=plan, keyword_inputs=list(example_kwargs or ())),
+            [part], True, True)
 
 
 def _estimated_plan(backend, model: nn.Module, mesh, options: AutoppOptions, logger):

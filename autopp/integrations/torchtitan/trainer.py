@@ -11,7 +11,7 @@ profiler are torchtitan's own, unchanged. The subclass only:
 - writes the stand-in tokenizer and dataset when the config points at them
   (:mod:`autopp.integrations.torchtitan.assets`);
 - drops the dataloader's per-document ``positions`` unless
-  ``--autopp.per_document_positions`` (autopp pipelines take token ids only);
+  ``--autopp.per_document_positions`` (then every stage takes them, see that option);
 - logs autopp's predicted tps next to torchtitan's measured one after each metrics line
   from the second on (:mod:`autopp.integrations.torchtitan.estimates`);
 - with ``--autopp.losses_file``, records the losses torchtitan computed at full precision
@@ -36,6 +36,9 @@ from autopp.integrations.torchtitan.pipelining import pipeline_autopp
 ASSETS_ROOT = "./outputs/autopp_assets"
 TOKENIZER_PATH = f"{ASSETS_ROOT}/tokenizer"
 DATASET_PATH = f"{ASSETS_ROOT}/c4_test"
+#: The same texts, one document per paragraph: rows pack several documents
+#: (:mod:`autopp.integrations.torchtitan.assets`).
+SHORT_DOCS_DATASET_PATH = f"{ASSETS_ROOT}/c4_test_short_docs"
 
 
 class AutoppTrainer(Trainer):
@@ -67,7 +70,8 @@ class AutoppTrainer(Trainer):
     @staticmethod
     def _prepare(config: Config) -> None:
         if (config.hf_assets_path == TOKENIZER_PATH
-                or getattr(config.dataloader, "dataset_path", None) == DATASET_PATH):
+                or getattr(config.dataloader, "dataset_path", None) in (
+                    DATASET_PATH, SHORT_DOCS_DATASET_PATH)):
             from autopp.integrations.torchtitan.assets import ensure_assets
 
             ensure_assets(ASSETS_ROOT)
@@ -78,9 +82,6 @@ class AutoppTrainer(Trainer):
                 logger.warning("pipeline_parallel_degree 1: torchtitan's Trainer calls no "
                                "pipelining_fn, so autopp is not used; the model is "
                                "parallelized by torchtitan's own parallelize_fn")
-            if config.autopp.per_document_positions:
-                raise ValueError("autopp pipelines take the token ids only: "
-                                 "--autopp.per_document_positions must stay off")
             if config.validator.enable:
                 raise ValueError("torchtitan's validator is not supported with autopp's "
                                  "pipeline yet: set --validator.enable false")
@@ -137,4 +138,5 @@ class AutoppTrainer(Trainer):
             self._undo_environment()
 
 
-__all__ = ["AutoppTrainer", "ASSETS_ROOT", "TOKENIZER_PATH", "DATASET_PATH"]
+__all__ = ["AutoppTrainer", "ASSETS_ROOT", "TOKENIZER_PATH", "DATASET_PATH",
+           "SHORT_DOCS_DATASET_PATH"]
