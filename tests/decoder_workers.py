@@ -8,6 +8,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tests.case import Case
+from tests.dist_harness import ships_tensors
+from tests.parity import norms
 from tests.models import MODELS, ce_loss, make_batch
 
 
@@ -69,7 +71,8 @@ def two_steps(mesh, cfg: Case, path: str | None = None) -> dict:
             back.init_weights(seed=3)
             back.load_checkpoint(path + "-cross")
             ckpt["eval_back"] = back.eval(tok, target=tgt)
-    return {"losses": losses, "checkpoint": ckpt, "grads": grads, "norm": norm,
+    return {"losses": losses, "checkpoint": ckpt, "norm": norm,
+            "grads": grads if ships_tensors(mesh) else {}, "grad_norms": norms(grads),
             "units": {sid: [b.prefix for b in plan.blocks]
                       for sid, plan in (pipe.plans or {}).items()},
             "stage_fqns": {sid: list(pipe.layout.fqns_per_stage[sid]) for sid in pipe.plans or {}},

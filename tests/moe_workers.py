@@ -11,6 +11,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tests.case import Case, vary
+from tests.dist_harness import ships_tensors
+from tests.parity import norms
 from tests.models import MODELS, ce_loss, make_batch
 
 
@@ -89,7 +91,9 @@ def train(mesh, cfg: Case, path: str | None) -> dict:
         tok, tgt = _dp_slice(mesh, cfg.batch, cfg.seq, 100 + step)
         out["losses"].append(pipe.step(tok, target=tgt))
         if step == 0:
-            out["grads"] = {n: _full(p.grad) for n, p in pipe.named_parameters()}
+            grads = {n: _full(p.grad) for n, p in pipe.named_parameters()}
+            out["grads"] = grads if ships_tensors(mesh) else {}
+            out["grad_norms"] = norms(grads)
             out["bias"] = {k: _full(v) for k, v in pipe.state_dict().items()
                            if k.endswith("expert_bias_E")}
         pipe.clip_grad_norm_(cfg.max_norm)

@@ -71,6 +71,26 @@ def assert_all_parity(got: Mapping[str, torch.Tensor], ref: Mapping[str, torch.T
             for name, g in got.items()}
 
 
+def norms(tensors: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """Each tensor's norm in float64 (what a rank that ships no tensors returns of them)."""
+    return {name: float(torch.linalg.vector_norm(t.detach().double().cpu()))
+            for name, t in tensors.items()}
+
+
+def assert_norm_parity(got: Mapping[str, float], ref: Mapping[str, torch.Tensor], *,
+                       what: str, rel: float = REL, eps: float = EPS) -> None:
+    """Each norm of ``got`` (:func:`norms`) equals its reference tensor's within
+    ``rel · max(‖r‖, eps)``: what :func:`assert_parity`'s per-tensor bound implies for the
+    norms (``| ‖g‖ − ‖r‖ | ≤ ‖g − r‖``), checked where only the norms came back."""
+    missing = sorted(set(got) - set(ref))
+    assert not missing, f"{what}: not in the reference: {missing}"
+    for name, n in got.items():
+        r = float(torch.linalg.vector_norm(ref[name].detach().double().cpu()))
+        assert abs(n - r) <= rel * max(r, eps), (
+            f"{what} {name}: norm {n!r} vs reference {r!r} (|diff| {abs(n - r):.3g} > "
+            f"{rel:g} x {max(r, eps):.3g})")
+
+
 def assert_loss_parity(got: float, ref: float, *, what: str, atol: float = ATOL) -> None:
     """A loss (a scalar) equals the reference's within ``atol``."""
     assert abs(got - ref) <= atol, f"{what}: loss {got!r} vs reference {ref!r} (|diff| " \

@@ -7,6 +7,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tests.case import Case
+from tests.dist_harness import ships_tensors
+from tests.parity import norms
 from tests.models import ce_loss, llama3_meta, make_batch
 
 
@@ -82,7 +84,9 @@ def one_step(mesh, cfg: Case) -> dict:
     counter = pipe.count_collectives() if cfg.count_collectives else None
     loss = pipe.step(tok, target=tgt)
     grads = {n: _local(p.grad).detach().clone() for n, p in pipe.named_parameters() if p.grad is not None}
-    out = {"loss": loss, "grads": grads, "stage_ids": pipe.layout.stage_ids,
+    ships = ships_tensors(mesh)
+    out = {"loss": loss, "grads": grads if ships else {}, "grad_norms": norms(grads),
+           "stage_ids": pipe.layout.stage_ids,
            "describe": pipe.describe(),
            "param_dtypes": sorted({str(p.dtype) for p in pipe.parameters()}),
            "grad_dtypes": sorted({str(p.grad.dtype) for p in pipe.parameters()
@@ -115,8 +119,9 @@ def one_step(mesh, cfg: Case) -> dict:
         out["eval_loss"] = pipe.eval(tok, target=tgt)
     if cfg.clip:  # a bound the step's gradient norm exceeds: the gradients shrink
         out["norm"] = pipe.clip_grad_norm_(CLIP_NORM)
-        out["clipped_grads"] = {n: _local(p.grad).detach().clone()
-                                for n, p in pipe.named_parameters() if p.grad is not None}
+        clipped = {n: _local(p.grad).detach().clone()
+                   for n, p in pipe.named_parameters() if p.grad is not None}
+        out["clipped_grads"] = clipped if ships else {}
     return out
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.parity import assert_all_parity
+from tests.parity import assert_all_parity, assert_norm_parity
 from tests.case import Case, vary
 from tests.dist_harness import run_on_ranks
 from tests.models import MODELS, make_batch
@@ -63,6 +63,7 @@ def _check(res: dict, ref: Reference, cfg: Case, track: float = 1e-6) -> set[str
     steps = cfg.steps
     assert res["losses"][0] == pytest.approx(ref.losses[0], abs=1e-5), cfg
     assert_all_parity(res["grads"], ref.grads, what=f"{cfg.model} grad")
+    assert_norm_parity(res["grad_norms"], ref.grads, what=f"{cfg.model} grad")
     for name, b in res["bias"].items():
         torch.testing.assert_close(b, ref.first_buffers[name], atol=1e-7, rtol=0)
     # the first steps agree exactly; later a routing near-tie may flip (top-k is discrete),
@@ -74,7 +75,7 @@ def _check(res: dict, ref: Reference, cfg: Case, track: float = 1e-6) -> set[str
     if cfg.resume:
         assert res["next"] == pytest.approx(ref.losses[steps], rel=track)
         assert res["resumed"] == pytest.approx(res["next"], abs=1e-6)
-    return set(res["grads"])
+    return set(res["grad_norms"])
 
 
 @pytest.mark.multiprocess

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.parity import assert_all_parity
+from tests.parity import assert_all_parity, assert_norm_parity
 from tests.dist_harness import run_on_ranks
 from tests.case import Case, vary
 from tests.models import llama3_meta, make_batch
@@ -36,7 +36,9 @@ def _check(results_per_rank, configs, reference):
             assert res["loss"] == pytest.approx(ref_loss, abs=ATOL), (cfg, res["loss"], ref_loss)
             assert_all_parity(res["grads"], ref_grads,
                               what=f"{cfg.schedule} pp={cfg.pp} grad")
-            seen |= set(res["grads"])
+            assert_norm_parity(res["grad_norms"], ref_grads,
+                               what=f"{cfg.schedule} pp={cfg.pp} grad")
+            seen |= set(res["grad_norms"])
             if "norm" in res:  # clipping: the global norm and the clipped gradients
                 ref_norm = float(torch.linalg.vector_norm(torch.stack(  # in float64
                     [torch.linalg.vector_norm(g, dtype=torch.float64) for g in ref_grads.values()])))

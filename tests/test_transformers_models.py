@@ -16,7 +16,7 @@ from tests.case import Case
 from tests.dist_harness import run_on_ranks
 from tests.reference import Reference, reference_run
 from tests.models import MODELS, ce_loss, logits_of, make_batch
-from tests.parity import assert_all_parity
+from tests.parity import assert_all_parity, assert_norm_parity
 
 pytest.importorskip("transformers")
 
@@ -47,7 +47,8 @@ def _check(configs: list[Case], results: list[list[dict]]) -> None:
             assert res["losses"] == pytest.approx(ref.losses, abs=1e-5), cfg
             assert res["norm"] == pytest.approx(ref.norm, rel=1e-5), cfg
             assert_all_parity(res["grads"], ref.grads, what=f"{cfg.model} grad")
-            seen |= set(res["grads"])
+            assert_norm_parity(res["grad_norms"], ref.grads, what=f"{cfg.model} grad")
+            seen |= set(res["grad_norms"])
             if cfg.parallelize != "auto":
                 continue
             for sid, units in res["units"].items():  # the block-reuse path
