@@ -30,6 +30,11 @@ def ce_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     )
 
 
+def sum_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Summed squared error (the schedule tests' loss: no mean, so microbatch sums add up)."""
+    return ((out - target) ** 2).sum()
+
+
 def make_batch(batch: int, seq: int, vocab: int = 2048, seed: int = 0):
     """Tokens and targets; some targets ignored, unevenly across the batch (the
     normalisation trap: per-microbatch means would be wrong)."""

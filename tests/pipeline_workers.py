@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 from tests.case import Case
 from tests.dist_harness import ships_tensors
 from tests.parity import norms
-from tests.models import ce_loss, llama3_meta, make_batch
+from tests.models import ce_loss, llama3_meta, make_batch, sum_loss
 
 
 #: ``clip=True`` configs clip to this global norm (the test model's gradient norm is ~3).
@@ -332,9 +332,6 @@ def built_schedules(rank: int, world_size: int, names: list[tuple[str, int]]) ->
     from torch.distributed.pipelining import PipelineStage
 
     from autopp.schedules import build_schedule, default_n_stages, schedule_info
-
-    def sum_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return ((out - target) ** 2).sum()
 
     logging.getLogger("torch.distributed.pipelining").setLevel(logging.ERROR)
     dim, out = 4, []

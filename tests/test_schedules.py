@@ -30,6 +30,7 @@ from autopp.schedules import (
     stage_ids_for_rank,
 )
 from autopp._compat import pipelining as _torch_compat
+from tests.models import sum_loss
 from tests.parity import assert_all_parity
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -48,10 +49,6 @@ def fake_pp(pp: int, rank: int = 0):
 
 def make_stages(ids: list[int], n_stages: int) -> list[PipelineStage]:
     return [PipelineStage(nn.Linear(DIM, DIM), i, n_stages, torch.device("cpu")) for i in ids]
-
-
-def sum_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((out - target) ** 2).sum()
 
 
 def build_for(name, pp: int, n_microbatches: int, rank: int = 0, n_stages: int | None = None):
