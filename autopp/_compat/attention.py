@@ -6,14 +6,19 @@ forward. torch's own SDPA autograd calls the same pairs (its ``derivatives.yaml`
 The backend is the one torch would pick for ``F.scaled_dot_product_attention`` on the same
 inputs (``torch._fused_sdp_choice``, which honours ``torch.nn.attention.sdpa_kernel``):
 
-===================  =================================================  ================
-backend              forward / backward                                 log-sum-exp
-===================  =================================================  ================
-CPU flash            ``_scaled_dot_product_flash_attention_for_cpu``    (b, h, s_q)
-CUDA flash           ``_scaled_dot_product_flash_attention``            (b, h, s_q)
-CUDA efficient       ``_scaled_dot_product_efficient_attention``        (b, h, ⌈s_q/32⌉·32)
-CUDA cuDNN           ``_scaled_dot_product_cudnn_attention``            (b, h, s_q, 1)
-===================  =================================================  ================
+===================  =================================================  ===================  ==========
+backend              forward / backward                                 log-sum-exp          with mask
+===================  =================================================  ===================  ==========
+CPU flash            ``_scaled_dot_product_flash_attention_for_cpu``    (b, h, s_q)          yes
+CUDA flash           ``_scaled_dot_product_flash_attention``            (b, h, s_q)          never [1]_
+CUDA efficient       ``_scaled_dot_product_efficient_attention``        (b, h, ⌈s_q/32⌉·32)  yes
+CUDA cuDNN           ``_scaled_dot_product_cudnn_attention``            (b, h, s_q, 1)       no [2]_
+===================  =================================================  ===================  ==========
+
+.. [1] torch picks no flash kernel for a masked call (flash takes no mask).
+.. [2] Where torch picks cuDNN for a masked call (its ``convert_boolean_attn_mask_cudnn``
+   fills with -65504, not -inf), :func:`fused_forward` returns None and the op runs torch's
+   own SDPA, whose backward runs the forward again: the cuDNN bias path is not driven here.
 
 Every log-sum-exp is handed out as ``(b, h, s_q)`` fp32 (:data:`LSE_DTYPE`) and given back
 to its kernel in the kernel's own shape. The kernels run without dropout, so the random
@@ -21,11 +26,22 @@ state their backwards take is never read; it is passed as the forwards return it
 capturing a CUDA graph (host tensors of the forwards' shapes). Grouped-query attention
 (fewer key/value heads) is run on keys and values repeated per query head, as torch's math
 path does, and their gradients summed back per group. Where torch would pick no fused
-kernel (its math path, or a backend not listed), :func:`fused_forward` returns None.
+kernel this module drives (its math path; a backend not listed; cuDNN for a masked call),
+:func:`fused_forward` returns None, and :func:`torch_choice` says what torch picks instead.
 
-A boolean mask (one per sequence, ``(b, 1, s_q, s_k)``) is run by the CPU flash pair, given
-as the additive mask torch's own SDPA makes of it (0 where attended, -inf elsewhere, in the
-query's dtype); on CUDA a masked call returns None (torch's own SDPA runs it).
+A boolean mask (one per sequence, ``(b, 1, s_q, s_k)``) is given to the kernels as the
+additive mask torch's own SDPA makes of it (0 where attended, -inf elsewhere, in the query's
+dtype; aten's ``convert_boolean_attn_mask``):
+
+* CPU flash: as it is (:func:`additive_mask`);
+* CUDA memory-efficient (what torch picks for a masked call when it can): as aten's
+  ``preprocess_mask`` hands it to that kernel (:func:`efficient_bias`): each row of the
+  bias starts at a multiple of 16 elements (the kernel checks the bias's batch, head and
+  query strides against its alignment, 16 bytes: 8 bf16/fp16 or 4 fp32 elements; torch
+  pads the last dim and slices it back), and the bias is expanded, not copied, over heads
+  to ``(b, h, s_q, s_k)``: one ``s_q * ⌈s_k/16⌉·16`` bias per sequence, head stride 0.
+  Its backward gets the same bias (made again from the saved boolean mask) and computes
+  no bias gradient.
 
 The CPU pair is checked against ``F.scaled_dot_product_attention`` in the test suite; the
 CUDA pairs by the prepared GPU check (``scripts/gpu_check.sh``), which compares them with
@@ -69,21 +85,50 @@ def additive_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
         mask.logical_not(), float("-inf"))
 
 
+BIAS_ALIGNMENT = 16
+"""Elements each row of the memory-efficient kernel's additive bias is aligned to (a multiple
+of the kernel's own alignment, 16 bytes, for every dtype it takes)."""
+
+
+def efficient_bias(mask: Tensor, q: Tensor, k: Tensor) -> Tensor:
+    """A boolean keep-mask ``(b, 1, s_q, s_k)`` as the CUDA memory-efficient kernel takes it
+    (aten's ``preprocess_mask``): additive, in q's dtype, each row in storage of
+    ``⌈s_k/16⌉·16`` elements (sliced back to ``s_k``), expanded over heads without a copy to
+    ``(b, h, s_q, s_k)``."""
+    s_k = mask.shape[-1]
+    aligned = -(-s_k // BIAS_ALIGNMENT) * BIAS_ALIGNMENT
+    bias = torch.zeros((*mask.shape[:-1], aligned), dtype=q.dtype, device=mask.device)
+    bias = bias[..., :s_k].masked_fill_(mask.logical_not(), float("-inf"))
+    return bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+def torch_choice(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
+                 mask: Tensor | None = None) -> SDPBackend:
+    """The backend torch's SDPA picks for these (equal-head) inputs (its math path
+    included), honouring ``torch.nn.attention.sdpa_kernel``."""
+    return SDPBackend(torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal, scale=scale))
+
+
+def driven_backend(device_type: str, backend: SDPBackend, masked: bool) -> SDPBackend | None:
+    """``backend`` (torch's pick) where this module drives it on ``device_type``, else None:
+    CPU flash; on CUDA flash, memory-efficient and cuDNN, with a mask memory-efficient only
+    (torch picks no flash kernel for a mask; cuDNN's bias path is not driven)."""
+    if device_type == "cpu":
+        return backend if backend == SDPBackend.FLASH_ATTENTION else None
+    if device_type != "cuda":
+        return None
+    driven = ((SDPBackend.EFFICIENT_ATTENTION,) if masked else
+              (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+               SDPBackend.CUDNN_ATTENTION))
+    return backend if backend in driven else None
+
+
 def fused_backend(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
                   scale: float, mask: Tensor | None = None) -> SDPBackend | None:
     """The fused backend torch picks for these (equal-head) inputs, None for its math path
-    or a backend this module does not drive (and, with a mask, for any CUDA backend)."""
-    choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal, scale=scale)
-    backend = SDPBackend(choice)
-    if q.device.type == "cpu":
-        return backend if backend == SDPBackend.FLASH_ATTENTION else None
-    if mask is not None:
-        return None
-    if q.device.type == "cuda" and backend in (
-            SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-            SDPBackend.CUDNN_ATTENTION):
-        return backend
-    return None
+    or a backend this module does not drive (:func:`driven_backend`)."""
+    return driven_backend(q.device.type, torch_choice(q, k, v, is_causal, scale, mask),
+                          mask is not None)
 
 
 def fused_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
@@ -103,8 +148,9 @@ def fused_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
         out, lse = _aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, is_causal, False, scale=scale)[:2]
     elif backend == SDPBackend.EFFICIENT_ATTENTION:
+        bias = None if mask is None else efficient_bias(mask, q, k)
         out, lse = _aten._scaled_dot_product_efficient_attention(
-            q, k, v, None, True, 0.0, is_causal, scale=scale)[:2]
+            q, k, v, bias, True, 0.0, is_causal, scale=scale)[:2]
     else:
         out, lse = _aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, is_causal, False, scale=scale)[:2]
@@ -140,8 +186,9 @@ def fused_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         padded = lse.new_zeros(b, h, math.ceil(s / 32) * 32)
         padded[..., :s] = lse
         seed, offset = _host_scalars(torch.int64, ())
+        bias = None if mask is None else efficient_bias(mask, q, k_rep)
         dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-            grad, q, k_rep, v_rep, None, out, padded, seed, offset, 0.0,
+            grad, q, k_rep, v_rep, bias, out, padded, seed, offset, 0.0,
             [True, True, True, False], is_causal, scale=scale)
     else:
         seed, offset = _host_scalars(torch.int64, ())

@@ -214,3 +214,106 @@ def test_cuda_entry_points_are_called_as_their_schemas_and_meta_kernels_say(
     assert out.shape == (b, h, s, d) and lse.shape == (b, h, s) and lse.dtype == torch.float32
     dq, dk, dv = fused.fused_backward(torch.empty_like(out), q, k, v, out, lse, True, 0.25)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+class _CheckEfficientBias:
+    """``torch.ops.aten`` as the CUDA branches call it, the memory-efficient entry points'
+    bias checked as the CUDA kernel checks it (its meta kernels check none of it): dtype of
+    q; (b, h, s_q, s_k); last dim contiguous; batch, head and query strides multiples of
+    the kernel's alignment (16 bytes: 8 bf16 elements, its strictest, sm80+); and, autopp's
+    own rule, one bias per sequence expanded over heads (head stride 0, storage
+    ``b * s_q * ⌈s_k/16⌉·16`` elements), never a copy per head."""
+
+    NAMES = ("_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_efficient_attention_backward")
+
+    def __init__(self):
+        self.biases = []
+
+    def __getattr__(self, name):
+        op = getattr(torch.ops.aten, name)
+        if name not in self.NAMES:
+            return op
+        backward = name.endswith("backward")
+
+        def checked(*args, **kwargs):
+            q, k, bias = (args[1], args[2], args[4]) if backward else (args[0], args[1], args[3])
+            assert bias is not None, f"{name} got no bias for a masked call"
+            b, h, s_q, s_k = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+            align = 16 // bias.element_size()
+            assert bias.dtype == q.dtype and bias.dim() == 4, (bias.dtype, bias.dim())
+            assert tuple(bias.shape) == (b, h, s_q, s_k), tuple(bias.shape)
+            assert bias.stride(-1) == 1 and bias.stride(1) == 0, bias.stride()
+            for dim in (0, 2):
+                assert bias.stride(dim) % align == 0, (
+                    f"{name}: attn_bias is not correctly aligned (stride({dim}) = "
+                    f"{bias.stride(dim)}, not a multiple of {align})")
+            aligned = -(-s_k // 16) * 16
+            assert bias.untyped_storage().nbytes() == b * s_q * aligned * bias.element_size()
+            self.biases.append(bias)
+            return op(*args, **kwargs)
+        return checked
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_cuda_masked_call_runs_the_efficient_kernel_with_an_aligned_per_sequence_bias(
+        monkeypatch, gqa):
+    """A boolean mask per sequence on CUDA runs the memory-efficient pair (what torch picks
+    for a masked call) with the bias torch's SDPA hands it (``preprocess_mask``), checked on
+    meta tensors: the entry points' meta kernels give the outputs' shapes, and the bias is
+    checked as the CUDA kernel checks it (:class:`_CheckEfficientBias`). The key length 36
+    is not a multiple of 8: an unaligned bias would fail the kernel's stride check."""
+    from torch.nn.attention import SDPBackend
+
+    from autopp._compat import attention as fused
+
+    checked = _CheckEfficientBias()
+    monkeypatch.setattr(fused, "_aten", checked)
+    monkeypatch.setattr(fused, "fused_backend",
+                        lambda *a, **k: SDPBackend.EFFICIENT_ATTENTION)
+    b, h, s, d = 2, 4, 36, 16
+    kv = 2 if gqa else 4
+    q = torch.empty(b, h, s, d, device="meta", dtype=torch.bfloat16)
+    k, v = (torch.empty(b, kv, s, d, device="meta", dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.empty(b, 1, s, s, device="meta", dtype=torch.bool)
+    out, lse = fused.fused_forward(q, k, v, False, 0.25, mask)
+    assert out.shape == (b, h, s, d) and lse.shape == (b, h, s) and lse.dtype == torch.float32
+    dq, dk, dv = fused.fused_backward(torch.empty_like(out), q, k, v, out, lse, False, 0.25,
+                                      mask)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert len(checked.biases) == 2  # forward and backward, each with the bias
+
+
+def test_efficient_bias_is_torchs_additive_mask():
+    """The bias's values are torch's additive mask (0 where attended, -inf elsewhere, in q's
+    dtype), broadcast over heads, whatever storage alignment it has."""
+    from autopp._compat import attention as fused
+
+    torch.manual_seed(0)
+    mask = torch.rand(2, 1, 5, 21) > 0.3
+    q = torch.empty(2, 3, 5, 8, dtype=torch.bfloat16)
+    k = torch.empty(2, 3, 21, 8, dtype=torch.bfloat16)
+    bias = fused.efficient_bias(mask, q, k)
+    want = fused.additive_mask(mask, torch.bfloat16).expand(2, 3, 5, 21)
+    assert bias.dtype == torch.bfloat16 and bias.stride() == (5 * 32, 0, 32, 1)
+    torch.testing.assert_close(bias, want, rtol=0, atol=0)
+
+
+def test_masked_calls_are_driven_by_the_kernels_that_take_the_mask():
+    """Which of torch's picks the op drives itself: with a mask, the CPU flash and CUDA
+    memory-efficient kernels; for cuDNN (or torch's math path) it runs torch's own SDPA."""
+    from torch.nn.attention import SDPBackend as B
+
+    from autopp._compat.attention import driven_backend
+
+    for device, backend, masked, want in [
+            ("cpu", B.FLASH_ATTENTION, True, B.FLASH_ATTENTION),
+            ("cpu", B.MATH, True, None),
+            ("cuda", B.EFFICIENT_ATTENTION, True, B.EFFICIENT_ATTENTION),
+            ("cuda", B.CUDNN_ATTENTION, True, None),
+            ("cuda", B.FLASH_ATTENTION, True, None),
+            ("cuda", B.MATH, True, None),
+            ("cuda", B.CUDNN_ATTENTION, False, B.CUDNN_ATTENTION),
+            ("cuda", B.FLASH_ATTENTION, False, B.FLASH_ATTENTION),
+            ("meta", B.FLASH_ATTENTION, False, None)]:
+        assert driven_backend(device, backend, masked) == want, (device, backend, masked)
