@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch._functorch._aot_autograd import descriptors as _desc
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import (
@@ -64,6 +64,7 @@ __all__ = [
     "op_strategy",
     "placement_kind",
     "unset_fake_temporarily",
+    "is_fake",
 ]
 
 StridedShard = _StridedShard

@@ -12,19 +12,29 @@ head, ``(batch, 1, q, k)``: :func:`keep_mask`'s) to the custom op ``autopp::sdpa
   replicated over heads), so the planner's candidates for attention are the same on every
   device;
 * its kernel is the fused kernel torch picks for the same SDPA call on the local shards
-  (the CPU flash kernel; flash, memory-efficient or cuDNN on CUDA), called through its
-  aten entry point (:mod:`autopp._compat.attention`) so the op returns, and autograd saves,
-  the output *and* the log-sum-exp that kernel's backward reads;
+  (the CPU flash kernel; flash, memory-efficient or cuDNN on CUDA; with a mask the CPU
+  flash or CUDA memory-efficient kernel, given the mask as torch's SDPA gives it), called
+  through its aten entry point (:mod:`autopp._compat.attention`) so the op returns, and
+  autograd saves, the output *and* the log-sum-exp that kernel's backward reads;
 * its backward ``autopp::sdpa_backward`` runs that kernel's fused backward on the saved
   output and log-sum-exp: the forward is never run again, and no seq x seq tensor exists in
   either direction. Priced as the fused kernels run: the backward's five matmuls are 2.5x
   the forward's two, over the pairs the causal mask keeps.
 
-Where torch would run its math path instead (no fused kernel for these inputs, or a mask on
-CUDA, where the op drives no masked kernel yet), the op runs
-``F.scaled_dot_product_attention`` and its backward re-runs it under autograd (same values,
-slower; logged once). A mask is priced as the kernels run it: every (query, key) pair, since
-an explicit mask turns the causal block skipping off.
+Where torch picks no kernel the op drives (its math path: no fused kernel for these inputs,
+e.g. a dtype or head dim no fused kernel takes, or ``sdpa_kernel`` allowing math only; or,
+for a masked call, cuDNN), the op runs ``F.scaled_dot_product_attention`` and its backward
+re-runs it under autograd (same values, slower). That is logged once per device, dtype,
+mask and torch's pick (a warning naming them, what runs instead and its backward's cost),
+and a FLOP count of such a run prices it as it runs (:func:`attention_flops`: the math
+path computes every pair, and the backward re-runs the forward: 3 forwards, or 3.5 where
+torch's own fused kernel runs). The planner cannot know at plan time whether a call will
+fall back (:func:`runtime_path`: torch chooses on the real local tensors, by device
+architecture, dtype, head dim, strides and the active ``sdpa_kernel`` context, while the
+planner traces on meta, possibly on a host without that device), so plans price the fused
+kernels and ``describe()`` shows no fallback; the run-time warning says where that price was
+wrong. A mask is priced as the kernels run it: every (query, key) pair, since an explicit
+mask turns the causal block skipping off.
 
 FLOPs are registered with torch's FLOP counter, which the planner's cost model reads.
 """
@@ -39,24 +49,47 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
+from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import register_flop_formula
 
 from autopp._compat import attention as fused
-from autopp._compat.sharding import autograd_inside_custom_op
+from autopp._compat.sharding import autograd_inside_custom_op, is_fake
 from autopp.graph.recompute import save_under_selective
 
 logger = logging.getLogger(__name__)
-_UNFUSED_LOGGED: set[tuple[str, torch.dtype]] = set()
+_UNFUSED_LOGGED: set[tuple[str, torch.dtype, bool, str]] = set()
 
 
-def _log_unfused(q: Tensor) -> None:
-    key = (q.device.type, q.dtype)
-    if key not in _UNFUSED_LOGGED:
-        _UNFUSED_LOGGED.add(key)
-        logger.info("autopp::sdpa: torch picks no fused attention kernel for %s %s inputs "
-                    "of shape %s; running its math path (the backward runs it again)",
-                    q.device.type, q.dtype, tuple(q.shape))
+def _torch_pick(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
+                mask: Tensor | None) -> SDPBackend:
+    """What torch's SDPA picks for these inputs (keys and values repeated per query head,
+    as the op hands them to the kernels)."""
+    return fused.torch_choice(q, fused._repeat_kv(q, k), fused._repeat_kv(q, v), is_causal,
+                              scale, mask)
+
+
+def _log_unfused(q: Tensor, mask: Tensor | None, pick: SDPBackend) -> None:
+    """Once per (device, dtype, masked, torch's pick): which inputs run unfused, what runs
+    instead, and what that costs against the plan's (fused) price."""
+    key = (q.device.type, q.dtype, mask is not None, pick.name)
+    if key in _UNFUSED_LOGGED:
+        return
+    _UNFUSED_LOGGED.add(key)
+    what = (f"a boolean mask {tuple(mask.shape)} (one per sequence)" if mask is not None
+            else "no mask")
+    instead = ("its math path (every (query, key) pair, the scores held for the backward)"
+               if pick == SDPBackend.MATH else
+               f"{pick.name}, which autopp::sdpa does not drive"
+               + (" with a mask" if mask is not None else "")
+               + ", through torch's own SDPA")
+    logger.warning(
+        "autopp::sdpa: no fused kernel autopp drives for %s %s inputs of shape %s with %s: "
+        "torch picks %s; the backward runs the forward again under autograd. Planned as "
+        "the fused kernels run: this attention's backward costs %.1fx its forward, not "
+        "%.1fx (autopp.ops.attention.attention_flops)",
+        q.device.type, q.dtype, tuple(q.shape), what, instead,
+        _BACKWARD_PER_FORWARD[_path(pick)], _BACKWARD_PER_FORWARD["fused"])
 
 
 @torch.library.custom_op("autopp::sdpa", mutates_args=())
@@ -72,7 +105,7 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
     strides for transposed inputs; Inductor checks the promise)."""
     got = fused.fused_forward(q, k, v, is_causal, scale, mask)
     if got is None:
-        _log_unfused(q)
+        _log_unfused(q, mask, _torch_pick(q, k, v, is_causal, scale, mask))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                              scale=scale, enable_gqa=enable_gqa)
         return out.contiguous(), q.new_zeros(q.shape[:3], dtype=fused.LSE_DTYPE)
@@ -170,27 +203,69 @@ def attended_pairs(lq: int, lk: int, is_causal: bool) -> int:
     return lk * (lk + 1) // 2 + (lq - lk) * lk
 
 
-def _attention_flops(q_shape, k_shape, v_shape, is_causal: bool) -> int:
-    b, h, lq, d = q_shape
-    lk, dv = k_shape[-2], v_shape[-1]
-    return 2 * b * h * attended_pairs(lq, lk, is_causal) * (d + dv)  # q·kᵀ and p·v
+_BACKWARD_PER_FORWARD = {"fused": 2.5, "math": 3.0, "torch_fused": 3.5}
+"""Backward FLOPs per forward FLOP on each path: the op's fused backward runs five matmuls
+(q·kᵀ again, dV, dP, dQ, dK) against the forward's two; where the op falls back, its
+backward runs the forward again (two) and then torch's backward: the math path's four
+matmuls, or the fused kernel's five."""
 
-
-@register_flop_formula(torch.ops.autopp.sdpa)
-def _sdpa_flop(q_shape, k_shape, v_shape, is_causal, *args, **kwargs) -> int:
-    return _attention_flops(q_shape, k_shape, v_shape, is_causal)
-
-
-BACKWARD_FLOPS_PER_FORWARD = 2.5
+BACKWARD_FLOPS_PER_FORWARD = _BACKWARD_PER_FORWARD["fused"]
 """The fused backward's FLOPs per forward FLOP: five matmuls against the forward's two."""
 
 
-@register_flop_formula(torch.ops.autopp.sdpa_backward)
-def _sdpa_backward_flop(grad_shape, q_shape, k_shape, v_shape, saved_out_shape, lse_shape,
-                        is_causal, *args, **kwargs) -> int:
-    # the fused backward's five matmuls (q·kᵀ again, dV, dP, dQ, dK): 2.5x the forward's two
-    return int(BACKWARD_FLOPS_PER_FORWARD * _attention_flops(q_shape, k_shape, v_shape,
-                                                             is_causal))
+def _path(pick: SDPBackend | None) -> str:
+    """The path a fallback runs, by torch's pick: its math path or its own fused kernel."""
+    return "math" if pick in (None, SDPBackend.MATH) else "torch_fused"
+
+
+def attention_flops(q_shape, k_shape, v_shape, is_causal: bool, *, backward: bool = False,
+                    path: str = "fused") -> int:
+    """FLOPs of attention's forward (or ``backward``) on ``path``, the one home of the
+    attention FLOP rule (the registered formulas, which the planner's cost model reads,
+    call it):
+
+    * "fused": the kernels the op drives (what the planner prices): the (query, key) pairs
+      they compute (:func:`attended_pairs`: causal blocks skipped), backward 2.5 forwards;
+    * "math": the op's fallback on torch's math path: every pair (the causal mask is
+      applied to a full score matrix), the backward re-running the forward: 3 forwards;
+    * "torch_fused": the fallback where torch's own SDPA runs a fused kernel the op does
+      not drive (cuDNN for a masked call): pairs as the fused kernels, backward 3.5
+      forwards (the forward again, then the kernel's backward)."""
+    b, h, lq, d = q_shape
+    lk, dv = k_shape[-2], v_shape[-1]
+    pairs = lq * lk if path == "math" else attended_pairs(lq, lk, is_causal)
+    forward = 2 * b * h * pairs * (d + dv)  # q·kᵀ and p·v
+    return int(_BACKWARD_PER_FORWARD[path] * forward) if backward else forward
+
+
+def runtime_path(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
+                 mask: Tensor | None) -> str:
+    """The path the op runs on these tensors ("fused", "math" or "torch_fused"), where it
+    can be known: on real tensors (a FLOP count of a run). On meta and fake tensors (the
+    planner's) it is "fused": torch makes its choice when the op runs, on the real local
+    tensors (the device and its architecture, dtype, head dim, strides and alignment, the
+    ``sdpa_kernel`` context then active), which a plan made on meta, possibly on a host
+    without that device, cannot evaluate. A run that falls back logs it once
+    (:func:`sdpa`)."""
+    if q.device.type == "meta" or is_fake(q):
+        return "fused"
+    pick = _torch_pick(q, k, v, is_causal, scale, mask)
+    if fused.driven_backend(q.device.type, pick, mask is not None) is not None:
+        return "fused"
+    return _path(pick)
+
+
+@register_flop_formula(torch.ops.autopp.sdpa, get_raw=True)
+def _sdpa_flop(q, k, v, is_causal, scale, enable_gqa, mask=None, *args, **kwargs) -> int:
+    return attention_flops(q.shape, k.shape, v.shape, is_causal,
+                           path=runtime_path(q, k, v, is_causal, scale, mask))
+
+
+@register_flop_formula(torch.ops.autopp.sdpa_backward, get_raw=True)
+def _sdpa_backward_flop(grad, q, k, v, out, lse, is_causal, scale, enable_gqa, mask=None,
+                        *args, **kwargs) -> int:
+    return attention_flops(q.shape, k.shape, v.shape, is_causal, backward=True,
+                           path=runtime_path(q, k, v, is_causal, scale, mask))
 
 
 def packed_documents(position_ids: Tensor) -> Tensor:

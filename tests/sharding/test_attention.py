@@ -317,3 +317,55 @@ def test_masked_calls_are_driven_by_the_kernels_that_take_the_mask():
             ("cuda", B.FLASH_ATTENTION, False, B.FLASH_ATTENTION),
             ("meta", B.FLASH_ATTENTION, False, None)]:
         assert driven_backend(device, backend, masked) == want, (device, backend, masked)
+
+
+def test_a_fallback_is_logged_as_it_runs_and_counted_as_it_runs(caplog):
+    """Where torch picks no kernel the op drives (here its math path, forced), the op runs
+    torch's SDPA and its backward runs the forward again: the log line says which inputs,
+    what runs and what it costs, and a FLOP count of the run (real tensors) prices that
+    path, every (query, key) pair and a backward of 3 forwards, not the fused 2.5."""
+    import logging
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from autopp.ops import attention as ops
+
+    ops._UNFUSED_LOGGED.clear()
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64)
+    mask = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
+    with sdpa_kernel(SDPBackend.MATH), caplog.at_level(logging.WARNING, ops.__name__):
+        with FlopCounterMode(display=False) as fc:
+            out, lse = torch.ops.autopp.sdpa(q, q, q, False, 1.0, False, mask)
+        assert fc.get_total_flops() == 2 * 2 * 16 * (8 + 8)
+        with FlopCounterMode(display=False) as fc:
+            torch.ops.autopp.sdpa_backward(q, q, q, q, out, lse, False, 1.0, False, mask)
+        assert fc.get_total_flops() == 3 * 2 * 2 * 16 * (8 + 8)
+    (line,) = [r.getMessage() for r in caplog.records]
+    for said in ("cpu torch.float64", "(1, 2, 4, 8)", "boolean mask (1, 1, 4, 4)",
+                 "its math path", "runs the forward again", "3.0x", "not 2.5x"):
+        assert said in line, (said, line)
+    assert "picks no fused" not in line
+
+
+def test_the_planner_prices_attention_as_the_fused_kernels_run(stack_of, make_mesh):
+    """On the planner's meta values torch's run-time choice cannot be made: the cost model
+    reads the fused kernels' FLOPs (causal pairs, backward 2.5 forwards) from the one
+    attention FLOP rule (:func:`autopp.ops.attention.attention_flops`)."""
+    from autopp.ops.attention import attention_flops
+    from autopp.profiles.lookup import get_profile
+    from autopp.sharding.chain import trace_block
+    from autopp.sharding.costs import CostModel
+
+    traced = trace_block(stack_of(1), torch.empty(2, 64, 256, device="meta"), make_mesh(2, 2))
+    costs = CostModel(get_profile("H100"), (2, 2))
+    priced = {}
+    for ns in traced.strategies.nodes.values():
+        target = str(ns.node.target)
+        if target in ("autopp.sdpa.default", "autopp.sdpa_backward.default"):
+            q_idx = 0 if target == "autopp.sdpa.default" else 1
+            q, k, v = (ns.node.args[q_idx + i].meta["val"] for i in range(3))
+            want = attention_flops(q.shape, k.shape, v.shape, True,
+                                   backward=q_idx == 1, path="fused")
+            priced[target] = (costs.global_flops(ns), want)
+    assert len(priced) == 2 and all(got == want > 0 for got, want in priced.values()), priced
