@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
@@ -246,8 +246,10 @@ def runtime_path(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
     tensors (the device and its architecture, dtype, head dim, strides and alignment, the
     ``sdpa_kernel`` context then active), which a plan made on meta, possibly on a host
     without that device, cannot evaluate. A run that falls back logs it once
-    (:func:`sdpa`)."""
-    if q.device.type == "meta" or is_fake(q):
+    (:func:`sdpa`). DTensors are judged by their local tensors (what the op runs on);
+    other tensor subclasses (functional, fake) as "fused"."""
+    q, k, v, mask = (t.to_local() if isinstance(t, DTensor) else t for t in (q, k, v, mask))
+    if q.device.type == "meta" or is_fake(q) or type(q) is not Tensor:
         return "fused"
     pick = _torch_pick(q, k, v, is_causal, scale, mask)
     if fused.driven_backend(q.device.type, pick, mask is not None) is not None:
