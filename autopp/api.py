@@ -134,7 +134,7 @@ def pipeline_autoparallel(
     if coords is None:
         raise ValueError("this rank is not part of the mesh")
     pp_rank, dp_rank, tp_rank = coords
-    keyword = _keyword_inputs(example_kwargs, example_inputs)
+    keyword = example_keyword_inputs(example_kwargs, example_inputs)
     saved = backend.plan if isinstance(backend, Planner) else None
     if saved is not None:  # before the split: its errors would hide what differs
         saved.check(model=model, pp=pp, dp=dp, tp=tp, schedule=str(schedule),
@@ -194,9 +194,10 @@ def pipeline_autoparallel(
                                          for n, t in keyword.items()))
 
 
-def _keyword_inputs(example_kwargs: Mapping[str, torch.Tensor] | None,
-                    example_inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``example_kwargs`` checked (tensors batched like the inputs) and sorted by name."""
+def example_keyword_inputs(example_kwargs: Mapping[str, torch.Tensor] | None,
+                           example_inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``example_kwargs`` checked (tensors batched like the inputs) and sorted by name: what
+    :func:`pipeline_autoparallel` and :func:`autopp.dry_run.dry_run` plan for."""
     batch = int(example_inputs[0].shape[0]) if example_inputs else None
     out = {}
     for name, t in sorted((example_kwargs or {}).items()):

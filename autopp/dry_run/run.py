@@ -40,6 +40,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -48,7 +49,7 @@ from torch import nn
 
 from autopp.stage_split.for_schedule import split_for_schedule, stage_ranks_of
 from autopp.plan.boundaries import BOUNDARIES
-from autopp.plan.make import loss_time_s, plan_whole_pipeline
+from autopp.plan.make import loss_time_s, microbatch_keyword_inputs, plan_whole_pipeline
 from autopp.plan.stage_inputs import last_stage_output, stage_meta_inputs
 from autopp.backends import PlannerOptions
 from autopp.format import compact_modules
@@ -82,6 +83,7 @@ from autopp.schedules import (
     write_timeline_png,
 )
 from autopp.sharding import StagePlan, plan_stage
+from autopp.sharding.plan import describe_keyword_inputs
 from autopp.profiles import get_profile
 from autopp.adapters.torchtitan_reference import torchtitan_stage_placements
 
@@ -280,7 +282,8 @@ __all__ = ["DryRunReport", "StageReport", "compact_modules", "dry_run", "placeme
 
 
 def _plan_torchtitan(stage, inputs, sub_mesh, profile, index, *, first: bool, last: bool,
-                     mixed_precision=None, n_microbatches: int = 1, tf32: bool = False):
+                     mixed_precision=None, n_microbatches: int = 1, tf32: bool = False,
+                     keyword_inputs=None):
     """torchtitan's layout priced by the planner (activations re-optimised), cached on disk.
 
     As torchtitan runs it with TP: sequence parallel between blocks, so a stage sends its
@@ -297,6 +300,9 @@ def _plan_torchtitan(stage, inputs, sub_mesh, profile, index, *, first: bool, la
     if mixed_precision is not None:
         options["mixed_precision"] = mixed_precision
     options["microbatches_per_grad_reduce"] = n_microbatches
+    if keyword_inputs:  # one dp-global microbatch's, as the planned stages take them
+        options["keyword_inputs"] = [[n, list(shape), d] for n, shape, d in
+                                     describe_keyword_inputs(keyword_inputs)]
     key = plan_key(stage, inputs, tuple(sub_mesh.shape), names, options)
     t0 = time.perf_counter()
     plan, hit = cached_plan(key, lambda: plan_stage(
@@ -304,7 +310,7 @@ def _plan_torchtitan(stage, inputs, sub_mesh, profile, index, *, first: bool, la
         param_placements=torchtitan_stage_placements(stage, names),
         input_placements=BOUNDARIES[b_in], output_placements=BOUNDARIES[b_out],
         mixed_precision=mixed_precision, microbatches_per_grad_reduce=n_microbatches,
-        tf32=tf32,
+        tf32=tf32, keyword_inputs=keyword_inputs,
     ))
     dt = time.perf_counter() - t0
     logger.info("stage %d: torchtitan layout priced in %.1f s (%s)", index, dt,
@@ -328,6 +334,7 @@ def dry_run(
     activations: bool = True,
     trace: str | os.PathLike | None = None,
     timeline: str | os.PathLike | None = None,
+    example_kwargs: Mapping[str, torch.Tensor] | None = None,
     **planner_keywords: Any,
 ) -> DryRunReport:
     """Plan the pipeline of ``model_meta`` for a pp × dp × tp world on this machine alone.
@@ -359,6 +366,14 @@ def dry_run(
             activation memory (faster, and the peaks then undercount).
         trace, timeline: write the simulated step as a Chrome / Perfetto trace JSON and as a
             PNG timeline to these paths.
+        example_kwargs: keyword inputs of the model's forward the steps will pass (name ->
+            tensor of one dp rank's batch, ``global_batch // dp``, batch on dim 0, meta
+            tensors welcome; e.g. a padding ``attention_mask`` or packed documents'
+            ``position_ids``), as for :func:`autopp.pipeline_autoparallel`: every stage is
+            planned for them (names, shapes, dtypes; in the plan cache key) and takes them
+            as graph inputs; the plan records them (``report.plan.keyword_inputs``, each
+            ``StagePlan.keyword_inputs``), and a job running the saved plan must pass the
+            same.
 
     Planner options given as loose keywords (``profile=``, ``memory_reserve=``, ...) are
     refused with the ``options=PlannerOptions(...)`` to write instead.
@@ -396,7 +411,8 @@ def dry_run(
             report = _dry_run(model_meta, pp=pp, dp=dp, tp=tp, schedule=schedule,
                               n_microbatches=n_microbatches, global_batch=global_batch,
                               seq_len=seq_len, options=options, split=split,
-                              compare=compare, activations=activations)
+                              compare=compare, activations=activations,
+                              example_kwargs=example_kwargs)
     finally:
         if created:
             dist.destroy_process_group()
@@ -417,7 +433,10 @@ def _stage_estimate(meta, plan, sub_mesh, x, n_microbatches, *, activations, los
 
 
 def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, seq_len,
-             options: PlannerOptions, split, compare, activations) -> DryRunReport:
+             options: PlannerOptions, split, compare, activations,
+             example_kwargs=None) -> DryRunReport:
+    from autopp.api import example_keyword_inputs
+
     profile, mixed_precision = options.profile, options.mixed_precision
     memory_budget_bytes, memory_reserve = options.memory_budget_bytes, options.memory_reserve
     if global_batch % dp:
@@ -435,6 +454,7 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
     rank_of = dict(enumerate(stage_ranks))
 
     local = (torch.empty((global_batch // dp, seq_len), dtype=torch.long, device="meta"),)
+    keyword = example_keyword_inputs(example_kwargs, local)
     pd = mixed_precision.param_dtype if mixed_precision is not None else None
     metas, inputs = stage_meta_inputs(model_meta, fqns_per_stage, local[0], n_microbatches,
                                       dp, pd)
@@ -449,7 +469,9 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
                                              last=s == n_stages - 1,
                                              mixed_precision=mixed_precision,
                                              n_microbatches=n_microbatches,
-                                             tf32=options.tf32))
+                                             tf32=options.tf32,
+                                             keyword_inputs=microbatch_keyword_inputs(
+                                                 keyword, n_microbatches, dp)))
         budget = memory_budget_bytes
         if compare and budget is None and options.parameter_budget_bytes is None:
             budget = tt_plans[s][0].param_bytes_per_device * (1 + 1e-9)
@@ -461,7 +483,7 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
         example_inputs=local, options=options, loss_fn=cross_entropy,
         budgets=budgets if compare and options.parameter_budget_bytes is None else None,
         # None: the options' budgets (by default the device memory, all categories)
-        timings=timings)
+        timings=timings, keyword_inputs=keyword)
     bounds = pplan.boundaries
     logits = last_stage_output(metas, inputs, mixed_precision)
     tt_kind = "batch+seq" if tp > 1 else "batch"  # torchtitan's boundaries (sequence parallel)

@@ -434,7 +434,8 @@ class PipelinePlan:
         lines = [
             f"PipelinePlan for model {self.model}: pp={self.pp} x dp={self.dp} x tp={self.tp}, "
             f"schedule {self.schedule}, {self.n_microbatches} microbatches, inputs per dp rank "
-            + ", ".join(f"{list(s)} {d}" for s, d in zip(self.input_shapes, self.input_dtypes)),
+            + ", ".join(f"{list(s)} {d}" for s, d in zip(self.input_shapes, self.input_dtypes))
+            + "".join(f", {n}={list(s)} {d}" for n, s, d in self.keyword_inputs),
             f"  planned with profile {o.profile}, parameter-memory budget "
             + ("none" if o.memory_budget_bytes is None else f"{o.memory_budget_bytes / mib:.1f} MiB")
             + f", boundary {o.boundary}, loss_parallel {o.loss_parallel}, "
