@@ -17,8 +17,12 @@ CUDA cuDNN           ``_scaled_dot_product_cudnn_attention``            (b, h, s
 
 .. [1] torch picks no flash kernel for a masked call (flash takes no mask).
 .. [2] Where torch picks cuDNN for a masked call (its ``convert_boolean_attn_mask_cudnn``
-   fills with -65504, not -inf), :func:`fused_forward` returns None and the op runs torch's
-   own SDPA, whose backward runs the forward again: the cuDNN bias path is not driven here.
+   fills with -65504, not -inf, in the aten source read), :func:`fused_forward` returns
+   None and the op runs torch's own SDPA, whose backward runs the forward again: the cuDNN
+   bias path is not driven here. torch's ``sdp_utils.cpp`` (as read, not checked against
+   this build) puts cuDNN first on sm90 / sm10x with cuDNN newer than 9.15, and cuDNN takes
+   masks, so there masked calls take that fallback (logged) unless cuDNN is deprioritised
+   (``TORCH_CUDNN_SDPA_DEPRIORITIZED=1``) or excluded (``sdpa_kernel``).
 
 Every log-sum-exp is handed out as ``(b, h, s_q)`` fp32 (:data:`LSE_DTYPE`) and given back
 to its kernel in the kernel's own shape. The kernels run without dropout, so the random
