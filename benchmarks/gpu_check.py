@@ -22,7 +22,8 @@ Rows (check, result, figures):
    an 80 GB H100) and the mesh's device type under the process group's backend.
 2. ``attention``: autopp's attention op forward + backward against torch's own SDPA under
    autograd, on the device: time, allocator peak (CUDA), largest gradient difference, the
-   FLOP rate by the op's registered FLOPs.
+   FLOP rate by the op's registered FLOPs; unmasked causal, and with a padding + causal
+   mask per sequence (the kernel torch picks and the one autopp runs named).
 3. ``parity <pipeline>``: the planned pipeline (a carried plan, ``plan=``) runs a step; its
    loss and every gradient against the plain model on the same device. fp32 (TF32 off,
    torch's default): the suite's parity metric (per tensor ‖g − r‖ / max(‖r‖, 1e-3)
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import statistics
 import sys
@@ -122,11 +124,26 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-#: Attention shapes (b, h, s, d) and dtypes the attention row times: on CUDA also a
-#: llama3-70B-like head size at seq 8192 in bf16, the training case the cost model prices.
-ATTENTION_CASES = {"cuda": (((1, 16, 4096, 64), torch.float32),
-                            ((1, 32, 8192, 128), torch.bfloat16)),
-                   "cpu": (((1, 4, 512, 32), torch.float32),)}
+#: Attention shapes (b, h, s, d), dtypes and whether masked, that the attention row times:
+#: on CUDA also a llama3-70B-like head size at seq 8192 in bf16, the training case the cost
+#: model prices, and a padding + causal mask per sequence (:func:`_padding_mask`) at a
+#: sequence length not a multiple of 16 (the memory-efficient kernel's bias alignment).
+ATTENTION_CASES = {"cuda": (((1, 16, 4096, 64), torch.float32, False),
+                            ((1, 32, 8192, 128), torch.bfloat16, False),
+                            ((2, 16, 1000, 64), torch.bfloat16, True)),
+                   "cpu": (((1, 4, 512, 32), torch.float32, False),
+                           ((2, 4, 500, 32), torch.float32, True))}
+
+
+def _padding_mask(b: int, s: int, device: torch.device) -> torch.Tensor:
+    """Causal and right padding (row i of the batch loses its last ``100 * i`` keys), one
+    boolean ``(b, 1, s, s)`` mask per sequence; every query keeps key 0 (no empty row)."""
+    from autopp.ops.attention import keep_mask
+
+    valid = torch.ones(b, s, device=device)
+    for i in range(b):
+        valid[i, s - 100 * i:] = 0
+    return keep_mask(s, s, device=device, key_valid=valid)
 
 
 def _attention_row(device: torch.device) -> tuple[str, str, str]:
@@ -136,19 +153,29 @@ def _attention_row(device: torch.device) -> tuple[str, str, str]:
     import autopp.ops.attention  # noqa: F401  (registers autopp::sdpa)
     from torch.utils.flop_counter import FlopCounterMode
 
+    from autopp._compat import attention as fused
+
     worst, cases = 0.0, []
-    for shape, dtype in ATTENTION_CASES[device.type]:
+    for shape, dtype, masked in ATTENTION_CASES[device.type]:
         b, h, s, d = shape
         q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
                    for _ in range(3))
         g = torch.randn(shape, device=device, dtype=dtype)
+        mask = _padding_mask(b, s, device) if masked else None
+        causal = not masked  # the mask holds the causal part
 
         def run(op):
             out = op(q, k, v)
             return torch.autograd.grad(out, (q, k, v), g)
 
-        ours = lambda q, k, v: torch.ops.autopp.sdpa(q, k, v, True, d ** -0.5, False)[0]  # noqa: E731
-        theirs = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+        ours = lambda q, k, v: torch.ops.autopp.sdpa(q, k, v, causal, d ** -0.5, False, mask)[0]  # noqa: E731
+        theirs = lambda q, k, v: F.scaled_dot_product_attention(  # noqa: E731
+            q, k, v, attn_mask=mask, is_causal=causal)
+        with torch.no_grad():
+            pick = fused.torch_choice(q, k, v, causal, d ** -0.5, mask)
+            runs = fused.fused_backend(q, k, v, causal, d ** -0.5, mask)
+        kernel = (f"torch picks {pick.name}, autopp runs "
+                  + (runs.name if runs is not None else "torch's SDPA (fallback)"))
         with FlopCounterMode(display=False) as counter:
             run(ours)
         flops = counter.get_total_flops()
@@ -171,8 +198,9 @@ def _attention_row(device: torch.device) -> tuple[str, str, str]:
             figures.append(f"{name} {t * 1e3:.2f} ms{peak}{rate}")
         err = max(float((a - b).abs().max()) for a, b in zip(run(ours), run(theirs)))
         tol = 1e-4 if dtype == torch.float32 else 2e-2
-        worst = max(worst, err / tol)
-        cases.append(f"{shape} {str(dtype).removeprefix('torch.')}: {'; '.join(figures)}; "
+        worst = max(worst, err / tol if math.isfinite(err) else math.inf)  # NaN fails
+        cases.append(f"{shape} {str(dtype).removeprefix('torch.')}"
+                     f"{' masked' if masked else ''} ({kernel}): {'; '.join(figures)}; "
                      f"max |grad diff| {err:.1e}")
     return ("attention", "ok" if worst <= 1 else "FAIL",
             "causal fwd+bwd " + " | ".join(cases))
