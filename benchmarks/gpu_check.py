@@ -168,7 +168,8 @@ def _attention_row(device: torch.device) -> tuple[str, str, str]:
             out = op(q, k, v)
             return torch.autograd.grad(out, (q, k, v), g)
 
-        ours = lambda q, k, v: torch.ops.autopp.sdpa(q, k, v, causal, d ** -0.5, False, mask)[0]  # noqa: E731
+        ours = lambda q, k, v: torch.ops.autopp.sdpa(  # noqa: E731
+            q, k, v, causal, d ** -0.5, False, mask)[0]
         theirs = lambda q, k, v: F.scaled_dot_product_attention(  # noqa: E731
             q, k, v, attn_mask=mask, is_causal=causal)
         with torch.no_grad():

@@ -6,14 +6,14 @@ forward. torch's own SDPA autograd calls the same pairs (its ``derivatives.yaml`
 The backend is the one torch would pick for ``F.scaled_dot_product_attention`` on the same
 inputs (``torch._fused_sdp_choice``, which honours ``torch.nn.attention.sdpa_kernel``):
 
-===================  =================================================  ===================  ==========
-backend              forward / backward                                 log-sum-exp          with mask
-===================  =================================================  ===================  ==========
-CPU flash            ``_scaled_dot_product_flash_attention_for_cpu``    (b, h, s_q)          yes
-CUDA flash           ``_scaled_dot_product_flash_attention``            (b, h, s_q)          never [1]_
-CUDA efficient       ``_scaled_dot_product_efficient_attention``        (b, h, ⌈s_q/32⌉·32)  yes
-CUDA cuDNN           ``_scaled_dot_product_cudnn_attention``            (b, h, s_q, 1)       no [2]_
-===================  =================================================  ===================  ==========
+===============  =================================================  ===================  =======
+backend          forward / backward                                 log-sum-exp          mask
+===============  =================================================  ===================  =======
+CPU flash        ``_scaled_dot_product_flash_attention_for_cpu``    (b, h, s_q)          yes
+CUDA flash       ``_scaled_dot_product_flash_attention``            (b, h, s_q)          no [1]_
+CUDA efficient   ``_scaled_dot_product_efficient_attention``        (b, h, ⌈s_q/32⌉·32)  yes
+CUDA cuDNN       ``_scaled_dot_product_cudnn_attention``            (b, h, s_q, 1)       no [2]_
+===============  =================================================  ===================  =======
 
 .. [1] torch picks no flash kernel for a masked call (flash takes no mask).
 .. [2] Where torch picks cuDNN for a masked call (its ``convert_boolean_attn_mask_cudnn``
