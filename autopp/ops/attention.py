@@ -24,8 +24,8 @@ head, ``(batch, 1, q, k)``: :func:`keep_mask`'s) to the custom op ``autopp::sdpa
 Where torch picks no kernel the op drives (its math path: no fused kernel for these inputs,
 e.g. a dtype or head dim no fused kernel takes, or ``sdpa_kernel`` allowing math only; or,
 for a masked call, cuDNN), the op runs ``F.scaled_dot_product_attention`` and its backward
-re-runs it under autograd (same values, slower). That is logged once per device, dtype,
-mask and torch's pick (a warning naming them, what runs instead and its backward's cost),
+re-runs it under autograd (same values, slower). That is logged once per device, dtype
+and masked or not (a warning naming them, what runs instead and its backward's cost),
 and a FLOP count of such a run prices it as it runs (:func:`attention_flops`: the math
 path computes every pair, and the backward re-runs the forward: 3 forwards, or 3.5 where
 torch's own fused kernel runs). The planner cannot know at plan time whether a call will
@@ -58,7 +58,7 @@ from autopp._compat.sharding import autograd_inside_custom_op, is_fake
 from autopp.graph.recompute import save_under_selective
 
 logger = logging.getLogger(__name__)
-_UNFUSED_LOGGED: set[tuple[str, torch.dtype, bool, str]] = set()
+_UNFUSED_LOGGED: set[tuple[str, torch.dtype, bool]] = set()
 
 
 def _torch_pick(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
@@ -69,16 +69,18 @@ def _torch_pick(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
                               scale, mask)
 
 
-def _log_unfused(q: Tensor, mask: Tensor | None, pick: SDPBackend) -> None:
-    """Once per (device, dtype, masked, torch's pick): which inputs run unfused, what runs
+def _log_unfused(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
+                 mask: Tensor | None) -> None:
+    """Once per (device, dtype, masked): which inputs run unfused, what torch picks and runs
     instead, and what that costs against the plan's (fused) price."""
-    key = (q.device.type, q.dtype, mask is not None, pick.name)
+    key = (q.device.type, q.dtype, mask is not None)
     if key in _UNFUSED_LOGGED:
         return
     _UNFUSED_LOGGED.add(key)
+    pick = _torch_pick(q, k, v, is_causal, scale, mask)
     what = (f"a boolean mask {tuple(mask.shape)} (one per sequence)" if mask is not None
             else "no mask")
-    instead = ("its math path (every (query, key) pair, the scores held for the backward)"
+    instead = ("its math path (every (query, key) pair, a score tensor per head)"
                if pick == SDPBackend.MATH else
                f"{pick.name}, which autopp::sdpa does not drive"
                + (" with a mask" if mask is not None else "")
@@ -105,7 +107,7 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
     strides for transposed inputs; Inductor checks the promise)."""
     got = fused.fused_forward(q, k, v, is_causal, scale, mask)
     if got is None:
-        _log_unfused(q, mask, _torch_pick(q, k, v, is_causal, scale, mask))
+        _log_unfused(q, k, v, is_causal, scale, mask)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                              scale=scale, enable_gqa=enable_gqa)
         return out.contiguous(), q.new_zeros(q.shape[:3], dtype=fused.LSE_DTYPE)
