@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from autopp._compat import sharding as compat
 from autopp.sharding import op_hooks
 from autopp.graph.walk import closure
-from autopp.sharding.plan import BlockPlan, from_strs
+from autopp.sharding.plan import BlockPlan, from_strs, to_strs
 from autopp.sharding.strategies import Option, tensor_vals
 from autopp.sharding.trace import JointGraph
 
@@ -40,6 +40,19 @@ def redistribute_to(x: Any, placements: tuple | None) -> Any:
     have = tuple(x.placements)
     target = tuple(h if isinstance(p, compat.Partial) else p for p, h in zip(placements, have))
     return x if target == have else x.redistribute(x.device_mesh, target)
+
+
+def local_in(value: Any, placements: tuple) -> torch.Tensor:
+    """``value`` (a DTensor) redistributed to ``placements`` (none Partial), as a local
+    tensor: how a lowered graph returns a value in a planned placement."""
+    if any(isinstance(p, compat.Partial) for p in placements):
+        raise ValueError(f"graph outputs cannot be returned Partial, planned {to_strs(placements)}")
+    out = redistribute_to(value, tuple(placements))
+    if isinstance(out, DTensor):
+        if tuple(out.placements) != tuple(placements):
+            raise AssertionError(f"{out.placements} != {placements}")
+        return out.to_local()
+    return out
 
 
 class GraphRunner:

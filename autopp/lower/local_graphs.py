@@ -2,7 +2,8 @@
 
 :mod:`autopp.lower.interpret` runs a :class:`BlockPlan` by interpreting the joint graph on
 DTensors, node by node. Here the same interpreter (:class:`~autopp.lower.interpret.GraphRunner`)
-is traced once with ``make_fx`` (fake tensors, this rank's local shapes): DTensor's
+is traced with ``make_fx`` (fake tensors, this rank's local shapes; once per distinct unit
+of a stage, :mod:`autopp.lower.stitch`): DTensor's
 redistributions become ``_c10d_functional`` collectives on plain tensors and every op runs on
 the local shard, so the result is one flat aten graph, identical in values to the
 interpreter, that :func:`autopp.graph.split_joint_graph` can cut into the forward /
@@ -30,13 +31,13 @@ from typing import Any
 import torch
 from torch import fx
 from torch.distributed.tensor import DTensor
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopp.graph import JointSignature, Recompute, StageGraphs, split_joint_graph
 from autopp.graph.overlap import overlap_stage_graphs
 from autopp._compat import sharding as compat
 from autopp._compat.distributed import FakeTensorMode
-from autopp.lower.interpret import GraphRunner, redistribute_to
+from autopp.lower import stitch
+from autopp.lower.interpret import GraphRunner
 from autopp.sharding.plan import BlockPlan, to_strs
 from autopp.sharding.trace import JointGraph
 
@@ -135,18 +136,6 @@ def _missing_kernel_decomps(gm: fx.GraphModule, device: torch.device) -> dict[An
     return table
 
 
-def _local(value: Any, placements: Sequence[Any]) -> torch.Tensor:
-    """``value`` (a DTensor) redistributed to ``placements`` (none Partial), as a local tensor."""
-    if any(isinstance(p, compat.Partial) for p in placements):
-        raise ValueError(f"graph outputs cannot be returned Partial, planned {to_strs(placements)}")
-    out = redistribute_to(value, tuple(placements))
-    if isinstance(out, DTensor):
-        if tuple(out.placements) != tuple(placements):
-            raise AssertionError(f"{out.placements} != {placements}")
-        return out.to_local()
-    return out
-
-
 def _check_local(gm: fx.GraphModule) -> None:
     """Raise unless ``gm`` only runs aten ops, ``_c10d_functional`` collectives and getitem
     on plain tensors (no DTensor left in any node's value)."""
@@ -203,13 +192,19 @@ class LoweredUnit:
 
 def lower_stage(units: Sequence[LoweredUnit], mesh: Any, in_placements: tuple,
                 out_placements: tuple) -> LocalJoint:
-    """Trace a whole planned stage (its units in order) into one local joint graph.
+    """Lower a whole planned stage (its units in order) to one local joint graph.
 
-    The traced function runs every unit's forward nodes through the plan's interpreter,
-    moving each unit's output to the next unit's planned input placement, returns the last
-    output in ``out_placements``, then runs the units' backward nodes in reverse from the
-    output gradient (in ``out_placements``), each input gradient moved to the previous
-    unit's output placement. Collectives come out explicit, as in :func:`lower_joint`.
+    The graph runs every unit's forward nodes through the plan's interpreter, moving each
+    unit's output to the next unit's planned input placement, returns the last output in
+    ``out_placements``, then runs the units' backward nodes in reverse from the output
+    gradient (in ``out_placements``), each input gradient moved to the previous unit's
+    output placement. Collectives come out explicit, as in :func:`lower_joint`.
+
+    Each distinct unit is traced once (:mod:`autopp.lower.stitch`): units with the same
+    plan taking their inputs in the same placements (a stage's repeated blocks) share one
+    trace, whose nodes are copied in for each of them, and the moves between units are
+    traced on their own. The result is the graph one trace of the whole stage would give,
+    op for op in the same order.
 
     Graph inputs: every unit's parameters then every unit's buffers (units in order, each in
     its joint's order), the stage input (in ``in_placements``), the keyword inputs every
@@ -225,11 +220,13 @@ def lower_stage(units: Sequence[LoweredUnit], mesh: Any, in_placements: tuple,
     dev = mesh_device(mesh)
     runners = [GraphRunner(u.joint, u.plan, mesh, dev) for u in units]
     n_kw = len(units[0].joint.inputs) - 1
-    for u in units:
+    for k, u in enumerate(units):
         if not u.joint.tangents or len(u.joint.outputs) != 1 or \
                 sorted(u.joint.inputs) != list(range(n_kw + 1)):
             raise ValueError("every unit of a stage takes one input (and the same keyword "
                              "inputs) and returns one output with a tangent")
+        if k > 0 and 0 not in u.joint.input_grads:
+            raise ValueError(f"unit {k} of the stage passes no gradient to the unit before it")
     kw_nodes = [units[0].joint.inputs[i] for i in range(1, n_kw + 1)]
     p_nodes = [(r, n) for u, r in zip(units, runners) for n in u.joint.params.values()]
     b_nodes = [(r, n) for u, r in zip(units, runners) for n in u.joint.buffers.values()]
@@ -254,63 +251,16 @@ def lower_stage(units: Sequence[LoweredUnit], mesh: Any, in_placements: tuple,
     n_p, n_b = len(p_nodes), len(b_nodes)
     has_input_grad = 0 in units[0].joint.input_grads
 
-    def step(*local: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        wrapped = [DTensor.from_local(t, mesh, pl, run_check=False, shape=v.shape,
-                                      stride=v.stride())
-                   for t, pl, v in zip(local, placements, vals)]
-        params_it, bufs_it = iter(wrapped[:n_p]), iter(wrapped[n_p : n_p + n_b])
-        raw_bufs = iter(local[n_p : n_p + n_b])
-        h = wrapped[n_p + n_b]
-        kws = wrapped[n_p + n_b + 1 : n_p + n_b + 1 + n_kw]
-        envs = []
-        for u, r in zip(units, runners):
-            j = u.joint
-            env: dict[fx.Node, Any] = {n: next(params_it) for n in j.params.values()}
-            env.update({n: next(bufs_it) for n in j.buffers.values()})
-            raw = {n: next(raw_bufs) for n in j.buffers.values()}
-            env[j.inputs[0]] = redistribute_to(h, r.placement(j.inputs[0]))
-            for i, kw in enumerate(kws, start=1):
-                env[j.inputs[i]] = redistribute_to(kw, r.placement(j.inputs[i]))
-            # buffers the forward writes (e.g. MoE token counts) are written in place before
-            # the rest of the forward runs: the graph split keeps forward mutations that come
-            # before the stage output
-            first = r.ancestors(list(j.buffer_updates.values()))
-            r.run(env, first)
-            for bnode, value in r.buffer_updates(env):
-                raw[bnode].copy_(value.to_local())
-            r.run(env, r.fwd_needed - first)
-            h = env[j.outputs[0]]
-            envs.append(env)
-        res: list[torch.Tensor] = [_local(h, out_pl)]
-        g = wrapped[-1]
-        grads: list[list[torch.Tensor]] = []
-        for k in reversed(range(len(units))):
-            j, r, env = units[k].joint, runners[k], envs[k]
-            env[j.tangents[0]] = redistribute_to(g, r.placement(j.tangents[0]))
-            r.run(env, {n for n in j.gm.graph.nodes if n not in r.fwd_needed})
-            unit_grads = []
-            for fqn, pnode in j.params.items():
-                gnode = j.grads.get(fqn)
-                if gnode is None or env.get(gnode) is None:
-                    unit_grads.append(torch.zeros_like(env[pnode].to_local()))
-                else:
-                    unit_grads.append(_local(env[gnode], r.placement(pnode)))
-            grads.append(unit_grads)
-            g = env.get(j.input_grads[0]) if 0 in j.input_grads else None
-            if g is not None and k > 0:  # the previous unit's output gradient, in its placement
-                g = redistribute_to(g, runners[k - 1].placement(units[k - 1].joint.tangents[0]))
-        for unit_grads in reversed(grads):
-            res += unit_grads
-        if has_input_grad:
-            res.append(_local(g, x_pl))
-        return tuple(res)
-
-    with FakeTensorMode():
+    with FakeTensorMode() as fake:
         examples = [torch.empty(s, dtype=v.dtype, device=dev) for s, v in zip(shapes, vals)]
-    decomps: dict[Any, Any] = {}
-    for u in units:
-        decomps.update(_missing_kernel_decomps(u.joint.gm, dev))
-    gm = make_fx(step, decomposition_table=decomps, tracing_mode="fake")(*examples)
+    x_end = stitch.End.of(x_node.meta["val"], x_pl)
+    out_end = stitch.End.of(out_node.meta["val"], out_pl)
+    kw_ends = [stitch.End.of(n.meta["val"], pl) for pl, n in zip(kw_pl, kw_nodes)]
+    gm = stitch.stitch_stage(
+        [stitch.UnitSpec(u.joint, u.plan, r, _missing_kernel_decomps(u.joint.gm, dev))
+         for u, r in zip(units, runners)],
+        mesh, fake, examples, n_p=n_p, n_b=n_b, x_end=x_end, kw_ends=kw_ends,
+        out_end=out_end, has_input_grad=has_input_grad)
     _check_local(gm)
 
     pl_strs = [to_strs(p) for p in placements]
