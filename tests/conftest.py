@@ -7,6 +7,23 @@ import os
 import pytest
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (the test command runs two workers), every ``multiprocess`` test
+    (one launch of several gloo processes) goes to one worker, one launch at a time, while
+    the other worker runs the single-process tests beside it: two launches at once would
+    put 16 processes on two cores and twice the memory. They are collected first, so that
+    longest chain of tests starts at once."""
+    if not config.pluginmanager.hasplugin("xdist") or not getattr(config.option, "numprocesses",
+                                                                  None):
+        return
+    launches = [i for i in items if i.get_closest_marker("multiprocess")]
+    for item in launches:
+        item.add_marker(pytest.mark.xdist_group("launches"))
+    chosen = set(map(id, launches))
+    items[:] = launches + [i for i in items if id(i) not in chosen]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def session_caches(tmp_path_factory):
     """One plan cache and one profile cache for the whole session (a plan made by one test

@@ -57,7 +57,10 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # rendezvous through a file of this launch's own (not a TCP port picked earlier,
+        # which a launch running beside it could have picked too)
+        dist.init_process_group("gloo", init_method=f"file://{log_dir}/rendezvous", rank=rank,
+                                world_size=world_size)
         t0 = time.perf_counter()
         out = fn(rank, world_size, *args)
         t1 = time.perf_counter()

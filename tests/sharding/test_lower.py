@@ -219,12 +219,10 @@ def test_a_stage_lowered_again_is_reused_with_the_current_meshs_groups(make_mesh
 
 def test_a_stage_of_repeated_blocks_traces_each_distinct_block_once(make_mesh, stack_of,
                                                                     monkeypatch):
-    """Lowering a stage of four blocks traces each distinct planned block once (the first
-    block takes the stage input in another placement, so its plan differs; the other three
-    share one trace) and writes one copy of it per block: the stage graph has each block's
-    ops, four times the collectives of one middle block."""
+    """Lowering a stage of four blocks traces each distinct planned block once (blocks with
+    one plan share one trace) and writes every block's parameters into the stage graph."""
     from autopp.lower import stitch
-    from autopp.lower.local_graphs import LoweredUnit, collective_counts, lower_stage
+    from autopp.lower.local_graphs import LoweredUnit, lower_stage
     from autopp.sharding import plan_stage
     from autopp.sharding.trace import trace_joint
     from autopp.sharding.units import stage_units
