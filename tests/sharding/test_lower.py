@@ -144,6 +144,25 @@ def test_shard_to_shard_is_traced_as_the_target_device_runs_it(make_mesh, device
     assert tuple(result.meta["val"].shape) == (16, 8)
 
 
+def _planned_units(stack, mesh):
+    """(plan, LoweredUnit per block, the stage's (input, output) placements) of ``stack``
+    planned on ``mesh`` under a quarter of its parameter bytes."""
+    from autopp.lower.local_graphs import LoweredUnit
+    from autopp.sharding import plan_stage
+    from autopp.sharding.trace import trace_joint
+    from autopp.sharding.units import stage_units
+
+    total = sum(p.numel() * p.element_size() for p in stack.parameters())
+    x = torch.empty(4, 16, 256, device="meta")
+    plan = plan_stage(stack, (x,), mesh, memory_budget_bytes=total / 4, output_placements=None)
+    units = []
+    for bplan, unit in zip(plan.blocks, stage_units(stack)):
+        joint = trace_joint(unit.module, (x,))
+        units.append(LoweredUnit(joint, bplan, tuple(f"{unit.name}.{f}" for f in joint.params),
+                                 tuple(joint.buffers)))
+    return plan, units, (from_strs(plan.input_placements), from_strs(plan.output_placements))
+
+
 def test_a_stage_lowered_again_is_reused_with_the_current_meshs_groups(make_mesh, stack_of,
                                                                      monkeypatch):
     """A stage lowered before in the process (same units, plans, ranks, boundaries) is
@@ -155,22 +174,10 @@ def test_a_stage_lowered_again_is_reused_with_the_current_meshs_groups(make_mesh
 
     from autopp._compat import sharding as compat
     from autopp.lower import reuse
-    from autopp.lower.local_graphs import LoweredUnit, lower_stage, split_local
-    from autopp.sharding import plan_stage
-    from autopp.sharding.trace import trace_joint
-    from autopp.sharding.units import stage_units
+    from autopp.lower.local_graphs import lower_stage, split_local
 
     mesh = make_mesh(2, 2)
-    stack = stack_of(1)
-    total = sum(p.numel() * p.element_size() for p in stack.parameters())
-    x = torch.empty(4, 16, 256, device="meta")
-    plan = plan_stage(stack, (x,), mesh, memory_budget_bytes=total / 4, output_placements=None)
-    units = []
-    for bplan, unit in zip(plan.blocks, stage_units(stack)):
-        joint = trace_joint(unit.module, (x,))
-        units.append(LoweredUnit(joint, bplan, tuple(f"{unit.name}.{f}" for f in joint.params),
-                                 tuple(joint.buffers)))
-    ends = (from_strs(plan.input_placements), from_strs(plan.output_placements))
+    plan, units, ends = _planned_units(stack_of(1), mesh)
     reuse.clear()
     first = reuse.lowered_stage(units, mesh, *ends)
     again = reuse.lowered_stage(units, mesh, *ends)
@@ -222,27 +229,15 @@ def test_a_stage_of_repeated_blocks_traces_each_distinct_block_once(make_mesh, s
     """Lowering a stage of four blocks traces each distinct planned block once (blocks with
     one plan share one trace) and writes every block's parameters into the stage graph."""
     from autopp.lower import stitch
-    from autopp.lower.local_graphs import LoweredUnit, lower_stage
-    from autopp.sharding import plan_stage
-    from autopp.sharding.trace import trace_joint
-    from autopp.sharding.units import stage_units
+    from autopp.lower.local_graphs import lower_stage
 
     mesh = make_mesh(2, 2)
-    stack = stack_of(4)
-    total = sum(p.numel() * p.element_size() for p in stack.parameters())
-    x = torch.empty(4, 16, 256, device="meta")
-    plan = plan_stage(stack, (x,), mesh, memory_budget_bytes=total / 4, output_placements=None)
-    units = []
-    for bplan, unit in zip(plan.blocks, stage_units(stack)):
-        joint = trace_joint(unit.module, (x,))
-        units.append(LoweredUnit(joint, bplan, tuple(f"{unit.name}.{f}" for f in joint.params),
-                                 tuple(joint.buffers)))
+    plan, units, ends = _planned_units(stack_of(4), mesh)
     distinct = {(b.signature, b.nodes) for b in plan.blocks}
     assert len(distinct) < len(units), "the test needs repeated block plans"
     traced = []
     real = stitch._trace_piece
     monkeypatch.setattr(stitch, "_trace_piece", lambda *a: traced.append(a[0]) or real(*a))
-    ends = (from_strs(plan.input_placements), from_strs(plan.output_placements))
     local = lower_stage(units, mesh, *ends)
     assert len(traced) == len(distinct), (len(traced), len(distinct))
     assert local.signature.num_params == sum(len(u.joint.params) for u in units)
