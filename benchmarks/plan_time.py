@@ -1,6 +1,7 @@
 """Planning time of autopp's sharding planner on an 8-block llama3-8B-shaped stage.
 
     .venv/bin/python benchmarks/plan_time.py            # 8 blocks, fake 32x8 mesh, median of 3
+    .venv/bin/python benchmarks/plan_time.py --lower    # also lowering it (rank 0's graph)
     .venv/bin/python benchmarks/plan_time.py --compare  # planned vs torchtitan FSDP+TP, 1 block
 
 Each run is a fresh process (imports excluded from the timing): trace, strategy enumeration,
@@ -61,9 +62,40 @@ def one_run(args) -> dict:
     plan = plan_stage(stage, (x,), mesh, profile=args.profile, memory_budget_bytes=budget,
                       input_placements=None, output_placements=None)
     dt = time.perf_counter() - t0
-    return {"plan_s": dt, "num_vars": plan.num_vars, "solve_s": plan.solve_s,
-            "step_time_ms": plan.step_time_s * 1e3, "blocks": len(plan.blocks),
-            "param_MiB_per_device": plan.param_bytes_per_device / 2**20}
+    out = {"plan_s": dt, "num_vars": plan.num_vars, "solve_s": plan.solve_s,
+           "step_time_ms": plan.step_time_s * 1e3, "blocks": len(plan.blocks),
+           "param_MiB_per_device": plan.param_bytes_per_device / 2**20}
+    if args.lower:
+        out.update(lower(stage, plan, mesh, x))
+    return out
+
+
+def lower(stage, plan, mesh, x) -> dict:
+    """Lower the planned stage to rank 0's local joint graph (what each rank does at
+    ``init_weights``) and split it into a schedule's pieces: seconds and traces made."""
+    from autopp.lower import stitch
+    from autopp.lower.local_graphs import LoweredUnit, lower_stage, split_local
+    from autopp.sharding.plan import from_strs
+    from autopp.sharding.trace import trace_joint
+    from autopp.sharding.units import stage_units
+
+    units = []
+    for bplan, unit in zip(plan.blocks, stage_units(stage)):
+        joint = trace_joint(unit.module, (x,))
+        units.append(LoweredUnit(joint, bplan, tuple(unit.stage_fqn(f) for f in joint.params),
+                                 tuple(joint.buffers)))
+    traces = []
+    real = stitch._trace_piece
+    stitch._trace_piece = lambda *a: traces.append(1) or real(*a)
+    t0 = time.perf_counter()
+    local = lower_stage(units, mesh, from_strs(plan.input_placements),
+                        from_strs(plan.output_placements))
+    t1 = time.perf_counter()
+    split_local(local)
+    t2 = time.perf_counter()
+    stitch._trace_piece = real
+    return {"lower_s": t1 - t0, "split_s": t2 - t1, "unit_traces": len(traces),
+            "graph_nodes": len(local.gm.graph.nodes)}
 
 
 def compare(args) -> None:
@@ -96,6 +128,8 @@ def main() -> None:
     ap.add_argument("--profile", default="H100")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--compare", action="store_true")
+    ap.add_argument("--lower", action="store_true",
+                    help="also lower the planned stage to rank 0's graph and split it")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.compare:
@@ -114,6 +148,11 @@ def main() -> None:
     print(f"{args.layers} blocks, dim 4096, seq {args.seq}, batch {args.batch}, fake "
           f"{args.dp}x{args.tp} mesh: planning time median {med:.2f} s over {args.runs} runs, "
           f"ILP variables {runs[0]['num_vars']}, estimated step {runs[0]['step_time_ms']:.2f} ms")
+    if args.lower:
+        print(f"lowering rank 0's graph: median {statistics.median(r['lower_s'] for r in runs):.2f}"
+              f" s ({runs[0]['unit_traces']} unit trace(s) for {runs[0]['blocks']} blocks, "
+              f"{runs[0]['graph_nodes']} nodes), split into a schedule's pieces: median "
+              f"{statistics.median(r['split_s'] for r in runs):.2f} s")
 
 
 if __name__ == "__main__":
