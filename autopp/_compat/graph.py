@@ -282,7 +282,13 @@ def is_runtime_schedule(schedule: Any) -> bool:
 
 def inductor_compile(gm: fx.GraphModule, options: dict[str, Any] | None = None) -> Any:
     """Compile one flat FX callable with Inductor (static shapes, whole graph); ``options``
-    are Inductor config keys for this compilation."""
+    are Inductor config keys for this compilation. A lazy graph module (see
+    :func:`lazy_graph_modules`) gets its Python code first: dynamo does not trace through
+    the lazy module's first-call hook."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    if isinstance(gm, _LazyGraphModule):
+        gm.real_recompile()
     return torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False,
                          options=options or None)
 
@@ -313,6 +319,14 @@ def lazy_graph_modules() -> Any:
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
     return _use_lazy_graph_module(True)
+
+
+def graph_module(root: Any, graph: fx.Graph) -> fx.GraphModule:
+    """``fx.GraphModule(root, graph)``, lazy (no Python code until it is read or run) inside
+    :func:`lazy_graph_modules`, so that the passes' own ``recompile`` calls on it are too."""
+    from torch.fx._lazy_graph_module import _make_graph_module
+
+    return _make_graph_module(root, graph)
 
 
 def local_shard(t: Any) -> Any:

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from autopp.graph import JointSignature, Recompute, StageGraphs, split_joint_graph
 from autopp.graph.overlap import overlap_stage_graphs
 from autopp._compat import sharding as compat
+from autopp._compat.graph import graph_module, lazy_graph_modules
 from autopp._compat.distributed import FakeTensorMode
 from autopp.lower import stitch
 from autopp.lower.interpret import GraphRunner
@@ -168,11 +169,14 @@ def split_local(local: LocalJoint, *, split_weight_grad: bool = True,
     first used (:func:`autopp.graph.overlap.overlap_collectives`). ``local.gm`` is not
     modified.
     """
-    gm = fx.GraphModule(local.gm, copy.deepcopy(local.gm.graph))  # the split edits in place
-    graphs = split_joint_graph(gm, local.signature, split_weight_grad=split_weight_grad,
-                               peel_params=True, recompute=recompute)
-    if overlap:
-        overlap_stage_graphs(graphs)
+    # the passes' intermediate graph modules generate no Python code (torch's lazy graph
+    # modules): each piece generates its own once, when it first runs
+    with lazy_graph_modules():
+        gm = graph_module(local.gm, copy.deepcopy(local.gm.graph))  # the split edits in place
+        graphs = split_joint_graph(gm, local.signature, split_weight_grad=split_weight_grad,
+                                   peel_params=True, recompute=recompute)
+        if overlap:
+            overlap_stage_graphs(graphs)
     return graphs
 
 
