@@ -69,7 +69,8 @@ from autopp.graph.walk import param_only_nodes
 from autopp.sharding import op_hooks, time_only
 from autopp.sharding.costs import CostModel
 from autopp.sharding.highs import WarmLps, highspy
-from autopp.sharding.memory_row import MemoryAccount, MemoryRow, MemorySpec, Recompute, Terms
+from autopp.sharding.memory_row import (MIB, MemoryAccount, MemoryRow, MemorySpec, Recompute,
+                                        Terms)
 from autopp._compat.sharding import redistribution_peak_bytes
 from autopp.sharding.option import PlacementSpec, matches
 from autopp.format import format_bytes
@@ -88,8 +89,8 @@ BYTES_ONLY = -math.inf
 """Costs go to the solver in microseconds so its tolerances sit far below one cost unit."""
 
 
-_MIB = float(2**20)
-"""The memory row is in MiB, so its coefficients sit near the cost columns' scale."""
+_MIB = MIB
+"""The memory row is in MiB (:data:`autopp.sharding.memory_row.MIB`)."""
 
 
 @dataclass(slots=True)
