@@ -50,6 +50,12 @@ per device, bytes):
   already (a cast, or a view of a gathered value); a parameter or a view of one read in its
   own placement costs nothing. Counted at :math:`b_s(g) W_{s,g}`.
 
+Units: the solver's memory row is in MiB (:data:`MIB`), and so are :math:`G_p` and its
+rows, so that every row's coefficients sit within a few orders of magnitude of each other
+(:math:`W_{s,g}, w_s` are 0/1 indicators, their rows' coefficients ±1). :class:`Terms`
+holds the row's coefficients in bytes per unit of each column (:math:`k \cdot` MiB for
+:math:`G_p`), so the row's value is in bytes either way.
+
 The auxiliary variables :math:`G_p, W_{s,g}, w_s` are continuous and only bounded below;
 priced they sit at their bounds, and with integral :math:`x` the row then equals
 :meth:`MemoryRow.account` up to the deeper cuts above (``SolveResult.ilp_memory_bytes`` vs
@@ -72,6 +78,10 @@ from autopp.sharding.strategies import Option, tensor_vals
 if TYPE_CHECKING:
     from autopp.sharding.solver import Model
 
+
+MIB = float(2**20)
+"""The unit of the solver's memory row and of the gradient columns :math:`G_p` (module
+docstring): every row of the LP is then in MiB or unit-free (the :math:`W` rows' ±1)."""
 
 Recompute = str
 """A recomputation policy: ``"none"``, ``"selective"`` or ``"full"`` (see
@@ -303,12 +313,15 @@ class MemoryRow:
                 _add(t.state, c, b * f)
             if not explicit:
                 continue
+            # G_p in MiB, like the memory row: in bytes its rows held coefficients up to
+            # 8.4e9 beside the row's 1.9e-6 per byte of G_p, and HiGHS's LP points broke
+            # the memory row by thousands of MiB (a 405B stage's root bound 26% low)
             grad = j.grads.get(fqn)
             g = t.col()
-            t.state[g] = spec.gradient_copies
-            t.row([(g, 1.0)] + [(c, -b) for c, b in pcols], 0.0)
+            t.state[g] = spec.gradient_copies * MIB
+            t.row([(g, 1.0)] + [(c, -b / MIB) for c, b in pcols], 0.0)
             if grad is not None and grad in self.options:
-                t.row([(g, 1.0)] + [(self.col0[grad] + i, -self.param_bytes(grad, o))
+                t.row([(g, 1.0)] + [(self.col0[grad] + i, -self.param_bytes(grad, o) / MIB)
                                     for i, o in enumerate(self.options[grad])], 0.0)
 
     def _activation_terms(self, t: Terms, recompute: Recompute) -> None:

@@ -69,6 +69,7 @@ from autopp.graph.walk import param_only_nodes
 from autopp.sharding import op_hooks, time_only
 from autopp.sharding.costs import CostModel
 from autopp.sharding.highs import WarmLps, highspy
+from autopp.sharding.memory_row import MIB as _MIB  # the memory row's unit
 from autopp.sharding.memory_row import MemoryAccount, MemoryRow, MemorySpec, Recompute, Terms
 from autopp._compat.sharding import redistribution_peak_bytes
 from autopp.sharding.option import PlacementSpec, matches
@@ -86,10 +87,6 @@ _SCALE = 1e6
 BYTES_ONLY = -math.inf
 """The ``price`` of :meth:`Model.solve` that minimises the memory row alone."""
 """Costs go to the solver in microseconds so its tolerances sit far below one cost unit."""
-
-
-_MIB = float(2**20)
-"""The memory row is in MiB, so its coefficients sit near the cost columns' scale."""
 
 
 @dataclass(slots=True)
