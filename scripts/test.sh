@@ -4,4 +4,12 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/env.sh"
 cd "$root"
-exec "$root/.venv/bin/python" -m pytest -q "$@"
+# Two pytest workers: every multi-process test on one (one launch at a time), the
+# single-process tests on the other beside it (tests/conftest.py). AUTOPP_TEST_WORKERS=0
+# runs the suite in one process.
+workers="${AUTOPP_TEST_WORKERS:-2}"
+parallel=()
+if [ "$workers" != "0" ]; then
+    parallel=(-n "$workers" --dist loadgroup)
+fi
+exec "$root/.venv/bin/python" -m pytest -q "${parallel[@]}" "$@"
