@@ -357,3 +357,20 @@ def built_schedules(rank: int, world_size: int, names: list[tuple[str, int]]) ->
                for i in ids}
         out.append((name, {i: (got[i], expected[i]) for i in ids}))
     return out
+
+
+def heap_abort_once(rank: int, world_size: int, marker: str) -> int:
+    """Rank 1 dies as glibc's heap check kills a process (its message, then SIGABRT) while
+    ``marker`` does not exist, creating it (the harness's test: the launch is made again);
+    every rank returns its rank once it exists."""
+    import os
+    import sys
+    import time
+
+    if rank == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        print("malloc(): unaligned tcache chunk detected", file=sys.stderr, flush=True)
+        os.abort()
+    if rank != 1:
+        time.sleep(0.5)
+    return rank
