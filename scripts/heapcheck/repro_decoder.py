@@ -6,7 +6,9 @@ AdamW steps. Meant to run under scripts/heapcheck/run.sh, or plain to count cras
     PYTHONPATH=. python scripts/heapcheck/repro_decoder.py ITERATIONS STEPS ['{"model": "qwen3"}']
 
 Options (JSON): model (a tests.models key), pp/dp/tp, schedule, nmb (microbatches), fresh
-(plan again every iteration; default true), parallelize ("auto" or null), overlap (the planner's
+(plan again every iteration; default true), plans (a plan cache directory to use instead,
+e.g. a test session's: its plans, not new ones; the planner breaks ties between equal-cost
+placements differently from one process to the next), parallelize ("auto" or null), overlap (the planner's
 ``overlap_collectives``), dump (a directory: every rank writes its stages' lowered graphs there
 on the first iteration). Prints OK, or FAIL with the harness's error (the ranks' log tails).
 """
@@ -32,7 +34,8 @@ def worker(rank: int, world_size: int, iterations: int, steps: int, root: str, k
 
     tokens, target = make_batch(8, 16)
     for it in range(iterations):
-        os.environ["AUTOPP_PLAN_CACHE"] = f"{root}/plans{it if kw.get('fresh', True) else ''}"
+        os.environ["AUTOPP_PLAN_CACHE"] = kw.get("plans") or (
+            f"{root}/plans{it if kw.get('fresh', True) else ''}")
         mesh = build_world_mesh(pp=kw.get("pp", 2), dp=kw.get("dp", 2), tp=kw.get("tp", 2))
         dp_rank, dp = mesh.get_coordinate()[1], mesh.shape[1]
         n = 8 // dp
