@@ -205,8 +205,10 @@ def _transformers_meta(family: str, n_layers: int) -> torch.nn.Module:
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
     }[family]
-    extra = {"head_dim": 16, "tie_word_embeddings": True} if family == "qwen3" else {}
+    extra = {"qwen3": {"head_dim": 16, "tie_word_embeddings": True},
+             "gemma": {"head_dim": 16}}.get(family, {})
     with torch.device("meta"):
         return model(config(**common, **extra))
 
@@ -228,6 +230,12 @@ def hf_mistral_meta(n_layers: int = 4) -> torch.nn.Module:
     return _transformers_meta("mistral", n_layers)
 
 
+def hf_gemma_meta(n_layers: int = 4) -> torch.nn.Module:
+    """Gemma: embeddings scaled by sqrt(hidden) inside the model's forward, RMSNorm on
+    (1 + weight), GELU-tanh MLP, tied input embedding and output head (its default)."""
+    return _transformers_meta("gemma", n_layers)
+
+
 def logits_of(out):
     """A transformers ``ModelOutput``'s logits; a tensor as it is."""
     return out if isinstance(out, torch.Tensor) else out.logits
@@ -235,7 +243,7 @@ def logits_of(out):
 
 MODELS = {"llama3": llama3_meta, "qwen3": qwen3_meta, "hf": hf_meta,
           "hf_llama": hf_llama_meta, "hf_qwen3": hf_qwen3_meta, "hf_qwen2": hf_qwen2_meta,
-          "hf_mistral": hf_mistral_meta,
+          "hf_mistral": hf_mistral_meta, "hf_gemma": hf_gemma_meta,
           "qwen3_moe": qwen3_moe_meta, "deepseek_v3": deepseek_v3_meta}
 
 

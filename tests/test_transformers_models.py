@@ -112,15 +112,16 @@ def test_transformers_qwen3_planned_and_llama_replicated_and_hf_checkpoints(tmp_
 @pytest.mark.wide
 @pytest.mark.multiprocess
 def test_transformers_families_planned_match_single_process(tmp_path):
-    """Llama, Qwen2 and Mistral planned; Qwen3 through a user ``parallelize`` function."""
+    """Llama, Qwen2, Mistral and Gemma planned; Qwen3 through a user ``parallelize``
+    function."""
     from tests.decoder_workers import fsdp_parallelize
 
     configs = _configs([("hf_llama", "auto"), ("hf_qwen2", "auto"), ("hf_mistral", "auto"),
-                        ("hf_qwen3", fsdp_parallelize)])
+                        ("hf_gemma", "auto"), ("hf_qwen3", fsdp_parallelize)])
     _check(configs, run_on_ranks(run, 8, configs, str(tmp_path), timeout=1500))
 
 
-@pytest.mark.parametrize("kind", ["hf_llama", "hf_qwen3"])
+@pytest.mark.parametrize("kind", ["hf_llama", "hf_qwen3", "hf_gemma"])
 def test_buffers_and_weights_are_the_models_own(kind):
     """Built on meta and initialised by autopp: every buffer (RoPE ``inv_freq``) equals the
     one transformers computes when it builds the model on CPU, exactly; every parameter
@@ -145,11 +146,12 @@ def test_buffers_and_weights_are_the_models_own(kind):
         cpu._init_weights(mod)
     for name, p in cpu.named_parameters():
         assert torch.equal(got.get_parameter(name), p), name
-    # the model's own distributions: normal(0, initializer_range) weights, ones for norms
+    # the model's own distributions: normal(0, initializer_range) weights; norms at ones,
+    # Gemma's at zeros (it scales by 1 + weight)
     std = float(got.model.layers[0].mlp.gate_proj.weight.std())
     assert abs(std - meta.config.initializer_range) < 0.003, std
-    assert torch.equal(got.model.norm.weight, torch.ones_like(got.model.norm.weight))
-
+    norm = 0.0 if kind == "hf_gemma" else 1.0
+    assert torch.equal(got.model.norm.weight, torch.full_like(got.model.norm.weight, norm))
 
 
 

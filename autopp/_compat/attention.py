@@ -16,13 +16,14 @@ CUDA cuDNN       ``_scaled_dot_product_cudnn_attention``            (b, h, s_q, 
 ===============  =================================================  ===================  =======
 
 .. [1] torch picks no flash kernel for a masked call (flash takes no mask).
-.. [2] Where torch picks cuDNN for a masked call (its ``convert_boolean_attn_mask_cudnn``
-   fills with -65504, not -inf, in the aten source read), :func:`fused_forward` returns
-   None and the op runs torch's own SDPA, whose backward runs the forward again: the cuDNN
-   bias path is not driven here. torch's ``sdp_utils.cpp`` (as read, not checked against
-   this build) puts cuDNN first on sm90 / sm10x with cuDNN newer than 9.15, and cuDNN takes
-   masks, so there masked calls take that fallback (logged) unless cuDNN is deprioritised
-   (``TORCH_CUDNN_SDPA_DEPRIORITIZED=1``) or excluded (``sdpa_kernel``).
+.. [2] cuDNN's bias path is not driven here (its ``convert_boolean_attn_mask_cudnn`` fills
+   with -65504, not -inf, in the aten source read). torch's ``sdp_utils.cpp`` (as read, not
+   checked against this build) puts cuDNN first on sm90 / sm10x with cuDNN newer than 9.15,
+   and cuDNN takes masks, so on H100 / H200 torch may pick it for a masked call: then
+   :func:`fused_backend` asks torch again with memory-efficient attention alone (when it is
+   enabled) and drives that kernel if torch would run it; only where it would not does
+   :func:`fused_forward` return None and the op run torch's own SDPA (logged), whose
+   backward runs the forward again.
 
 Every log-sum-exp is handed out as ``(b, h, s_q)`` fp32 (:data:`LSE_DTYPE`) and given back
 to its kernel in the kernel's own shape. The kernels run without dropout, so the random
@@ -58,7 +59,7 @@ import math
 
 import torch
 from torch import Tensor
-from torch.nn.attention import SDPBackend
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 LSE_DTYPE = torch.float32
 """dtype of the log-sum-exp every fused kernel keeps for its backward."""
@@ -130,9 +131,16 @@ def driven_backend(device_type: str, backend: SDPBackend, masked: bool) -> SDPBa
 def fused_backend(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
                   scale: float, mask: Tensor | None = None) -> SDPBackend | None:
     """The fused backend torch picks for these (equal-head) inputs, None for its math path
-    or a backend this module does not drive (:func:`driven_backend`)."""
-    return driven_backend(q.device.type, torch_choice(q, k, v, is_causal, scale, mask),
-                          mask is not None)
+    or a backend this module does not drive (:func:`driven_backend`). Where torch picks
+    cuDNN for a masked CUDA call, it is asked again with memory-efficient attention alone
+    (when that backend is enabled): the efficient kernel with torch's bias, if torch would
+    run it on these inputs, rather than torch's own SDPA re-running the forward."""
+    pick = torch_choice(q, k, v, is_causal, scale, mask)
+    if (mask is not None and q.device.type == "cuda" and pick == SDPBackend.CUDNN_ATTENTION
+            and torch.backends.cuda.mem_efficient_sdp_enabled()):
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            pick = torch_choice(q, k, v, is_causal, scale, mask)
+    return driven_backend(q.device.type, pick, mask is not None)
 
 
 def fused_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,

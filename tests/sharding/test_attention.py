@@ -284,6 +284,46 @@ def test_cuda_masked_call_runs_the_efficient_kernel_with_an_aligned_per_sequence
     assert len(checked.biases) == 2  # forward and backward, each with the bias
 
 
+@pytest.mark.parametrize("masked,efficient_on,efficient_runs,want", [
+    (True, True, True, "EFFICIENT_ATTENTION"),  # cuDNN picked for a mask: efficient instead
+    (True, True, False, None),  # efficient cannot run these inputs: torch's own SDPA
+    (True, False, True, None),  # the user disabled efficient: not forced back on
+    (False, True, True, "CUDNN_ATTENTION"),  # no mask: cuDNN driven as torch picks it
+])
+def test_a_masked_cuda_call_torch_sends_to_cudnn_runs_the_efficient_kernel(
+        monkeypatch, masked, efficient_on, efficient_runs, want):
+    """On H100 / H200 torch may pick cuDNN for a masked call, whose bias path autopp does
+    not drive; the op asks torch again with memory-efficient attention alone, so the call
+    stays fused (no forward re-run in the backward). torch's choice is stood in for by its
+    rule over the enabled backends (no GPU here): cuDNN when enabled, else efficient where
+    it can run."""
+    from torch.nn.attention import SDPBackend
+
+    from autopp._compat import attention as fused
+
+    def choice(*args, **kwargs):
+        if torch.backends.cuda.cudnn_sdp_enabled():
+            return SDPBackend.CUDNN_ATTENTION
+        if torch.backends.cuda.mem_efficient_sdp_enabled() and efficient_runs:
+            return SDPBackend.EFFICIENT_ATTENTION
+        return SDPBackend.MATH
+
+    class _Cuda:  # the backend choice reads only the device type
+        device = torch.device("cuda")
+
+    monkeypatch.setattr(fused, "torch_choice", choice)
+    mask = torch.ones(1, 1, 4, 4, dtype=torch.bool) if masked else None
+    before = torch.backends.cuda.mem_efficient_sdp_enabled()
+    torch.backends.cuda.enable_mem_efficient_sdp(efficient_on)
+    try:
+        got = fused.fused_backend(_Cuda(), _Cuda(), _Cuda(), True, 0.25, mask)
+        assert torch.backends.cuda.cudnn_sdp_enabled()  # the user's settings are restored
+        assert torch.backends.cuda.mem_efficient_sdp_enabled() == efficient_on
+    finally:
+        torch.backends.cuda.enable_mem_efficient_sdp(before)
+    assert got == (None if want is None else getattr(SDPBackend, want))
+
+
 def test_efficient_bias_is_torchs_additive_mask():
     """The bias's values are torch's additive mask (0 where attended, -inf elsewhere, in q's
     dtype), broadcast over heads, whatever storage alignment it has."""
