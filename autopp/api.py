@@ -25,6 +25,7 @@ from autopp.backends import (
 from autopp import adapters
 from autopp.mesh import check_world_mesh, mesh_sizes, stage_sub_mesh
 from autopp.pipeline import Pipeline, PipelineLayout
+from autopp.plan.keyword_inputs import example_keyword_inputs
 from autopp.stage_split import build_stage_module, check_stage_forwards
 from autopp.stage_split.for_schedule import split_for_schedule, stage_ranks_of
 
@@ -192,24 +193,6 @@ def pipeline_autoparallel(
                     raise_on_nonfinite=raise_on_nonfinite, tied=tied, rank_of=rank_of,
                     keyword_inputs=tuple((n, tuple(t.shape), str(t.dtype))
                                          for n, t in keyword.items()))
-
-
-def example_keyword_inputs(example_kwargs: Mapping[str, torch.Tensor] | None,
-                           example_inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``example_kwargs`` checked (tensors batched like the inputs) and sorted by name: what
-    :func:`pipeline_autoparallel` and :func:`autopp.dry_run.dry_run` plan for."""
-    batch = int(example_inputs[0].shape[0]) if example_inputs else None
-    out = {}
-    for name, t in sorted((example_kwargs or {}).items()):
-        if not isinstance(t, torch.Tensor) or t.dim() == 0 or (
-                batch is not None and t.shape[0] != batch):
-            what = (f"a tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
-                    else type(t).__name__)
-            raise ValueError(f"example_kwargs[{name!r}] is {what}: keyword inputs are split "
-                             f"into microbatches on dim 0 like the inputs, so each must be a "
-                             f"tensor whose dim 0 is this dp rank's batch ({batch})")
-        out[name] = t
-    return out
 
 
 def resolve_backend(

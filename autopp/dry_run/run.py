@@ -49,7 +49,8 @@ from torch import nn
 
 from autopp.stage_split.for_schedule import split_for_schedule, stage_ranks_of
 from autopp.plan.boundaries import BOUNDARIES
-from autopp.plan.make import loss_time_s, microbatch_keyword_inputs, plan_whole_pipeline
+from autopp.plan.keyword_inputs import example_keyword_inputs, microbatch_keyword_inputs
+from autopp.plan.make import loss_time_s, plan_whole_pipeline
 from autopp.plan.stage_inputs import last_stage_output, stage_meta_inputs
 from autopp.backends import PlannerOptions
 from autopp.format import compact_modules
@@ -435,8 +436,6 @@ def _stage_estimate(meta, plan, sub_mesh, x, n_microbatches, *, activations, los
 def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, seq_len,
              options: PlannerOptions, split, compare, activations,
              example_kwargs=None) -> DryRunReport:
-    from autopp.api import example_keyword_inputs
-
     profile, mixed_precision = options.profile, options.mixed_precision
     memory_budget_bytes, memory_reserve = options.memory_budget_bytes, options.memory_reserve
     if global_batch % dp:

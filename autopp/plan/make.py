@@ -48,6 +48,7 @@ from autopp.plan.budgets import (
 from autopp.schedules.memory_terms import communicator_bytes
 from autopp.plan.loss_choice import describe_loss, loss_kinds, loss_time_s
 from autopp.plan.objective import boundary_bytes, pp_link, transfer_s
+from autopp.plan.keyword_inputs import example_keyword_inputs, microbatch_keyword_inputs
 from autopp.plan.options import PlannerOptions
 from autopp.plan.rank0 import plan_on_rank0
 from autopp.plan.stage_inputs import last_stage_output, stage_meta_inputs
@@ -435,15 +436,6 @@ def plan_whole_pipeline(
     return plan, hit
 
 
-def microbatch_keyword_inputs(keyword_inputs: Mapping[str, torch.Tensor] | None,
-                              n_microbatches: int, dp: int) -> dict[str, torch.Tensor]:
-    """Meta tensors of the keyword inputs of one dp-global microbatch (what each stage is
-    planned with), from those of one step on one dp rank."""
-    return {name: torch.empty((t.shape[0] // n_microbatches * dp, *t.shape[1:]),
-                              dtype=t.dtype, device="meta")
-            for name, t in (keyword_inputs or {}).items()}
-
-
 def _cached_solve(solve: Callable[[], PipelinePlan], fields: dict) -> tuple[PipelinePlan, bool]:
     """``solve()``'s plan through the on-disk cache under the key of ``fields``."""
     key = pipeline_plan_key(fields)
@@ -483,6 +475,7 @@ def plan_pipeline(
     options: PlannerOptions | None = None,
     loss_fn: Callable | None = None,
     mesh: DeviceMesh | None = None,
+    example_kwargs: Mapping[str, torch.Tensor] | None = None,
 ) -> PipelinePlan:
     """Plan the whole pipeline of ``model`` (on meta) for a pp × dp × tp world.
 
@@ -500,6 +493,10 @@ def plan_pipeline(
         mesh: the ("pp", "dp", "tp") world mesh to plan on. None: one is built; without a
             process group the fake one is set up for pp·dp·tp ranks (and torn down after),
             so this works on one machine with no devices.
+        example_kwargs: keyword inputs of the model's forward the steps will pass (name ->
+            tensor for one step on one dp rank, dim 0 its batch, e.g. ``attention_mask``):
+            planned as graph inputs of every stage and recorded in the plan, so a job
+            running it (``pipeline_autoparallel(..., plan=)``) must pass the same ones.
 
     In a job (a real process group), call it on every rank: rank 0 plans, the others
     receive its plan. Plans are cached on disk (:mod:`autopp.plan.cache`).
@@ -517,6 +514,7 @@ def plan_pipeline(
         example_inputs = (torch.empty((global_batch_size // dp, seq_len), dtype=torch.long,
                                       device="meta"),)
     example_inputs = tuple(example_inputs)
+    keyword = example_keyword_inputs(example_kwargs, example_inputs)
     options = options if options is not None else PlannerOptions()
     world = pp * dp * tp
     created = False
@@ -541,7 +539,8 @@ def plan_pipeline(
             model, pp=pp, fqns_per_stage=fqns, stage_ranks=stage_ranks_of(info, pp, len(fqns)),
             sub_mesh=stage_sub_mesh(mesh), schedule=str(schedule),
             n_microbatches=n_microbatches, example_inputs=example_inputs, options=options,
-            loss_fn=loss_fn if loss_fn is not None else cross_entropy))
+            loss_fn=loss_fn if loss_fn is not None else cross_entropy,
+            keyword_inputs=keyword or None))
     finally:
         if created:
             dist.destroy_process_group()
