@@ -189,6 +189,13 @@ agree); it is never worse than its start."""
 _POLISH_GAP = CERTIFIED_GAP / 2
 """Relative MIP gap of a polish: it only has to bring its chain within the certified gap."""
 
+POLISH_TARGET = True
+"""A polish's MIP stops at its first plan whose time brings the chain within
+:data:`_POLISH_GAP` of the chain's bound (HiGHS's ``objective_target``): that bound, from
+the price search over the whole chain, is far stronger than the MIP's own (a 405B block's
+MIP bound sits 28% below its plans), so the MIP's own gap would not close before its
+limits. False: each MIP runs to its own gap or its limits."""
+
 POLISH_NODES = 60
 """Branch-and-bound nodes a polish's MIP may take (deterministic, unlike a time limit). It
 starts from the fastest known plan that fits its share (:func:`_start_within`), so it
@@ -210,10 +217,10 @@ chosen chain is polished at the solver's default gap)."""
 
 
 def _solve(stage: Stage, kind: int, pair: tuple, mode: str, price: float,
-           budget: float | None, time_limit_s: float, start=None
-           ) -> SolveResult | InfeasiblePlanError:
+           budget: float | None, time_limit_s: float, start=None,
+           target_s: float | None = None) -> SolveResult | InfeasiblePlanError:
     rep = stage.reps[kind]
-    key = (rep.mkey, pair, rep.fixed_key, time_limit_s, mode, price, budget)
+    key = (rep.mkey, pair, rep.fixed_key, time_limit_s, mode, price, budget, target_s)
     res = None if stage.solves is None else stage.solves.get(key)
     if res is None:
         # the price search's intermediate solves; a polish, which only has to bring its
@@ -225,7 +232,8 @@ def _solve(stage: Stage, kind: int, pair: tuple, mode: str, price: float,
                                   recompute=mode, budget=budget, price=price, start=start,
                                   rel_gap=gap,
                                   max_nodes=None if budget is None else POLISH_NODES,
-                                  round_fractional=0 < price < math.inf)
+                                  round_fractional=0 < price < math.inf,
+                                  objective_target_s=target_s)
             stage.solved.append((0, res.solve_s))
         except InfeasiblePlanError as e:
             res = e
@@ -373,8 +381,15 @@ def _close_gap(stage: Stage, s: _Searched, budget: float, incumbent: float,
     its bound is more than that below ``incumbent`` (the fastest fitting chain of any
     policy): otherwise the incumbent is already within the gap of anything it could give."""
     best = s.fit
-    if best is None or best.free or best.ilp_bound_s >= incumbent * (1 - CERTIFIED_GAP) or (
+    if best is None or best.free:
+        return
+    if best.ilp_bound_s >= incumbent * (1 - CERTIFIED_GAP) or (
             best.time_s - best.ilp_bound_s <= CERTIFIED_GAP * best.time_s):
+        logger.debug("recompute=%s under %.4g bytes: not polished: %.6g s, the ILP's bound "
+                     "%.6g s (gap %.2f%%), bound %.6g s (gap %.2f%%), fastest other %.6g s",
+                     s.mode, budget, best.time_s, best.ilp_bound_s,
+                     100 * (best.time_s - best.ilp_bound_s) / best.time_s, best.bound_s,
+                     100 * (best.time_s - best.bound_s) / best.time_s, incumbent)
         return  # a polish (an ILP solve) cannot gain more than the gap
     searched = best.time_s
     best = _best_mix(stage, _polish(stage, s.mode, budget, best, time_limit_s, s.seen),
@@ -402,10 +417,16 @@ def _polish(stage: Stage, mode: str, budget: float, best: Chain, time_limit_s: f
     """Close the price's gap: each distinct unit (the most time first) whose positions share
     one boundary pair is solved again with the budget in its row, as what the other
     positions leave divided by its count, from the current plan as a MIP start (its
-    solutions join ``seen``)."""
+    solutions join ``seen``). Each MIP stops at its first plan that brings the chain within
+    :data:`_POLISH_GAP` of the chain's bound (:data:`POLISH_TARGET`), and the polish stops
+    once the chain is within :data:`CERTIFIED_GAP` of it."""
     by_time = sorted(range(len(stage.reps)), key=lambda k: -sum(
         r.objective_s for r, kk in zip(best.results, stage.kinds) if kk == k))
+    bound_s = best.ilp_bound_s
+    goal_s = bound_s / (1 - _POLISH_GAP)  # the chain's time a polish aims at
     for kind in by_time:
+        if best.time_s - bound_s <= CERTIFIED_GAP * best.time_s:
+            break  # certified
         at = [i for i, k in enumerate(stage.kinds) if k == kind]
         pairs = {best.pairs[i] for i in at}
         if len(pairs) != 1:
@@ -415,8 +436,17 @@ def _polish(stage: Stage, mode: str, budget: float, best: Chain, time_limit_s: f
         share = (budget - others) / len(at)
         start = _start_within(share, [best.results[i] for i in at],
                               seen.get((kind, pair), {}).values())
+        others_s = sum(r.objective_s for i, r in enumerate(best.results) if i not in at)
+        target = (goal_s - others_s) / len(at) if POLISH_TARGET and math.isfinite(
+            goal_s) else None
         res = _solve(stage, kind, pair, mode, 0.0, share, min(time_limit_s, POLISH_TIME_S),
-                     start=None if start is None else start.choice)
+                     start=None if start is None else start.choice, target_s=target)
+        logger.debug("polish of %s x%d under %.4g bytes each: start %s, target %s: %s",
+                     stage.reps[kind].unit.name, len(at), share,
+                     "none" if start is None else f"{start.objective_s:.6g} s",
+                     "none" if target is None else f"{target:.6g} s",
+                     res if isinstance(res, InfeasiblePlanError) else
+                     f"{res.objective_s:.6g} s in {res.solve_s:.1f} s ({res.status})")
         if isinstance(res, InfeasiblePlanError) or res.memory_bytes > share:
             continue
         seen.setdefault((kind, pair), {})[res.objective_s, res.memory_bytes] = res

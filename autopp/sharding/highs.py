@@ -72,13 +72,15 @@ class WarmLps:
     def run(self, lp, upper, integer: list[bool], as_mip: bool, time_limit_s: float,
             threads: int, *, scale: float, hint=None, rel_gap: float = 1e-6,
             warm: tuple | None = None, max_nodes: int | None = None,
-            mem_row: tuple | None = None):
+            mem_row: tuple | None = None, objective_target: float | None = None):
         """Solve ``lp`` (objective in units of 1/``scale`` seconds) under column upper
         bounds ``upper``. ``warm``: the key of an LP relaxation to re-solve from its last
         basis, its costs, column bounds, budget and memory row ``mem_row`` ((columns, MiB
         per column), the last row) set anew; kept for the next call. ``max_nodes``: a MIP's
-        branch-and-bound node limit. Returns (x, seconds, status, objective, proven lower
-        bound of the objective); x is empty where no solution was found."""
+        branch-and-bound node limit. ``objective_target``: a MIP stops at the first solution
+        whose objective (seconds) is at most this (HiGHS's ``objective_target``), before its
+        gap closes. Returns (x, seconds, status, objective, proven lower bound of the
+        objective); x is empty where no solution was found."""
         t0 = time.perf_counter()
         h, last_upper, last_mem, cold_s = self._lps.get(warm, (None,) * 4) if warm else (
             None,) * 4
@@ -114,6 +116,8 @@ class WarmLps:
             h.setOptionValue("mip_heuristic_effort", 0.3)  # measured: finds incumbents sooner
             if max_nodes is not None:
                 h.setOptionValue("mip_max_nodes", int(max_nodes))
+            if objective_target is not None and as_mip:
+                h.setOptionValue("objective_target", float(objective_target) * scale)
             h.passModel(lp)
             if hint is not None:
                 h.setSolution(len(hint[0]), *hint)
@@ -123,7 +127,8 @@ class WarmLps:
             del self._lps[warm]  # a warm start gone astray: solve it cold, as if new
             x, _, status, obj, bound = self.run(
                 lp, upper, integer, as_mip, time_limit_s, threads, scale=scale, hint=hint,
-                rel_gap=rel_gap, warm=warm, max_nodes=max_nodes, mem_row=mem_row)
+                rel_gap=rel_gap, warm=warm, max_nodes=max_nodes, mem_row=mem_row,
+                objective_target=objective_target)
             return x, time.perf_counter() - t0, status + " (warm start dropped)", obj, bound
         if warm is not None and cold_s is None:
             if len(self._lps) >= self.LIMIT:

@@ -470,6 +470,7 @@ class Model:
         rel_gap: float = 1e-6,
         max_nodes: int | None = None,
         round_fractional: bool = False,
+        objective_target_s: float | None = None,
     ) -> SolveResult:
         """Solve with some nodes' placements restricted; raise InfeasiblePlanError naming them.
 
@@ -485,7 +486,10 @@ class Model:
         solution found by then is returned; its bound says how far it may be).
         ``round_fractional``: where the LP relaxation is not integral, return its rounding
         (each node's largest option) instead of solving the MIP; the LP's optimum stays the
-        result's proven bound (the price search's intermediate solves)."""
+        result's proven bound (the price search's intermediate solves).
+        ``objective_target_s``: the MIP stops at its first solution whose objective is at
+        most this, whatever its own gap (a polish whose chain is certified by a stronger
+        bound than the MIP's)."""
         if budget == "default":
             budget = self.memory_budget_bytes
         least = None if not math.isinf(price) else "tied" if price > 0 else "bytes"
@@ -549,7 +553,7 @@ class Model:
                 hint = (np.arange(self.num_x, dtype=np.int32), vals)
             x, dt2, status, obj, bound = self._warm.run(
                 lp, upper, integer, True, time_limit_s, threads, scale=_SCALE, hint=hint,
-                rel_gap=rel_gap, max_nodes=max_nodes)
+                rel_gap=rel_gap, max_nodes=max_nodes, objective_target=objective_target_s)
             dt += dt2
         elif x.size:
             status += " (LP relaxation integral)"

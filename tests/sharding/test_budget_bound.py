@@ -34,14 +34,21 @@ class _ListedModel:
     def __init__(self, plans: dict[str, list[tuple[float, float]]]):
         self.plans = plans
         self.budget_solves = 0
+        self.targets: list[float | None] = []
 
     def solve(self, *restrictions, time_limit_s, recompute, budget, price, start, rel_gap,
-              max_nodes=None, round_fractional=False):
+              max_nodes=None, round_fractional=False, objective_target_s=None):
         plans = [(t, m) for t, m in self.plans[recompute] if budget is None or m <= budget]
         if budget is not None:
             self.budget_solves += 1
+            self.targets.append(objective_target_s)
         if not plans:
             raise InfeasiblePlanError("no listed plan fits")
+        if objective_target_s is not None and price == 0:
+            # a MIP that meets its plans in list order stops at the first on target
+            for t, m in plans:
+                if t <= objective_target_s:
+                    return _result(t, m, min(t for t, _ in plans))
         if math.isinf(price):
             t, m = min(plans, key=lambda p: (p[1], p[0]))
             return _result(t, m, float("nan"))
@@ -164,3 +171,30 @@ def test_a_polish_starts_from_a_plan_that_fits_its_share(monkeypatch):
     assert sorted(r.memory_bytes for r in chosen.results[1:]) == [7.0, 7.0, 7.0, 10.0]
     assert starts and all(m is not None and m <= share for m, share in starts), starts
 
+
+
+
+@pytest.mark.parametrize("target_on", [True, False])
+def test_a_polish_stops_at_the_first_plan_that_certifies_its_chain(monkeypatch, target_on):
+    """An end unit and four identical blocks; the searched chain (the blocks at 2.0 s, 3
+    bytes) is 31% over its bound, 6.5 s. The blocks' MIP under their share (28 / 4 bytes)
+    meets its plans in list order: 1.6 s, then 1.505 s (which brings the chain within half
+    the certified gap of its bound), then the optimum 1.5 s. Given the target that
+    certifies the chain, it stops at 1.505 s, and the polish stops there (the end unit is
+    not solved again); without a target it runs on to the optimum."""
+    monkeypatch.setattr(B, "POLISH_TARGET", target_on)
+    end = _ListedModel({"none": END})
+    block = _ListedModel({"none": [(1.6, 7.0), (1.505, 7.0), (1.5, 7.0)]})
+    stage = _stage([end, block], [0, 1, 1, 1, 1])
+    results = [_result(0.5, 4.0, 0.5)] + [_result(2.0, 3.0, 2.0)] * 4
+    searched = B.Chain("none", results, [PAIR] * 5, 8.5, 16.0, ilp_bound_s=6.5,
+                       bound_s=6.5)
+    chosen = B._polish(stage, "none", 32.0, searched, 60.0, {})
+    if target_on:
+        target = (6.5 / (1 - B.CERTIFIED_GAP / 2) - 0.5) / 4  # 1.5082 s a block
+        assert block.targets == [pytest.approx(target)] and end.targets == []
+        assert chosen.time_s == pytest.approx(0.5 + 4 * 1.505)
+        assert chosen.time_s - 6.5 <= B.CERTIFIED_GAP * chosen.time_s
+    else:
+        assert block.targets == [None]
+        assert chosen.time_s == pytest.approx(0.5 + 4 * 1.5)
