@@ -4,7 +4,9 @@ Tests group many checks into one launch: process start-up (imports) dominates on
 machines. The worker must be a module-level function (picklable) ``fn(rank, world_size,
 *args)``; its return value is pickled back to the parent, which makes the assertions.
 
-Every launch has a deadline (``timeout``, seconds for the whole launch). A rank that raises,
+Every launch has a deadline (``timeout``, seconds for the whole launch; ``work_timeout``,
+optional, seconds from the moment every rank has joined the process group, so a deadline
+meant for the work does not also have to cover start-up on a loaded machine). A rank that raises,
 dies without reporting (a segfault, ``os._exit``) or is still running at the deadline (a
 deadlock: a rank that skipped a collective) ends the launch: every rank is killed and the
 error shows each rank's last lines of output (each rank writes its stdout and stderr to a
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import faulthandler
 import io
+import math
 import os
 import queue as queue_mod
 import socket
@@ -62,6 +65,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
         # which a launch running beside it could have picked too)
         dist.init_process_group("gloo", init_method=f"file://{log_dir}/rendezvous", rank=rank,
                                 world_size=world_size)
+        queue.put((rank, "started", None))
         t0 = time.perf_counter()
         out = fn(rank, world_size, *args)
         t1 = time.perf_counter()
@@ -132,26 +136,29 @@ HEAP_ABORTS = ("malloc(): ", "free(): ", "double free or corruption", "corrupted
 
 
 def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600,
+                 work_timeout: float | None = None,
                  relaunch_on_heap_abort: bool = True) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return their
     results by rank. Raises :class:`LaunchError` (every rank killed, each rank's last lines
-    shown) when a rank raises, exits without a result, or the launch passes ``timeout``.
+    shown) when a rank raises, exits without a result, the launch passes ``timeout``, or
+    the work passes ``work_timeout`` counted from when every rank joined the process group.
 
     A launch in which a rank was killed by glibc's heap check (:data:`HEAP_ABORTS`, an
     unsolved native crash) is launched once more, with a warning that shows the first
     launch's error; a second such crash raises."""
     try:
-        return _launch(fn, world_size, args, timeout)
+        return _launch(fn, world_size, args, timeout, work_timeout)
     except LaunchError as e:
         if not (e.heap_abort and relaunch_on_heap_abort):
             raise
         warnings.warn(f"relaunching once after a native heap abort (unsolved; see "
                       f"tests/dist_harness.py HEAP_ABORTS):\n{e}", stacklevel=2)
         print(f"[harness] {fn.__name__}: relaunched after a native heap abort", file=sys.stderr)
-    return _launch(fn, world_size, args, timeout)
+    return _launch(fn, world_size, args, timeout, work_timeout)
 
 
-def _launch(fn: Callable, world_size: int, args: tuple, timeout: float) -> list[Any]:
+def _launch(fn: Callable, world_size: int, args: tuple, timeout: float,
+            work_timeout: float | None = None) -> list[Any]:
     ctx = context()
     queue = ctx.Queue()
     port = free_port()
@@ -165,6 +172,8 @@ def _launch(fn: Callable, world_size: int, args: tuple, timeout: float) -> list[
         p.start()
     deadline = time.monotonic() + timeout
     results: dict[int, Any] = {}
+    started: set[int] = set()
+    work_deadline = math.inf
     failure: str | None = None
     while len(results) < world_size and failure is None:
         try:
@@ -175,12 +184,18 @@ def _launch(fn: Callable, world_size: int, args: tuple, timeout: float) -> list[
             if dead:
                 failure = f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} " \
                           "without a result"
-            elif time.monotonic() > deadline:
+            elif time.monotonic() > min(deadline, work_deadline):
                 waiting = [r for r in range(world_size) if r not in results]
-                failure = (f"deadline of {timeout:.0f} s passed; ranks {waiting} still "
+                what = (f"{timeout:.0f} s" if time.monotonic() > deadline else
+                        f"{work_timeout:.0f} s after every rank started")
+                failure = (f"deadline of {what} passed; ranks {waiting} still "
                            "running (a deadlock: e.g. a rank that skipped a collective)")
             continue
-        if status == "ok":
+        if status == "started":
+            started.add(rank)
+            if len(started) == world_size and work_timeout is not None:
+                work_deadline = time.monotonic() + work_timeout
+        elif status == "ok":
             results[rank] = torch.load(io.BytesIO(out), weights_only=False)
         else:
             failure = f"rank {rank} raised:\n{out}"

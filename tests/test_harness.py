@@ -16,14 +16,15 @@ pytestmark = pytest.mark.multiprocess
 def test_deadlock_ends_at_the_deadline_with_every_ranks_last_lines():
     t0 = time.monotonic()
     with pytest.raises(LaunchError) as e:
-        # the deadline counts the ranks' start-up too (seconds on a loaded 2-core machine,
-        # more when this launch starts the forkserver): long enough for both to reach the
-        # barrier, far shorter than gloo's own 30-minute timeout
-        run_on_ranks(pipeline_workers.skip_a_collective, 2, timeout=40)
+        # the work's deadline counts from when both ranks joined the process group (start-up
+        # takes seconds on a loaded 2-core machine, more when this launch starts the
+        # forkserver): long enough for both to reach the barrier, far shorter than gloo's
+        # own 30-minute timeout
+        run_on_ranks(pipeline_workers.skip_a_collective, 2, timeout=120, work_timeout=8)
     took = time.monotonic() - t0
     msg = str(e.value)
     assert took < 100, took  # the deadline plus clean-up, not gloo's 30 minutes
-    assert "deadline of 40 s passed; ranks [0, 1] still running" in msg
+    assert "deadline of 8 s after every rank started passed; ranks [0, 1] still running" in msg
     assert "rank 0 (running)" in msg and "rank 1 (running)" in msg
     assert "rank 0: entering the barrier" in msg
     assert "rank 1: skipping the barrier" in msg
