@@ -212,8 +212,16 @@ def search(args) -> None:
     if not report.results:
         raise SystemExit(report.no_fit_message())
     exact = report.plan(0, trace=args.trace, timeline=args.timeline)
-    print("\nThe best layout, planned exactly (every stage under the device memory):")
+    print("\nThe best layout, planned exactly (each stage planned under its share of the "
+          "device memory):")
     print_dry_run(exact, args)
+    over = [r for r, ok in enumerate(exact.fits()) if not ok]
+    if over:  # the simulated peaks are the check, not the planner's per-stage count
+        print(f"\nWARNING: the exact plan does not fit: pp ranks {over} are over the usable "
+              "memory at their simulated peak (table above). Try the next layout "
+              "(report.plan(1)), or a schedule that does not split the backward: the planner "
+              "does not yet count what a split backward (zero-bubble, DualPipeV) keeps from "
+              "I to W.")
 
 
 def print_dry_run(report, args) -> None:
