@@ -359,16 +359,18 @@ def built_schedules(rank: int, world_size: int, names: list[tuple[str, int]]) ->
     return out
 
 
-def heap_abort_once(rank: int, world_size: int, marker: str) -> int:
-    """Rank 1 dies as glibc's heap check kills a process (its message, then SIGABRT) while
-    ``marker`` does not exist, creating it (the harness's test: the launch is made again);
-    every rank returns its rank once it exists."""
+def heap_abort_once(rank: int, world_size: int, marker: str, times: int = 1) -> int:
+    """Rank 1 dies as glibc's heap check kills a process (its message, then SIGABRT) in the
+    first ``times`` launches, counted by lines appended to ``marker`` (the harness's test:
+    the launch is made again); every rank returns its rank after that."""
     import os
     import sys
     import time
 
-    if rank == 1 and not os.path.exists(marker):
-        open(marker, "w").close()
+    seen = open(marker).read().count("\n") if os.path.exists(marker) else 0
+    if rank == 1 and seen < times:
+        with open(marker, "a") as f:
+            f.write("aborted\n")
         print("malloc(): unaligned tcache chunk detected", file=sys.stderr, flush=True)
         os.abort()
     if rank != 1:
