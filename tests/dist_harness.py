@@ -214,6 +214,11 @@ def _launch(fn: Callable, world_size: int, args: tuple, timeout: float,
         # a rank that crashed makes its peers fail too (a closed connection): give it the
         # moment to exit, so the error names the crash
         time.sleep(1.0)
+        died = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+        if died and not failure.startswith(f"rank {died[0]} exited"):
+            # the crash is the cause: a peer's error (its connection closed) may arrive first
+            failure = (f"rank {died[0]} exited with code {procs[died[0]].exitcode} without a "
+                       f"result; before that was seen: {failure}")
         states = {r: ("returned" if r in results else
                       "running" if p.exitcode is None else f"exit code {p.exitcode}")
                   for r, p in enumerate(procs)}

@@ -307,6 +307,18 @@ def exit_without_result(rank: int, world_size: int) -> None:
     time.sleep(30)
 
 
+def raise_after_peer_died(rank: int, world_size: int) -> None:
+    """Rank 1 dies without reporting; rank 0 then raises, as a peer of a crashed rank does
+    (its connection closed), and its error reaches the harness first (the harness's test)."""
+    import os
+    import time
+
+    if rank == 1:
+        os._exit(3)
+    time.sleep(0.3)
+    raise RuntimeError("Connection closed by peer (rank 1 is gone)")
+
+
 def segfault_in_a_function(rank: int, world_size: int) -> None:
     """Rank 1 crashes in native code (a null read) inside a named function (the harness's
     test: its log must show where)."""

@@ -35,6 +35,17 @@ def test_a_rank_that_dies_without_a_result_ends_the_launch():
         run_on_ranks(pipeline_workers.exit_without_result, 2, timeout=60)
 
 
+def test_a_crashed_rank_is_named_before_the_peer_that_failed_because_of_it():
+    """The peer's error arrives first; the launch's error still names the rank that died,
+    then the peer's error (seen in a clean-clone run: "rank 0 raised" hid rank 1's exit)."""
+    with pytest.raises(LaunchError) as e:
+        run_on_ranks(pipeline_workers.raise_after_peer_died, 2, timeout=60)
+    msg = str(e.value)
+    assert "rank 1 exited with code 3 without a result; before that was seen: rank 0 " \
+           "raised" in msg, msg
+    assert "Connection closed by peer" in msg  # its own, or gloo's while connecting
+
+
 def test_a_rank_that_segfaults_shows_where_it_died():
     """A crash in native code (seen under load: a rank exiting with -11 and no output) shows
     the rank's Python stack at the crash in the launch's error."""
