@@ -204,6 +204,8 @@ def run_search(model, args, world: int):
 
 def search(args) -> None:
     """Search the layout for --world devices, plan the best exactly, print and save it."""
+    from autopp.schedules.registry import schedule_info
+
     world = args.world or ((args.pp or 1) * (args.dp or 1) * (args.tp or 1))
     if world <= 1 and not args.world:
         raise SystemExit("--search needs --world N (the number of devices to lay out)")
@@ -211,17 +213,30 @@ def search(args) -> None:
     report = run_search(model, args, world)
     if not report.results:
         raise SystemExit(report.no_fit_message())
+    # the simulated peaks are the check, not the planner's per-stage count. The planner does
+    # not yet count what a split backward (zero-bubble, DualPipeV) keeps from I to W, so the
+    # search can rank such layouts too high: where the best one's exact plan does not fit,
+    # the best-ranked layout whose schedule does not split the backward is planned instead
     exact = report.plan(0, trace=args.trace, timeline=args.timeline)
-    print("\nThe best layout, planned exactly (each stage planned under its share of the "
-          "device memory):")
+    which, over = "The best layout", [r for r, ok in enumerate(exact.fits()) if not ok]
+    if over and schedule_info(report.results[0].layout.schedule).splits_backward:
+        print(f"\nThe best layout ({report.results[0].layout}), planned exactly, does not fit: "
+              f"pp ranks {over} are over the usable memory at their simulated peak "
+              f"({', '.join(f'{p / 2**30:.1f}' for p in exact.peak_bytes())} GiB against "
+              f"{exact.usable_bytes / 2**30:.2f}): its schedule splits the backward, whose "
+              "bytes kept from I to W the planner does not count yet")
+        k = next((i for i, c in enumerate(report.results)
+                  if not schedule_info(c.layout.schedule).splits_backward), None)
+        if k is not None:
+            exact = report.plan(k, trace=args.trace, timeline=args.timeline)
+            which = f"Layout {k + 1} of the ranking (the best without a split backward)"
+            over = [r for r, ok in enumerate(exact.fits()) if not ok]
+    print(f"\n{which}, planned exactly (each stage planned under its share of the device "
+          "memory):")
     print_dry_run(exact, args)
-    over = [r for r, ok in enumerate(exact.fits()) if not ok]
-    if over:  # the simulated peaks are the check, not the planner's per-stage count
-        print(f"\nWARNING: the exact plan does not fit: pp ranks {over} are over the usable "
-              "memory at their simulated peak (table above). Try the next layout "
-              "(report.plan(1)), or a schedule that does not split the backward: the planner "
-              "does not yet count what a split backward (zero-bubble, DualPipeV) keeps from "
-              "I to W.")
+    if over:
+        print(f"\nWARNING: this exact plan does not fit: pp ranks {over} are over the usable "
+              "memory at their simulated peak (table above)")
 
 
 def print_dry_run(report, args) -> None:
