@@ -44,13 +44,28 @@ def in_flight_per_stage(schedule: str, pp: int, n_microbatches: int, n_stages: i
     return tuple(max(1, k) for k in max_in_flight(compute, n_stages))
 
 
+@functools.lru_cache(maxsize=1024)
+def split_in_flight_per_stage(schedule: str, pp: int, n_microbatches: int, n_stages: int
+                              ) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per stage, what a split backward holds at its memory peaks as (F->I, I->W)
+    microbatch counts (:func:`autopp.schedules.simulate.split_in_flight`); empty for the
+    stages of a schedule whose backwards are whole."""
+    from autopp.schedules.actions import compute_order
+    from autopp.schedules.simulate import split_in_flight
+
+    compute, _ = compute_order(schedule, pp=pp, n_microbatches=n_microbatches,
+                               n_stages=n_stages)
+    return split_in_flight(compute, n_stages)
+
+
 def memory_budgets(options: Any, profile: str, schedule: str, pp: int, n_microbatches: int,
                    stage_ranks: Sequence[int]) -> tuple[list[float], list[dict[str, Any]]]:
     """Per stage, the memory budget and the whole-memory accounting the planner uses: the
     device's memory (the profile's, less ``options.memory_reserve``) or
     ``options.memory_budget_bytes``, shared equally by the stages of a pp rank; the
     activations of the microbatches the schedule keeps in flight on the stage
-    (:func:`in_flight_per_stage`); AdamW's two moments as optimizer state; the recompute
+    (:func:`in_flight_per_stage`; with a split backward, the activations up to I and what
+    W keeps after it at each of the stage's peaks: :func:`split_in_flight_per_stage`); AdamW's two moments as optimizer state; the recompute
     mode asked for; the working memory of the running action kept off each pp rank's
     budget, and the largest tensor a stage may make bounded (:func:`workspace_allowance`).
     With ``options.parameter_budget_bytes``: that bound on parameter bytes
@@ -71,8 +86,11 @@ def memory_budgets(options: Any, profile: str, schedule: str, pp: int, n_microba
     in_flight = in_flight_per_stage(schedule, pp, n_microbatches, n)
     cap, working = workspace_allowance(device)
     budgets = [(device - working) / k for k in per_rank]
+    split = split_in_flight_per_stage(schedule, pp, n_microbatches, n)
     memory = [dict(activation_factor=float(f), recompute=options.recompute,
-                   optimizer_state_factor=2.0, largest_tensor_bytes=cap) for f in in_flight]
+                   optimizer_state_factor=2.0, largest_tensor_bytes=cap,
+                   **({"split_in_flight": pairs} if pairs else {}))
+              for f, pairs in zip(in_flight, split)]
     return budgets, memory
 
 

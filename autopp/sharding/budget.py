@@ -528,7 +528,12 @@ def _over_budget_message(stage: Stage, budget: float, memory: MemorySpec,
                   if memory.optimizer_state_factor is not None
                   else f"parameters x state factor {memory.param_state_factor:g}")
     parts = [(state, f"{state_name} {_gib(state)}")]
-    if f is not None:
+    if f is not None and memory.split_in_flight:
+        kept = least.total("kept_for_w_bytes")
+        held = memory.held_bytes(act, kept)
+        parts.append((held, f"activations {_gib(act)} per microbatch and {_gib(kept)} kept "
+                            f"from I to W, held at the peak = {_gib(held)}"))
+    elif f is not None:
         parts.append((act * f, f"activations {_gib(act)} per microbatch x {f:g} in flight "
                                f"= {_gib(act * f)}"))
         parts.append((gath, f"gathered parameters {_gib(gath)}"))

@@ -110,6 +110,14 @@ class MemorySpec:
     bound and its status says so). The row counts what stays (state, activations, gathered
     weights); a backward that gathers a whole vocabulary's logits gradient over dp (16 GiB
     for a 405B stage) would stay invisible to it. None: no bound."""
+    split_in_flight: tuple[tuple[float, float], ...] = ()
+    """With a split backward (zero bubble, DualPipeV): the stage's (microbatches between
+    their F and their I, microbatches between their I and their W) at each of its memory
+    peaks (:func:`autopp.schedules.simulate.split_in_flight`). The row then holds the
+    largest over them of ``a`` × activations + ``b`` × what W keeps (:meth:`held_bytes`) in
+    place of :attr:`activation_factor` × activations, which stays set (the most microbatches
+    in flight) to say that activations count. Empty: a backward is whole, activations are
+    held from F to its end."""
     gradient_copies: float = 1.0
     """How many gradient-sized tensors the explicit state holds per parameter at the
     step's peak: 1 (the accumulator) for a step of one microbatch, 2 where later
@@ -119,6 +127,14 @@ class MemorySpec:
     @property
     def counts_activations(self) -> bool:
         return self.activation_factor is not None
+
+    def held_bytes(self, activation_bytes: float, kept_for_w_bytes: float) -> float:
+        """Per device, what the stage's microbatches in flight hold at its peak, from one
+        microbatch's activations and (split backward) what its W keeps from I."""
+        if self.split_in_flight:
+            return max(a * activation_bytes + b * kept_for_w_bytes
+                       for a, b in self.split_in_flight)
+        return (self.activation_factor or 0.0) * activation_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,8 +150,12 @@ class MemoryAccount:
     recompute_s: float
     """Compute time of the forward nodes the backward recomputes (one microbatch)."""
     counted_bytes: float
-    """What the memory row counts: state + factor × activations + gathered (or the state
-    alone without an activation factor)."""
+    """What the memory row counts: state + the activations held
+    (:meth:`MemorySpec.held_bytes`) + gathered (or the state alone without an activation
+    factor)."""
+    kept_for_w_bytes: float = 0.0
+    """What a split backward keeps from one microbatch's I to its W (only counted with
+    :attr:`MemorySpec.split_in_flight`; else 0)."""
 
 
 @dataclass(slots=True)
@@ -148,6 +168,12 @@ class Terms:
     rows: list[tuple[list[int], list[float], float, float]] = field(default_factory=list)
     state: dict[int, float] = field(default_factory=dict)
     act: dict[int, float] = field(default_factory=dict)
+    kept: dict[int, float] = field(default_factory=dict)
+    """Bytes a split backward keeps from I to W per column (one microbatch)."""
+    held: int | None = None
+    """The column (MiB) that bounds the activations held at the stage's peak from above,
+    one row per :attr:`MemorySpec.split_in_flight` pair; None: the row weighs
+    :attr:`act` by the activation factor itself."""
     gathered: dict[int, float] = field(default_factory=dict)
     rtime: dict[int, float] = field(default_factory=dict)
     """Seconds of recomputation per column (objective)."""
@@ -289,8 +315,10 @@ class MemoryRow:
         t = self._terms.get(recompute)
         if t is None:
             spec = self.memory
+            split = spec.counts_activations and bool(spec.split_in_flight)
             key = (recompute, replace(spec, largest_tensor_bytes=None, activation_factor=(
-                None if spec.activation_factor is None else 1.0)))
+                None if spec.activation_factor is None else 1.0),
+                split_in_flight=((1.0, 1.0),) if split else ()))
             base = self._shared.get(key)
             if base is None:
                 base = self._shared[key] = Terms(first_col=len(self._model.cost))
@@ -299,7 +327,16 @@ class MemoryRow:
                     self._activation_terms(base, recompute)
                 if spec.counts_activations:
                     self._gathered_terms(base)
-            t = self._terms[recompute] = replace(base, lp=None, row_upper=None, arrays={})
+                if split:
+                    self._kept_for_w_terms(base)
+            t = self._terms[recompute] = replace(
+                base, upper=list(base.upper), rows=list(base.rows), lp=None, row_upper=None,
+                arrays={})
+            if split:  # the pairs' rows are this accounting's own
+                t.held = t.col()
+                for a, b in spec.split_in_flight:
+                    coefs = [(t.held, 1.0)] + [(c, -a * v / MIB) for c, v in t.act.items()]
+                    t.row(coefs + [(c, -b * v / MIB) for c, v in t.kept.items()], 0.0)
         return t
 
     def _state_terms(self, t: Terms) -> None:
@@ -363,6 +400,47 @@ class MemoryRow:
                         if regather:
                             _add(t.rtime, c, regather)
 
+    def _kept_for_w_reads(self) -> dict[tuple[fx.Node, int], None]:
+        """The values a split backward keeps from I to W, as (node, output index): what
+        the weight-gradient nodes (reached from the parameter gradients, not from the input
+        gradients nor the forward) read and do not make, parameters and parameter-only
+        values aside. Where that is an output of a multi-output backward op the input
+        gradient needs too (a fused norm backward's weight gradient), the op's own inputs
+        stand in for it: the lowered graphs split it, and W makes that output from them.
+        Checked against the lowered W graphs' inputs (tests/sharding/test_memory_ilp.py):
+        within about 11% on a llama3 block (the split places a few recomputed values and
+        views on the other side)."""
+        hit = self._structure.get("kept_for_w")
+        if hit is not None:
+            return hit
+        from autopp.graph.walk import closure
+
+        j, nodes = self.st.joint, self.st.nodes
+        fwd = closure(list(j.outputs.values()))
+        w_only = (closure(list(j.grads.values())) - closure(list(j.input_grads.values()))
+                  - fwd)
+        state = self._param_only | set(j.params.values()) | set(j.buffers.values())
+        reads: dict[tuple[fx.Node, int], None] = {}
+        for n in j.gm.graph.nodes:
+            if n not in w_only or n not in nodes:
+                continue
+            for src, k in nodes[n].edges:
+                if src in w_only or src in state or src not in self.options:
+                    continue
+                if src not in fwd and len(tensor_vals(src)) > 1:
+                    reads.update(dict.fromkeys(
+                        e for e in nodes[src].edges if e[0] not in state
+                        and e[0] in self.options))
+                else:
+                    reads[src, k] = None
+        self._structure["kept_for_w"] = reads
+        return reads
+
+    def _kept_for_w_terms(self, t: Terms) -> None:
+        for src, k in self._kept_for_w_reads():
+            for i, o in enumerate(self.options[src]):
+                _add(t.kept, self.col0[src] + i, self._out_bytes(src, o, frozenset((k,))))
+
     def _gathered_terms(self, t: Terms) -> None:
         owned: dict[fx.Node, int | float] = {}  # 0.0 / 1.0 constants or a column
         for n in self.st.joint.gm.graph.nodes:
@@ -418,11 +496,27 @@ class MemoryRow:
         coefs = dict(t.state)
         f = self.memory.activation_factor
         if f is not None:
-            for c, v in t.act.items():
-                _add(coefs, c, v * f)
+            if t.held is not None:
+                _add(coefs, t.held, MIB)
+            else:
+                for c, v in t.act.items():
+                    _add(coefs, c, v * f)
             for c, v in t.gathered.items():
                 _add(coefs, c, v)
         return coefs
+
+    def row_bytes(self, t: Terms, x: np.ndarray) -> float:
+        """The memory row's value at the LP point ``x`` (bytes), the held column (if any)
+        at the least its rows allow: unpriced, the solver may leave it anywhere above, and
+        a solution shared by another accounting (:mod:`autopp.sharding.time_only`) carries
+        that accounting's."""
+        arrays = self.arrays(t)
+        if t.held is not None:
+            x = x.copy()
+            act = sum(v * x[c] for c, v in t.act.items())
+            kept = sum(v * x[c] for c, v in t.kept.items())
+            x[t.held] = self.memory.held_bytes(act, kept) / MIB
+        return float(sum((arrays["mem_vals"] * x[arrays["mem_cols"]]).tolist()))
 
     def arrays(self, t: Terms) -> dict[str, Any]:
         """Per column of ``t``'s LP, made once: time (+ recomputation), the memory row's
@@ -509,8 +603,12 @@ class MemoryRow:
                         if (s, k, g) not in held and (owned[s] or choice[s].out[k] != g):
                             held.add((s, k, g))
                             gathered += costs.local_bytes(tensor_vals(s)[k], g)
+        kept = 0.0
+        if spec.counts_activations and spec.split_in_flight:
+            kept = sum(self._out_bytes(src, choice[src], frozenset((k,)))
+                       for src, k in self._kept_for_w_reads() if src in choice)
         counted = state
         if spec.activation_factor is not None:
-            counted += spec.activation_factor * act + gathered
-        return MemoryAccount(state, act, gathered, rtime, counted)
+            counted += spec.held_bytes(act, kept) + gathered
+        return MemoryAccount(state, act, gathered, rtime, counted, kept)
 

@@ -88,6 +88,9 @@ class BlockPlan:
     """Forward time its backward recomputes per microbatch (in :attr:`estimated_s`)."""
     activation_bytes: int = 0
     """Estimated bytes one microbatch saves for this unit's backward, on one device."""
+    kept_for_w_bytes: int = 0
+    """Estimated bytes a split backward keeps from one microbatch's I to its W for this
+    unit, on one device (0 where the plan did not count it)."""
     gathered_param_bytes: int = 0
     """Estimated gathered / cast parameter values it holds once per step."""
     state_bytes: int = 0
@@ -155,13 +158,21 @@ class StagePlan:
     :attr:`recompute` (the ILP's count off the traced joint graphs)."""
     gathered_param_bytes: int = 0
     """Estimated gathered / cast parameter values held once per step (unshard outputs)."""
+    kept_for_w_bytes: int = 0
+    """With a split backward (:attr:`split_in_flight`): estimated bytes one microbatch
+    keeps from its I to its W on one device (the weight-gradient graphs' inputs)."""
+    split_in_flight: tuple[tuple[float, float], ...] = ()
+    """With a split backward: the (F->I, I->W) microbatch counts at the stage's memory
+    peaks the budget was checked at (:attr:`memory_bytes` holds the largest of
+    ``a × activation_bytes + b × kept_for_w_bytes``); empty: activations × the factor."""
     state_bytes: int = 0
     """Parameter state as counted: parameters × :attr:`param_state_factor`, or with
     :attr:`optimizer_state_factor`, parameters + optimizer state + gradients (at their
     larger of reduced and unreduced size)."""
     memory_bytes: int = 0
-    """What the budget was checked against: state + activation_factor × activations +
-    gathered (the state alone when :attr:`activation_factor` is None)."""
+    """What the budget was checked against: state + activation_factor × activations (the
+    largest over :attr:`split_in_flight` with a split backward) + gathered (the state alone
+    when :attr:`activation_factor` is None)."""
     param_state_factor: float = 1.0
     optimizer_state_factor: float | None = None
     recompute_options: tuple[tuple[str, float | None, float | None, float], ...] = ()

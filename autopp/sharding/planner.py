@@ -84,6 +84,7 @@ def plan_stage(
     microbatches_per_grad_reduce: int = 1,
     largest_tensor_bytes: float | None = None,
     activation_factor: float | None = None,
+    split_in_flight: Sequence[tuple[float, float]] = (),
     recompute: RecomputeChoice = "none",
     optimizer_state_factor: float | None = None,
     memory_price: float = 0.0,
@@ -125,6 +126,12 @@ def plan_stage(
             parameter state + the values each microbatch saves for its backward × this
             factor + the gathered parameters (held once per step). None: the row counts the
             parameter state only (the legacy parameter-memory budget).
+        split_in_flight: with a split backward (zero bubble, DualPipeV), the stage's
+            (microbatches between their F and I, microbatches between their I and W) at
+            each of its memory peaks (:func:`autopp.schedules.simulate.split_in_flight`):
+            the row then counts the largest of ``a`` × activations + ``b`` × what W keeps
+            from I (the weight-gradient graphs' inputs), with ``activation_factor`` set.
+            Empty: each backward holds its activations to its end.
         recompute: the backward's activation recomputation: "none", "selective" (save
             matmul / attention outputs), "full" (save the stage's inputs) or "auto" (the
             fastest of the three that fits the budget, recompute time included; see
@@ -159,8 +166,11 @@ def plan_stage(
     if optimizer_state_factor is not None and param_state_factor != 1.0:
         raise ValueError("pass optimizer_state_factor (explicit state categories) or "
                          "param_state_factor (one factor for all state), not both")
+    if split_in_flight and activation_factor is None:
+        raise ValueError("split_in_flight counts activations: pass activation_factor too")
     memory = MemorySpec(param_state_factor, optimizer_state_factor, activation_factor,
                         largest_tensor_bytes=largest_tensor_bytes,
+                        split_in_flight=tuple((float(a), float(b)) for a, b in split_in_flight),
                         gradient_copies=2.0 if microbatches_per_grad_reduce > 1 else 1.0)
     names = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(mesh.ndim)))
     prof = get_profile(profile)
@@ -386,6 +396,7 @@ def _assemble(parts, solved, mesh, names, prof, costs, budget, t0, pdtype=None) 
             BlockPlan(prefix, graph_signature(j), in_pl, out_pl, nodes, res.objective_s,
                       recompute=res.recompute, recompute_s=res.recompute_s,
                       activation_bytes=int(res.activation_bytes),
+                      kept_for_w_bytes=int(res.kept_for_w_bytes),
                       gathered_param_bytes=int(res.gathered_bytes),
                       state_bytes=int(res.state_bytes))
         )
@@ -441,6 +452,8 @@ def _with_memory(plan: StagePlan, chosen: Chain, tried, requested: str,
         activation_factor=memory.activation_factor,
         activation_bytes=int(chosen.total("activation_bytes")),
         gathered_param_bytes=int(chosen.total("gathered_bytes")),
+        kept_for_w_bytes=int(chosen.total("kept_for_w_bytes")),
+        split_in_flight=memory.split_in_flight,
         state_bytes=int(chosen.total("state_bytes")),
         memory_bytes=int(chosen.memory_bytes),
         param_state_factor=memory.param_state_factor,

@@ -32,8 +32,14 @@ def _memory_line(plan: StagePlan) -> str:
         return f"  memory per device (estimate): {state}; {act} (not in the budget)"
     budget = ("" if plan.memory_budget_bytes is None
               else f" (budget {format_bytes(plan.memory_budget_bytes, digits=1)})")
-    return (f"  memory per device (estimate): {state} + {act} x {plan.activation_factor:g} in "
-            f"flight + gathered parameters {format_bytes(plan.gathered_param_bytes, digits=1)} = "
+    if plan.split_in_flight:
+        kept = format_bytes(plan.kept_for_w_bytes, digits=1)
+        held = " | ".join(f"{a:g}/{b:g}" for a, b in plan.split_in_flight)
+        act = (f"{act} and {kept} kept from I to W, held as the most of (F->I)/(I->W) "
+               f"microbatches {held}")
+    else:
+        act = f"{act} x {plan.activation_factor:g} in flight"
+    return (f"  memory per device (estimate): {state} + {act} + gathered parameters {format_bytes(plan.gathered_param_bytes, digits=1)} = "
             f"{format_bytes(plan.memory_bytes, digits=1)}{budget}")
 
 

@@ -50,6 +50,9 @@ class SolveResult:
     activation_bytes: float = 0.0
     """Per microbatch, under :attr:`recompute`."""
     gathered_bytes: float = 0.0
+    kept_for_w_bytes: float = 0.0
+    """Per microbatch, what a split backward keeps from I to W (counted only where the
+    memory row has :attr:`~autopp.sharding.memory_row.MemorySpec.split_in_flight`)."""
     memory_bytes: float = 0.0
     """What the memory row counts for this choice (:class:`MemoryAccount`)."""
     ilp_memory_bytes: float = float("nan")
@@ -110,6 +113,7 @@ def evaluate(
         state_bytes=acc.state_bytes,
         activation_bytes=acc.activation_bytes,
         gathered_bytes=acc.gathered_bytes,
+        kept_for_w_bytes=acc.kept_for_w_bytes,
         memory_bytes=acc.counted_bytes,
     )
 

@@ -508,13 +508,14 @@ class Model:
         # time-first basis, 19.8 s from each other's, before the tie-break weighed 1 byte
         # per microsecond); a warm start gone astray is cut short (highs.WARM_GUARD)
         m = self.memory
-        warm = (recompute, m.param_state_factor, m.optimizer_state_factor, m.counts_activations,
-                len(t.upper), len(t.rows), least)
+        structure = (recompute, m.param_state_factor, m.optimizer_state_factor,
+                     m.counts_activations, len(t.upper), len(t.rows), least)
+        warm = structure + (m.split_in_flight,)  # the held column's rows: this spec's
         # a time-only solve never reads the memory row: solved once for every activation
         # factor, re-counted under each (:mod:`autopp.sharding.time_only`)
         shared = None
         if price == 0 and budget is None and start is None:
-            shared = (warm, upper.tobytes(), time_limit_s, threads, rel_gap, max_nodes,
+            shared = (structure, upper.tobytes(), time_limit_s, threads, rel_gap, max_nodes,
                       round_fractional)
             hit = time_only.lookup(self, shared, t, recompute, len(upper))
             if hit is not None:
@@ -571,12 +572,10 @@ class Model:
             choice[node] = opts[int(np.argmax(vals))]
         res = evaluate(self, choice, num_vars=self.num_vars, solve_s=dt, status=status,
                        recompute=recompute)
-        arrays = self.memory_row.arrays(t)
         # a rounded LP has no memory row or objective value of its own (they belong to the
         # fractional point, whose optimum stays the bound): its evaluation is what it holds;
         # summed in the row's order, as a Python sum (the same float as term by term)
-        ilp_mem = float("nan") if rounded else float(
-            sum((arrays["mem_vals"] * x[arrays["mem_cols"]]).tolist()))
+        ilp_mem = float("nan") if rounded else self.memory_row.row_bytes(t, x)
         res = replace(res, ilp_objective_s=obj if price == 0 else float("nan"),
                       ilp_memory_bytes=ilp_mem, num_vars=len(integer),
                       bound_s=float("nan") if math.isinf(price) else bound,

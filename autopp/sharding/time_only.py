@@ -39,13 +39,13 @@ def lookup(model: Model, key: tuple, t: Terms, recompute: Any, n_cols: int
     acc = model.account(res.choice, recompute)
     ilp_mem = res.ilp_memory_bytes
     if ilp_mem == ilp_mem:  # not a rounded LP's (nan): the row at the solver's point
-        arrays = model.memory_row.arrays(t)
         x = np.zeros(n_cols)
         x[cols] = vals
-        ilp_mem = float(sum((arrays["mem_vals"] * x[arrays["mem_cols"]]).tolist()))
+        ilp_mem = model.memory_row.row_bytes(t, x)
     return replace(res, solve_s=0.0, state_bytes=acc.state_bytes,
                    activation_bytes=acc.activation_bytes, gathered_bytes=acc.gathered_bytes,
-                   memory_bytes=acc.counted_bytes, ilp_memory_bytes=ilp_mem)
+                   kept_for_w_bytes=acc.kept_for_w_bytes, memory_bytes=acc.counted_bytes,
+                   ilp_memory_bytes=ilp_mem)
 
 
 def store(model: Model, key: tuple, res: SolveResult, x: np.ndarray) -> None:
