@@ -194,6 +194,35 @@ def test_in_flight_from_the_order_alone_equals_the_simulated(name, p, m, v):
     assert max_in_flight(compute, p * v) == simulated
 
 
+@pytest.mark.parametrize("name,p,m", [
+    ("ZBVZeroBubble", 4, 8), ("InterleavedZeroBubble", 2, 4), ("DualPipeV", 4, 8),
+    ("ZBVZeroBubble", 8, 32)])
+def test_split_peaks_from_the_order_give_the_simulated_activation_peak(name, p, m):
+    """The planner's split-backward row (:func:`split_in_flight`, read off the action order)
+    against the simulator's event-time memory: for each stage alone holding activations A
+    per microbatch from F to I and K from I to W (unequal stage times), the rank's simulated
+    activation peak is the largest of a x A + b x K over the stage's pairs, for K below,
+    near and far above A. 1F1B's stages have no pairs (their backwards are whole)."""
+    from autopp.schedules.actions import compute_order
+    from autopp.schedules.simulate import split_in_flight
+
+    n = 2 * p
+    compute, _ = compute_order(name, pp=p, n_microbatches=m, n_stages=n)
+    pairs = split_in_flight(compute, n)
+    acts = schedule_actions(name, pp=p, n_microbatches=m, n_stages=n)
+    for s in range(n):
+        rank = acts.stage_to_rank[s]
+        for a_bytes, k_bytes in ((10, 1), (10, 9), (10, 13), (2, 50)):
+            costs = [cost(1.0 + 0.3 * t, 1.5 + 0.1 * t, 0.7,
+                          activation_bytes_per_microbatch=a_bytes if t == s else 0,
+                          activation_bytes_kept_for_w=k_bytes if t == s else 0)
+                     for t in range(n)]
+            peak = simulate(acts, costs).ranks[rank].peak_by_category.activations
+            assert peak == max(a * a_bytes + b * k_bytes for a, b in pairs[s]), (s, pairs[s])
+    compute, _ = compute_order("1F1B", pp=p, n_microbatches=m, n_stages=p)
+    assert split_in_flight(compute, p) == ((),) * p
+
+
 def test_memory_by_category_1f1b():
     """Each rank's peak, by hand: parameters P and optimizer O all step, gathered
     parameters U from UNSHARD to RESHARD, gradients from the first backward (4G before
