@@ -250,3 +250,51 @@ def test_pp_may_exceed_the_block_count_with_stages_of_only_the_embedding_or_head
     dry = report.plan(0)
     assert [list(f) for f in dry.plan.fqns_per_stage] == [list(f) for f in best.fqns_per_stage]
     assert dry.step_time_s > 0
+
+
+def test_split_backward_pricing_holds_what_w_keeps_at_each_peak():
+    """The search prices a split backward's stage by its peaks, as the exact planner's row:
+    hand-made probe costs (one layer: 10 GiB of activations a microbatch, nothing else),
+    ZBVZeroBubble pp2 m4 (stage 0 holds 4 microbatches F->I, or 3 and 1 I->W; stage 1: 3,
+    2+1 or 0+2) on 100 GiB (46.8 GiB a stage once the working memory and communicators are
+    off). W keeping 30 GiB: stage 0 needs max(40, 30 + 30) = 60 GiB, over, where counting
+    the activations alone (4 x 10 = 40) would fit; keeping 5 GiB: max(40, 35) fits. 1F1B
+    pp4, whose backward is whole, holds 4 x 10 GiB on stage 0 of its 93.7 GiB (one stage a
+    rank), whatever W would keep (4 x 30 would not fit)."""
+    import dataclasses
+
+    from torch import nn
+
+    from autopp.estimate.stage_costs import StateBytes
+    from autopp.layout_search.layouts import Layout
+    from autopp.layout_search.pricing import Pricer
+    from autopp.layout_search.unit_costs import ZERO, ShapeCosts, UnitCost
+    from autopp.profiles import get_profile
+    from autopp.stage_split.layout import ModelLayout
+
+    gib = 2**30
+    layout = ModelLayout(pre=(), layers_attr="layers", layer_names=("0", "1", "2", "3"),
+                         post=())
+    pricer = Pricer(nn.Linear(2, 2), layout, global_batch=16, seq_len=8,
+                    profile=get_profile("H100"), mixed_precision=None, usable=100 * gib)
+    unit = UnitCost(per_microbatch_s=1e-3, recompute_s=0.0, unshard_s=0.0, reduce_grad_s=0.0,
+                    activation_bytes=10 * gib, gathered_bytes=0.0,
+                    state=StateBytes(parameters=0, gradients=0, unreduced_gradients=0,
+                                     optimizer=0), kept_for_w_bytes=30 * gib)
+
+    def priced(kept: float, schedule: str, pp: int, v: int):
+        pricer.shapes.clear()
+        pricer.add(ShapeCosts(dp=1, tp=1, rows=4, boundary="batch+seq", pre={"none": ZERO},
+                              layer={"none": dataclasses.replace(unit, kept_for_w_bytes=kept)},
+                              post={"none": ZERO}, loss_s=0.0, hidden_bytes=0.0,
+                              planning_s=0.0, solved=0))
+        return pricer.split(Layout(pp=pp, dp=1, tp=1, schedule=schedule, stages_per_rank=v,
+                                   n_microbatches=4))
+
+    over = priced(30 * gib, "ZBVZeroBubble", 2, 2)
+    assert isinstance(over, str) and "needs ~60.0 GiB" in over, over
+    assert "what W keeps from I" in over
+    fits = priced(5 * gib, "ZBVZeroBubble", 2, 2)
+    assert not isinstance(fits, str), fits
+    assert fits.costs[0].activation_bytes_kept_for_w == 5 * gib
+    assert not isinstance(priced(30 * gib, "1F1B", 4, 1), str)

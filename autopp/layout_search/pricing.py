@@ -96,7 +96,7 @@ def _linear(u: UnitCost) -> dict[str, float]:
     s = u.state
     return dict(t=u.per_microbatch_s, params=s.parameters, grads=s.gradients,
                 unreduced=s.unreduced_gradients, opt=s.optimizer, gathered=u.gathered_bytes,
-                act=u.activation_bytes)
+                act=u.activation_bytes, kept=u.kept_for_w_bytes)
 
 
 class Pricer:
@@ -129,7 +129,12 @@ class Pricer:
     def split(self, lay: Layout, usable: float | None = None) -> Split | str:
         """The layout's split and stage costs, or why it does not fit. ``usable``: the
         device memory (None: the search's; ``inf``: unbounded, for a lower bound)."""
-        from autopp.plan.budgets import in_flight_per_stage, workspace_allowance
+        from autopp.sharding.memory_row import held_bytes
+        from autopp.plan.budgets import (
+            in_flight_per_stage,
+            split_in_flight_per_stage,
+            workspace_allowance,
+        )
         from autopp.schedules.memory_terms import communicator_bytes, receive_buffer_bytes
         from autopp.estimate.stage_costs import (
             StateBytes,
@@ -150,6 +155,7 @@ class Pricer:
         post = {md: shape.post[md].scaled(f) for md in modes}
         loss = shape.loss_s * f
         in_flight = in_flight_per_stage(lay.schedule, lay.pp, m, n)
+        split = split_in_flight_per_stage(lay.schedule, lay.pp, m, n)
         # the boundary activation: batch over dp, sequence over tp
         send = shape.hidden_bytes * f / boundary_split(shape.dp, shape.tp, "batch+seq")
         k_rank = lay.stages_per_rank
@@ -159,36 +165,39 @@ class Pricer:
             comm = communicator_bytes(self.profile.communicator_bytes, (lay.pp, lay.dp, lay.tp))
             rank_share = (usable - workspace_allowance(usable)[1] - comm) / k_rank
 
-        def budget_of(kind: tuple[int, bool, bool]) -> float:
+        def budget_of(kind: tuple[int, tuple, bool, bool]) -> float:
             """A stage's budget for what the ILP's row counts, as the exact planner sets it:
             the rank's share less the stage's receive buffers and, on the last stage, what
             its loss keeps per microbatch in flight."""
-            held, first, last = kind
+            held, _, first, last = kind
             recv = receive_buffer_bytes(m, 0 if first else int(send), 0 if last else int(send))
             return rank_share - recv - (held * shape.loss_kept_bytes * f if last else 0.0)
         ks = np.arange(L + 1, dtype=np.float64)
 
-        def need_and_time(kind: tuple[int, bool, bool]) -> tuple[np.ndarray, np.ndarray]:
-            """(bytes, seconds) per policy (rows) and layers held (columns)."""
-            held, first, last = kind
+        def need_and_time(kind: tuple[int, tuple, bool, bool]
+                          ) -> tuple[np.ndarray, np.ndarray]:
+            """(bytes, seconds) per policy (rows) and layers held (columns); activations
+            held as the exact planner's row holds them (``MemorySpec.held_bytes``)."""
+            held, peaks, first, last = kind
             need, time = [], []
             for md in modes:
                 a = _linear(layer[md])
                 ends = [_linear(e) for e, on in ((pre[md], first), (post[md], last)) if on]
                 col = {k: a[k] * ks + sum(e[k] for e in ends) for k in a}
                 need.append(col["params"] + np.maximum(col["grads"], col["unreduced"])
-                            + col["opt"] + col["gathered"] + held * col["act"])
+                            + col["opt"] + col["gathered"]
+                            + held_bytes(held, peaks, col["act"], col["kept"]))
                 time.append(col["t"] + (loss if last else 0.0))
             return np.array(need), np.array(time)
 
-        kinds = [(in_flight[s], s == 0, s == n - 1) for s in range(n)]
+        kinds = [(in_flight[s], split[s], s == 0, s == n - 1) for s in range(n)]
         tables: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         for kind in set(kinds):
             need, time = need_and_time(kind)
             t = np.where(need <= budget_of(kind), time, np.inf)
             best = t.argmin(axis=0)
             cost = t[best, np.arange(L + 1)]
-            _, first, last = kind
+            _, _, first, last = kind
             if not (n > L and ((first and self.layout.pre) or (last and self.layout.post))):
                 cost[0] = np.inf  # a stage holds a layer (see the end stages below)
             tables[kind] = (cost, best, need)
@@ -216,7 +225,10 @@ class Pricer:
             parts = sorted([("parameters", st.parameters), grads, ("optimizer state", st.optimizer),
                             ("gathered weights", u.gathered_bytes),
                             (f"activations x {in_flight[s]} in flight",
-                             in_flight[s] * u.activation_bytes)], key=lambda p: -p[1])
+                             in_flight[s] * u.activation_bytes) if not split[s] else
+                            ("activations and what W keeps from I, held at the peak",
+                             held_bytes(None, split[s], u.activation_bytes,
+                                        u.kept_for_w_bytes))], key=lambda p: -p[1])
             largest = ", ".join(f"{name} {b / 2**30:.1f} GiB" for name, b in parts[:3] if b)
             return (f"does not fit: stage {s} ({k} layers) needs ~{got / 2**30:.1f} GiB of "
                     f"{budget_of(kinds[s]) / 2**30:.1f} GiB even under its least-memory plan probed "
@@ -235,6 +247,7 @@ class Pricer:
             facts = facts_in_thirds(u.per_microbatch_s, recompute_s=u.recompute_s,
                                     unshard_s=u.unshard_s, reduce_grad_s=u.reduce_grad_s,
                                     activation_bytes=int(u.activation_bytes),
+                                    kept_for_w_bytes=int(u.kept_for_w_bytes),
                                     gathered_bytes=int(u.gathered_bytes))
             state = StateBytes(**{f.name: int(getattr(u.state, f.name))
                                   for f in dataclasses.fields(StateBytes)})

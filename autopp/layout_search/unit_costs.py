@@ -60,6 +60,8 @@ class UnitCost:
     """Parameters, gradients (reduced and before reduction) and AdamW state."""
     latency_s: float = 0.0
     """Of ``per_microbatch_s``, the activation collectives' fixed latency (does not scale)."""
+    kept_for_w_bytes: float = 0.0
+    """What a split backward keeps from I to W per microbatch: scales with the microbatch."""
 
     def __add__(self, other: UnitCost) -> UnitCost:
         return UnitCost(
@@ -70,7 +72,7 @@ class UnitCost:
             self.gathered_bytes + other.gathered_bytes,
             StateBytes(**{f.name: getattr(self.state, f.name) + getattr(other.state, f.name)
                           for f in dataclasses.fields(StateBytes)}),
-            self.latency_s + other.latency_s)
+            self.latency_s + other.latency_s, self.kept_for_w_bytes + other.kept_for_w_bytes)
 
     def times(self, k: int) -> UnitCost:
         """``k`` of this unit in one stage (``k`` layers)."""
@@ -79,7 +81,7 @@ class UnitCost:
             self.reduce_grad_s * k, self.activation_bytes * k, self.gathered_bytes * k,
             StateBytes(**{f.name: getattr(self.state, f.name) * k
                           for f in dataclasses.fields(StateBytes)}),
-            self.latency_s * k)
+            self.latency_s * k, self.kept_for_w_bytes * k)
 
     def scaled(self, factor: float) -> UnitCost:
         """At ``factor`` times the reference microbatch (collective latency unscaled)."""
@@ -87,7 +89,8 @@ class UnitCost:
         return dataclasses.replace(self, per_microbatch_s=fixed + (self.per_microbatch_s - fixed)
                                    * factor,
                                    recompute_s=self.recompute_s * factor,
-                                   activation_bytes=self.activation_bytes * factor)
+                                   activation_bytes=self.activation_bytes * factor,
+                                   kept_for_w_bytes=self.kept_for_w_bytes * factor)
 
     def state_total(self) -> float:
         s = self.state
@@ -149,6 +152,7 @@ def _unit_cost(plan: StagePlan, prefix: str, fqns: set[str], dtypes: dict[str, t
         gathered_bytes=float(bp.gathered_param_bytes),
         state=state_bytes(mine, dtypes),
         latency_s=latency,
+        kept_for_w_bytes=float(bp.kept_for_w_bytes),
     )
 
 
@@ -191,7 +195,10 @@ def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.T
     out: dict[str, dict[str, UnitCost]] = {"pre": {}, "layer": {}, "post": {}}
     for mode in modes:
         policy, _, lean = mode.partition("@")
-        memory = dict(activation_factor=1.0, recompute=policy, optimizer_state_factor=2.0)
+        # one peak of one microbatch's activations: the row is the plain one, and the
+        # plans count what a split backward keeps from I to W too (the search weighs it)
+        memory = dict(activation_factor=1.0, recompute=policy, optimizer_state_factor=2.0,
+                      split_in_flight=((1.0, 0.0),))
         plans = []
         for s, (meta, x) in enumerate(zip(metas, inputs)):
             k_in = "batch" if s == 0 else boundary

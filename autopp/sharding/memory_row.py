@@ -64,8 +64,9 @@ priced they sit at their bounds, and with integral :math:`x` the row then equals
 
 from __future__ import annotations
 
+import functools
 import operator
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -131,10 +132,21 @@ class MemorySpec:
     def held_bytes(self, activation_bytes: float, kept_for_w_bytes: float) -> float:
         """Per device, what the stage's microbatches in flight hold at its peak, from one
         microbatch's activations and (split backward) what its W keeps from I."""
-        if self.split_in_flight:
-            return max(a * activation_bytes + b * kept_for_w_bytes
-                       for a, b in self.split_in_flight)
-        return (self.activation_factor or 0.0) * activation_bytes
+        return float(held_bytes(self.activation_factor, self.split_in_flight,
+                                activation_bytes, kept_for_w_bytes))
+
+
+def held_bytes(activation_factor: float | None, split_in_flight: Sequence[tuple[float, float]],
+               activation_bytes: Any, kept_for_w_bytes: Any) -> Any:
+    """What a stage's microbatches in flight hold at its peak (bytes, or arrays of them):
+    the largest over the ``split_in_flight`` peaks of ``a`` × activations + ``b`` × what W
+    keeps, or ``activation_factor`` × activations where the backward is whole (see
+    :class:`MemorySpec`). The one rule for the ILP's row, its accounting and the layout
+    search's pricing."""
+    if split_in_flight:
+        return functools.reduce(np.maximum, [a * activation_bytes + b * kept_for_w_bytes
+                                             for a, b in split_in_flight])
+    return (activation_factor or 0.0) * activation_bytes
 
 
 @dataclass(frozen=True, slots=True)
