@@ -204,8 +204,6 @@ def run_search(model, args, world: int):
 
 def search(args) -> None:
     """Search the layout for --world devices, plan the best exactly, print and save it."""
-    from autopp.schedules.registry import schedule_info
-
     world = args.world or ((args.pp or 1) * (args.dp or 1) * (args.tp or 1))
     if world <= 1 and not args.world:
         raise SystemExit("--search needs --world N (the number of devices to lay out)")
@@ -213,30 +211,45 @@ def search(args) -> None:
     report = run_search(model, args, world)
     if not report.results:
         raise SystemExit(report.no_fit_message())
-    # the simulated peaks are the check, not the planner's per-stage count. The planner does
-    # not yet count what a split backward (zero-bubble, DualPipeV) keeps from I to W, so the
-    # search can rank such layouts too high: where the best one's exact plan does not fit,
-    # the best-ranked layout whose schedule does not split the backward is planned instead
-    exact = report.plan(0, trace=args.trace, timeline=args.timeline)
-    which, over = "The best layout", [r for r, ok in enumerate(exact.fits()) if not ok]
-    if over and schedule_info(report.results[0].layout.schedule).splits_backward:
-        print(f"\nThe best layout ({report.results[0].layout}), planned exactly, does not fit: "
-              f"pp ranks {over} are over the usable memory at their simulated peak "
-              f"({', '.join(f'{p / 2**30:.1f}' for p in exact.peak_bytes())} GiB against "
-              f"{exact.usable_bytes / 2**30:.2f}): its schedule splits the backward, whose "
-              "bytes kept from I to W the planner does not count yet")
-        k = next((i for i, c in enumerate(report.results)
-                  if not schedule_info(c.layout.schedule).splits_backward), None)
-        if k is not None:
-            exact = report.plan(k, trace=args.trace, timeline=args.timeline)
-            which = f"Layout {k + 1} of the ranking (the best without a split backward)"
-            over = [r for r, ok in enumerate(exact.fits()) if not ok]
+    # the simulated peaks are the check: the search ranks layouts from probe costs, and the
+    # planner's count of what a split backward keeps from I to W is an estimate (within
+    # about 11% of the lowered graphs), so the best layout's exact plan may not fit, or not
+    # plan at all under its budgets: the next-ranked layouts are planned then, up to TRIES
+    from autopp.sharding import InfeasiblePlanError
+
+    exact = over = None
+    skipped: list[str] = []
+    for k, cand in enumerate(report.results[:TRIES]):
+        try:
+            planned = report.plan(k, trace=args.trace, timeline=args.timeline)
+        except InfeasiblePlanError as e:
+            skipped.append(f"layout {k + 1} ({cand.layout}) has no exact plan that fits: "
+                           f"{str(e).splitlines()[0]}")
+            continue
+        exact, over = planned, [r for r, ok in enumerate(planned.fits()) if not ok]
+        which = "The best layout" if k == 0 else f"Layout {k + 1} of the ranking"
+        if not over:
+            break
+        skipped.append(f"layout {k + 1} ({cand.layout}), planned exactly, is over the usable "
+                       f"memory on pp ranks {over} at their simulated peak ("
+                       f"{', '.join(f'{p / 2**30:.1f}' for p in planned.peak_bytes())} GiB "
+                       f"against {planned.usable_bytes / 2**30:.2f})")
+    for line in skipped:
+        print(f"\nskipped: {line}")
+    if exact is None:
+        raise SystemExit(f"none of the {min(TRIES, len(report.results))} best-ranked layouts "
+                         "has an exact plan that fits (above); raise --world or lower "
+                         "--batch-size / --seq-len")
     print(f"\n{which}, planned exactly (each stage planned under its share of the device "
           "memory):")
     print_dry_run(exact, args)
     if over:
         print(f"\nWARNING: this exact plan does not fit: pp ranks {over} are over the usable "
               "memory at their simulated peak (table above)")
+
+
+TRIES = 3
+"""``--search``: the best-ranked layouts planned exactly, in order, until one fits."""
 
 
 def print_dry_run(report, args) -> None:

@@ -413,15 +413,18 @@ class MemoryRow:
                             _add(t.rtime, c, regather)
 
     def _kept_for_w_reads(self) -> dict[tuple[fx.Node, int], None]:
-        """The values a split backward keeps from I to W, as (node, output index): what
-        the weight-gradient nodes (reached from the parameter gradients, not from the input
-        gradients nor the forward) read and do not make, parameters and parameter-only
-        values aside. Where that is an output of a multi-output backward op the input
-        gradient needs too (a fused norm backward's weight gradient), the op's own inputs
-        stand in for it: the lowered graphs split it, and W makes that output from them.
+        """What a split backward keeps from I to W, as the edges (reader, argument index)
+        that read it: the weight-gradient nodes' (reached from the parameter gradients, not
+        from the input gradients nor the forward) reads of values they do not make,
+        parameters and parameter-only values aside. Where such a value is an output of a
+        multi-output backward op the input gradient needs too (a fused norm backward's
+        weight gradient), that op's reads stand in for it: the lowered graphs split it, and
+        W makes that output from them. Each edge counts at the larger of its producer's and
+        its reader's placement: a redistribution before W (an activation gathered over dp
+        for the weight gradient) is held at the reader's, one inside W at the producer's.
         Checked against the lowered W graphs' inputs (tests/sharding/test_memory_ilp.py):
         within about 11% on a llama3 block (the split places a few recomputed values and
-        views on the other side)."""
+        views on the other side; an edge read twice counts twice)."""
         hit = self._structure.get("kept_for_w")
         if hit is not None:
             return hit
@@ -436,22 +439,25 @@ class MemoryRow:
         for n in j.gm.graph.nodes:
             if n not in w_only or n not in nodes:
                 continue
-            for src, k in nodes[n].edges:
+            for i, (src, k) in enumerate(nodes[n].edges):
                 if src in w_only or src in state or src not in self.options:
                     continue
                 if src not in fwd and len(tensor_vals(src)) > 1:
                     reads.update(dict.fromkeys(
-                        e for e in nodes[src].edges if e[0] not in state
-                        and e[0] in self.options))
+                        (src, i2) for i2, e in enumerate(nodes[src].edges)
+                        if e[0] not in state and e[0] in self.options))
                 else:
-                    reads[src, k] = None
+                    reads[n, i] = None
         self._structure["kept_for_w"] = reads
         return reads
 
     def _kept_for_w_terms(self, t: Terms) -> None:
-        for src, k in self._kept_for_w_reads():
-            for i, o in enumerate(self.options[src]):
-                _add(t.kept, self.col0[src] + i, self._out_bytes(src, o, frozenset((k,))))
+        for d, i in self._kept_for_w_reads():
+            src, k = self.st.nodes[d].edges[i]
+            val = tensor_vals(src)[k]
+            for c, a, g in self.edge_cols.get((d, i), ()):
+                _add(t.kept, c, max(self.costs.local_bytes(val, a),
+                                    self.costs.local_bytes(val, g)))
 
     def _gathered_terms(self, t: Terms) -> None:
         owned: dict[fx.Node, int | float] = {}  # 0.0 / 1.0 constants or a column
@@ -617,8 +623,12 @@ class MemoryRow:
                             gathered += costs.local_bytes(tensor_vals(s)[k], g)
         kept = 0.0
         if spec.counts_activations and spec.split_in_flight:
-            kept = sum(self._out_bytes(src, choice[src], frozenset((k,)))
-                       for src, k in self._kept_for_w_reads() if src in choice)
+            for d, i in self._kept_for_w_reads():
+                src, k = self.st.nodes[d].edges[i]
+                if src in choice and d in choice:
+                    val = tensor_vals(src)[k]
+                    kept += max(costs.local_bytes(val, choice[src].out[k]),
+                                costs.local_bytes(val, choice[d].ins[i]))
         counted = state
         if spec.activation_factor is not None:
             counted += spec.held_bytes(act, kept) + gathered
