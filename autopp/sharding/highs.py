@@ -72,18 +72,20 @@ class WarmLps:
     def run(self, lp, upper, integer: list[bool], as_mip: bool, time_limit_s: float,
             threads: int, *, scale: float, hint=None, rel_gap: float = 1e-6,
             warm: tuple | None = None, max_nodes: int | None = None,
-            mem_row: tuple | None = None, objective_target: float | None = None):
+            mem_row: tuple | None = None, objective_target: float | None = None,
+            coefs: tuple[tuple[int, int, float], ...] = ()):
         """Solve ``lp`` (objective in units of 1/``scale`` seconds) under column upper
         bounds ``upper``. ``warm``: the key of an LP relaxation to re-solve from its last
         basis, its costs, column bounds, budget and memory row ``mem_row`` ((columns, MiB
         per column), the last row) set anew; kept for the next call. ``max_nodes``: a MIP's
         branch-and-bound node limit. ``objective_target``: a MIP stops at the first solution
         whose objective (seconds) is at most this (HiGHS's ``objective_target``), before its
-        gap closes. Returns (x, seconds, status, objective, proven lower bound of the
+        gap closes. ``coefs``: other (row, column, value) entries set anew on a warm LP (a
+        split backward's peak rows). Returns (x, seconds, status, objective, proven lower bound of the
         objective); x is empty where no solution was found."""
         t0 = time.perf_counter()
-        h, last_upper, last_mem, cold_s = self._lps.get(warm, (None,) * 4) if warm else (
-            None,) * 4
+        h, last_upper, last_mem, cold_s, last_coefs = self._lps.get(
+            warm, (None,) * 5) if warm else (None,) * 5
         row = len(lp.row_upper_) - 1  # the memory row: the budget (inf: none)
         guard, hit = time_limit_s, h is not None
         if hit:
@@ -102,8 +104,11 @@ class WarmLps:
                 new = dict(zip(mem_row[0].tolist(), mem_row[1].tolist()))
                 for c in set(last_mem[0].tolist()) | set(new):
                     h.changeCoeff(row, c, new.get(c, 0.0))
+            if coefs != last_coefs:  # another stage's peaks
+                for r, c, v in coefs:
+                    h.changeCoeff(r, c, v)
             h.changeRowBounds(row, float(lp.row_lower_[row]), float(lp.row_upper_[row]))
-            self._lps[warm] = (h, upper, mem_row, cold_s)
+            self._lps[warm] = (h, upper, mem_row, cold_s, coefs)
         else:
             lp.col_upper_ = upper
             kint, kcont = highspy().HighsVarType.kInteger, highspy().HighsVarType.kContinuous
@@ -128,12 +133,12 @@ class WarmLps:
             x, _, status, obj, bound = self.run(
                 lp, upper, integer, as_mip, time_limit_s, threads, scale=scale, hint=hint,
                 rel_gap=rel_gap, warm=warm, max_nodes=max_nodes, mem_row=mem_row,
-                objective_target=objective_target)
+                objective_target=objective_target, coefs=coefs)
             return x, time.perf_counter() - t0, status + " (warm start dropped)", obj, bound
         if warm is not None and cold_s is None:
             if len(self._lps) >= self.LIMIT:
                 self._lps.pop(next(iter(self._lps)))
-            self._lps[warm] = (h, upper, mem_row, time.perf_counter() - t0)
+            self._lps[warm] = (h, upper, mem_row, time.perf_counter() - t0, coefs)
         if h.getModelStatus() == highspy().HighsModelStatus.kInfeasible:
             # HiGHS's presolve can call a feasible model infeasible when its values span
             # many orders of magnitude (a dp=512 head's 2 TiB replicated logits beside 1-byte

@@ -184,8 +184,15 @@ class Terms:
     """Bytes a split backward keeps from I to W per column (one microbatch)."""
     held: int | None = None
     """The column (MiB) that bounds the activations held at the stage's peak from above,
-    one row per :attr:`MemorySpec.split_in_flight` pair; None: the row weighs
-    :attr:`act` by the activation factor itself."""
+    one row per :attr:`MemorySpec.split_in_flight` pair over :attr:`act_col` and
+    :attr:`kept_col`; None: the row weighs :attr:`act` by the activation factor itself."""
+    act_col: int | None = None
+    kept_col: int | None = None
+    """Columns (MiB) equal to one microbatch's activations and what W keeps: the peak rows
+    read them, three coefficients each, so the rows' structure is the same for every
+    stage's peaks (:data:`PEAK_ROWS`) and one LP serves them all (:meth:`peak_coefs`)."""
+    peak_rows: list[int] = field(default_factory=list)
+    """Indices in :attr:`rows` of the peak rows (``held - a·act - b·kept >= 0``)."""
     gathered: dict[int, float] = field(default_factory=dict)
     rtime: dict[int, float] = field(default_factory=dict)
     """Seconds of recomputation per column (objective)."""
@@ -209,6 +216,17 @@ class Terms:
         for c, v in items:
             merged[c] = merged.get(c, 0.0) + v
         self.rows.append((list(merged), list(merged.values()), lo, hi))
+
+
+PEAK_ROWS = 4
+"""Peak rows every split-backward accounting has (its peaks, the last repeated): the most
+any named schedule's stage needs is 3 (ZBVZeroBubble, DualPipeV), so every stage's LP has
+one structure and the solver re-sets only the peaks' coefficients between stages."""
+
+
+def _padded(peaks: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    peaks = list(peaks)
+    return peaks + [peaks[-1]] * (PEAK_ROWS - len(peaks))
 
 
 def _add(d: dict[int, float], col: int, v: float) -> None:
@@ -341,15 +359,30 @@ class MemoryRow:
                     self._gathered_terms(base)
                 if split:
                     self._kept_for_w_terms(base)
+                    for name, terms in (("act_col", base.act), ("kept_col", base.kept)):
+                        col = base.col()
+                        setattr(base, name, col)
+                        base.row([(col, 1.0)] + [(c, -v / MIB) for c, v in terms.items()],
+                                 0.0, 0.0)
             t = self._terms[recompute] = replace(
                 base, upper=list(base.upper), rows=list(base.rows), lp=None, row_upper=None,
-                arrays={})
-            if split:  # the pairs' rows are this accounting's own
+                arrays={}, peak_rows=[])
+            if split:  # the peaks' rows: their coefficients are this accounting's own
                 t.held = t.col()
-                for a, b in spec.split_in_flight:
-                    coefs = [(t.held, 1.0)] + [(c, -a * v / MIB) for c, v in t.act.items()]
-                    t.row(coefs + [(c, -b * v / MIB) for c, v in t.kept.items()], 0.0)
+                for a, b in _padded(spec.split_in_flight):
+                    t.peak_rows.append(len(t.rows))
+                    t.row([(t.held, 1.0), (t.act_col, -a), (t.kept_col, -b)], 0.0)
         return t
+
+    def peak_coefs(self, t: Terms, first_row: int) -> tuple[tuple[int, int, float], ...]:
+        """The (LP row, column, value) entries of ``t``'s peak rows that differ between
+        accountings (``-a`` and ``-b`` of each peak), the rows counted from ``first_row``
+        (the model's own rows come first): a warm LP built for other peaks is re-set to
+        these (:class:`autopp.sharding.highs.WarmLps`)."""
+        if t.held is None:
+            return ()
+        return tuple(e for r, (a, b) in zip(t.peak_rows, _padded(self.memory.split_in_flight))
+                     for e in ((first_row + r, t.act_col, -a), (first_row + r, t.kept_col, -b)))
 
     def _state_terms(self, t: Terms) -> None:
         spec, j = self.memory, self.st.joint

@@ -508,14 +508,15 @@ class Model:
         # time-first basis, 19.8 s from each other's, before the tie-break weighed 1 byte
         # per microsecond); a warm start gone astray is cut short (highs.WARM_GUARD)
         m = self.memory
-        structure = (recompute, m.param_state_factor, m.optimizer_state_factor,
-                     m.counts_activations, len(t.upper), len(t.rows), least)
-        warm = structure + (m.split_in_flight,)  # the held column's rows: this spec's
+        # (a split backward's peak rows have one structure for every stage's peaks: their
+        # coefficients are re-set, as the memory row's are)
+        warm = (recompute, m.param_state_factor, m.optimizer_state_factor,
+                m.counts_activations, len(t.upper), len(t.rows), least)
         # a time-only solve never reads the memory row: solved once for every activation
         # factor, re-counted under each (:mod:`autopp.sharding.time_only`)
         shared = None
         if price == 0 and budget is None and start is None:
-            shared = (structure, upper.tobytes(), time_limit_s, threads, rel_gap, max_nodes,
+            shared = (warm, upper.tobytes(), time_limit_s, threads, rel_gap, max_nodes,
                       round_fractional)
             hit = time_only.lookup(self, shared, t, recompute, len(upper))
             if hit is not None:
@@ -527,16 +528,17 @@ class Model:
         arrays = self.memory_row.arrays(t)
         integer, ints = arrays["integer"], arrays["ints"]
         mem_row = (arrays["mem_cols"], arrays["mem_vals"] / _MIB)
+        peaks = self.memory_row.peak_coefs(t, len(self.rows))
         x, dt, status, obj, bound = self._warm.run(
             lp, upper, integer, False, time_limit_s, threads, scale=_SCALE, rel_gap=rel_gap,
-            warm=warm, mem_row=mem_row)
+            warm=warm, mem_row=mem_row, coefs=peaks)
         if x.size == 0 and cap is not None:
             # no plan keeps every tensor under the cap (with these restrictions): plan
             # without it, and say so (the stage's working memory may then not fit)
             upper = uncapped
             x, dt2, status, obj, bound = self._warm.run(
                 lp, upper, integer, False, time_limit_s, threads, scale=_SCALE,
-                rel_gap=rel_gap, warm=warm, mem_row=mem_row)
+                rel_gap=rel_gap, warm=warm, mem_row=mem_row, coefs=peaks)
             dt += dt2
             status += (f" ({CAP_DROPPED} of {format_bytes(cap)} dropped: no plan keeps "
                        "every tensor under it)")
