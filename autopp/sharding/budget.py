@@ -218,9 +218,12 @@ chosen chain is polished at the solver's default gap)."""
 
 def _solve(stage: Stage, kind: int, pair: tuple, mode: str, price: float,
            budget: float | None, time_limit_s: float, start=None,
-           target_s: float | None = None) -> SolveResult | InfeasiblePlanError:
+           target_s: float | None = None, rounded: bool = False
+           ) -> SolveResult | InfeasiblePlanError:
     rep = stage.reps[kind]
-    key = (rep.mkey, pair, rep.fixed_key, time_limit_s, mode, price, budget, target_s)
+    rounded = rounded or 0 < price < math.inf
+    key = (rep.mkey, pair, rep.fixed_key, time_limit_s, mode, price, budget, target_s,
+           rounded)
     res = None if stage.solves is None else stage.solves.get(key)
     if res is None:
         # the price search's intermediate solves; a polish, which only has to bring its
@@ -232,7 +235,7 @@ def _solve(stage: Stage, kind: int, pair: tuple, mode: str, price: float,
                                   recompute=mode, budget=budget, price=price, start=start,
                                   rel_gap=gap,
                                   max_nodes=None if budget is None else POLISH_NODES,
-                                  round_fractional=0 < price < math.inf,
+                                  round_fractional=rounded,
                                   objective_target_s=target_s)
             stage.solved.append((0, res.solve_s))
         except InfeasiblePlanError as e:
@@ -243,14 +246,18 @@ def _solve(stage: Stage, kind: int, pair: tuple, mode: str, price: float,
 
 
 def _chain(stage: Stage, mode: str, price: float, time_limit_s: float,
-           budget: float | None = None, seen: dict | None = None) -> Chain:
+           budget: float | None = None, seen: dict | None = None,
+           rounded: bool = False) -> Chain:
     """The best chain at ``price`` (seconds per counted byte; inf: least memory).
-    ``seen``: collects every unit solution solved, by (unit, boundary pair)."""
+    ``seen``: collects every unit solution solved, by (unit, boundary pair). ``rounded``:
+    each unit's LP relaxation rounded where fractional, not its MIP (as the price search's
+    solves at a positive price always are)."""
     table: dict[int, dict[tuple, _Priced]] = {}
     for kind, rep in enumerate(stage.reps):
         table[kind], errors = {}, []
         for pair in rep.pairs:
-            res = _solve(stage, kind, pair, mode, price, budget, time_limit_s)
+            res = _solve(stage, kind, pair, mode, price, budget, time_limit_s,
+                         rounded=rounded)
             if isinstance(res, InfeasiblePlanError):
                 errors.append(str(res))
             else:
@@ -336,7 +343,12 @@ def _search_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: fl
     if budget is None or fast.memory_bytes <= budget:
         fast.free = True
         return _Searched(mode, fast, fast, {})
-    least = _chain(stage, mode, math.inf, time_limit_s)
+    # least memory from the LP relaxations rounded first: where that plan fits, it is the
+    # search's feasible start (a split backward's peaks, a max over two terms, leave those
+    # LPs fractional, and their MIPs took a minute a stage on the 70B DualPipeV dry run)
+    least = _chain(stage, mode, math.inf, time_limit_s, rounded=True)
+    if least.memory_bytes > budget:
+        least = _chain(stage, mode, math.inf, time_limit_s)
     if least.memory_bytes > budget:
         # the time tie-break may have traded bytes for time: fits or not is the memory
         # row's alone
