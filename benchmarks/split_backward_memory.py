@@ -1,23 +1,23 @@
-"""What a split backward holds from I to W, and what the planner's count leaves out.
+"""What a split backward holds from I to W: the planner's count against the lowered graphs'.
 
-    .venv/bin/python benchmarks/split_backward_memory.py --model 70B --pp 8 --dp 16 --tp 4 \
-        --schedule ZBVZeroBubble --microbatches 32 --batch-size 512 --seq-len 8192 \
+    .venv/bin/python benchmarks/split_backward_memory.py --model 70B --pp 8 --dp 8 --tp 8 \
+        --schedule DualPipeV --microbatches 64 --batch-size 512 --seq-len 8192 \
         --mixed-precision bf16
 
-Plans the layout exactly (``autopp.dry_run`` on a fake world, H100 profile) and prints each
-pp rank's simulated peak twice: as the dry run simulates it (each stage keeps its W graph's
-inputs from the end of I to the end of W: ``StageCost.activation_bytes_kept_for_w``, from
-the lowered graphs), and with those bytes set to the stage's saved activations, which is
-what the planner's memory row counts (docs/design.md, "Known gap: what a split backward
-holds from I to W"). The second simulation reuses the first's plan (the plan cache). A
-schedule that does not split the backward prints the same peaks twice.
+Plans the layout exactly (``autopp.dry_run`` on a fake world, H100 profile) and prints, per
+stage, the (F->I, I->W) microbatch counts at its peaks, the activations one microbatch
+saves and what its W keeps from I, each as the planner's ILP counts it
+(``StagePlan.activation_bytes`` / ``kept_for_w_bytes``) and as the lowered graphs hold it
+(``StageFacts``, what the simulator runs); then each pp rank's simulated peak against the
+usable memory. A layout with no plan that fits prints the planner's error (the consumers
+it names). docs/design.md, "What a split backward holds from I to W".
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -29,10 +29,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="70B")
     p.add_argument("--pp", type=int, default=8)
-    p.add_argument("--dp", type=int, default=16)
-    p.add_argument("--tp", type=int, default=4)
-    p.add_argument("--schedule", default="ZBVZeroBubble")
-    p.add_argument("--microbatches", type=int, default=32)
+    p.add_argument("--dp", type=int, default=8)
+    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--schedule", default="DualPipeV")
+    p.add_argument("--microbatches", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--mixed-precision", choices=["bf16", "none"], default="bf16")
@@ -43,30 +43,35 @@ def main() -> None:
     import llama3_pp_dp_tp as example
     from autopp.backends import PlannerOptions
     from autopp.dry_run import dry_run
+    from autopp.sharding import InfeasiblePlanError
 
-    simulate = importlib.import_module("autopp.schedules.simulate")
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if args.mixed_precision == "bf16" else None)
-    kw = dict(pp=args.pp, dp=args.dp, tp=args.tp, schedule=args.schedule,
-              n_microbatches=args.microbatches, global_batch=args.batch_size,
-              seq_len=args.seq_len,
-              options=PlannerOptions(mixed_precision=mp, profile="H100"))
-
-    def peaks(report) -> str:
-        gib = ", ".join(f"{b / 2**30:.1f}" for b in report.peak_bytes())
-        over = [r for r, ok in enumerate(report.fits()) if not ok]
-        return f"{gib} GiB (usable {report.usable_bytes / 2**30:.2f}; ranks over: {over})"
-
-    print("as simulated (kept from I to W: the W graphs' inputs):",
-          peaks(dry_run(example.build_model(args.model), **kw)))
-    kept = simulate.StageCost.kept_for_w_bytes
-    simulate.StageCost.kept_for_w_bytes = property(
-        lambda self: self.activation_bytes_per_microbatch)
+    t0 = time.perf_counter()
     try:
-        print("kept from I to W = the saved activations (the planner's count):",
-              peaks(dry_run(example.build_model(args.model), **kw)))
-    finally:
-        simulate.StageCost.kept_for_w_bytes = kept
+        report = dry_run(example.build_model(args.model), pp=args.pp, dp=args.dp, tp=args.tp,
+                         schedule=args.schedule, n_microbatches=args.microbatches,
+                         global_batch=args.batch_size, seq_len=args.seq_len,
+                         options=PlannerOptions(mixed_precision=mp, profile="H100"))
+    except InfeasiblePlanError as e:
+        print(f"no plan fits ({time.perf_counter() - t0:.1f} s):\n{e}")
+        return
+    gib = float(2**30)
+    print(f"planned and simulated in {time.perf_counter() - t0:.1f} s")
+    print("stage  peaks (F->I/I->W)        recompute  activations plan/graphs GiB  "
+          "kept for W plan/graphs GiB (ratio)")
+    for s, st in enumerate(report.stages):
+        plan, facts = st.plan, st.facts
+        peaks = " ".join(f"{a:g}/{b:g}" for a, b in plan.split_in_flight) or "(whole B)"
+        kept = facts.kept_for_w_bytes or 0
+        ratio = f"{plan.kept_for_w_bytes / kept:.2f}" if kept else "-"
+        print(f"{s:5d}  {peaks:24s} {plan.recompute:10s} "
+              f"{plan.activation_bytes / gib:6.2f} / {(facts.activation_bytes or 0) / gib:6.2f}"
+              f"            {plan.kept_for_w_bytes / gib:6.2f} / {kept / gib:6.2f} ({ratio})")
+    over = [r for r, ok in enumerate(report.fits()) if not ok]
+    print("simulated peak per pp rank: "
+          + ", ".join(f"{b / gib:.1f}" for b in report.peak_bytes())
+          + f" GiB (usable {report.usable_bytes / gib:.2f}; ranks over: {over})")
 
 
 if __name__ == "__main__":

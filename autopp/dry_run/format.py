@@ -63,7 +63,11 @@ def _stage_lines(r: DryRunReport) -> list[str]:
                f"{p.recompute or 'none'}"
                + (f", chosen from {p.recompute_requested!r}" if getattr(
                    p, "recompute_requested", "") == "auto" else "")
-               + f"); gathered/cast weights {format_bytes(c.gathered_param_bytes)} once per step"]
+               + ")"
+               + (f"; its W keeps {format_bytes(s.facts.kept_for_w_bytes)} from I (planner: "
+                  f"{format_bytes(p.kept_for_w_bytes)})" if p.split_in_flight
+                  and s.facts.kept_for_w_bytes is not None else "")
+               + f"; gathered/cast weights {format_bytes(c.gathered_param_bytes)} once per step"]
               if s.activation_bytes is not None else []),
             f"    sends {list(s.send_shape)} = {format_bytes(s.send_bytes)} per microbatch to stage "
             f"{s.index + 1} ({_BOUNDARY_WORDS[s.boundary_out]})" if s.send_shape is not None
