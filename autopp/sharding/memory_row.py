@@ -129,6 +129,20 @@ class MemorySpec:
     def counts_activations(self) -> bool:
         return self.activation_factor is not None
 
+    @property
+    def splits(self) -> bool:
+        """Whether some peak holds what W keeps (a pair with ``b > 0``): the row then needs
+        its peak rows. Peaks of ``(a, 0)`` alone (the layout search's probes: the plain
+        row, what W keeps counted beside it) weigh the activations by the largest ``a``."""
+        return any(b > 0 for _, b in self.split_in_flight)
+
+    @property
+    def row_factor(self) -> float | None:
+        """The activations' weight in a row without peak rows."""
+        if self.split_in_flight and not self.splits:
+            return max(a for a, _ in self.split_in_flight)
+        return self.activation_factor
+
     def held_bytes(self, activation_bytes: float, kept_for_w_bytes: float) -> float:
         """Per device, what the stage's microbatches in flight hold at its peak, from one
         microbatch's activations and (split backward) what its W keeps from I."""
@@ -345,7 +359,7 @@ class MemoryRow:
         t = self._terms.get(recompute)
         if t is None:
             spec = self.memory
-            split = spec.counts_activations and bool(spec.split_in_flight)
+            split = spec.counts_activations and spec.splits
             key = (recompute, replace(spec, largest_tensor_bytes=None, activation_factor=(
                 None if spec.activation_factor is None else 1.0),
                 split_in_flight=((1.0, 1.0),) if split else ()))
@@ -545,7 +559,7 @@ class MemoryRow:
     def coefs(self, t: Terms) -> dict[int, float]:
         """Bytes per column of the memory row."""
         coefs = dict(t.state)
-        f = self.memory.activation_factor
+        f = self.memory.row_factor
         if f is not None:
             if t.held is not None:
                 _add(coefs, t.held, MIB)
