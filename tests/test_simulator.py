@@ -179,7 +179,7 @@ def test_zb_h1_in_flight_equals_1f1b(p):
 def test_in_flight_from_the_order_alone_equals_the_simulated(name, p, m, v):
     """The search reads in-flight counts off the action order; the simulator, from event
     times, with unequal stage costs, agrees."""
-    from autopp.schedules.simulate import max_in_flight
+    from autopp.schedules.in_flight import max_in_flight
 
     from autopp.schedules.actions import compute_order
 
@@ -204,7 +204,7 @@ def test_split_peaks_from_the_order_give_the_simulated_activation_peak(name, p, 
     activation peak is the largest of a x A + b x K over the stage's pairs, for K below,
     near and far above A. 1F1B's stages have no pairs (their backwards are whole)."""
     from autopp.schedules.actions import compute_order
-    from autopp.schedules.simulate import split_in_flight
+    from autopp.schedules.in_flight import split_in_flight
 
     n = 2 * p
     compute, _ = compute_order(name, pp=p, n_microbatches=m, n_stages=n)

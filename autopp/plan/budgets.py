@@ -35,9 +35,9 @@ def workspace_allowance(device_bytes: float) -> tuple[float, float]:
 def in_flight_per_stage(schedule: str, pp: int, n_microbatches: int, n_stages: int
                         ) -> tuple[int, ...]:
     """Per stage, the most microbatches whose activations the schedule keeps at once, read
-    off torch's own action lists (:func:`autopp.schedules.simulate.max_in_flight`)."""
+    off torch's own action lists (:func:`autopp.schedules.in_flight.max_in_flight`)."""
     from autopp.schedules.actions import compute_order
-    from autopp.schedules.simulate import max_in_flight
+    from autopp.schedules.in_flight import max_in_flight
 
     compute, _ = compute_order(schedule, pp=pp, n_microbatches=n_microbatches,
                                n_stages=n_stages)
@@ -48,10 +48,10 @@ def in_flight_per_stage(schedule: str, pp: int, n_microbatches: int, n_stages: i
 def split_in_flight_per_stage(schedule: str, pp: int, n_microbatches: int, n_stages: int
                               ) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Per stage, what a split backward holds at its memory peaks as (F->I, I->W)
-    microbatch counts (:func:`autopp.schedules.simulate.split_in_flight`); empty for the
+    microbatch counts (:func:`autopp.schedules.in_flight.split_in_flight`); empty for the
     stages of a schedule whose backwards are whole."""
     from autopp.schedules.actions import compute_order
-    from autopp.schedules.simulate import split_in_flight
+    from autopp.schedules.in_flight import split_in_flight
 
     compute, _ = compute_order(schedule, pp=pp, n_microbatches=n_microbatches,
                                n_stages=n_stages)

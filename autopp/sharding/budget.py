@@ -540,9 +540,9 @@ def _over_budget_message(stage: Stage, budget: float, memory: MemorySpec,
                   if memory.optimizer_state_factor is not None
                   else f"parameters x state factor {memory.param_state_factor:g}")
     parts = [(state, f"{state_name} {_gib(state)}")]
-    if f is not None and memory.split_in_flight:
+    held = memory.held_bytes(act, least.total("kept_for_w_bytes")) if f is not None else 0.0
+    if f is not None and memory.splits:
         kept = least.total("kept_for_w_bytes")
-        held = memory.held_bytes(act, kept)
         parts.append((held, f"activations {_gib(act)} per microbatch and {_gib(kept)} kept "
                             f"from I to W, held at the peak = {_gib(held)}"))
     elif f is not None:
@@ -568,7 +568,7 @@ def _over_budget_message(stage: Stage, budget: float, memory: MemorySpec,
         lines.append(f"  - activation recomputation: recompute={fitting[-1]!r} (or 'auto')")
     if f is not None and act > 0:
         lines.append(f"  - smaller microbatches: activations scale with the microbatch size "
-                     f"(half the size saves ~{_gib(act * f / 2)}); more microbatches per "
+                     f"(half the size saves ~{_gib(held / 2)}); more microbatches per "
                      "step do not lower the microbatches in flight under 1F1B")
     n_units = len(stage.kinds)
     lines.append(f"  - more pipeline stages: this stage's {n_units} unit(s) hold "
@@ -576,7 +576,7 @@ def _over_budget_message(stage: Stage, budget: float, memory: MemorySpec,
                  f"{_gib(least.memory_bytes / 2)}")
     lines.append(f"  - more dp / tp devices for the stage: the least-memory plan already shards "
                  f"parameters, state and activations as far as this mesh allows; twice the "
-                 f"devices roughly halve the {_gib(state + act * (f or 0) + gath)}")
+                 f"devices roughly halve the {_gib(state + held + gath)}")
     if f is None:
         lines.append("  (activations and gathered parameters are not counted: "
                      "activation_factor is None)")

@@ -42,6 +42,10 @@ per device, bytes):
   counted as needed: an upper bound; :meth:`MemoryRow.account` walks the chosen plan
   exactly). A recomputed node adds :math:`\sum_o c_{v,o} x_{v,o}` to the objective (the
   backward runs it again; also counted where a cut makes it unnecessary).
+* Held, with a split backward (``MemorySpec.split_in_flight``): :math:`f \cdot \text{Act}` is
+  replaced by a column bounded below by :math:`a \cdot \text{Act} + b \cdot \text{Kept}`
+  for each of the stage's (F→I, I→W) peaks, Kept being what W keeps from I
+  (:mod:`autopp.sharding.kept_for_w`).
 * Gath (``_gathered_terms``), with ``activation_factor`` set: the parameter-only values
   other nodes read (the unshard graph's outputs, held once per step), per distinct
   (value, required placement :math:`g`): :math:`W_{s,g} \ge \sum_{o \in O_d^g} x_{d,o} -
@@ -64,9 +68,8 @@ priced they sit at their bounds, and with integral :math:`x` the row then equals
 
 from __future__ import annotations
 
-import functools
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +77,7 @@ import numpy as np
 from torch import fx
 
 from autopp.graph.walk import is_view
+from autopp.sharding import kept_for_w
 from autopp.sharding.strategies import Option, tensor_vals
 
 if TYPE_CHECKING:
@@ -114,7 +118,7 @@ class MemorySpec:
     split_in_flight: tuple[tuple[float, float], ...] = ()
     """With a split backward (zero bubble, DualPipeV): the stage's (microbatches between
     their F and their I, microbatches between their I and their W) at each of its memory
-    peaks (:func:`autopp.schedules.simulate.split_in_flight`). The row then holds the
+    peaks (:func:`autopp.schedules.in_flight.split_in_flight`). The row then holds the
     largest over them of ``a`` × activations + ``b`` × what W keeps (:meth:`held_bytes`) in
     place of :attr:`activation_factor` × activations, which stays set (the most microbatches
     in flight) to say that activations count. Empty: a backward is whole, activations are
@@ -146,21 +150,8 @@ class MemorySpec:
     def held_bytes(self, activation_bytes: float, kept_for_w_bytes: float) -> float:
         """Per device, what the stage's microbatches in flight hold at its peak, from one
         microbatch's activations and (split backward) what its W keeps from I."""
-        return float(held_bytes(self.activation_factor, self.split_in_flight,
-                                activation_bytes, kept_for_w_bytes))
-
-
-def held_bytes(activation_factor: float | None, split_in_flight: Sequence[tuple[float, float]],
-               activation_bytes: Any, kept_for_w_bytes: Any) -> Any:
-    """What a stage's microbatches in flight hold at its peak (bytes, or arrays of them):
-    the largest over the ``split_in_flight`` peaks of ``a`` × activations + ``b`` × what W
-    keeps, or ``activation_factor`` × activations where the backward is whole (see
-    :class:`MemorySpec`). The one rule for the ILP's row, its accounting and the layout
-    search's pricing."""
-    if split_in_flight:
-        return functools.reduce(np.maximum, [a * activation_bytes + b * kept_for_w_bytes
-                                             for a, b in split_in_flight])
-    return (activation_factor or 0.0) * activation_bytes
+        return float(kept_for_w.held_bytes(self.activation_factor, self.split_in_flight,
+                                           activation_bytes, kept_for_w_bytes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,17 +221,6 @@ class Terms:
         for c, v in items:
             merged[c] = merged.get(c, 0.0) + v
         self.rows.append((list(merged), list(merged.values()), lo, hi))
-
-
-PEAK_ROWS = 4
-"""Peak rows every split-backward accounting has (its peaks, the last repeated): the most
-any named schedule's stage needs is 3 (ZBVZeroBubble, DualPipeV), so every stage's LP has
-one structure and the solver re-sets only the peaks' coefficients between stages."""
-
-
-def _padded(peaks: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
-    peaks = list(peaks)
-    return peaks + [peaks[-1]] * (PEAK_ROWS - len(peaks))
 
 
 def _add(d: dict[int, float], col: int, v: float) -> None:
@@ -372,20 +352,12 @@ class MemoryRow:
                 if spec.counts_activations:
                     self._gathered_terms(base)
                 if split:
-                    self._kept_for_w_terms(base)
-                    for name, terms in (("act_col", base.act), ("kept_col", base.kept)):
-                        col = base.col()
-                        setattr(base, name, col)
-                        base.row([(col, 1.0)] + [(c, -v / MIB) for c, v in terms.items()],
-                                 0.0, 0.0)
+                    kept_for_w.add_terms(self, base, MIB)
             t = self._terms[recompute] = replace(
                 base, upper=list(base.upper), rows=list(base.rows), lp=None, row_upper=None,
                 arrays={}, peak_rows=[])
             if split:  # the peaks' rows: their coefficients are this accounting's own
-                t.held = t.col()
-                for a, b in _padded(spec.split_in_flight):
-                    t.peak_rows.append(len(t.rows))
-                    t.row([(t.held, 1.0), (t.act_col, -a), (t.kept_col, -b)], 0.0)
+                kept_for_w.add_peak_rows(t, spec.split_in_flight)
         return t
 
     def peak_coefs(self, t: Terms, first_row: int) -> tuple[tuple[int, int, float], ...]:
@@ -393,10 +365,7 @@ class MemoryRow:
         accountings (``-a`` and ``-b`` of each peak), the rows counted from ``first_row``
         (the model's own rows come first): a warm LP built for other peaks is re-set to
         these (:class:`autopp.sharding.highs.WarmLps`)."""
-        if t.held is None:
-            return ()
-        return tuple(e for r, (a, b) in zip(t.peak_rows, _padded(self.memory.split_in_flight))
-                     for e in ((first_row + r, t.act_col, -a), (first_row + r, t.kept_col, -b)))
+        return kept_for_w.peak_coefs(t, self.memory.split_in_flight, first_row)
 
     def _state_terms(self, t: Terms) -> None:
         spec, j = self.memory, self.st.joint
@@ -458,53 +427,6 @@ class MemoryRow:
                         _add(t.act, c, cut)
                         if regather:
                             _add(t.rtime, c, regather)
-
-    def _kept_for_w_reads(self) -> dict[tuple[fx.Node, int], None]:
-        """What a split backward keeps from I to W, as the edges (reader, argument index)
-        that read it: the weight-gradient nodes' (reached from the parameter gradients, not
-        from the input gradients nor the forward) reads of values they do not make,
-        parameters and parameter-only values aside. Where such a value is an output of a
-        multi-output backward op the input gradient needs too (a fused norm backward's
-        weight gradient), that op's reads stand in for it: the lowered graphs split it, and
-        W makes that output from them. Each edge counts at the larger of its producer's and
-        its reader's placement: a redistribution before W (an activation gathered over dp
-        for the weight gradient) is held at the reader's, one inside W at the producer's.
-        Checked against the lowered W graphs' inputs (tests/sharding/test_memory_ilp.py):
-        within about 11% on a llama3 block (the split places a few recomputed values and
-        views on the other side; an edge read twice counts twice)."""
-        hit = self._structure.get("kept_for_w")
-        if hit is not None:
-            return hit
-        from autopp.graph.walk import closure
-
-        j, nodes = self.st.joint, self.st.nodes
-        fwd = closure(list(j.outputs.values()))
-        w_only = (closure(list(j.grads.values())) - closure(list(j.input_grads.values()))
-                  - fwd)
-        state = self._param_only | set(j.params.values()) | set(j.buffers.values())
-        reads: dict[tuple[fx.Node, int], None] = {}
-        for n in j.gm.graph.nodes:
-            if n not in w_only or n not in nodes:
-                continue
-            for i, (src, k) in enumerate(nodes[n].edges):
-                if src in w_only or src in state or src not in self.options:
-                    continue
-                if src not in fwd and len(tensor_vals(src)) > 1:
-                    reads.update(dict.fromkeys(
-                        (src, i2) for i2, e in enumerate(nodes[src].edges)
-                        if e[0] not in state and e[0] in self.options))
-                else:
-                    reads[n, i] = None
-        self._structure["kept_for_w"] = reads
-        return reads
-
-    def _kept_for_w_terms(self, t: Terms) -> None:
-        for d, i in self._kept_for_w_reads():
-            src, k = self.st.nodes[d].edges[i]
-            val = tensor_vals(src)[k]
-            for c, a, g in self.edge_cols.get((d, i), ()):
-                _add(t.kept, c, max(self.costs.local_bytes(val, a),
-                                    self.costs.local_bytes(val, g)))
 
     def _gathered_terms(self, t: Terms) -> None:
         owned: dict[fx.Node, int | float] = {}  # 0.0 / 1.0 constants or a column
@@ -578,9 +500,7 @@ class MemoryRow:
         arrays = self.arrays(t)
         if t.held is not None:
             x = x.copy()
-            act = sum(v * x[c] for c, v in t.act.items())
-            kept = sum(v * x[c] for c, v in t.kept.items())
-            x[t.held] = self.memory.held_bytes(act, kept) / MIB
+            x[t.held] = kept_for_w.held_at(t, x, self.memory.split_in_flight, MIB)
         return float(sum((arrays["mem_vals"] * x[arrays["mem_cols"]]).tolist()))
 
     def arrays(self, t: Terms) -> dict[str, Any]:
@@ -670,12 +590,7 @@ class MemoryRow:
                             gathered += costs.local_bytes(tensor_vals(s)[k], g)
         kept = 0.0
         if spec.counts_activations and spec.split_in_flight:
-            for d, i in self._kept_for_w_reads():
-                src, k = self.st.nodes[d].edges[i]
-                if src in choice and d in choice:
-                    val = tensor_vals(src)[k]
-                    kept += max(costs.local_bytes(val, choice[src].out[k]),
-                                costs.local_bytes(val, choice[d].ins[i]))
+            kept = kept_for_w.kept_bytes(self, choice)
         counted = state
         if spec.activation_factor is not None:
             counted += spec.held_bytes(act, kept) + gathered

@@ -128,7 +128,7 @@ def plan_stage(
             parameter state only (the legacy parameter-memory budget).
         split_in_flight: with a split backward (zero bubble, DualPipeV), the stage's
             (microbatches between their F and I, microbatches between their I and W) at
-            each of its memory peaks (:func:`autopp.schedules.simulate.split_in_flight`):
+            each of its memory peaks (:func:`autopp.schedules.in_flight.split_in_flight`):
             the row then counts the largest of ``a`` × activations + ``b`` × what W keeps
             from I (the weight-gradient graphs' inputs), with ``activation_factor`` set.
             Empty: each backward holds its activations to its end.
