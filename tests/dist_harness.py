@@ -125,7 +125,8 @@ class LaunchError(RuntimeError):
     """A launch that did not finish: a rank failed, died or missed the deadline."""
 
     heap_abort = False
-    """Whether a rank was killed by glibc's heap check (see :data:`HEAP_ABORTS`)."""
+    """Whether a rank was killed by glibc's heap check (see :data:`HEAP_ABORTS`) or by the
+    same crash as a segmentation fault (:data:`SEGFAULT_AT_COLLECTIVE`)."""
 
 
 #: glibc's messages when its heap checks find a chunk written after it was freed: seen
@@ -133,6 +134,13 @@ class LaunchError(RuntimeError):
 #: allocation; the writer is not found, see scripts/heapcheck), never in a single process.
 HEAP_ABORTS = ("malloc(): ", "free(): ", "double free or corruption", "corrupted size vs",
                "malloc_consolidate(): ")
+
+#: The same crash seen as a segmentation fault (2026-12-05, test_any_decoder at 9547e23):
+#: faulthandler's stack of the crashed rank holds both lines, the fault inside torch's
+#: Python autograd wrapper of a functional collective in a full_backward graph, as the
+#: heap aborts were. Another segmentation fault is an error at once.
+SEGFAULT_AT_COLLECTIVE = ("Fatal Python error: Segmentation fault",
+                          "torch/_library/autograd.py")
 
 #: Launches made again after such a crash before it is an error. Measured on 2026-12-05:
 #: two clean-clone runs of the whole test command each had one (test_moe; the transformers
@@ -151,7 +159,8 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600
     the work passes ``work_timeout`` counted from when every rank joined the process group.
 
     A launch in which a rank was killed by glibc's heap check (:data:`HEAP_ABORTS`, an
-    unsolved native crash) is launched again, up to ``heap_abort_relaunches`` times, each
+    unsolved native crash), or by that crash as a segmentation fault
+    (:data:`SEGFAULT_AT_COLLECTIVE`), is launched again, up to ``heap_abort_relaunches`` times, each
     with a warning that shows that launch's error; one more such crash raises (0: the
     first does)."""
     for attempt in range(heap_abort_relaunches + 1):
@@ -236,8 +245,9 @@ def _launch(fn: Callable, world_size: int, args: tuple, timeout: float,
                           f"{_tail(log_dir / f'rank{r}.log', shown[r])}"
                           for r in range(world_size))
         err = LaunchError(f"{fn.__name__} on {world_size} ranks: {failure}\n{tails}")
-        err.heap_abort = any(m in _tail(log_dir / f"rank{r}.log", CRASH_LINES)
-                             for r in crashed for m in HEAP_ABORTS)
+        logs = [_tail(log_dir / f"rank{r}.log", CRASH_LINES) for r in crashed]
+        err.heap_abort = any(any(m in log for m in HEAP_ABORTS)
+                             or all(m in log for m in SEGFAULT_AT_COLLECTIVE) for log in logs)
         raise err
     for p in procs:
         p.join(max(1.0, deadline - time.monotonic()))

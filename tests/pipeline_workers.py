@@ -388,3 +388,24 @@ def heap_abort_once(rank: int, world_size: int, marker: str, times: int = 1) -> 
     if rank != 1:
         time.sleep(0.5)
     return rank
+
+
+def segfault_at_a_collective_once(rank: int, world_size: int, marker: str) -> int:
+    """Rank 1 dies of the same unsolved crash as a segmentation fault, in its first launch
+    (counted by ``marker``): a line naming the frame it was seen in (torch's Python
+    autograd wrapper of a functional collective), then a null read; every rank returns its
+    rank after that."""
+    import ctypes
+    import os
+    import sys
+    import time
+
+    seen = os.path.exists(marker)
+    if rank == 1 and not seen:
+        open(marker, "w").close()
+        print('  File "torch/_library/autograd.py", line 41 in forward_no_grad',
+              file=sys.stderr, flush=True)
+        ctypes.string_at(0)
+    if rank != 1:
+        time.sleep(0.5)
+    return rank

@@ -55,6 +55,7 @@ def test_a_rank_that_segfaults_shows_where_it_died():
     assert "rank 1 exited with code -11 without a result" in msg, msg
     assert "Fatal Python error: Segmentation fault" in msg, msg
     assert "read_address_zero" in msg, msg
+    assert not e.value.heap_abort  # not the known crash's frame: an error, not relaunched
 
 
 def test_a_native_heap_abort_is_relaunched_with_a_warning(tmp_path):
@@ -74,6 +75,11 @@ def test_a_native_heap_abort_is_relaunched_with_a_warning(tmp_path):
         launch(pipeline_workers.heap_abort_once, 2, marker, 2, timeout=60,
                heap_abort_relaunches=1)
     assert e.value.heap_abort and "unaligned tcache chunk" in str(e.value)
+    # the same crash as a segmentation fault at a collective's autograd wrapper is
+    # relaunched too; a segmentation fault elsewhere is not (the test above this one)
+    with pytest.warns(UserWarning, match=r"relaunching \(1 of 2\)"):
+        assert launch(pipeline_workers.segfault_at_a_collective_once, 2,
+                      str(tmp_path / "segfaulted"), timeout=60) == [0, 1]
 
 
 def test_parity_metric_agrees_with_hand_cases_and_assert_close():
