@@ -540,9 +540,9 @@ def _over_budget_message(stage: Stage, budget: float, memory: MemorySpec,
                   if memory.optimizer_state_factor is not None
                   else f"parameters x state factor {memory.param_state_factor:g}")
     parts = [(state, f"{state_name} {_gib(state)}")]
-    held = memory.held_bytes(act, least.total("kept_for_w_bytes")) if f is not None else 0.0
+    kept = least.total("kept_for_w_bytes")
+    held = memory.held_bytes(act, kept) if f is not None else 0.0
     if f is not None and memory.splits:
-        kept = least.total("kept_for_w_bytes")
         parts.append((held, f"activations {_gib(act)} per microbatch and {_gib(kept)} kept "
                             f"from I to W, held at the peak = {_gib(held)}"))
     elif f is not None:

@@ -501,6 +501,7 @@ class MemoryRow:
         if t.held is not None:
             x = x.copy()
             x[t.held] = kept_for_w.held_at(t, x, self.memory.split_in_flight, MIB)
+        # in the row's order, as a Python sum (the same float as term by term)
         return float(sum((arrays["mem_vals"] * x[arrays["mem_cols"]]).tolist()))
 
     def arrays(self, t: Terms) -> dict[str, Any]:

@@ -508,10 +508,9 @@ class Model:
         # time-first basis, 19.8 s from each other's, before the tie-break weighed 1 byte
         # per microsecond); a warm start gone astray is cut short (highs.WARM_GUARD)
         m = self.memory
-        # (a split backward's peak rows have one structure for every stage's peaks: their
-        # coefficients are re-set, as the memory row's are)
-        warm = (recompute, m.param_state_factor, m.optimizer_state_factor,
-                m.counts_activations, len(t.upper), len(t.rows), least)
+        # (a split backward's peak rows: one structure for all peaks, coefficients re-set)
+        warm = (recompute, m.param_state_factor, m.optimizer_state_factor, m.counts_activations,
+                len(t.upper), len(t.rows), least)
         # a time-only solve never reads the memory row: solved once for every activation
         # factor, re-counted under each (:mod:`autopp.sharding.time_only`)
         shared = None
@@ -575,8 +574,7 @@ class Model:
         res = evaluate(self, choice, num_vars=self.num_vars, solve_s=dt, status=status,
                        recompute=recompute)
         # a rounded LP has no memory row or objective value of its own (they belong to the
-        # fractional point, whose optimum stays the bound): its evaluation is what it holds;
-        # summed in the row's order, as a Python sum (the same float as term by term)
+        # fractional point, whose optimum stays the bound): its evaluation is what it holds
         ilp_mem = float("nan") if rounded else self.memory_row.row_bytes(t, x)
         res = replace(res, ilp_objective_s=obj if price == 0 else float("nan"),
                       ilp_memory_bytes=ilp_mem, num_vars=len(integer),
