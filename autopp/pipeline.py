@@ -236,7 +236,9 @@ class Pipeline:
     @property
     def action_log(self) -> list[tuple[str, int, int | None]]:
         """Planned stages: the last schedule actions this rank ran, in order, as (kind,
-        stage index, microbatch index or None); kinds as in :attr:`action_counts`."""
+        stage index, microbatch index or None); kinds as in :attr:`action_counts`, and
+        ("UNSHARD wait", stage, None) where the runtime waited for the gathers a stage's
+        UNSHARD left in flight (just before that stage's next action)."""
         return list(self._runtime.action_log) if self._runtime is not None else []
 
     def count_collectives(self):

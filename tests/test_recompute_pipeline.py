@@ -32,6 +32,21 @@ def _planned(schedule, recompute, *, dp, tp, **options):
                 planner_options=dict(recompute=recompute, **options))
 
 
+def unshard_waits(log: list[tuple[str, int, int | None]]) -> dict[int, str]:
+    """Per stage whose UNSHARD left gathers in flight: where the runtime waited for them."""
+    out = {}
+    for k, (kind, stage, _) in enumerate(log):
+        if kind != "UNSHARD wait":
+            continue
+        unshard = max(j for j in range(k) if log[j][:2] == ("UNSHARD", stage))
+        between = [a for a in log[unshard + 1:k] if a[1] == stage]
+        after = log[k + 1] if k + 1 < len(log) else None
+        out[stage] = ("before its first action" if not between and after is not None
+                      and after[1] == stage and after[0] != "UNSHARD wait" else
+                      f"after {between}, before {after}")
+    return out
+
+
 def test_planner_options_recompute_is_validated():
     from autopp.backends import PlannerOptions
 
@@ -89,6 +104,12 @@ def test_recompute_selective_and_full_match_single_process(reference):
         if cfg.count_collectives:  # the budget made some weights dp-sharded
             assert any(r[i]["unshard_gathers"] > 0 for r in results), (
                 cfg, [r[i]["unshard_gathers"] for r in results])
+            # and their gathers were left in flight by UNSHARD, waited for just before the
+            # stage's first action (after the other local stage's UNSHARD, at least)
+            waits = [unshard_waits(r[i]["action_log"]) for r in results]
+            assert any(waits), (cfg, [r[i]["action_log"][:8] for r in results])
+            assert all(w == "before its first action" for ws in waits for w in ws.values()), (
+                cfg, waits)
     # "full" keeps less than "selective" for the same stage
     by = {(c.schedule, c.planner_options["recompute"]): i for i, c in enumerate(configs)
           if c.tp == 2}

@@ -1,5 +1,6 @@
 """torch.distributed internals autopp uses: the fake process group's store, c10d's
-per-group timeout setter, the dispatch mode base class, the fake-tensor mode and pytree."""
+per-group timeout setter, the functional collectives' wait, the dispatch mode base class,
+the fake-tensor mode and pytree."""
 
 from __future__ import annotations
 
@@ -8,6 +9,15 @@ from typing import Any
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401  (re-exported)
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
 from torch.utils._pytree import tree_leaves  # noqa: F401  (re-exported)
+
+
+def wait_collective(t: Any) -> Any:
+    """Wait for the functional collective that produced ``t`` (``_c10d_functional``'s
+    ``wait_tensor``: on CUDA the current stream then waits for the collective's; a tensor
+    already waited for is returned as it is)."""
+    import torch
+
+    return torch.ops._c10d_functional.wait_tensor(t)
 
 
 def fake_store() -> Any:

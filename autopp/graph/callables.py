@@ -102,6 +102,14 @@ class StageGraphs:
     the unshard graph on the parameter shards and drops its outputs after use, and each
     backward runs it again for the gathered values it reads (2 gathers per weight per
     microbatch instead of 1 per step; the gathered copy lives only during one F or B)."""
+    unshard_ahead: bool = False
+    """The UNSHARD action issues the unshard graph's all-gathers and returns without waiting
+    for those whose results the graph returns as they are (:meth:`issue_unshard`); the
+    runtime waits for them just before the stage's next action (its first forward), as
+    torch's own runtime waits for an FSDP module's ``unshard(async_op=True)``. So an
+    UNSHARD placed ahead of another stage's compute (interleaved and V schedules put every
+    local stage's UNSHARD at the step's start) runs under it. Not with
+    :attr:`regather_for_backward` nor a compiled unshard runner (both gather in place)."""
     state_as_local_shards: bool = False
     """How the schedule runtime hands DTensor parameters and buffers to the graphs: as their
     local shards (graphs lowered from a sharding plan, collectives explicit), and reduced
@@ -114,6 +122,9 @@ class StageGraphs:
     """Names of the keyword inputs the graphs take after the positional ones, in that order
     (the schedule hands each microbatch's as a dict, by name); empty: keyword inputs are
     flattened after the positional ones as they come."""
+    _unshard_issue: Any = dataclasses.field(default=None, repr=False, compare=False)
+    """(unshard graph, its copy with the returned waits deferred, their positions): made
+    once, by :meth:`issue_unshard`."""
 
     def with_eager_loss(self, loss_fn: Callable[[Any, Any], torch.Tensor],
                         loss_meta: torch.Tensor | None = None) -> "StageGraphs":
@@ -179,6 +190,21 @@ class StageGraphs:
         if self.regather_for_backward:  # the shards themselves: each F and B gathers anew
             return args
         return list(_run(self._fn("unshard"), args))
+
+    def issue_unshard(self, flat_param_values: list[Any]) -> tuple[list[Any], tuple[int, ...]]:
+        """As :meth:`unshard_params`, but with :attr:`unshard_ahead` the all-gathers the
+        graph returns directly are left in flight: returns the values and the positions of
+        those still to wait for (``wait_tensor`` on each before it is read)."""
+        if (not self.unshard_ahead or self.unshard_graph is None or self.regather_for_backward
+                or "unshard" in self.runners):
+            return self.unshard_params(flat_param_values), ()
+        from autopp.graph.overlap import defer_output_waits
+
+        if self._unshard_issue is None or self._unshard_issue[0] is not self.unshard_graph:
+            self._unshard_issue = (self.unshard_graph, *defer_output_waits(self.unshard_graph))
+        _, gm, pending = self._unshard_issue
+        args = [flat_param_values[i] for i in self.convention.unshard_param_indices]
+        return list(_run(gm, args)), pending
 
     def forward_flat(self, unsharded_params: Sequence[Any], buffers: Sequence[Any],
                      user_inputs: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:

@@ -32,6 +32,7 @@ bound on the time it optimises.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -135,6 +136,38 @@ def _sink_waits(graph: fx.Graph) -> int:
             stop.prepend(wait)  # moves the wait to just before ``stop``
             moved += 1
     return moved
+
+
+def defer_output_waits(gm: fx.GraphModule) -> tuple[fx.GraphModule, tuple[int, ...]]:
+    """A copy of ``gm`` that leaves its returned collectives in flight, and which outputs
+    those are.
+
+    Each output that is a collective's ``wait_tensor`` read by nothing else in the graph is
+    returned as the collective's own (not yet waited) result; the caller must
+    ``wait_tensor`` each of the returned positions before it reads it (the graph runtime
+    does, just before the first action that reads them: :mod:`autopp.graph.stage`). A wait
+    that something in the graph reads (a cast of a gathered weight) stays. ``gm`` is not
+    modified; with none to defer, ``(gm, ())``."""
+    graph = copy.deepcopy(gm.graph)
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    outs = output.args[0]
+    if not isinstance(outs, (tuple, list)):
+        return gm, ()
+    outs, pending = list(outs), []
+    for i, node in enumerate(outs):
+        if (isinstance(node, fx.Node) and is_wait(node) and set(node.users) == {output}
+                and outs.count(node) == 1):
+            outs[i] = node.args[0]
+            pending.append(i)
+    if not pending:
+        return gm, ()
+    output.args = (type(output.args[0])(outs),)
+    for i in pending:
+        waits = [u for u in outs[i].users if is_wait(u) and not u.users]
+        for w in waits:
+            graph.erase_node(w)
+    graph.lint()
+    return fx.GraphModule(gm, graph), tuple(pending)
 
 
 def overlap_stage_graphs(graphs) -> dict[str, OverlapReport]:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopp._compat import graph as _compat
+from autopp._compat.distributed import wait_collective
 from autopp.graph.callables import StageGraphs
 from autopp.graph.comm_counter import CollectiveCounter
 
@@ -82,11 +83,15 @@ class _GraphRuntime(_compat.GraphPipelineRuntime):
         #: counted "B"; its I does nothing, counted "I (nothing to do)").
         self.action_counts: collections.Counter[str] = collections.Counter()
         #: The last actions run, in order, as (kind as counted, stage index, microbatch
-        #: index or None): e.g. to check that each W ran after its I.
+        #: index or None): e.g. to check that each W ran after its I; and ("UNSHARD
+        #: wait", stage, None) where the gathers of a stage's UNSHARD were waited for.
         self.action_log: collections.deque[tuple[str, int, int | None]] = collections.deque(
             maxlen=100_000)
         #: Set by :meth:`count_collectives`: collectives run per action kind.
         self.collectives: CollectiveCounter | None = None
+        #: Stage index -> positions of its gathered values still in flight since its
+        #: UNSHARD (``StageGraphs.unshard_ahead``); waited before the stage's next action.
+        self._unshard_pending: dict[int, tuple[int, ...]] = {}
 
     def count_collectives(self) -> CollectiveCounter:
         """From now on, count the collectives every action runs (see
@@ -103,6 +108,8 @@ class _GraphRuntime(_compat.GraphPipelineRuntime):
                 if not stage.graphs.supports_backward_input_weight_split:
                     # without an I/W split, I does nothing and W runs the full backward
                     kind_run = "B" if kind == "W" else "I (nothing to do)"
+            if kind != "UNSHARD":
+                self._wait_unsharded(action)
             self.action_counts[kind_run] += 1
             self.action_log.append((kind_run, action.stage_index, action.microbatch_index))
             counter = self.collectives
@@ -116,6 +123,34 @@ class _GraphRuntime(_compat.GraphPipelineRuntime):
                 return handler(action, ctx)
 
         return run
+
+    def _handle_unshard(self, action: Any, ctx: Any) -> None:
+        """Issue the stage's all-gathers and return; :meth:`_wait_unsharded` waits for them
+        before the stage's next action (``StageGraphs.issue_unshard``)."""
+        self.ensure_ready(ctx)
+        stage = next(s for s in _compat.schedule_stages(self.schedule)
+                     if s.stage_index == action.stage_index)
+        if stage.state.unsharded_param_values:
+            return
+        values, pending = self.stage_graphs[stage.stage_index].issue_unshard(
+            stage.state.flat_param_values)
+        stage.state.unsharded_param_values = values
+        if pending:
+            self._unshard_pending[stage.stage_index] = pending
+
+    def _wait_unsharded(self, action: Any) -> None:
+        """Wait for the gathers still in flight of the stages ``action`` runs (logged as
+        ("UNSHARD wait", stage, None) in :attr:`action_log`, just before the action)."""
+        for sub in getattr(action, "sub_actions", None) or (action,):
+            pending = self._unshard_pending.pop(sub.stage_index, ())
+            if not pending:
+                continue
+            stage = next(s for s in _compat.schedule_stages(self.schedule)
+                         if s.stage_index == sub.stage_index)
+            values = stage.state.unsharded_param_values
+            for i in pending:
+                values[i] = wait_collective(values[i])
+            self.action_log.append(("UNSHARD wait", sub.stage_index, None))
 
     def _populate_stage_states(self, stage: Any) -> None:
         super()._populate_stage_states(stage)

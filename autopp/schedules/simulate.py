@@ -15,8 +15,12 @@ point-to-point transfers. The rules are those of torch 2.13's ``_PipelineSchedul
   for bytes / bandwidth, and arrives latency later. RECV_* cost no time (torch posts an
   irecv; the compute that needs the data waits). A rank's step ends when its last action
   has run and its sends have arrived (torch waits on them before ``step`` returns);
-* UNSHARD and REDUCE_GRAD block the rank for their given times (autopp's graph runtime runs
-  the unshard / reduce-grad graphs synchronously); RESHARD takes no time;
+* REDUCE_GRAD blocks the rank for its given time (autopp's graph runtime runs the
+  reduce-grad graph synchronously), and so does UNSHARD unless the stage gathers ahead
+  (``StageCost.unshard_ahead``, the runtime's default with overlap on): then the rank goes
+  on, the gathers run on the rank's communication stream (one UNSHARD after another, from
+  when the rank reaches each), and the stage's next action starts no earlier than its
+  gathers end; RESHARD takes no time;
 * OVERLAP_F_B (DualPipeV) runs its two halves one after the other, their times summed: this
   is what torch's runtime and autopp's graph handler do (DualPipe's own implementation
   overlaps one half's communication with the other's compute; on a runtime that runs the
@@ -79,6 +83,10 @@ __all__ = [
 (_PARAMS, _GRADS, _OPT, _GATHERED, _ACTS, _WORK, _BUFS, _RECV,
  _COMM) = range(len(MEMORY_CATEGORIES))
 
+_NOT_WAITING = ("UNSHARD", "SEND_F", "SEND_B", "RECV_F", "RECV_B")
+"""Actions that do not wait for their stage's gathers in flight (the runtime waits before
+the stage's compute, RESHARD and REDUCE_GRAD; torch runs the sends and receives itself)."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StageCost:
@@ -98,6 +106,10 @@ class StageCost:
     None: ``backward_input_s + backward_weight_s``."""
     unshard_s: float = 0.0
     """Time of one UNSHARD: gathering the stage's sharded parameters (once per step)."""
+    unshard_ahead: bool = False
+    """UNSHARD runs in the background (``StageGraphs.unshard_ahead``): the rank goes on
+    with its next actions and the stage's own next action waits for the gathers. False:
+    UNSHARD occupies the rank for ``unshard_s``."""
     reduce_grad_s: float = 0.0
     """Time of the REDUCE_GRAD after the stage's last backward (reducing gradients over dp)."""
     activation_bytes_per_microbatch: int = 0
@@ -261,6 +273,8 @@ def simulate(
     # activation / gradient that stage s sent. A rank blocked on a key waits in `waiters`.
     clock = [0.0] * pp              # when each rank's stream is free
     send_end = [0.0] * pp           # latest arrival of each rank's sends
+    comm_free = [0.0] * pp          # when each rank's communication stream is free
+    gathered: dict[int, float] = {}  # stage -> end of its UNSHARD issued ahead, until waited
     busy = [0.0] * pp
     compute = [0.0] * pp
     first = [math.inf] * pp
@@ -311,6 +325,8 @@ def simulate(
                 break
             c = cost[s]
             start = max(clock[r], done[key]) if key is not None else clock[r]
+            if s in gathered and kind not in _NOT_WAITING:  # its gathers, issued ahead
+                start = max(start, gathered.pop(s))
             duration = 0.0
             work = _workspace(c, kind)
             if work:
@@ -326,8 +342,16 @@ def simulate(
                     grads_started.add(s)
                     mem[r].append((start, _GRADS, c.accumulating_grad_bytes))
             elif kind == "UNSHARD":
-                duration = c.unshard_s
                 mem[r].append((start, _GATHERED, c.gathered_param_bytes))
+                if c.unshard_ahead:  # on the rank's communication stream; the rank goes on
+                    t0 = max(start, comm_free[r])
+                    comm_free[r] = gathered[s] = t0 + c.unshard_s
+                    events[r].append(ActionEvent(
+                        rank=r, action=label, kind=kind, stage=s, microbatch=mb, start_s=t0,
+                        end_s=comm_free[r], overlapped=True))
+                    pos[r] += 1
+                    continue
+                duration = c.unshard_s
             elif kind == "RESHARD":
                 mem[r].append((start, _GATHERED, -c.gathered_param_bytes))
             elif kind == "REDUCE_GRAD":
@@ -413,7 +437,7 @@ def simulate(
             microbatch=xkey[2], start_s=max(post, t0), end_s=max(post, arrival),
             peer_rank=peer, nbytes=cost[min(stage, xkey[1])].p2p_bytes_per_microbatch)
 
-    step = max(max(clock), max(send_end)) if pp else 0.0
+    step = max(max(clock), max(send_end), max(comm_free)) if pp else 0.0
     receive = stage_receive_bytes(actions.n_microbatches,
                                   [c.p2p_bytes_per_microbatch for c in cost[:last]] + [0])
     memory, summaries = [], []

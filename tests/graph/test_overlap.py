@@ -86,3 +86,33 @@ def test_the_checker_sees_a_graph_waited_at_once(fake_world2):
     gm = fx.symbolic_trace(_traced)
     with pytest.raises(AssertionError, match="issued late|waited early"):
         check_overlapped(gm)
+
+
+def _unshard(w1, w2, w3):
+    g1 = ops.wait_tensor.default(ops.all_gather_into_tensor.default(w1, 2, "0"))  # returned
+    g2 = ops.wait_tensor.default(ops.all_gather_into_tensor.default(w2, 2, "0"))
+    c2 = g2.to(torch.bfloat16)                       # read in the graph: its wait stays
+    g3 = ops.wait_tensor.default(ops.all_gather_into_tensor.default(w3, 2, "0"))
+    return g1, c2, g3, g3.t()                        # g3 also read by a view: stays
+
+
+def test_an_unshard_graph_leaves_only_its_returned_gathers_in_flight(fake_world2):
+    """``defer_output_waits``: an output that is a gather's wait, read by nothing else,
+    is returned un-waited (its position listed for the caller); waits that the graph reads
+    stay; the values, once waited, are the original graph's; the original is unchanged."""
+    from autopp.graph.overlap import defer_output_waits
+
+    gm = fx.symbolic_trace(_unshard)
+    before = [n.name for n in gm.graph.nodes]
+    issued, pending = defer_output_waits(gm)
+    assert pending == (0,)
+    assert [n.name for n in gm.graph.nodes] == before
+    assert sum(map(is_wait, issued.graph.nodes)) == sum(map(is_wait, gm.graph.nodes)) - 1
+    ret = next(n for n in issued.graph.nodes if n.op == "output").args[0]
+    assert is_collective(ret[0]) and is_wait(ret[1].args[0]) and is_wait(ret[2])
+    args = [torch.randn(3, 4) for _ in range(3)]
+    got = list(issued(*args))
+    got[0] = ops.wait_tensor.default(got[0])
+    for g, e in zip(got, gm(*args)):
+        torch.testing.assert_close(g, e)
+    assert defer_output_waits(fx.symbolic_trace(lambda a: (a * 2,)))[1] == ()
