@@ -238,7 +238,9 @@ class Pipeline:
         """Planned stages: the last schedule actions this rank ran, in order, as (kind,
         stage index, microbatch index or None); kinds as in :attr:`action_counts`, and
         ("UNSHARD wait", stage, None) where the runtime waited for the gathers a stage's
-        UNSHARD left in flight (just before that stage's next action)."""
+        UNSHARD left in flight (just before that stage's next action), ("REDUCE_GRAD
+        wait", stage, None) where it waited for the reductions of its REDUCE_GRAD (when
+        the step accumulates the gradients)."""
         return list(self._runtime.action_log) if self._runtime is not None else []
 
     def count_collectives(self):

@@ -110,6 +110,12 @@ def test_recompute_selective_and_full_match_single_process(reference):
             assert any(waits), (cfg, [r[i]["action_log"][:8] for r in results])
             assert all(w == "before its first action" for ws in waits for w in ws.values()), (
                 cfg, waits)
+            # the gradient reductions too, waited once the schedule's actions are done
+            ends = [r[i]["action_log"] for r in results]
+            assert any(a[0] == "REDUCE_GRAD wait" for log in ends for a in log), cfg
+            assert all(a[0] == "REDUCE_GRAD wait" for log in ends
+                       for a in log[next((k for k, a in enumerate(log)
+                                          if a[0] == "REDUCE_GRAD wait"), len(log)):]), cfg
     # "full" keeps less than "selective" for the same stage
     by = {(c.schedule, c.planner_options["recompute"]): i for i, c in enumerate(configs)
           if c.tp == 2}

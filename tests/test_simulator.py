@@ -502,25 +502,38 @@ def test_simulated_sends_go_over_the_link_between_the_ranks_they_join(schedule, 
         assert (3, 3) not in first and len(first) == 6
 
 
-def test_an_unshard_issued_ahead_runs_under_the_other_stages_compute():
-    """Interleaved1F1B pp2 m2 (each rank: both UNSHARDs, then its stages' compute), F = 1,
-    I = W = 1, UNSHARD 0.5, instant links. Blocking, worked by hand: rank 0 runs U0 [0, .5],
-    U2 [.5, 1], then 0F0 [1, 2] ... the last B ends at 16. Ahead (the graph runtime's
-    default): both gathers run on the communication stream, U0 [0, .5] and U2 [.5, 1];
-    0F0 waits for U0 only ([.5, 1.5]) and 2F0 (at 2.5) finds U2 done: every later action
-    moves 0.5 earlier, so the step is 15.5: U2 is hidden, U0 (which the first F needs) is
-    not. The gathered weights are held from each UNSHARD's start either way."""
+def test_collectives_issued_ahead_run_under_the_other_stages_compute():
+    """Interleaved1F1B pp2 m2 (each rank: both UNSHARDs, its stages' compute, a REDUCE_GRAD
+    after each stage's last B), F = 1, I = W = 1, instant links; worked by hand.
+
+    UNSHARD 0.5 each. Blocking: rank 0 runs U0 [0, .5], U2 [.5, 1], then 0F0 [1, 2] ... the
+    last B ends at 16. Ahead (the graph runtime's default): both gathers run on the
+    communication stream, U0 [0, .5] and U2 [.5, 1]; 0F0 waits for U0 only ([.5, 1.5])
+    and 2F0 (at 2.5) finds U2 done: every later action moves 0.5 earlier, so the step is
+    15.5: U2 is hidden, U0 (which the first F needs) is not. The gathered weights are held
+    from each UNSHARD's start either way.
+
+    REDUCE_GRAD 0.5 each instead. Blocking: rank 1 runs 3B1 [7, 9], 3REDUCE_GRAD [9, 9.5],
+    1B0 [9.5, 11.5]; rank 0's 0B1 ends at 15.5 and its 0REDUCE_GRAD at 16. Ahead:
+    3REDUCE_GRAD [9, 9.5] runs under 1B0 [9, 11], rank 0's B's move 0.5 earlier, and its
+    last REDUCE_GRAD [15, 15.5] still ends the step: 15.5."""
     actions = schedule_actions("Interleaved1F1B", pp=2, n_microbatches=2)
     runs = {}
     for ahead in (False, True):
-        c = StageCost(forward_s=1, backward_input_s=1, backward_weight_s=1, unshard_s=0.5,
-                      unshard_ahead=ahead, gathered_param_bytes=100)
-        runs[ahead] = simulate(actions, [c] * 4)
-    assert runs[False].step_time_s == pytest.approx(16.0)
-    assert runs[True].step_time_s == pytest.approx(15.5)
-    ev = {e.action: e for e in runs[True].events if e.rank == 0}
+        for what in ("unshard_s", "reduce_grad_s"):
+            c = StageCost(forward_s=1, backward_input_s=1, backward_weight_s=1,
+                          collectives_ahead=ahead, gathered_param_bytes=100, **{what: 0.5})
+            runs[ahead, what] = simulate(actions, [c] * 4)
+    assert runs[False, "unshard_s"].step_time_s == pytest.approx(16.0)
+    assert runs[True, "unshard_s"].step_time_s == pytest.approx(15.5)
+    ev = {e.action: e for e in runs[True, "unshard_s"].events if e.rank == 0}
     assert (ev["0UNSHARD"].start_s, ev["0UNSHARD"].end_s) == pytest.approx((0.0, 0.5))
     assert (ev["2UNSHARD"].start_s, ev["2UNSHARD"].end_s) == pytest.approx((0.5, 1.0))
     assert ev["0F0"].start_s == pytest.approx(0.5) and ev["2F0"].start_s == pytest.approx(2.5)
-    for run in runs.values():  # both stages' gathered copies from t = 0 on
-        assert run.ranks[0].peak_by_category.gathered_parameters == 200
+    for ahead in (False, True):  # both stages' gathered copies from t = 0 on
+        assert runs[ahead, "unshard_s"].ranks[0].peak_by_category.gathered_parameters == 200
+    assert runs[False, "reduce_grad_s"].step_time_s == pytest.approx(16.0)
+    assert runs[True, "reduce_grad_s"].step_time_s == pytest.approx(15.5)
+    ev = {e.action: e for e in runs[True, "reduce_grad_s"].events if e.rank == 1}
+    assert (ev["3REDUCE_GRAD"].start_s, ev["3REDUCE_GRAD"].end_s) == pytest.approx((9, 9.5))
+    assert ev["1B0"].start_s == pytest.approx(9.0)

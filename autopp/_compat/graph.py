@@ -65,6 +65,7 @@ from torchtitan.experiments.graph_trainer.graph_pp.partition import (  # noqa: F
 )
 from torchtitan.experiments.graph_trainer.graph_pp.runner import (  # noqa: F401
     GraphPipelineRuntime,
+    _scale_graph_pp_sharded_grads as scale_sharded_grads,
 )
 from torchtitan.experiments.graph_trainer.graph_pp.split_di_dw import (  # noqa: F401
     GraphPPDiDwSplit,

@@ -52,7 +52,7 @@ def stage_estimate(meta: nn.Module, plan: Any, sub_mesh: Any, inputs: tuple, n_m
         raise ValueError(f"estimate mode {mode!r}: 'graphs' or 'rule'")
     return facts, stage_cost(facts, state_bytes(plan, param_dtypes(meta)), loss_s=loss_s,
                              p2p_bytes=send_bytes, gathering=gathering,
-                             buffer_bytes=module_buffer_bytes(meta), unshard_ahead=overlap)
+                             buffer_bytes=module_buffer_bytes(meta), collectives_ahead=overlap)
 
 
 def simulate_stages(schedule: str, costs: Sequence[StageCost], *, pp: int, n_microbatches: int,

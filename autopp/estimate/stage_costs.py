@@ -158,11 +158,11 @@ def state_bytes(plan: StagePlan, param_dtypes: Mapping[str, torch.dtype]) -> Sta
 
 def stage_cost(facts: StageFacts, state: StateBytes, *, loss_s: float = 0.0,
                p2p_bytes: int = 0, gathering: WeightGathering = WeightGathering(),
-               buffer_bytes: int = 0, unshard_ahead: bool = True) -> StageCost:
+               buffer_bytes: int = 0, collectives_ahead: bool = True) -> StageCost:
     """The simulator's :class:`StageCost` of a stage (``loss_s``: its loss, last stage;
     ``gathering``: when its weights are gathered, which moves UNSHARD time into F and I;
-    ``unshard_ahead``: UNSHARD runs in the background, as the graph runtime runs it with
-    overlap on (``StageGraphs.unshard_ahead``; not when weights are gathered per microbatch);
+    ``collectives_ahead``: UNSHARD and REDUCE_GRAD run in the background, as the graph
+    runtime runs them with overlap on (``StageGraphs.collectives_ahead``);
     ``buffer_bytes``: its registered buffers,
     :func:`autopp.schedules.memory_terms.module_buffer_bytes`). The activations include
     what the loss keeps (``facts.loss_bytes``)."""
@@ -175,7 +175,7 @@ def stage_cost(facts: StageFacts, state: StateBytes, *, loss_s: float = 0.0,
         backward_input_s=backward_input_s + loss_s / 2,
         backward_weight_s=facts.backward_weight_s,
         unshard_s=unshard_s,
-        unshard_ahead=unshard_ahead and not gathering.per_microbatch,
+        collectives_ahead=collectives_ahead,
         reduce_grad_s=facts.reduce_grad_s,
         activation_bytes_per_microbatch=(facts.activation_bytes or 0) + facts.loss_bytes,
         activation_bytes_kept_for_w=facts.kept_for_w_bytes,

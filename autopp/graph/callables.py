@@ -102,14 +102,16 @@ class StageGraphs:
     the unshard graph on the parameter shards and drops its outputs after use, and each
     backward runs it again for the gathered values it reads (2 gathers per weight per
     microbatch instead of 1 per step; the gathered copy lives only during one F or B)."""
-    unshard_ahead: bool = False
-    """The UNSHARD action issues the unshard graph's all-gathers and returns without waiting
-    for those whose results the graph returns as they are (:meth:`issue_unshard`); the
-    runtime waits for them just before the stage's next action (its first forward), as
-    torch's own runtime waits for an FSDP module's ``unshard(async_op=True)``. So an
-    UNSHARD placed ahead of another stage's compute (interleaved and V schedules put every
-    local stage's UNSHARD at the step's start) runs under it. Not with
-    :attr:`regather_for_backward` nor a compiled unshard runner (both gather in place)."""
+    collectives_ahead: bool = False
+    """UNSHARD and REDUCE_GRAD issue their graphs' collectives and return without waiting
+    for those whose results the graph returns as they are (:meth:`issue_unshard`,
+    :meth:`issue_reduce_grads`). The runtime waits for the gathers just before the stage's
+    next action (its first forward), as torch's own runtime waits for an FSDP module's
+    ``unshard(async_op=True)``, and for the reductions when the step accumulates the
+    gradients. So an UNSHARD placed ahead of another stage's compute (interleaved and V
+    schedules put every local stage's UNSHARD at the step's start) runs under it, and so
+    does a REDUCE_GRAD followed by another local stage's backward. Not for a compiled
+    runner of either graph, nor the unshard graph with :attr:`regather_for_backward`."""
     state_as_local_shards: bool = False
     """How the schedule runtime hands DTensor parameters and buffers to the graphs: as their
     local shards (graphs lowered from a sharding plan, collectives explicit), and reduced
@@ -122,9 +124,10 @@ class StageGraphs:
     """Names of the keyword inputs the graphs take after the positional ones, in that order
     (the schedule hands each microbatch's as a dict, by name); empty: keyword inputs are
     flattened after the positional ones as they come."""
-    _unshard_issue: Any = dataclasses.field(default=None, repr=False, compare=False)
-    """(unshard graph, its copy with the returned waits deferred, their positions): made
-    once, by :meth:`issue_unshard`."""
+    _issued: dict[str, tuple] = dataclasses.field(default_factory=dict, repr=False,
+                                                   compare=False)
+    """Graph name -> (the graph, its copy with the returned waits deferred, their
+    positions): made once each, by :meth:`issue_unshard` / :meth:`issue_reduce_grads`."""
 
     def with_eager_loss(self, loss_fn: Callable[[Any, Any], torch.Tensor],
                         loss_meta: torch.Tensor | None = None) -> "StageGraphs":
@@ -179,11 +182,7 @@ class StageGraphs:
     def unshard_params(self, flat_param_values: list[Any], *, runtime_validate: bool = False) -> list[Any]:
         """All-gather the parameters: one unsharded value per flat parameter."""
         conv = self.convention
-        if len(flat_param_values) != conv.signature.num_params:
-            raise ValueError(
-                f"unshard_params got {len(flat_param_values)} flat parameters, the stage "
-                f"was traced with {conv.signature.num_params}; pass the same module's parameters."
-            )
+        self._check_param_count(flat_param_values)
         if self.unshard_graph is None:
             return list(flat_param_values)
         args = [flat_param_values[i] for i in conv.unshard_param_indices]
@@ -192,19 +191,44 @@ class StageGraphs:
         return list(_run(self._fn("unshard"), args))
 
     def issue_unshard(self, flat_param_values: list[Any]) -> tuple[list[Any], tuple[int, ...]]:
-        """As :meth:`unshard_params`, but with :attr:`unshard_ahead` the all-gathers the
-        graph returns directly are left in flight: returns the values and the positions of
-        those still to wait for (``wait_tensor`` on each before it is read)."""
-        if (not self.unshard_ahead or self.unshard_graph is None or self.regather_for_backward
-                or "unshard" in self.runners):
+        """As :meth:`unshard_params`, but with :attr:`collectives_ahead` the all-gathers
+        the graph returns directly are left in flight: returns the values and the positions
+        of those still to wait for (``wait_tensor`` on each before it is read)."""
+        if self.regather_for_backward or not self._ahead("unshard"):
             return self.unshard_params(flat_param_values), ()
+        self._check_param_count(flat_param_values)
+        args = [flat_param_values[i] for i in self.convention.unshard_param_indices]
+        return self._issue("unshard", args)
+
+    def issue_reduce_grads(self, unsharded_param_grads: list[Any]
+                           ) -> tuple[list[Any], tuple[int, ...]]:
+        """As :meth:`reduce_grads`, leaving the reductions it returns directly in flight
+        (with :attr:`collectives_ahead`): the values and the positions still to wait for."""
+        if not self._ahead("reduce_grad") or (
+                len(unsharded_param_grads) != self.convention.signature.num_param_grads):
+            return self.reduce_grads(unsharded_param_grads), ()
+        return self._issue("reduce_grad", [unsharded_param_grads[i]
+                                           for i in self.convention.reduce_grad_inputs])
+
+    def _check_param_count(self, flat_param_values: list[Any]) -> None:
+        n = self.convention.signature.num_params
+        if len(flat_param_values) != n:
+            raise ValueError(
+                f"unshard_params got {len(flat_param_values)} flat parameters, the stage "
+                f"was traced with {n}; pass the same module's parameters.")
+
+    def _ahead(self, name: str) -> bool:
+        return (self.collectives_ahead and self.graphs().get(name) is not None
+                and name not in self.runners)
+
+    def _issue(self, name: str, args: list[Any]) -> tuple[list[Any], tuple[int, ...]]:
         from autopp.graph.overlap import defer_output_waits
 
-        if self._unshard_issue is None or self._unshard_issue[0] is not self.unshard_graph:
-            self._unshard_issue = (self.unshard_graph, *defer_output_waits(self.unshard_graph))
-        _, gm, pending = self._unshard_issue
-        args = [flat_param_values[i] for i in self.convention.unshard_param_indices]
-        return list(_run(gm, args)), pending
+        gm = self.graphs()[name]
+        hit = self._issued.get(name)
+        if hit is None or hit[0] is not gm:
+            hit = self._issued[name] = (gm, *defer_output_waits(gm))
+        return list(_run(hit[1], args)), hit[2]
 
     def forward_flat(self, unsharded_params: Sequence[Any], buffers: Sequence[Any],
                      user_inputs: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:

@@ -84,14 +84,19 @@ class _GraphRuntime(_compat.GraphPipelineRuntime):
         self.action_counts: collections.Counter[str] = collections.Counter()
         #: The last actions run, in order, as (kind as counted, stage index, microbatch
         #: index or None): e.g. to check that each W ran after its I; and ("UNSHARD
-        #: wait", stage, None) where the gathers of a stage's UNSHARD were waited for.
+        #: wait", stage, None) / ("REDUCE_GRAD wait", stage, None) where the collectives
+        #: a stage's UNSHARD / REDUCE_GRAD left in flight were waited for.
         self.action_log: collections.deque[tuple[str, int, int | None]] = collections.deque(
             maxlen=100_000)
         #: Set by :meth:`count_collectives`: collectives run per action kind.
         self.collectives: CollectiveCounter | None = None
         #: Stage index -> positions of its gathered values still in flight since its
-        #: UNSHARD (``StageGraphs.unshard_ahead``); waited before the stage's next action.
+        #: UNSHARD (``StageGraphs.collectives_ahead``); waited before the stage's next
+        #: action.
         self._unshard_pending: dict[int, tuple[int, ...]] = {}
+        #: Stage index -> positions of its reduced gradients still in flight since its
+        #: REDUCE_GRAD; waited (then scaled) when the step accumulates them.
+        self._reduce_pending: dict[int, tuple[int, ...]] = {}
 
     def count_collectives(self) -> CollectiveCounter:
         """From now on, count the collectives every action runs (see
@@ -138,6 +143,30 @@ class _GraphRuntime(_compat.GraphPipelineRuntime):
         if pending:
             self._unshard_pending[stage.stage_index] = pending
 
+    def _handle_reduce_grad(self, action: Any, ctx: Any) -> None:
+        """Issue the stage's gradient reductions and return; :meth:`_ensure_reduced_grads`
+        waits for them (and scales them) when the step accumulates the gradients."""
+        self.ensure_ready(ctx)
+        stage = next(s for s in _compat.schedule_stages(self.schedule)
+                     if s.stage_index == action.stage_index)
+        values, pending = self.stage_graphs[stage.stage_index].issue_reduce_grads(
+            stage.state.unsharded_param_grads)
+        stage.state.sharded_param_grads = values
+        if pending:
+            self._reduce_pending[stage.stage_index] = pending
+        else:
+            _compat.scale_sharded_grads(stage, self.schedule)
+
+    def _ensure_reduced_grads(self, stage: Any) -> None:
+        pending = self._reduce_pending.pop(stage.stage_index, ())
+        if pending:
+            grads = stage.state.sharded_param_grads
+            for i in pending:
+                grads[i] = wait_collective(grads[i])
+            _compat.scale_sharded_grads(stage, self.schedule)
+            self.action_log.append(("REDUCE_GRAD wait", stage.stage_index, None))
+        super()._ensure_reduced_grads(stage)
+
     def _wait_unsharded(self, action: Any) -> None:
         """Wait for the gathers still in flight of the stages ``action`` runs (logged as
         ("UNSHARD wait", stage, None) in :attr:`action_log`, just before the action)."""
@@ -154,6 +183,8 @@ class _GraphRuntime(_compat.GraphPipelineRuntime):
 
     def _populate_stage_states(self, stage: Any) -> None:
         super()._populate_stage_states(stage)
+        self._unshard_pending.pop(stage.stage_index, None)  # a step that failed half-way
+        self._reduce_pending.pop(stage.stage_index, None)
         if self.stage_graphs[stage.stage_index].state_as_local_shards:
             state = stage.state
             state.flat_param_values = [_compat.local_shard(p) for _, p in

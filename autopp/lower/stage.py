@@ -74,8 +74,8 @@ def planned_stage_graphs(
         graphs,
         state_as_local_shards=True,
         regather_for_backward=gathering.regathers(sharded.gathered_param_bytes()),
-        # overlap on: UNSHARD's gathers run under the compute before the stage's first F
-        unshard_ahead=sharded.overlap_collectives,
+        # overlap on: UNSHARD's gathers and REDUCE_GRAD's reductions run under compute
+        collectives_ahead=sharded.overlap_collectives,
         input_meta=(torch.empty(local.input_shapes[n_state], dtype=x_dtype, device="meta")
                     .requires_grad_(bool(local.signature.input_grad_indices)),),
         # torch's stage allocates gradient buffers only for values that require grad

@@ -104,8 +104,8 @@ class RankSummary:
     stages: tuple[int, ...]
     """The stages it holds."""
     busy_s: float
-    """Time running actions: compute (F, B, I, W) plus REDUCE_GRAD, and UNSHARD where it
-    blocks the rank (not issued ahead, ``StageCost.unshard_ahead``)."""
+    """Time running actions: compute (F, B, I, W), plus UNSHARD and REDUCE_GRAD where they
+    block the rank (not issued ahead, ``StageCost.collectives_ahead``)."""
     compute_s: float
     """Time running F, B, I and W only."""
     idle_s: float

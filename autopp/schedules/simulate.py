@@ -15,12 +15,12 @@ point-to-point transfers. The rules are those of torch 2.13's ``_PipelineSchedul
   for bytes / bandwidth, and arrives latency later. RECV_* cost no time (torch posts an
   irecv; the compute that needs the data waits). A rank's step ends when its last action
   has run and its sends have arrived (torch waits on them before ``step`` returns);
-* REDUCE_GRAD blocks the rank for its given time (autopp's graph runtime runs the
-  reduce-grad graph synchronously), and so does UNSHARD unless the stage gathers ahead
-  (``StageCost.unshard_ahead``, the runtime's default with overlap on): then the rank goes
-  on, the gathers run on the rank's communication stream (one UNSHARD after another, from
-  when the rank reaches each), and the stage's next action starts no earlier than its
-  gathers end; RESHARD takes no time;
+* UNSHARD and REDUCE_GRAD block the rank for their given times, unless the stage issues
+  them ahead (``StageCost.collectives_ahead``: autopp's graph runtime with overlap on, its
+  default): then the rank goes on and they run on the rank's communication stream, one
+  after another from when the rank reaches each; the stage's next action starts no
+  earlier than its gathers end, and the rank's step ends no earlier than its reductions
+  (their reduced gradients count from then); RESHARD takes no time;
 * OVERLAP_F_B (DualPipeV) runs its two halves one after the other, their times summed: this
   is what torch's runtime and autopp's graph handler do (DualPipe's own implementation
   overlaps one half's communication with the other's compute; on a runtime that runs the
@@ -106,10 +106,11 @@ class StageCost:
     None: ``backward_input_s + backward_weight_s``."""
     unshard_s: float = 0.0
     """Time of one UNSHARD: gathering the stage's sharded parameters (once per step)."""
-    unshard_ahead: bool = False
-    """UNSHARD runs in the background (``StageGraphs.unshard_ahead``): the rank goes on
-    with its next actions and the stage's own next action waits for the gathers. False:
-    UNSHARD occupies the rank for ``unshard_s``."""
+    collectives_ahead: bool = False
+    """UNSHARD and REDUCE_GRAD run in the background (``StageGraphs.collectives_ahead``):
+    the rank goes on with its next actions, the stage's own next action waits for its
+    gathers, and the step's end for its reductions. False: each occupies the rank for its
+    time."""
     reduce_grad_s: float = 0.0
     """Time of the REDUCE_GRAD after the stage's last backward (reducing gradients over dp)."""
     activation_bytes_per_microbatch: int = 0
@@ -343,7 +344,7 @@ def simulate(
                     mem[r].append((start, _GRADS, c.accumulating_grad_bytes))
             elif kind == "UNSHARD":
                 mem[r].append((start, _GATHERED, c.gathered_param_bytes))
-                if c.unshard_ahead:  # on the rank's communication stream; the rank goes on
+                if c.collectives_ahead:  # on the rank's communication stream; the rank goes on
                     t0 = max(start, comm_free[r])
                     comm_free[r] = gathered[s] = t0 + c.unshard_s
                     events[r].append(ActionEvent(
@@ -355,6 +356,16 @@ def simulate(
             elif kind == "RESHARD":
                 mem[r].append((start, _GATHERED, -c.gathered_param_bytes))
             elif kind == "REDUCE_GRAD":
+                if c.collectives_ahead:  # on the communication stream, as UNSHARD above
+                    t0 = max(start, comm_free[r])
+                    comm_free[r] = t0 + c.reduce_grad_s
+                    mem[r].append((comm_free[r], _GRADS,
+                                   c.grad_bytes - c.accumulating_grad_bytes))
+                    events[r].append(ActionEvent(
+                        rank=r, action=label, kind=kind, stage=s, microbatch=mb, start_s=t0,
+                        end_s=comm_free[r], overlapped=True))
+                    pos[r] += 1
+                    continue
                 duration = c.reduce_grad_s
             elif kind in ("SEND_F", "SEND_B"):
                 forward = kind == "SEND_F"
