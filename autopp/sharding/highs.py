@@ -54,6 +54,15 @@ def new_highs() -> Any:
         os.close(devnull)
 
 
+def after_fork() -> None:
+    """In a forked child: a fresh HiGHS thread pool. The parent's pool (made by its first
+    run with ``threads`` > 1) is process-wide state whose worker threads a fork does not
+    copy; ``resetGlobalScheduler`` drops it without waiting for them, and the next run
+    starts its own."""
+    if "highspy" in sys.modules:
+        highspy().Highs.resetGlobalScheduler(False)
+
+
 WARM_GUARD = (2.0, 0.25)
 """A warm re-solve's time limit: this many times the cold solve of the same LP, and at
 least this many seconds; past it the LP is solved cold."""
