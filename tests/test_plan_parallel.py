@@ -10,7 +10,7 @@ import time
 import pytest
 
 from autopp.plan import parallel
-from autopp.plan.parallel import plan_stages, plan_workers
+from autopp.plan.parallel import map_stages, plan_workers
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 
@@ -34,28 +34,28 @@ def test_stages_planned_on_two_processes_come_back_in_order():
     parent = os.getpid()
     timings: dict = {}
     seen = []
-    plans = plan_stages(_plan_of(parent), 6, workers=2, timings=timings,
+    plans = map_stages(_plan_of(parent), 6, workers=2, timings=timings,
                         progress=lambda done, n, t: seen.append(done))
     assert [p[0] for p in plans] == list(range(6))
     assert len({p[1] for p in plans}) == 2  # both processes planned some
     assert sorted(seen) == list(range(1, 7))
-    assert plan_stages(_plan_of(parent), 3, workers=1) == tuple((s, parent) for s in range(3))
+    assert map_stages(_plan_of(parent), 3, workers=1) == tuple((s, parent) for s in range(3))
 
 
 def test_an_error_is_raised_as_the_sequential_loop_raises_it():
     with pytest.raises(ValueError, match="stage 1 does not fit"):
-        plan_stages(_plan_of(os.getpid(), fail=1), 4, workers=2)
+        map_stages(_plan_of(os.getpid(), fail=1), 4, workers=2)
 
 
 def test_a_child_that_dies_or_hangs_leaves_its_stages_to_the_parent(monkeypatch, caplog):
     parent = os.getpid()
-    plans = plan_stages(_plan_of(parent, die=3), 6, workers=2)
+    plans = map_stages(_plan_of(parent, die=3), 6, workers=2)
     assert [p[0] for p in plans] == list(range(6))
     monkeypatch.setattr(parallel, "HUNG_S", 2.0)
     monkeypatch.setattr(parallel, "_POLL_S", 0.5)
     t0 = time.perf_counter()
     # the end stages are taken first: stage 5 goes to the child, which hangs on it
-    plans = plan_stages(_plan_of(parent, hang=5), 6, workers=2)
+    plans = map_stages(_plan_of(parent, hang=5), 6, workers=2)
     assert [p[0] for p in plans] == list(range(6)) and plans[5][1] == parent
     assert time.perf_counter() - t0 < 60
     assert "used no CPU" in caplog.text

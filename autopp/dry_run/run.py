@@ -51,6 +51,7 @@ from autopp.stage_split.for_schedule import split_for_schedule, stage_ranks_of
 from autopp.plan.boundaries import BOUNDARIES
 from autopp.plan.keyword_inputs import example_keyword_inputs, microbatch_keyword_inputs
 from autopp.plan.make import loss_time_s, plan_whole_pipeline
+from autopp.plan.parallel import map_stages
 from autopp.plan.stage_inputs import last_stage_output, stage_meta_inputs
 from autopp.backends import PlannerOptions
 from autopp.format import compact_modules
@@ -486,43 +487,58 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
     bounds = pplan.boundaries
     logits = last_stage_output(metas, inputs, mixed_precision)
     tt_kind = "batch+seq" if tp > 1 else "batch"  # torchtitan's boundaries (sequence parallel)
-    memo: dict = {}  # lowered unit plans, shared by the stages
-    stages = []
+    memo: dict = {}  # lowered unit plans, shared by the stages (of one process)
     gathering = WeightGathering.from_options(options)
+
+    def send_of(s: int) -> tuple[tuple | None, int]:
+        if s == n_stages - 1:
+            return None, 0
+        out_t = inputs[s + 1][0]
+        shape = [out_t.shape[0] // dp, *out_t.shape[1:]]
+        if bounds[s + 1] == "batch+seq":
+            shape[1] //= tp
+        return tuple(shape), boundary_bytes(out_t, dp, tp, bounds[s + 1])
+
+    def cost_of(s: int) -> tuple:
+        """Stage ``s``'s facts and costs, torchtitan's layout's cost, and the seconds."""
+        plan, t0 = pplan.stage_plans[s], time.perf_counter()
+        facts, cost = _stage_estimate(metas[s], plan, sub_mesh, inputs[s], n_microbatches,
+                                      activations=activations, loss_s=plan.loss_s,
+                                      send=send_of(s)[1], memo=memo, gathering=gathering,
+                                      overlap=options.overlap_collectives)
+        tt_cost = None
+        if compare:
+            last = s == n_stages - 1
+            tt_send = 0 if last else boundary_bytes(inputs[s + 1][0], dp, tp, tt_kind)
+            _, tt_cost = _stage_estimate(metas[s], tt_plans[s][0], sub_mesh, inputs[s],
+                                         n_microbatches, activations=activations,
+                                         loss_s=tt_loss_s(s), send=tt_send, memo=memo,
+                                         gathering=WeightGathering(),
+                                         overlap=options.overlap_collectives)
+        return facts, cost, tt_cost, time.perf_counter() - t0
+
+    def tt_loss_s(s: int) -> float:
+        if s != n_stages - 1:
+            return 0.0
+        return loss_time_s(logits, sub_mesh, profile, "vocab" if tp > 1 else "batch")
+
+    # lowering each stage's plan for its memory and F / I / W split: on forked processes
+    # where this one can fork, as the stages' plans were (plan/parallel.py)
+    costed = map_stages(cost_of, n_stages)
+    stages = []
     for s, x in enumerate(inputs):
         plan = pplan.stage_plans[s]
         wall, n_solved, _ = timings.get(s, [0.0, 0, 1])
         kind = bounds[s + 1]
-        last = s == n_stages - 1
-        if not last:
-            out_t = inputs[s + 1][0]
-            shape = [out_t.shape[0] // dp, *out_t.shape[1:]]
-            if kind == "batch+seq":
-                shape[1] //= tp
-            shape, send = tuple(shape), boundary_bytes(out_t, dp, tp, kind)
-        else:
-            shape, send = None, 0
-        t0 = time.perf_counter()
-        facts, cost = _stage_estimate(metas[s], plan, sub_mesh, x, n_microbatches,
-                                      activations=activations, loss_s=plan.loss_s, send=send,
-                                      memo=memo, gathering=gathering,
-                                      overlap=options.overlap_collectives)
+        shape, send = send_of(s)
+        facts, cost, tt_cost, costed_s = costed[s]
         logger.info("stage %d/%d (%s): %.3f ms per microbatch, %.2f GiB params/device, "
                     "planned in %.1f s (%d solved), costed in %.1f s", s, n_stages,
                     compact_modules(fqns_per_stage[s]), plan.step_time_s * 1e3,
-                    plan.param_bytes_per_device / 2**30, wall, n_solved,
-                    time.perf_counter() - t0)
-        tt, tt_cost, tt_loss = (None, 0.0, False), None, 0.0
+                    plan.param_bytes_per_device / 2**30, wall, n_solved, costed_s)
+        tt, tt_loss = (None, 0.0, False), 0.0
         if compare:
-            tt = tt_plans[s]
-            tt_loss = loss_time_s(logits, sub_mesh, profile, "vocab" if tp > 1 else
-                                  "batch") if last else 0.0
-            tt_send = 0 if last else boundary_bytes(inputs[s + 1][0], dp, tp, tt_kind)
-            _, tt_cost = _stage_estimate(metas[s], tt[0], sub_mesh, x, n_microbatches,
-                                         activations=activations, loss_s=tt_loss,
-                                         send=tt_send, memo=memo,
-                                         gathering=WeightGathering(),
-                                         overlap=options.overlap_collectives)
+            tt, tt_loss = tt_plans[s], tt_loss_s(s)
         stages.append(StageReport(
             index=s, pp_rank=rank_of[s], modules=compact_modules(fqns_per_stage[s]),
             input_shapes=tuple(tuple(t.shape) for t in x if isinstance(t, torch.Tensor)),

@@ -50,7 +50,7 @@ from autopp.plan.loss_choice import describe_loss, loss_kinds, loss_time_s
 from autopp.plan.objective import boundary_bytes, pp_link, transfer_s
 from autopp.plan.keyword_inputs import example_keyword_inputs, microbatch_keyword_inputs
 from autopp.plan.options import PlannerOptions
-from autopp.plan.parallel import plan_stages
+from autopp.plan.parallel import map_stages
 from autopp.plan.rank0 import plan_on_rank0
 from autopp.plan.stage_inputs import last_stage_output, stage_meta_inputs
 from autopp.plan.value import (
@@ -398,7 +398,7 @@ def plan_whole_pipeline(
         )
         # under the chosen boundaries and each stage's budget, on worker processes where
         # this one can fork (plan/parallel.py)
-        stage_plans = plan_stages(plan_of, n, timings=timings, progress=lambda done, n, t: (
+        stage_plans = map_stages(plan_of, n, timings=timings, progress=lambda done, n, t: (
             logger.info("stage %d/%d planned under its budget: %.1f s so far, %d to go",
                         done, n, t, n - done)))
         return PipelinePlan(

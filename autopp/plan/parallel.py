@@ -1,8 +1,9 @@
-"""A pipeline's stages planned under their budgets on forked worker processes.
+"""Per-stage work on forked worker processes: a pipeline's stages planned under their
+budgets, and the dry run's costing of each planned stage.
 
 After the boundaries are chosen, each stage's budgeted plan depends on nothing but its own
 inputs (``plan_of(s)``), and the stages take from 0.1 s to 15 s each on the 70B / 405B dry
-runs (their price searches and polishes: HiGHS, one core each). :func:`plan_stages` runs
+runs (their price searches and polishes: HiGHS, one core each). :func:`map_stages` runs
 ``plan_of`` for every stage on this process and ``workers - 1`` forked children, each
 taking the next stage not yet taken (a shared counter, so a slow stage does not hold up
 the others; the two end stages first, the slowest as measured); the children send their plans back through pipes (and write them into the
@@ -64,11 +65,11 @@ def _fork_safe() -> bool:
     return not dist.is_initialized() or dist.get_backend() == "fake"
 
 
-def plan_stages(plan_of: Callable[[int], Any], n: int, *, timings: dict | None = None,
+def map_stages(plan_of: Callable[[int], Any], n: int, *, timings: dict | None = None,
                 workers: int | None = None, progress: Callable[[int, int, float], None]
                 = lambda done, n, elapsed: None) -> tuple[Any, ...]:
     """``(plan_of(0), ..., plan_of(n - 1))``, on up to ``workers`` processes (None:
-    :func:`plan_workers`). ``timings``: :func:`autopp.plan.make.plan_local_stage`'s, given
+    :func:`plan_workers`); ``plan_of`` may be any per-stage work whose result pickles. ``timings``: :func:`autopp.plan.make.plan_local_stage`'s, given
     the children's entries too. ``progress(done, n, elapsed_s)`` after each stage this
     process plans or receives."""
     workers = plan_workers(n) if workers is None else workers
