@@ -3,16 +3,18 @@ budgets, and the dry run's costing of each planned stage.
 
 After the boundaries are chosen, each stage's budgeted plan depends on nothing but its own
 inputs (``plan_of(s)``), and the stages take from 0.1 s to 15 s each on the 70B / 405B dry
-runs (their price searches and polishes: HiGHS, one core each). :func:`map_stages` runs
-``plan_of`` for every stage on this process and ``workers - 1`` forked children, each
-taking the next stage not yet taken (a shared counter, so a slow stage does not hold up
-the others; the two end stages first, the slowest as measured); the children send their plans back through pipes (and write them into the
-on-disk plan cache as this process would). Whatever a child did not deliver (it failed, was
-refused a plan or died) this process plans itself, so the result and any error are what
-the sequential loop gives.
+runs (their price searches and polishes: HiGHS, one core each); so does the dry run's
+lowering of each plan for its memory and F / I / W times. :func:`map_stages` runs such
+per-stage work on this process and ``workers - 1`` forked children, each taking the next
+stage not yet taken from a shared counter (so a slow stage does not hold up the others),
+the two end stages first (the slowest, as measured). The children send their results back
+through pipes, which threads of this process drain as they come (a full pipe would stop
+a child); plans also go into the on-disk plan cache, as this process would write them.
+Whatever a child does not deliver (it raised, died, or used no CPU for :data:`HUNG_S`:
+hung, and stopped) this process does itself, so the results, and the first error in stage
+order, are what the sequential loop gives.
 
-When it forks: only on a machine with more than one core, with more than one stage to
-plan, and when this process holds nothing a fork could break: no CUDA context and no
+When it forks: only with more than one core and more than one stage, and when this process holds nothing a fork could break: no CUDA context and no
 process group other than the fake one (the dry run and the layout search plan on the fake
 process group; a job's rank 0 planning beside NCCL or gloo communicators plans in
 sequence). Each child resets HiGHS's thread pool (its worker threads are not copied by
@@ -66,8 +68,8 @@ def _fork_safe() -> bool:
 
 
 def map_stages(plan_of: Callable[[int], Any], n: int, *, timings: dict | None = None,
-                workers: int | None = None, progress: Callable[[int, int, float], None]
-                = lambda done, n, elapsed: None) -> tuple[Any, ...]:
+               workers: int | None = None, progress: Callable[[int, int, float], None]
+               = lambda done, n, elapsed: None) -> tuple[Any, ...]:
     """``(plan_of(0), ..., plan_of(n - 1))``, on up to ``workers`` processes (None:
     :func:`plan_workers`); ``plan_of`` may be any per-stage work whose result pickles. ``timings``: :func:`autopp.plan.make.plan_local_stage`'s, given
     the children's entries too. ``progress(done, n, elapsed_s)`` after each stage this
