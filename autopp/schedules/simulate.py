@@ -342,30 +342,27 @@ def simulate(
                 if kind != "I" and s not in grads_started:
                     grads_started.add(s)
                     mem[r].append((start, _GRADS, c.accumulating_grad_bytes))
+            elif kind in ("UNSHARD", "REDUCE_GRAD") and c.collectives_ahead:
+                # on the rank's communication stream, one after another; the rank goes on
+                t0 = max(start, comm_free[r])
+                end = comm_free[r] = t0 + (c.unshard_s if kind == "UNSHARD" else
+                                           c.reduce_grad_s)
+                if kind == "UNSHARD":
+                    mem[r].append((start, _GATHERED, c.gathered_param_bytes))
+                    gathered[s] = end
+                else:
+                    mem[r].append((end, _GRADS, c.grad_bytes - c.accumulating_grad_bytes))
+                events[r].append(ActionEvent(
+                    rank=r, action=label, kind=kind, stage=s, microbatch=mb, start_s=t0,
+                    end_s=end, overlapped=True))
+                pos[r] += 1
+                continue
             elif kind == "UNSHARD":
                 mem[r].append((start, _GATHERED, c.gathered_param_bytes))
-                if c.collectives_ahead:  # on the rank's communication stream; the rank goes on
-                    t0 = max(start, comm_free[r])
-                    comm_free[r] = gathered[s] = t0 + c.unshard_s
-                    events[r].append(ActionEvent(
-                        rank=r, action=label, kind=kind, stage=s, microbatch=mb, start_s=t0,
-                        end_s=comm_free[r], overlapped=True))
-                    pos[r] += 1
-                    continue
                 duration = c.unshard_s
             elif kind == "RESHARD":
                 mem[r].append((start, _GATHERED, -c.gathered_param_bytes))
             elif kind == "REDUCE_GRAD":
-                if c.collectives_ahead:  # on the communication stream, as UNSHARD above
-                    t0 = max(start, comm_free[r])
-                    comm_free[r] = t0 + c.reduce_grad_s
-                    mem[r].append((comm_free[r], _GRADS,
-                                   c.grad_bytes - c.accumulating_grad_bytes))
-                    events[r].append(ActionEvent(
-                        rank=r, action=label, kind=kind, stage=s, microbatch=mb, start_s=t0,
-                        end_s=comm_free[r], overlapped=True))
-                    pos[r] += 1
-                    continue
                 duration = c.reduce_grad_s
             elif kind in ("SEND_F", "SEND_B"):
                 forward = kind == "SEND_F"
