@@ -18,7 +18,8 @@ When it forks: only with more than one core and more than one stage, and when th
 process group other than the fake one (the dry run and the layout search plan on the fake
 process group; a job's rank 0 planning beside NCCL or gloo communicators plans in
 sequence). Each child resets HiGHS's thread pool (its worker threads are not copied by
-the fork) and leaves with ``os._exit``, running no exit handlers of this process.
+the fork), runs torch with one intra-op thread (nor are OpenMP's), and leaves with
+``os._exit``, running no exit handlers of this process.
 ``AUTOPP_PLAN_WORKERS`` sets the number of processes (1: in sequence); by default one per
 core, at most 8.
 """
@@ -176,6 +177,12 @@ def _child(plan_of: Callable[[int], Any], n: int, take: Callable[[], int], send:
         highs = sys.modules.get("autopp.sharding.highs")  # not imported: HiGHS never ran
         if highs is not None:
             highs.after_fork()
+        # no intra-op thread pool: the parent's OpenMP pool is not copied by the fork (GNU
+        # libgomp can hang in a forked child's first parallel region), the work here is on
+        # meta tensors and small arrays, and the processes already use every core
+        import torch
+
+        torch.set_num_threads(1)
         while (s := take()) < n:
             try:
                 plan = plan_of(s)
