@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def layout_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The layout flags this script and ``collectives_ahead.py`` take (llama3, H100)."""
     p.add_argument("--model", default="70B")
     p.add_argument("--pp", type=int, default=8)
     p.add_argument("--dp", type=int, default=8)
@@ -36,23 +36,33 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--mixed-precision", choices=["bf16", "none"], default="bf16")
-    args = p.parse_args()
+    return p
 
+
+def planned(args: argparse.Namespace):
+    """``autopp.dry_run`` of the layout ``args`` name (fake world, H100 profile)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import llama3_pp_dp_tp as example
     from autopp.backends import PlannerOptions
     from autopp.dry_run import dry_run
-    from autopp.sharding import InfeasiblePlanError
 
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if args.mixed_precision == "bf16" else None)
+    return dry_run(example.build_model(args.model), pp=args.pp, dp=args.dp, tp=args.tp,
+                   schedule=args.schedule, n_microbatches=args.microbatches,
+                   global_batch=args.batch_size, seq_len=args.seq_len,
+                   options=PlannerOptions(mixed_precision=mp, profile="H100"))
+
+
+def main() -> None:
+    args = layout_arguments(argparse.ArgumentParser(
+        description=__doc__.splitlines()[0])).parse_args()
+    from autopp.sharding import InfeasiblePlanError
+
     t0 = time.perf_counter()
     try:
-        report = dry_run(example.build_model(args.model), pp=args.pp, dp=args.dp, tp=args.tp,
-                         schedule=args.schedule, n_microbatches=args.microbatches,
-                         global_batch=args.batch_size, seq_len=args.seq_len,
-                         options=PlannerOptions(mixed_precision=mp, profile="H100"))
+        report = planned(args)
     except InfeasiblePlanError as e:
         print(f"no plan fits ({time.perf_counter() - t0:.1f} s):\n{e}")
         return

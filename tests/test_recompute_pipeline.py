@@ -108,6 +108,7 @@ def test_recompute_selective_and_full_match_single_process(reference):
             # stage's first action (after the other local stage's UNSHARD, at least)
             waits = [unshard_waits(r[i]["action_log"]) for r in results]
             assert any(waits), (cfg, [r[i]["action_log"][:8] for r in results])
+            assert "left in flight to the stage's next action" in results[0][i]["describe"]
             assert all(w == "before its first action" for ws in waits for w in ws.values()), (
                 cfg, waits)
             # the gradient reductions too, waited once the schedule's actions are done

@@ -182,7 +182,8 @@ class Planner(StageBackend):
                               if twice else ""))
             from autopp.graph.overlap import describe_overlap
 
-            out.append("    " + describe_overlap(graphs, module.overlap_collectives))
+            out.append("    " + describe_overlap(graphs, module.overlap_collectives,
+                                                 compiled=bool(self.compile)))
         if planned.send_bytes:
             how = ("batch split over dp, sequence over tp)" if planned.boundary_out == "batch+seq"
                    else "batch split over dp, whole over tp)")

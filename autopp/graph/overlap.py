@@ -177,13 +177,19 @@ def overlap_stage_graphs(graphs) -> dict[str, OverlapReport]:
     return {name: overlap_collectives(gm) for name, gm in graphs.graphs().items()}
 
 
-def describe_overlap(graphs, on: bool) -> str:
+def describe_overlap(graphs, on: bool, compiled: bool = False) -> str:
     """One ``describe()`` line: whether ``graphs``' collectives are issued early and waited
-    at first use, and how many there are."""
+    at first use, how many there are, and where UNSHARD's and REDUCE_GRAD's are waited
+    (``compiled``: the stage's graphs run through Inductor, whose unshard and reduce-grad
+    callables wait in place)."""
     n = sum(is_collective(node) for gm in graphs.graphs().values() for node in gm.graph.nodes)
     if not on:
         return (f"overlap off (overlap_collectives=False): each of its {n} collectives is "
                 "waited right after it is issued")
+    ahead = ("; UNSHARD's gathers and REDUCE_GRAD's reductions wait in place in the compiled "
+             "graphs (the estimates assume them left in flight)" if compiled else
+             "; UNSHARD's gathers are left in flight to the stage's next action, "
+             "REDUCE_GRAD's reductions to the step's end")
     return (f"overlap on (overlap_collectives=True): its {n} collectives are issued as soon "
-            "as their inputs exist and waited just before first use (the estimates still "
-            "price them as exposed)")
+            "as their inputs exist and waited just before first use (the sharding ILP still "
+            f"prices them as exposed){ahead}")

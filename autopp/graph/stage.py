@@ -98,6 +98,10 @@ class _GraphRuntime(_compat.GraphPipelineRuntime):
         #: REDUCE_GRAD; waited (then scaled) when the step accumulates them.
         self._reduce_pending: dict[int, tuple[int, ...]] = {}
 
+    def _stage(self, index: int) -> Any:
+        """The local stage of index ``index``."""
+        return next(s for s in _compat.schedule_stages(self.schedule) if s.stage_index == index)
+
     def count_collectives(self) -> CollectiveCounter:
         """From now on, count the collectives every action runs (see
         :class:`autopp.graph.comm_counter.CollectiveCounter`; slows the step down)."""
@@ -109,7 +113,7 @@ class _GraphRuntime(_compat.GraphPipelineRuntime):
             stages = _compat.schedule_stages(self.schedule)
             kind_run = kind
             if kind in ("I", "W"):
-                stage = next(s for s in stages if s.stage_index == action.stage_index)
+                stage = self._stage(action.stage_index)
                 if not stage.graphs.supports_backward_input_weight_split:
                     # without an I/W split, I does nothing and W runs the full backward
                     kind_run = "B" if kind == "W" else "I (nothing to do)"
@@ -133,8 +137,7 @@ class _GraphRuntime(_compat.GraphPipelineRuntime):
         """Issue the stage's all-gathers and return; :meth:`_wait_unsharded` waits for them
         before the stage's next action (``StageGraphs.issue_unshard``)."""
         self.ensure_ready(ctx)
-        stage = next(s for s in _compat.schedule_stages(self.schedule)
-                     if s.stage_index == action.stage_index)
+        stage = self._stage(action.stage_index)
         if stage.state.unsharded_param_values:
             return
         values, pending = self.stage_graphs[stage.stage_index].issue_unshard(
@@ -147,8 +150,7 @@ class _GraphRuntime(_compat.GraphPipelineRuntime):
         """Issue the stage's gradient reductions and return; :meth:`_ensure_reduced_grads`
         waits for them (and scales them) when the step accumulates the gradients."""
         self.ensure_ready(ctx)
-        stage = next(s for s in _compat.schedule_stages(self.schedule)
-                     if s.stage_index == action.stage_index)
+        stage = self._stage(action.stage_index)
         values, pending = self.stage_graphs[stage.stage_index].issue_reduce_grads(
             stage.state.unsharded_param_grads)
         stage.state.sharded_param_grads = values
@@ -174,8 +176,7 @@ class _GraphRuntime(_compat.GraphPipelineRuntime):
             pending = self._unshard_pending.pop(sub.stage_index, ())
             if not pending:
                 continue
-            stage = next(s for s in _compat.schedule_stages(self.schedule)
-                         if s.stage_index == sub.stage_index)
+            stage = self._stage(sub.stage_index)
             values = stage.state.unsharded_param_values
             for i in pending:
                 values[i] = wait_collective(values[i])
@@ -213,7 +214,7 @@ class _GraphRuntime(_compat.GraphPipelineRuntime):
 
     def _handle_forward(self, action: Any, ctx: Any) -> None:
         super()._handle_forward(action, ctx)
-        stage = next(s for s in _compat.schedule_stages(self.schedule) if s.stage_index == action.stage_index)
+        stage = self._stage(action.stage_index)
         if stage.is_last and stage.output_chunks:
             # torch merges the last stage's outputs with torch.cat; a scalar loss cannot be
             # concatenated, so the returned value becomes the 1-D tensor of microbatch losses.

@@ -4,7 +4,7 @@
 by :mod:`autopp.sharding.planner`, each distinct unit with its ILP model and candidate
 boundary pairs) and picks one solution per position: the best chain at a memory price, the
 search for that price, the polish that closes its gap, the recomputation policy, and the
-over-budget error that names the largest consumers.
+over-budget error that names the largest consumers (its text: :mod:`autopp.sharding.over_budget`).
 
 Memory (``memory_budget_bytes``, per device). Each unit's ILP has one memory row
 (:mod:`autopp.sharding.memory_row`: parameter state, activations × ``activation_factor``,
