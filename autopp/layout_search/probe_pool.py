@@ -90,8 +90,8 @@ class ProbePool:
     def run(self, jobs: list[tuple], done: Any, keep: Any = None
             ) -> dict[tuple, ShapeCosts | str]:
         """Results by job, in ``jobs`` order where workers are free; ``done(job, result)``
-        as each arrives; ``keep(job)``, asked as a job is about to start: False skips it
-        (no result)."""
+        as each arrives (once the worker that sent it has its next job); ``keep(job)``, asked
+        as a job is about to start: False skips it (no result)."""
         keep = keep or (lambda job: True)
         if not self.procs:
             out = {}
@@ -132,8 +132,8 @@ class ProbePool:
                 continue
             got[job] = res
             idle.append(w)
+            give(w)  # the worker goes on while this process reads its result
             done(job, res)
-            give(w)
         return got
 
     def close(self) -> None:

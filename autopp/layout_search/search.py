@@ -41,6 +41,7 @@ from torch import nn
 from autopp.layout_search.layouts import DEFAULT_SCHEDULES, Layout, enumerate_layouts
 from autopp.layout_search.pricing import Candidate, Pricer, Split
 from autopp.layout_search.probe_pool import JOB, PROBE_BUG, ProbePool
+from autopp.layout_search.unit_costs import ShapeCosts
 
 __all__ = ["Candidate", "SearchReport", "search"]
 
@@ -170,34 +171,47 @@ class SearchReport:
                        split=[list(f) for f in c.fqns_per_stage], **dry_run_kwargs)
 
 
-def _unfit_bounds(priced: dict, families: dict, pricer: Pricer, keys: list,
-                  best_s: float) -> dict[tuple[int, int], dict[Layout, float]]:
-    """Per sub-mesh, a lower bound on the step of each layout that does not fit without
+class _UnfitBounds:
+    """Per sub-mesh, lower bounds on the step of each layout that does not fit without
     recomputation: its step with unlimited memory (recomputing and memory-lean placements
-    only add time). First the busiest rank's compute; the most promising layouts are then
-    simulated until one beats ``best_s`` (the best that fits): a sub-mesh whose least bound
-    does not is dominated, not worth probing again."""
-    out: dict[tuple[int, int], dict[Layout, float]] = {}
-    for key in keys:
-        if key not in pricer.shapes:
-            continue  # the planner could not plan it at all
-        unfit = [lay for lay in families[key] if isinstance(priced[lay], str)
-                 and priced[lay].startswith("does not fit")]
-        if not unfit:
-            continue
-        splits = {lay: pricer.split(lay, usable=math.inf) for lay in unfit}
-        cheap = {lay: 0.0 if isinstance(sp, str) else sp.bound_s for lay, sp in splits.items()}
-        bounds = dict(cheap)
-        for lay in sorted(unfit, key=cheap.__getitem__):
-            if cheap[lay] >= best_s:
-                break
-            sp = splits[lay]
-            if not isinstance(sp, str):
-                bounds[lay] = pricer.simulate(sp).step_time_s
-            if bounds[lay] < best_s:
-                break
-        out[key] = bounds
-    return out
+    only add time). :meth:`cheap` is the busiest rank's compute, for every sub-mesh at once;
+    :meth:`simulated` then simulates one sub-mesh's most promising layouts until one beats the
+    best that fits (a sub-mesh whose least bound does not is dominated, not worth probing
+    again). The search asks :meth:`simulated` as that sub-mesh's probe is about to start, so
+    the simulations run beside the other probes rather than before all of them."""
+
+    def __init__(self, priced: dict, families: dict, pricer: Pricer, keys: list):
+        self.pricer = pricer
+        self.splits: dict[tuple[int, int], dict[Layout, Split | str]] = {}
+        self.bounds: dict[tuple[int, int], dict[Layout, float]] = {}
+        for key in keys:
+            if key not in pricer.shapes:
+                continue  # the planner could not plan it at all
+            unfit = [lay for lay in families[key] if isinstance(priced[lay], str)
+                     and priced[lay].startswith("does not fit")]
+            if unfit:
+                self.splits[key] = {lay: pricer.split(lay, usable=math.inf) for lay in unfit}
+                self.bounds[key] = {lay: 0.0 if isinstance(sp, str) else sp.bound_s
+                                    for lay, sp in self.splits[key].items()}
+        self.done: set[tuple[int, int]] = set()
+
+    def least(self, key: tuple[int, int]) -> float:
+        return min(self.bounds[key].values())
+
+    def simulated(self, key: tuple[int, int], best_s: float) -> float:
+        """``key``'s least bound once its layouts are simulated, least cheap bound first,
+        until one beats ``best_s``."""
+        if key not in self.done:
+            self.done.add(key)
+            bounds, splits = self.bounds[key], self.splits[key]
+            for lay in sorted(bounds, key=bounds.__getitem__):
+                if bounds[lay] >= best_s:
+                    break
+                if not isinstance(splits[lay], str):
+                    bounds[lay] = self.pricer.simulate(splits[lay]).step_time_s
+                if bounds[lay] < best_s:
+                    break
+        return self.least(key)
 
 
 def _ms(seconds: float) -> str:
@@ -335,21 +349,23 @@ def search(
 
     priced: dict[Layout, Candidate | str] = {}
 
-    def price(keys: list[tuple[int, int]], shapes: dict) -> None:
-        splits: list[Split] = []
-        for key in keys:
-            got = shapes[key]
-            if isinstance(got, str):
-                priced.update((lay, got) for lay in families[key])
-                continue
-            pricer.add(got)
-            for lay in families[key]:
-                sp = pricer.split(lay)
-                if isinstance(sp, str):
-                    priced[lay] = sp
-                else:
-                    priced.pop(lay, None)
-                    splits.append(sp)
+    def split(key: tuple[int, int], got: ShapeCosts | str) -> list[Split]:
+        """A probed sub-mesh's layouts split into stages (those that cannot be: priced)."""
+        if isinstance(got, str):
+            priced.update((lay, got) for lay in families[key])
+            return []
+        pricer.add(got)
+        splits = []
+        for lay in families[key]:
+            sp = pricer.split(lay)
+            if isinstance(sp, str):
+                priced[lay] = sp
+            else:
+                priced.pop(lay, None)
+                splits.append(sp)
+        return splits
+
+    def price(splits: list[Split]) -> None:
         # least bound first; stop simulating what cannot make the max_results fastest
         steps = sorted(c.step_time_s for c in priced.values() if not isinstance(c, str))
         dominated = 0
@@ -380,12 +396,16 @@ def search(
         f"{m}@lean" for m in recompute if m != "selective")
     pool = ProbePool(workers)
     try:
-        price(keys, probe(keys, first))
+        # each sub-mesh split as its probe arrives, all simulated once all are in (least
+        # bound first across sub-meshes: the fewest simulations)
+        first_splits: list[Split] = []
+        probe(keys, first, on_result=lambda key, res: first_splits.extend(split(key, res)))
+        price(first_splits)
         best = best_fit()
-        bounds = _unfit_bounds(priced, families, pricer, keys,
-                               best.step_time_s if best else math.inf) if rest else {}
-        least = {key: min(b.values()) for key, b in bounds.items()}
-        for key in [k for k in bounds if best is not None and least[k] >= best.step_time_s]:
+        unfit = _UnfitBounds(priced, families, pricer, keys) if rest else None
+        bounds = unfit.bounds if unfit else {}
+        for key in [k for k in bounds if best is not None
+                    and unfit.least(k) >= best.step_time_s]:
             _dominated(priced, bounds.pop(key), best)
         if bounds:
             logger.info("search: %d sub-mesh(es) have layouts that do not fit without "
@@ -395,13 +415,13 @@ def search(
 
             def keep(job: tuple) -> bool:  # the best may have improved since
                 now = best_fit()
-                if now is None or least[job[:2]] < now.step_time_s:
+                if now is None or unfit.simulated(job[:2], now.step_time_s) < now.step_time_s:
                     return True
                 skipped.append(job[:2])
                 return False
 
-            probe(sorted(bounds, key=least.__getitem__), rest, keep,
-                  lambda key, res: price([key], {key: res}))
+            probe(sorted(bounds, key=unfit.least), rest, keep,
+                  lambda key, res: price(split(key, res)))
             for key in skipped:
                 _dominated(priced, bounds[key], best_fit())
     finally:

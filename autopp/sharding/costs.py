@@ -77,7 +77,7 @@ _REDIST_MAX = 1 << 21
 logger = logging.getLogger(__name__)
 
 def dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 class CostModel:
@@ -102,21 +102,21 @@ class CostModel:
         self, src: tuple, dst: tuple, shape: tuple[int, ...], dtype: torch.dtype
     ) -> tuple[float, tuple[Collective, ...]]:
         """Time and collectives to move a tensor of global ``shape`` from ``src`` to ``dst``."""
-        if src == dst:
-            return 0.0, ()
         key = (src, dst, tuple(shape), dtype)
         hit = self._redist.get(key)
         if hit is None:
             if len(self._redist) >= _REDIST_MAX:
                 self._redist.clear()
-            hit = self._redist[key] = self._redistribute(src, dst, shape, dtype)
+            same = len(src) == len(dst) and all(map(compat.same_placement, src, dst))
+            hit = self._redist[key] = (0.0, ()) if same else self._redistribute(
+                src, dst, shape, dtype)
         return hit
 
     def _redistribute(self, src, dst, shape, dtype):
         numel = math.prod(shape)
         shards = math.prod(n for p, n in zip(src, self.mesh_shape) if _is_shard(p))
         local = numel * dtype_bytes(dtype) / shards
-        dims = [i for i in range(len(src)) if src[i] != dst[i]]
+        dims = [i for i in range(len(src)) if not compat.same_placement(src[i], dst[i])]
 
         def rank(i):  # shrinking steps first, growing (all_gather) last
             s, d = src[i], dst[i]
