@@ -15,17 +15,20 @@ from autopp.plan.parallel import map_stages, plan_workers
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 
 
-def _plan_of(parent: int, die: int | None = None, hang: int | None = None,
-             fail: int | None = None):
+def _plan_of(parent: int, die: bool = False, hang: bool = False, fail: int | None = None):
+    """A stage's "plan": (stage, the process that planned it). ``die`` / ``hang``: a child
+    dies / hangs on the first stage it takes."""
     def plan_of(s: int):
         if s == fail:
             raise ValueError(f"stage {s} does not fit")
         if os.getpid() != parent:  # in a child
-            if s == die:
+            if die:
                 os._exit(3)
-            if s == hang:
+            if hang:
                 time.sleep(3600)
-        time.sleep(0.2)  # long enough that every process takes some stages
+        # long enough that every process takes some stages; the parent's first stage
+        # longer, so that a child forked late under load still takes one
+        time.sleep(1.0 if s == 0 and os.getpid() == parent else 0.2)
         return (s, os.getpid())
     return plan_of
 
@@ -49,14 +52,14 @@ def test_an_error_is_raised_as_the_sequential_loop_raises_it():
 
 def test_a_child_that_dies_or_hangs_leaves_its_stages_to_the_parent(monkeypatch, caplog):
     parent = os.getpid()
-    plans = map_stages(_plan_of(parent, die=3), 6, workers=2)
-    assert [p[0] for p in plans] == list(range(6))
+    plans = map_stages(_plan_of(parent, die=True), 6, workers=2)
+    assert plans == tuple((s, parent) for s in range(6))
     monkeypatch.setattr(parallel, "HUNG_S", 2.0)
     monkeypatch.setattr(parallel, "_POLL_S", 0.5)
     t0 = time.perf_counter()
-    # the end stages are taken first: stage 5 goes to the child, which hangs on it
-    plans = map_stages(_plan_of(parent, hang=5), 6, workers=2)
-    assert [p[0] for p in plans] == list(range(6)) and plans[5][1] == parent
+    # the child hangs on the first stage it takes: the parent plans that one too
+    plans = map_stages(_plan_of(parent, hang=True), 6, workers=2)
+    assert plans == tuple((s, parent) for s in range(6))
     assert time.perf_counter() - t0 < 60
     assert "used no CPU" in caplog.text
 

@@ -243,7 +243,9 @@ class _Memo:
     """This process's traced units, their ILP models and solutions, reused across
     ``plan_stage`` calls: planning one stage under several boundary placements, or several
     stages holding identical blocks, traces and solves each distinct unit and boundary pair
-    once. Bounded: cleared when it grows past :attr:`LIMIT` models."""
+    once. Bounded: past :attr:`LIMIT` traced units or models, the least recently used unit
+    is forgotten with its models and solutions (a search's probe process goes back to a
+    sub-mesh it probed earlier; clearing everything made it trace and build again)."""
 
     LIMIT = 64
     SOLVES_LIMIT = 4096
@@ -253,13 +255,30 @@ class _Memo:
         self.models: dict[tuple, Model] = {}
         self.solves: dict[tuple, Any] = {}
 
+    def unit(self, ukey: tuple) -> TracedBlock | None:
+        """A traced unit, now the most recently used."""
+        hit = self.traced.pop(ukey, None)
+        if hit is not None:
+            self.traced[ukey] = hit
+        return hit
+
     def trim(self) -> None:
-        if len(self.models) > self.LIMIT or len(self.traced) > self.LIMIT:
-            self.traced.clear()
+        while self.traced and (len(self.models) > self.LIMIT or len(self.traced) > self.LIMIT):
+            self._forget(next(iter(self.traced)))
+        if len(self.models) > self.LIMIT:  # models of no traced unit: none expected
             self.models.clear()
             self.solves.clear()
-        elif len(self.solves) > self.SOLVES_LIMIT:  # many prices searched: keep the traces
+        if len(self.solves) > self.SOLVES_LIMIT:  # many prices searched: keep the traces
             self.solves.clear()
+
+    def _forget(self, ukey: tuple) -> None:
+        """A unit, its models (keyed by the unit first) and their solutions (keyed by the
+        model's key first): solutions name the traced unit's nodes."""
+        del self.traced[ukey]
+        for k in [k for k in self.models if k[0] == ukey]:
+            del self.models[k]
+        for k in [k for k in self.solves if isinstance(k[0], tuple) and k[0][:1] == (ukey,)]:
+            del self.solves[k]
 
 
 _MEMO = _Memo()
@@ -281,7 +300,7 @@ def _unit_stage(module, units, x, mesh, names, costs, memory, in_spec, out_spec,
             sig_index[sig] = len(reps_traced)
             ukey = (sig, tuple(x.shape), str(x.dtype), kw_key, tuple(mesh.shape), names,
                     pdtype, tuple(tracing.current_settings().items()))
-            hit = _MEMO.traced.get(ukey)
+            hit = _MEMO.unit(ukey)
             if hit is None:
                 t0 = time.perf_counter()
                 hit = _MEMO.traced[ukey] = trace_unit(maybe_cast(unit.module, pdtype), x, mesh,
