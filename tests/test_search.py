@@ -298,3 +298,57 @@ def test_split_backward_pricing_holds_what_w_keeps_at_each_peak():
     assert not isinstance(fits, str), fits
     assert fits.costs[0].activation_bytes_kept_for_w == 5 * gib
     assert not isinstance(priced(30 * gib, "1F1B", 4, 1), str)
+
+
+def test_a_second_round_bound_simulates_least_cheap_bound_first_and_stops_once_it_beats_the_best():
+    """Between the search's rounds, a sub-mesh whose unfit layouts cannot beat the best that
+    fits is not probed again. Its layouts are simulated (with unlimited memory) only as its
+    probe is about to start, least compute bound first, and only until one beats the best:
+    worked here by hand with a stand-in pricer."""
+    from types import SimpleNamespace
+
+    from autopp.layout_search.search import _UnfitBounds
+
+    cheap = {"a1": 1.0, "a2": 2.0, "a3": 5.0, "b1": 4.0}   # compute bounds (s)
+    simulated = {"a1": 3.5, "a2": 2.5, "a3": 6.0, "b1": 4.5}  # steps with unlimited memory
+    calls = []
+
+    class Pricer:
+        shapes = {"a": None, "b": None}
+
+        def split(self, lay, usable):
+            assert usable == float("inf")
+            return SimpleNamespace(layout=lay, bound_s=cheap[lay])
+
+        def simulate(self, sp):
+            calls.append(sp.layout)
+            return SimpleNamespace(step_time_s=simulated[sp.layout])
+
+    priced = {lay: "does not fit: over" for lay in cheap} | {"a0": "a Candidate that fits"}
+    families = {"a": ["a0", "a1", "a2", "a3"], "b": ["b1"], "c": ["c1"]}  # c: not probed
+    bounds = _UnfitBounds(priced, families, Pricer(), ["a", "b", "c"])
+    assert set(bounds.bounds) == {"a", "b"} and calls == []  # nothing simulated yet
+    assert bounds.least("a") == 1.0 and bounds.least("b") == 4.0
+    # best 3.0: a1 (cheap 1.0) simulates to 3.5, no better; a2 (cheap 2.0) to 2.5: stop
+    assert bounds.simulated("a", 3.0) == 2.5 and calls == ["a1", "a2"]
+    assert bounds.simulated("a", 3.0) == 2.5 and calls == ["a1", "a2"]  # once per sub-mesh
+    # best 3.0 and b1's compute bound 4.0: dominated without a simulation
+    assert bounds.simulated("b", 3.0) == 4.0 and calls == ["a1", "a2"]
+    assert bounds.bounds["a"] == {"a1": 3.5, "a2": 2.5, "a3": 5.0}
+
+
+def test_a_probe_whose_microbatches_would_be_empty_is_refused_with_the_sizes():
+    """Probing with more reference microbatches than sequences is a sizes error (which the
+    search reports as the planner's refusal), not a reshape failure deep in tracing that the
+    search would label a bug in autopp."""
+    import torch
+
+    from autopp.layout_search.unit_costs import probe_costs
+
+    tokens = torch.empty((8, 64), dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match="8 sequences per dp rank cannot make 16 equal"):
+        probe_costs(None, None, None, tokens=tokens, n_microbatches=16, profile="H100",
+                    boundary="batch", loss_kind="batch", modes=("none",))
+    with pytest.raises(ValueError, match="8 sequences per dp rank cannot make 3 equal"):
+        probe_costs(None, None, None, tokens=tokens, n_microbatches=3, profile="H100",
+                    boundary="batch", loss_kind="batch", modes=("none",))
