@@ -555,7 +555,8 @@ class Model:
                 hint = (np.arange(self.num_x, dtype=np.int32), vals)
             x, dt2, status, obj, bound = self._warm.run(
                 lp, upper, integer, True, time_limit_s, threads, scale=_SCALE, hint=hint,
-                rel_gap=rel_gap, max_nodes=max_nodes, objective_target=objective_target_s)
+                rel_gap=rel_gap, max_nodes=max_nodes, objective_target=objective_target_s,
+                presolve=not (price == 0 and budget is None))
             dt += dt2
         elif x.size:
             status += " (LP relaxation integral)"
