@@ -346,9 +346,9 @@ def test_a_probe_whose_microbatches_would_be_empty_is_refused_with_the_sizes():
     from autopp.layout_search.unit_costs import probe_costs
 
     tokens = torch.empty((8, 64), dtype=torch.long, device="meta")
-    with pytest.raises(ValueError, match="8 sequences per dp rank cannot make 16 equal"):
+    with pytest.raises(ValueError, match="batch size 8 is not divisible by n_microbatches=16"):
         probe_costs(None, None, None, tokens=tokens, n_microbatches=16, profile="H100",
                     boundary="batch", loss_kind="batch", modes=("none",))
-    with pytest.raises(ValueError, match="8 sequences per dp rank cannot make 3 equal"):
+    with pytest.raises(ValueError, match="batch size 8 is not divisible by n_microbatches=3"):
         probe_costs(None, None, None, tokens=tokens, n_microbatches=3, profile="H100",
                     boundary="batch", loss_kind="batch", modes=("none",))

@@ -183,10 +183,9 @@ def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.T
     from autopp.plan.make import loss_time_s, plan_local_stage
     from autopp.plan.stage_inputs import last_stage_output, stage_meta_inputs
 
-    rows = int(tokens.shape[0])
-    if rows < n_microbatches or rows % n_microbatches:
-        raise ValueError(f"{rows} sequences per dp rank cannot make {n_microbatches} equal "
-                         f"reference microbatches; probe with a count that divides {rows}")
+    from autopp.schedules.checks import check_batch_size
+
+    check_batch_size(int(tokens.shape[0]), n_microbatches)  # the reference microbatches
     t0 = time.perf_counter()
     dp, tp = sub_mesh["dp"].size(), sub_mesh["tp"].size()
     layers = layout.layer_fqns
