@@ -111,8 +111,8 @@ def test_a_mip_stops_at_its_objective_target():
 
 
 def test_a_mip_without_presolve_reaches_the_same_optimum():
-    """The planner's time-only MIPs run without HiGHS's presolve (half their time on a 70B
-    block). Presolve only speeds the search: the optimum, proven at the same gap, is the
+    """The planner's time-only MIPs run without HiGHS's presolve (half their time on the
+    70B/512 probes, benchmarks/probe_time.py). Presolve only speeds the search: the optimum, proven at the same gap, is the
     one a presolved run proves (48.2431 s on this MIP)."""
     lp, n = _choice_mip()
     run = dict(upper=np.ones(n), integer=[True] * n, as_mip=True, time_limit_s=60.0,
