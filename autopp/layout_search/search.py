@@ -174,8 +174,8 @@ class SearchReport:
 class _UnfitBounds:
     """Per sub-mesh, lower bounds on the step of each layout that does not fit without
     recomputation: its step with unlimited memory (recomputing and memory-lean placements
-    only add time). :meth:`cheap` is the busiest rank's compute, for every sub-mesh at once;
-    :meth:`simulated` then simulates one sub-mesh's most promising layouts until one beats the
+    only add time). Made, for every sub-mesh at once, from the busiest rank's compute
+    (:meth:`least`); :meth:`simulated` then simulates one sub-mesh's most promising layouts until one beats the
     best that fits (a sub-mesh whose least bound does not is dominated, not worth probing
     again). The search asks :meth:`simulated` as that sub-mesh's probe is about to start, so
     the simulations run beside the other probes rather than before all of them."""

@@ -182,7 +182,6 @@ def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.T
     from autopp.plan.budgets import loss_kept_bytes
     from autopp.plan.make import loss_time_s, plan_local_stage
     from autopp.plan.stage_inputs import last_stage_output, stage_meta_inputs
-
     from autopp.schedules.checks import check_batch_size
 
     check_batch_size(int(tokens.shape[0]), n_microbatches)  # the reference microbatches
