@@ -186,6 +186,7 @@ def plan_boundaries(
     pp: int | None = None,
     tf32: bool | None = None,
     keyword_inputs: Mapping[str, torch.Tensor] | None = None,
+    schedule: str | None = None,
 ) -> tuple[list[str], Any]:
     """Choose every stage boundary's placement (and the last stage's logits placement).
 
@@ -207,6 +208,11 @@ def plan_boundaries(
         param_placements: per stage, parameters whose placement is fixed (tied copies).
         memory: per stage, the whole-memory accounting (see :func:`plan_local_stage`).
         keyword_inputs: the keyword inputs every stage takes (see :func:`plan_local_stage`).
+        schedule: the pipeline's schedule, where its stages' once-per-step collectives run
+            ahead (beside compute): with the whole memory counted, each stage is then
+            planned under its budget against the windows the schedule leaves them
+            (:func:`autopp.estimate.pipeline.comm_windows` over the unbudgeted plans;
+            ``plan_stage(comm_windows_s=)``). None: every collective priced in full.
 
     Returns ``(bounds, plan_of)``: ``bounds[s]`` is the placement into stage ``s`` and
     ``bounds[s + 1]`` out of it (``len(metas) + 1`` entries), and ``plan_of(s)`` the stage's
@@ -229,14 +235,18 @@ def plan_boundaries(
                          "counted (memory=): boundaries are then compared unbudgeted")
     chosen: list[Sequence[float | None]] = [] if callable(budgets) else [budgets]
 
-    def plan(s: int, k_in: str, k_out: str, budgeted: bool = True) -> StagePlan:
+    def plan(s: int, k_in: str, k_out: str, budgeted: bool = True,
+             windows: tuple[float, float] = (0.0, 0.0)) -> StagePlan:
+        mem = memory[s] if memory else None
+        if any(windows):
+            mem = {**mem, "comm_windows_s": windows}
         return plan_local_stage(
             metas[s], inputs[s], sub_mesh, profile=profile,
             memory_budget_bytes=chosen[0][s] if budgeted else None,
             stage_index=s, boundary_in=k_in, boundary_out=k_out, timings=timings,
             mixed_precision=mixed_precision, n_microbatches=n_microbatches,
             param_placements=param_placements[s] if param_placements else None,
-            memory=memory[s] if memory else None, tf32=tf32, keyword_inputs=keyword_inputs,
+            memory=mem, tf32=tf32, keyword_inputs=keyword_inputs,
         )
 
     def loss_s(s: int, k_out: str) -> float:
@@ -273,15 +283,35 @@ def plan_boundaries(
 
     if not chosen:
         chosen.append(budgets(bounds))
+    windows: list[tuple[float, float]] = [(0.0, 0.0)] * n
+    if schedule is not None and whole:
+        from autopp.estimate.pipeline import comm_windows
+
+        windows = comm_windows(
+            schedule, [plan(s, bounds[s], bounds[s + 1], budgeted=False) for s in range(n)],
+            pp=mesh_shape[0], n_microbatches=n_microbatches, stage_ranks=ranks,
+            profile=profile, mesh_shape=mesh_shape, loss_s=loss_s(n - 1, bounds[-1]),
+            send_bytes=[boundary_bytes(inputs[s + 1][0], dp, tp, bounds[s + 1])
+                        if s + 1 < n else 0 for s in range(n)])
+        logger.info("once-per-step collectives' windows a step (gathers, reductions): %s",
+                    ", ".join(f"stage {s} {w[0] * 1e3:.3g}/{w[1] * 1e3:.3g} ms"
+                              for s, w in enumerate(windows)))
 
     def plan_of(s: int) -> StagePlan:
-        p = plan(s, bounds[s], bounds[s + 1])
+        p = plan(s, bounds[s], bounds[s + 1], windows=windows[s])
         if s == n - 1:  # the last stage's plan says how its loss runs
             p = dataclasses.replace(p, loss=describe_loss(bounds[-1]),
                                     loss_s=loss_s(s, bounds[-1]))
         return p
 
     return bounds, plan_of
+
+
+def collectives_ahead(options: Any) -> bool:
+    """Whether planned stages issue their once-per-step collectives ahead, beside compute
+    (``StageGraphs.collectives_ahead``): with ``overlap_collectives`` on and weights gathered
+    once per step (not per microbatch, ``reshard_after_forward``)."""
+    return bool(options.overlap_collectives) and not options.reshard_after_forward
 
 
 def tied_placements(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]],
@@ -395,6 +425,7 @@ def plan_whole_pipeline(
             last_kinds=last_kinds, timings=timings, mixed_precision=mp,
             n_microbatches=n_microbatches, rank_of=list(stage_ranks), param_placements=fixed,
             memory=memory, pp=pp, tf32=options.tf32, keyword_inputs=keyword,
+            schedule=str(schedule) if collectives_ahead(options) else None,
         )
         # under the chosen boundaries and each stage's budget, on worker processes where
         # this one can fork (plan/parallel.py)

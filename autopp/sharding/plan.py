@@ -198,6 +198,14 @@ class StagePlan:
     (:mod:`autopp.sharding.budget`: weak duality of the memory price, from the solver's own
     bounds); ``step_time_s`` is within ``(step_time_s - time_bound_s) / step_time_s`` of the
     best such plan. None: not computed (a memory-priced probe)."""
+    comm_windows_s: tuple[float, float] = (0.0, 0.0)
+    """Seconds a step the schedule leaves the stage's once-per-step collectives beside
+    compute (its weight gathers, its gradient reductions) when it was planned
+    (``plan_stage(comm_windows_s=)``); zero: none, every collective priced in full."""
+    hidden_comm_s: float = 0.0
+    """Seconds a step of those collectives the plan expects hidden in those windows
+    (:mod:`autopp.sharding.once_per_step`); :attr:`step_time_s` still counts them in full,
+    and the schedule simulator hides what the schedule hides."""
 
     def degraded(self) -> list[str]:
         """What was planned on a fallback that changes the plan: ops replicated because

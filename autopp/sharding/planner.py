@@ -23,7 +23,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autopp import tracing
 from autopp._compat import sharding as compat
-from autopp.sharding.budget import MODES, Chain, DistinctUnit, Stage, chain_at_price, choose_chain
+from autopp.sharding.budget import (
+    CERTIFIED_GAP,
+    MODES,
+    Chain,
+    DistinctUnit,
+    Stage,
+    chain_at_price,
+    choose_chain,
+)
 from autopp.sharding.chain import (
     TracedBlock,
     block_restrictions,
@@ -33,6 +41,14 @@ from autopp.sharding.chain import (
 from autopp.sharding.units import POST, PRE, Unit, stage_units, unit_signature
 from autopp.sharding.costs import CostModel
 from autopp.sharding.memory_row import MemorySpec
+from autopp.sharding.once_per_step import (
+    FREE_WEIGHT,
+    at_full_price,
+    bound_with_windows,
+    chain_once,
+    exposed_time_s,
+    hidden_s,
+)
 from autopp.sharding.precision import check_policy, maybe_cast, reduce_after_cast
 from autopp.sharding.plan import CAP_DROPPED, FLOP_FAILURE, BlockPlan, CollectivePlan, ParamPlan, StagePlan, describe_keyword_inputs, to_strs
 from autopp.profiles.devices import DeviceProfile, tf32_enabled
@@ -90,6 +106,7 @@ def plan_stage(
     memory_price: float = 0.0,
     tf32: bool | None = None,
     keyword_inputs: Mapping[str, torch.Tensor] | None = None,
+    comm_windows_s: tuple[float, float] = (0.0, 0.0),
 ) -> StagePlan:
     """Plan the DP×TP sharding of one stage module on ``mesh`` (its sub-mesh).
 
@@ -153,6 +170,15 @@ def plan_stage(
             activation, placed as the batch is (``S(0)`` on dp, ``R`` elsewhere), never
             differentiated; recorded in ``StagePlan.keyword_inputs``. Planned unit by unit
             only (a stage that must be planned flat with them is refused).
+        comm_windows_s: seconds a step during which the stage's once-per-step collectives
+            run beside compute on its rank: (its weight gathers, from the step's start to
+            its first action; its gradient reductions, from its last backward to the step's
+            end), as the schedule leaves them (:func:`autopp.schedules.comm_windows.collective_windows`;
+            the pipeline planner passes them when collectives run ahead). The plan is then
+            the fastest by what those collectives leave exposed
+            (:mod:`autopp.sharding.once_per_step`), within the certified gap; recorded in
+            ``StagePlan.comm_windows_s`` and ``StagePlan.hidden_comm_s``. Zero: every
+            collective is paid in full.
 
     Raises:
         InfeasiblePlanError: the constraints admit no plan (the message names them; over
@@ -192,14 +218,19 @@ def plan_stage(
             f"({type(module).__name__}) does not fit that pattern (the log says why at INFO). "
             "Build the pipeline with parallelize=None or your own parallelize function to "
             "pass them")
-    if units is None:
-        stage = _flat_stage(module, example_inputs, mesh, costs, memory, in_spec, out_spec,
-                            fixed, pdtype, grad_scale)
-    else:
-        stage = _unit_stage(module, units, example_inputs[0], mesh, names, costs, memory,
-                            in_spec, out_spec, fixed, pdtype, grad_scale,
-                            tuple(keyword_inputs.values()))
+
+    def build(once_weight: float = 1.0) -> Stage:
+        if units is None:
+            return _flat_stage(module, example_inputs, mesh, costs, memory, in_spec,
+                               out_spec, fixed, pdtype, grad_scale, once_weight)
+        return _unit_stage(module, units, example_inputs[0], mesh, names, costs, memory,
+                           in_spec, out_spec, fixed, pdtype, grad_scale,
+                           tuple(keyword_inputs.values()), once_weight)
+
+    stage = build()
     modes = MODES if recompute == "auto" else (recompute,)
+    windows = tuple(max(0.0, float(w)) * grad_scale for w in comm_windows_s)  # a microbatch
+    hidden = 0.0
     if memory_price:
         if recompute == "auto" or memory_budget_bytes is not None:
             raise ValueError("memory_price plans one recompute mode without a budget")
@@ -208,6 +239,14 @@ def plan_stage(
     else:
         chosen, tried, bound = choose_chain(stage, modes, memory_budget_bytes, memory,
                                             time_limit_s)
+        if any(windows):
+            def free() -> tuple[Stage, Chain, float]:
+                st = build(FREE_WEIGHT)
+                ch, _, b = choose_chain(st, modes, memory_budget_bytes, memory, time_limit_s)
+                return st, ch, b
+
+            stage, chosen, bound, hidden = _hide_once_per_step(stage, chosen, bound, windows,
+                                                               free)
     parts = [(stage.units[i], stage.reps[k].traced, res)
              for i, (k, res) in enumerate(zip(stage.kinds, chosen.results))]
     plan = _assemble(parts, stage.solved, mesh, names, prof, costs, memory_budget_bytes, t0,
@@ -216,19 +255,55 @@ def plan_stage(
         _with_memory(plan, chosen, tried, recompute, memory),
         keyword_inputs=describe_keyword_inputs(keyword_inputs),
         trace_settings=tuple(tracing.current_settings().items()), tf32=costs.tf32,
-        time_bound_s=None if bound is None or not math.isfinite(bound) else bound)
+        time_bound_s=None if bound is None or not math.isfinite(bound) else bound,
+        comm_windows_s=(float(comm_windows_s[0]), float(comm_windows_s[1])),
+        hidden_comm_s=hidden * microbatches_per_grad_reduce)
+
+
+def _hide_once_per_step(stage: Stage, chosen: Chain, bound: float, windows: tuple,
+                        free) -> tuple[Stage, Chain, float, float]:
+    """The chain to keep where the schedule hides up to ``windows`` (UNSHARD, REDUCE_GRAD;
+    seconds per microbatch) of the once-per-step collectives (the rule:
+    :mod:`autopp.sharding.once_per_step`): ``chosen`` (planned at their full price) where
+    it is certified, else the faster by exposed time of it and ``free()``'s (the stage
+    planned with them all but free, :data:`FREE_WEIGHT`: (stage, chain, bound)). Returns (stage, chain at full price,
+    its certified bound at full price, seconds per microbatch hidden)."""
+    once = chain_once(chosen.results)
+    time1 = exposed_time_s(chosen.time_s, once, windows)
+    once_max = [sum(stage.reps[k].model.once_max_s[i] for k in stage.kinds) for i in (0, 1)]
+    lower = bound_with_windows(bound, once_max, windows)
+    if time1 - lower <= CERTIFIED_GAP * time1:
+        logger.debug("once-per-step collectives: %.4g s a microbatch hidden of %.4g; at most "
+                     "%.4g s more could be: the plan stands", hidden_s(once, windows),
+                     sum(once), hidden_s(once_max, windows) - hidden_s(once, windows))
+        return stage, chosen, bound, hidden_s(once, windows)
+    stage0, chain0, bound0 = free()
+    once0 = chain_once(chain0.results)
+    # chain0.time_s: t + FREE_WEIGHT × the collectives
+    time0 = chain0.time_s + (1 - FREE_WEIGHT) * sum(once0) - hidden_s(once0, windows)
+    lower = max(lower, bound0 - FREE_WEIGHT * sum(once_max))
+    logger.info("once-per-step collectives (windows %s s a microbatch): planned at full "
+                "price %.6g s exposed, planned free %.6g s exposed; certified bound %.6g s",
+                tuple(f"{w:.4g}" for w in windows), time1, time0, lower)
+    if time0 >= time1:
+        return stage, chosen, bound, hidden_s(once, windows)
+    results = [at_full_price(r, FREE_WEIGHT) for r in chain0.results]
+    full = dataclasses.replace(chain0, results=results,
+                               time_s=sum(r.objective_s for r in results))
+    return stage0, full, bound, hidden_s(once0, windows)
 
 
 # -- building the stage as positions of distinct units ---------------------------------------
 
 
 def _flat_stage(module, example_inputs, mesh, costs, memory, in_spec, out_spec, fixed,
-                pdtype, grad_scale) -> Stage:
+                pdtype, grad_scale, once_weight: float = 1.0) -> Stage:
     joint = trace_joint(maybe_cast(module, pdtype), example_inputs)
     traced = TracedBlock(module, joint, enumerate_strategies(joint, mesh), ())
     if pdtype is not None:
         reduce_after_cast(traced.strategies)
-    model = Model(traced.strategies, costs, grad_reduce_scale=grad_scale, memory=memory)
+    model = Model(traced.strategies, costs, grad_reduce_scale=grad_scale, memory=memory,
+                  once_weight=once_weight)
     key = ("in", "out")
     rep = DistinctUnit(Unit("", module), traced, model, ("flat", id(model)),
                        {key: block_restrictions(traced, in_spec, out_spec, fixed)}, ())
@@ -285,7 +360,8 @@ _MEMO = _Memo()
 
 
 def _unit_stage(module, units, x, mesh, names, costs, memory, in_spec, out_spec, fixed,
-                pdtype, grad_scale, inputs: tuple[torch.Tensor, ...] = ()) -> Stage:
+                pdtype, grad_scale, inputs: tuple[torch.Tensor, ...] = (),
+                once_weight: float = 1.0) -> Stage:
     """Trace each distinct unit once and list the boundary pairs a chain can use (every unit
     also takes the keyword ``inputs``, fixed where the batch is)."""
     _MEMO.trim()
@@ -344,14 +420,15 @@ def _unit_stage(module, units, x, mesh, names, costs, memory, in_spec, out_spec,
         }
         # the columns' costs depend on the profile and the TF32 rate, the memory row on
         # the accounting (an activation factor per stage's microbatches in flight)
-        mkey = (ukey, costs.profile, costs.tf32, memory, grad_scale)
+        mkey = (ukey, costs.profile, costs.tf32, memory, grad_scale, once_weight)
         model = _MEMO.models.get(mkey)
         if model is None:  # the columns, once per unit; the memory row per accounting
             base = _MEMO.models.get(mkey[:3] + mkey[4:])
             if base is None:
                 t0 = time.perf_counter()
                 base = _MEMO.models[mkey[:3] + mkey[4:]] = Model(
-                    traced.strategies, costs, grad_reduce_scale=grad_scale, memory=memory)
+                    traced.strategies, costs, grad_reduce_scale=grad_scale, memory=memory,
+                    once_weight=once_weight)
                 logger.info("unit %s: ILP of %d variables built in %.1f s", unit.name or
                             "<stage>", base.num_vars, time.perf_counter() - t0)
             model = _MEMO.models[mkey] = base.with_memory(memory)

@@ -61,6 +61,11 @@ def _recompute_line(plan: StagePlan) -> str:
         gap = (plan.step_time_s - plan.time_bound_s) / max(plan.step_time_s, 1e-30)
         line += (f"\n  under the budget: within {max(gap, 0.0):.2%} of the certified bound "
                  f"{_time(plan.time_bound_s)} (no fitting plan is faster)")
+    if any(plan.comm_windows_s):
+        line += (f"\n  once-per-step collectives: {_time(plan.hidden_comm_s)} a step expected "
+                 f"hidden beside compute (windows: weight gathers "
+                 f"{_time(plan.comm_windows_s[0])}, gradient reductions "
+                 f"{_time(plan.comm_windows_s[1])} a step); chosen by the time left exposed")
     return line
 
 

@@ -55,6 +55,11 @@ class SolveResult:
     memory row has :attr:`~autopp.sharding.memory_row.MemorySpec.split_in_flight`)."""
     memory_bytes: float = 0.0
     """What the memory row counts for this choice (:class:`MemoryAccount`)."""
+    once_comm_s: tuple[float, float] = (0.0, 0.0)
+    """(UNSHARD, REDUCE_GRAD) seconds per microbatch of the once-per-step collectives
+    (1/M of their time a step; :mod:`autopp.sharding.once_per_step`), at their full time:
+    :attr:`objective_s` and :attr:`comm_s` hold them at the model's
+    :attr:`~autopp.sharding.solver.Model.once_weight`, :attr:`collectives` in full."""
     ilp_memory_bytes: float = float("nan")
     """The memory row's value in the solver's solution (equals :attr:`memory_bytes` up to
     tolerances)."""
@@ -82,7 +87,7 @@ def evaluate(
     and its memory (:meth:`Model.account`)."""
     costs, st = model.costs, model.st
     compute = sum(costs.compute_time(st.nodes[n], o) for n, o in choice.items())
-    comm, colls = 0.0, []
+    comm, colls, once = 0.0, [], [0.0, 0.0]
     for dst, src, k, _, i in model._all_edges():
         if src not in choice or dst not in choice:
             continue
@@ -91,7 +96,10 @@ def evaluate(
         g = choice[dst].out[0] if i is None else choice[dst].ins[i]
         t, steps = costs.redistribute(a, g, tuple(val.shape), val.dtype)
         scale = model.edge_scale(dst, i, src)
-        comm += t * scale
+        kind = model.once_kind(dst, i, src)
+        comm += t * scale * (1.0 if kind is None else model.once_weight)
+        if kind is not None:
+            once[kind] += t * scale
         colls += [(dst.name, src.name, dataclasses.replace(c, time_s=c.time_s * scale))
                   for c in steps]
     param_bytes = sum(model.param_bytes(n, choice[n]) for n in st.joint.params.values())
@@ -115,6 +123,7 @@ def evaluate(
         gathered_bytes=acc.gathered_bytes,
         kept_for_w_bytes=acc.kept_for_w_bytes,
         memory_bytes=acc.counted_bytes,
+        once_comm_s=(once[0], once[1]),
     )
 
 

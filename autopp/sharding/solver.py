@@ -67,14 +67,15 @@ from torch import fx
 
 from autopp.graph.walk import param_only_nodes
 from autopp.sharding import op_hooks, time_only
+from autopp.sharding.once_per_step import once_kind
 from autopp.sharding.costs import CostModel
 from autopp.sharding.highs import WarmLps, highspy
 from autopp.sharding.memory_row import MIB as _MIB  # the memory row's unit
 from autopp.sharding.memory_row import MemoryAccount, MemoryRow, MemorySpec, Recompute, Terms
-from autopp._compat.sharding import redistribution_peak_bytes
 from autopp.sharding.option import PlacementSpec, matches
 from autopp.format import format_bytes
 from autopp.sharding.plan import CAP_DROPPED
+from autopp.sharding.redistribution_peaks import peak_table, redistribution_bytes
 from autopp.sharding.solution import InfeasiblePlanError, SolveResult, evaluate
 from autopp.sharding.strategies import Option, Strategies, tensor_vals
 
@@ -105,16 +106,6 @@ class Problem:
     threads: int = 2
 
 
-_PEAKS: dict[tuple, dict[tuple, float]] = {}
-"""The largest tensor a redistribution makes (:meth:`Model._redistribution_bytes`), by
-(mesh shape, this rank's coordinate) and then (shape, dtype, src, dst): it depends on
-nothing else, so every Model of the process shares it (a search builds one per probe unit,
-and the same activations recur across them)."""
-
-_PEAKS_MAX = 1 << 21
-"""Entries one table keeps before it starts again (bounds a long process's memory)."""
-
-
 class Model:
     """The ILP of one joint graph over all its options, built once.
 
@@ -132,6 +123,7 @@ class Model:
         grad_reduce_scale: float = 1.0,
         *,
         memory: MemorySpec | None = None,
+        once_weight: float = 1.0,
     ):
         self.st = strategies
         #: Factor on the edges that run once per step, not once per microbatch: 1/M when the
@@ -140,6 +132,13 @@ class Model:
         #: them once) and the edges out of parameter-only values (casts, views, gathers of
         #: weights: the runtime's UNSHARD runs them once per step, see autopp.graph.peel).
         self.grad_reduce_scale = grad_reduce_scale
+        #: Weight of those edges in the objective only (0: free, the planner's second look
+        #: where the schedule may hide them, :mod:`autopp.sharding.once_per_step`); what a
+        #: solution records (its collectives, :attr:`SolveResult.once_comm_s`) is their time.
+        self.once_weight = once_weight
+        #: (UNSHARD, REDUCE_GRAD) seconds per microbatch the once-per-step edges cost at
+        #: most (each at its dearest pair): no plan of this unit pays more.
+        self.once_max_s = [0.0, 0.0]
         self._param_nodes = set(strategies.joint.params.values())
         self._param_only = param_only_nodes(strategies.joint.gm, self._param_nodes)
         self._state_only = param_only_nodes(
@@ -162,9 +161,7 @@ class Model:
         self._pending_bytes: list[tuple[int, Any, Any, Any]] = []
         self._col_bytes_array: np.ndarray | None = None
         mesh = strategies.mesh
-        self._redist_bytes = _PEAKS.setdefault(
-            (None,) if mesh is None else (tuple(mesh.shape), tuple(mesh.get_coordinate() or ())),
-            {})
+        self._redist_bytes = peak_table(mesh)
         self.rows: list[tuple[list[int], list[float], float, float]] = []
         self.options: dict[fx.Node, list[Option]] = {
             n: ns.options for n, ns in strategies.nodes.items() if ns.options
@@ -269,6 +266,8 @@ class Model:
             val = tensor_vals(src)[k]
             shape, dtype = tuple(val.shape), val.dtype
             scale = self.edge_scale(dst, i, src)
+            once = self.once_kind(dst, i, src)
+            weight = scale * (1.0 if once is None else self.once_weight)
             # the largest tensor a redistribution makes on its way (DTensor's own path, the
             # landed value included); once-per-step edges (gathers of weights, gradients
             # into their parameters) are the memory row's
@@ -290,13 +289,17 @@ class Model:
                 self.edge_cols[dst, i] = cols
             if pairs is None and (len(have) == 1 or len(want) == 1):
                 # One side is fixed: fold the edge's cost onto the other side's choices.
+                dearest = 0.0
                 for a, acols in have.items():
                     for g, gcols in want.items():
-                        t = price(a, g, shape, dtype) * scale
+                        t = price(a, g, shape, dtype)
+                        dearest = max(dearest, t)
                         for c in gcols if len(have) == 1 else acols:
-                            self.cost[c] += t
+                            self.cost[c] += t * weight
                             lands(c, a, g)
                             cols.append((c, a, g))
+                if once is not None:
+                    self.once_max_s[once] += dearest * scale
                 continue
             if pairs is None:
                 pairs = [(a, g) for a in have for g in want]
@@ -308,13 +311,18 @@ class Model:
                     pairs = [*pairs, *((a, g) for a in have if a not in covered for g in want)]
             by_a: dict[Any, list[int]] = {a: [] for a in have}
             by_g: dict[Any, list[int]] = {g: [] for g in want}
+            dearest = 0.0
             for a, g in pairs:
                 if a in have and g in want:
-                    c = self.new_col(price(a, g, shape, dtype) * scale, False)
+                    t = price(a, g, shape, dtype)
+                    dearest = max(dearest, t)
+                    c = self.new_col(t * weight, False)
                     lands(c, a, g)
                     by_a[a].append(c)
                     by_g[g].append(c)
                     cols.append((c, a, g))
+            if once is not None:
+                self.once_max_s[once] += dearest * scale
             for side, groups in ((by_a, have), (by_g, want)):
                 for key, cols_ in groups.items():
                     ys = side[key]
@@ -327,39 +335,20 @@ class Model:
         if not pending and self._col_bytes_array is not None:
             return self._col_bytes_array
         for c, val, a, g in pending:
-            self.col_bytes[c] = max(self.col_bytes[c], self._redistribution_bytes(val, a, g))
+            self.col_bytes[c] = max(self.col_bytes[c], redistribution_bytes(
+                self._redist_bytes, self.st.mesh, self.costs, val, a, g))
         pending.clear()  # in place: the copies share the list
         self._col_bytes_array = np.asarray(self.col_bytes)
         return self._col_bytes_array
 
-    def _redistribution_bytes(self, val: Any, a: Any, g: Any) -> float:
-        """The largest local tensor moving ``val`` from placement ``a`` to ``g`` makes."""
-        if a == g:
-            return self.costs.local_bytes(val, g)
-        key = (tuple(val.shape), val.dtype, a, g)
-        hit = self._redist_bytes.get(key)
-        if hit is None:
-            mesh = self.st.mesh
-            try:
-                hit = float(redistribution_peak_bytes(mesh, val, a, g)) if mesh is not None \
-                    else None
-            except Exception as e:  # a pair DTensor's planner refuses: bound by both ends
-                logger.warning("largest-tensor bound: DTensor plans no path %s -> %s for "
-                               "shape %s (%s); its ends' sizes stand in", a, g,
-                               tuple(val.shape), e)
-                hit = None
-            if hit is None:
-                hit = max(self.costs.local_bytes(val, a), self.costs.local_bytes(val, g))
-            if len(self._redist_bytes) >= _PEAKS_MAX:
-                self._redist_bytes.clear()
-            self._redist_bytes[key] = hit
-        return hit
+    def once_kind(self, dst: fx.Node, i: int | None, src: fx.Node | None = None) -> int | None:
+        """:func:`autopp.sharding.once_per_step.once_kind` of an edge of this graph."""
+        return once_kind(dst, i, src, self._param_nodes, self._param_only)
 
     def edge_scale(self, dst: fx.Node, i: int | None, src: fx.Node | None = None) -> float:
-        """Cost factor of an edge: :attr:`grad_reduce_scale` for a gradient-to-parameter tie
-        and for an edge out of a parameter-only value (once per step); else 1."""
-        once_per_step = (i is None and dst in self._param_nodes) or src in self._param_only
-        return self.grad_reduce_scale if once_per_step else 1.0
+        """Cost factor of an edge: :attr:`grad_reduce_scale` for one that runs once per
+        step (:meth:`once_kind`); else 1."""
+        return 1.0 if self.once_kind(dst, i, src) is None else self.grad_reduce_scale
 
     def param_bytes(self, node: fx.Node, o: Option) -> float:
         return self.costs.local_bytes(tensor_vals(node)[0], o.out[0])

@@ -1,0 +1,55 @@
+"""How long a schedule lets each stage's once-per-step collectives run beside compute.
+
+With collectives issued ahead (``StageCost.collectives_ahead``: autopp's graph runtime with
+overlap on), a stage's UNSHARD gathers run on its rank's communication stream from when the
+rank reaches them (the step's start) until the stage's first action needs them, and its
+REDUCE_GRAD reductions from the stage's last backward until the step ends. A collective
+that fits its window costs the step nothing; what exceeds it delays the stage's first
+action, or the step's end (:mod:`autopp.schedules.simulate`).
+
+:func:`collective_windows` reads those windows off a simulated step whose stages have no
+such collectives of their own (their times are what the planner is about to choose), so
+every window is the schedule's: the compute and waiting that come before the stage's first
+action and after its last backward. The stages of a rank share its one communication
+stream, so each gets an equal share of the rank's shortest window: their collectives then
+fit together, one after another, whatever order they run in. The sharding planner prices
+against them (:mod:`autopp.sharding.once_per_step`).
+"""
+
+from __future__ import annotations
+
+from autopp.schedules.sim_result import COMM_KINDS, COMPUTE_KINDS, SimulationResult
+
+
+def collective_windows(sim: SimulationResult) -> list[tuple[float, float]]:
+    """Per stage, (seconds its UNSHARD can run before the stage's first action, seconds
+    its REDUCE_GRAD can run before the step ends), from ``sim``: a step simulated with the
+    stages' collectives issued ahead and priced at zero. A stage whose list has no UNSHARD
+    (or no REDUCE_GRAD) gets no window for it."""
+    stage_rank = sim.actions.stage_to_rank
+    n = len(stage_rank)
+    end = max((e.end_s for e in sim.events if e.kind in COMPUTE_KINDS | COMM_KINDS),
+              default=0.0)
+    first = [float("inf")] * n
+    unshard: list[float | None] = [None] * n
+    reduce: list[float | None] = [None] * n
+    for e in sim.events:
+        if e.kind in COMPUTE_KINDS:
+            first[e.stage] = min(first[e.stage], e.start_s)
+        elif e.kind == "UNSHARD":
+            unshard[e.stage] = e.start_s if unshard[e.stage] is None else min(
+                unshard[e.stage], e.start_s)
+        elif e.kind == "REDUCE_GRAD":
+            reduce[e.stage] = e.start_s if reduce[e.stage] is None else max(
+                reduce[e.stage], e.start_s)
+    out = [(0.0, 0.0)] * n
+    for r in set(stage_rank):
+        mine = [s for s in range(n) if stage_rank[s] == r]
+        gather = (min(first[s] for s in mine) - min(unshard[s] for s in mine)
+                  if all(unshard[s] is not None for s in mine) else 0.0)
+        reduction = (end - max(reduce[s] for s in mine)
+                     if all(reduce[s] is not None for s in mine) else 0.0)
+        share = (max(0.0, gather) / len(mine), max(0.0, reduction) / len(mine))
+        for s in mine:
+            out[s] = share
+    return out
