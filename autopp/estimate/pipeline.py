@@ -114,26 +114,3 @@ def estimate_plan(plan: Any, model: nn.Module, sub_mesh: Any, *, mode: EstimateM
         sim, times, ids, plan.n_microbatches, profile, plan.options.memory_reserve,
         plan.pp * plan.dp * plan.tp))
 
-
-def comm_windows(schedule: str, plans: Sequence[Any], *, pp: int, n_microbatches: int,
-                 stage_ranks: Sequence[int], profile: Any, mesh_shape: tuple[int, ...],
-                 send_bytes: Sequence[int], loss_s: float = 0.0) -> list[tuple[float, float]]:
-    """Per stage, the seconds a step the schedule leaves its once-per-step collectives
-    beside compute (:func:`autopp.schedules.comm_windows.collective_windows`): ``plans``
-    (each stage's :class:`~autopp.sharding.StagePlan`, planned before them: the windows are
-    what the planner prices against) split into F / I / W by rule with those collectives
-    taken out, each stage sending ``send_bytes`` a microbatch, the last stage's loss
-    (``loss_s``) on its F and I, simulated on the profile's pp links."""
-    from autopp.schedules.comm_windows import collective_windows
-
-    costs = []
-    for s, plan in enumerate(plans):
-        facts = stage_facts_by_rule(plan, n_microbatches)
-        loss = loss_s / 2 if s == len(plans) - 1 else 0.0
-        costs.append(StageCost(forward_s=facts.forward_s + loss,
-                               backward_input_s=facts.backward_input_s + loss,
-                               backward_weight_s=facts.backward_weight_s,
-                               collectives_ahead=True, p2p_bytes_per_microbatch=send_bytes[s]))
-    sim = simulate_stages(schedule, costs, pp=pp, n_microbatches=n_microbatches,
-                          stage_ranks=stage_ranks, profile=profile, mesh_shape=mesh_shape)
-    return collective_windows(sim)

@@ -212,19 +212,16 @@ def facts_in_thirds(per_microbatch_s: float, *, recompute_s: float = 0.0,
     """Facts of a stage whose split into runtime pieces is not read off graphs: F = I = W =
     a third of the per-microbatch time without recomputation, and I re-runs the recomputed
     forward (``recompute_s``). The other fields (UNSHARD, REDUCE_GRAD, memory) as given."""
-    base = max(per_microbatch_s - recompute_s, 0.0) / 3
-    return StageFacts(forward_s=base, backward_input_s=base + recompute_s,
-                      backward_weight_s=base, **memory_and_once_per_step)
+    f, i, w = StageCost.thirds(per_microbatch_s, recompute_s)
+    return StageFacts(forward_s=f, backward_input_s=i, backward_weight_s=w,
+                      **memory_and_once_per_step)
 
 
 def stage_facts_by_rule(plan: StagePlan, n_microbatches: int) -> StageFacts:
-    """:func:`facts_in_thirds` of the plan's per-microbatch time; REDUCE_GRAD from the
-    plan's gradient redistributions; UNSHARD from its redistributions out of a parameter
-    itself (casts and views of parameters stay in F). No memory from graphs."""
-    fqns = {p.fqn for p in plan.params}
-    reduce = sum(c.time_s for c in plan.collectives if c.node in fqns)
-    gather = sum(c.time_s for c in plan.collectives
-                 if c.producer in fqns and c.node not in fqns)
+    """:func:`facts_in_thirds` of the plan's per-microbatch time; UNSHARD and REDUCE_GRAD
+    from the collectives the plan runs in them (:meth:`StagePlan.once_per_step_s`). No
+    memory from graphs."""
+    gather, reduce = plan.once_per_step_s()
     return facts_in_thirds(plan.step_time_s - reduce - gather,
                            unshard_s=gather * n_microbatches,
                            reduce_grad_s=reduce * n_microbatches)

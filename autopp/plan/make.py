@@ -45,9 +45,10 @@ from autopp.plan.budgets import (
     loss_kept_bytes,
     memory_budgets,
 )
+from autopp.schedules.comm_windows import schedule_windows
 from autopp.schedules.memory_terms import communicator_bytes
 from autopp.plan.loss_choice import describe_loss, loss_kinds, loss_time_s
-from autopp.plan.objective import boundary_bytes, pp_link, transfer_s
+from autopp.plan.objective import boundary_bytes, pp_link, pp_links, transfer_s
 from autopp.plan.keyword_inputs import example_keyword_inputs, microbatch_keyword_inputs
 from autopp.plan.options import PlannerOptions
 from autopp.plan.parallel import map_stages
@@ -211,7 +212,8 @@ def plan_boundaries(
         schedule: the pipeline's schedule, where its stages' once-per-step collectives run
             ahead (beside compute): with the whole memory counted, each stage is then
             planned under its budget against the windows the schedule leaves them
-            (:func:`autopp.estimate.pipeline.comm_windows` over the unbudgeted plans;
+            (:func:`autopp.schedules.comm_windows.schedule_windows` over the unbudgeted
+            plans;
             ``plan_stage(comm_windows_s=)``). None: every collective priced in full.
 
     Returns ``(bounds, plan_of)``: ``bounds[s]`` is the placement into stage ``s`` and
@@ -285,14 +287,16 @@ def plan_boundaries(
         chosen.append(budgets(bounds))
     windows: list[tuple[float, float]] = [(0.0, 0.0)] * n
     if schedule is not None and whole:
-        from autopp.estimate.pipeline import comm_windows
-
-        windows = comm_windows(
-            schedule, [plan(s, bounds[s], bounds[s + 1], budgeted=False) for s in range(n)],
+        # the unbudgeted plans' times (cached: the boundaries were chosen on them), less
+        # their once-per-step collectives, the last stage's with its loss
+        fast = [plan(s, bounds[s], bounds[s + 1], budgeted=False) for s in range(n)]
+        windows = schedule_windows(
+            schedule, [p.step_time_s - sum(p.once_per_step_s()) + loss_s(s, bounds[s + 1])
+                       for s, p in enumerate(fast)],
             pp=mesh_shape[0], n_microbatches=n_microbatches, stage_ranks=ranks,
-            profile=profile, mesh_shape=mesh_shape, loss_s=loss_s(n - 1, bounds[-1]),
             send_bytes=[boundary_bytes(inputs[s + 1][0], dp, tp, bounds[s + 1])
-                        if s + 1 < n else 0 for s in range(n)])
+                        if s + 1 < n else 0 for s in range(n)],
+            link=pp_link(profile, mesh_shape), links=pp_links(profile, mesh_shape, ranks))
         logger.info("once-per-step collectives' windows a step (gathers, reductions): %s",
                     ", ".join(f"stage {s} {w[0] * 1e3:.3g}/{w[1] * 1e3:.3g} ms"
                               for s, w in enumerate(windows)))

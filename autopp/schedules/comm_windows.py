@@ -18,6 +18,8 @@ against them (:mod:`autopp.sharding.once_per_step`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from autopp.schedules.sim_result import COMM_KINDS, COMPUTE_KINDS, SimulationResult
 
 
@@ -53,3 +55,26 @@ def collective_windows(sim: SimulationResult) -> list[tuple[float, float]]:
         for s in mine:
             out[s] = share
     return out
+
+
+def schedule_windows(schedule: str, per_microbatch_s: Sequence[float], *, pp: int,
+                     n_microbatches: int, stage_ranks: Sequence[int],
+                     send_bytes: Sequence[int], link, links: Mapping | None = None
+                     ) -> list[tuple[float, float]]:
+    """:func:`collective_windows` of ``schedule`` over stages that take ``per_microbatch_s``
+    each (forward and backward, without their once-per-step collectives; split in thirds,
+    :meth:`StageCost.thirds`), each sending ``send_bytes`` a microbatch over ``link``
+    (``links``: per pair of pp ranks). The stage placement must be ``stage_ranks``."""
+    from autopp.schedules.simulate import StageCost, simulate_schedule
+
+    costs = []
+    for t, nbytes in zip(per_microbatch_s, send_bytes):
+        f, i, w = StageCost.thirds(t)
+        costs.append(StageCost(forward_s=f, backward_input_s=i, backward_weight_s=w,
+                               collectives_ahead=True, p2p_bytes_per_microbatch=nbytes))
+    sim = simulate_schedule(schedule, costs, pp=pp, n_microbatches=n_microbatches,
+                            n_stages=len(costs), link=link, links=links)
+    if sim.actions.stage_to_rank != tuple(stage_ranks):
+        raise RuntimeError(f"simulated stage placement {sim.actions.stage_to_rank} differs "
+                           f"from the pipeline's {tuple(stage_ranks)}")
+    return collective_windows(sim)

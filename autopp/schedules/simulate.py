@@ -155,6 +155,14 @@ class StageCost:
                     f"StageCost.{f.name}={value!r}: must be a finite number >= 0"
                 )
 
+    @staticmethod
+    def thirds(per_microbatch_s: float, recompute_s: float = 0.0) -> tuple[float, float, float]:
+        """(F, I, W) of a stage whose split into pieces is not read off graphs: a third
+        each of the per-microbatch time without recomputation, I re-running the recomputed
+        forward (``recompute_s``, part of ``per_microbatch_s``)."""
+        base = max(per_microbatch_s - recompute_s, 0.0) / 3
+        return base, base + recompute_s, base
+
     @property
     def full_backward_s(self) -> float:
         """Time of a full backward B."""

@@ -69,6 +69,12 @@ class CollectivePlan:
     mesh_dim: str
     bytes: int
     time_s: float
+    """Per microbatch (a once-per-step collective's time a step / M)."""
+    per_step: str = ""
+    """Which once-per-step action runs it: "UNSHARD" (out of a parameter-only value: a
+    weight, its cast or view), "REDUCE_GRAD" (a gradient into its parameter), or "" (every
+    microbatch); :func:`autopp.sharding.once_per_step.once_kind`. Plans saved before it
+    existed load with ""."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +212,20 @@ class StagePlan:
     """Seconds a step of those collectives the plan expects hidden in those windows
     (:mod:`autopp.sharding.once_per_step`); :attr:`step_time_s` still counts them in full,
     and the schedule simulator hides what the schedule hides."""
+
+    def once_per_step_s(self) -> tuple[float, float]:
+        """(UNSHARD, REDUCE_GRAD) seconds per microbatch (1/M of a step's): the collectives
+        the plan runs in them (:attr:`CollectivePlan.per_step`: a weight's gathers, its
+        cast's or view's included, as the runtime's unshard graph runs them; gradient
+        reductions). A plan saved without that field: its redistributions out of a
+        parameter itself, and into one (those out of casts and views then count as F's)."""
+        if any(c.per_step for c in self.collectives):
+            return (sum(c.time_s for c in self.collectives if c.per_step == "UNSHARD"),
+                    sum(c.time_s for c in self.collectives if c.per_step == "REDUCE_GRAD"))
+        fqns = {p.fqn for p in self.params}
+        return (sum(c.time_s for c in self.collectives
+                    if c.producer in fqns and c.node not in fqns),
+                sum(c.time_s for c in self.collectives if c.node in fqns))
 
     def degraded(self) -> list[str]:
         """What was planned on a fallback that changes the plan: ops replicated because

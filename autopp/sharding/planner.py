@@ -41,6 +41,7 @@ from autopp.sharding.chain import (
 from autopp.sharding.units import POST, PRE, Unit, stage_units, unit_signature
 from autopp.sharding.costs import CostModel
 from autopp.sharding.memory_row import MemorySpec
+from autopp.graph.walk import param_only_nodes
 from autopp.sharding.once_per_step import (
     FREE_WEIGHT,
     at_full_price,
@@ -48,6 +49,7 @@ from autopp.sharding.once_per_step import (
     chain_once,
     exposed_time_s,
     hidden_s,
+    once_kind,
 )
 from autopp.sharding.precision import check_policy, maybe_cast, reduce_after_cast
 from autopp.sharding.plan import CAP_DROPPED, FLOP_FAILURE, BlockPlan, CollectivePlan, ParamPlan, StagePlan, describe_keyword_inputs, to_strs
@@ -260,6 +262,11 @@ def plan_stage(
         hidden_comm_s=hidden * microbatches_per_grad_reduce)
 
 
+_TIE = 1e-9
+"""Relative margin by which the second look's chain must be faster to replace the first (a
+tie, in floating point, keeps the chain that moves fewer bytes)."""
+
+
 def _hide_once_per_step(stage: Stage, chosen: Chain, bound: float, windows: tuple,
                         free) -> tuple[Stage, Chain, float, float]:
     """The chain to keep where the schedule hides up to ``windows`` (UNSHARD, REDUCE_GRAD;
@@ -285,7 +292,7 @@ def _hide_once_per_step(stage: Stage, chosen: Chain, bound: float, windows: tupl
     logger.info("once-per-step collectives (windows %s s a microbatch): planned at full "
                 "price %.6g s exposed, planned free %.6g s exposed; certified bound %.6g s",
                 tuple(f"{w:.4g}" for w in windows), time1, time0, lower)
-    if time0 >= time1:
+    if time0 >= time1 * (1 - _TIE):
         return stage, chosen, bound, hidden_s(once, windows)
     results = [at_full_price(r, FREE_WEIGHT) for r in chain0.results]
     full = dataclasses.replace(chain0, results=results,
@@ -462,12 +469,28 @@ def _node_labels(j, unit: Unit) -> dict[str, str]:
     return labels
 
 
+def _per_step_kinds(j):
+    """(consumer name, producer name) -> the once-per-step action a collective between them
+    runs in ("UNSHARD", "REDUCE_GRAD" or ""), as :func:`once_kind` classifies the edge."""
+    params = set(j.params.values())
+    by_name = {n.name: n for n in j.gm.graph.nodes}
+    only = param_only_nodes(j.gm, params)
+
+    def kind(dst: str, src: str) -> str:
+        # an edge into a parameter node is its gradient's tie (parameters have no inputs)
+        k = once_kind(by_name.get(dst), None if by_name.get(dst) in params else 0,
+                      by_name.get(src), params, only)
+        return "" if k is None else ("UNSHARD", "REDUCE_GRAD")[k]
+    return kind
+
+
 def _assemble(parts, solved, mesh, names, prof, costs, budget, t0, pdtype=None) -> StagePlan:
     params, colls, block_plans, fallbacks = [], [], [], []
     for unit, traced, res in parts:
         prefix = unit.name
         j = traced.joint
         label = _node_labels(j, unit)
+        per_step = _per_step_kinds(j)
         for fqn, node in j.params.items():
             full = unit.stage_fqn(fqn)
             pl = res.choice[node].out[0]
@@ -476,7 +499,7 @@ def _assemble(parts, solved, mesh, names, prof, costs, budget, t0, pdtype=None) 
             colls.append(
                 CollectivePlan(prefix, label.get(node_name, node_name),
                                label.get(producer, producer), c.kind, names[c.mesh_dim],
-                               c.bytes, c.time_s)
+                               c.bytes, c.time_s, per_step(node_name, producer))
             )
         nodes = tuple(
             (
