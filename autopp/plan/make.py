@@ -254,16 +254,18 @@ def plan_boundaries(
     def loss_s(s: int, k_out: str) -> float:
         return loss_time_s(logits, sub_mesh, profile, k_out) if s == n - 1 else 0.0
 
+    compared: dict[tuple[int, str, str], StagePlan] = {}  # the plans the boundaries compared
+
     def stage_time(s: int, k_in: str, k_out: str) -> float:
         # With the whole memory counted, boundaries are compared on each stage's
         # time-optimal plan (no budget: one solve per unit, no price search); only the
         # chosen boundaries are planned under the budget (plan_of). A parameter-only budget
         # is cheap to honour: it bounds the comparison too.
         try:
-            t = plan(s, k_in, k_out, budgeted=not whole).step_time_s
+            p = compared[s, k_in, k_out] = plan(s, k_in, k_out, budgeted=not whole)
         except InfeasiblePlanError:  # e.g. a sequence tp does not divide: not a candidate
             return math.inf
-        return t + loss_s(s, k_out)
+        return p.step_time_s + loss_s(s, k_out)
 
     def send_time(s: int, kind: str) -> float:  # forward and back, between the ranks joined
         nbytes = boundary_bytes(inputs[s + 1][0], dp, tp, kind)
@@ -289,7 +291,8 @@ def plan_boundaries(
     if schedule is not None and whole:
         # the unbudgeted plans' times (cached: the boundaries were chosen on them), less
         # their once-per-step collectives, the last stage's with its loss
-        fast = [plan(s, bounds[s], bounds[s + 1], budgeted=False) for s in range(n)]
+        fast = [compared.get((s, bounds[s], bounds[s + 1])) or
+                plan(s, bounds[s], bounds[s + 1], budgeted=False) for s in range(n)]
         windows = schedule_windows(
             schedule, [p.step_time_s - sum(p.once_per_step_s()) + loss_s(s, bounds[s + 1])
                        for s, p in enumerate(fast)],

@@ -230,6 +230,7 @@ def plan_stage(
                            tuple(keyword_inputs.values()), once_weight)
 
     stage = build()
+    notes: tuple[str, ...] = ()
     modes = MODES if recompute == "auto" else (recompute,)
     windows = tuple(max(0.0, float(w)) * grad_scale for w in comm_windows_s)  # a microbatch
     hidden = 0.0
@@ -242,13 +243,15 @@ def plan_stage(
         chosen, tried, bound = choose_chain(stage, modes, memory_budget_bytes, memory,
                                             time_limit_s)
         if any(windows):
-            def free() -> tuple[Stage, Chain, float]:
+            def free(chain: Chain) -> tuple[Stage, Chain | None]:
                 st = build(FREE_WEIGHT)
-                ch, _, b = choose_chain(st, modes, memory_budget_bytes, memory, time_limit_s)
-                return st, ch, b
+                fast = chain_at_price(st, chain.recompute, 0.0, time_limit_s)
+                fits = memory_budget_bytes is None or fast.memory_bytes <= memory_budget_bytes
+                return st, fast if fits else None
 
-            stage, chosen, bound, hidden = _hide_once_per_step(stage, chosen, bound, windows,
-                                                               free)
+            stage, chosen, bound, hidden, note = _hide_once_per_step(stage, chosen, bound,
+                                                                     windows, free)
+            notes = (note,) if note else ()
     parts = [(stage.units[i], stage.reps[k].traced, res)
              for i, (k, res) in enumerate(zip(stage.kinds, chosen.results))]
     plan = _assemble(parts, stage.solved, mesh, names, prof, costs, memory_budget_bytes, t0,
@@ -259,7 +262,7 @@ def plan_stage(
         trace_settings=tuple(tracing.current_settings().items()), tf32=costs.tf32,
         time_bound_s=None if bound is None or not math.isfinite(bound) else bound,
         comm_windows_s=(float(comm_windows_s[0]), float(comm_windows_s[1])),
-        hidden_comm_s=hidden * microbatches_per_grad_reduce)
+        hidden_comm_s=hidden * microbatches_per_grad_reduce, notes=plan.notes + notes)
 
 
 _TIE = 1e-9
@@ -268,36 +271,52 @@ tie, in floating point, keeps the chain that moves fewer bytes)."""
 
 
 def _hide_once_per_step(stage: Stage, chosen: Chain, bound: float, windows: tuple,
-                        free) -> tuple[Stage, Chain, float, float]:
+                        free) -> tuple[Stage, Chain, float, float, str]:
     """The chain to keep where the schedule hides up to ``windows`` (UNSHARD, REDUCE_GRAD;
     seconds per microbatch) of the once-per-step collectives (the rule:
     :mod:`autopp.sharding.once_per_step`): ``chosen`` (planned at their full price) where
-    it is certified, else the faster by exposed time of it and ``free()``'s (the stage
-    planned with them all but free, :data:`FREE_WEIGHT`: (stage, chain, bound)). Returns (stage, chain at full price,
-    its certified bound at full price, seconds per microbatch hidden)."""
+    it is certified or the budget binds, else (its fastest plan fits) the faster by exposed
+    time of it and ``free(chosen)``'s (the time-optimal chain of its policy with those
+    collectives all but free, :data:`FREE_WEIGHT`: (stage, chain, or None where it does
+    not fit)). Returns (stage, chain at full price, its certified bound at full price,
+    seconds per microbatch hidden, a note for the plan where the choice is not certified
+    within :data:`CERTIFIED_GAP`)."""
     once = chain_once(chosen.results)
     time1 = exposed_time_s(chosen.time_s, once, windows)
     once_max = [sum(stage.reps[k].model.once_max_s[i] for k in stage.kinds) for i in (0, 1)]
     lower = bound_with_windows(bound, once_max, windows)
+    keep = stage, chosen, bound, hidden_s(once, windows)
     if time1 - lower <= CERTIFIED_GAP * time1:
         logger.debug("once-per-step collectives: %.4g s a microbatch hidden of %.4g; at most "
                      "%.4g s more could be: the plan stands", hidden_s(once, windows),
                      sum(once), hidden_s(once_max, windows) - hidden_s(once, windows))
-        return stage, chosen, bound, hidden_s(once, windows)
-    stage0, chain0, bound0 = free()
+        return *keep, ""
+    if not chosen.free:
+        return *keep, (f"once-per-step collectives: planned at full price under the budget; "
+                       f"the schedule's windows could make a plan at most "
+                       f"{(time1 - lower) / time1:.1%} faster (not searched)")
+    stage0, chain0 = free(chosen)
+    if chain0 is None:
+        return *keep, ("once-per-step collectives: planned at full price (the fastest plan "
+                       "with them free does not fit the budget)")
     once0 = chain_once(chain0.results)
-    # chain0.time_s: t + FREE_WEIGHT × the collectives
+    # chain0.time_s: t + FREE_WEIGHT × the collectives; its bound, less FREE_WEIGHT × the
+    # most they cost, bounds t, hence T, over every plan (recomputing only adds time)
     time0 = chain0.time_s + (1 - FREE_WEIGHT) * sum(once0) - hidden_s(once0, windows)
-    lower = max(lower, bound0 - FREE_WEIGHT * sum(once_max))
+    lower = max(lower, chain0.priced_bound_s - FREE_WEIGHT * sum(once_max))
     logger.info("once-per-step collectives (windows %s s a microbatch): planned at full "
-                "price %.6g s exposed, planned free %.6g s exposed; certified bound %.6g s",
+                "price %.6g s exposed, with them free %.6g s exposed; bound %.6g s",
                 tuple(f"{w:.4g}" for w in windows), time1, time0, lower)
+    best = min(time0, time1)
+    note = "" if best - lower <= CERTIFIED_GAP * best else (
+        f"once-per-step collectives: the plan's exposed time is within "
+        f"{(best - lower) / best:.1%} of its bound (the windows' term is not linear)")
     if time0 >= time1 * (1 - _TIE):
-        return stage, chosen, bound, hidden_s(once, windows)
+        return *keep, note
     results = [at_full_price(r, FREE_WEIGHT) for r in chain0.results]
-    full = dataclasses.replace(chain0, results=results,
+    full = dataclasses.replace(chain0, results=results, free=True,
                                time_s=sum(r.objective_s for r in results))
-    return stage0, full, bound, hidden_s(once0, windows)
+    return stage0, full, bound, hidden_s(once0, windows), note
 
 
 # -- building the stage as positions of distinct units ---------------------------------------

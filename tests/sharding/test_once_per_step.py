@@ -30,15 +30,16 @@ def block(llama_debug):
 
 @pytest.fixture
 def looks(monkeypatch):
-    """How many times plan_stage ran the stage's budget search (choose_chain)."""
+    """How many times plan_stage chained the stage with its once-per-step collectives all
+    but free (the second look: chain_at_price on a stage of ``FREE_WEIGHT`` models)."""
     count = [0]
-    real = planner_mod.choose_chain
+    real = planner_mod.chain_at_price
 
-    def counted(*a, **k):
-        count[0] += 1
-        return real(*a, **k)
+    def counted(stage, *a, **k):
+        count[0] += stage.reps[0].model.once_weight < 1
+        return real(stage, *a, **k)
 
-    monkeypatch.setattr(planner_mod, "choose_chain", counted)
+    monkeypatch.setattr(planner_mod, "chain_at_price", counted)
     return count
 
 
@@ -53,29 +54,50 @@ def _budget(block, mesh, share: float = 0.6) -> float:
     return share * plan_stage(block, (X,), mesh, **KW).memory_bytes
 
 
-@pytest.mark.parametrize("dp, tp, share", [(2, 2, None), (8, 1, 0.8)])
+@pytest.mark.parametrize("dp, tp, budget", [(2, 2, None), (2, 2, 1e9), (4, 1, None)])
 def test_windows_as_long_as_any_collective_choose_by_exposed_time(block, make_mesh, looks,
-                                                                  dp, tp, share):
+                                                                  dp, tp, budget):
     """Windows of a second a step (far more than this block's collectives take): every
-    collective can hide, and the plan chosen by exposed time leaves less exposed than the
-    full-price plan (measured on the lowered graphs: 13% and 26% less here), within the
-    budget; what it says it hides is what its graphs' collectives take."""
+    collective can hide, and the plan chosen by exposed time leaves no more exposed than
+    the full-price plan (measured on the lowered graphs: 13.6% less at dp2 × tp2, where it
+    keeps its weights whole over tp and gathers them once a step instead of reducing each
+    microbatch's activations; the same at dp4, where the full-price plan's gradient
+    all-reduce already hides); what it says it hides is what its graphs' collectives take."""
     mesh = make_mesh(dp, tp)
-    budget = None if share is None else _budget(block, mesh, share)
     looks[0] = 0
     full = plan_stage(block, (X,), mesh, memory_budget_bytes=budget, **KW)
-    assert looks[0] == 1 and full.hidden_comm_s == 0.0
+    assert looks[0] == 0 and full.hidden_comm_s == 0.0
     windows = (1.0, 1.0)
     hid = plan_stage(block, (X,), mesh, memory_budget_bytes=budget, comm_windows_s=windows,
                      **KW)
-    assert looks[0] == 3, "the second look (collectives free) did not run"
+    assert looks[0] == 1, "the second look (collectives free) did not run"
     assert budget is None or hid.memory_bytes <= budget
     assert hid.comm_windows_s == windows
     hidden, exposed = _exposed(block, hid, mesh, windows)
     assert hid.hidden_comm_s == pytest.approx(hidden, rel=1e-9)  # what the graphs take
     _, exposed_full = _exposed(block, full, mesh, windows)
-    assert exposed < 0.9 * exposed_full, (exposed, exposed_full)
+    assert exposed <= exposed_full * (1 + 1e-9)
+    if tp == 2:
+        assert exposed < 0.9 * exposed_full, (exposed, exposed_full)
     assert "once-per-step collectives" in str(hid)
+
+
+def test_under_a_binding_budget_the_full_price_plan_stands_with_its_bound(block, make_mesh,
+                                                                        looks):
+    """No second look where the budget binds (it would be a second price search: on the
+    70B pp4 dry run +3 s of 19 s for 0.02% less exposed); the plan says how much faster
+    the windows could make it at most."""
+    mesh = make_mesh(8, 1)
+    budget = _budget(block, mesh, 0.8)
+    full = plan_stage(block, (X,), mesh, memory_budget_bytes=budget, **KW)
+    looks[0] = 0
+    hid = plan_stage(block, (X,), mesh, memory_budget_bytes=budget, comm_windows_s=(1.0, 1.0),
+                     **KW)
+    assert looks[0] == 0
+    assert hid.blocks == full.blocks
+    assert hid.hidden_comm_s > 0
+    assert any(n.startswith("once-per-step collectives: planned at full price under the "
+                            "budget") for n in hid.notes), hid.notes
 
 
 def test_a_window_too_short_to_matter_leaves_the_plan_alone(block, make_mesh, looks):
@@ -88,7 +110,7 @@ def test_a_window_too_short_to_matter_leaves_the_plan_alone(block, make_mesh, lo
     windows = (1e-9, 1e-9)
     short = plan_stage(block, (X,), mesh, memory_budget_bytes=budget, comm_windows_s=windows,
                        **KW)
-    assert looks[0] == 1
+    assert looks[0] == 0
     assert short.blocks == full.blocks and short.step_time_s == full.step_time_s
     assert short.hidden_comm_s == pytest.approx(_exposed(block, full, mesh, windows)[0],
                                                 rel=1e-9)
