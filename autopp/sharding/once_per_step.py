@@ -31,11 +31,15 @@ module decides whether that choice can be improved, and by how much at most:
   (:attr:`Model.once_max_s <autopp.sharding.solver.Model.once_max_s>`: each edge at its
   dearest pair);
 * where :math:`T(x_1)` is within :data:`~autopp.sharding.budget.CERTIFIED_GAP` of that
-  bound, :math:`x_1` stands (a 70B stage's weights move once a step for a hundred
-  microbatches of compute: the collectives cannot buy 1%); else the stage is planned again
-  with the collectives all but free (``Model(once_weight=FREE_WEIGHT)``: :math:`\min t +
-  w \sum_k C_k`, whose bound less :math:`w \sum_k \bar C_k` also bounds :math:`T`), and
-  the faster of the two by :math:`T` is kept.
+  bound, :math:`x_1` stands (short windows, or collectives that cannot cost much);
+* else, where the stage's fastest plan fits its budget, the stage gets a second look: its
+  time-optimal chain with the collectives all but free (``Model(once_weight=FREE_WEIGHT)``:
+  :math:`\min t + w \sum_k C_k`, one time-only solve per unit, whose bound less
+  :math:`w \sum_k \bar C_k` bounds :math:`t`, hence :math:`T`, over every plan), and the
+  faster of the two by :math:`T` is kept;
+* under a binding budget that second look would be a second price search (on the 70B
+  pp4 dry run it cost 3 s of 19 s and bought 0.02%), so :math:`x_1` stands and the plan's
+  notes say how much faster the windows could make it at most.
 
 With no window (the first stage of 1F1B, collectives that block) :math:`T` is the full
 price and nothing changes.
@@ -44,7 +48,11 @@ price and nothing changes.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
 
 FREE_WEIGHT = 1e-3
 r"""The collectives' weight in the second look's objective: all but free, so that among plans
@@ -102,3 +110,58 @@ def at_full_price(res, weight: float):
         return res
     return dataclasses.replace(res, objective_s=res.objective_s + extra,
                                comm_s=res.comm_s + extra)
+
+
+_TIE = 1e-9
+"""Relative margin by which the second look's chain must be faster to replace the first (a
+tie, in floating point, keeps the chain that moves fewer bytes)."""
+
+
+def hide_once_per_step(stage, chosen, bound: float, windows: tuple, free, gap: float
+                       ) -> tuple[Any, Any, float, float, str]:
+    """The chain to keep where the schedule hides up to ``windows`` (UNSHARD, REDUCE_GRAD;
+    seconds per microbatch) of the once-per-step collectives (this module's rule):
+    ``chosen`` (a :class:`~autopp.sharding.budget.Chain` planned at their full price, of
+    ``stage``; ``bound``: its certified bound) where it is within ``gap`` of its bound
+    (:data:`~autopp.sharding.budget.CERTIFIED_GAP`) or the budget binds, else (its
+    fastest plan fits) the faster by exposed time of it and ``free(chosen)``'s (the time-optimal chain of its policy with those
+    collectives all but free, :data:`FREE_WEIGHT`: (stage, chain, or None where it does
+    not fit)). Returns (stage, chain at full price, its certified bound at full price,
+    seconds per microbatch hidden, a note for the plan where the choice is not certified
+    within ``gap``)."""
+    once = chain_once(chosen.results)
+    time1 = exposed_time_s(chosen.time_s, once, windows)
+    once_max = [sum(stage.reps[k].model.once_max_s[i] for k in stage.kinds) for i in (0, 1)]
+    lower = bound_with_windows(bound, once_max, windows)
+    keep = stage, chosen, bound, hidden_s(once, windows)
+    if time1 - lower <= gap * time1:
+        logger.debug("once-per-step collectives: %.4g s a microbatch hidden of %.4g; at most "
+                     "%.4g s more could be: the plan stands", hidden_s(once, windows),
+                     sum(once), hidden_s(once_max, windows) - hidden_s(once, windows))
+        return *keep, ""
+    if not chosen.free:
+        return *keep, (f"once-per-step collectives: planned at full price under the budget; "
+                       f"the schedule's windows could make a plan at most "
+                       f"{(time1 - lower) / time1:.1%} faster (not searched)")
+    stage0, chain0 = free(chosen)
+    if chain0 is None:
+        return *keep, ("once-per-step collectives: planned at full price (the fastest plan "
+                       "with them free does not fit the budget)")
+    once0 = chain_once(chain0.results)
+    # chain0.time_s: t + FREE_WEIGHT × the collectives; its bound, less FREE_WEIGHT × the
+    # most they cost, bounds t, hence T, over every plan (recomputing only adds time)
+    time0 = chain0.time_s + (1 - FREE_WEIGHT) * sum(once0) - hidden_s(once0, windows)
+    lower = max(lower, chain0.priced_bound_s - FREE_WEIGHT * sum(once_max))
+    logger.info("once-per-step collectives (windows %s s a microbatch): planned at full "
+                "price %.6g s exposed, with them free %.6g s exposed; bound %.6g s",
+                tuple(f"{w:.4g}" for w in windows), time1, time0, lower)
+    best = min(time0, time1)
+    note = "" if best - lower <= gap * best else (
+        f"once-per-step collectives: the plan's exposed time is within "
+        f"{(best - lower) / best:.1%} of its bound (the windows' term is not linear)")
+    if time0 >= time1 * (1 - _TIE):
+        return *keep, note
+    results = [at_full_price(r, FREE_WEIGHT) for r in chain0.results]
+    full = dataclasses.replace(chain0, results=results, free=True,
+                               time_s=sum(r.objective_s for r in results))
+    return stage0, full, bound, hidden_s(once0, windows), note

@@ -42,15 +42,7 @@ from autopp.sharding.units import POST, PRE, Unit, stage_units, unit_signature
 from autopp.sharding.costs import CostModel
 from autopp.sharding.memory_row import MemorySpec
 from autopp.graph.walk import param_only_nodes
-from autopp.sharding.once_per_step import (
-    FREE_WEIGHT,
-    at_full_price,
-    bound_with_windows,
-    chain_once,
-    exposed_time_s,
-    hidden_s,
-    once_kind,
-)
+from autopp.sharding.once_per_step import FREE_WEIGHT, hide_once_per_step, once_kind
 from autopp.sharding.precision import check_policy, maybe_cast, reduce_after_cast
 from autopp.sharding.plan import CAP_DROPPED, FLOP_FAILURE, BlockPlan, CollectivePlan, ParamPlan, StagePlan, describe_keyword_inputs, to_strs
 from autopp.profiles.devices import DeviceProfile, tf32_enabled
@@ -249,8 +241,8 @@ def plan_stage(
                 fits = memory_budget_bytes is None or fast.memory_bytes <= memory_budget_bytes
                 return st, fast if fits else None
 
-            stage, chosen, bound, hidden, note = _hide_once_per_step(stage, chosen, bound,
-                                                                     windows, free)
+            stage, chosen, bound, hidden, note = hide_once_per_step(
+                stage, chosen, bound, windows, free, CERTIFIED_GAP)
             notes = (note,) if note else ()
     parts = [(stage.units[i], stage.reps[k].traced, res)
              for i, (k, res) in enumerate(zip(stage.kinds, chosen.results))]
@@ -263,60 +255,6 @@ def plan_stage(
         time_bound_s=None if bound is None or not math.isfinite(bound) else bound,
         comm_windows_s=(float(comm_windows_s[0]), float(comm_windows_s[1])),
         hidden_comm_s=hidden * microbatches_per_grad_reduce, notes=plan.notes + notes)
-
-
-_TIE = 1e-9
-"""Relative margin by which the second look's chain must be faster to replace the first (a
-tie, in floating point, keeps the chain that moves fewer bytes)."""
-
-
-def _hide_once_per_step(stage: Stage, chosen: Chain, bound: float, windows: tuple,
-                        free) -> tuple[Stage, Chain, float, float, str]:
-    """The chain to keep where the schedule hides up to ``windows`` (UNSHARD, REDUCE_GRAD;
-    seconds per microbatch) of the once-per-step collectives (the rule:
-    :mod:`autopp.sharding.once_per_step`): ``chosen`` (planned at their full price) where
-    it is certified or the budget binds, else (its fastest plan fits) the faster by exposed
-    time of it and ``free(chosen)``'s (the time-optimal chain of its policy with those
-    collectives all but free, :data:`FREE_WEIGHT`: (stage, chain, or None where it does
-    not fit)). Returns (stage, chain at full price, its certified bound at full price,
-    seconds per microbatch hidden, a note for the plan where the choice is not certified
-    within :data:`CERTIFIED_GAP`)."""
-    once = chain_once(chosen.results)
-    time1 = exposed_time_s(chosen.time_s, once, windows)
-    once_max = [sum(stage.reps[k].model.once_max_s[i] for k in stage.kinds) for i in (0, 1)]
-    lower = bound_with_windows(bound, once_max, windows)
-    keep = stage, chosen, bound, hidden_s(once, windows)
-    if time1 - lower <= CERTIFIED_GAP * time1:
-        logger.debug("once-per-step collectives: %.4g s a microbatch hidden of %.4g; at most "
-                     "%.4g s more could be: the plan stands", hidden_s(once, windows),
-                     sum(once), hidden_s(once_max, windows) - hidden_s(once, windows))
-        return *keep, ""
-    if not chosen.free:
-        return *keep, (f"once-per-step collectives: planned at full price under the budget; "
-                       f"the schedule's windows could make a plan at most "
-                       f"{(time1 - lower) / time1:.1%} faster (not searched)")
-    stage0, chain0 = free(chosen)
-    if chain0 is None:
-        return *keep, ("once-per-step collectives: planned at full price (the fastest plan "
-                       "with them free does not fit the budget)")
-    once0 = chain_once(chain0.results)
-    # chain0.time_s: t + FREE_WEIGHT × the collectives; its bound, less FREE_WEIGHT × the
-    # most they cost, bounds t, hence T, over every plan (recomputing only adds time)
-    time0 = chain0.time_s + (1 - FREE_WEIGHT) * sum(once0) - hidden_s(once0, windows)
-    lower = max(lower, chain0.priced_bound_s - FREE_WEIGHT * sum(once_max))
-    logger.info("once-per-step collectives (windows %s s a microbatch): planned at full "
-                "price %.6g s exposed, with them free %.6g s exposed; bound %.6g s",
-                tuple(f"{w:.4g}" for w in windows), time1, time0, lower)
-    best = min(time0, time1)
-    note = "" if best - lower <= CERTIFIED_GAP * best else (
-        f"once-per-step collectives: the plan's exposed time is within "
-        f"{(best - lower) / best:.1%} of its bound (the windows' term is not linear)")
-    if time0 >= time1 * (1 - _TIE):
-        return *keep, note
-    results = [at_full_price(r, FREE_WEIGHT) for r in chain0.results]
-    full = dataclasses.replace(chain0, results=results, free=True,
-                               time_s=sum(r.objective_s for r in results))
-    return stage0, full, bound, hidden_s(once0, windows), note
 
 
 # -- building the stage as positions of distinct units ---------------------------------------
