@@ -457,6 +457,11 @@ class PipelinePlan:
                 + (f"; sends {format_bytes(self.send_bytes[s])} per device and microbatch"
                    if self.send_bytes[s] else ""),
                 f"    placements: {placement_summary(plan)}",
+                *([f"    once-per-step collectives: {plan.hidden_comm_s * 1e3:.3f} ms a step "
+                   f"expected hidden beside compute (windows: gathers "
+                   f"{plan.comm_windows_s[0] * 1e3:.3f} ms, reductions "
+                   f"{plan.comm_windows_s[1] * 1e3:.3f} ms)"]
+                  if any(getattr(plan, "comm_windows_s", ())) else []),
                 *([f"    replicated for want of a DTensor rule: {len(plan.fallbacks)} ops "
                    f"({', '.join(plan.fallbacks[:3])}{', ...' if len(plan.fallbacks) > 3 else ''})"]
                   if plan.fallbacks else []),
