@@ -51,6 +51,9 @@ def figures(r):
         in_flight=list(sim.max_in_flight), usable=r.usable_bytes, fits=r.fits(),
         memory=r.param_bytes_per_device(), p2p=r.p2p_bytes_per_step,
         kinds=[s.boundary_out for s in r.stages], tp=r.tp, text=str(r),
+        windows=[list(s.plan.comm_windows_s) for s in r.stages],
+        plan_hidden=[s.plan.hidden_comm_s for s in r.stages],
+        once=[list(s.plan.once_per_step_s()) for s in r.stages], describe=r.plan.describe(),
     )
 
 out = {}
@@ -324,3 +327,23 @@ def test_compact_modules():
         "tok_embeddings, layers.0-2")
     assert compact_modules(["layers.5", "norm", "lm_head"]) == "layers.5, norm, lm_head"
     assert compact_modules(["layers.1", "layers.3"]) == "layers.1, layers.3"
+
+
+def test_stages_are_planned_against_the_windows_their_schedule_leaves(reports):
+    """Interleaved1F1B on 2 pp ranks: rank 0's stages (0 and 2) wait for nothing before
+    their first action and end the step, so they get no window; rank 1's two stages share
+    its windows equally, and each expects hidden what its collectives take up to them.
+    The 1F1B run compares against torchtitan under parameter budgets (the legacy
+    accounting): no windows there."""
+    r = reports["Interleaved1F1B"]
+    assert r["ids"] == [[0, 2], [1, 3]]
+    w = r["windows"]
+    assert w[0] == w[2] == [0.0, 0.0]
+    assert w[1] == w[3] and w[1][0] > 0 and w[1][1] > 0, w
+    for s in range(4):
+        once = [x * N_MB for x in r["once"][s]]  # a step
+        assert r["plan_hidden"][s] == pytest.approx(
+            sum(min(c, win) for c, win in zip(once, w[s])), rel=1e-9, abs=1e-15)
+    assert r["plan_hidden"][1] > 0
+    assert "once-per-step collectives" in r["describe"]
+    assert all(x == [0.0, 0.0] for x in reports["1F1B"]["windows"])
