@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -117,6 +118,11 @@ _TIE = 1e-9
 tie, in floating point, keeps the chain that moves fewer bytes)."""
 
 
+def _share(part: float, whole: float) -> str:
+    share = part / max(whole, 1e-30)
+    return f"{share:.1%}" if math.isfinite(share) else "an unbounded share"
+
+
 def hide_once_per_step(stage, chosen, bound: float, windows: tuple, free, gap: float
                        ) -> tuple[Any, Any, float, float, str]:
     """The chain to keep where the schedule hides up to ``windows`` (UNSHARD, REDUCE_GRAD;
@@ -142,7 +148,7 @@ def hide_once_per_step(stage, chosen, bound: float, windows: tuple, free, gap: f
     if not chosen.free:
         return *keep, (f"once-per-step collectives: planned at full price under the budget; "
                        f"the schedule's windows could make a plan at most "
-                       f"{(time1 - lower) / time1:.1%} faster (not searched)")
+                       f"{_share(time1 - lower, time1)} faster (not searched)")
     stage0, chain0 = free(chosen)
     if chain0 is None:
         return *keep, ("once-per-step collectives: planned at full price (the fastest plan "
@@ -158,7 +164,7 @@ def hide_once_per_step(stage, chosen, bound: float, windows: tuple, free, gap: f
     best = min(time0, time1)
     note = "" if best - lower <= gap * best else (
         f"once-per-step collectives: the plan's exposed time is within "
-        f"{(best - lower) / best:.1%} of its bound (the windows' term is not linear)")
+        f"{_share(best - lower, best)} of its bound (the windows' term is not linear)")
     if time0 >= time1 * (1 - _TIE):
         return *keep, note
     results = [at_full_price(r, FREE_WEIGHT) for r in chain0.results]
