@@ -167,10 +167,13 @@ def plan_stage(
         comm_windows_s: seconds a step during which the stage's once-per-step collectives
             run beside compute on its rank: (its weight gathers, from the step's start to
             its first action; its gradient reductions, from its last backward to the step's
-            end), as the schedule leaves them (:func:`autopp.schedules.comm_windows.collective_windows`;
-            the pipeline planner passes them when collectives run ahead). The plan is then
-            the fastest by what those collectives leave exposed
-            (:mod:`autopp.sharding.once_per_step`), within the certified gap; recorded in
+            end), as the schedule leaves them
+            (:func:`autopp.schedules.comm_windows.collective_windows`; the pipeline planner
+            passes them when collectives run ahead). Where the stage's fastest plan fits
+            its budget, the plan is then the faster by what those collectives leave exposed
+            of the full-price plan and the time-optimal one with them free; under a binding
+            budget the full-price plan stands and its notes bound what the windows could
+            gain (:mod:`autopp.sharding.once_per_step`). Recorded in
             ``StagePlan.comm_windows_s`` and ``StagePlan.hidden_comm_s``. Zero: every
             collective is paid in full.
 
