@@ -173,7 +173,8 @@ def test_cache_key_follows_the_boundary_planning_code(tmp_path, monkeypatch):
     import autopp.plan.cache as plan_cache
 
     files = plan_cache.planner_source_files()
-    assert {"plan/make.py", "plan/value.py", "graph/recompute.py"} <= {
+    assert {"plan/make.py", "plan/value.py", "graph/recompute.py",
+            "schedules/comm_windows.py", "schedules/simulate.py"} <= {
         f"{f.parent.name}/{f.name}" for f in files}
 
     def keys():

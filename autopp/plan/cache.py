@@ -57,12 +57,15 @@ def planner_source_files() -> list[Path]:
     plan and its maker (``autopp/plan/``, ``tied.py``), the ops' rules (``autopp/ops/``), the
     recompute rules the memory row uses (``autopp/graph/``), the stage split
     (``autopp/stage_split/``), the model adapters (``autopp/adapters/``, whose settings are
-    in the key too) and the fixed memory terms taken off the budgets
-    (``autopp/schedules/memory_terms.py``)."""
+    in the key too), the fixed memory terms taken off the budgets
+    (``autopp/schedules/memory_terms.py``) and what the once-per-step collectives' windows
+    are read off (``autopp/schedules/comm_windows.py``, the simulator and the action
+    lists it runs: a whole pipeline's key holds the windows' inputs, not their values)."""
     root = Path(__file__).parent.parent
     folders = ("sharding", "plan", "ops", "graph", "stage_split", "adapters")
+    schedules = ("memory_terms.py", "comm_windows.py", "simulate.py", "actions.py")
     return [*(f for d in folders for f in sorted((root / d).glob("*.py"))), root / "tied.py",
-            root / "schedules" / "memory_terms.py"]
+            *(root / "schedules" / f for f in schedules)]
 
 
 def _planner_source_hash() -> str:
