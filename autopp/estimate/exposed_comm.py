@@ -16,7 +16,7 @@ NCCL runs each process group's collectives in the order they are issued):
 The piece takes until both streams are done. Without overlap (``overlap=False``, what the
 graphs run with :attr:`autopp.plan.PlannerOptions.overlap_collectives` off) every
 collective is waited for as soon as it is issued: the piece takes the sum of its compute
-and communication. The sharding ILP prices the sum either way (an upper bound of the
+and communication. The sharding ILP prices a piece's sum either way (an upper bound of the
 overlapped time: its objective stays linear); the schedule simulator and the dry run take
 these spans, so the step they report is the one the overlapped graphs run.
 """

@@ -25,7 +25,7 @@ after its input, waited before its reader, compute between them hiding it), so
 ``F + I + W + hidden + (unshard + reduce_grad) / M == plan.step_time_s + loss`` up to the
 casts (parameter-only compute, priced per microbatch by the plan but run once per step),
 ``hidden`` (:attr:`StageFacts.hidden_comm_s`) being what the compute hid; the sharding ILP
-prices the sum (its objective stays linear; an upper bound).
+prices a piece's sum (its objective stays linear; an upper bound).
 Without graphs (:func:`stage_facts_by_rule`): F = I = W = a third of the per-microbatch time
 (a matmul's backward is two matmuls of its size, one for each gradient), gathers and casts
 not told apart from F.

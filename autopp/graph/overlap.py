@@ -26,8 +26,9 @@ the functional collectives run on their own stream until ``wait_tensor``; compil
 Inductor keeps the order it is given unless told to reorder), and gloo's work threads on
 CPU. The estimates and the schedule simulator price what this order hides
 (:mod:`autopp.estimate.exposed_comm`: one compute stream in graph order, one communication
-stream in issue order); the sharding ILP still prices every collective as exposed, an upper
-bound on the time it optimises.
+stream in issue order); the sharding ILP prices a piece's collectives in full (an upper
+bound on the time it optimises) and UNSHARD's and REDUCE_GRAD's by what the schedule's
+windows leave exposed (:mod:`autopp.sharding.once_per_step`).
 """
 
 from __future__ import annotations
@@ -191,5 +192,5 @@ def describe_overlap(graphs, on: bool, compiled: bool = False) -> str:
              "; UNSHARD's gathers are left in flight to the stage's next action, "
              "REDUCE_GRAD's reductions to the step's end")
     return (f"overlap on (overlap_collectives=True): its {n} collectives are issued as soon "
-            "as their inputs exist and waited just before first use (the sharding ILP still "
-            f"prices them as exposed){ahead}")
+            "as their inputs exist and waited just before first use (the sharding ILP prices "
+            f"a piece's collectives in full){ahead}")

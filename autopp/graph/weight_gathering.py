@@ -17,7 +17,8 @@ Two policies, chosen by ``PlannerOptions.reshard_after_forward``:
   or an I (an upper bound; ``benchmarks/memory.py`` measures both).
 
 The stage planner's ILP prices gathers once per step under both policies (the sharding it
-picks does not see the policy); the estimates above do see it.
+picks does not see the policy; with gathers per microbatch it gets no windows to hide them
+in, :func:`autopp.plan.make.collectives_ahead`); the estimates above do see it.
 """
 
 from __future__ import annotations

@@ -77,8 +77,10 @@ class PlannerOptions:
             inputs exist and waited just before its result is first used
             (:mod:`autopp.graph.overlap`): communication can then run under compute where
             collectives are asynchronous (NCCL). On by default; the values are the same
-            either way, and the planner and simulator still price communication as exposed.
-            Not part of the plan (it changes no choice).
+            either way. The estimates and the simulator price what it hides; the planner
+            prices a piece's collectives in full, and with it on (weights gathered once per
+            step) UNSHARD's and REDUCE_GRAD's by the windows the schedule leaves them
+            (:mod:`autopp.sharding.once_per_step`).
         tf32: price fp32 matmuls at the profile's TF32 tensor-core rate (``flops_tf32``)
             rather than true fp32's (``flops_fp32``). Default: whether torch uses TF32 in
             this process when the options are made
