@@ -72,10 +72,7 @@ def simulate_stages(schedule: str, costs: Sequence[StageCost], *, pp: int, n_mic
                             n_stages=len(costs), link=pp_link(profile, shape),
                             links=pp_links(profile, shape, stage_ranks),
                             communicator_bytes=comm)
-    if sim.actions.stage_to_rank != tuple(stage_ranks):
-        raise RuntimeError(f"simulated stage placement {sim.actions.stage_to_rank} differs "
-                           f"from the pipeline's {tuple(stage_ranks)}")
-    return sim
+    return sim.check_placement(stage_ranks)
 
 
 def estimate_plan(plan: Any, model: nn.Module, sub_mesh: Any, *, mode: EstimateMode = "graphs",

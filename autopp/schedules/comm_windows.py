@@ -74,7 +74,4 @@ def schedule_windows(schedule: str, per_microbatch_s: Sequence[float], *, pp: in
                                collectives_ahead=True, p2p_bytes_per_microbatch=nbytes))
     sim = simulate_schedule(schedule, costs, pp=pp, n_microbatches=n_microbatches,
                             n_stages=len(costs), link=link, links=links)
-    if sim.actions.stage_to_rank != tuple(stage_ranks):
-        raise RuntimeError(f"simulated stage placement {sim.actions.stage_to_rank} differs "
-                           f"from the pipeline's {tuple(stage_ranks)}")
-    return collective_windows(sim)
+    return collective_windows(sim.check_placement(stage_ranks))

@@ -147,6 +147,15 @@ class SimulationResult:
     max_in_flight: tuple[int, ...]
     """Per stage: most microbatches whose activations were held at the same time."""
 
+    def check_placement(self, stage_ranks) -> SimulationResult:
+        """This result, when its schedule placed stage ``s`` on pp rank ``stage_ranks[s]``
+        as the pipeline does; a RuntimeError (a bug: the two placements must agree)
+        otherwise."""
+        if self.actions.stage_to_rank != tuple(stage_ranks):
+            raise RuntimeError(f"simulated stage placement {self.actions.stage_to_rank} "
+                               f"differs from the pipeline's {tuple(stage_ranks)}")
+        return self
+
     @property
     def bubble_fraction(self) -> float:
         """Idle share of all ranks' time: ``sum(idle_s) / (pp * step_time_s)``."""
