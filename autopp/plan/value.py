@@ -462,6 +462,7 @@ class PipelinePlan:
                    f"{plan.comm_windows_s[0] * 1e3:.3f} ms, reductions "
                    f"{plan.comm_windows_s[1] * 1e3:.3f} ms)"]
                   if any(getattr(plan, "comm_windows_s", ())) else []),
+                *[f"    {n}" for n in plan.notes if n.startswith("once-per-step collectives")],
                 *([f"    replicated for want of a DTensor rule: {len(plan.fallbacks)} ops "
                    f"({', '.join(plan.fallbacks[:3])}{', ...' if len(plan.fallbacks) > 3 else ''})"]
                   if plan.fallbacks else []),
