@@ -83,7 +83,7 @@ def test_windows_as_long_as_any_collective_choose_by_exposed_time(block, make_me
 def test_under_a_binding_budget_the_full_price_plan_stands_with_its_bound(block, make_mesh,
                                                                         looks):
     """No second look where the budget binds (it would be a second price search: on the
-    70B pp4 dry run +3 s of 19 s for 0.02% less exposed); the plan says how much faster
+    70B pp4 dry run +5 s on 19 s for 0.02% less exposed); the plan says how much faster
     the windows could make it at most."""
     mesh = make_mesh(8, 1)
     budget = _budget(block, mesh, 0.8)
