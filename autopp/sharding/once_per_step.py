@@ -38,8 +38,9 @@ module decides whether that choice can be improved, and by how much at most:
   :math:`w \sum_k \bar C_k` bounds :math:`t`, hence :math:`T`, over every plan), and the
   faster of the two by :math:`T` is kept;
 * under a binding budget that second look would be a second price search (on the 70B
-  pp4 dry run it cost 5 s on 19 s and bought 0.02%, benchmarks/README.md), so :math:`x_1` stands and the plan's
-  notes say how much faster the windows could make it at most.
+  pp4 dry run it cost 5 s on 19 s and bought 0.02%, benchmarks/README.md), so
+  :math:`x_1` stands and the plan's notes say how much faster the windows could make it
+  at most.
 
 With no window (the first stage of 1F1B, collectives that block) :math:`T` is the full
 price and nothing changes.
