@@ -27,8 +27,9 @@ casts (parameter-only compute, priced per microbatch by the plan but run once pe
 ``hidden`` (:attr:`StageFacts.hidden_comm_s`) being what the compute hid; the sharding ILP
 prices a piece's sum (its objective stays linear; an upper bound).
 Without graphs (:func:`stage_facts_by_rule`): F = I = W = a third of the per-microbatch time
-(a matmul's backward is two matmuls of its size, one for each gradient), gathers and casts
-not told apart from F.
+(a matmul's backward is two matmuls of its size, one for each gradient); UNSHARD's and
+REDUCE_GRAD's collectives as the plan names them (``CollectivePlan.per_step``), the casts'
+compute left in F.
 
 Memory (bytes on one device; :func:`state_bytes` for the parameter-sized ones):
 

@@ -213,8 +213,7 @@ def plan_boundaries(
             ahead (beside compute): with the whole memory counted, each stage is then
             planned under its budget against the windows the schedule leaves them
             (:func:`autopp.schedules.comm_windows.schedule_windows` over the unbudgeted
-            plans;
-            ``plan_stage(comm_windows_s=)``). None: every collective priced in full.
+            plans; ``plan_stage(comm_windows_s=)``). None: every collective priced in full.
 
     Returns ``(bounds, plan_of)``: ``bounds[s]`` is the placement into stage ``s`` and
     ``bounds[s + 1]`` out of it (``len(metas) + 1`` entries), and ``plan_of(s)`` the stage's
@@ -317,8 +316,12 @@ def plan_boundaries(
 def collectives_ahead(options: Any) -> bool:
     """Whether planned stages issue their once-per-step collectives ahead, beside compute
     (``StageGraphs.collectives_ahead``): with ``overlap_collectives`` on and weights gathered
-    once per step (not per microbatch, ``reshard_after_forward``)."""
-    return bool(options.overlap_collectives) and not options.reshard_after_forward
+    once per step (not per microbatch: :class:`~autopp.graph.weight_gathering.WeightGathering`,
+    the one home of that choice)."""
+    from autopp.graph.weight_gathering import WeightGathering
+
+    return (bool(options.overlap_collectives)
+            and not WeightGathering.from_options(options).per_microbatch)
 
 
 def tied_placements(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]],
