@@ -138,6 +138,10 @@ class Chain:
     """As :attr:`priced_bound_s` and :attr:`bound_s`, in the ILP's own accounting (not
     moved down by its over-count): what any ILP solve, a polish included, can reach at best;
     the search's stopping rule and the polish's decision use it."""
+    memory_bound_bytes: float = math.nan
+    """Of a least-memory chain that does not fit: a proven lower bound on the counted
+    bytes of every chain under its policy, where the bytes-only LP relaxations proved it
+    over the budget (:func:`_least_bytes_bound`) and the least-memory MIPs were skipped."""
 
     def total(self, attr: str) -> float:
         return sum(getattr(r, attr) for r in self.results)
@@ -287,6 +291,45 @@ def _chain(stage: Stage, mode: str, price: float, time_limit_s: float,
     return chain
 
 
+class _Low:
+    """A unit's proven lower bound as :func:`chain_dp` sees it."""
+
+    __slots__ = ("objective_s",)
+
+    def __init__(self, value: float):
+        self.objective_s = value
+
+
+def _least_bytes_bound(stage: Stage, mode: str, time_limit_s: float, least: Chain) -> float:
+    """A proven lower bound on the counted bytes of every chain under ``mode``: each unit's
+    bytes-only LP relaxation's optimum (integral or not, it bounds every plan of the
+    unit's memory row), moved down by what the row counts above the evaluated bytes, as
+    :class:`_Bound` moves time bounds (at the relaxation's solution where it is integral,
+    else at the unit's solution in ``least``); ``-inf`` where neither says, or a unit has
+    no plan."""
+    def over(res: SolveResult) -> float:
+        return res.ilp_memory_bytes - res.memory_bytes  # nan: a rounded relaxation's
+
+    known = {k: over(r) for k, r in zip(stage.kinds, least.results) if over(r) == over(r)}
+    table: dict[int, dict[tuple, _Low]] = {}
+    for kind, rep in enumerate(stage.reps):
+        table[kind] = {}
+        for pair in rep.pairs:
+            res = _solve(stage, kind, pair, mode, BYTES_ONLY, None, time_limit_s,
+                         rounded=True)
+            if isinstance(res, InfeasiblePlanError):
+                continue
+            counted_over = over(res) if over(res) == over(res) else known.get(kind)
+            low = res.memory_bound_bytes
+            if low != low or counted_over is None:
+                return -math.inf
+            table[kind][pair] = _Low(min(res.memory_bytes, low - max(counted_over, 0.0)))
+        if not table[kind]:
+            return -math.inf
+    low_pairs = chain_dp(stage.kinds, table, stage.first_in, stage.last_out)
+    return sum(table[k][pair].objective_s for k, pair in zip(stage.kinds, low_pairs))
+
+
 def _best_mix(stage: Stage, best: Chain, seen: dict, budget: float) -> Chain:
     """The fastest chain on ``best``'s boundary pairs that fits ``budget``, each position
     free to take any solution found for its unit (``seen``): exact over those solutions (a
@@ -349,6 +392,12 @@ def _search_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: fl
     # LPs fractional, and their MIPs took a minute a stage on the 70B DualPipeV dry run)
     least = _chain(stage, mode, math.inf, time_limit_s, rounded=True)
     if least.memory_bytes > budget:
+        # before the least-memory MIPs (seconds each at 70B): where the bytes-only LP
+        # relaxations already prove that no chain fits, the policy is out
+        proven = _least_bytes_bound(stage, mode, time_limit_s, least)
+        if proven > budget:
+            least.memory_bound_bytes = proven
+            return _Searched(mode, None, least, {})
         least = _chain(stage, mode, math.inf, time_limit_s)
     if least.memory_bytes > budget:
         # the time tie-break may have traded bytes for time: fits or not is the memory
@@ -517,6 +566,11 @@ def choose_chain(stage: Stage, modes: Sequence[str], budget: float | None,
     tried = [(s.mode, s.fit, s.least) for s in searched]
     fits = [fit for _, fit, _ in tried if fit is not None]
     if not fits:
+        # the message names the least-memory plan's consumers: solve it where the LP
+        # bound skipped it
+        tried = [(m, fit, _chain(stage, m, BYTES_ONLY, time_limit_s)
+                  if least.memory_bound_bytes == least.memory_bound_bytes else least)
+                 for m, fit, least in tried]
         others = []
         if memory.counts_activations:  # what the other policies would need, for the message
             others = [(m, _chain(stage, m, math.inf, time_limit_s)) for m in MODES

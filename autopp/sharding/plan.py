@@ -184,8 +184,9 @@ class StagePlan:
     recompute_options: tuple[tuple[str, float | None, float | None, float], ...] = ()
     """With ``recompute="auto"``: each policy planned, as (policy, estimated step time of its
     fastest fitting plan, that plan's counted bytes, the least counted bytes found: of its
-    least-memory plan when the budget binds, else of the fastest plan itself); None where
-    nothing fits. Policies after "none" are not planned when none's fastest plan fits."""
+    least-memory plan when the budget binds, else of the fastest plan itself, or, where
+    the bytes-only LP relaxations proved the policy over the budget without that plan, their
+    proven lower bound); None where nothing fits. Policies after "none" are not planned when none's fastest plan fits."""
     tf32: bool = False
     """fp32 matmuls were priced on TF32 tensor cores (:func:`autopp.profiles.devices.tf32_enabled`
     when planned); every later pricing of the stage (estimating it) uses the same rate."""

@@ -54,7 +54,7 @@ def _recompute_line(plan: StagePlan) -> str:
         if mode == plan.recompute:
             continue
         others.append(f"{mode}: {_time(t)}, {format_bytes(mem, digits=1)}" if t is not None
-                      else f"{mode}: does not fit (least {format_bytes(least, digits=1)})")
+                      else f"{mode}: does not fit (needs at least {format_bytes(least, digits=1)})")
     if others:
         line += "; " + "; ".join(others)
     if plan.time_bound_s is not None and plan.memory_budget_bytes is not None:

@@ -72,6 +72,10 @@ class SolveResult:
     """The solver's objective at its solution, at the price solved (compare with
     :attr:`objective_s` + price × :attr:`memory_bytes`: the ILP's memory row and time
     columns may count a little more than :func:`evaluate`)."""
+    memory_bound_bytes: float = float("nan")
+    """Of a bytes-only solve (:data:`~autopp.sharding.solver.BYTES_ONLY`): a proven lower
+    bound of the memory row over every plan under the solve's restrictions (the LP
+    optimum, or the MIP's dual bound); nan for other solves."""
 
 
 def evaluate(

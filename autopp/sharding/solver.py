@@ -569,7 +569,10 @@ class Model:
         res = replace(res, ilp_objective_s=obj if price == 0 else float("nan"),
                       ilp_memory_bytes=ilp_mem, num_vars=len(integer),
                       bound_s=float("nan") if math.isinf(price) else bound,
-                      ilp_value_s=float("nan") if math.isinf(price) or rounded else obj)
+                      ilp_value_s=float("nan") if math.isinf(price) or rounded else obj,
+                      # the bytes-only objective is the memory row in KiB
+                      memory_bound_bytes=bound * _SCALE * 1024 if least == "bytes"
+                      else float("nan"))
         if shared is not None:
             time_only.store(self, shared, res, x)
         return res

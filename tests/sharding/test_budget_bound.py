@@ -198,3 +198,40 @@ def test_a_polish_stops_at_the_first_plan_that_certifies_its_chain(monkeypatch, 
     else:
         assert block.targets == [None]
         assert chosen.time_s == pytest.approx(0.5 + 4 * 1.5)
+
+
+def test_a_policy_its_bytes_only_relaxations_prove_over_budget_skips_its_least_memory_mips(
+        stack_of, make_mesh, monkeypatch):
+    """2 llama3 blocks, dp=2 x tp=2, 8 microbatches in flight, under 25 MiB: recompute
+    'none' needs at least 29.1 MiB (its least-memory plan, as the over-budget error reports
+    it), so 'auto' recomputes. The bytes-only LP relaxations prove 'none' over the
+    budget, so its least-memory MIPs (seconds each at 70B) are not solved; the plan is the
+    one the MIPs' path gives, and the reported least for 'none' is a lower bound of the
+    MIPs' least-memory plan that still exceeds the budget."""
+    from autopp.sharding.solver import Model
+
+    stage, mesh = stack_of(2), make_mesh(2, 2)
+    x = torch.empty(4, 64, 256, device="meta")
+    kw = dict(activation_factor=8.0, optimizer_state_factor=2.0, recompute="auto",
+              memory_budget_bytes=25 * 2**20)
+    solves: list[tuple[str, float, bool]] = []
+    real = Model.solve
+
+    def counted(self, *a, **k):
+        solves.append((k["recompute"], k["price"], k["round_fractional"]))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Model, "solve", counted)
+    monkeypatch.setattr(plan_module_memo(), "solves", {})
+    now = plan_stage(stage, (x,), mesh, **kw)
+    assert not [s for s in solves if s[0] == "none" and math.isinf(s[1]) and not s[2]]
+    with monkeypatch.context() as m:  # the path before: the MIPs decide
+        m.setattr(B, "_least_bytes_bound", lambda *a: -math.inf)
+        m.setattr(plan_module_memo(), "solves", {})
+        before = plan_stage(stage, (x,), mesh, **kw)
+    assert now.recompute == before.recompute != "none"
+    assert now.step_time_s == pytest.approx(before.step_time_s, rel=1e-9)
+    least_now = {mode: least for mode, _, _, least in now.recompute_options}["none"]
+    least_before = {mode: least for mode, _, _, least in before.recompute_options}["none"]
+    assert 25 * 2**20 < least_now <= least_before * (1 + 1e-9), (least_now, least_before)
+    assert "none: does not fit (needs at least" in str(now)
