@@ -67,6 +67,11 @@ WARM_GUARD = (2.0, 0.25)
 """A warm re-solve's time limit: this many times the cold solve of the same LP, and at
 least this many seconds; past it the LP is solved cold."""
 
+FIX_GAP = 1e-4
+"""A time-only solve's plan from :meth:`WarmLps.fix_and_solve` is taken where it is within
+this fraction of its LP relaxation's optimum (0.01%: far inside the planner's 1% certified
+gap and its cost model's error); otherwise the whole MIP is solved."""
+
 
 class WarmLps:
     """Solved LP relaxations by key (one per recomputation policy and LP structure), shared
@@ -77,6 +82,30 @@ class WarmLps:
 
     def __init__(self) -> None:
         self._lps: dict[tuple, tuple] = {}
+
+    def fix_and_solve(self, lp, upper, integer: list[bool], x_lp: np.ndarray,
+                      lp_bound: float, time_limit_s: float, threads: int, *, scale: float,
+                      rel_gap: float) -> tuple[np.ndarray, float, str, float] | None:
+        """A time-only solve whose LP relaxation (``x_lp``, optimum ``lp_bound``) is
+        fractional: every integer column the relaxation left at 0 is fixed there and the
+        rest is solved as a MIP (HiGHS's presolve removes the fixed columns: a few dozen
+        integer columns stay of thousands). Its plan is taken, with the relaxation's
+        optimum as its proven bound, where it is within :data:`FIX_GAP` (or ``rel_gap``,
+        if looser) of that bound; None otherwise (the caller solves the whole MIP).
+        Measured on the 70B/512 fp32 probes (dp=4 × tp=8, a layer's 57k-column ILP): the
+        whole MIP took 1.8 s (its root LP and cuts, no presolve), this 0.3 s, the same
+        plan. Returns (x, seconds, status, objective) as :meth:`run` does."""
+        t0 = time.perf_counter()
+        ints = np.asarray(integer, dtype=bool)
+        fixed = np.asarray(upper, dtype=np.float64).copy()
+        fixed[ints & (x_lp <= 1e-6)] = 0.0
+        x, _, status, obj, _ = self.run(lp, fixed, integer, True, time_limit_s, threads,
+                                        scale=scale, rel_gap=rel_gap)
+        if x.size == 0 or obj - lp_bound > max(FIX_GAP, rel_gap) * abs(obj):
+            return None
+        return (x, time.perf_counter() - t0, f"{status} (LP relaxation fractional: its "
+                f"integral columns fixed, the rest a MIP, within {max(FIX_GAP, rel_gap):g} "
+                "of the relaxation)", obj)
 
     def run(self, lp, upper, integer: list[bool], as_mip: bool, time_limit_s: float,
             threads: int, *, scale: float, hint=None, rel_gap: float = 1e-6,

@@ -85,9 +85,9 @@ from autopp.sharding.strategies import Option, Strategies, tensor_vals
 logger = logging.getLogger(__name__)
 
 _SCALE = 1e6
+"""Costs go to the solver in microseconds so its tolerances sit far below one cost unit."""
 BYTES_ONLY = -math.inf
 """The ``price`` of :meth:`Model.solve` that minimises the memory row alone."""
-"""Costs go to the solver in microseconds so its tolerances sit far below one cost unit."""
 
 
 @dataclass(slots=True)
@@ -534,6 +534,11 @@ class Model:
         rounded = fractional and round_fractional
         if rounded:
             status += " (LP relaxation fractional: rounded)"
+        elif fractional and shared is not None and (fixed := self._warm.fix_and_solve(
+                lp, upper, integer, x, bound, time_limit_s, threads, scale=_SCALE,
+                rel_gap=rel_gap)) is not None:
+            x, dt2, status, obj = fixed  # within FIX_GAP of the LP's optimum, its bound
+            dt += dt2
         elif fractional:
             hint = None
             if start is not None:  # x columns of a feasible choice: 1 chosen, 0 the others

@@ -145,3 +145,64 @@ def test_a_fractional_price_solve_is_rounded_not_branched(llama_debug, make_mesh
     calls.clear()
     branched = model.solve(*restrict, budget=None, price=price)
     assert calls == [False, True] and "rounded" not in branched.status
+
+
+@pytest.mark.parametrize("accepted", [True, False])
+def test_a_fractional_time_only_solve_fixes_the_integral_columns(llama_debug, make_mesh,
+                                                                   accepted):
+    """A time-only solve (no price, no budget) whose LP relaxation is fractional fixes the
+    integer columns the relaxation left at 0 and solves the rest as a MIP
+    (``WarmLps.fix_and_solve``); its plan is taken where it is within ``FIX_GAP`` of the
+    relaxation's optimum, else the whole MIP runs. The relaxation is made fractional by
+    rewriting one node's columns in its answer: 0.6 on the option the (integral) relaxation
+    chose, 0.4 on another. The fixed MIP then finds the optimum, which the plain solve (an
+    integral relaxation, no MIP) gives: taken. Told the relaxation's optimum is 1% lower,
+    the same plan is not within ``FIX_GAP`` of it: refused, and the whole MIP gives the
+    same optimum."""
+    import autopp.sharding.highs as highs
+    from autopp.sharding.chain import block_restrictions, boundary_candidates, trace_block
+    from autopp.sharding.costs import CostModel
+    from autopp.profiles.lookup import get_profile
+    from autopp.sharding.solver import Model
+
+    mesh = make_mesh(2, 2)
+    traced = trace_block(llama_debug.layers["0"], torch.empty(8, 64, 256, device="meta"), mesh)
+    model = Model(traced.strategies, CostModel(get_profile("H100"), (2, 2)))
+    a = next(iter(boundary_candidates(traced, ("dp", "tp"))))
+    restrict = block_restrictions(traced, a, a)
+    plain = model.solve(*restrict, budget=None, time_limit_s=61.0)  # integral: no MIP
+    assert "integral" in plain.status
+    node = next(n for n, opts in model.options.items() if len(opts) >= 2 and n not in restrict[0])
+    chosen = model.options[node].index(plain.choice[node])
+    other = 1 if chosen == 0 else 0
+    real, calls = model._warm.run, []
+
+    def fractional(lp, upper, integer, as_mip, *args, **kw):
+        x, dt, status, obj, bound = real(lp, upper, integer, as_mip, *args, **kw)
+        calls.append(as_mip)
+        if not as_mip:
+            x = x.copy()
+            c = model.col0[node]
+            x[c:c + len(model.options[node])] = 0.0
+            x[c + chosen], x[c + other] = 0.6, 0.4
+        return x, dt, status, obj, bound
+
+    model._warm.run = fractional
+    if not accepted:
+        real_fix, refused = model._warm.fix_and_solve, []
+
+        def lower_bound(lp, upper, integer, x, bound, *args, **kw):
+            out = real_fix(lp, upper, integer, x, bound * 0.99, *args, **kw)
+            refused.append(out is None)
+            return out
+
+        model._warm.fix_and_solve = lower_bound
+    res = model.solve(*restrict, budget=None, time_limit_s=62.0)  # another key: not shared
+    if accepted:
+        assert calls == [False, True] and "integral columns fixed" in res.status
+        assert res.bound_s <= res.objective_s * (1 + 1e-9)
+    else:
+        assert refused == [True] and 0.01 > 10 * highs.FIX_GAP
+        assert calls == [False, True, True] and "fixed" not in res.status
+    assert res.objective_s == pytest.approx(plain.objective_s, rel=1e-9)
+    assert res.choice[node] == plain.choice[node]
