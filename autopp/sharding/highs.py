@@ -67,10 +67,12 @@ WARM_GUARD = (2.0, 0.25)
 """A warm re-solve's time limit: this many times the cold solve of the same LP, and at
 least this many seconds; past it the LP is solved cold."""
 
-FIX_GAP = 1e-4
+FIX_GAP = 1e-3
 """A time-only solve's plan from :meth:`WarmLps.fix_and_solve` is taken where it is within
-this fraction of its LP relaxation's optimum (0.01%: far inside the planner's 1% certified
-gap and its cost model's error); otherwise the whole MIP is solved."""
+this fraction of its LP relaxation's optimum (0.1%: inside the planner's 1% certified gap
+and its cost model's error); otherwise the whole MIP is solved. Measured on the 70B/512 fp32
+probes: at dp=64 × tp=8 the fixed plans sat 1.3e-4 to 3.0e-4 above their relaxations and
+each was the whole MIP's optimum (1.5-1.6 s each, against 0.12 s fixed)."""
 
 
 class WarmLps:

@@ -156,7 +156,7 @@ def test_a_fractional_time_only_solve_fixes_the_integral_columns(llama_debug, ma
     relaxation's optimum, else the whole MIP runs. The relaxation is made fractional by
     rewriting one node's columns in its answer: 0.6 on the option the (integral) relaxation
     chose, 0.4 on another. The fixed MIP then finds the optimum, which the plain solve (an
-    integral relaxation, no MIP) gives: taken. Told the relaxation's optimum is 1% lower,
+    integral relaxation, no MIP) gives: taken. Told the relaxation's optimum is 2% lower,
     the same plan is not within ``FIX_GAP`` of it: refused, and the whole MIP gives the
     same optimum."""
     import autopp.sharding.highs as highs
@@ -192,7 +192,7 @@ def test_a_fractional_time_only_solve_fixes_the_integral_columns(llama_debug, ma
         real_fix, refused = model._warm.fix_and_solve, []
 
         def lower_bound(lp, upper, integer, x, bound, *args, **kw):
-            out = real_fix(lp, upper, integer, x, bound * 0.99, *args, **kw)
+            out = real_fix(lp, upper, integer, x, bound * 0.98, *args, **kw)
             refused.append(out is None)
             return out
 
@@ -202,7 +202,7 @@ def test_a_fractional_time_only_solve_fixes_the_integral_columns(llama_debug, ma
         assert calls == [False, True] and "integral columns fixed" in res.status
         assert res.bound_s <= res.objective_s * (1 + 1e-9)
     else:
-        assert refused == [True] and 0.01 > 10 * highs.FIX_GAP
+        assert refused == [True] and 0.02 > 10 * highs.FIX_GAP
         assert calls == [False, True, True] and "fixed" not in res.status
     assert res.objective_s == pytest.approx(plain.objective_s, rel=1e-9)
     assert res.choice[node] == plain.choice[node]
