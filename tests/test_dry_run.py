@@ -64,6 +64,14 @@ out["1F1B"] = figures(r)
 out["1F1B"]["ratio"] = r.step_time_ratio
 out["1F1B"]["tt_step"] = r.torchtitan_step_time_s
 out["1F1B"]["tt_costs"] = [dataclasses.asdict(c) for c in r.costs_of("torchtitan")]
+# the same again: its plan now from the cache, so each stage is costed after the whole
+# plan (the first costed each stage in the process that planned it, right after)
+again = dry_run(llama3_meta(), pp=2, dp=2, tp=2, schedule="1F1B", n_microbatches=2,
+                global_batch=8, seq_len=64, compare=True)
+out["1F1B"]["again"] = dict(costs=[dataclasses.asdict(s.cost) for s in again.stages],
+                            tt_costs=[dataclasses.asdict(c) for c in again.costs_of("torchtitan")],
+                            act=[s.activation_bytes for s in again.stages],
+                            cached=[s.cached for s in again.stages])
 # Interleaved1F1B: two stages per pp rank (the fake world is set up again)
 out["Interleaved1F1B"] = figures(dry_run(llama3_meta(4), pp=2, dp=2, tp=2,
                                          schedule="Interleaved1F1B", n_microbatches=2,
@@ -347,3 +355,13 @@ def test_stages_are_planned_against_the_windows_their_schedule_leaves(reports):
     assert r["plan_hidden"][1] > 0
     assert "once-per-step collectives" in r["describe"]
     assert all(x == [0.0, 0.0] for x in reports["1F1B"]["windows"])
+
+
+def test_costed_after_each_stage_or_after_the_cached_plan_alike(reports):
+    """The first 1F1B dry run plans its stages and costs each right after its plan, in the
+    process that planned it (``plan_whole_pipeline(after_stage=)``); run again, its plan
+    comes from the cache and the stages are costed after it: the same costs."""
+    r = reports["1F1B"]
+    assert all(r["again"]["cached"])  # the whole plan from the cache
+    assert r["again"]["costs"] == r["costs"] and r["again"]["tt_costs"] == r["tt_costs"]
+    assert r["again"]["act"] == r["act"]

@@ -40,7 +40,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -477,20 +477,12 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
             budget = tt_plans[s][0].param_bytes_per_device * (1 + 1e-9)
         budgets.append(budget)
     timings: dict[int, list] = {}
-    pplan, _ = plan_whole_pipeline(
-        model_meta, pp=pp, fqns_per_stage=fqns_per_stage, stage_ranks=stage_ranks,
-        sub_mesh=sub_mesh, schedule=str(schedule), n_microbatches=n_microbatches,
-        example_inputs=local, options=options, loss_fn=cross_entropy,
-        budgets=budgets if compare and options.parameter_budget_bytes is None else None,
-        # None: the options' budgets (by default the device memory, all categories)
-        timings=timings, keyword_inputs=keyword)
-    bounds = pplan.boundaries
     logits = last_stage_output(metas, inputs, mixed_precision)
     tt_kind = "batch+seq" if tp > 1 else "batch"  # torchtitan's boundaries (sequence parallel)
     memo: dict = {}  # lowered unit plans, shared by the stages (of one process)
     gathering = WeightGathering.from_options(options)
 
-    def send_of(s: int) -> tuple[tuple | None, int]:
+    def send_of(s: int, bounds: Sequence[str]) -> tuple[tuple | None, int]:
         if s == n_stages - 1:
             return None, 0
         out_t = inputs[s + 1][0]
@@ -499,12 +491,13 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
             shape[1] //= tp
         return tuple(shape), boundary_bytes(out_t, dp, tp, bounds[s + 1])
 
-    def cost_of(s: int) -> tuple:
+    def cost_of(s: int, plan: Any, bounds: Sequence[str]) -> tuple:
         """Stage ``s``'s facts and costs, torchtitan's layout's cost, and the seconds."""
-        plan, t0 = pplan.stage_plans[s], time.perf_counter()
+        t0 = time.perf_counter()
         facts, cost = _stage_estimate(metas[s], plan, sub_mesh, inputs[s], n_microbatches,
                                       activations=activations, loss_s=plan.loss_s,
-                                      send=send_of(s)[1], memo=memo, gathering=gathering,
+                                      send=send_of(s, bounds)[1], memo=memo,
+                                      gathering=gathering,
                                       overlap=options.overlap_collectives)
         tt_cost = None
         if compare:
@@ -522,15 +515,26 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
             return 0.0
         return loss_time_s(logits, sub_mesh, profile, "vocab" if tp > 1 else "batch")
 
-    # lowering each stage's plan for its memory and F / I / W split: on forked processes
-    # where this one can fork, as the stages' plans were (plan/parallel.py)
-    costed = map_stages(cost_of, n_stages)
+    # lowering each stage's plan for its memory and F / I / W split: in the process that
+    # planned it, right after (plan/parallel.py); where the plan came from the cache, on
+    # forked processes where this one can fork
+    after: dict[int, tuple] = {}
+    pplan, _ = plan_whole_pipeline(
+        model_meta, pp=pp, fqns_per_stage=fqns_per_stage, stage_ranks=stage_ranks,
+        sub_mesh=sub_mesh, schedule=str(schedule), n_microbatches=n_microbatches,
+        example_inputs=local, options=options, loss_fn=cross_entropy,
+        budgets=budgets if compare and options.parameter_budget_bytes is None else None,
+        # None: the options' budgets (by default the device memory, all categories)
+        timings=timings, keyword_inputs=keyword, after_stage=cost_of, after_results=after)
+    bounds = pplan.boundaries
+    costed = [after[s] for s in range(n_stages)] if len(after) == n_stages else map_stages(
+        lambda s: cost_of(s, pplan.stage_plans[s], bounds), n_stages)
     stages = []
     for s, x in enumerate(inputs):
         plan = pplan.stage_plans[s]
         wall, n_solved, _ = timings.get(s, [0.0, 0, 1])
         kind = bounds[s + 1]
-        shape, send = send_of(s)
+        shape, send = send_of(s, bounds)
         facts, cost, tt_cost, costed_s = costed[s]
         logger.info("stage %d/%d (%s): %.3f ms per microbatch, %.2f GiB params/device, "
                     "planned in %.1f s (%d solved), costed in %.1f s", s, n_stages,

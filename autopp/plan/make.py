@@ -353,6 +353,8 @@ def plan_whole_pipeline(
     budgets: Sequence[float | None] | None = None, timings: dict[int, list] | None = None,
     use_cache: bool = True, stage_modules: Sequence[nn.Module] | None = None,
     keyword_inputs: Mapping[str, torch.Tensor] | None = None,
+    after_stage: Callable[[int, StagePlan, tuple[str, ...]], Any] | None = None,
+    after_results: dict[int, Any] | None = None,
 ) -> tuple[PipelinePlan, bool]:
     """Plan every stage of a split pipeline into one :class:`~autopp.plan.value.PipelinePlan`
     (without estimates): tied parameters' placements, then boundaries and loss placement by
@@ -376,6 +378,10 @@ def plan_whole_pipeline(
         keyword_inputs: keyword inputs of the model's forward for one step on one dp rank
             (by name, batch on dim 0, e.g. a padding ``attention_mask``): every stage takes
             them with each microbatch (planned unit by unit, as graph inputs).
+        after_stage: ``after_stage(s, plan, boundaries)`` runs right after stage ``s`` is
+            planned, in the process that planned it (the dry run costs each plan so, not
+            after the slowest stage's plan); its results (picklable) go into
+            ``after_results`` by stage. Not run where the whole plan is cached.
 
     Returns ``(plan, was_cached)``. The plan depends on nothing else (and the planning code,
     which :mod:`autopp.plan.cache` hashes into the key).
@@ -439,13 +445,18 @@ def plan_whole_pipeline(
         )
         # under the chosen boundaries and each stage's budget, on worker processes where
         # this one can fork (plan/parallel.py)
-        stage_plans = map_stages(plan_of, n, timings=timings, progress=lambda done, n, t: (
-            logger.info("stage %d/%d planned under its budget: %.1f s so far, %d to go",
-                        done, n, t, n - done)))
+        def planned(s: int) -> Any:
+            p = plan_of(s)
+            return p if after_stage is None else (p, after_stage(s, p, tuple(bounds)))
+
+        done = map_stages(planned, n, timings=timings, progress=lambda k, n, t: logger.info(
+            "stage %d/%d planned under its budget: %.1f s so far, %d to go", k, n, t, n - k))
+        stage_plans = done if after_stage is None else tuple(p for p, _ in done)
+        if after_stage is not None and after_results is not None:
+            after_results.update({s: a for s, (_, a) in enumerate(done)})
         return PipelinePlan(
             model=fingerprint, model_structure=model_structure(model),
-            pp=pp, dp=dp, tp=tp, schedule=str(schedule),
-            n_microbatches=n_microbatches,
+            pp=pp, dp=dp, tp=tp, schedule=str(schedule), n_microbatches=n_microbatches,
             input_shapes=tuple(tuple(int(d) for d in x.shape) for x in example_inputs),
             input_dtypes=tuple(str(x.dtype) for x in example_inputs),
             fqns_per_stage=fqns, stage_ranks=tuple(stage_ranks),
