@@ -102,6 +102,25 @@ def test_least_memory_breaks_ties_by_time(stack_of, make_mesh):
                                                                   fastest.objective_s)
 
 
+def _fractional_at(model, node, first: int, second: int) -> list[bool]:
+    """Make ``model``'s LP relaxations answer 0.6 / 0.4 on ``node``'s options ``first`` and
+    ``second``; returns the list of HiGHS runs (True: a MIP) as they are made."""
+    real, calls = model._warm.run, []
+
+    def fractional(lp, upper, integer, as_mip, *args, **kw):
+        x, dt, status, obj, bound = real(lp, upper, integer, as_mip, *args, **kw)
+        calls.append(as_mip)
+        if not as_mip:
+            x = x.copy()
+            c = model.col0[node]
+            x[c:c + len(model.options[node])] = 0.0
+            x[c + first], x[c + second] = 0.6, 0.4
+        return x, dt, status, obj, bound
+
+    model._warm.run = fractional
+    return calls
+
+
 def test_a_fractional_price_solve_is_rounded_not_branched(llama_debug, make_mesh):
     """``round_fractional=True`` (the price search's intermediate solves): where the LP
     relaxation is fractional, the result is its rounding (each node's largest option) with
@@ -123,19 +142,7 @@ def test_a_fractional_price_solve_is_rounded_not_branched(llama_debug, make_mesh
     a = next(iter(boundary_candidates(traced, ("dp", "tp"))))
     restrict = block_restrictions(traced, a, a)
     node = next(n for n, opts in model.options.items() if len(opts) >= 2 and n not in restrict[0])
-    real, calls = model._warm.run, []
-
-    def fractional(lp, upper, integer, as_mip, *args, **kw):
-        x, dt, status, obj, bound = real(lp, upper, integer, as_mip, *args, **kw)
-        calls.append(as_mip)
-        if not as_mip:
-            x = x.copy()
-            c = model.col0[node]
-            x[c:c + len(model.options[node])] = 0.0
-            x[c], x[c + 1] = 0.6, 0.4
-        return x, dt, status, obj, bound
-
-    model._warm.run = fractional
+    calls = _fractional_at(model, node, 0, 1)
     price = 1e-12
     res = model.solve(*restrict, budget=None, price=price, round_fractional=True)
     assert calls == [False] and "rounded" in res.status
@@ -175,19 +182,7 @@ def test_a_fractional_time_only_solve_fixes_the_integral_columns(llama_debug, ma
     node = next(n for n, opts in model.options.items() if len(opts) >= 2 and n not in restrict[0])
     chosen = model.options[node].index(plain.choice[node])
     other = 1 if chosen == 0 else 0
-    real, calls = model._warm.run, []
-
-    def fractional(lp, upper, integer, as_mip, *args, **kw):
-        x, dt, status, obj, bound = real(lp, upper, integer, as_mip, *args, **kw)
-        calls.append(as_mip)
-        if not as_mip:
-            x = x.copy()
-            c = model.col0[node]
-            x[c:c + len(model.options[node])] = 0.0
-            x[c + chosen], x[c + other] = 0.6, 0.4
-        return x, dt, status, obj, bound
-
-    model._warm.run = fractional
+    calls = _fractional_at(model, node, chosen, other)
     if not accepted:
         real_fix, refused = model._warm.fix_and_solve, []
 
