@@ -427,7 +427,7 @@ class PipelinePlan:
         from autopp.plan.loss_choice import describe_loss
         from autopp.format import compact_modules, format_bytes
         from autopp.sharding.report import placement_summary
-        from autopp.sharding.plan import CAP_DROPPED, FLOP_FAILURE
+        from autopp.sharding.plan import CAP_DROPPED, FLOP_FAILURE, NEAR_OPTIMAL
 
         o = self.options
         mib = 2**20
@@ -462,7 +462,8 @@ class PipelinePlan:
                    f"{plan.comm_windows_s[0] * 1e3:.3f} ms, reductions "
                    f"{plan.comm_windows_s[1] * 1e3:.3f} ms)"]
                   if any(getattr(plan, "comm_windows_s", ())) else []),
-                *[f"    {n}" for n in plan.notes if n.startswith("once-per-step collectives")],
+                *[f"    {n}" for n in plan.notes
+                  if n.startswith(("once-per-step collectives", NEAR_OPTIMAL))],
                 *([f"    replicated for want of a DTensor rule: {len(plan.fallbacks)} ops "
                    f"({', '.join(plan.fallbacks[:3])}{', ...' if len(plan.fallbacks) > 3 else ''})"]
                   if plan.fallbacks else []),

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from autopp.sharding.plan import NEAR_OPTIMAL
+
 _BANNER_SHOWN = False
 
 
@@ -105,9 +107,9 @@ class WarmLps:
                                         scale=scale, rel_gap=rel_gap)
         if x.size == 0 or obj - lp_bound > max(FIX_GAP, rel_gap) * abs(obj):
             return None
-        return (x, time.perf_counter() - t0, f"{status} (LP relaxation fractional: its "
-                f"integral columns fixed, the rest a MIP, within {max(FIX_GAP, rel_gap):g} "
-                "of the relaxation)", obj)
+        return (x, time.perf_counter() - t0, f"{status} ({NEAR_OPTIMAL} "
+                f"{max(FIX_GAP, rel_gap):g} of its LP relaxation: the relaxation's integral "
+                "columns fixed, the rest solved as a MIP)", obj)
 
     def run(self, lp, upper, integer: list[bool], as_mip: bool, time_limit_s: float,
             threads: int, *, scale: float, hint=None, rel_gap: float = 1e-6,

@@ -104,10 +104,15 @@ class BlockPlan:
 
 
 FLOP_FAILURE = "FLOP formula of "
+"""How a stage plan's note about an op priced without its FLOPs begins."""
 CAP_DROPPED = "largest-tensor cap"
 """How a plan's note begins where a unit's solve dropped the largest-tensor bound
 (``MemorySpec.largest_tensor_bytes``): its working memory is then not bounded."""
-"""How a stage plan's note about an op priced without its FLOPs begins."""
+NEAR_OPTIMAL = "time-only plan within"
+"""How a plan's note begins where a unit's time-only plan was taken from its fractional LP
+relaxation with the integral columns fixed (:meth:`~autopp.sharding.highs.WarmLps.fix_and_solve`):
+within a stated fraction of the optimum, not proven optimal. ``describe()`` shows it; it is not
+a fallback that ``strict`` refuses (a solver tolerance, as a MIP gap is)."""
 
 
 def describe_keyword_inputs(inputs: Any) -> tuple[tuple[str, tuple[int, ...], str], ...]:

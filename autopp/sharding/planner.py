@@ -44,7 +44,7 @@ from autopp.sharding.memory_row import MemorySpec
 from autopp.graph.walk import param_only_nodes
 from autopp.sharding.once_per_step import FREE_WEIGHT, hide_once_per_step, once_kind
 from autopp.sharding.precision import check_policy, maybe_cast, reduce_after_cast
-from autopp.sharding.plan import CAP_DROPPED, FLOP_FAILURE, BlockPlan, CollectivePlan, ParamPlan, StagePlan, describe_keyword_inputs, to_strs
+from autopp.sharding.plan import CAP_DROPPED, FLOP_FAILURE, NEAR_OPTIMAL, BlockPlan, CollectivePlan, ParamPlan, StagePlan, describe_keyword_inputs, to_strs
 from autopp.profiles.devices import DeviceProfile, tf32_enabled
 from autopp.profiles.lookup import get_profile
 from autopp.sharding.option import PlacementSpec, matches
@@ -508,7 +508,8 @@ def _assemble(parts, solved, mesh, names, prof, costs, budget, t0, pdtype=None) 
             *(f"{FLOP_FAILURE}{op} failed ({why}): priced by its memory traffic only"
               for op, why in sorted(costs.flop_failures.items())),
             *dict.fromkeys(f"{m.group(1)} ({unit.name or 'stage'})" for unit, _, r in parts
-                           if (m := re.search(rf"\(({CAP_DROPPED}[^)]*)\)", r.status))),
+                           for note in (CAP_DROPPED, NEAR_OPTIMAL)
+                           if (m := re.search(rf"\(({note}[^)]*)\)", r.status))),
         ),
     )
 

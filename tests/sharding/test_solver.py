@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -201,3 +202,31 @@ def test_a_fractional_time_only_solve_fixes_the_integral_columns(llama_debug, ma
         assert calls == [False, True, True] and "fixed" not in res.status
     assert res.objective_s == pytest.approx(plain.objective_s, rel=1e-9)
     assert res.choice[node] == plain.choice[node]
+
+
+def test_a_plan_taken_from_a_fixed_relaxation_says_so(stack_of, make_mesh, monkeypatch):
+    """A stage whose time-only relaxations come back fractional (rewritten here: one chosen
+    option at 0.6, the next column at 0.4) is planned from the fixed relaxation, and its
+    plan's notes, which ``describe()`` shows, say so: within ``FIX_GAP``, not proven
+    optimal."""
+    import autopp.sharding.highs as highs
+    from autopp.sharding import planner
+    from autopp.sharding.plan import NEAR_OPTIMAL
+
+    real = highs.WarmLps.run
+
+    def fractional(self, lp, upper, integer, as_mip, *args, **kw):
+        x, dt, status, obj, bound = real(self, lp, upper, integer, as_mip, *args, **kw)
+        if not as_mip and x.size:
+            ints = np.flatnonzero(np.asarray(integer, dtype=bool)[:-1] & (x[:-1] > 0.5))
+            if ints.size:
+                x = x.copy()
+                x[ints[0]], x[ints[0] + 1] = 0.6, 0.4
+        return x, dt, status, obj, bound
+
+    monkeypatch.setattr(highs.WarmLps, "run", fractional)
+    monkeypatch.setattr(planner, "_MEMO", planner._Memo())  # nothing shared: solved here
+    plan = plan_stage(stack_of(1), (torch.empty(2, 64, 256, device="meta"),), make_mesh(2, 2))
+    notes = [n for n in plan.notes if n.startswith(NEAR_OPTIMAL)]
+    assert notes and f"{highs.FIX_GAP:g} of its LP relaxation" in notes[0], plan.notes
+    assert notes[0] in str(plan)
