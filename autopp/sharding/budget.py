@@ -568,8 +568,8 @@ def choose_chain(stage: Stage, modes: Sequence[str], budget: float | None,
     if not fits:
         # the message names the least-memory plan's consumers: solve it where the LP
         # bound skipped it
-        tried = [(m, fit, _chain(stage, m, BYTES_ONLY, time_limit_s)
-                  if least.memory_bound_bytes == least.memory_bound_bytes else least)
+        tried = [(m, fit, least if math.isnan(least.memory_bound_bytes)
+                  else _chain(stage, m, BYTES_ONLY, time_limit_s))
                  for m, fit, least in tried]
         others = []
         if memory.counts_activations:  # what the other policies would need, for the message

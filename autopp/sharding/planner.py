@@ -522,8 +522,8 @@ def _with_memory(plan: StagePlan, chosen: Chain, tried, requested: str,
     options = tuple(
         (mode, None if fit is None else fit.time_s,
          None if fit is None else float(fit.memory_bytes),
-         float(least.memory_bytes) if fit is not None or least.memory_bound_bytes
-         != least.memory_bound_bytes else float(least.memory_bound_bytes))
+         float(least.memory_bytes if fit is not None or math.isnan(least.memory_bound_bytes)
+               else least.memory_bound_bytes))
         for mode, fit, least in tried
     )
     return replace(

@@ -235,3 +235,24 @@ def test_a_policy_its_bytes_only_relaxations_prove_over_budget_skips_its_least_m
     least_before = {mode: least for mode, _, _, least in before.recompute_options}["none"]
     assert 25 * 2**20 < least_now <= least_before * (1 + 1e-9), (least_now, least_before)
     assert "none: does not fit (needs at least" in str(now)
+
+
+def test_the_over_budget_error_names_the_least_memory_plan_after_the_lp_bound(
+        stack_of, make_mesh, monkeypatch):
+    """Where no policy fits (1 KB), every policy is proven over the budget by its bytes-only
+    relaxations, but the error still names the least-memory plan's consumers: the same
+    message the least-memory MIPs' path gives."""
+    stage, mesh = stack_of(2), make_mesh(2, 2)
+    x = torch.empty(4, 64, 256, device="meta")
+    kw = dict(activation_factor=8.0, optimizer_state_factor=2.0, recompute="auto",
+              memory_budget_bytes=1000.0)
+    monkeypatch.setattr(plan_module_memo(), "solves", {})
+    with pytest.raises(InfeasiblePlanError) as now:
+        plan_stage(stage, (x,), mesh, **kw)
+    with monkeypatch.context() as m:
+        m.setattr(B, "_least_bytes_bound", lambda *a: -math.inf)
+        m.setattr(plan_module_memo(), "solves", {})
+        with pytest.raises(InfeasiblePlanError) as before:
+            plan_stage(stage, (x,), mesh, **kw)
+    assert "least-memory plan" in str(now.value)
+    assert str(now.value) == str(before.value)
