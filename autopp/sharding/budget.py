@@ -330,33 +330,76 @@ def _least_bytes_bound(stage: Stage, mode: str, time_limit_s: float, least: Chai
     return sum(table[k][pair].objective_s for k, pair in zip(stage.kinds, low_pairs))
 
 
+def _front(plans: Sequence[SolveResult]) -> list[SolveResult]:
+    """The plans no other plan beats on both time and counted bytes, by bytes."""
+    out: list[SolveResult] = []
+    for r in sorted(plans, key=lambda r: (r.memory_bytes, r.objective_s)):
+        if not out or r.objective_s < out[-1].objective_s - 1e-15:
+            out.append(r)
+    return out
+
+
 def _best_mix(stage: Stage, best: Chain, seen: dict, budget: float) -> Chain:
-    """The fastest chain on ``best``'s boundary pairs that fits ``budget``, each position
-    free to take any solution found for its unit (``seen``): exact over those solutions (a
-    multiple-choice knapsack, by the Pareto front of partial sums), so identical blocks may
-    take different plans where one plan for all cannot use the budget well. ``best`` where
-    nothing faster fits."""
-    front: list[tuple[float, float, Any]] = [(0.0, 0.0, None)]  # (time, bytes, path)
+    """The fastest chain that fits ``budget``, each position free to take any solution
+    found for its unit on any boundary pair that chains (``seen``, by (unit, pair)): exact
+    over those solutions (a multiple-choice knapsack along the chain of boundary
+    placements, by the Pareto front of partial sums at each placement), so identical
+    blocks may take different plans, and other boundary pairs than the price's, where one
+    plan for all cannot use the budget well. ``best`` where nothing faster fits."""
+    n = len(stage.kinds)
+    cands: dict[tuple, list[SolveResult]] = {}
     for i, kind in enumerate(stage.kinds):
-        cands = list(seen.get((kind, best.pairs[i]), {}).values()) or [best.results[i]]
-        grown = sorted(((t + r.objective_s, m + r.memory_bytes, (path, r))
-                        for t, m, path in front for r in cands
-                        if m + r.memory_bytes <= budget), key=lambda e: (e[1], e[0]))
-        front = []
-        for e in grown:  # keep what no smaller-memory partial sum beats on time
-            if not front or e[0] < front[-1][0] - 1e-15:
-                front.append(e)
-        if not front:
-            return best
-    t, m, path = min(front, key=lambda e: e[0])
-    if t >= best.time_s * (1 - 1e-9):
-        return best
+        for pair in stage.reps[kind].pairs:
+            if (kind, pair) not in cands:
+                met = list(seen.get((kind, pair), {}).values())
+                cands[kind, pair] = _front(met)
+        if not cands[kind, best.pairs[i]]:
+            cands[kind, best.pairs[i]] = [best.results[i]]
+    # what the positions after i need at least (any pair): partial sums beyond these
+    # cannot fit, or cannot beat ``best``
+    least_m, least_t = [0.0] * (n + 1), [0.0] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        mine = [r for pair in stage.reps[stage.kinds[i]].pairs
+                for r in cands[stage.kinds[i], pair]]
+        least_m[i] = least_m[i + 1] + min(r.memory_bytes for r in mine)
+        least_t[i] = least_t[i + 1] + min(r.objective_s for r in mine)
+    beat = best.time_s * (1 - 1e-9)
+    # boundary placement -> Pareto front of (time, bytes, path) of the positions so far
+    fronts: dict[tuple, list[tuple[float, float, Any]]] = {a: [(0.0, 0.0, None)]
+                                                          for a in stage.first_in}
+    for i, kind in enumerate(stage.kinds):
+        room_m, room_t = budget - least_m[i + 1], beat - least_t[i + 1]
+        grown: dict[tuple, list] = {}
+        for pair in stage.reps[kind].pairs:
+            a, b = pair
+            if a not in fronts or (i == n - 1 and b not in stage.last_out):
+                continue
+            into = grown.setdefault(b, [])
+            for r in cands[kind, pair]:
+                rt, rm = r.objective_s, r.memory_bytes
+                into.extend((t + rt, m + rm, (path, r, pair)) for t, m, path in fronts[a]
+                            if m + rm <= room_m and t + rt < room_t)
+        fronts = {}
+        for b, entries in grown.items():
+            entries.sort(key=lambda e: (e[1], e[0]))
+            front: list = []
+            for e in entries:  # keep what no smaller-memory partial sum beats on time
+                if not front or e[0] < front[-1][0] - 1e-15:
+                    front.append(e)
+            if front:
+                fronts[b] = front
+        if not fronts:
+            return best  # nothing faster fits
+    t, m, path = min((e for front in fronts.values() for e in front), key=lambda e: e[0])
     results: list[SolveResult] = []
+    pairs: list[tuple] = []
     while path is not None:
-        path, r = path
+        path, r, pair = path
         results.append(r)
+        pairs.append(pair)
     results.reverse()
-    return Chain(best.recompute, results, best.pairs, sum(r.objective_s for r in results),
+    pairs.reverse()
+    return Chain(best.recompute, results, pairs, sum(r.objective_s for r in results),
                  sum(r.memory_bytes for r in results), best.price, False, best.priced_bound_s,
                  priced_ilp_bound_s=best.priced_ilp_bound_s)
 
@@ -482,18 +525,17 @@ def _polish(stage: Stage, mode: str, budget: float, best: Chain, time_limit_s: f
     solutions join ``seen``). Each MIP stops at its first plan that brings the chain within
     :data:`_POLISH_GAP` of the chain's bound (:data:`POLISH_TARGET`), and the polish stops
     once the chain is within :data:`CERTIFIED_GAP` of it."""
-    by_time = sorted(range(len(stage.reps)), key=lambda k: -sum(
-        r.objective_s for r, kk in zip(best.results, stage.kinds) if kk == k))
+    groups: dict[tuple, list[int]] = {}  # (distinct unit, boundary pair) -> positions
+    for i, (kind, pair) in enumerate(zip(stage.kinds, best.pairs)):
+        groups.setdefault((kind, pair), []).append(i)
+    by_time = sorted(groups, key=lambda g: -sum(best.results[i].objective_s
+                                                  for i in groups[g]))
     bound_s = best.ilp_bound_s
     goal_s = bound_s / (1 - _POLISH_GAP)  # the chain's time a polish aims at
-    for kind in by_time:
+    for kind, pair in by_time:
         if best.time_s - bound_s <= CERTIFIED_GAP * best.time_s:
             break  # certified
-        at = [i for i, k in enumerate(stage.kinds) if k == kind]
-        pairs = {best.pairs[i] for i in at}
-        if len(pairs) != 1:
-            continue
-        pair = pairs.pop()
+        at = groups[kind, pair]
         others = sum(r.memory_bytes for i, r in enumerate(best.results) if i not in at)
         share = (budget - others) / len(at)
         start = _start_within(share, [best.results[i] for i in at],
@@ -515,7 +557,7 @@ def _polish(stage: Stage, mode: str, budget: float, best: Chain, time_limit_s: f
         if res.objective_s * len(at) >= sum(best.results[i].objective_s for i in at) * (
                 1 - 1e-9):
             continue
-        results = [res if k == kind else r for r, k in zip(best.results, stage.kinds)]
+        results = [res if i in at else r for i, r in enumerate(best.results)]
         best = Chain(mode, results, best.pairs, sum(r.objective_s for r in results),
                       sum(r.memory_bytes for r in results), best.price, best.free,
                       best.priced_bound_s, priced_ilp_bound_s=best.priced_ilp_bound_s)
