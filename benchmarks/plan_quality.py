@@ -40,8 +40,8 @@ FRACTIONS = (0.8, 0.6, 0.5, 0.4)
 # (name, model, pp, dp, tp, schedule, microbatches, batch, seq, bf16, memory reserve)
 LAYOUTS = (
     ("8B 1F1B, budget free", "8B", 4, 2, 2, "1F1B", 8, 16, 2048, False, 0.1),
-    ("8B ZBVZeroBubble, budget binding", "8B", 4, 2, 2, "ZBVZeroBubble", 8, 16, 4096, False,
-     0.72),
+    ("8B ZBVZeroBubble, budget binding", "8B", 4, 2, 2, "ZBVZeroBubble", 8, 16, 2048, False,
+     0.7),
     ("70B 1F1B, budget binding", "70B", 4, 8, 8, "1F1B", 16, 256, 8192, True, 0.1),
     ("70B DualPipeV, budget binding", "70B", 8, 8, 8, "DualPipeV", 64, 512, 8192, True, 0.1),
 )
@@ -132,7 +132,7 @@ def _layout_case(i: int) -> dict:
 def _child(kind: str, i: int) -> dict:
     env = dict(os.environ, AUTOPP_PLAN_CACHE=tempfile.mkdtemp(),
                AUTOPP_PROFILE_CACHE=tempfile.mkdtemp())
-    out = subprocess.run([sys.executable, __file__, "--child", kind, str(i)], env=env,
+    out = subprocess.run([sys.executable, __file__, kind, "--child", kind, str(i)], env=env,
                          capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"{kind} case {i} failed:\n{out.stderr[-3000:]}")

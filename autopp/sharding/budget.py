@@ -42,9 +42,10 @@ solution's difference: exact where the two agree, an estimate where they do not.
 polish's decision, and the drop of a policy against another's chain, use the bound unmoved
 (:attr:`Chain.ilp_bound_s`): a polish is an ILP solve, so it cannot go below it.
 
-Mixing. The search keeps every unit solution it meets; :func:`_best_mix` then picks, exactly
-over those, one per position under the budget (identical blocks may take different plans),
-which closes most of the price's rounding without a MIP.
+Mixing. The search keeps every unit solution it meets, on every boundary pair;
+:func:`_best_mix` then picks, exactly over those, one per position and the boundary
+placements between them under the budget (identical blocks may take different plans and
+pairs), which closes most of the price's rounding without a MIP.
 
 Recomputation (``recompute``): ``"none"`` / ``"selective"`` / ``"full"`` fix the policy of
 the stage's backward (:mod:`autopp.graph.recompute`: it changes which forward values the
@@ -519,9 +520,9 @@ _PRICE_STEPS = 24
 
 def _polish(stage: Stage, mode: str, budget: float, best: Chain, time_limit_s: float,
             seen: dict) -> Chain:
-    """Close the price's gap: each distinct unit (the most time first) whose positions share
-    one boundary pair is solved again with the budget in its row, as what the other
-    positions leave divided by its count, from the current plan as a MIP start (its
+    """Close the price's gap: the positions of each distinct unit on each boundary pair
+    (the most time first) are solved again with the budget in the row, as what the other
+    positions leave divided by their count, from the current plan as a MIP start (its
     solutions join ``seen``). Each MIP stops at its first plan that brings the chain within
     :data:`_POLISH_GAP` of the chain's bound (:data:`POLISH_TARGET`), and the polish stops
     once the chain is within :data:`CERTIFIED_GAP` of it."""
