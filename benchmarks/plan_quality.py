@@ -49,37 +49,19 @@ LAYOUTS = (
 
 def _stage_case(frac: float) -> dict:
     import torch
-    from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
-    from torchtitan.experiments.graph_trainer.common_utils import (
-        build_decoder_config_for_backend,
-    )
-    from torchtitan.models.llama3 import llama3_configs
 
     from autopp.mesh import init_fake_world
     from autopp.sharding import budget as B
     from autopp.sharding import plan_stage
-
-    cfg = build_decoder_config_for_backend(llama3_configs["debugmodel"], "sdpa")
-    with torch.device("meta"):
-        model = cfg.build()
-
-    class Blocks(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleDict(dict(list(model.layers.items())[:2]))
-
-        def forward(self, x):
-            for layer in self.layers.values():
-                x = layer(x, None, None)
-            return x
+    from plan_time import build_stage
 
     init_fake_world(4)
     mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("dp", "tp"))
     x = torch.empty(4, 64, 256, device="meta")
     kw = dict(activation_factor=2.0, optimizer_state_factor=2.0, recompute="none",
               microbatches_per_grad_reduce=8)
-    stage = Blocks()
+    stage = build_stage(2, "debugmodel")
     budget = frac * plan_stage(stage, (x,), mesh, **kw).memory_bytes
     t0 = time.perf_counter()
     composed = plan_stage(stage, (x,), mesh, memory_budget_bytes=budget, **kw)

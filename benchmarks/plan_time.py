@@ -20,7 +20,9 @@ import sys
 import time
 
 
-def build_stage(n_layers: int):
+def build_stage(n_layers: int, model_name: str = "8B"):
+    """The first ``n_layers`` blocks of torchtitan's llama3 ``model_name`` as one stage, on
+    meta (also used by ``plan_quality.py``)."""
     import torch
     from torch import nn
     from torchtitan.experiments.graph_trainer.common_utils import (
@@ -28,7 +30,7 @@ def build_stage(n_layers: int):
     )
     from torchtitan.models.llama3 import llama3_configs
 
-    cfg = build_decoder_config_for_backend(llama3_configs["8B"], "sdpa")
+    cfg = build_decoder_config_for_backend(llama3_configs[model_name], "sdpa")
     with torch.device("meta"):
         model = cfg.build()
 

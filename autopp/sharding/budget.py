@@ -66,6 +66,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopp.sharding.chain import TracedBlock, chain_dp
+from autopp.sharding.chain_mix import fastest_mix
 from autopp.sharding.memory_row import MemorySpec
 from autopp.sharding.over_budget import over_budget_message
 from autopp.sharding.solution import InfeasiblePlanError, SolveResult
@@ -331,75 +332,16 @@ def _least_bytes_bound(stage: Stage, mode: str, time_limit_s: float, least: Chai
     return sum(table[k][pair].objective_s for k, pair in zip(stage.kinds, low_pairs))
 
 
-def _front(plans: Sequence[SolveResult]) -> list[SolveResult]:
-    """The plans no other plan beats on both time and counted bytes, by bytes."""
-    out: list[SolveResult] = []
-    for r in sorted(plans, key=lambda r: (r.memory_bytes, r.objective_s)):
-        if not out or r.objective_s < out[-1].objective_s - 1e-15:
-            out.append(r)
-    return out
-
-
 def _best_mix(stage: Stage, best: Chain, seen: dict, budget: float) -> Chain:
-    """The fastest chain that fits ``budget``, each position free to take any solution
-    found for its unit on any boundary pair that chains (``seen``, by (unit, pair)): exact
-    over those solutions (a multiple-choice knapsack along the chain of boundary
-    placements, by the Pareto front of partial sums at each placement), so identical
-    blocks may take different plans, and other boundary pairs than the price's, where one
-    plan for all cannot use the budget well. ``best`` where nothing faster fits."""
-    n = len(stage.kinds)
-    cands: dict[tuple, list[SolveResult]] = {}
-    for i, kind in enumerate(stage.kinds):
-        for pair in stage.reps[kind].pairs:
-            if (kind, pair) not in cands:
-                met = list(seen.get((kind, pair), {}).values())
-                cands[kind, pair] = _front(met)
-        if not cands[kind, best.pairs[i]]:
-            cands[kind, best.pairs[i]] = [best.results[i]]
-    # what the positions after i need at least (any pair): partial sums beyond these
-    # cannot fit, or cannot beat ``best``
-    least_m, least_t = [0.0] * (n + 1), [0.0] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        mine = [r for pair in stage.reps[stage.kinds[i]].pairs
-                for r in cands[stage.kinds[i], pair]]
-        least_m[i] = least_m[i + 1] + min(r.memory_bytes for r in mine)
-        least_t[i] = least_t[i + 1] + min(r.objective_s for r in mine)
-    beat = best.time_s * (1 - 1e-9)
-    # boundary placement -> Pareto front of (time, bytes, path) of the positions so far
-    fronts: dict[tuple, list[tuple[float, float, Any]]] = {a: [(0.0, 0.0, None)]
-                                                          for a in stage.first_in}
-    for i, kind in enumerate(stage.kinds):
-        room_m, room_t = budget - least_m[i + 1], beat - least_t[i + 1]
-        grown: dict[tuple, list] = {}
-        for pair in stage.reps[kind].pairs:
-            a, b = pair
-            if a not in fronts or (i == n - 1 and b not in stage.last_out):
-                continue
-            into = grown.setdefault(b, [])
-            for r in cands[kind, pair]:
-                rt, rm = r.objective_s, r.memory_bytes
-                into.extend((t + rt, m + rm, (path, r, pair)) for t, m, path in fronts[a]
-                            if m + rm <= room_m and t + rt < room_t)
-        fronts = {}
-        for b, entries in grown.items():
-            entries.sort(key=lambda e: (e[1], e[0]))
-            front: list = []
-            for e in entries:  # keep what no smaller-memory partial sum beats on time
-                if not front or e[0] < front[-1][0] - 1e-15:
-                    front.append(e)
-            if front:
-                fronts[b] = front
-        if not fronts:
-            return best  # nothing faster fits
-    t, m, path = min((e for front in fronts.values() for e in front), key=lambda e: e[0])
-    results: list[SolveResult] = []
-    pairs: list[tuple] = []
-    while path is not None:
-        path, r, pair = path
-        results.append(r)
-        pairs.append(pair)
-    results.reverse()
-    pairs.reverse()
+    """The fastest chain that fits ``budget`` over every unit solution met (``seen``, by
+    (unit, boundary pair)) and every chain of boundary placements
+    (:func:`~autopp.sharding.chain_mix.fastest_mix`); ``best`` where nothing faster fits."""
+    mixed = fastest_mix(stage.kinds, [rep.pairs for rep in stage.reps], stage.first_in,
+                        stage.last_out, seen, budget, best.time_s * (1 - 1e-9),
+                        best.results, best.pairs)
+    if mixed is None:
+        return best
+    results, pairs = mixed
     return Chain(best.recompute, results, pairs, sum(r.objective_s for r in results),
                  sum(r.memory_bytes for r in results), best.price, False, best.priced_bound_s,
                  priced_ilp_bound_s=best.priced_ilp_bound_s)
