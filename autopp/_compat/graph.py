@@ -69,7 +69,7 @@ from torchtitan.experiments.graph_trainer.graph_pp.runner import (  # noqa: F401
 )
 from torchtitan.experiments.graph_trainer.graph_pp.split_di_dw import (  # noqa: F401
     GraphPPDiDwSplit,
-    split_di_dw_graph,
+    split_di_dw_graph as _tt_split_di_dw_graph,
 )
 from torchtitan.experiments.graph_trainer.graph_pp import (
     split_fsdp_collectives as _tt_split_fsdp,
@@ -349,3 +349,36 @@ def like_param(local: torch.Tensor, param: Any) -> torch.Tensor:
 def schedule_stages(schedule: Any) -> list[Any]:
     """The stages a runtime schedule holds on this rank."""
     return list(schedule._stages)
+
+
+_SPLIT_LOCK = threading.Lock()
+
+
+def split_di_dw_graph(bw_module: fx.GraphModule, *, num_param_grads: int
+                      ) -> GraphPPDiDwSplit | None:
+    """torchtitan's backward-input / backward-weight split, with the collectives only the
+    weight gradients need left in the backward-weight graph.
+
+    torchtitan's split copies into the input-gradient graph every node its inputs allow
+    and then removes the unused ones by dead-code elimination, which keeps side-effecting
+    nodes; torch lists ``_c10d_functional.wait_tensor`` as one, so every collective of the
+    backward, and the chain that feeds it, stayed in I, and W held their results from I
+    to W (a weight gradient's activations gathered over dp and tp: 224 MiB a block of an
+    8B stage, which the planner's memory row, counting what W's own nodes read, did not
+    count). During the split, ``wait_tensor`` is treated as pure, so I keeps only the
+    collectives the input gradients need; W, extracted from what it needs, runs the rest.
+    Both graphs keep each collective with its wait (a wait is never dropped while its
+    result is used)."""
+    import torch.distributed._functional_collectives  # noqa: F401  (registers the ops)
+    from torch.fx import node as fx_node
+
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    with _SPLIT_LOCK:
+        had = wait in fx_node._side_effectful_functions
+        fx_node._side_effectful_functions.discard(wait)
+        try:
+            return _tt_split_di_dw_graph(bw_module, num_param_grads=num_param_grads)
+        finally:
+            if had:
+                fx_node._side_effectful_functions.add(wait)
+

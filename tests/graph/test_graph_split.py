@@ -190,3 +190,46 @@ def test_aot_export_joint_graph_splits_match(llama):
     _close([*pg, *ig], ref[1:])
     ig2, live = graphs.backward_input(outs, saved, (g,))
     _close([*graphs.backward_weight(live), *ig2], ref[1:])
+
+
+def _backward_with_a_weight_only_gather():
+    """A backward graph (param grad, then input grad) whose weight gradient gathers a saved
+    activation over 2 ranks and whose input gradient needs no collective."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives  # noqa: F401  (registers the ops)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    group = dist.group.WORLD.group_name
+
+    def backward(x, grad):
+        gathered = torch.ops._c10d_functional.wait_tensor.default(
+            torch.ops._c10d_functional.all_gather_into_tensor.default(x, 2, group))
+        return (gathered * grad.sum()).sum(0, keepdim=True), grad * 3
+
+    return make_fx(backward, tracing_mode="fake")(torch.randn(4, 8), torch.randn(4, 8))
+
+
+def _collectives(gm: fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if "c10d" in str(n.target)]
+
+
+def test_a_collective_only_the_weight_gradient_needs_runs_in_w(fake_world2):
+    """torchtitan's I/W split keeps every collective in I (dead-code elimination keeps
+    ``wait_tensor``, a side effect to torch), so W held the gathered activation (8 x 8)
+    from I to W where the planner counts what W reads (4 x 8). autopp's split leaves the
+    gather in W, hands W the activation as saved, and restores torch's side-effect list."""
+    from torch.fx import node as fx_node
+
+    from autopp._compat import graph as compat
+
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    theirs = compat._tt_split_di_dw_graph(_backward_with_a_weight_only_gather(),
+                                          num_param_grads=1)
+    assert _collectives(theirs.bw_di_module) and not _collectives(theirs.bw_dw_module)
+    ours = compat.split_di_dw_graph(_backward_with_a_weight_only_gather(), num_param_grads=1)
+    assert not _collectives(ours.bw_di_module)
+    assert len(_collectives(ours.bw_dw_module)) == 2  # the gather and its wait
+    live_ins = [n.meta["val"].shape for n in ours.bw_dw_module.graph.find_nodes(
+        op="placeholder")]
+    assert torch.Size([8, 8]) not in live_ins and torch.Size([4, 8]) in live_ins
+    assert wait in fx_node._side_effectful_functions
