@@ -363,9 +363,8 @@ def split_di_dw_graph(bw_module: fx.GraphModule, *, num_param_grads: int
     and then removes the unused ones by dead-code elimination, which keeps side-effecting
     nodes; torch lists ``_c10d_functional.wait_tensor`` as one, so every collective of the
     backward, and the chain that feeds it, stayed in I, and W held their results from I
-    to W (a weight gradient's activations gathered over dp and tp: 224 MiB a block of an
-    8B stage, which the planner's memory row, counting what W's own nodes read, did not
-    count). During the split, ``wait_tensor`` is treated as pure, so I keeps only the
+    to W (e.g. a weight gradient's inputs gathered over dp and tp), which the planner's
+    memory row, counting what W's own nodes read, did not count. During the split, ``wait_tensor`` is treated as pure, so I keeps only the
     collectives the input gradients need; W, extracted from what it needs, runs the rest.
     Both graphs keep each collective with its wait (a wait is never dropped while its
     result is used)."""

@@ -7,19 +7,24 @@ blocks may take different plans and pairs where one plan for all cannot use the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from autopp.sharding.solution import SolveResult
 
 
-def pareto_front(plans: Sequence[SolveResult]) -> list[SolveResult]:
-    """The plans no other plan beats on both time and counted bytes, by bytes."""
-    out: list[SolveResult] = []
-    for r in sorted(plans, key=lambda r: (r.memory_bytes, r.objective_s)):
-        if not out or r.objective_s < out[-1].objective_s - 1e-15:
-            out.append(r)
+def pareto_front(items: Sequence[Any], time_of: Callable[[Any], float],
+                 bytes_of: Callable[[Any], float]) -> list[Any]:
+    """The items no other item beats on both time and bytes, by bytes."""
+    out: list[Any] = []
+    for e in sorted(items, key=lambda e: (bytes_of(e), time_of(e))):
+        if not out or time_of(e) < time_of(out[-1]) - 1e-15:
+            out.append(e)
     return out
+
+
+_TIME, _BYTES = (lambda r: r.objective_s), (lambda r: r.memory_bytes)
+_FIRST, _SECOND = (lambda e: e[0]), (lambda e: e[1])  # a partial sum's (time, bytes, path)
 
 
 def fastest_mix(kinds: Sequence[int], unit_pairs: Sequence[Mapping[tuple, Any]],
@@ -44,7 +49,8 @@ def fastest_mix(kinds: Sequence[int], unit_pairs: Sequence[Mapping[tuple, Any]],
     for i, kind in enumerate(kinds):
         for pair in unit_pairs[kind]:
             if (kind, pair) not in cands:
-                cands[kind, pair] = pareto_front(list(seen.get((kind, pair), {}).values()))
+                cands[kind, pair] = pareto_front(list(seen.get((kind, pair), {}).values()),
+                                                 _TIME, _BYTES)
         if not cands.get((kind, fallback_pairs[i])):
             cands[kind, fallback_pairs[i]] = [fallback[i]]
     least_m, least_t = [0.0] * (n + 1), [0.0] * (n + 1)
@@ -67,15 +73,8 @@ def fastest_mix(kinds: Sequence[int], unit_pairs: Sequence[Mapping[tuple, Any]],
                 rt, rm = r.objective_s, r.memory_bytes
                 into.extend((t + rt, m + rm, (path, r, pair)) for t, m, path in fronts[a]
                             if m + rm <= room_m and t + rt < room_t)
-        fronts = {}
-        for b, entries in grown.items():
-            entries.sort(key=lambda e: (e[1], e[0]))
-            front: list = []
-            for e in entries:  # keep what no smaller-memory partial sum beats on time
-                if not front or e[0] < front[-1][0] - 1e-15:
-                    front.append(e)
-            if front:
-                fronts[b] = front
+        fronts = {b: pareto_front(entries, _FIRST, _SECOND)
+                  for b, entries in grown.items() if entries}
         if not fronts:
             return None
     _, _, path = min((e for front in fronts.values() for e in front), key=lambda e: e[0])

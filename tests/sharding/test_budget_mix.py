@@ -106,11 +106,12 @@ def _convex(rng: random.Random) -> list[tuple[float, float]]:
 def test_random_chains_of_blocks_reach_the_enumerated_optimum():
     """120 seeded cases of 3 blocks, 4 boundary pairs and a random budget: the chain always
     fits, its bound is below the optimum, and it is the optimum in at least 90% of cases.
-    Measured on seeds 7, 1, 2, 3: 113, 117, 118, 118 of 120 (the rest up to 5.2% slower);
-    the search before this mix (on the best priced chain's pairs only, and no polish of a
-    block whose positions use different pairs): 94, 102, 98, 98 of 120, up to 14% slower."""
+    Measured: 113 of 120 (the rest at most 4.9% slower); the search before this mix (on the
+    best priced chain's pairs only, and no polish of a block whose positions use different
+    pairs, e0e5faf) 94 of 120, up to 11.0% slower (printed with ``-s``)."""
     rng = random.Random(7)
     cases = exact_hits = 0
+    worst = 0.0
     for _ in range(120):
         model = _PairedModel({p: _convex(rng) for p in PAIRS})
         least = min(m for _, m in model.plans["a", "a"]) * 3
@@ -121,7 +122,9 @@ def test_random_chains_of_blocks_reach_the_enumerated_optimum():
         assert chosen.memory_bytes <= budget + 1e-12
         assert bound <= exact + 1e-12 <= chosen.time_s + 2e-12, (model.plans, budget)
         exact_hits += chosen.time_s <= exact * (1 + 1e-12)
-    assert exact_hits >= 0.9 * cases, (exact_hits, cases)
+        worst = max(worst, chosen.time_s / exact - 1)
+    print(f"the optimum in {exact_hits} of {cases} cases, the worst {worst:.1%} slower")
+    assert exact_hits >= 0.9 * cases, (exact_hits, cases, worst)
 
 
 def test_positions_of_one_block_on_different_pairs_are_polished():
