@@ -14,14 +14,36 @@ def pytest_collection_modifyitems(config, items):
     the other worker runs the single-process tests beside it: two launches at once would
     put 16 processes on two cores and twice the memory. They are collected first, so that
     longest chain of tests starts at once."""
-    if not config.pluginmanager.hasplugin("xdist") or not getattr(config.option, "numprocesses",
-                                                                  None):
+    # collection runs on the workers, where xdist has reset ``numprocesses`` to None and
+    # kept ``--dist loadgroup`` as ``option.loadgroup`` (xdist/remote.py:setup_config)
+    if not getattr(config.option, "loadgroup", False):
         return
     launches = [i for i in items if i.get_closest_marker("multiprocess")]
     for item in launches:
         item.add_marker(pytest.mark.xdist_group("launches"))
     chosen = set(map(id, launches))
     items[:] = launches + [i for i in items if id(i) not in chosen]
+    if launches and not config.pluginmanager.has_plugin("autopp-launch-check"):
+        config.pluginmanager.register(_LaunchGroupCheck(launches), "autopp-launch-check")
+
+
+class _LaunchGroupCheck:
+    """After xdist's own collection hook: the launches carry its group, or the scheduler
+    would spread them over both workers (two 8-process launches at once, as on pytest 9.2
+    with xdist 3.8: pytest-dev/pytest-xdist#1386), which this refuses."""
+
+    def __init__(self, launches):
+        self.launches = launches
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        ungrouped = [i.nodeid for i in self.launches if not i.nodeid.endswith("@launches")]
+        if ungrouped:
+            raise pytest.UsageError(
+                f"pytest-xdist did not group {len(ungrouped)} multiprocess tests (e.g. "
+                f"{ungrouped[0]}): with pytest {pytest.__version__} --dist loadgroup does not "
+                "group; reinstall the pinned test dependencies (bash scripts/env.sh) or run "
+                "AUTOPP_TEST_WORKERS=0 bash scripts/test.sh")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -51,3 +73,5 @@ def fresh_plan_cache(tmp_path_factory):
         os.environ.pop("AUTOPP_PLAN_CACHE")
     else:
         os.environ["AUTOPP_PLAN_CACHE"] = old
+
+

@@ -26,27 +26,62 @@ def _reference(kind: str) -> Reference:
     return reference_run(MODELS[kind](N_LAYERS), [batch, batch], lr=LR, max_norm=MAX_NORM)
 
 
+def _decoders() -> dict[str, Case]:
+    return {kind: Case(model=kind, pp=2, dp=2, tp=2, schedule="1F1B", n_microbatches=2,
+                       n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=LR, max_norm=MAX_NORM,
+                       checkpoint=kind == "qwen3")
+            for kind in ("qwen3", "hf", "llama3")}
+
+
 @pytest.mark.multiprocess
 def test_tied_qwen3_and_nested_decoder_match_single_process(tmp_path):
-    configs = [Case(model=kind, pp=2, dp=2, tp=2, schedule="1F1B", n_microbatches=2,
-                    n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=LR, max_norm=MAX_NORM,
-                    checkpoint=kind == "qwen3")
-               for kind in ("qwen3", "hf", "llama3")]
-    # tied copies without the planner too (replicated stages, plain tensors)
-    configs.append(vary(configs[0], checkpoint=False, parallelize=None))
-    # V placement: the embedding's and the head's stages on one rank (a mirror copy); its
-    # checkpoint loads into the loop placement, and the loop's back into V
-    configs.append(vary(configs[0], schedule="ZBVZeroBubble", n_microbatches=4, cross="1F1B"))
-    # a user parallelize placing the two copies differently: refused on every rank
-    configs.append(vary(configs[0], checkpoint=False, expect_error=True,
-                        parallelize=mismatched_tied_parallelize))
+    qwen3 = _decoders()["qwen3"]
+    configs = [qwen3, _decoders()["hf"],
+               # V placement: the embedding's and the head's stages on one rank (a mirror
+               # copy); its checkpoint loads into the loop placement, and the loop's back into V
+               vary(qwen3, schedule="ZBVZeroBubble", n_microbatches=4, cross="1F1B"),
+               # a user parallelize placing the two copies differently: refused on every rank
+               vary(qwen3, checkpoint=False, expect_error=True,
+                    parallelize=mismatched_tied_parallelize)]
     results = run_on_ranks(run, 8, configs, str(tmp_path), timeout=900)
     errors = {r[-1]["error"] for r in results}
     assert len(errors) == 1 and "must be placed alike on every rank" in errors.pop(), errors
     assert "tok_embeddings.weight: (Shard(dim=0),) on ranks" in results[0][-1]["error"]
     configs, results = configs[:-1], [r[:-1] for r in results]
-    for r in results:  # V: one key for the tied parameter on the rank holding both copies
-        v = r[-1]
+    _check_decoders(configs, results)
+    # tied: the head's copy is named (and checkpointed) as the embedding, once; both copies
+    # keep one value after the optimizer step
+    last = next(r[0] for r in results if "norm.weight" in r[0]["state_keys"])
+    first = next(r[0] for r in results if "norm.weight" not in r[0]["state_keys"])
+    assert "tok_embeddings.weight" in last["state_keys"]
+    assert "lm_head.weight" not in last["state_keys"]
+    torch.testing.assert_close(last["values"]["tok_embeddings.weight"],
+                               first["values"]["tok_embeddings.weight"], atol=0, rtol=0)
+    # the checkpoint stores the tied parameter once, under its first name, and restores both
+    # copies (a fresh pipeline's eval loss becomes the trained one's)
+    ck = last["checkpoint"]
+    assert "model.tok_embeddings.weight" in ck["keys"]
+    assert not [k for k in ck["keys"] if "lm_head" in k]
+    assert ck["eval_loaded"] == pytest.approx(ck["eval"], abs=1e-6) != ck["eval_fresh"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.wide
+def test_llama3_and_unplanned_tied_copies_match_single_process(tmp_path):
+    """llama3 on the same path (also in tests/test_auto_pipeline.py), and qwen3's tied
+    copies without the planner (replicated stages, plain tensors)."""
+    configs = [_decoders()["llama3"], vary(_decoders()["qwen3"], checkpoint=False,
+                                           parallelize=None)]
+    _check_decoders(configs, run_on_ranks(run, 8, configs, str(tmp_path), timeout=900))
+
+
+def _check_decoders(configs: list[Case], results: list[list[dict]]) -> None:
+    """Every configuration's losses, gradients and state keys against its single-process
+    reference; a V configuration's tied key once per rank and its checkpoints across
+    placements."""
+    vs = [i for i, cfg in enumerate(configs) if cfg.schedule == "ZBVZeroBubble"]
+    for v in (r[i] for r in results for i in vs):  # V: one key for the tied parameter
+        # on the rank holding both copies
         assert "lm_head.weight" not in v["state_keys"], v["state_keys"]
         for key in ("keys", "cross_keys"):
             if v["checkpoint"]:
@@ -83,17 +118,3 @@ def test_tied_qwen3_and_nested_decoder_match_single_process(tmp_path):
                     units[-1] == "post" if sid == 2 * per_rank - 1 else True
         names = {n for n, _ in MODELS[cfg.model](N_LAYERS).named_parameters()}
         assert seen == names, (cfg.model, names ^ seen)
-    # tied: the head's copy is named (and checkpointed) as the embedding, once; both copies
-    # keep one value after the optimizer step
-    last = next(r[0] for r in results if "norm.weight" in r[0]["state_keys"])
-    first = next(r[0] for r in results if "norm.weight" not in r[0]["state_keys"])
-    assert "tok_embeddings.weight" in last["state_keys"]
-    assert "lm_head.weight" not in last["state_keys"]
-    torch.testing.assert_close(last["values"]["tok_embeddings.weight"],
-                               first["values"]["tok_embeddings.weight"], atol=0, rtol=0)
-    # the checkpoint stores the tied parameter once, under its first name, and restores both
-    # copies (a fresh pipeline's eval loss becomes the trained one's)
-    ck = last["checkpoint"]
-    assert "model.tok_embeddings.weight" in ck["keys"]
-    assert not [k for k in ck["keys"] if "lm_head" in k]
-    assert ck["eval_loaded"] == pytest.approx(ck["eval"], abs=1e-6) != ck["eval_fresh"]

@@ -51,13 +51,9 @@ ALL_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZe
 def test_auto_schedules_and_layouts_match_single_process(reference):
     # planned stages are graph stages on torch's action runtime, for every schedule
     configs = [_cfg(s, 2, dp=2, tp=2, parallelize="auto", eval=True) for s in ALL_SCHEDULES]
-    configs.append(_cfg("1F1B", 4, dp=2, tp=1, parallelize="auto", n_microbatches=4))
-    configs.append(_cfg("1F1B", 2, dp=1, tp=4, parallelize="auto", clip=True))
     # activations sent between stages with their sequence split over tp
     configs.append(_cfg("1F1B", 2, dp=2, tp=2, parallelize="auto",
                         options=dict(boundary="batch+seq")))
-    # one stage holding the whole model, planned on a 2 x 4 (dp x tp) sub-mesh
-    configs.append(_cfg("GPipe", 1, dp=2, tp=4, parallelize="auto", n_microbatches=2))
     # loss parallel: the last stage's logits stay split on the vocabulary over tp
     configs.append(_cfg("1F1B", 2, dp=2, tp=2, parallelize="auto", loss_parallel=True,
                         eval=True))
@@ -78,6 +74,21 @@ def test_auto_schedules_and_layouts_match_single_process(reference):
         "loss: loss parallel: logits stay split on the vocabulary over tp (no gather)" in d
         for d in said
     ), said[0]
+
+
+@pytest.mark.wide
+def test_auto_other_layouts_match_single_process(reference):
+    """pp=4 (one block a stage), a 1 x 4 sub-mesh with clipping, and one stage holding the
+    whole model planned on a 2 x 4 (dp x tp) sub-mesh."""
+    configs = [_cfg("1F1B", 4, dp=2, tp=1, parallelize="auto", n_microbatches=4),
+               _cfg("1F1B", 2, dp=1, tp=4, parallelize="auto", clip=True),
+               _cfg("GPipe", 1, dp=2, tp=4, parallelize="auto", n_microbatches=2)]
+    results = run_on_ranks(run_configs, 8, configs)
+    _check(results, configs, reference)
+    for i, cfg in enumerate(configs):  # one UNSHARD and one REDUCE_GRAD per stage per step
+        for r in results:
+            acts, n_local = r[i]["actions"], len(r[i]["stage_ids"])
+            assert acts["UNSHARD"] == acts["REDUCE_GRAD"] == n_local, (cfg.schedule, acts)
 
 
 def test_auto_adamw_20_steps_track_reference():

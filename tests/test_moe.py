@@ -2,10 +2,11 @@
 deepseek_v3 ``debugmodel`` (MLA, a dense first layer, shared experts) at pp2 × dp2 × tp2 on 8
 gloo processes match the single-process model: the first step's loss and every gradient
 (fp32, 1e-5), the load-balancing expert biases after the step, and the losses of AdamW steps
-with clipping; a checkpoint saved at pp2 × dp2 × tp2 resumes at pp4 × dp2 × tp1 with the same
-next loss. One model runs each schedule with tokens dispatched by all-to-all (expert
-parallel as torchtitan's EP), the other with the planner's own choice; deepseek_v3 also runs
-unplanned (``parallelize=None``: the model's own MoE code, replicated over dp4).
+with clipping; under ``-m wide`` a checkpoint saved at pp2 × dp2 × tp2 resumes at pp4 × dp2
+× tp1 with the same next loss. One model runs each schedule with tokens dispatched by all-to-all (expert
+parallel as torchtitan's EP), the other with the planner's own choice; under ``-m wide``
+deepseek_v3 also runs unplanned (``parallelize=None``: the model's own MoE code, replicated
+over dp4).
 
 The reference is plain torchtitan + torch (no autopp code but ``init_module_``): the model's
 own forward (its router, its token dispatcher, its experts), ``clip_grad_norm_``, AdamW, and
@@ -83,18 +84,13 @@ def test_moe_decoders_match_single_process(tmp_path):
     common = Case(pp=2, dp=2, tp=2, n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=LR,
                   max_norm=MAX_NORM, fp32_experts=True)
     configs = [
-        vary(common, model="qwen3_moe", schedule="1F1B", n_microbatches=2, steps=3,
-             resume=(4, 2, 1)),
+        vary(common, model="qwen3_moe", schedule="1F1B", n_microbatches=2, steps=3),
         # deepseek's tokens by all-to-all over dp, its experts split further over tp. The
         # rows reach each expert in another order than in one process, so its losses are
         # held to the acceptance's 1e-5 (measured: rel 1.1e-6 at the third step), not to
         # the 1e-6 the other configurations meet
         vary(common, model="deepseek_v3", schedule="ZBVZeroBubble", n_microbatches=4,
              steps=3, dispatch="all_to_all", track=1e-5),
-        # stages that run the modules as written (no planner): counts summed over dp, the
-        # first step's shape-inference forward not counted
-        vary(common, model="deepseek_v3", schedule="1F1B", n_microbatches=2, steps=3,
-             dp=4, tp=1, parallelize=None),
     ]
     results = run_on_ranks(run, 8, configs, str(tmp_path), timeout=1500)
     for i, cfg in enumerate(configs):
@@ -147,6 +143,14 @@ def test_moe_schedules_and_loss_curves_match_single_process(tmp_path):
         # reductions) against the fp32 reference: the losses to bf16 accuracy
         vary(common, model="qwen3_moe", schedule="1F1B", n_microbatches=2, steps=5,
              fp32_experts=False, bf16=True, dispatch="all_to_all"),
+        # stages that run the modules as written (no planner): counts summed over dp, the
+        # first step's shape-inference forward not counted
+        vary(common, model="deepseek_v3", schedule="1F1B", n_microbatches=2, steps=3,
+             lr=LR, dp=4, tp=1, parallelize=None),
+        # a checkpoint saved at pp2 x dp2 x tp2 resumes at pp4 x dp2 x tp1 (dense models:
+        # tests/test_auto_pipeline.py::test_auto_checkpoint_resume, in the default command)
+        vary(common, model="qwen3_moe", schedule="1F1B", n_microbatches=2, steps=3, lr=LR,
+             resume=(4, 2, 1)),
     ]
     results = run_on_ranks(run, 8, configs, str(tmp_path), timeout=3000)
     for i, cfg in enumerate(configs):
@@ -156,7 +160,9 @@ def test_moe_schedules_and_loss_curves_match_single_process(tmp_path):
                 assert rank_results[i]["losses"] == pytest.approx(
                     ref.losses[:cfg.steps], rel=1e-3), cfg
                 continue
-            _check(rank_results[i], ref, cfg, track=1e-3)
+            # a 20-step curve tracks the reference (routing near-ties flip); shorter at
+            # the core test's bounds
+            _check(rank_results[i], ref, cfg, track=1e-3 if cfg.steps >= 20 else cfg.track)
         if cfg.dispatch == "all_to_all":
             kinds = {d for r in results for d in r[i]["dispatch"]}
             assert kinds and all(k.startswith("all_to_all") for k in kinds), (cfg, kinds)
