@@ -78,39 +78,46 @@ def test_stages_differing_in_microbatches_in_flight_share_the_time_only_solve(un
 
 
 def test_what_the_time_only_lp_depends_on_makes_a_solve_of_its_own(unit, runs):
+    """Each solve either is served (no solver run) or runs the solver. How many runs a solve
+    of its own takes is not asserted: an LP whose relaxation comes out fractional adds a MIP
+    run, and which optimal vertex a degenerate LP lands on can depend on whether its warm
+    start was cut short by time (highs.WARM_GUARD), as on a loaded machine."""
     base, pairs = unit
     base._time_only.clear()
+
+    def ran(solve) -> bool:
+        before = runs[0]
+        solve()
+        return runs[0] > before
+
     m = base.with_memory(_spec(3.0))
-    m.solve(*pairs[0])
-    assert runs[0] == 1
-    m.solve(*pairs[0])
-    assert runs[0] == 1
-    m.solve(*pairs[-1])  # another boundary pair: other column bounds
-    assert runs[0] == 2
-    m.solve(*pairs[0], recompute="full")  # another policy: other columns and times
-    assert runs[0] == 3
-    m.solve(*pairs[0], price=1e-10)  # priced: reads the row, never shared
-    m.solve(*pairs[0], price=1e-10)
-    assert runs[0] == 5
-    m.solve(*pairs[0], budget=1e30)  # under a budget: reads the row, never shared
-    assert runs[0] == 6
+    assert ran(lambda: m.solve(*pairs[0]))
+    assert not ran(lambda: m.solve(*pairs[0]))
+    assert ran(lambda: m.solve(*pairs[-1]))  # another boundary pair: other column bounds
+    # another policy: other columns and times
+    assert ran(lambda: m.solve(*pairs[0], recompute="full"))
+    # priced: reads the row, never shared
+    assert ran(lambda: m.solve(*pairs[0], price=1e-10))
+    assert ran(lambda: m.solve(*pairs[0], price=1e-10))
+    # under a budget: reads the row, never shared
+    assert ran(lambda: m.solve(*pairs[0], budget=1e30))
     # a largest-tensor bound that excludes columns changes the LP
     some = float(sorted(set(m.column_bytes().tolist()))[-2])
     capped = base.with_memory(_spec(3.0, largest_tensor_bytes=some))
-    capped.solve(*pairs[0])
-    assert runs[0] == 7
+    assert ran(lambda: capped.solve(*pairs[0]))
     # another accounting of the state (no activations counted): other columns
     legacy = base.with_memory(MemorySpec(param_state_factor=4.0))
-    legacy.solve(*pairs[0])
-    assert runs[0] == 8
+    assert ran(lambda: legacy.solve(*pairs[0]))
     # another model (another cost model) keeps its own
     from autopp.sharding.costs import CostModel
     from autopp.sharding.solver import Model
     from autopp.profiles.lookup import get_profile
 
     other = Model(base.st, CostModel(get_profile("A100"), (2, 2)), memory=_spec(3.0))
-    other.solve(*pairs[0])
-    assert runs[0] == 9
+    assert ran(lambda: other.solve(*pairs[0]))
+    # and the time-only solves made above are still served, each under its own key
+    assert not ran(lambda: m.solve(*pairs[-1]))
+    assert not ran(lambda: m.solve(*pairs[0], recompute="full"))
 
 
 def test_plan_stage_shares_the_unbudgeted_solves_between_in_flight_counts(stack_of, make_mesh,
