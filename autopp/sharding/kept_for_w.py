@@ -63,9 +63,10 @@ def reads(row: MemoryRow) -> dict[tuple[fx.Node, int], None]:
     that op's reads stand in for it: the lowered graphs split it, and W makes that output
     from them. Each edge counts at the larger of its producer's and its reader's placement
     (:func:`edge_bytes`). Checked against the lowered W graphs' inputs
-    (tests/sharding/test_memory_ilp.py): within about 11% on a llama3 block (the split
-    places a few recomputed values and views on the other side; an edge read twice counts
-    twice)."""
+    (tests/sharding/test_memory_ilp.py, held to 12%): −8.8% to +5.4% on a llama3 block
+    (the split places a few recomputed values and views on the other side; an edge read
+    twice counts twice); on whole stages −14% to +6% (70B DualPipeV) and −15% to +18%
+    (8B ZBV), docs/design.md."""
     hit = row._structure.get("kept_for_w")
     if hit is not None:
         return hit
