@@ -65,8 +65,10 @@ def reads(row: MemoryRow) -> dict[tuple[fx.Node, int], None]:
     (:func:`edge_bytes`). Checked against the lowered W graphs' inputs
     (tests/sharding/test_memory_ilp.py, held to 12%): −8.8% to +5.4% on a llama3 block
     (the split places a few recomputed values and views on the other side; an edge read
-    twice counts twice); on whole stages −14% to +6% (70B DualPipeV) and −15% to +18%
-    (8B ZBV), docs/design.md."""
+    twice counts twice). On whole stages, since W runs the collectives only it needs
+    (2026-12-06), the row counts 1.05–1.60× what the lowered W graphs keep on the 70B
+    DualPipeV plan of benchmarks/split_backward_memory.py (it still counts such an edge at
+    its gathered placement), and −15% to +18% on the 8B ZBV one: docs/design.md."""
     hit = row._structure.get("kept_for_w")
     if hit is not None:
         return hit
