@@ -380,4 +380,3 @@ def split_di_dw_graph(bw_module: fx.GraphModule, *, num_param_grads: int
         finally:
             if had:
                 fx_node._side_effectful_functions.add(wait)
-
