@@ -315,6 +315,19 @@ def dry_run(args) -> None:
     print_dry_run(report, args)
 
 
+def _leave_without_teardown() -> None:
+    """End a planning-only run (--search, --dry-run) once its report is out: the exit
+    handlers run, but not the interpreter's teardown, whose last garbage collection walks
+    the whole planning heap (about 2 s of the 70B pp4 dry run's ~22 s on a 2-core machine,
+    py-spy) only to free memory the process is about to give back anyway."""
+    import atexit
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()  # logging's flush, multiprocessing's joins, torch's hooks
+    os._exit(0)
+
+
 def main() -> None:
     """Run the example; an error that ends the job prints one line per rank (set
     AUTOPP_TRACEBACK=1 for the traceback)."""
@@ -335,10 +348,9 @@ def _main() -> None:
         level=logging.INFO if int(os.environ.get("RANK", 0)) == 0 else logging.WARNING,
         format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S",
     )
-    if args.search:
-        return search(args)
-    if args.dry_run:
-        return dry_run(args)
+    if args.search or args.dry_run:
+        (search if args.search else dry_run)(args)
+        return _leave_without_teardown()
     device = init_distributed(args.device)
     random.seed(args.seed)
     torch.manual_seed(args.seed)

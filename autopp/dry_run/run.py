@@ -50,6 +50,7 @@ from torch import nn
 from autopp.stage_split.for_schedule import split_for_schedule, stage_ranks_of
 from autopp.plan.boundaries import BOUNDARIES
 from autopp.plan.keyword_inputs import example_keyword_inputs, microbatch_keyword_inputs
+from autopp.plan.heap import frozen_heap
 from autopp.plan.make import loss_time_s, plan_whole_pipeline
 from autopp.plan.parallel import map_stages
 from autopp.plan.stage_inputs import last_stage_output, stage_meta_inputs
@@ -409,7 +410,8 @@ def dry_run(
         )
     t0 = time.perf_counter()
     try:
-        with tracing.settings(options.trace_settings()):  # MoE dispatch, expert dtype
+        # MoE dispatch, expert dtype; the collector off the imported heap while planning
+        with tracing.settings(options.trace_settings()), frozen_heap():
             report = _dry_run(model_meta, pp=pp, dp=dp, tp=tp, schedule=schedule,
                               n_microbatches=n_microbatches, global_batch=global_batch,
                               seq_len=seq_len, options=options, split=split,

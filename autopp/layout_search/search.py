@@ -42,6 +42,7 @@ from autopp.layout_search.layouts import DEFAULT_SCHEDULES, Layout, enumerate_la
 from autopp.layout_search.pricing import Candidate, Pricer, Split
 from autopp.layout_search.probe_pool import JOB, PROBE_BUG, ProbePool
 from autopp.layout_search.unit_costs import ShapeCosts
+from autopp.plan.heap import frozen_heap
 
 __all__ = ["Candidate", "SearchReport", "search"]
 
@@ -227,6 +228,7 @@ def _dominated(priced: dict, bounds: dict[Layout, float], best: Candidate) -> No
                        f"{best.layout} ({_ms(best.step_time_s)} ms) that fits")
 
 
+@frozen_heap()  # the collector off the imported heap while searching
 def search(
     model_meta: nn.Module,
     *,

@@ -49,6 +49,7 @@ from autopp.schedules.comm_windows import schedule_windows
 from autopp.schedules.memory_terms import communicator_bytes
 from autopp.plan.loss_choice import describe_loss, loss_kinds, loss_time_s
 from autopp.plan.objective import boundary_bytes, pp_link, pp_links, transfer_s
+from autopp.plan.heap import frozen_heap
 from autopp.plan.keyword_inputs import example_keyword_inputs, microbatch_keyword_inputs
 from autopp.plan.options import PlannerOptions
 from autopp.plan.parallel import map_stages
@@ -407,7 +408,8 @@ def plan_whole_pipeline(
     keyword = microbatch_keyword_inputs(keyword_inputs, n_microbatches, dp)
 
     def solve() -> PipelinePlan:
-        with tracing.settings(options.trace_settings()):  # MoE dispatch, expert dtype
+        # MoE dispatch, expert dtype; the collector off the imported heap while planning
+        with tracing.settings(options.trace_settings()), frozen_heap():
             return _solve()
 
     def _solve() -> PipelinePlan:
