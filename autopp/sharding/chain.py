@@ -27,7 +27,7 @@ from autopp._compat import sharding as compat
 from autopp.sharding.option import PlacementSpec, matches
 from autopp.sharding.solution import InfeasiblePlanError, SolveResult
 from autopp.sharding.strategies import Strategies, enumerate_strategies
-from autopp.sharding.trace import JointGraph, trace_joint
+from autopp.sharding.trace import JointGraph
 from autopp.sharding.units import BlockCall, default_extra_args, module_signature
 
 
@@ -40,12 +40,22 @@ class TracedBlock:
 
 
 def trace_unit(unit_module: nn.Module, x: torch.Tensor, mesh,
-               inputs: Sequence[torch.Tensor] = ()) -> TracedBlock:
+               inputs: Sequence[torch.Tensor] = (), *, param_dtype: str | None = None
+               ) -> TracedBlock:
     """Trace and enumerate one unit called on ``x`` (meta, global shape) and the keyword
-    inputs ``inputs`` (meta, in the units' order; never differentiated)."""
-    joint = trace_joint(unit_module, (x, *inputs), differentiable=1)
-    sig = (type(unit_module).__qualname__, module_signature(unit_module))
-    return TracedBlock(unit_module, joint, enumerate_strategies(joint, mesh), sig)
+    inputs ``inputs`` (meta, in the units' order; never differentiated), its parameters
+    computed in ``param_dtype`` (None: as stored). The trace comes through this process's
+    trace cache (:func:`~autopp.sharding.trace_cache.traced_unit`), as the estimates' and
+    the stage build's traces of the planned unit do: a stage costed or built after it was
+    planned here (the dry run's forked children, a job's rank 0) reuses it."""
+    from autopp.sharding.precision import maybe_cast
+    from autopp.sharding.trace_cache import traced_unit
+
+    joint = traced_unit(unit_module, (x, *inputs), param_dtype=param_dtype,
+                        prepare=lambda m: maybe_cast(m, param_dtype), differentiable=1)
+    module = maybe_cast(unit_module, param_dtype)
+    sig = (type(module).__qualname__, module_signature(module))
+    return TracedBlock(module, joint, enumerate_strategies(joint, mesh), sig)
 
 
 def trace_block(block: nn.Module, x: torch.Tensor, mesh) -> TracedBlock:

@@ -52,6 +52,7 @@ from autopp.sharding.solution import InfeasiblePlanError
 from autopp.sharding.solver import Model
 from autopp.sharding.strategies import enumerate_strategies, tensor_vals
 from autopp.sharding.trace import check_on_meta, graph_signature, trace_joint
+from autopp.sharding.trace_cache import plainest
 
 logger = logging.getLogger(__name__)
 
@@ -346,8 +347,11 @@ def _unit_stage(module, units, x, mesh, names, costs, memory, in_spec, out_spec,
             hit = _MEMO.unit(ukey)
             if hit is None:
                 t0 = time.perf_counter()
-                hit = _MEMO.traced[ukey] = trace_unit(maybe_cast(unit.module, pdtype), x, mesh,
-                                                      inputs)
+                # on the plainest unit of its signature: the trace key the estimates' and
+                # the other stages' units share (a stage's end blocks carry its cut's hooks)
+                plain = plainest([u.module for u in units if unit_signature(u) == sig])
+                hit = _MEMO.traced[ukey] = trace_unit(plain, x, mesh, inputs,
+                                                      param_dtype=pdtype)
                 if pdtype is not None:
                     reduce_after_cast(hit.strategies)
                 logger.info("unit %s (%s) on mesh %s: traced, %d nodes with options, in "

@@ -40,7 +40,7 @@ import enum
 import logging
 import types
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -110,6 +110,18 @@ def traced_unit(module: nn.Module, example_inputs: tuple[Any, ...], *,
     while len(_traced) > CAPACITY:
         _traced.popitem(last=False)
     return joint
+
+
+def plainest(modules: Sequence[nn.Module]) -> nn.Module:
+    """The first of ``modules`` (units with one plan signature, e.g. a stage's blocks) that
+    carries no module hooks anywhere in its tree, else the first. Its trace key is the one
+    every plain copy shares, so a trace made while planning serves it: a stage's first and
+    last blocks carry the stage cut's hooks (:class:`autopp.stage_split.build.StageCut`),
+    which are in their keys."""
+    for m in modules:
+        if not any(any(vars(sub).get(t) for t in _HOOKS) for sub in m.modules()):
+            return m
+    return modules[0]
 
 
 def trace_stats() -> dict[str, int]:
