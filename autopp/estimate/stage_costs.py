@@ -393,7 +393,7 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
     from autopp.sharding.costs import CostModel
     from autopp.sharding.precision import maybe_cast
     from autopp.profiles.lookup import get_profile
-    from autopp.sharding.trace_cache import plainest, traced_unit
+    from autopp.sharding.trace_cache import plainest_by, traced_unit
     from autopp.lower.apply import check_planned_graph, units_of_plan
 
     keyword = plan.keyword_examples()
@@ -408,9 +408,7 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
     grads_made: dict[str, int] = {}
     transient: dict[str, int] = {}
     # each signature traced on its plainest unit: the key a trace made while planning has
-    plain = {sig: plainest([by_name[b.prefix].module for b in plan.blocks
-                            if b.signature == sig])
-             for sig in {b.signature for b in plan.blocks}}
+    plain = plainest_by((b.signature, by_name[b.prefix].module) for b in plan.blocks)
     for index, bplan in enumerate(plan.blocks):  # as autopp.lower.apply.planned_units walks them
         key = (bplan.signature, bplan.nodes, plan.profile, plan.tf32, tuple(plan.mesh_shape),
                plan.param_dtype, n_microbatches, plan.recompute, plan.trace_settings, overlap,

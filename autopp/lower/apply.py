@@ -39,7 +39,7 @@ from autopp.lower.reuse import lowered_stage, split_stage
 from autopp.sharding.plan import BlockPlan, StagePlan, from_strs
 from autopp.sharding.precision import maybe_cast
 from autopp.sharding.trace import JointGraph, graph_signature
-from autopp.sharding.trace_cache import traced_unit
+from autopp.sharding.trace_cache import plainest_by, traced_unit
 
 
 class ShardedBlock(nn.Module):
@@ -208,13 +208,16 @@ def planned_units(
     flat, by_name = units_of_plan(module, plan, mesh, x, keyword)
     traced: dict[str, JointGraph] = {}
     lowered: dict[tuple, tuple[Any, Any]] = {}
+    # each signature traced on its plainest unit: the trace key its planning (and another
+    # stage's or schedule's copies of the block) had; the stage's end blocks carry its cut
+    plain = plainest_by((b.signature, by_name[b.prefix].module) for b in plan.blocks)
     for bplan in plan.blocks:
         unit = by_name[bplan.prefix]
         if bplan.signature not in traced:
             args = example_inputs if flat else (x, *keyword.values())
             with tracing.settings(plan.trace_settings):  # as the stage was planned
                 traced[bplan.signature] = traced_unit(
-                    unit.module, args, param_dtype=plan.param_dtype,
+                    plain[bplan.signature], args, param_dtype=plan.param_dtype,
                     prepare=lambda m: maybe_cast(_meta_copy(m), plan.param_dtype),
                     differentiable=None if flat else 1)
         joint = traced[bplan.signature]

@@ -40,7 +40,7 @@ import enum
 import logging
 import types
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -122,6 +122,15 @@ def plainest(modules: Sequence[nn.Module]) -> nn.Module:
         if not any(any(vars(sub).get(t) for t in _HOOKS) for sub in m.modules()):
             return m
     return modules[0]
+
+
+def plainest_by(pairs: Iterable[tuple[Hashable, nn.Module]]) -> dict[Hashable, nn.Module]:
+    """``{key: plainest(modules of that key)}`` over ``(key, module)`` pairs in order (e.g.
+    a stage plan's units by their plan signature)."""
+    groups: dict[Hashable, list[nn.Module]] = {}
+    for key, module in pairs:
+        groups.setdefault(key, []).append(module)
+    return {key: plainest(modules) for key, modules in groups.items()}
 
 
 def trace_stats() -> dict[str, int]:
