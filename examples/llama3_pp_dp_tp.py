@@ -212,8 +212,8 @@ def search(args) -> None:
     if not report.results:
         raise SystemExit(report.no_fit_message())
     # the simulated peaks are the check: the search ranks layouts from probe costs, and the
-    # planner's count of what a split backward keeps from I to W is an estimate (0.85 to
-    # 1.6 times the lowered graphs' on whole stages, docs/design.md), so the best layout's
+    # planner's count of what a split backward keeps from I to W is an estimate (0.9 to
+    # 1.44 times the lowered graphs' on whole stages, docs/design.md), so the best layout's
     # exact plan may not fit, or not plan at all under its budgets: the next-ranked layouts
     # are planned then, up to TRIES
     from autopp.sharding import InfeasiblePlanError

@@ -61,14 +61,13 @@ def reads(row: MemoryRow) -> dict[tuple[fx.Node, int], None]:
     and parameter-only values aside. Where such a value is an output of a multi-output
     backward op the input gradient needs too (a fused norm backward's weight gradient),
     that op's reads stand in for it: the lowered graphs split it, and W makes that output
-    from them. Each edge counts at the larger of its producer's and its reader's placement
-    (:func:`edge_bytes`). Checked against the lowered W graphs' inputs
-    (tests/sharding/test_memory_ilp.py, held to 12%): −8.8% to +5.4% on a llama3 block
-    (the split places a few recomputed values and views on the other side; an edge read
-    twice counts twice). On whole stages, since W runs the collectives only it needs
-    (2026-12-06), the row counts 1.05–1.60× what the lowered W graphs keep on the 70B
-    DualPipeV plan of benchmarks/split_backward_memory.py (it still counts such an edge at
-    its gathered placement), and −15% to +18% on the 8B ZBV one: docs/design.md."""
+    from them. Each edge counts in its producer's placement (:func:`edge_bytes`). Checked
+    against the lowered W graphs' inputs (tests/sharding/test_memory_ilp.py, held to 12%):
+    −8.8% to +5.4% on a llama3 block (the split places a few recomputed values and views
+    on the other side; an edge read twice counts twice). On whole stages: 0.99–1.08× what
+    the lowered W graphs keep on 14 of the 16 stages of the 70B DualPipeV plan of
+    benchmarks/split_backward_memory.py and 1.31 / 1.44× on its stages 0 and 1 (selective
+    recomputation; not explained yet), −10% to +13% on the 8B ZBV one: docs/design.md."""
     hit = row._structure.get("kept_for_w")
     if hit is not None:
         return hit
@@ -95,13 +94,17 @@ def reads(row: MemoryRow) -> dict[tuple[fx.Node, int], None]:
     return out
 
 
-def edge_bytes(row: MemoryRow, val: Any, a: Any, g: Any) -> float:
-    """A kept read's bytes: the larger of the value in its producer's placement ``a`` and
-    in its reader's ``g``. A redistribution before W (an activation gathered over dp for
-    the weight gradient) is held at the reader's, one inside W at the producer's; the
-    producer's alone let the ILP gather a 70B stage's activations over dp for W, held 16×
-    larger in the lowered graph than it counted."""
-    return max(row.costs.local_bytes(val, a), row.costs.local_bytes(val, g))
+def edge_bytes(row: MemoryRow, val: Any, a: Any) -> float:
+    """A kept read's bytes: the value in its producer's placement ``a``, which is what W
+    receives from I. A redistribution to the reader's placement that only W needs (a
+    gather of an activation over dp for a weight gradient) runs in W, since W runs the
+    collectives only it needs (``_compat.graph.split_di_dw_graph``); its result is W's
+    working memory, which the lowered graphs' estimate counts (``work``), not a value
+    held from I to W. Until then such a gather ran in I and W held its result: this
+    counted the larger of the two placements, which over-counted by up to 1.60× once W
+    gathered for itself (the 70B DualPipeV plan of benchmarks/split_backward_memory.py,
+    2026-12-06)."""
+    return row.costs.local_bytes(val, a)
 
 
 def add_terms(row: MemoryRow, t: Terms, mib: float) -> None:
@@ -110,8 +113,8 @@ def add_terms(row: MemoryRow, t: Terms, mib: float) -> None:
     for d, i in reads(row):
         src, k = row.st.nodes[d].edges[i]
         val = tensor_vals(src)[k]
-        for c, a, g in row.edge_cols.get((d, i), ()):
-            t.kept[c] = t.kept.get(c, 0.0) + edge_bytes(row, val, a, g)
+        for c, a, _ in row.edge_cols.get((d, i), ()):
+            t.kept[c] = t.kept.get(c, 0.0) + edge_bytes(row, val, a)
     for name, terms in (("act_col", t.act), ("kept_col", t.kept)):
         col = t.col()
         setattr(t, name, col)
@@ -152,6 +155,5 @@ def kept_bytes(row: MemoryRow, choice: Mapping[fx.Node, Option]) -> float:
     for d, i in reads(row):
         src, k = row.st.nodes[d].edges[i]
         if src in choice and d in choice:
-            total += edge_bytes(row, tensor_vals(src)[k], choice[src].out[k],
-                                choice[d].ins[i])
+            total += edge_bytes(row, tensor_vals(src)[k], choice[src].out[k])
     return total
