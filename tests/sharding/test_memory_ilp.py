@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from autopp.sharding import InfeasiblePlanError, StagePlan, plan_stage
+from autopp.sharding import budget as B
 
 from .conftest import BlockStack
 
@@ -53,7 +54,7 @@ def test_activation_estimate_equals_lowered_graphs(block, make_mesh):
     print("estimate vs lowered (activations, gathered):", seen)
 
 
-def test_split_backward_row_counts_what_w_keeps_at_each_peak(block, make_mesh):
+def test_split_backward_row_counts_what_w_keeps_at_each_peak(block, make_mesh, monkeypatch):
     """With a split backward (``split_in_flight``), the plan's bytes W keeps from I (the
     ILP's count off the joint graph) are within 12% of the lowered W graph's inputs under
     each recomputation policy, free or with torchtitan's placements (the split places a few
@@ -106,9 +107,12 @@ def test_split_backward_row_counts_what_w_keeps_at_each_peak(block, make_mesh):
     unaware = plan_stage(block, (x,), mesh, param_placements=fixed, output_placements=None,
                          activation_factor=3.0, recompute="full", memory_budget_bytes=budget)
     assert unaware.blocks[0].nodes == free.blocks[0].nodes
+    # only the polish's MIP is bounded (to keep the test short): a time limit on every solve
+    # left the least-memory chain with no plan at all under CI's load (2026-12-06)
+    monkeypatch.setattr(B, "POLISH_TIME_S", 1.0)
     bound = plan_stage(block, (x,), mesh, param_placements=fixed, output_placements=None,
                        activation_factor=3.0, split_in_flight=peaks, recompute="full",
-                       memory_budget_bytes=budget, time_limit_s=1.0)  # its polish's MIP
+                       memory_budget_bytes=budget)
     assert bound.memory_bytes <= budget < split.memory_bytes
     assert bound.blocks[0].nodes != split.blocks[0].nodes
     assert bound.step_time_s >= split.step_time_s * (1 - 1e-9)

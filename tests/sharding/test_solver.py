@@ -40,6 +40,17 @@ def test_infeasible_memory_budget_is_named(mlp_meta, make_mesh):
         plan_stage(mlp_meta, (x,), make_mesh(2, 2), memory_budget_bytes=1000)
 
 
+def test_a_solve_out_of_time_says_so_not_infeasible(mlp_meta, make_mesh):
+    """A solve whose time limit runs out before any plan is found is not called infeasible:
+    the error names the limit and the fix (HiGHS stops before its first LP at 1e-9 s)."""
+    x = torch.empty(8, 1024, 512, device="meta")
+    out_of_time = r"within time_limit_s=1e-09 .*raise time_limit_s"
+    with pytest.raises(InfeasiblePlanError, match=out_of_time) as e:
+        plan_stage(mlp_meta, (x,), make_mesh(2, 2), time_limit_s=1e-9)
+    assert "satisfies the constraints together" not in str(e.value)
+    assert plan_stage(mlp_meta, (x,), make_mesh(2, 2)).step_time_s > 0  # it is feasible
+
+
 def test_indivisible_input_constraint_is_named(mlp_meta, make_mesh):
     x = torch.empty(3, 1024, 512, device="meta")  # batch 3 on dp=2
     with pytest.raises(InfeasiblePlanError, match="input_placements"):
