@@ -21,7 +21,20 @@ if TYPE_CHECKING:
 
 
 class InfeasiblePlanError(ValueError):
-    """The constraints admit no plan; the message names them."""
+    """No plan: the constraints admit none, or a solve ran out of time before it found one;
+    the message says which and names the constraints."""
+
+    @classmethod
+    def no_plan(cls, status: str, constraints: list[str], time_limit_s: float
+                ) -> InfeasiblePlanError:
+        """The error of a solve that returned no plan, from the solver's ``status``: out of
+        time is not proven infeasible, and its fix is a longer ``time_limit_s``."""
+        if "time limit" in status.lower():
+            return cls(f"the solver found no sharding plan within time_limit_s={time_limit_s:g} "
+                       f"(solver: {status}); raise time_limit_s. Constraints in force: "
+                       f"{constraints}")
+        return cls(f"no sharding plan satisfies the constraints together (solver: {status}); "
+                   f"constraints in force: {constraints}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -558,15 +558,7 @@ class Model:
             listed = sorted(set(names.values()))
             if budget is not None:
                 listed.append(f"memory_budget_bytes={budget:.4g}")
-            if "time limit" in status.lower():  # not proven infeasible: out of time
-                raise InfeasiblePlanError(
-                    f"the solver found no sharding plan within time_limit_s={time_limit_s:g} "
-                    f"(solver: {status}); raise time_limit_s. Constraints in force: {listed}"
-                )
-            raise InfeasiblePlanError(
-                f"no sharding plan satisfies the constraints together (solver: {status}); "
-                f"constraints in force: {listed}"
-            )
+            raise InfeasiblePlanError.no_plan(status, listed, time_limit_s)
         choice: dict[fx.Node, Option] = {}
         for node, opts in self.options.items():
             vals = x[self.col0[node] : self.col0[node] + len(opts)]
