@@ -86,7 +86,7 @@ def test_the_tf32_setting_is_in_the_keys(monkeypatch):
     import dataclasses
     import types
 
-    from autopp.plan import make
+    from autopp.plan import local_stage
     from autopp.plan.options import PlannerOptions
     from autopp.plan.value import PlanOptions
 
@@ -99,7 +99,7 @@ def test_the_tf32_setting_is_in_the_keys(monkeypatch):
         keys.append(cache.plan_key(*args, **kwargs))
         raise Stop
 
-    monkeypatch.setattr(make, "plan_key", capture)
+    monkeypatch.setattr(local_stage, "plan_key", capture)
     with torch.device("meta"):
         m = _block(1.0)()
     sub_mesh = types.SimpleNamespace(shape=(2, 2), mesh_dim_names=("dp", "tp"))
@@ -115,8 +115,8 @@ def test_the_tf32_setting_is_in_the_keys(monkeypatch):
             pipeline_keys.append(cache.pipeline_plan_key(
                 {"options": dataclasses.asdict(record)}))
             try:
-                make.plan_local_stage(m, x, sub_mesh, profile="H100", memory_budget_bytes=None,
-                                      stage_index=0)
+                local_stage.plan_local_stage(m, x, sub_mesh, profile="H100",
+                                             memory_budget_bytes=None, stage_index=0)
             except Stop:
                 pass
     finally:

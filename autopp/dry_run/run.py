@@ -14,7 +14,7 @@ It uses the fake process group (:func:`autopp.mesh.init_fake_world`, set up here
 caller already did), splits the model with the same rules as
 :func:`autopp.pipeline_autoparallel`, finds every stage's input on meta and plans EVERY stage
 (not only one rank's) on the stage sub-mesh, through the on-disk plan cache
-(:func:`autopp.plan.make.plan_local_stage`). All stage sub-meshes have the same shape, so
+(:func:`autopp.plan.local_stage.plan_local_stage`). All stage sub-meshes have the same shape, so
 rank 0's sub-mesh stands for all of them.
 
 Pipeline estimate: each stage's plan becomes the schedule simulator's

@@ -1,7 +1,7 @@
 """What one unit (the pre modules, one layer, the post modules) costs on a (dp, tp) sub-mesh,
 from the planner's own plans of two probe stages, and how it scales with the microbatch.
 
-For a sub-mesh shape the search plans, with :func:`autopp.plan.make.plan_local_stage` (so
+For a sub-mesh shape the search plans, with :func:`autopp.plan.local_stage.plan_local_stage` (so
 through the on-disk plan cache), the probe stages ``[pre, first layer]`` and
 ``[last layer, post]`` at one reference microbatch, under each recomputation policy it
 considers, with no memory budget (each unit's time-optimal plan under that policy; the
@@ -180,7 +180,8 @@ def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.T
     import time
 
     from autopp.plan.budgets import loss_kept_bytes
-    from autopp.plan.make import loss_time_s, plan_local_stage
+    from autopp.plan.local_stage import plan_local_stage
+    from autopp.plan.make import loss_time_s
     from autopp.plan.stage_inputs import last_stage_output, stage_meta_inputs
     from autopp.schedules.checks import check_batch_size
 

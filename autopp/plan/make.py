@@ -5,8 +5,8 @@
 2. :func:`plan_boundaries` chooses the placement of every stage boundary and of the last
    stage's logits (loss parallel or not) by Alpa's objective
    (:func:`autopp.plan.boundaries.choose_boundaries`) on the stages' planned times, and
-   :func:`plan_local_stage` plans a stage on its sub-mesh under them (cached on disk, see
-   :mod:`autopp.plan.cache`).
+   :func:`~autopp.plan.local_stage.plan_local_stage` plans a stage on its sub-mesh under
+   them (cached on disk, see :mod:`autopp.plan.cache`).
 3. :func:`plan_whole_pipeline` puts them together into one
    :class:`~autopp.plan.value.PipelinePlan` (cached on disk whole); :func:`planned_stages`
    reads a rank's stages back out of it.
@@ -33,10 +33,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopp import adapters, tracing
 from autopp.plan.cache import (
     cached_pipeline_plan,
-    cached_plan,
     forward_code,
     pipeline_plan_key,
-    plan_key,
 )
 from autopp.plan.boundaries import BOUNDARIES, boundary_kinds, choose_boundaries
 from autopp.plan.budgets import (
@@ -51,6 +49,7 @@ from autopp.plan.loss_choice import describe_loss, loss_kinds, loss_time_s
 from autopp.plan.objective import boundary_bytes, pp_link, pp_links, transfer_s
 from autopp.plan.heap import frozen_heap
 from autopp.plan.keyword_inputs import example_keyword_inputs, microbatch_keyword_inputs
+from autopp.plan.local_stage import plan_local_stage
 from autopp.plan.options import PlannerOptions
 from autopp.plan.parallel import map_stages
 from autopp.plan.rank0 import plan_on_rank0
@@ -62,7 +61,7 @@ from autopp.plan.value import (
     model_fingerprint,
     model_structure,
 )
-from autopp.sharding import InfeasiblePlanError, StagePlan, plan_stage
+from autopp.sharding import InfeasiblePlanError, StagePlan
 from autopp.sharding.plan import describe_keyword_inputs
 
 logger = logging.getLogger(__name__)
@@ -93,81 +92,6 @@ def default_profile(device_type: str) -> str:
     from autopp.profiles.devices import profile_for_device
 
     return profile_for_device(device_type)
-
-
-def plan_local_stage(
-    stage: nn.Module,
-    example_inputs: tuple[torch.Tensor, ...],
-    sub_mesh: DeviceMesh,
-    *,
-    profile: str,
-    memory_budget_bytes: float | None,
-    stage_index: int,
-    boundary_in: str = "batch",
-    boundary_out: str = "batch",
-    timings: dict[int, list] | None = None,
-    mixed_precision: Any = None,
-    n_microbatches: int = 1,
-    param_placements: dict[str, tuple[str, ...]] | None = None,
-    memory: dict[str, Any] | None = None,
-    tf32: bool | None = None,
-    keyword_inputs: Mapping[str, torch.Tensor] | None = None,
-) -> StagePlan:
-    """Plan ``stage`` (meta) over ``sub_mesh``; from the on-disk cache when possible.
-
-    ``boundary_in`` / ``boundary_out`` name the placements of what the stage receives and
-    sends (see :data:`BOUNDARIES`). ``timings[stage_index]`` (if given) accumulates
-    ``[seconds, plans solved, plans read from the cache]``. ``param_placements`` fixes some
-    parameters' placements (stage FQN -> one placement string per mesh dim). ``memory``:
-    :func:`~autopp.sharding.plan_stage`'s whole-memory accounting (``activation_factor``,
-    ``recompute``, ``optimizer_state_factor``); without it ``memory_budget_bytes`` bounds
-    parameter bytes only. ``tf32``: fp32 matmuls at the TF32 rate (``PlannerOptions.tf32``;
-    None: as torch is set now, :func:`~autopp.profiles.devices.tf32_enabled`); in the key.
-    ``keyword_inputs``: the model's keyword inputs for one dp-global microbatch (meta, by
-    name), which the stage takes as graph inputs (names, shapes and dtypes in the key).
-    """
-    from autopp.profiles import get_profile
-    from autopp.profiles.devices import tf32_enabled
-
-    profile = get_profile(profile).name  # "measure" -> this machine's measured profile
-    tf32 = tf32_enabled() if tf32 is None else bool(tf32)
-    options = dict(profile=profile, memory_budget_bytes=memory_budget_bytes,
-                   boundary_in=boundary_in, boundary_out=boundary_out, tf32=tf32)
-    if param_placements:
-        options["param_placements"] = sorted(param_placements.items())
-    if mixed_precision is not None:
-        options["mixed_precision"] = mixed_precision
-    if n_microbatches > 1:
-        options["microbatches_per_grad_reduce"] = n_microbatches
-    if memory:
-        options["memory"] = sorted(memory.items())
-    if keyword_inputs:
-        options["keyword_inputs"] = [[n, list(shape), d] for n, shape, d in
-                                     describe_keyword_inputs(keyword_inputs)]
-    key = plan_key(stage, example_inputs, tuple(sub_mesh.shape), sub_mesh.mesh_dim_names, options)
-    t0 = time.perf_counter()
-    plan, hit = cached_plan(
-        key,
-        lambda: plan_stage(
-            stage, example_inputs, sub_mesh, profile=profile,
-            memory_budget_bytes=memory_budget_bytes,
-            input_placements=BOUNDARIES[boundary_in],
-            output_placements=BOUNDARIES[boundary_out],
-            mixed_precision=mixed_precision,
-            microbatches_per_grad_reduce=n_microbatches,
-            param_placements=param_placements, tf32=tf32, keyword_inputs=keyword_inputs,
-            **(memory or {}),
-        ),
-    )
-    plan = dataclasses.replace(plan, cache_entry=key)
-    dt = time.perf_counter() - t0
-    logger.info("stage %d: plan %s (%s -> %s) in %.1f s (%s)", stage_index, key[:12],
-                boundary_in, boundary_out, dt, "cached" if hit else "solved")
-    if timings is not None:
-        t = timings.setdefault(stage_index, [0.0, 0, 0])
-        t[0] += dt
-        t[2 if hit else 1] += 1
-    return plan
 
 
 def plan_boundaries(

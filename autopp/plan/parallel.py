@@ -72,7 +72,7 @@ def map_stages(plan_of: Callable[[int], Any], n: int, *, timings: dict | None = 
                workers: int | None = None, progress: Callable[[int, int, float], None]
                = lambda done, n, elapsed: None) -> tuple[Any, ...]:
     """``(plan_of(0), ..., plan_of(n - 1))``, on up to ``workers`` processes (None:
-    :func:`plan_workers`); ``plan_of`` may be any per-stage work whose result pickles. ``timings``: :func:`autopp.plan.make.plan_local_stage`'s, given
+    :func:`plan_workers`); ``plan_of`` may be any per-stage work whose result pickles. ``timings``: :func:`autopp.plan.local_stage.plan_local_stage`'s, given
     the children's entries too. ``progress(done, n, elapsed_s)`` after each stage this
     process plans or receives."""
     workers = plan_workers(n) if workers is None else workers
