@@ -334,10 +334,10 @@ def test_padded_and_packed_batches_reach_every_stage():
         assert all(s == set(refs[0]["grads"]) for s in seen), kind
 
 
-def test_a_padding_mask_applies_and_a_short_sliding_window_is_refused():
+def test_a_padding_mask_and_a_sliding_window_apply_as_the_models_own():
     """autopp's attention applies a 2-D padding mask exactly as transformers' own SDPA path
-    does (left padding changes the loss), and refuses a sliding window shorter than the
-    sequence rather than running full causal attention silently."""
+    does (left padding changes the loss), and a sliding window shorter than the sequence as
+    the model's own attention does (the window changes the loss), forward and backward."""
     import transformers
 
     from autopp import adapters, init_module_
@@ -357,13 +357,23 @@ def test_a_padding_mask_applies_and_a_short_sliding_window_is_refused():
     assert ce_loss(logits_of(model(tokens)), target).item() == pytest.approx(unmasked, abs=1e-6)
     assert abs(theirs - unmasked) > 1e-3
 
-    config = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                        num_hidden_layers=1, num_attention_heads=2,
-                                        num_key_value_heads=1, sliding_window=8)
-    with torch.device("meta"):
-        mistral = transformers.MistralForCausalLM(config)
-    adapters.prepare(mistral)
-    mistral(torch.zeros(2, 8, dtype=torch.long, device="meta"))  # within the window: runs
-    with pytest.raises(ValueError, match=r"sliding-window attention \(8 positions\) over "
-                                         r"sequences of 16"):
-        mistral(torch.zeros(2, 16, dtype=torch.long, device="meta"))
+    def mistral(window):
+        config = transformers.MistralConfig(
+            vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, sliding_window=window,
+            initializer_range=0.2)
+        with torch.device("cpu"):
+            return init_module_(transformers.MistralForCausalLM(config), seed=0, device="cpu")
+
+    def run(model):
+        loss = ce_loss(logits_of(model(tokens)), target)
+        loss.backward()
+        return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+    ref_loss, ref_grads = run(mistral(4))
+    assert abs(run(mistral(None))[0] - ref_loss) > 1e-3  # the window acts at seq 16
+    ours = mistral(4)
+    adapters.prepare(ours)
+    loss, grads = run(ours)
+    assert loss == pytest.approx(ref_loss, abs=1e-5)
+    assert_all_parity(grads, ref_grads, what="sliding-window mistral grad")

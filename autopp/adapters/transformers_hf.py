@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,18 +53,58 @@ def _pretrained(model: nn.Module) -> bool:
     return tf is not None and isinstance(model, tf.PreTrainedModel)
 
 
+HANDLED = frozenset({"dropout", "scaling", "is_causal", "sliding_window", "softcap",
+                     "position_ids"})
+"""Keywords of transformers' attention call that autopp's attention implements (``softcap``:
+capped scores; ``sliding_window``: in the mask) or takes elsewhere (``position_ids``: packed
+documents, read at the model's call). Any other keyword given a value sends that layer to
+the model's own attention function (:class:`Route`), once checked."""
+
+@dataclass(frozen=True, kw_only=True)
+class Route:
+    """How a layer's attention runs: autopp's op (``function`` None;
+    :func:`autopp.ops.attention.sdpa`), or the model's own attention ``function`` given
+    autopp's mask as an additive one (a feature autopp's op lacks, e.g. attention sinks)."""
+
+    function: Callable | None = None
+    name: str = "autopp"
+
+
+ROUTES: dict[tuple[str, str, frozenset[str]], Route] = {}
+"""Verdicts of the attention check (:mod:`autopp.adapters.transformers_attention`): per
+(config class, attention module class, keywords outside :data:`HANDLED` the calls give), the
+route that reproduced the model's own attention. A call with no verdict is refused."""
+
+
+def unhandled(kwargs: Mapping[str, Any]) -> frozenset[str]:
+    """The keywords of an attention call outside :data:`HANDLED` that carry a value."""
+    return frozenset(k for k, v in kwargs.items()
+                     if k not in HANDLED and v is not None and v is not False)
+
+
+def route_key(module: nn.Module, kwargs: Mapping[str, Any]) -> tuple[str, str, frozenset[str]]:
+    """The :data:`ROUTES` key of an attention call of ``module`` with ``kwargs``."""
+    config = getattr(module, "config", None)
+    return (type(config).__qualname__, type(module).__qualname__, unhandled(kwargs))
+
+
 def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, dropout: float = 0.0,
               scaling: float | None = None, is_causal: bool | None = None,
+              sliding_window: int | None = None, softcap: float | None = None,
               **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: (batch, heads, seq, head_dim) query,
-    key and value; returns the output as (batch, seq, heads, head_dim) and no weights."""
-    groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:  # grouped-query attention: each key/value head serves `groups` heads
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
+    key and value; returns the output as (batch, seq, heads, head_dim) and no weights.
+    Runs the route the attention check chose for this layer's call (:data:`ROUTES`)."""
     from autopp.ops.attention import keep_mask  # not at import: `import autopp` stays light
 
+    route = ROUTES.get(route_key(module, kwargs))
+    if route is None:
+        raise ValueError(
+            f"{type(module).__name__}: attention called with "
+            f"{sorted(unhandled(kwargs)) or 'only keywords autopp implements'}, which autopp's "
+            "attention check has not seen for this model; call autopp.adapters.prepare(model) "
+            "on the model before running it (pipeline_autoparallel does)")
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     documents = None
     if attention_mask is None and _MASKS:
@@ -72,11 +113,37 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
         raise ValueError(f"autopp's attention takes a 2-D padding mask (batch, seq), got "
                          f"shape {tuple(attention_mask.shape)}")
     mask = keep_mask(query.shape[2], key.shape[2], device=query.device, causal=causal,
-                     key_valid=attention_mask, documents=documents)
+                     key_valid=attention_mask, documents=documents, window=sliding_window)
+    if route.function is not None:
+        if mask is None and causal:
+            q_len, k_len = query.shape[2], key.shape[2]
+            mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(
+                k_len - q_len)[None, None]
+        additive = None if mask is None else torch.zeros(
+            mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~mask, torch.finfo(query.dtype).min)
+        out, _ = route.function(
+            module, query, key, value, additive, dropout=dropout, scaling=scaling,
+            is_causal=is_causal, sliding_window=sliding_window, softcap=softcap, **kwargs)
+        return out, None
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:  # grouped-query attention: each key/value head serves `groups` heads
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
     if mask is not None:
         causal = False  # in the mask
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal,
-                                         dropout_p=dropout, scale=scaling)
+    if softcap:
+        if dropout:
+            raise ValueError(f"{type(module).__name__}: attention dropout ({dropout}) with "
+                             "logit softcapping is not implemented by autopp's attention; "
+                             "set the config's attention_dropout to 0")
+        scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+        out = torch.ops.autopp.sdpa(query, key, value, causal, scale, False, mask,
+                                    float(softcap))[0]
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                             is_causal=causal, dropout_p=dropout,
+                                             scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -106,17 +173,6 @@ def _call_masks(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]
     read off the values: a given mask or positions always apply."""
     inputs = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs_embeds"))
     seq = inputs.shape[1] if isinstance(inputs, torch.Tensor) and inputs.dim() > 1 else None
-    config = model.config
-    window = getattr(config, "sliding_window", None)
-    if not getattr(config, "use_sliding_window", True) or (
-            getattr(config, "layer_types", None) is not None
-            and "sliding_attention" not in config.layer_types):
-        window = None
-    if window is not None and seq is not None and seq > window:
-        raise ValueError(
-            f"{type(model).__name__}: sliding-window attention ({window} positions) over "
-            f"sequences of {seq}: autopp's attention runs full causal attention; use "
-            f"sequences of at most {window} or a model without a sliding window")
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:
         raise ValueError(f"{type(model).__name__}: a 4-D attention_mask (custom mask) is not "
@@ -177,6 +233,9 @@ def _prepare(model: nn.Module) -> list[str]:
         model._autopp_padding_hooks = True
     configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
     impls = {getattr(c, "_attn_implementation", None) for c in configs.values()}
+    from autopp.adapters.transformers_attention import check_attention
+
+    notes += check_attention(model)  # before the swap: the model's own attention is named
     if impls != {IMPLEMENTATION}:
         model.set_attn_implementation(IMPLEMENTATION)
         notes.append(f"transformers {name}: attention {sorted(map(str, impls))} -> "

@@ -17,6 +17,7 @@ import torch
 
 from autopp.graph.walk import closure, is_view
 from autopp.graph import StageGraphs
+from autopp.ops import attention_blockwise as blockwise
 
 
 def saved_bytes(graphs: StageGraphs, *, include_inputs: bool = True) -> int:
@@ -117,7 +118,8 @@ def op_scratch_bytes(node: Any) -> int:
     (the fused kernel's, from the saved output and log-sum-exp: the forward is not run
     again) repeats them too, and the kernel's q, k and v gradients (at the query's head
     count) exist before they are summed per group and copied into the op's outputs. No
-    seq x seq tensor: the kernels are fused."""
+    seq x seq tensor: the kernels are fused; capped scores (``softcap``) hold the blockwise
+    path's blocks (:func:`autopp.ops.attention_blockwise.scratch_bytes`)."""
     target = str(node.target)
     backward = "autopp.sdpa_backward" in target
     if not backward and "autopp.sdpa." not in target:
@@ -128,6 +130,10 @@ def op_scratch_bytes(node: Any) -> int:
         return 0
     groups = q.shape[1] // k.shape[1]
     repeated = 0 if groups == 1 else groups * sum(t.numel() * t.element_size() for t in (k, v))
+    softcap = node.args[10 if backward else 7] if len(node.args) > (10 if backward else 7) \
+        else node.kwargs.get("softcap", 0.0)
+    if softcap:  # capped scores: the blockwise path's fp32 blocks
+        return repeated + blockwise.scratch_bytes(q.shape, k.shape, backward=backward)
     if not backward:
         return repeated
     grads = q.numel() * q.element_size() + groups * sum(

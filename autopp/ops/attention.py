@@ -56,6 +56,7 @@ from torch.utils.flop_counter import register_flop_formula
 from autopp._compat import attention as fused
 from autopp._compat.sharding import autograd_inside_custom_op, is_fake
 from autopp.graph.recompute import save_under_selective
+from autopp.ops import attention_blockwise as blockwise
 
 logger = logging.getLogger(__name__)
 _UNFUSED_LOGGED: set[tuple[str, torch.dtype, bool]] = set()
@@ -96,15 +97,21 @@ def _log_unfused(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
 
 @torch.library.custom_op("autopp::sdpa", mutates_args=())
 def sdpa(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
-         enable_gqa: bool, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+         enable_gqa: bool, mask: Tensor | None = None, softcap: float = 0.0
+         ) -> tuple[Tensor, Tensor]:
     """Scaled dot-product attention, ``(batch, heads, seq, head_dim)`` layout: its output
     and the fp32 log-sum-exp ``(batch, heads, seq)`` of each query's scores, which the fused
     backward reads (nothing meaningful on the math path, where no fused kernel ran).
     ``mask``: None, or a boolean ``(batch, 1, q, k)`` mask, True where attended (one per
-    sequence, every head's: :func:`keep_mask`).
+    sequence, every head's: :func:`keep_mask`). ``softcap`` > 0: scores capped as
+    ``softcap * tanh(s / softcap)`` before the softmax, computed blockwise
+    (:mod:`autopp.ops.attention_blockwise`; no fused kernel takes it).
 
     The output is contiguous, as the fake kernel promises (the fused kernels return other
     strides for transposed inputs; Inductor checks the promise)."""
+    if softcap > 0:
+        out, lse = blockwise.softcap_forward(q, k, v, is_causal, scale, mask, softcap)
+        return out.contiguous(), lse
     got = fused.fused_forward(q, k, v, is_causal, scale, mask)
     if got is None:
         _log_unfused(q, k, v, is_causal, scale, mask)
@@ -116,7 +123,7 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
 
 
 @sdpa.register_fake
-def _(q, k, v, is_causal, scale, enable_gqa, mask=None):
+def _(q, k, v, is_causal, scale, enable_gqa, mask=None, softcap=0.0):
     return (q.new_empty((*q.shape[:-1], v.shape[-1])),
             q.new_empty(q.shape[:3], dtype=fused.LSE_DTYPE))
 
@@ -127,15 +134,19 @@ save_under_selective(torch.ops.autopp.sdpa)
 
 @torch.library.custom_op("autopp::sdpa_backward", mutates_args=())
 def sdpa_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                  is_causal: bool, scale: float, enable_gqa: bool, mask: Tensor | None = None
-                  ) -> tuple[Tensor, Tensor, Tensor]:
+                  is_causal: bool, scale: float, enable_gqa: bool, mask: Tensor | None = None,
+                  softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of :func:`sdpa` w.r.t. q, k, v, by the fused backward of the kernel the
     forward ran, from the forward's saved output ``out`` and log-sum-exp ``lse``.
 
     Where no fused kernel applies, autograd is switched back on inside the op
     (:func:`~autopp._compat.sharding.autograd_inside_custom_op`) to re-run torch's own SDPA
     forward and backward on the local shards."""
-    grads = fused.fused_backward(grad, q, k, v, out, lse, is_causal, scale, mask)
+    if softcap > 0:
+        grads = blockwise.softcap_backward(grad, q, k, v, out, lse, is_causal, scale, mask,
+                                           softcap)
+    else:
+        grads = fused.fused_backward(grad, q, k, v, out, lse, is_causal, scale, mask)
     if grads is None:
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
         with autograd_inside_custom_op(), torch.enable_grad():
@@ -148,26 +159,28 @@ def sdpa_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
 
 
 @sdpa_backward.register_fake
-def _(grad, q, k, v, out, lse, is_causal, scale, enable_gqa, mask=None):
+def _(grad, q, k, v, out, lse, is_causal, scale, enable_gqa, mask=None, softcap=0.0):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup(ctx, inputs, output):
     q, k, v, is_causal, scale, enable_gqa, *rest = inputs
     mask = rest[0] if rest else None
+    softcap = rest[1] if len(rest) > 1 else 0.0
     out, lse = output
     ctx.mark_non_differentiable(lse)  # statistics for the backward, not a value to train
     ctx.set_materialize_grads(False)  # no zeros made for the log-sum-exp's gradient
     ctx.save_for_backward(q, k, v, out, lse, mask)
     ctx.args = (is_causal, scale, enable_gqa)
+    ctx.softcap = softcap
 
 
 def _backward(ctx, grad, _grad_lse):
     q, k, v, out, lse, mask = ctx.saved_tensors
     if grad is None:  # the output is not used (only reachable through its statistics)
-        return None, None, None, None, None, None, None
-    dq, dk, dv = sdpa_backward(grad, q, k, v, out, lse, *ctx.args, mask)
-    return dq, dk, dv, None, None, None, None
+        return None, None, None, None, None, None, None, None
+    dq, dk, dv = sdpa_backward(grad, q, k, v, out, lse, *ctx.args, mask, ctx.softcap)
+    return dq, dk, dv, None, None, None, None, None
 
 
 sdpa.register_autograd(_backward, setup_context=_setup)
@@ -180,17 +193,18 @@ def _split_batch_or_heads(n_tensors_out: int, n_tensors_in: int, mask: Any):
     rules = []
     for p in (Replicate(), Shard(0), Shard(1)):
         on_mask = [] if mask is None else [Replicate() if p == Shard(1) else p]
-        rules.append(([p] * n_tensors_out, [p] * n_tensors_in + on_mask + [None] * 3))
+        rules.append(([p] * n_tensors_out, [p] * n_tensors_in + on_mask + [None] * 4))
     return rules
 
 
 @register_sharding(torch.ops.autopp.sdpa.default)
-def _sdpa_sharding(q, k, v, is_causal, scale, enable_gqa, mask=None):
+def _sdpa_sharding(q, k, v, is_causal, scale, enable_gqa, mask=None, softcap=0.0):
     return _split_batch_or_heads(2, 3, mask)  # output and log-sum-exp: (batch, heads, ...)
 
 
 @register_sharding(torch.ops.autopp.sdpa_backward.default)
-def _sdpa_backward_sharding(grad, q, k, v, out, lse, is_causal, scale, enable_gqa, mask=None):
+def _sdpa_backward_sharding(grad, q, k, v, out, lse, is_causal, scale, enable_gqa, mask=None,
+                            softcap=0.0):
     return _split_batch_or_heads(3, 6, mask)
 
 
@@ -226,8 +240,10 @@ def attention_flops(q_shape, k_shape, v_shape, is_causal: bool, *, backward: boo
     attention FLOP rule (the registered formulas, which the planner's cost model reads,
     call it):
 
-    * "fused": the kernels the op drives (what the planner prices): the (query, key) pairs
-      they compute (:func:`attended_pairs`: causal blocks skipped), backward 2.5 forwards;
+    * "fused": the kernels the op drives (what the planner prices), and the blockwise path
+      of capped scores (:mod:`autopp.ops.attention_blockwise`, the same five matmuls): the
+      (query, key) pairs they compute (:func:`attended_pairs`: causal blocks skipped),
+      backward 2.5 forwards;
     * "math": the op's fallback on torch's math path: every pair (the causal mask is
       applied to a full score matrix), the backward re-running the forward: 3 forwards;
     * "torch_fused": the fallback where torch's own SDPA runs a fused kernel the op does
@@ -260,16 +276,17 @@ def runtime_path(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
 
 
 @register_flop_formula(torch.ops.autopp.sdpa, get_raw=True)
-def _sdpa_flop(q, k, v, is_causal, scale, enable_gqa, mask=None, *args, **kwargs) -> int:
-    return attention_flops(q.shape, k.shape, v.shape, is_causal,
-                           path=runtime_path(q, k, v, is_causal, scale, mask))
+def _sdpa_flop(q, k, v, is_causal, scale, enable_gqa, mask=None, softcap=0.0, *args,
+               **kwargs) -> int:
+    path = "fused" if softcap > 0 else runtime_path(q, k, v, is_causal, scale, mask)
+    return attention_flops(q.shape, k.shape, v.shape, is_causal, path=path)
 
 
 @register_flop_formula(torch.ops.autopp.sdpa_backward, get_raw=True)
 def _sdpa_backward_flop(grad, q, k, v, out, lse, is_causal, scale, enable_gqa, mask=None,
-                        *args, **kwargs) -> int:
-    return attention_flops(q.shape, k.shape, v.shape, is_causal, backward=True,
-                           path=runtime_path(q, k, v, is_causal, scale, mask))
+                        softcap=0.0, *args, **kwargs) -> int:
+    path = "fused" if softcap > 0 else runtime_path(q, k, v, is_causal, scale, mask)
+    return attention_flops(q.shape, k.shape, v.shape, is_causal, backward=True, path=path)
 
 
 def packed_documents(position_ids: Tensor) -> Tensor:
@@ -282,8 +299,8 @@ def packed_documents(position_ids: Tensor) -> Tensor:
 
 
 def keep_mask(q_len: int, k_len: int, *, device: torch.device, causal: bool = True,
-              key_valid: Tensor | None = None, documents: Tensor | None = None
-              ) -> Tensor | None:
+              key_valid: Tensor | None = None, documents: Tensor | None = None,
+              window: int | None = None) -> Tensor | None:
     """Which (query, key) pairs attention uses, as one boolean mask per sequence shared by
     every head: ``(batch or 1, 1, q_len, k_len)``, True where attended; None when nothing
     is masked beyond ``causal`` (run the fused causal kernel instead).
@@ -295,14 +312,23 @@ def keep_mask(q_len: int, k_len: int, *, device: torch.device, causal: bool = Tr
             keys are masked (padding queries still attend; their targets are ignored).
         documents: ``(batch, seq)`` document index per token (:func:`packed_documents`;
             needs ``q_len == k_len == seq``): a token attends to its own document only.
+        window: a sliding window, as transformers' masks draw it: causal, a query sees
+            the keys less than ``window`` positions before it (itself included);
+            bidirectional, the keys at most ``window`` away. None masks nothing more.
 
     The mask holds ``q_len * k_len`` bytes per sequence, never one per head: the fused
     kernels take it as it is (torch's CPU flash kernel turns it into one additive fp32 mask
     per sequence, ``4 * q_len * k_len`` bytes)."""
-    if key_valid is None and documents is None:
+    if window is not None and window >= k_len + (0 if causal else q_len):
+        window = None
+    if key_valid is None and documents is None and window is None:
         return None
     mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
     mask = mask.tril(k_len - q_len) if causal else mask
+    if window is not None and causal:
+        mask = mask.triu(k_len - q_len - window + 1)
+    elif window is not None:  # bidirectional: keys at most `window` positions away
+        mask = mask.triu(k_len - q_len - window).tril(k_len - q_len + window)
     mask = mask[None, None]
     if key_valid is not None:
         mask = mask & key_valid.to(torch.bool)[:, None, None, :k_len]

@@ -1,0 +1,265 @@
+"""The attention check: before autopp swaps its attention into a transformers model, each
+distinct attention call of the model is run both ways and must agree, or the model is refused.
+
+A small copy of the model (:func:`small_config`: its attention settings kept, widths, depth and
+vocabulary cut, a sliding window shortened so that it acts) runs once on CPU in fp32 with the
+model's own attention function and transformers' own masks, recording each distinct call (per
+attention class and the keywords it gives, :func:`~autopp.adapters.transformers_hf.route_key`).
+Each is then replayed on random queries and keys large enough that score features act (score
+spread :data:`SCORE_STD`: logit softcapping, for one, changes them), forward and backward:
+
+1. autopp's op (:data:`~autopp.adapters.transformers_hf.HANDLED` keywords only): kept if its
+   output and gradients are within :data:`TOLERANCE` of the model's own;
+2. else the model's own attention function given autopp's mask (logged; ``describe()`` shows
+   it): kept if within the tolerance;
+3. else the model is refused, naming the attention class, its keywords, the config fields
+   they come from and both differences.
+
+The verdicts go to :data:`~autopp.adapters.transformers_hf.ROUTES`, which the attention reads.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopp.adapters import transformers_hf as hf
+
+logger = logging.getLogger("autopp")
+
+TOLERANCE = 1e-4
+"""Largest relative difference (‖ours − theirs‖ / ‖theirs‖, output and every gradient) the
+check accepts in fp32."""
+
+SCORE_STD = 10.0
+"""Spread of the check's attention scores (scale · q·k), so capped or shaped scores differ."""
+
+CHECK_NAME = "autopp_check"
+"""The implementation name the small model runs under while its calls are recorded."""
+
+_BUILT_IN = ("sdpa", "flex_attention", "paged|eager", "flash_attention_2",
+             "flash_attention_3", "flash_attention_4")
+_CHECKED: dict[str, list[str]] = {}
+"""Notes of the models checked in this process, by model class and config."""
+_CHECKED_KEYS: dict[str, list] = {}
+
+
+def model_attention(module: nn.Module, implementation: str | None) -> Callable:
+    """The model's own attention function for ``module``: the one the config named before
+    autopp, where the user registered it with transformers' ``AttentionInterface``; else the
+    eager function the module's forward falls back to (transformers' definition of the
+    model's attention; its sdpa and flash functions compute the same or refuse a feature)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if _custom(implementation):
+        return ALL_ATTENTION_FUNCTIONS[implementation]
+    eager = inspect.unwrap(type(module).forward).__globals__.get("eager_attention_forward")
+    return eager if eager is not None else ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+
+def _custom(implementation: str | None) -> bool:
+    """Whether ``implementation`` is an attention function the user registered."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return implementation not in (None, "eager", hf.IMPLEMENTATION, CHECK_NAME, *_BUILT_IN) \
+        and implementation in ALL_ATTENTION_FUNCTIONS
+
+
+def small_config(config: Any) -> Any:
+    """``config`` with its attention settings (head dim, query heads per key/value head,
+    scaling, caps, window kinds, positions) kept and the rest small: at most two key/value
+    heads, narrow MLPs, a small vocabulary, one layer of each kind in ``layer_types``, a
+    sliding window of 4 positions."""
+    small = copy.deepcopy(config)
+    heads = small.num_attention_heads
+    kv = getattr(small, "num_key_value_heads", None) or heads
+    head_dim = getattr(small, "head_dim", None) or small.hidden_size // heads
+    kv_small = min(kv, 2)
+    small.num_attention_heads = heads // kv * kv_small
+    if getattr(small, "num_key_value_heads", None):
+        small.num_key_value_heads = kv_small
+    if getattr(small, "head_dim", None):
+        small.head_dim = head_dim
+    small.hidden_size = small.num_attention_heads * head_dim
+    layers = small.num_hidden_layers
+    types = list(getattr(small, "layer_types", None) or [])
+    keep = max(types.index(t) for t in set(types)) + 1 if types else min(layers, 2)
+    for name, value in vars(small).items():  # per-layer lists follow the layer count
+        if isinstance(value, list | tuple) and len(value) == layers and layers > keep:
+            setattr(small, name, type(value)(value[:keep]))
+    small.num_hidden_layers = keep
+    for name, value in list(vars(small).items()):
+        if "intermediate_size" in name and isinstance(value, int) and value > 32:
+            setattr(small, name, 32)
+    if getattr(small, "vocab_size", 0) > 128:
+        small.vocab_size = 128
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            if isinstance(getattr(small, name, None), int) and getattr(small, name) >= 128:
+                setattr(small, name, None)
+    if isinstance(getattr(small, "sliding_window", None), int) and small.sliding_window > 4:
+        small.sliding_window = 4
+    small.use_cache = False
+    return small
+
+
+def _record_calls(model: nn.Module, implementation: str | None) -> tuple[nn.Module, list]:
+    """Run a small copy of ``model`` with its own attention and masks; its distinct calls."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    calls: dict[tuple, tuple] = {}
+
+    def record(module, query, key, value, attention_mask, **kwargs):
+        own = model_attention(module, implementation)
+        given = frozenset(k for k, v in kwargs.items() if v is not None and v is not False)
+        calls.setdefault((type(module), given),
+                         (module, query, key, value, attention_mask, kwargs))
+        return own(module, query, key, value, attention_mask, **kwargs)
+
+    masks = implementation if _custom(implementation) and implementation in \
+        ALL_MASK_ATTENTION_FUNCTIONS else "eager"  # else the eager function's masks
+    AttentionInterface.register(CHECK_NAME, record)
+    AttentionMaskInterface.register(CHECK_NAME, ALL_MASK_ATTENTION_FUNCTIONS[masks])
+    config = small_config(model.config)
+    with torch.device("cpu"):
+        small = type(model)(config).float().eval()
+    small.set_attn_implementation(CHECK_NAME)
+    ids = torch.randint(0, config.vocab_size, (2, 12))
+    with torch.no_grad():
+        small(input_ids=ids)
+    return small, list(calls.values())
+
+
+def _difference(run: Callable, module: nn.Module, q, k, v, kwargs, upstream) -> tuple:
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    params = [p for p in module.parameters() if p.requires_grad]
+    out = run(module, *leaves, kwargs)
+    grads = torch.autograd.grad(out, leaves + params, upstream, allow_unused=True)
+    return (out.detach(), *grads)
+
+
+def _relative(ours: tuple, theirs: tuple) -> float:
+    worst = 0.0
+    for a, b in zip(ours, theirs):
+        if b is None and a is None:
+            continue
+        if a is None or b is None:
+            return float("inf")
+        a, b = a.double(), b.double()
+        worst = max(worst, float(torch.linalg.vector_norm(a - b)
+                                 / max(float(torch.linalg.vector_norm(b)), 1e-12)))
+    return worst if worst == worst else float("inf")  # NaN: disagreement
+
+
+def _replay(call: tuple, implementation: str | None) -> tuple:
+    """One recorded call's inputs, made large enough that score features act, and the model's
+    own output and gradients on them."""
+    module, query, key, value, mask, kwargs = call
+    gen = torch.Generator().manual_seed(0)
+    scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+    std = (SCORE_STD / (scale * query.shape[-1] ** 0.5)) ** 0.5
+    q, k = (torch.randn(t.shape, generator=gen) * std for t in (query, key))
+    v = torch.randn(value.shape, generator=gen)
+    own = model_attention(module, implementation)
+    upstream = torch.randn(own(module, q, k, v, mask, **kwargs)[0].shape, generator=gen)
+    theirs = _difference(lambda m, a, b, c, kw: own(m, a, b, c, mask, **kw)[0],
+                         module, q, k, v, kwargs, upstream)
+    return module, q, k, v, kwargs, upstream, theirs
+
+
+def _verdict(model: nn.Module, calls: list[tuple], implementation: str | None
+             ) -> tuple[hf.Route, str]:
+    """Replay the recorded calls that share one route key both ways: the first route that
+    agrees with the model's own on every one of them, and its note."""
+    module, kwargs = calls[0][0], calls[0][5]
+    own = model_attention(module, implementation)
+    routes = [hf.Route(function=own, name=f"the model's own attention ({own.__module__}."
+                                          f"{own.__qualname__}) with autopp's mask")]
+    key = hf.route_key(module, kwargs)
+    if not key[2]:
+        routes.insert(0, hf.Route())
+    replays = [_replay(call, implementation) for call in calls]
+    tried = []
+    for route in routes:
+        hf.ROUTES[key] = route
+        errors = []
+        for module, q, k, v, kwargs, upstream, theirs in replays:
+            with hf._pushed((None, None)):
+                ours = _difference(
+                    lambda m, a, b, c, kw: hf.attention(m, a, b, c, None, **kw)[0],
+                    module, q, k, v, kwargs, upstream)
+            errors.append((_relative(ours, theirs), module, kwargs))
+        error, module, kwargs = max(errors, key=lambda e: e[0])
+        tried.append((route.name, error, module, kwargs))
+        if error <= TOLERANCE:
+            shown = "; ".join(_describe(m, kw) for _, m, kw in errors)
+            return route, f"{shown}: {route.name} (difference {error:.1e})"
+        del hf.ROUTES[key]
+    raise ValueError(_refusal(model, tried))
+
+
+def _describe(module: nn.Module, kwargs: dict) -> str:
+    given = {k: v for k, v in kwargs.items() if v is not None and v is not False}
+    shown = ", ".join(f"{k}={v:g}" if isinstance(v, float) else
+                      f"{k}={v}" if isinstance(v, int | str) else k for k, v in given.items())
+    return f"{type(module).__name__}({shown})"
+
+
+def _refusal(model: nn.Module, tried: list) -> str:
+    config = model.config
+    module, kwargs = tried[-1][2], tried[-1][3]
+    fields = {k for k, v in kwargs.items() if v is not None and v is not False
+              and k not in ("dropout", "position_ids")}
+    named = sorted(f"{n}={v!r}" for n, v in vars(config).items()
+                   if not n.startswith("_") and isinstance(v, int | float | str)
+                   and not isinstance(v, bool)
+                   and any(isinstance(kwargs.get(f), int | float) and kwargs[f] == v
+                           for f in fields))
+    masks = sorted(f"{n}={v!r}" for n, v in vars(config).items() if not n.startswith("_")
+                   and any(w in n for w in ("window", "chunk", "causal", "bidirectional",
+                                            "layer_types", "mask")))
+    attempts = "; ".join(f"{name}: {error:.1e}" for name, error, *_ in tried)
+    return (f"{type(model).__name__}: autopp's attention does not reproduce the model's own "
+            f"for {_describe(module, kwargs)} (relative difference, tolerance {TOLERANCE:g}: "
+            f"{attempts}). Config fields behind its keywords: {', '.join(named) or 'none'}; "
+            f"mask settings: {', '.join(masks) or 'none'}. Training it would change the "
+            "model's numbers, so autopp refuses it; keyword features run as the model's own "
+            "function, so the difference is in the mask the model builds")
+
+
+def check_attention(model: nn.Module) -> list[str]:
+    """Check every distinct attention call of ``model`` (a transformers model, on any device)
+    against the model's own, fill :data:`~autopp.adapters.transformers_hf.ROUTES`, and return
+    one note per call kind (a fallback to the model's own function is logged as a warning).
+    Raises ValueError when neither route reproduces the model's attention."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    signature = f"{type(model).__qualname__}:{model.config.to_json_string(use_diff=False)}"
+    if signature in _CHECKED and all(r in hf.ROUTES for r in _CHECKED_KEYS[signature]):
+        return _CHECKED[signature]
+    start = time.perf_counter()
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        small, calls = _record_calls(model, implementation)
+        groups: dict[tuple, list] = {}
+        for call in calls:
+            groups.setdefault(hf.route_key(call[0], call[5]), []).append(call)
+        verdicts = [_verdict(model, group, implementation) for group in groups.values()]
+    name = type(model).__name__
+    notes = [f"transformers {name}: attention checked against the model's own (forward and "
+             f"backward, fp32, {len(calls)} kind(s) of call, "
+             f"{time.perf_counter() - start:.1f} s): " + "; ".join(n for _, n in verdicts)]
+    for route, note in verdicts:
+        if route.function is not None:
+            logger.warning("transformers %s: %s: autopp's attention op lacks a feature of "
+                           "this call; it runs as the model's own attention (its math, a "
+                           "score tensor per head, planned and priced as it runs)", name, note)
+    _CHECKED[signature] = notes
+    _CHECKED_KEYS[signature] = [hf.route_key(c[0], c[5]) for c in calls]
+    return notes
+
