@@ -105,6 +105,27 @@ def settings(values: Mapping[str, str] | Iterable[tuple[str, str]] = ()) -> Iter
         _ACTIVE.reset(token)
 
 
+# ---- what makes blocks of one structure trace differently -----------------------------------
+#
+# The planner plans blocks of equal structure (module types, parameter shapes) once. A model
+# library whose layers differ by a setting (a layer with a sliding window beside one without)
+# registers a function naming those settings; they join the block's signature.
+
+_TRACE_SETTINGS: list[Callable[[Any], tuple]] = []
+
+
+def register_trace_settings(fn: Callable[[Any], tuple]) -> None:
+    """``fn(module)``: hashable settings of ``module`` that change what it traces to (empty
+    for modules not of its library). Registering twice is a no-op."""
+    if fn not in _TRACE_SETTINGS:
+        _TRACE_SETTINGS.append(fn)
+
+
+def trace_settings(module: Any) -> tuple:
+    """The registered settings of ``module`` (empty when none applies)."""
+    return tuple(part for fn in _TRACE_SETTINGS for part in fn(module))
+
+
 # ---- a model call's keyword inputs, for a block run alone ------------------------------------
 #
 # A model's forward may turn its keyword inputs into state its blocks read rather than pass

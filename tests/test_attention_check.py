@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from autopp.ops import attention_blockwise
+from tests.attention_models import gemma2, sink_llama
 from tests.models import ce_loss, logits_of, make_batch
 from tests.parity import assert_all_parity, assert_parity
 
@@ -66,23 +67,6 @@ def test_capped_scores_match_the_written_out_math_across_blocks(monkeypatch, cau
                           (g, *args[:3], ours.detach(), lse, *args[3:]))
 
 
-def _gemma2(**changes):
-    """A tiny Gemma2 whose attention features act at the test's sizes: scores capped at 5
-    (weights drawn wide enough that the cap bites), every other layer a window of 4
-    positions, and scaling by ``query_pre_attn_scalar`` (64) rather than the head dim (16)."""
-    config = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=64, attn_logit_softcapping=5.0, sliding_window=4,
-                  query_pre_attn_scalar=64, initializer_range=0.25,
-                  final_logit_softcapping=None)
-    config.update(changes)
-    from autopp import init_module_
-
-    with torch.device("cpu"):
-        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**config))
-    return init_module_(model, seed=0, device="cpu")
-
-
 def _loss_and_grads(model):
     tokens, target = make_batch(4, SEQ)
     model.zero_grad()
@@ -95,13 +79,13 @@ def test_gemma2_softcap_window_and_scaling_keep_the_models_numbers():
     """Each variant changes the model's numbers (its reference with the feature switched off
     differs), and with autopp's attention swapped in the loss and every gradient equal the
     model's own (eager attention, as transformers runs Gemma2)."""
-    ref_loss, ref_grads = _loss_and_grads(_gemma2())
+    ref_loss, ref_grads = _loss_and_grads(gemma2(device="cpu"))
     for off in ({"attn_logit_softcapping": None}, {"sliding_window": 2 * SEQ},
                 {"query_pre_attn_scalar": 16}):
-        assert abs(_loss_and_grads(_gemma2(**off))[0] - ref_loss) > 1e-3, off
+        assert abs(_loss_and_grads(gemma2(device="cpu", **off))[0] - ref_loss) > 1e-3, off
     from autopp import adapters
 
-    model = _gemma2()
+    model = gemma2(device="cpu")
     notes = adapters.prepare(model)
     assert model.config._attn_implementation == "autopp"
     checked = [n for n in notes if "attention checked" in n]
@@ -109,49 +93,6 @@ def test_gemma2_softcap_window_and_scaling_keep_the_models_numbers():
     loss, grads = _loss_and_grads(model)
     assert loss == pytest.approx(ref_loss, abs=1e-5)
     assert_all_parity(grads, ref_grads, what="gemma2 grad")
-
-
-class SinkLlamaAttention(transformers.models.llama.modeling_llama.LlamaAttention):
-    """Llama attention with attention sinks (GPT-OSS's feature: a learned logit per head
-    that takes part in the softmax), which autopp's op does not implement."""
-
-    def __init__(self, config, layer_idx):
-        super().__init__(config, layer_idx)
-        self.sinks = torch.nn.Parameter(torch.empty(config.num_attention_heads))
-
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
-        return super().forward(hidden_states, position_embeddings, attention_mask,
-                               s_aux=self.sinks, **kwargs)
-
-
-class SinkLlamaForCausalLM(transformers.LlamaForCausalLM):
-    """transformers' Llama with :class:`SinkLlamaAttention` in every layer, run by the
-    attention function its config names ("sink_eager": GPT-OSS's eager attention)."""
-
-    def __init__(self, config):
-        super().__init__(config)
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn = SinkLlamaAttention(config, i)
-
-    def _init_weights(self, module):
-        super()._init_weights(module)
-        if isinstance(module, SinkLlamaAttention):
-            torch.nn.init.normal_(module.sinks, std=1.0)
-
-
-def sink_llama(n_layers: int = 4, device: str = "meta") -> torch.nn.Module:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
-
-    AttentionInterface.register("sink_eager", eager_attention_forward)
-    AttentionMaskInterface.register("sink_eager", ALL_MASK_ATTENTION_FUNCTIONS["eager"])
-    config = transformers.LlamaConfig(
-        vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=n_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    config._attn_implementation = "sink_eager"
-    with torch.device(device):
-        return SinkLlamaForCausalLM(config)
 
 
 def test_a_feature_autopp_lacks_runs_as_the_models_own_attention(caplog):
@@ -224,3 +165,47 @@ def test_an_attention_call_the_check_has_not_seen_is_refused():
     with pytest.raises(ValueError, match=r"\['output_attentions'\], which autopp's attention "
                                          r"check has not seen"):
         attention(module, q, q, q, None, scaling=0.25, output_attentions=True)
+
+
+BUDGET = 4.2e5
+"""Parameter bytes per device that the tiny models' stages fit only with their blocks'
+attention and MLP weights split over tp (the least-memory plan needs 0.392 MiB)."""
+
+
+@pytest.mark.multiprocess
+def test_attention_variants_planned_over_tp_and_replicated_match_the_models_own():
+    """pp2 × tp2 planned with every layer's query projection split over tp (so attention
+    runs on head shards): Gemma2 with softcap, windows and its scaling, and the sinks model
+    (the model's own attention function, shown by ``describe()``); Gemma2 replicated at
+    pp2 × dp2 too. Loss and every gradient equal the model's own single-process run."""
+    from tests.attention_models import MODELS as ATTENTION_MODELS
+    from tests.attention_workers import one_step
+    from tests.case import Case
+    from tests.dist_harness import run_on_ranks
+    from tests.parity import assert_norm_parity
+    from tests.reference import reference_run
+
+    planned = dict(pp=2, tp=2, planner_options=dict(parameter_budget_bytes=BUDGET))
+    configs = [Case(model="hf_gemma2_variants", **planned),
+               Case(model="hf_gemma2_variants", pp=2, dp=2, parallelize=None),
+               Case(model="hf_sink_llama", **planned)]
+    results = run_on_ranks(one_step, 4, configs, timeout=1200)
+    for i, cfg in enumerate(configs):
+        ref = reference_run(ATTENTION_MODELS[cfg.model](cfg.n_layers),
+                            [make_batch(cfg.batch, cfg.seq)])
+        sharded, seen = set(), set()
+        for rank in results:
+            got = rank[i]
+            assert got["losses"][0] == pytest.approx(ref.losses[0], abs=1e-5), cfg
+            assert_all_parity(got["grads"], ref.grads, what=f"{cfg.model} grad")
+            assert_norm_parity(got["grad_norms"], ref.grads, what=f"{cfg.model} grad")
+            seen |= set(got["grad_norms"])
+            sharded |= set(got["tp_sharded"])
+            assert "attention checked against the model's own" in got["describe"]
+            if cfg.model == "hf_sink_llama":
+                assert "s_aux" in got["describe"] and "gpt_oss" in got["describe"]
+        assert seen == {n for n, _ in ATTENTION_MODELS[cfg.model](cfg.n_layers)
+                        .named_parameters()}, cfg
+        if cfg.planner_options is not None:
+            assert {f"model.layers.{n}.self_attn.q_proj.weight"
+                    for n in range(cfg.n_layers)} <= sharded, sorted(sharded)

@@ -254,5 +254,17 @@ def _module_init(root: nn.Module, module: nn.Module):
     return lambda: root._init_weights(module)
 
 
+def _trace_settings(module: nn.Module) -> tuple:
+    """A transformers module's scalar settings (a layer's ``sliding_window``, ``layer_type``,
+    ``is_sliding``): layers of one class that differ in them trace differently. The layer
+    index is left out: transformers' layers read it only for the KV cache, unused here."""
+    if not type(module).__module__.startswith("transformers."):
+        return ()
+    return tuple(sorted((k, v) for k, v in vars(module).items()
+                        if not k.startswith("_") and k not in ("layer_idx", "training")
+                        and isinstance(v, bool | int | float | str | type(None))))
+
+
 ADAPTER = register(Adapter(name="transformers", prepare=_prepare, module_init=_module_init))
 tracing.register_call_inputs(_unit_masks)
+tracing.register_trace_settings(_trace_settings)

@@ -44,6 +44,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from autopp import tracing
+
 logger = logging.getLogger("autopp")
 
 PRE = "pre"
@@ -132,8 +134,9 @@ def default_extra_args(block: nn.Module) -> tuple[Any, ...]:
 
 
 def module_signature(module: nn.Module) -> tuple:
-    """Structural key of a module: submodule types, parameter/buffer shapes and dtypes, and
-    for a traced unit its code and call arguments."""
+    """Structural key of a module: submodule types, parameter/buffer shapes and dtypes, for
+    a traced unit its code and call arguments, and the settings model adapters name
+    (:func:`autopp.tracing.trace_settings`: a layer's sliding window)."""
     mods = tuple((n, type(m).__qualname__) for n, m in module.named_modules())
     params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters())
     bufs = tuple((n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers())
@@ -141,7 +144,9 @@ def module_signature(module: nn.Module) -> tuple:
                  if isinstance(m, fx.GraphModule))
     call = (repr(module.args), repr(sorted(module.kwargs.items())),
             module.input_names) if isinstance(module, BlockCall) else ()
-    return mods, params, bufs, code, call
+    settings = tuple((n, s) for n, m in module.named_modules()
+                     if (s := tracing.trace_settings(m)))
+    return mods, params, bufs, code, call, settings
 
 
 def _graph_key(graph: fx.Graph) -> tuple:
