@@ -209,3 +209,24 @@ def test_attention_variants_planned_over_tp_and_replicated_match_the_models_own(
         if cfg.planner_options is not None:
             assert {f"model.layers.{n}.self_attn.q_proj.weight"
                     for n in range(cfg.n_layers)} <= sharded, sorted(sharded)
+
+
+def test_a_model_that_calls_no_attention_function_keeps_its_own():
+    """Falcon computes attention in its own module code, never through transformers'
+    attention interface: the check records no call, says so, and leaves the model's
+    implementation (and so its masks and numbers) as they were."""
+    from autopp import adapters, init_module_
+
+    config = transformers.FalconConfig(vocab_size=2048, hidden_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4)
+    with torch.device("cpu"):
+        model = init_module_(transformers.FalconForCausalLM(config), seed=0, device="cpu")
+    before = model.config._attn_implementation
+    ref_loss, ref_grads = _loss_and_grads(model)
+    notes = adapters.prepare(model)
+    assert model.config._attn_implementation == before
+    assert any("no attention call goes through transformers' attention interface" in n
+               for n in notes), notes
+    loss, grads = _loss_and_grads(model)
+    assert loss == pytest.approx(ref_loss, abs=1e-6)
+    assert_all_parity(grads, ref_grads, what="falcon grad")

@@ -25,6 +25,7 @@ import inspect
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,8 +47,8 @@ CHECK_NAME = "autopp_check"
 
 _BUILT_IN = ("sdpa", "flex_attention", "paged|eager", "flash_attention_2",
              "flash_attention_3", "flash_attention_4")
-_CHECKED: dict[str, list[str]] = {}
-"""Notes of the models checked in this process, by model class and config."""
+_CHECKED: dict[str, AttentionCheck] = {}
+"""The models checked in this process, by model class and config."""
 _CHECKED_KEYS: dict[str, list] = {}
 
 
@@ -72,40 +73,48 @@ def _custom(implementation: str | None) -> bool:
         and implementation in ALL_ATTENTION_FUNCTIONS
 
 
-def small_config(config: Any) -> Any:
+def _set(config: Any, name: str, value: Any) -> None:
+    try:
+        setattr(config, name, value)
+    except AttributeError:  # a derived property (e.g. a head dim computed from the width)
+        pass
+
+
+def small_config(config: Any, *, narrow: bool = True) -> Any:
     """``config`` with its attention settings (head dim, query heads per key/value head,
-    scaling, caps, window kinds, positions) kept and the rest small: at most two key/value
-    heads, narrow MLPs, a small vocabulary, one layer of each kind in ``layer_types``, a
-    sliding window of 4 positions."""
+    scaling, caps, window kinds, positions) kept and the rest small: one layer of each kind
+    in ``layer_types``, narrow MLPs, a small vocabulary, a sliding window of 4 positions and,
+    with ``narrow``, at most two key/value heads (the width follows the heads)."""
     small = copy.deepcopy(config)
-    heads = small.num_attention_heads
-    kv = getattr(small, "num_key_value_heads", None) or heads
-    head_dim = getattr(small, "head_dim", None) or small.hidden_size // heads
-    kv_small = min(kv, 2)
-    small.num_attention_heads = heads // kv * kv_small
-    if getattr(small, "num_key_value_heads", None):
-        small.num_key_value_heads = kv_small
-    if getattr(small, "head_dim", None):
-        small.head_dim = head_dim
-    small.hidden_size = small.num_attention_heads * head_dim
+    if narrow:
+        heads = small.num_attention_heads
+        kv = getattr(small, "num_key_value_heads", None) or heads
+        head_dim = getattr(small, "head_dim", None) or small.hidden_size // heads
+        kv_small = min(kv, 2)
+        _set(small, "num_attention_heads", heads // kv * kv_small)
+        if getattr(small, "num_key_value_heads", None):
+            _set(small, "num_key_value_heads", kv_small)
+        if getattr(small, "head_dim", None):
+            _set(small, "head_dim", head_dim)
+        _set(small, "hidden_size", small.num_attention_heads * head_dim)
     layers = small.num_hidden_layers
     types = list(getattr(small, "layer_types", None) or [])
     keep = max(types.index(t) for t in set(types)) + 1 if types else min(layers, 2)
-    for name, value in vars(small).items():  # per-layer lists follow the layer count
+    for name, value in list(vars(small).items()):  # per-layer lists follow the layer count
         if isinstance(value, list | tuple) and len(value) == layers and layers > keep:
-            setattr(small, name, type(value)(value[:keep]))
-    small.num_hidden_layers = keep
+            _set(small, name, type(value)(value[:keep]))
+    _set(small, "num_hidden_layers", keep)
     for name, value in list(vars(small).items()):
         if "intermediate_size" in name and isinstance(value, int) and value > 32:
-            setattr(small, name, 32)
+            _set(small, name, 32)
     if getattr(small, "vocab_size", 0) > 128:
-        small.vocab_size = 128
+        _set(small, "vocab_size", 128)
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             if isinstance(getattr(small, name, None), int) and getattr(small, name) >= 128:
-                setattr(small, name, None)
+                _set(small, name, None)
     if isinstance(getattr(small, "sliding_window", None), int) and small.sliding_window > 4:
-        small.sliding_window = 4
-    small.use_cache = False
+        _set(small, "sliding_window", 4)
+    _set(small, "use_cache", False)
     return small
 
 
@@ -127,14 +136,24 @@ def _record_calls(model: nn.Module, implementation: str | None) -> tuple[nn.Modu
         ALL_MASK_ATTENTION_FUNCTIONS else "eager"  # else the eager function's masks
     AttentionInterface.register(CHECK_NAME, record)
     AttentionMaskInterface.register(CHECK_NAME, ALL_MASK_ATTENTION_FUNCTIONS[masks])
-    config = small_config(model.config)
-    with torch.device("cpu"):
-        small = type(model)(config).float().eval()
-    small.set_attn_implementation(CHECK_NAME)
-    ids = torch.randint(0, config.vocab_size, (2, 12))
-    with torch.no_grad():
-        small(input_ids=ids)
-    return small, list(calls.values())
+    failures = []
+    for narrow in (True, False):  # heads cut where the model allows it, else kept
+        calls.clear()
+        try:
+            config = small_config(model.config, narrow=narrow)
+            with torch.device("cpu"):
+                small = type(model)(config).float().eval()
+            small.set_attn_implementation(CHECK_NAME)
+            with torch.no_grad():
+                small(input_ids=torch.randint(0, config.vocab_size, (2, 12)))
+            return small, list(calls.values())
+        except Exception as e:  # noqa: BLE001  (any failure of the copy: try the next)
+            failures.append(f"{type(e).__name__}: {e}")
+    raise ValueError(
+        f"{type(model).__name__}: autopp could not check its attention against the model's "
+        f"own: a small copy of the model (its config with fewer layers, a narrower MLP and "
+        f"a small vocabulary) failed to run ({'; '.join(failures)}). autopp swaps in only "
+        "attention it has checked, so it refuses this model; please report the message")
 
 
 def _difference(run: Callable, module: nn.Module, q, k, v, kwargs, upstream) -> tuple:
@@ -234,13 +253,28 @@ def _refusal(model: nn.Module, tried: list) -> str:
             "function, so the difference is in the mask the model builds")
 
 
-def check_attention(model: nn.Module) -> list[str]:
+@dataclass(frozen=True, kw_only=True)
+class AttentionCheck:
+    """What the check found for one model."""
+
+    notes: tuple[str, ...]
+    """Lines for the log and ``describe()``: each kind of call and the route it takes."""
+    swap: bool
+    """Whether the model calls attention through transformers' attention interface (else
+    its own attention code runs as it is, and autopp must not change its implementation)."""
+
+
+def check_attention(model: nn.Module) -> AttentionCheck:
     """Check every distinct attention call of ``model`` (a transformers model, on any device)
-    against the model's own, fill :data:`~autopp.adapters.transformers_hf.ROUTES`, and return
-    one note per call kind (a fallback to the model's own function is logged as a warning).
-    Raises ValueError when neither route reproduces the model's attention."""
+    against the model's own and fill :data:`~autopp.adapters.transformers_hf.ROUTES` (a
+    fallback to the model's own function is logged as a warning). Raises ValueError when
+    neither route reproduces the model's attention."""
     implementation = getattr(model.config, "_attn_implementation", None)
-    signature = f"{type(model).__qualname__}:{model.config.to_json_string(use_diff=False)}"
+    try:
+        text = model.config.to_json_string(use_diff=False)
+    except (TypeError, ValueError):  # a value JSON cannot hold
+        text = repr(sorted(vars(model.config).items(), key=str))
+    signature = f"{type(model).__qualname__}:{text}"
     if signature in _CHECKED and all(r in hf.ROUTES for r in _CHECKED_KEYS[signature]):
         return _CHECKED[signature]
     start = time.perf_counter()
@@ -251,15 +285,18 @@ def check_attention(model: nn.Module) -> list[str]:
             groups.setdefault(hf.route_key(call[0], call[5]), []).append(call)
         verdicts = [_verdict(model, group, implementation) for group in groups.values()]
     name = type(model).__name__
+    seconds = time.perf_counter() - start
     notes = [f"transformers {name}: attention checked against the model's own (forward and "
-             f"backward, fp32, {len(calls)} kind(s) of call, "
-             f"{time.perf_counter() - start:.1f} s): " + "; ".join(n for _, n in verdicts)]
+             f"backward, fp32, {len(calls)} kind(s) of call, {seconds:.1f} s): "
+             + "; ".join(n for _, n in verdicts)] if calls else [
+        f"transformers {name}: no attention call goes through transformers' attention "
+        f"interface (checked, {seconds:.1f} s): the model's own attention runs unchanged"]
     for route, note in verdicts:
         if route.function is not None:
             logger.warning("transformers %s: %s: autopp's attention op lacks a feature of "
                            "this call; it runs as the model's own attention (its math, a "
                            "score tensor per head, planned and priced as it runs)", name, note)
-    _CHECKED[signature] = notes
+    _CHECKED[signature] = AttentionCheck(notes=tuple(notes), swap=bool(calls))
     _CHECKED_KEYS[signature] = [hf.route_key(c[0], c[5]) for c in calls]
-    return notes
+    return _CHECKED[signature]
 

@@ -4,23 +4,25 @@ What autopp needs to know about them, and nothing else does:
 
 * **Attention.** Their attention layers call the function the config's
   ``_attn_implementation`` names in transformers' ``AttentionInterface``. autopp registers
-  ``"autopp"`` there and sets it on the model: causal attention without a mask is
-  ``F.scaled_dot_product_attention(is_causal=True)``, which the planner traces as the fused
-  op ``autopp::sdpa`` (:mod:`autopp.ops.attention`; no seq x seq tensor in either direction).
+  ``"autopp"`` there (:func:`attention`) and sets it on the model, but only after checking
+  every distinct attention call against the model's own function
+  (:mod:`autopp.adapters.transformers_attention`), which picks each call's :class:`Route`:
+  autopp's op (``autopp::sdpa``: fused kernels, no seq x seq tensor; logit softcapping by its
+  blockwise path; a sliding window in its mask) or, for a keyword the op does not implement
+  (attention sinks), the model's own function given autopp's mask. A call the check did not
+  see is refused. A model that calls no attention function keeps its implementation.
   ``"autopp"`` is not one of transformers' mask interfaces, so its mask helpers give the
   attention no mask (they would drop the user's, and on meta tensors they could not look
   for packed sequences). What transformers would mask is taken at the model's own call
-  instead (a forward pre-hook, :func:`_take_masks`) and applied by the attention as one
-  boolean (batch, 1, q, k) mask with the causal part
-  (:func:`autopp.ops.attention.keep_mask`; the fused kernel, no mask per head): the 2-D
-  padding ``attention_mask``, or, as transformers does when no ``attention_mask`` is given,
-  packed documents read from ``position_ids`` that restart (padding-free batches, as
-  ``DataCollatorWithFlattening`` makes them): each token attends to its own document only.
-  A sliding window shorter than the sequence, which this path would not apply, is refused.
-  Planned stages trace each block alone: there the masks come from the block's own inputs
-  (the step's keyword inputs, :func:`autopp.tracing.call_inputs`), so the traced graphs read
-  them as inputs and apply them through ``autopp::sdpa``'s masked form; nothing of one
-  batch's mask is kept in a plan.
+  instead (a forward pre-hook, :func:`_take_masks`) and applied as one boolean
+  (batch, 1, q, k) mask with the causal part and the window
+  (:func:`autopp.ops.attention.keep_mask`): the 2-D padding ``attention_mask``, or, as
+  transformers does when no ``attention_mask`` is given, packed documents read from
+  ``position_ids`` that restart (padding-free batches): each token attends to its own
+  document only. Planned stages trace each block alone: there the masks come from the
+  block's own inputs (:func:`autopp.tracing.call_inputs`), so the traced graphs read them
+  as inputs; nothing of one batch's mask is kept in a plan. Layers that differ by a setting
+  (a window) are planned apart (:func:`_trace_settings`).
 * **No KV cache.** ``use_cache`` is turned off: training keeps no cache, and a cache object
   would be a stage output.
 * **Initialisation.** Each module is initialised by the model's own ``_init_weights``
@@ -235,11 +237,12 @@ def _prepare(model: nn.Module) -> list[str]:
     impls = {getattr(c, "_attn_implementation", None) for c in configs.values()}
     from autopp.adapters.transformers_attention import check_attention
 
-    notes += check_attention(model)  # before the swap: the model's own attention is named
-    if impls != {IMPLEMENTATION}:
+    check = check_attention(model)  # before the swap: the model's own attention is named
+    notes += check.notes
+    if check.swap and impls != {IMPLEMENTATION}:
         model.set_attn_implementation(IMPLEMENTATION)
         notes.append(f"transformers {name}: attention {sorted(map(str, impls))} -> "
-                     f"{IMPLEMENTATION!r} (autopp's fused causal attention)")
+                     f"{IMPLEMENTATION!r} (the checked routes above)")
     if any(getattr(c, "use_cache", False) for c in configs.values()):
         for c in configs.values():
             if getattr(c, "use_cache", False):
