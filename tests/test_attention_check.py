@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 
+import autopp.ops.attention  # noqa: F401  (registers autopp::sdpa)
 from autopp.ops import attention_blockwise
 from tests.attention_models import gemma2, sink_llama
 from tests.models import ce_loss, logits_of, make_batch
@@ -230,3 +231,21 @@ def test_a_model_that_calls_no_attention_function_keeps_its_own():
     loss, grads = _loss_and_grads(model)
     assert loss == pytest.approx(ref_loss, abs=1e-6)
     assert_all_parity(grads, ref_grads, what="falcon grad")
+
+
+def test_capped_scores_hold_one_block_of_scores_not_one_per_head():
+    """At seq 2048 with 8 heads, no single allocation of the capped attention's forward and
+    backward (CPU allocator's numbers) reaches the score tensor of every head (128 MiB):
+    the largest is one block's (:data:`~autopp.ops.attention_blockwise.BLOCK_BYTES`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    seq, heads = 2048, 8
+    q = torch.randn(1, heads, seq, 16, requires_grad=True)
+    k = torch.randn(1, heads, seq, 16, requires_grad=True)
+    v = torch.randn(1, heads, seq, 16, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out, _ = torch.ops.autopp.sdpa(q, k, v, True, 0.25, False, None, 30.0)
+        out.sum().backward()
+    largest = max(e.self_cpu_memory_usage for e in prof.events())
+    assert largest <= attention_blockwise.BLOCK_BYTES, f"{largest / 2**20:.1f} MiB"
+    assert 4 * seq * seq * heads >= 2 * largest
