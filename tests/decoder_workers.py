@@ -27,11 +27,17 @@ def two_steps(mesh, cfg: Case, path: str | None = None) -> dict:
     n = cfg.batch // dp
     tok, tgt = tokens[dp_rank * n:(dp_rank + 1) * n], target[dp_rank * n:(dp_rank + 1) * n]
 
+    parallelize = cfg.parallelize
+    if cfg.planner_options is not None:
+        from autopp.backends import Planner, PlannerOptions
+
+        parallelize = Planner(PlannerOptions(**cfg.planner_options))
+
     def build(schedule=cfg.schedule):
         return pipeline_autoparallel(
             MODELS[cfg.model](cfg.n_layers), mesh, example_inputs=(tok,),
             loss_fn=ce_loss, schedule=schedule, n_microbatches=cfg.n_microbatches,
-            parallelize=cfg.parallelize)
+            parallelize=parallelize, **cfg.options)
 
     pipe = build()
     if cfg.expect_error:
@@ -75,6 +81,13 @@ def two_steps(mesh, cfg: Case, path: str | None = None) -> dict:
             "grads": grads if ships_tensors(mesh) else {}, "grad_norms": norms(grads),
             "units": {sid: [b.prefix for b in plan.blocks]
                       for sid, plan in (pipe.plans or {}).items()},
+            # the planned placement of each parameter ("S(0)", "R", ... per sub-mesh dim:
+            # dp, tp) and the ops of the planned blocks, by name
+            "placements": {p.fqn: tuple(p.placements) for plan in (pipe.plans or {}).values()
+                           for p in plan.params},
+            "ops": sorted({name.rstrip("_0123456789") for plan in (pipe.plans or {}).values()
+                           for b in plan.blocks for name, _, _ in b.nodes}),
+            "notes": list(pipe.layout.model_notes),
             "stage_fqns": {sid: list(pipe.layout.fqns_per_stage[sid]) for sid in pipe.plans or {}},
             "state_keys": sorted(pipe.state_dict()),
             "values": {name: _full(p).detach().clone() for name, p in pipe.named_parameters()

@@ -213,6 +213,51 @@ def _transformers_meta(family: str, n_layers: int) -> torch.nn.Module:
         return model(config(**common, **extra))
 
 
+def _transformers_moe_meta(family: str, n_layers: int, **overrides) -> torch.nn.Module:
+    """A Hugging Face transformers mixture-of-experts decoder (no download: a small config in
+    code), on meta, as :func:`_transformers_meta`: 4 query heads, 2 key/value heads, experts
+    of hidden 32 (``overrides``: config fields changed, e.g. ``norm_topk_prob``)."""
+    import transformers
+
+    common = dict(vocab_size=2048, hidden_size=64, num_hidden_layers=n_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config, model, extra = {
+        # 4 experts, top 2, top-k weights renormalised
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                    dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
+        # 4 experts, top 2, weights not renormalised, a sigmoid-gated shared expert
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                      dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=48, intermediate_size=48)),
+        # 8 experts, top 3 (more than two per token), renormalised
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                      dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                           intermediate_size=48, head_dim=16, norm_topk_prob=True)),
+        # 8 experts, top 2, not renormalised, q/k norms
+        "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM,
+                  dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                       eos_token_id=None)),
+    }[family]
+    with torch.device("meta"):
+        return model(config(**common, **{**extra, **overrides}))
+
+
+def hf_mixtral_meta(n_layers: int = 4) -> torch.nn.Module:
+    return _transformers_moe_meta("mixtral", n_layers)
+
+
+def hf_qwen2_moe_meta(n_layers: int = 4) -> torch.nn.Module:
+    return _transformers_moe_meta("qwen2_moe", n_layers)
+
+
+def hf_qwen3_moe_meta(n_layers: int = 4) -> torch.nn.Module:
+    return _transformers_moe_meta("qwen3_moe", n_layers)
+
+
+def hf_olmoe_meta(n_layers: int = 4) -> torch.nn.Module:
+    return _transformers_moe_meta("olmoe", n_layers)
+
+
 def hf_llama_meta(n_layers: int = 4) -> torch.nn.Module:
     return _transformers_meta("llama", n_layers)
 
@@ -244,6 +289,8 @@ def logits_of(out):
 MODELS = {"llama3": llama3_meta, "qwen3": qwen3_meta, "hf": hf_meta,
           "hf_llama": hf_llama_meta, "hf_qwen3": hf_qwen3_meta, "hf_qwen2": hf_qwen2_meta,
           "hf_mistral": hf_mistral_meta, "hf_gemma": hf_gemma_meta,
-          "qwen3_moe": qwen3_moe_meta, "deepseek_v3": deepseek_v3_meta}
+          "qwen3_moe": qwen3_moe_meta, "deepseek_v3": deepseek_v3_meta,
+          "hf_mixtral": hf_mixtral_meta, "hf_qwen2_moe": hf_qwen2_moe_meta,
+          "hf_qwen3_moe": hf_qwen3_moe_meta, "hf_olmoe": hf_olmoe_meta}
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401  (re-exported)
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
-from torch.utils._pytree import tree_leaves  # noqa: F401  (re-exported)
+from torch.utils._pytree import tree_leaves, tree_map  # noqa: F401  (re-exported)
 
 
 def wait_collective(t: Any) -> Any:

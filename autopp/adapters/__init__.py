@@ -11,6 +11,11 @@ module class it recognises, how to trace it (and what state it carries between s
   (``MoE``, ``RoutedExperts``, ``TokenChoiceTopKRouter``): routed experts traced as the op
   ``autopp::routed_experts`` (:mod:`autopp.ops.experts`), the router's autocast on meta,
   and the load-balancing expert-bias update after each step.
+* :mod:`autopp.adapters.transformers_moe`: transformers' experts modules
+  (``@use_experts_implementation``: Mixtral, Qwen2/3-MoE, OLMoE, ...): routed experts run
+  and trace as ``autopp::routed_experts`` (``experts_implementation="autopp"``) where a check
+  on a small CPU copy finds it computes the module's own function; the router's auxiliary
+  loss (``output_router_logits=True``), which a pipeline's loss cannot add, refused by name.
 
 Adapters are a registry (:func:`register`, :class:`~autopp.adapters.adapter.Adapter`): a
 new model library's adapter is one module that builds an ``Adapter`` and registers it, plus
@@ -26,7 +31,8 @@ from collections.abc import Iterator
 import torch.distributed as dist
 from torch import nn
 
-from autopp.adapters import torchtitan_moe, transformers_hf  # noqa: F401  (register themselves)
+from autopp.adapters import (  # noqa: F401  (register themselves)
+    torchtitan_moe, transformers_hf, transformers_moe)
 from autopp.adapters.adapter import Adapter, register, registered  # noqa: F401  (public)
 
 

@@ -13,13 +13,14 @@ of units. Within one stage the order given does not matter; the result lists it 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from autopp import tracing
 from autopp.stage_split.layout import ModelLayout
+from autopp.stage_split.meta_run import run_on_meta
 
 __all__ = ["validate_split", "validate_stage"]
 
@@ -138,12 +139,13 @@ def check_stage_forwards(stages: list[nn.Module], first_inputs: tuple[torch.Tens
     """Run the stages (on meta, in order) once, so that a forward the stage cut cannot follow
     (a block it never calls, a module that needs inputs another stage computed) fails here,
     on every rank before any communication, with the stage named, instead of deep inside a
-    schedule."""
+    schedule. An op meta cannot run (``nonzero``, a kernel whose meta function is narrower
+    than its CPU one) runs on CPU on zeros instead, logged (:mod:`autopp.stage_split.meta_run`):
+    a forward that trains in plain torch is not refused for it."""
     x = tuple(t.to("meta") for t in first_inputs)
     for i, stage in enumerate(stages):
         try:
-            with tracing.on_meta():  # e.g. a MoE router's autocast, which meta refuses
-                out = stage(*x)
+            run = run_on_meta(stage, *x)  # under the adapters' contexts (tracing.on_meta)
         except (TypeError, RuntimeError, ValueError) as e:
             raise ValueError(
                 f"stage {i} of {len(stages)} cannot run the model's forward on its modules "
@@ -153,4 +155,9 @@ def check_stage_forwards(stages: list[nn.Module], first_inputs: tuple[torch.Tens
                 "else the blocks take computed from constants, buffers or the input's shape, "
                 "splits (see autopp.stage_split.build)"
             ) from e
+        if run.on_cpu:
+            logging.getLogger("autopp").info(
+                "stage %d of %d: checked on meta with %s run on CPU on zeros (no meta form)",
+                i, len(stages), ", ".join(run.on_cpu))
+        out = run.output
         x = out if isinstance(out, tuple) else (out,)

@@ -1,0 +1,295 @@
+"""Hugging Face transformers mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE),
+unchanged, through ``pipeline_autoparallel``.
+
+The models are transformers' own classes built from small configs in code (nothing is
+downloaded), on meta. Their experts run as ``autopp::routed_experts``
+(:mod:`autopp.adapters.transformers_moe`), checked here against the model's own experts and
+MoE blocks on CPU (router normalisation, shared experts, more than two experts a token);
+a stage forward that meta cannot run (transformers' own ``grouped_mm`` and ``eager``
+experts) is checked, not refused. At pp2 × dp2 × tp2 on 8 gloo processes, planned (under a
+memory budget that makes the planner shard the blocks over tp) and replicated, two AdamW
+steps with clipping match transformers' own model in one process (its ``sdpa`` attention,
+its ``grouped_mm`` experts, plain torch AdamW), fp32 within the suite's bounds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.case import Case
+from tests.decoder_workers import run
+from tests.dist_harness import run_on_ranks
+from tests.models import MODELS, ce_loss, logits_of, make_batch
+from tests.parity import assert_all_parity, assert_norm_parity, assert_parity
+from tests.reference import Reference, reference_run
+
+pytest.importorskip("transformers")
+
+N_LAYERS, BATCH, SEQ, LR, MAX_NORM = 4, 8, 16, 1e-2, 0.5
+FAMILIES = ["hf_mixtral", "hf_qwen2_moe", "hf_qwen3_moe", "hf_olmoe"]
+
+PLANNED = {"memory_budget_bytes": 2e6, "recompute": "none", "boundary": "batch",
+           "loss_parallel": False, "token_dispatch": "all_gather"}
+"""Planner options of the planned runs: a memory budget the replicated stages do not fit
+(about 3.3 MB of weights, gradients and AdamW state each), so the blocks are sharded over
+tp; one boundary kind, no recomputation and one token dispatch keep the budgeted solves
+few (planning dominates the launch)."""
+
+
+def _cpu_model(kind: str, n_layers: int = N_LAYERS, **overrides) -> torch.nn.Module:
+    """transformers' model of the suite's config built on CPU as transformers builds it,
+    initialised under autopp's per-FQN seeds (each module by the model's own init)."""
+    from autopp import init_module_
+    from tests.models import _transformers_moe_meta
+
+    family = kind.removeprefix("hf_")
+    meta = _transformers_moe_meta(family, n_layers, **overrides)
+    with torch.device("cpu"):
+        model = type(meta)(meta.config)
+    return init_module_(model, seed=0, device="cpu")
+
+
+# ---------------------------------------------------------------- the op vs the model's own
+
+def _block_run(block: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> dict:
+    """A MoE block's output and the gradients of its input and every parameter."""
+    block.zero_grad()
+    x = x.detach().requires_grad_(True)
+    out = block(x)
+    out.backward(grad)
+    return {"output": out.detach(), "input": x.grad,
+            **{n: p.grad.clone() for n, p in block.named_parameters()}}
+
+
+@pytest.mark.parametrize("kind, overrides", [
+    ("hf_mixtral", {}), ("hf_qwen2_moe", {}), ("hf_qwen2_moe", {"norm_topk_prob": True}),
+    ("hf_qwen3_moe", {}), ("hf_qwen3_moe", {"norm_topk_prob": False}), ("hf_olmoe", {}),
+])
+def test_routed_experts_op_computes_each_familys_moe_block(kind, overrides):
+    """The whole MoE block (router with or without top-k renormalisation, Qwen2-MoE's gated
+    shared expert, Qwen3-MoE's three experts a token) with its experts as autopp's op equals
+    the block with transformers' own experts, both ``grouped_mm`` (the default) and
+    ``eager``, forward and backward (input, router, experts, shared expert), CPU fp32; and
+    the renormalisation switch changes the block's output (so both settings are tested)."""
+    from autopp import adapters
+    from autopp.adapters import transformers_moe
+
+    model = _cpu_model(kind, 1, **overrides)
+    block = model.model.layers[0].mlp
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 8, model.config.hidden_size, generator=g)
+    grad = torch.randn(x.shape, generator=g)
+    own = {}
+    for impl in ("grouped_mm", "eager"):
+        model.set_experts_implementation(impl)
+        own[impl] = _block_run(block, x, grad)
+    model.set_experts_implementation("grouped_mm")
+    notes = adapters.prepare(model)
+    assert model.config._experts_implementation == transformers_moe.IMPLEMENTATION
+    assert any("-> autopp::routed_experts" in n for n in notes), notes
+    ours = _block_run(block, x, grad)
+    for impl, ref in own.items():
+        assert set(ours) == set(ref)
+        for name, t in ours.items():
+            assert_parity(t, ref[name], what=f"{kind} {overrides} vs {impl}: {name}")
+    # the op really ran: its routing is what the block's router gives
+    calls = []
+    original = transformers_moe.routed
+    transformers_moe.routed = lambda *a: calls.append(a) or original(*a)
+    try:
+        block(x)
+    finally:
+        transformers_moe.routed = original
+    assert len(calls) == 1
+    if "norm_topk_prob" in overrides or kind == "hf_mixtral":
+        return
+    other = _cpu_model(kind, 1, norm_topk_prob=not model.config.norm_topk_prob)
+    with torch.no_grad():
+        differs = other.model.layers[0].mlp(x) - block(x)
+    assert differs.abs().max() > 1e-3
+
+
+def test_experts_the_op_does_not_compute_run_as_written():
+    """An experts module whose function the op does not compute (a subclass with another
+    activation; one with expert biases) is found by the check and keeps its own
+    implementation, named in ``prepare``'s notes; its block's numbers are its own."""
+    import transformers
+
+    from autopp import adapters
+    from autopp.adapters import transformers_moe
+
+    model = _cpu_model("hf_mixtral", 1)
+    experts = model.model.layers[0].mlp.experts
+    assert transformers_moe.verify(experts) is None
+    experts.act_fn = transformers.activations.ACT2FN["gelu"]
+    reason = transformers_moe.verify(experts)
+    assert reason is not None and "differs from its 'grouped_mm' experts" in reason, reason
+    x = torch.randn(5, model.config.hidden_size)
+    with torch.no_grad():
+        want = model.model.layers[0].mlp(x[None])
+        notes = adapters.prepare(model)
+        got = model.model.layers[0].mlp(x[None])
+    assert any("run as written ('grouped_mm')" in n and "differs" in n for n in notes), notes
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    experts.has_bias = True
+    assert transformers_moe.verify(experts) == "expert biases"
+
+
+def test_router_auxiliary_loss_is_refused_by_name():
+    """``output_router_logits=True`` (the router's auxiliary loss added to the loss) is
+    refused with the fix; transformers' default (False) adds nothing, which the pipeline's
+    loss matches."""
+    from autopp import adapters
+    from tests.models import _transformers_moe_meta
+
+    model = _transformers_moe_meta("mixtral", 2, output_router_logits=True)
+    with pytest.raises(ValueError, match=r"output_router_logits=True .*router_aux_loss_coef="
+                                         r"0\.001.* Set config\.output_router_logits=False"):
+        adapters.prepare(model)
+    adapters.prepare(_transformers_moe_meta("mixtral", 2))
+
+
+def _stages(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from autopp.stage_split import build_stage_module, resolve_split
+
+    return [build_stage_module(model, f) for f in resolve_split(model, 2)]
+
+
+@pytest.mark.parametrize("impl, op", [("grouped_mm", "aten._grouped_mm.default"),
+                                      ("eager", "aten.nonzero.default")])
+def test_stage_check_runs_forwards_meta_cannot(impl, op, caplog):
+    """The stage check runs each stage's forward on meta. transformers' own experts cannot
+    run there (``grouped_mm``: torch's meta kernel takes bf16 only; ``eager``: ``nonzero``);
+    the check runs those ops on CPU on zeros instead, logs it and passes the stages' shapes
+    on, where it refused the model before. A genuine error (a stage fed the wrong width) is
+    still refused, by stage."""
+    import logging
+
+    from autopp.stage_split import check_stage_forwards
+    from autopp.stage_split.meta_run import run_on_meta
+    from tests.models import _transformers_moe_meta
+
+    model = _transformers_moe_meta("mixtral", 2, use_cache=False)
+    model.set_experts_implementation(impl)  # as transformers runs it (no adapter's prepare)
+    stages = _stages(model)
+    tokens = torch.empty(2, SEQ, dtype=torch.long, device="meta")
+    first = run_on_meta(stages[0], tokens)
+    assert op in first.on_cpu, first.on_cpu
+    assert tuple(first.output.shape) == (2, SEQ, model.config.hidden_size)
+    with caplog.at_level(logging.INFO, logger="autopp"):
+        check_stage_forwards(stages, (tokens,))
+    assert f"run on CPU on zeros" in caplog.text and op in caplog.text
+    assert tuple(logits_of(run_on_meta(stages[1], first.output).output).shape) == (2, SEQ, 2048)
+    wrong = torch.empty(2, SEQ, 7, device="meta")
+    with pytest.raises(ValueError, match="stage 0 of 1 cannot run the model's forward"):
+        check_stage_forwards(stages[1:], (wrong,))
+
+
+def test_stage_check_of_a_plain_torch_moe_layer():
+    """A plain-torch MoE layer no adapter knows (a per-expert loop over ``nonzero``, fp32
+    ``torch._grouped_mm``) passes the stage check with its output's shape, and one whose
+    shapes do not match still fails it."""
+    from autopp.stage_split import check_stage_forwards
+
+    class Loop(torch.nn.Module):
+        def __init__(self, e=4, d=8):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(e, d, d))
+            self.router = torch.nn.Linear(d, e)
+
+        def forward(self, x):
+            ids = self.router(x).argmax(-1)
+            out = torch.zeros_like(x)
+            for e in torch.unique(ids):
+                rows = (ids == e).nonzero()[:, 0]
+                out[rows] = x[rows] @ self.w[e]
+            offs = torch.full((self.w.shape[0],), x.shape[0], dtype=torch.int32,
+                              device=x.device)
+            return out + torch._grouped_mm(x, self.w, offs=offs)
+
+    with torch.device("meta"):
+        layer = Loop()
+    check_stage_forwards([layer], (torch.empty(16, 8),))
+    with pytest.raises(ValueError, match="cannot run the model's forward"):
+        check_stage_forwards([layer], (torch.empty(16, 5),))
+
+
+# ---------------------------------------------------------------- pipelines on 8 processes
+
+def _reference(kind: str, param_dtype: torch.dtype | None = None) -> Reference:
+    """The model built on CPU as transformers builds it, initialised by autopp's per-FQN
+    seeds, run by transformers' forward with its default attention and experts; plain
+    AdamW and clip_grad_norm_: a step, then the loss."""
+    import transformers
+
+    meta = MODELS[kind](N_LAYERS)
+    with torch.device("cpu"):
+        model = type(meta)(meta.config)
+    assert model.config._attn_implementation == "sdpa"  # transformers' own path
+    assert model.config._experts_implementation == "grouped_mm"
+    assert isinstance(model, transformers.PreTrainedModel)
+    batch = make_batch(BATCH, SEQ)
+    return reference_run(model, [batch, batch], lr=LR, max_norm=MAX_NORM,
+                         param_dtype=param_dtype)
+
+
+def _configs(models_and_backends) -> list[Case]:
+    return [Case(model=model, pp=2, dp=2, tp=2, schedule="1F1B", n_microbatches=2,
+                 n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=LR, max_norm=MAX_NORM,
+                 parallelize=parallelize,
+                 planner_options=dict(PLANNED) if parallelize == "auto" else None)
+            for model, parallelize in models_and_backends]
+
+
+def _check(configs: list[Case], results: list[list[dict]]) -> None:
+    for i, cfg in enumerate(configs):
+        ref = _reference(cfg.model)
+        seen = set()
+        placements, ops, notes = {}, set(), set()
+        for rank_results in results:
+            res = rank_results[i]
+            assert res["losses"] == pytest.approx(ref.losses, abs=1e-5), cfg
+            assert res["norm"] == pytest.approx(ref.norm, rel=1e-5), cfg
+            assert_all_parity(res["grads"], ref.grads, what=f"{cfg.model} grad")
+            assert_norm_parity(res["grad_norms"], ref.grads, what=f"{cfg.model} grad")
+            seen |= set(res["grad_norms"])
+            placements.update(res["placements"])
+            ops |= set(res["ops"])
+            notes |= set(res["notes"])
+            for sid, units in res["units"].items():  # the block-reuse path
+                assert "" not in units, units
+                assert any(".layers." in f".{u}" for u in units), units
+                assert units[0] == "pre" if sid == 0 else units[-1] == "post", units
+        names = {n for n, _ in MODELS[cfg.model](N_LAYERS).named_parameters()}
+        assert seen == names, (cfg.model, names ^ seen)
+        assert any("-> autopp::routed_experts" in n for n in notes), notes
+        if cfg.parallelize != "auto":
+            assert not placements and not ops
+            continue
+        # the experts were planned as the op, and the blocks are tensor parallel: their
+        # attention and their experts have parameters split over tp (the sub-mesh's last dim)
+        assert {"routed_experts", "routed_experts_backward"} <= ops, ops
+        over_tp = {n for n, pl in placements.items() if ".layers." in n and pl[-1] != "R"}
+        assert any("self_attn" in n for n in over_tp), placements
+        assert any(".experts." in n for n in over_tp), placements
+
+
+@pytest.mark.multiprocess
+def test_mixtral_and_qwen2_moe_planned_and_replicated_match_single_process(tmp_path):
+    """Mixtral (4 experts, top 2, renormalised) and Qwen2-MoE (a gated shared expert, top-k
+    weights not renormalised), planned with their blocks sharded over tp, and replicated
+    (``parallelize=None``: the modules as written, the experts through the op)."""
+    configs = _configs([("hf_mixtral", "auto"), ("hf_mixtral", None),
+                        ("hf_qwen2_moe", "auto"), ("hf_qwen2_moe", None)])
+    _check(configs, run_on_ranks(run, 8, configs, str(tmp_path), timeout=1800))
+
+
+@pytest.mark.wide
+@pytest.mark.multiprocess
+def test_qwen3_moe_and_olmoe_planned_and_replicated_match_single_process(tmp_path):
+    """Qwen3-MoE (three experts a token of eight, renormalised) and OLMoE (eight experts,
+    not renormalised, q/k norms), planned and replicated."""
+    configs = _configs([("hf_qwen3_moe", "auto"), ("hf_qwen3_moe", None),
+                        ("hf_olmoe", "auto"), ("hf_olmoe", None)])
+    _check(configs, run_on_ranks(run, 8, configs, str(tmp_path), timeout=1800))
