@@ -31,6 +31,7 @@ import copy
 import inspect
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -40,9 +41,21 @@ from autopp.adapters.adapter import Adapter, register
 
 IMPLEMENTATION = "autopp"
 
-_VERDICTS: dict[tuple, str | None] = {}
-"""Per experts configuration (:func:`_key`): None when the op computes the model's own
-function (:func:`verify`), else why not."""
+@dataclass(frozen=True, kw_only=True)
+class Verdict:
+    """What :func:`verify` found for one experts configuration."""
+
+    equal: bool
+    """Whether ``autopp::routed_experts`` computes the module's own function."""
+    against: str
+    """The implementation it was compared with (the module's own; its ``"eager"``
+    definition where the module's own does not run on CPU)."""
+    reason: str = ""
+    """Why not, when not equal."""
+
+
+_VERDICTS: dict[tuple, Verdict] = {}
+"""Per experts configuration (:func:`_key`), the check's verdict."""
 
 
 def _pretrained(model: nn.Module) -> bool:
@@ -67,17 +80,20 @@ def own_implementation(module: nn.Module) -> str:
     """The experts implementation ``module`` had before autopp's (its config's, else the one
     ``prepare`` recorded)."""
     name = module.config._experts_implementation
-    return getattr(module, "_autopp_own_experts", name) if name == IMPLEMENTATION else name
+    if name != IMPLEMENTATION:
+        return name or "eager"
+    return getattr(module, "_autopp_own_experts", "eager")  # set by hand: its definition
 
 
-def own_forward(module: nn.Module) -> Callable[..., torch.Tensor]:
-    """The model's own experts function for ``module``: its implementation's in transformers'
-    ``ExpertsInterface``, or its class's own (eager) forward."""
+def own_forward(module: nn.Module, name: str | None = None) -> Callable[..., torch.Tensor]:
+    """The model's own experts function for ``module`` (implementation ``name``, default its
+    own): the implementation's in transformers' ``ExpertsInterface``, or its class's own
+    forward (``"eager"``: transformers' definition of the module)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    name = own_implementation(module)
+    name = own_implementation(module) if name is None else name
     eager = inspect.unwrap(type(module).forward)
-    return eager if name in (None, "eager") else ALL_EXPERTS_FUNCTIONS.get_interface(name, eager)
+    return eager if name == "eager" else ALL_EXPERTS_FUNCTIONS.get_interface(name, eager)
 
 
 def layout_mismatch(module: nn.Module) -> str | None:
@@ -123,15 +139,22 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     """The function autopp registers as ``"autopp"`` in transformers' ``ExpertsInterface``:
     the op where :func:`verify` found it computes the module's own function, else the
     module's own implementation."""
-    key = _key(module)
-    if key not in _VERDICTS:
+    verdict = _VERDICTS.get(_key(module))
+    if verdict is None:
         raise ValueError(
             f"{type(module).__name__}: experts_implementation={IMPLEMENTATION!r} on a "
             "configuration autopp has not checked; call autopp.adapters.prepare(model) on the "
             "model before running it (pipeline_autoparallel does)")
-    if _VERDICTS[key] is None:
+    if verdict.equal:
         return routed(module, hidden_states, top_k_index, top_k_weights)
-    return own_forward(module)(module, hidden_states, top_k_index, top_k_weights)
+    try:
+        return own_forward(module)(module, hidden_states, top_k_index, top_k_weights)
+    except Exception as e:  # e.g. traced on meta or fake tensors by the planner
+        raise RuntimeError(
+            f"{type(module).__name__} runs its own {own_implementation(module)!r} experts "
+            f"(not autopp::routed_experts: {verdict.reason}), which failed here "
+            f"({type(e).__name__}: {e}); the planner cannot trace them, parallelize=None or "
+            "your own parallelize function runs them as written") from e
 
 
 def _key(module: nn.Module) -> tuple:
@@ -146,21 +169,23 @@ differs when a token has more than two experts)."""
 
 
 def verify(module: nn.Module, tokens: int = 24, d: int = 16, f: int = 8,
-           seed: int = 0) -> str | None:
-    """None when ``autopp::routed_experts`` computes ``module``'s own experts function, else
-    why not. Run on a copy of ``module`` with small random CPU fp32 weights (``d`` hidden,
-    ``f`` per expert, its own expert count) on ``tokens`` tokens routed to distinct experts
-    with random weights: the output and the gradients of the tokens, the routing weights and
-    both weights, each within :data:`TOLERANCE`."""
+           seed: int = 0) -> Verdict:
+    """Whether ``autopp::routed_experts`` computes ``module``'s own experts function. Run on
+    a copy of ``module`` with small random CPU fp32 weights (``d`` hidden, ``f`` per expert,
+    its own expert count) on ``tokens`` tokens routed to distinct experts with random
+    weights: the output and the gradients of the tokens, the routing weights and both
+    weights, each within :data:`TOLERANCE`, against the module's own implementation, or
+    its ``"eager"`` definition where that does not run on CPU (a CUDA kernel)."""
+    own = own_implementation(module)
     reason = layout_mismatch(module)
     if reason is not None:
-        return reason
+        return Verdict(equal=False, against=own, reason=reason)
     n = module.gate_up_proj.shape[0]
     k = min(int(getattr(module.config, "num_experts_per_tok", 2) or 2), n)
     gen = torch.Generator().manual_seed(seed)
     twin = copy.copy(module)  # its attributes and submodules (act_fn), weights of its own
     twin._parameters = dict(module._parameters)
-    twin._autopp_own_experts = own_implementation(module)
+    twin._autopp_own_experts = own
     twin.gate_up_proj = nn.Parameter(torch.randn(n, 2 * f, d, generator=gen) * 0.5)
     twin.down_proj = nn.Parameter(torch.randn(n, d, f, generator=gen) * 0.5)
     x = torch.randn(tokens, d, generator=gen, requires_grad=True)
@@ -168,23 +193,36 @@ def verify(module: nn.Module, tokens: int = 24, d: int = 16, f: int = 8,
     scores = torch.rand(tokens, k, generator=gen).requires_grad_(True)
     grad = torch.randn(tokens, d, generator=gen)
     leaves = [x, scores, twin.gate_up_proj, twin.down_proj]
+
+    def run(fn: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
+        with torch.enable_grad():
+            out = fn(twin, x, ids, scores)
+            return [out.detach(), *torch.autograd.grad(out, leaves, grad)]
+
+    failed = ""
+    for against in dict.fromkeys([own, "eager"]):
+        try:
+            theirs = run(own_forward(twin, against))
+            break
+        except Exception as e:  # noqa: BLE001 - e.g. a CUDA-only kernel: try its definition
+            failed = f"{failed}; " * bool(failed) + f"{against!r}: {type(e).__name__}: {e}"
+    else:
+        return Verdict(equal=False, against=own,
+                       reason=f"the check could not run its own experts ({failed})")
+    try:
+        ours = run(routed)
+    except Exception as e:  # noqa: BLE001 - a verdict, named
+        return Verdict(equal=False, against=against,
+                       reason=f"the op failed on a small copy ({type(e).__name__}: {e})")
     names = ["output", "tokens' gradient", "routing weights' gradient",
              "gate_up_proj's gradient", "down_proj's gradient"]
-    results = []
-    for fn in (own_forward(twin), routed):
-        try:
-            with torch.enable_grad():
-                out = fn(twin, x, ids, scores)
-                results.append([out.detach(), *torch.autograd.grad(out, leaves, grad)])
-        except Exception as e:  # noqa: BLE001 - any failure is a verdict, named
-            return (f"the check could not run {'its own' if not results else 'the op'} on a "
-                    f"small copy ({type(e).__name__}: {e})")
-    for what, own, ours in zip(names, *results):
-        err = float((ours - own).norm() / own.norm().clamp_min(1e-12))
+    for what, a, b in zip(names, theirs, ours):
+        err = float((b - a).norm() / a.norm().clamp_min(1e-12))
         if not err <= TOLERANCE:
-            return (f"autopp::routed_experts differs from its {own_implementation(module)!r} "
-                    f"experts in the {what} by {err:.2g} (relative, CPU fp32)")
-    return None
+            return Verdict(equal=False, against=against, reason=(
+                f"autopp::routed_experts differs from its {against!r} experts in the {what} "
+                f"by {err:.2g} (relative, CPU fp32)"))
+    return Verdict(equal=True, against=against)
 
 
 def _refuse_router_loss(model: nn.Module) -> None:
@@ -213,10 +251,9 @@ def _prepare(model: nn.Module) -> list[str]:
     if ALL_EXPERTS_FUNCTIONS._global_mapping.get(IMPLEMENTATION) is not experts_forward:
         type(ALL_EXPERTS_FUNCTIONS).register(IMPLEMENTATION, experts_forward)
     name = type(model).__name__
-    notes, seen, own = [], {}, set()
+    notes, seen = [], {}
     for fqn, m in modules:
         m._autopp_own_experts = own_implementation(m)
-        own.add(m._autopp_own_experts)
         key = _key(m)
         if key not in _VERDICTS:
             _VERDICTS[key] = verify(m)
@@ -224,12 +261,14 @@ def _prepare(model: nn.Module) -> list[str]:
     for key, (fqn, m) in seen.items():
         verdict = _VERDICTS[key]
         where = f"{type(m).__name__} (e.g. {fqn})"
-        if verdict is None:
-            notes.append(f"transformers {name}: experts {where} {key[4]!r} -> autopp::"
-                         "routed_experts (checked equal on CPU fp32, forward and backward)")
+        if verdict.equal:
+            notes.append(
+                f"transformers {name}: experts {where} {key[4]!r} -> autopp::routed_experts "
+                f"(checked equal to its {verdict.against!r} experts on CPU fp32, forward and "
+                "backward; in bf16 each routed row is rounded before the sum)")
         else:
             notes.append(f"transformers {name}: experts {where} run as written ({key[4]!r}): "
-                         f"{verdict}; the planner cannot shard them")
+                         f"{verdict.reason}; the planner cannot trace them")
     if any(m.config._experts_implementation != IMPLEMENTATION for _, m in modules):
         model.set_experts_implementation(IMPLEMENTATION)
     return notes
