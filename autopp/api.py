@@ -27,6 +27,8 @@ from autopp.mesh import check_world_mesh, mesh_sizes, stage_sub_mesh
 from autopp.pipeline import Pipeline, PipelineLayout
 from autopp.plan.keyword_inputs import example_keyword_inputs
 from autopp.stage_split import build_stage_module, check_stage_forwards
+from autopp.stage_split.build import is_model_input
+from autopp.stage_split.model_inputs import InputReads, given_model_inputs, model_inputs_note
 from autopp.stage_split.for_schedule import split_for_schedule, stage_ranks_of
 
 if TYPE_CHECKING:  # torch's FSDP and pipelining cost ~1 s to import: only when used
@@ -137,10 +139,12 @@ def pipeline_autoparallel(
     pp_rank, dp_rank, tp_rank = coords
     keyword = example_keyword_inputs(example_kwargs, example_inputs)
     saved = backend.plan if isinstance(backend, Planner) else None
+    saved_reads = saved is not None and any(is_model_input(n) for n, _, _ in
+                                            saved.keyword_inputs)
     if saved is not None:  # before the split: its errors would hide what differs
         saved.check(model=model, pp=pp, dp=dp, tp=tp, schedule=str(schedule),
                     n_microbatches=n_microbatches, example_inputs=example_inputs,
-                    keyword_inputs=keyword)
+                    keyword_inputs=given_model_inputs(keyword, example_inputs, saved_reads))
         if split is None:
             split = [list(f) for f in saved.fqns_per_stage]
 
@@ -162,7 +166,20 @@ def pipeline_autoparallel(
         x = example_inputs[0]
         mb = torch.empty((x.shape[0] // n_microbatches, *x.shape[1:]), dtype=x.dtype,
                          device="meta")
-        check_stage_forwards(list(metas), (mb,))
+        # a forward that reads its input (GPT-2's shapes) runs on the model's inputs on
+        # every stage: they become keyword inputs (autopp.stage_split.model_inputs)
+        checked = InputReads(metas, (mb,))
+        check_stage_forwards(checked.calls, (mb,))
+        reads = checked.read
+        if saved is not None and reads != saved_reads:
+            raise ValueError(
+                f"the plan was made for stages that {'' if saved_reads else 'do not '}take "
+                f"the model's inputs, and this model's stages {'' if reads else 'do not'} "
+                "read them (autopp.stage_split.model_inputs): plan it again for this model "
+                "(drop plan=)")
+        keyword = given_model_inputs(keyword, example_inputs, reads)
+        if reads:
+            model_notes = [*model_notes, model_inputs_note(example_inputs)]
     backend.prepare(PipelineSpec(
         model=model, fqns_per_stage=tuple(tuple(f) for f in fqns_per_stage),
         stage_ids=tuple(stage_ids), rank_of=rank_of, mesh=mesh, sub_mesh=sub_mesh,

@@ -24,6 +24,7 @@ from autopp.backends import StageBackend
 from autopp.format import compact_modules
 from autopp.loss import TokenWeightedLoss, count_tokens
 from autopp.stage_split import merge_stage_modules
+from autopp.stage_split.build import is_model_input, model_input_keywords
 from autopp.stage_split.merge import replay_state_dict_hooks
 
 if TYPE_CHECKING:
@@ -139,8 +140,11 @@ class Pipeline:
         self._all_fqns = {f for stage in layout.fqns_per_stage for f in stage}
         self._input_shapes = input_shapes
         #: (name, shape, dtype) of the keyword inputs the pipeline was built for
-        #: (``example_kwargs``): what planned stages take with every step.
+        #: (``example_kwargs``): what planned stages take with every step. With the model's
+        #: inputs among them (``autopp_input_0``, ...: a forward that reads its input, see
+        #: :mod:`autopp.stage_split.model_inputs`), every step hands its inputs to every stage.
         self._keyword_inputs = tuple(keyword_inputs)
+        self._inputs_to_every_stage = any(is_model_input(n) for n, _, _ in keyword_inputs)
         #: A non-finite loss or gradient norm raises FloatingPointError (True, the default)
         #: or warns (False).
         self.raise_on_nonfinite = raise_on_nonfinite
@@ -461,6 +465,10 @@ class Pipeline:
         planned stages, the ones they were planned for (graph inputs of their traces)."""
         batch = inputs[0].shape[0] if inputs else None
         for name, value in model_kwargs.items():
+            if is_model_input(name):
+                raise ValueError(f"keyword input {name!r}: autopp passes the model's "
+                                 "positional inputs to its stages by that name; give the "
+                                 "model's inputs positionally, and rename this keyword")
             if not isinstance(value, torch.Tensor) or value.dim() == 0 or (
                     batch is not None and value.shape[0] != batch):
                 what = (f"a tensor of shape {tuple(value.shape)}"
@@ -474,8 +482,10 @@ class Pipeline:
         from autopp.sharding.plan import describe_keyword_inputs
 
         built = [[n, list(shape), d] for n, shape, d in self._keyword_inputs]
+        given = {**model_kwargs, **(model_input_keywords(inputs)
+                                    if self._inputs_to_every_stage else {})}
         got = [[n, list(shape), d] for n, shape, d in describe_keyword_inputs(
-            dict(sorted(model_kwargs.items())))]
+            dict(sorted(given.items())))]
         if sorted(built) != got:
             raise ValueError(
                 f"keyword inputs (name, shape, dtype) {got}: this pipeline's planned stages "
@@ -495,6 +505,8 @@ class Pipeline:
         self._require_built()
         inputs = tuple(x.to(self._device) for x in inputs)
         model_kwargs = {k: v.to(self._device) for k, v in model_kwargs.items()}
+        if self._inputs_to_every_stage:  # every stage runs the forward on them (see above)
+            model_kwargs.update(model_input_keywords(inputs))
         target = target.to(self._device)
         losses: list[torch.Tensor] = []
         if self.has_last_stage:

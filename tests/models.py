@@ -281,6 +281,86 @@ def hf_gemma_meta(n_layers: int = 4) -> torch.nn.Module:
     return _transformers_meta("gemma", n_layers)
 
 
+def _gpt2_style_meta(family: str, n_layers: int) -> torch.nn.Module:
+    """A GPT-2-style transformers decoder (its forward reads the batch, sequence and
+    positions from ``input_ids``; learned absolute positions ``wpe``; ``Conv1D`` weights,
+    stored (in, out); ``lm_head`` tied to ``wte``) of the suite's sizes, on meta, dropout
+    off (the reference runs the same numbers)."""
+    import transformers
+
+    common = dict(vocab_size=2048, n_embd=64, n_layer=n_layers, n_head=4, n_positions=64,
+                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                  eos_token_id=0)
+    config, model = {
+        "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
+        # multi-query attention (one key/value head), GELU-tanh MLP
+        "gpt_bigcode": (transformers.GPTBigCodeConfig, transformers.GPTBigCodeForCausalLM),
+    }[family]
+    with torch.device("meta"):
+        return model(config(**common))
+
+
+def hf_opt_meta(n_layers: int = 4) -> torch.nn.Module:
+    """OPT: its forward reads the batch and sequence from ``input_ids``, learned positions
+    from the attention mask's running count (offset by 2), ``lm_head`` tied to the
+    embedding; dropout off."""
+    import transformers
+
+    config = transformers.OPTConfig(
+        vocab_size=2048, hidden_size=64, word_embed_proj_dim=64, ffn_dim=128,
+        num_hidden_layers=n_layers, num_attention_heads=4, max_position_embeddings=64,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, bos_token_id=0,
+        eos_token_id=0, pad_token_id=1)
+    with torch.device("meta"):
+        return transformers.OPTForCausalLM(config)
+
+
+def hf_gpt2_meta(n_layers: int = 4) -> torch.nn.Module:
+    return _gpt2_style_meta("gpt2", n_layers)
+
+
+def hf_gpt_bigcode_meta(n_layers: int = 4) -> torch.nn.Module:
+    return _gpt2_style_meta("gpt_bigcode", n_layers)
+
+
+class _PositionBlock(torch.nn.Module):
+    """A block that takes the positions as an argument, as GPT-2's blocks do."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.up = torch.nn.Linear(dim, 4 * dim)
+        self.down = torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return h + self.down(torch.tanh(self.up(h))) * (1 + positions[..., None] / 16)
+
+
+class ReadsItsInput(torch.nn.Module):
+    """A GPT-2-like decoder in plain torch whose forward reads ``tokens``' shape: learned
+    positions from the sequence length (the blocks take them too), the output viewed back
+    to (batch, seq, vocab). Its forward takes no other keyword."""
+
+    def __init__(self, n_layers: int = 4, vocab: int = 2048, dim: int = 64):
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, dim)
+        self.wpe = torch.nn.Embedding(64, dim)
+        self.h = torch.nn.ModuleList(_PositionBlock(dim) for _ in range(n_layers))
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        batch, seq = tokens.shape
+        positions = torch.arange(seq, device=tokens.device)[None]
+        h = self.wte(tokens.view(-1, seq)) + self.wpe(positions)
+        for block in self.h:
+            h = block(h, positions)
+        return self.head(h).view(batch, seq, -1)
+
+
+def reads_input_meta(n_layers: int = 4) -> torch.nn.Module:
+    with torch.device("meta"):
+        return ReadsItsInput(n_layers)
+
+
 def logits_of(out):
     """A transformers ``ModelOutput``'s logits; a tensor as it is."""
     return out if isinstance(out, torch.Tensor) else out.logits
@@ -292,5 +372,6 @@ MODELS = {"llama3": llama3_meta, "qwen3": qwen3_meta, "hf": hf_meta,
           "qwen3_moe": qwen3_moe_meta, "deepseek_v3": deepseek_v3_meta,
           "hf_mixtral": hf_mixtral_meta, "hf_qwen2_moe": hf_qwen2_moe_meta,
           "hf_qwen3_moe": hf_qwen3_moe_meta, "hf_olmoe": hf_olmoe_meta}
-
-
+# forwards that read their input's shape (tests/test_gpt2_style_models.py)
+MODELS.update(hf_gpt2=hf_gpt2_meta, hf_gpt_bigcode=hf_gpt_bigcode_meta, hf_opt=hf_opt_meta,
+              reads_input=reads_input_meta)

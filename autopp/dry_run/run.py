@@ -54,6 +54,8 @@ from autopp.plan.heap import frozen_heap
 from autopp.plan.make import loss_time_s, plan_whole_pipeline
 from autopp.plan.parallel import map_stages
 from autopp.plan.stage_inputs import last_stage_output, stage_meta_inputs
+from autopp.stage_split import build_stage_module
+from autopp.stage_split.model_inputs import stage_keyword_inputs
 from autopp.backends import PlannerOptions
 from autopp.format import compact_modules
 from autopp.dry_run.format import format_report
@@ -458,8 +460,11 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
     local = (torch.empty((global_batch // dp, seq_len), dtype=torch.long, device="meta"),)
     keyword = example_keyword_inputs(example_kwargs, local)
     pd = mixed_precision.param_dtype if mixed_precision is not None else None
+    metas = [build_stage_module(model_meta, list(f), allow_tied=True) for f in fqns_per_stage]
+    # a forward that reads its input (GPT-2's shapes) gets the model's inputs on every stage
+    keyword = stage_keyword_inputs(metas, local, n_microbatches, keyword)
     metas, inputs = stage_meta_inputs(model_meta, fqns_per_stage, local[0], n_microbatches,
-                                      dp, pd)
+                                      dp, pd, metas, keyword)
     logger.info("dry run: %d stages on a %s sub-mesh, microbatch %s (dp-global), profile %s",
                 n_stages, tuple(sub_mesh.shape), tuple(inputs[0][0].shape), profile)
 
@@ -479,7 +484,7 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
             budget = tt_plans[s][0].param_bytes_per_device * (1 + 1e-9)
         budgets.append(budget)
     timings: dict[int, list] = {}
-    logits = last_stage_output(metas, inputs, mixed_precision)
+    logits = last_stage_output(metas, inputs, mixed_precision, keyword)
     tt_kind = "batch+seq" if tp > 1 else "batch"  # torchtitan's boundaries (sequence parallel)
     memo: dict = {}  # lowered unit plans, shared by the stages (of one process)
     gathering = WeightGathering.from_options(options)

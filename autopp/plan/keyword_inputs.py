@@ -16,7 +16,13 @@ def example_keyword_inputs(example_kwargs: Mapping[str, torch.Tensor] | None,
     :func:`autopp.dry_run.dry_run` plan for."""
     batch = int(example_inputs[0].shape[0]) if example_inputs else None
     out = {}
+    from autopp.stage_split.build import is_model_input
+
     for name, t in sorted((example_kwargs or {}).items()):
+        if is_model_input(name):
+            raise ValueError(f"example_kwargs[{name!r}]: autopp passes the model's positional "
+                             "inputs to its stages by that name; give the model's inputs as "
+                             "example_inputs, and rename this keyword")
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or (
                 batch is not None and t.shape[0] != batch):
             what = (f"a tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)

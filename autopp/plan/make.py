@@ -153,7 +153,7 @@ def plan_boundaries(
     n = len(metas)
     ranks = list(rank_of) if rank_of is not None else list(range(n))
     mesh_shape = (pp or len(set(ranks)), dp, tp)
-    logits = last_stage_output(metas, inputs, mixed_precision)
+    logits = last_stage_output(metas, inputs, mixed_precision, keyword_inputs)
 
     whole = bool(memory) and any(m and m.get("activation_factor") is not None for m in memory)
     if callable(budgets) and not whole:
@@ -338,7 +338,7 @@ def plan_whole_pipeline(
 
     def _solve() -> PipelinePlan:
         metas, inputs = stage_meta_inputs(model, fqns, example_inputs[0], n_microbatches, dp,
-                                          record.compute_dtype, stage_modules)
+                                          record.compute_dtype, stage_modules, keyword)
         def budgets_at(bounds: Sequence[str] | None) -> list[float]:
             """The budgets less what the ILP's row does not count, with the receive
             buffers at ``bounds`` (None: every boundary at its largest kind)."""
@@ -347,7 +347,7 @@ def plan_whole_pipeline(
             fixed = fixed_stage_bytes(metas, inputs, n_microbatches=n_microbatches, dp=dp,
                                       tp=tp, bounds=bounds)
             fixed[-1] += loss_kept_bytes(
-                last_stage_output(metas, inputs, mp), dp, tp, last_kinds,
+                last_stage_output(metas, inputs, mp, keyword), dp, tp, last_kinds,
                 memory[-1]["activation_factor"])
             return budgets_less_fixed(
                 whole_budgets, fixed,
@@ -481,7 +481,9 @@ def plan_pipeline(
     receive its plan. Plans are cached on disk (:mod:`autopp.plan.cache`).
     """
     adapters.prepare(model)  # e.g. a transformers model's attention (logged)
+    from autopp.stage_split import build_stage_module
     from autopp.stage_split.for_schedule import split_for_schedule, stage_ranks_of
+    from autopp.stage_split.model_inputs import stage_keyword_inputs
     from autopp.loss import cross_entropy
     from autopp.mesh import build_world_mesh, init_fake_world, mesh_sizes, stage_sub_mesh
 
@@ -514,12 +516,16 @@ def plan_pipeline(
         info, fqns = split_for_schedule(
             model, schedule=schedule, split=split, pp=pp, n_microbatches=n_microbatches,
             local_batch_size=int(example_inputs[0].shape[0]), layers_attr=layers_attr)
+        metas = [build_stage_module(model, list(f), allow_tied=True) for f in fqns]
+        # a forward that reads its input (GPT-2's shapes) gets the model's inputs on every
+        # stage, as keyword inputs (autopp.stage_split.model_inputs)
+        keyword = stage_keyword_inputs(metas, example_inputs, n_microbatches, keyword)
         plan, _ = plan_on_rank0(lambda: plan_whole_pipeline(
             model, pp=pp, fqns_per_stage=fqns, stage_ranks=stage_ranks_of(info, pp, len(fqns)),
             sub_mesh=stage_sub_mesh(mesh), schedule=str(schedule),
             n_microbatches=n_microbatches, example_inputs=example_inputs, options=options,
             loss_fn=loss_fn if loss_fn is not None else cross_entropy,
-            keyword_inputs=keyword or None))
+            keyword_inputs=keyword or None, stage_modules=metas))
     finally:
         if created:
             dist.destroy_process_group()

@@ -210,9 +210,14 @@ def plan_stage(
              if reuse_blocks or keyword_inputs else None)
     grad_scale = 1.0 / microbatches_per_grad_reduce
     if units is None and keyword_inputs:
+        from autopp.stage_split.build import is_model_input
+
+        why = (" (autopp_input_*: the model's own inputs, which every stage takes because "
+               "its forward reads them, e.g. their shape)"
+               if any(is_model_input(k) for k in keyword_inputs) else "")
         raise ValueError(
-            f"keyword inputs {sorted(keyword_inputs)}: planned stages take them unit by unit "
-            f"(the part before the blocks, each block, the part after), and this stage "
+            f"keyword inputs {sorted(keyword_inputs)}{why}: planned stages take them unit by "
+            f"unit (the part before the blocks, each block, the part after), and this stage "
             f"({type(module).__name__}) does not fit that pattern (the log says why at INFO). "
             "Build the pipeline with parallelize=None or your own parallelize function to "
             "pass them")

@@ -69,12 +69,12 @@ class CastParams(nn.Module):
         object.__setattr__(self, "_inner", module)
         self._dtype = dtype
 
-    def forward(self, *args: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         params = {
             n: (p.to(self._dtype) if p.is_floating_point() else p)
             for n, p in self._inner.named_parameters()
         }
-        return torch.func.functional_call(self._inner, params, args)
+        return torch.func.functional_call(self._inner, params, args, kwargs)
 
 
 def maybe_cast(module: nn.Module, param_dtype: str | None) -> nn.Module:

@@ -17,6 +17,7 @@ subgraphs of ``torch.no_grad`` / ``autocast`` regions) is returned by name besid
 from __future__ import annotations
 
 import contextlib
+import inspect
 import operator
 import warnings
 from collections.abc import Iterator, Mapping
@@ -52,7 +53,8 @@ def export_at_blocks(module: nn.Module, block_fqns: list[str], example: torch.Te
     kw = {k: torch.empty(v.shape, dtype=v.dtype, device="meta")
           for k, v in (kwargs or {}).items()}
     try:
-        with tracing.on_meta(), _on_meta(module), warnings.catch_warnings():
+        with tracing.on_meta(), _on_meta(module), _binding(module, kw), \
+                warnings.catch_warnings():
             # torch's own notes while unflattening (its TreeSpec constants, a pytree
             # deprecation): nothing a user can act on
             warnings.filterwarnings("ignore", message=".*get_attr Node with no underlying")
@@ -74,6 +76,29 @@ def export_at_blocks(module: nn.Module, block_fqns: list[str], example: torch.Te
             inliner.graph.erase_node(node)
     inliner.graph.lint()
     return inliner.graph, inliner.extras
+
+
+@contextlib.contextmanager
+def _binding(module: nn.Module, kwargs: Mapping[str, Any]) -> Iterator[None]:
+    """``module`` whose forward binds the keyword inputs ``kwargs`` even where it does not
+    name them: ``torch.export`` binds the call to the forward's signature before the
+    forward pre-hooks run, and the stage cut's hook takes the model's own inputs
+    (``autopp_input_0``, ...) out of the call (:class:`~autopp.stage_split.build.StageCut`)."""
+    params = inspect.signature(module.forward).parameters
+    if all(k in params for k in kwargs) or any(p.kind == p.VAR_KEYWORD
+                                              for p in params.values()):
+        yield
+        return
+    forward = module.forward
+
+    def any_keywords(*args: Any, **kw: Any) -> Any:
+        return forward(*args, **kw)
+
+    module.__dict__["forward"] = any_keywords
+    try:
+        yield
+    finally:
+        del module.__dict__["forward"]
 
 
 @contextlib.contextmanager

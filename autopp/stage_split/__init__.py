@@ -23,9 +23,10 @@ Example::
     stage_modules = [build_stage_module(model, fqns) for fqns in split]
 """
 
-from autopp.stage_split.build import StageLayers, build_stage_module
+from autopp.stage_split.build import StageLayers, build_stage_module, model_input_keywords
 from autopp.stage_split.layout import ModelLayout, find_layers, inspect_model
 from autopp.stage_split.merge import merge_stage_modules
+from autopp.stage_split.model_inputs import stages_read_model_inputs
 from autopp.stage_split.layout_string import format_layout, parse_layout
 from autopp.stage_split.resolve import SplitSpec, resolve_split
 from autopp.stage_split.uniform import split_uniform
@@ -41,9 +42,11 @@ __all__ = [
     "format_layout",
     "inspect_model",
     "merge_stage_modules",
+    "model_input_keywords",
     "parse_layout",
     "resolve_split",
     "split_uniform",
+    "stages_read_model_inputs",
     "validate_split",
     "validate_stage",
 ]

@@ -19,6 +19,16 @@ the whole model's own forward, unchanged, cut at the stage's boundaries:
   last returns its last module's output (so the forward's tail, a norm or a logit slice, does
   not run on an activation); a ``ModelOutput``/mapping output becomes its one tensor.
 
+While a stage after the first runs, the stand-ins of the modules before its first one return
+the activation it received (what those modules computed, in its shape and dtype: GPT-2's
+position embedding added to the token embedding is then not a tensor of positions). The
+forward itself runs on the activation as the model's input, unless the forward reads that
+input (GPT-2 takes its batch, sequence and positions from ``input_ids``): the stage is then
+also called with the model's own inputs as keywords (:data:`MODEL_INPUT` ``0, 1, ...``,
+:func:`model_input_keywords`; the pipeline passes them when the stage check finds such a
+read, :mod:`autopp.stage_split.model_inputs`) and runs the forward on them. A first stage
+called so ignores the copies.
+
 Modules outside the layers that hold no parameters (a Hugging Face ``rotary_emb``) belong to
 no stage: every stage keeps its copy (see :mod:`autopp.stage_split.layout`).
 
@@ -30,6 +40,7 @@ whole model loads into a stage by name with ``load_state_dict(..., strict=False)
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -39,7 +50,22 @@ from torch import nn
 from autopp.stage_split.layout import ModelLayout, inspect_model, unit_of
 from autopp.stage_split.validate import validate_stage
 
-__all__ = ["LAYERS_ATTR", "Skipped", "StageCut", "StageLayers", "build_stage_module"]
+__all__ = ["LAYERS_ATTR", "MODEL_INPUT", "Skipped", "StageCut", "StageLayers",
+           "build_stage_module", "is_model_input", "model_input_keywords"]
+
+#: Prefix of the keywords that carry the model's positional inputs to a stage
+#: (``autopp_input_0`` is the model's first input, e.g. its token ids).
+MODEL_INPUT = "autopp_input_"
+
+
+def model_input_keywords(inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's positional inputs as the keywords a stage takes them by, in order."""
+    return {f"{MODEL_INPUT}{i}": t for i, t in enumerate(inputs)}
+
+
+def is_model_input(name: str) -> bool:
+    """Whether keyword ``name`` carries one of the model's positional inputs."""
+    return name.startswith(MODEL_INPUT) and name[len(MODEL_INPUT):].isdigit()
 
 
 class StageLayers(nn.ModuleDict):
@@ -112,9 +138,12 @@ def build_stage_module(
     memo = {} if shared else {id(m): m for m in dropped if m is not None}
     stage = copy.deepcopy(model, memo=memo)
     object.__setattr__(stage, LAYERS_ATTR, layout.layers_attr)
+    skipped_before: list[Skipped] = []  # stand-ins of modules before the stage's own
     for name in (*layout.pre, *layout.post):
         if name not in kept:
             _set_submodule(stage, name, Skipped(name))
+            if name in layout.pre:
+                skipped_before.append(stage.get_submodule(name))
     container = stage.get_submodule(layout.layers_attr)
     kept_layers = [
         name for name, fqn in zip(layout.layer_names, layout.layer_fqns) if fqn in kept
@@ -142,21 +171,35 @@ def build_stage_module(
             _set_submodule(stage, layout.layers_attr, container)
         if slot is not None:
             container[slot] = Skipped(f"{layout.layers_attr}.{slot}")
-    StageCut.install(stage, first=first, last=last, receives=ordered[0] != layout.fqns[0],
-                     sends=ordered[-1] != layout.fqns[-1])
+    receives = ordered[0] != layout.fqns[0]
+    cut = StageCut.install(stage, first=first, last=last, receives=receives,
+                           sends=ordered[-1] != layout.fqns[-1])
+    if receives:  # pre modules held elsewhere all come before this stage's first module
+        for skipped in skipped_before:
+            object.__setattr__(skipped, CUT_ATTR, cut)
+    if cut.sends:  # a module of the stage that the forward calls after its end is lost
+        for fqn in ordered:
+            if fqn != last:
+                stage.get_submodule(fqn).register_forward_pre_hook(
+                    functools.partial(cut._before_held, fqn))
     return stage
 
 
 class Skipped(nn.Module):
     """Stands in a stage for a module that another stage holds: it holds nothing and returns
     its first input, so the model's forward runs unchanged (the cut, :class:`StageCut`,
-    decides what reaches the stage's own modules)."""
+    decides what reaches the stage's own modules). Before a receiving stage's first module,
+    while the stage runs, it returns the received activation instead: what the modules it
+    stands for computed."""
 
     def __init__(self, fqn: str):
         super().__init__()
         self.fqn = fqn
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        cut = getattr(self, CUT_ATTR, None)
+        if cut is not None and cut.active:
+            return cut.received
         if args:
             return args[0]
         if kwargs:
@@ -175,7 +218,9 @@ class StageCut:
     cut): with ``receives``, the activation the stage is called with replaces the first
     input of its first module ``first``; with ``sends``, the stage returns its last module's
     (``last``) output, whatever the forward does after it. A mapping output (transformers'
-    ``ModelOutput``) becomes its one tensor value.
+    ``ModelOutput``) becomes its one tensor value. Called with the model's inputs as
+    keywords (:data:`MODEL_INPUT`), a receiving stage runs the forward on them (the
+    activation stays its first positional input); every stage drops those keywords.
     """
 
     def __init__(self, first: str, last: str, receives: bool, sends: bool):
@@ -198,13 +243,19 @@ class StageCut:
             stage.get_submodule(last).register_forward_hook(cut._take)
         return cut
 
-    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         self.active, self.sent, self.fed = True, None, False
+        inputs = [kwargs[k] for k in sorted((k for k in kwargs if is_model_input(k)),
+                                            key=lambda k: int(k[len(MODEL_INPUT):]))]
         if self.receives:
             if not args:
                 raise TypeError(f"this stage starts at {self.first} and takes the previous "
                                 "stage's activation as its first positional input")
             self.received = args[0]
+        if not inputs:
+            return None
+        kwargs = {k: v for k, v in kwargs.items() if not is_model_input(k)}
+        return (tuple(inputs) if self.receives else args), kwargs
 
     def _feed(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         if not self.active:
@@ -214,6 +265,16 @@ class StageCut:
                             "positional input for the previous stage's activation to replace")
         self.fed = True
         return (self.received, *args[1:]), kwargs
+
+    def _before_held(self, fqn: str, module: nn.Module, args: tuple) -> None:
+        if self.active and self.sent is not None:
+            raise RuntimeError(
+                f"the model's forward calls {fqn} after {self.last}, where this stage ends, "
+                "so its output would not reach the next stage: a split orders a model's "
+                "modules as the model registers them (named_children), and this forward "
+                f"calls {fqn} after the blocks while the model registers it before them. "
+                "Register the model's modules in the order its forward calls them, or run "
+                "it without pipeline stages (pp=1)")
 
     def _take(self, module: nn.Module, args: tuple, out: Any) -> None:
         if self.active:
