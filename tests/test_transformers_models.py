@@ -38,10 +38,31 @@ def _reference(kind: str) -> Reference:
     return reference_run(model, [batch, batch], lr=LR, max_norm=MAX_NORM)
 
 
+TP_BUDGET = 2.2e5
+"""Parameter bytes per device that the suite's tiny decoders fit at pp2 × dp2 × tp2 only with
+their blocks' weights split over tp as well as dp, so planned tests exercise tensor
+parallelism (at these sizes the CPU profile's fastest plan keeps blocks whole)."""
+
+
+def _planned(parallelize) -> bool:
+    from autopp.backends import Planner
+
+    return parallelize == "auto" or isinstance(parallelize, Planner)
+
+
+def assert_blocks_split_over_tp(placements: dict, n_layers: int) -> None:
+    """Every block holds a weight split over tp (the sub-mesh's last dim), and some block's
+    attention projection is split over tp (attention then runs on head shards)."""
+    over_tp = {fqn for fqn, p in placements.items() if str(p[-1]).startswith("S")}
+    for n in range(n_layers):
+        assert any(f".layers.{n}." in f for f in over_tp), (n, sorted(placements.items()))
+    assert any("attn" in f and "proj" in f for f in over_tp), sorted(over_tp)
+
+
 def _check(configs: list[Case], results: list[list[dict]]) -> None:
     for i, cfg in enumerate(configs):
         ref = _reference(cfg.model)
-        seen = set()
+        seen, placements = set(), {}
         for rank_results in results:
             res = rank_results[i]
             assert res["losses"] == pytest.approx(ref.losses, abs=1e-5), cfg
@@ -49,20 +70,27 @@ def _check(configs: list[Case], results: list[list[dict]]) -> None:
             assert_all_parity(res["grads"], ref.grads, what=f"{cfg.model} grad")
             assert_norm_parity(res["grad_norms"], ref.grads, what=f"{cfg.model} grad")
             seen |= set(res["grad_norms"])
-            if cfg.parallelize != "auto":
+            if not _planned(cfg.parallelize):
                 continue
+            placements.update(res["placements"])
             for sid, units in res["units"].items():  # the block-reuse path
                 assert "" not in units, units
                 assert any(".layers." in f".{u}" for u in units), units
                 assert units[0] == "pre" if sid == 0 else units[-1] == "post", units
         names = {n for n, _ in MODELS[cfg.model](N_LAYERS).named_parameters()}
         assert seen == names, (cfg.model, names ^ seen)
+        if _planned(cfg.parallelize):
+            assert_blocks_split_over_tp(placements, N_LAYERS)
 
 
 def _configs(models_and_backends) -> list[Case]:
+    """pp2 × dp2 × tp2 cases; "auto" plans under :data:`TP_BUDGET`."""
+    from autopp.backends import Planner, PlannerOptions
+
+    budget = Planner(PlannerOptions(parameter_budget_bytes=TP_BUDGET))
     return [Case(model=model, pp=2, dp=2, tp=2, schedule="1F1B", n_microbatches=2,
                  n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=LR, max_norm=MAX_NORM,
-                 parallelize=parallelize)
+                 parallelize=budget if parallelize == "auto" else parallelize)
             for model, parallelize in models_and_backends]
 
 
