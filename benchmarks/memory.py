@@ -43,6 +43,7 @@ import argparse
 import gc
 import itertools
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -66,9 +67,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=5e6,
                    help="parameter budget per stage (parameters alone; a rank's stages "
                         "share budget x stages per rank): forces dp-sharded weights")
-    p.add_argument("--reshard-after-forward", default="keep", choices=["keep", "regather"],
-                   help="keep the gathered weights for the step (default), or re-gather them "
-                        "for every forward and backward (not modelled by the prediction)")
+    p.add_argument("--weight-gathering", default="once_per_step,per_block",
+                   help="comma-separated PlannerOptions.weight_gathering policies to measure "
+                        "side by side: once_per_step (gathered copy kept all step) and/or "
+                        "per_block (FSDP's: gathered and reduced block by block)")
+    p.add_argument("--pp", type=int, default=2, help="pipeline stages (dp = 4 // pp, tp = 2)")
     p.add_argument("--details", action="store_true", help="print the prediction's parts")
     return p.parse_args()
 
@@ -141,12 +144,17 @@ def _out_bytes(gm, first: int, count: int) -> int:
                if hasattr(n, "meta") and isinstance(n.meta.get("val"), torch.Tensor))
 
 
-def stage_numbers(m, sid: int, local_ids: list[int], n_stages: int, n_mb: int) -> dict:
-    """What one planned stage holds, read off its lowered graphs and its parameters."""
+def stage_numbers(m, sid: int, local_ids: list[int], n_stages: int, n_mb: int,
+                  per_block: bool = False) -> dict:
+    """What one planned stage holds, read off the lowered graphs it runs (per block: the
+    gathers and reductions inside F, I, W and B, whose working memory counts them) and its
+    parameters."""
     from autopp.lower.memory import graph_peak_bytes, saved_bytes
     from autopp.schedules.memory_terms import receive_buffer_bytes
 
     local, g = m.stage_graphs()
+    if per_block:
+        g = m.per_block_graphs()
     sig = g.convention.signature
     params = [p for p in m.parameters()]
     p_bytes = _local_bytes(params)
@@ -189,7 +197,8 @@ def stage_numbers(m, sid: int, local_ids: list[int], n_stages: int, n_mb: int) -
     return dict(
         params=p_bytes + _local_bytes(m.buffers()),
         optimizer=2 * p_bytes + 4 * len(params),  # AdamW: exp_avg, exp_avg_sq, step
-        grads=p_bytes, unreduced=unreduced, gathered=m.gathered_param_bytes(), acts=acts,
+        grads=p_bytes, unreduced=unreduced,
+        gathered=0 if per_block else m.gathered_param_bytes(), acts=acts,
         p2p=receive_buffer_bytes(n_mb, in_bytes, 0 if is_last else out_bytes),
         to_end_f=to_end_f, to_end_b=to_end_b,
         work=work, saved_with_inputs=saved_bytes(g),
@@ -239,19 +248,21 @@ def predict(numbers: dict[int, dict], schedule: str, pp: int, pp_rank: int, n_mb
                 static=sum(n["params"] + n["optimizer"] for n in numbers.values()) + p2p)
 
 
-def plan_estimate(pipe, args, mesh, pp_rank: int) -> dict | None:
+def plan_estimate(pipe, args, mesh, pp_rank: int, gathering: str) -> dict | None:
     """The plan's own estimate for this pp rank (:func:`autopp.estimate.pipeline.estimate_plan`,
     computed on rank 0 and broadcast): its peak and its categories at the peak, with the
     categories the simulator had before the memory terms of issue 26 (parameters, gradients,
     optimizer, gathered parameters, activations) summed apart."""
     from autopp.estimate.pipeline import estimate_plan
+    from autopp.graph.weight_gathering import WeightGathering
     from autopp.integrations.torchtitan.estimates import estimates_on_rank0
     from autopp.mesh import stage_sub_mesh
     from tests.models import llama3_meta
 
     plan = pipe.backend.pipeline_plan
     est, why = estimates_on_rank0(lambda: estimate_plan(
-        plan, llama3_meta(args.n_layers), stage_sub_mesh(mesh)).estimates)
+        plan, llama3_meta(args.n_layers), stage_sub_mesh(mesh),
+        gathering=WeightGathering(per_block=gathering == "per_block")).estimates)
     if est is None:
         print(f"rank {dist.get_rank()}: no plan estimate ({why})", flush=True)
         return None
@@ -260,16 +271,17 @@ def plan_estimate(pipe, args, mesh, pp_rank: int) -> dict | None:
     return dict(peak=est.peak_bytes[pp_rank], cats=cats, old=sum(cats[c] for c in old))
 
 
-def measure(args, schedule: str, n_mb: int, recompute: str) -> dict:
+def measure(args, schedule: str, n_mb: int, recompute: str, gathering: str) -> dict:
     from autopp import build_world_mesh, pipeline_autoparallel
     from autopp.backends import Planner, PlannerOptions
     from autopp.schedules.registry import default_n_stages
     from tests.models import ce_loss, llama3_meta, make_batch
 
-    mesh = build_world_mesh(pp=2, dp=2, tp=2)
+    pp = args.pp
+    mesh = build_world_mesh(pp=pp, dp=4 // pp, tp=2)
     pp_rank, dp_rank, _ = mesh.get_coordinate()
     local = n_mb * args.mb_size
-    tokens, target = make_batch(local * 2, args.seq_len)
+    tokens, target = make_batch(local * (4 // pp), args.seq_len)
     tok = tokens[dp_rank * local:(dp_rank + 1) * local].clone()
     tgt = target[dp_rank * local:(dp_rank + 1) * local].clone()
     del tokens, target
@@ -278,9 +290,8 @@ def measure(args, schedule: str, n_mb: int, recompute: str) -> dict:
         schedule=schedule, n_microbatches=n_mb,
         parallelize=Planner(PlannerOptions(
             # the budget is per device, shared by the rank's stages: --budget is per stage
-            parameter_budget_bytes=args.budget * default_n_stages(schedule, 2) // 2,
-            recompute=recompute,
-            reshard_after_forward=args.reshard_after_forward == "regather")))
+            parameter_budget_bytes=args.budget * default_n_stages(schedule, pp) // pp,
+            recompute=recompute, weight_gathering=gathering)))
     pipe.init_weights(seed=0)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
     pipe.step(tok, target=tgt)  # gradients, optimizer state, receive buffers, lowered graphs
@@ -291,15 +302,20 @@ def measure(args, schedule: str, n_mb: int, recompute: str) -> dict:
     peak = peak_bytes_during(lambda: pipe.step(tok, target=tgt))
     pipe.zero_grad()
 
-    plan_est = plan_estimate(pipe, args, mesh, pp_rank)
+    t0 = time.perf_counter()
+    pipe.step(tok, target=tgt)  # timed apart from the profiled step
+    step_s = time.perf_counter() - t0
+    pipe.zero_grad()
+    plan_est = plan_estimate(pipe, args, mesh, pp_rank, gathering)
     n_stages = pipe.layout.n_stages
     ids = list(pipe.layout.stage_ids)
-    numbers = {sid: stage_numbers(m, sid, ids, n_stages, n_mb)
+    numbers = {sid: stage_numbers(m, sid, ids, n_stages, n_mb, gathering == "per_block")
                for m, sid in zip(pipe.stage_modules, pipe.layout.stage_ids)}
-    pred = predict(numbers, schedule, 2, pp_rank, n_mb, n_stages)
+    pred = predict(numbers, schedule, pp, pp_rank, n_mb, n_stages)
     del pipe, opt
     gc.collect()
-    return dict(schedule=schedule, n_mb=n_mb, recompute=recompute, start=start, peak=peak,
+    return dict(schedule=schedule, n_mb=n_mb, recompute=recompute, gathering=gathering,
+                step_s=step_s, start=start, peak=peak,
                 measured=start + peak, **pred, plan_est=plan_est,
                 acts=sum(n["acts"] for n in numbers.values()),
                 saved=sum(n["saved_with_inputs"] for n in numbers.values()))
@@ -309,32 +325,34 @@ def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo")
     rows = []
-    for schedule, n_mb, recompute in itertools.product(
+    for schedule, n_mb, recompute, gathering in itertools.product(
             args.schedule.split(","), (int(m) for m in args.microbatches.split(",")),
-            args.recompute.split(",")):
-        rows.append(measure(args, schedule, n_mb, recompute))
+            args.recompute.split(","), args.weight_gathering.split(",")):
+        rows.append(measure(args, schedule, n_mb, recompute, gathering))
         dist.barrier()
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, rows)
     if dist.get_rank() == 0:
-        print(f"llama3 debugmodel ({args.n_layers} layers) pp=2 x dp=2 x tp=2, "
+        print(f"llama3 debugmodel ({args.n_layers} layers) pp={args.pp} x dp={4 // args.pp} "
+              "x tp=2, "
               f"{args.mb_size} x {args.seq_len} tokens per microbatch per dp rank, parameter "
               f"budget {args.budget / MIB:.1f} MiB a stage; MiB per rank: measured = live at "
               "step start + profiler peak during the step; predicted = simulator + receive buffers "
               "+ working memory of the running action; step ratio: the same without what is "
               "held before the step (measured: its peak above the start; predicted: minus "
               "parameters, buffers, optimizer state and receive buffers)")
-        print(f"{'config':<28s} {'rank':>4s} {'measured':>9s} {'predicted':>9s} {'ratio':>6s} "
-              f"{'step ratio':>10s} {'acts/mb':>8s} {'peak at':>8s}")
+        print(f"{'config':<40s} {'rank':>4s} {'measured':>9s} {'predicted':>9s} {'ratio':>6s} "
+              f"{'step ratio':>10s} {'acts/mb':>8s} {'peak at':>8s} {'step s':>7s}")
         for i in range(len(rows)):
             for rank, rs in enumerate(per_rank):
                 r = rs[i]
-                cfg = f"{r['schedule']} M={r['n_mb']} {r['recompute']}"
+                cfg = f"{r['schedule']} M={r['n_mb']} {r['recompute']} {r['gathering']}"
                 action = r["at_action"][0] if r["at_action"] else "-"
                 step_ratio = r["peak"] / (r["predicted"] - r["static"])
-                print(f"{cfg:<28s} {rank:4d} {r['measured'] / MIB:9.2f} "
+                print(f"{cfg:<40s} {rank:4d} {r['measured'] / MIB:9.2f} "
                       f"{r['predicted'] / MIB:9.2f} {r['measured'] / r['predicted']:6.3f} "
-                      f"{step_ratio:10.3f} {r['acts'] / MIB:8.2f} {action:>8s}")
+                      f"{step_ratio:10.3f} {r['acts'] / MIB:8.2f} {action:>8s} "
+                      f"{r['step_s']:7.3f}")
                 e = r["plan_est"]
                 if e is not None:
                     parts = " ".join(f"{k}={v / MIB:.2f}" for k, v in e["cats"].items() if v)

@@ -95,6 +95,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="with --parallelize auto: run each planned stage's graphs through "
                         "Inductor (cold compile: tens of seconds; see README for its effect)")
+    p.add_argument("--weight-gathering", default="once_per_step",
+                   choices=["once_per_step", "per_block"],
+                   help="with --dry-run: how planned stages hold their dp-sharded weights "
+                        "(PlannerOptions.weight_gathering)")
     p.add_argument("--dry-run", action="store_true",
                    help="plan every stage for pp x dp x tp ranks on this one machine (fake "
                         "process group, no devices), simulate the schedule over the plans' "
@@ -310,7 +314,8 @@ def dry_run(args) -> None:
         options=PlannerOptions(
             profile=args.profile or "H100", boundary=args.boundary,
             loss_parallel={"auto": None, "on": True, "off": False}[args.loss_parallel],
-            mixed_precision=mp_policy(args), memory_reserve=args.memory_reserve),
+            mixed_precision=mp_policy(args), memory_reserve=args.memory_reserve,
+            weight_gathering=args.weight_gathering),
     )
     print_dry_run(report, args)
 

@@ -103,6 +103,28 @@ def one_step(mesh, cfg: Case) -> dict:
             collective_counts(m.stage_graphs()[1].unshard_graph).get("all_gather_into_tensor", 0)
             for m in pipe.stage_modules)
         out["gathered_bytes"] = sum(m.gathered_param_bytes() for m in pipe.stage_modules)
+        if (cfg.planner_options or {}).get("weight_gathering") == "per_block":
+            from autopp.graph.per_block import (KIND_META, block_collectives,
+                                                blocks_in_flight)
+            from autopp.graph.overlap import is_wait
+            from autopp.graph.walk import closure
+
+            def param_gathers(gm) -> int:  # the inlined gathers of a shard (or its view)
+                return sum(1 for n in gm.graph.nodes if n.meta.get(KIND_META) == "gather"
+                           and not any(map(is_wait, closure(n.all_input_nodes))))
+
+            graphs = [m.per_block_graphs(cfg.planner_options.get("prefetch_blocks", 1))
+                      for m in pipe.stage_modules]
+            out["per_block"] = [dict(
+                blocks=len(m.blocks),
+                counts={k: collective_counts(gm) for k, gm in g.graphs().items()},
+                param_gathers={k: param_gathers(gm) for k, gm in g.graphs().items()},
+                inlined_reductions={k: block_collectives(gm, "reduce")
+                                    for k, gm in g.graphs().items()},
+                in_flight={k: blocks_in_flight(gm) for k, gm in g.graphs().items()},
+                reductions=collective_counts(m.stage_graphs()[1].reduce_grad_graph)
+                if m.stage_graphs()[1].reduce_grad_graph is not None else {})
+                for m, g in zip(pipe.stage_modules, graphs)]
     if cfg.saved_bytes:  # planned stages: what each keeps per microbatch, as run and
         from autopp.lower.memory import saved_bytes  # without recomputation
 

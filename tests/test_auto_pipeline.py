@@ -139,36 +139,83 @@ def test_auto_parameters_gathered_once_per_step():
     """A parameter-only budget (``parameter_budget_bytes``) forces dp-sharded weights.
     Counted from the running pipeline: every parameter all-gather runs at the stage's
     UNSHARD action, once per step, none inside a microbatch's forward or backward (set on a
-    Planner backend object). With reshard_after_forward=True each forward and each backward
-    gathers them again instead.
-    The loss and gradients equal the single-process model's either way."""
+    Planner backend object). The loss and gradients equal the single-process model's."""
     batch, seq = 8, 128
     reference = reference_run(llama3_meta(REPLICATED_LAYERS), [make_batch(batch, seq)])
-    configs = [_cfg("1F1B", 2, dp=2, tp=2, count_collectives=True, n_microbatches=m,
-                    n_layers=REPLICATED_LAYERS,
-                    batch=batch, seq=seq, planner_options=dict(
-                        parameter_budget_bytes=4e6, reshard_after_forward=False))
-               for m in (2,)]
-    configs.append(_cfg("1F1B", 2, dp=2, tp=2, count_collectives=True, n_microbatches=2,
-                        n_layers=REPLICATED_LAYERS, batch=batch, seq=seq, planner_options=dict(
-                            parameter_budget_bytes=4e6, reshard_after_forward=True)))
+    configs = [_cfg("1F1B", 2, dp=2, tp=2, count_collectives=True, n_microbatches=2,
+                    n_layers=REPLICATED_LAYERS, batch=batch, seq=seq, planner_options=dict(
+                        parameter_budget_bytes=4e6, weight_gathering="once_per_step"))]
     results = run_on_ranks(run_configs, 8, configs)
     _check(results, configs, reference)
-    for r in results:
-        regather = r.pop()
-        counts, n = regather["collectives"], regather["unshard_gathers"]
-        assert "UNSHARD all_gather_into_tensor params" not in counts, counts
-        assert counts["F all_gather_into_tensor params"] == 2 * n, counts  # 2 microbatches
-        assert counts["B all_gather_into_tensor params"] == 2 * n, counts
-        assert "re-gathers its weights for every microbatch" in regather["describe"]
-        for res in r:
+    for (res,) in results:
+        counts = res["collectives"]
+        assert res["unshard_gathers"] > 0, counts  # the budget made weights dp-sharded
+        assert counts["UNSHARD all_gather_into_tensor params"] == res["unshard_gathers"]
+        assert not [k for k in counts if "params" in k and not k.startswith("UNSHARD")], counts
+        assert res["actions"]["UNSHARD"] == 1
+        assert "weights once per step" in res["describe"], res["describe"]
+        assert res["gathered_bytes"] > 0
+
+
+def test_auto_weights_gathered_and_gradients_reduced_per_block():
+    """``weight_gathering="per_block"`` (FSDP's memory) at pp2 x dp2 x tp2 under 1F1B and
+    ZBVZeroBubble (I/W split: reductions in W; also with full recomputation) and at
+    pp1 x dp4 x tp2, dp-sharded weights (``parameter_budget_bytes``): loss and gradients
+    equal the single-process model's.
+    Counted from the running pipeline: no gather at UNSHARD, none of its reductions at
+    REDUCE_GRAD; each microbatch's forward and backward gather the stage's weights (the
+    backward gathers again, nothing gathered is saved), each microbatch's backward reduces
+    its gradients; and the graphs that ran hold at most prefetch + 1 = 2 blocks gathered at
+    a time (of 3 or more)."""
+    batch, seq, m = 8, 128, 2
+    reference = reference_run(llama3_meta(REPLICATED_LAYERS), [make_batch(batch, seq)])
+    opts = dict(parameter_budget_bytes=4e6, weight_gathering="per_block")
+    configs = [_cfg(s, pp, dp=dp, tp=2, count_collectives=True, n_microbatches=m,
+                    n_layers=REPLICATED_LAYERS, batch=batch, seq=seq,
+                    planner_options=dict(opts, recompute=recompute))
+               for s, pp, dp, recompute in (("1F1B", 2, 2, "none"),
+                                            ("ZBVZeroBubble", 2, 2, "none"),
+                                            ("GPipe", 1, 4, "none"),
+                                            ("ZBVZeroBubble", 2, 2, "full"))]
+    results = run_on_ranks(run_configs, 8, configs)
+    _check(results, configs, reference)
+    for rank, r in enumerate(results):
+        for cfg, res in zip(configs, r):
+            what = f"{cfg.schedule} pp{cfg.pp} rank {rank}"
             counts = res["collectives"]
-            assert res["unshard_gathers"] > 0, counts  # the budget made weights dp-sharded
-            assert counts["UNSHARD all_gather_into_tensor params"] == res["unshard_gathers"]
-            assert not [k for k in counts if "params" in k and not k.startswith("UNSHARD")], counts
-            assert res["actions"]["UNSHARD"] == 1
-            assert "weights once per step" in res["describe"], res["describe"]
-        assert r[0]["gathered_bytes"] > 0
+            assert not [k for k in counts if k.startswith(("UNSHARD", "REDUCE_GRAD"))], \
+                (what, counts)
+            assert "block by block" in res["describe"], res["describe"]
+            split = cfg.schedule == "ZBVZeroBubble"
+            gathers = bw_gathers = reduces = 0
+            for st in res["per_block"]:
+                c = st["param_gathers"]
+                # a stage without input gradients (the first) runs no I/W split: B
+                bkind = "backward_input" if split and "backward_input" in c else "full_backward"
+                fw, bw = c["forward"], c[bkind]
+                if fw:  # the backward gathers what it reads again, never saved
+                    assert bw >= 1, (what, c)
+                gathers += fw
+                bw_gathers += bw
+                # every reduction of the reduce-grad graph runs, once, in the graph that
+                # makes the gradients (W with the I/W split, else B)
+                red = st["inlined_reductions"]
+                maker = "backward_weight" if split and "backward_weight" in red else \
+                    "full_backward"
+                assert red[maker] == sum(st["reductions"].values()), (what, st)
+                reduces += red[maker]
+                assert st["in_flight"]["forward"] <= 2, (what, st)
+                assert st["in_flight"][bkind] <= 2, (what, st)
+                if cfg.pp == 1:  # one stage of every block: two at a time, of many
+                    assert st["blocks"] >= 6 and st["in_flight"]["forward"] == 2, (what, st)
+            assert gathers > 0, (what, res["per_block"])  # the budget made weights dp-sharded
+            # every microbatch gathers each weight in F and again in I or B (the counter
+            # also counts a few all-gathers of values sharing a parameter's storage)
+            assert counts["F all_gather_into_tensor params"] >= m * gathers, (what, counts)
+            assert sum(counts.get(f"{k} all_gather_into_tensor params", 0) for k in "IB") \
+                >= m * bw_gathers, (what, counts, bw_gathers)
+            made = sum(n for k, n in counts.items() if k.split()[0] in ("B", "W"))
+            assert reduces > 0 and made >= m * reduces, (what, counts, reduces)
 
 
 def test_auto_compiled_stages_match_single_process(reference):

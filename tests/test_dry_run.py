@@ -319,10 +319,22 @@ def test_state_bytes_by_hand():
         1280, 1280, 4352, 3584)
     assert (c.gathered_param_bytes, c.activation_bytes_per_microbatch,
             c.activation_bytes_kept_for_w) == (4096, 1000, 600)
-    # reshard after forward: one UNSHARD's gathers before every F and every I instead
-    again = stage_cost(facts, st, loss_s=0.2, gathering=WeightGathering(per_microbatch=True))
+    # per block, one block (no overlap to gain): the stage's gathers in every F and every
+    # I, its reductions in every W; the gathered copy is the one block's, gradients reduced
+    again = stage_cost(facts, st, loss_s=0.2, gathering=WeightGathering(per_block=True))
     assert (again.forward_s, again.backward_input_s) == pytest.approx((1.35, 2.35))
-    assert (again.unshard_s, again.backward_weight_s) == (0.0, 1.5)
+    assert (again.unshard_s, again.reduce_grad_s) == (0.0, 0.0)
+    assert again.backward_weight_s == pytest.approx(2.0)
+    assert again.unreduced_grad_bytes == again.grad_bytes == 1280
+    # four blocks of 1024 gathered bytes each, prefetch 1: two blocks held, and each
+    # block's gathers but the first hide under the compute of the block before it
+    four = dataclasses.replace(facts, units=4, largest_unit_gathered_bytes=1024)
+    blk = stage_cost(four, st, gathering=WeightGathering(per_block=True))
+    assert blk.gathered_param_bytes == 2 * 1024
+    assert blk.forward_s == pytest.approx(1.0 + 0.25 / 4)  # 0.1875 s left hide under 0.75 s
+    assert blk.backward_weight_s == pytest.approx(1.5 + 0.5 / 4)
+    assert stage_cost(four, st, gathering=WeightGathering(per_block=True),
+                      overlap=False).forward_s == pytest.approx(1.25)
     ck = full_checkpointing_cost(c, facts)  # keeps block inputs, recomputes F before I
     assert ck.activation_bytes_per_microbatch == 100
     assert ck.backward_input_s == pytest.approx(2.1 + 1.0)

@@ -52,7 +52,8 @@ def stage_estimate(meta: nn.Module, plan: Any, sub_mesh: Any, inputs: tuple, n_m
         raise ValueError(f"estimate mode {mode!r}: 'graphs' or 'rule'")
     return facts, stage_cost(facts, state_bytes(plan, param_dtypes(meta)), loss_s=loss_s,
                              p2p_bytes=send_bytes, gathering=gathering,
-                             buffer_bytes=module_buffer_bytes(meta), collectives_ahead=overlap)
+                             buffer_bytes=module_buffer_bytes(meta), collectives_ahead=overlap,
+                             overlap=overlap)
 
 
 def simulate_stages(schedule: str, costs: Sequence[StageCost], *, pp: int, n_microbatches: int,
@@ -84,7 +85,7 @@ def estimate_plan(plan: Any, model: nn.Module, sub_mesh: Any, *, mode: EstimateM
     ``model``: the whole model on meta (its stages are built from it unless
     ``stage_modules`` gives them); ``sub_mesh``: a stage's ("dp", "tp") sub-mesh (real or
     fake; all stages' have the same shape). ``gathering``: the runtime's weight-gathering
-    policy (``PlannerOptions.reshard_after_forward`` is a runtime choice the plan does not
+    policy (``PlannerOptions.weight_gathering`` is a runtime choice the plan does not
     record). A plan that has estimates already (e.g. a dry run's) is returned as it is."""
     from autopp.stage_split import build_stage_module
 

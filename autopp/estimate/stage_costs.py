@@ -103,6 +103,11 @@ class StageFacts:
     """Held from the end of I to the end of W per microbatch (None: all activations)."""
     gathered_bytes: int = 0
     """New memory the unshard graphs make (gathered or cast weights), once per step."""
+    largest_unit_gathered_bytes: int = 0
+    """The most of :attr:`gathered_bytes` one unit (block) makes: what gathering block by
+    block holds per block in flight."""
+    units: int = 1
+    """The stage's units (blocks), over which per-block gathers and reductions spread."""
     checkpoint_bytes: int | None = None
     """Full activation checkpointing per unit: each unit's input, per microbatch."""
     largest_unit_activation_bytes: int = 0
@@ -159,33 +164,40 @@ def state_bytes(plan: StagePlan, param_dtypes: Mapping[str, torch.dtype]) -> Sta
 
 def stage_cost(facts: StageFacts, state: StateBytes, *, loss_s: float = 0.0,
                p2p_bytes: int = 0, gathering: WeightGathering = WeightGathering(),
-               buffer_bytes: int = 0, collectives_ahead: bool = True) -> StageCost:
+               buffer_bytes: int = 0, collectives_ahead: bool = True,
+               overlap: bool = True) -> StageCost:
     """The simulator's :class:`StageCost` of a stage (``loss_s``: its loss, last stage;
-    ``gathering``: when its weights are gathered, which moves UNSHARD time into F and I;
+    ``gathering``: when its weights are gathered and its gradients reduced
+    (:class:`~autopp.graph.weight_gathering.WeightGathering` prices both: per block, the
+    gathers join F and I, the reductions W, and the stage holds a few blocks' gathered
+    weights and reduced gradients; ``overlap``: the graphs overlap them);
     ``collectives_ahead``: UNSHARD and REDUCE_GRAD run in the background, as the graph
     runtime runs them with overlap on (``StageGraphs.collectives_ahead``);
     ``buffer_bytes``: its registered buffers,
     :func:`autopp.schedules.memory_terms.module_buffer_bytes`). The activations include
     what the loss keeps (``facts.loss_bytes``)."""
-    forward_s, backward_input_s, unshard_s = gathering.priced(
+    forward_s, backward_input_s, backward_weight_s, unshard_s, reduce_grad_s = gathering.priced(
         forward_s=facts.forward_s, backward_input_s=facts.backward_input_s,
-        unshard_s=facts.unshard_s)
+        backward_weight_s=facts.backward_weight_s, unshard_s=facts.unshard_s,
+        reduce_grad_s=facts.reduce_grad_s, units=facts.units, overlap=overlap)
     work = dict(facts.workspace)
     return StageCost(
         forward_s=forward_s + loss_s / 2,
         backward_input_s=backward_input_s + loss_s / 2,
-        backward_weight_s=facts.backward_weight_s,
+        backward_weight_s=backward_weight_s,
         unshard_s=unshard_s,
         collectives_ahead=collectives_ahead,
-        reduce_grad_s=facts.reduce_grad_s,
+        reduce_grad_s=reduce_grad_s,
         activation_bytes_per_microbatch=(facts.activation_bytes or 0) + facts.loss_bytes,
         activation_bytes_kept_for_w=facts.kept_for_w_bytes,
         p2p_bytes_per_microbatch=p2p_bytes,
         param_bytes=state.parameters,
         grad_bytes=state.gradients,
-        unreduced_grad_bytes=state.unreduced_gradients,
+        unreduced_grad_bytes=gathering.unreduced_grad_bytes(state.gradients,
+                                                            state.unreduced_gradients),
         optimizer_bytes=state.optimizer,
-        gathered_param_bytes=facts.gathered_bytes,
+        gathered_param_bytes=gathering.gathered_bytes(facts.gathered_bytes,
+                                                      facts.largest_unit_gathered_bytes),
         buffer_bytes=buffer_bytes,
         forward_workspace_bytes=work.get("F", 0),
         backward_workspace_bytes=work.get("B", 0),
@@ -403,7 +415,7 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
     x = example_inputs[0]
     traced: dict[str, Any] = {}
     times = dict.fromkeys(PHASES, 0.0)
-    acts = kept_w = gathered = ckpt = largest = 0
+    acts = kept_w = gathered = ckpt = largest = largest_gathered = 0
     hidden = 0.0
     grads_made: dict[str, int] = {}
     transient: dict[str, int] = {}
@@ -435,6 +447,7 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
         acts += f.saved - (f.saved_inputs if index == 0 else 0)
         kept_w += f.kept_for_w
         gathered += f.gathered
+        largest_gathered = max(largest_gathered, f.gathered)
         ckpt += f.input_bytes
         largest = max(largest, f.saved)
         for kind, (g, t) in f.workspace.items():
@@ -456,6 +469,7 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
         forward_s=times["F"], backward_input_s=times["I"], backward_weight_s=times["W"],
         unshard_s=times["unshard"], reduce_grad_s=times["reduce_grad"],
         activation_bytes=acts, kept_for_w_bytes=kept_w, gathered_bytes=gathered,
+        largest_unit_gathered_bytes=largest_gathered, units=len(plan.blocks),
         checkpoint_bytes=ckpt, largest_unit_activation_bytes=largest, from_graphs=True,
         loss_bytes=loss, workspace=work, hidden_comm_s=hidden,
     )

@@ -51,13 +51,6 @@ class _EagerLoss:
     outputs: list[torch.Tensor]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Regather:
-    """What a forward with ``regather_for_backward`` keeps instead of gathered values."""
-
-    shards: list[Any]
-
-
 def _run(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, ...]:
     with torch.no_grad():
         out = fn(*args)
@@ -97,11 +90,6 @@ class StageGraphs:
     """Meta tensors shaped like the outputs, the loss on the last stage (when traced)."""
     runners: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
     """Compiled replacements of the graphs above, by name (see :func:`compile_stage_graphs`)."""
-    regather_for_backward: bool = False
-    """FSDP's reshard-after-forward: no gathered copy is kept for the step; each forward runs
-    the unshard graph on the parameter shards and drops its outputs after use, and each
-    backward runs it again for the gathered values it reads (2 gathers per weight per
-    microbatch instead of 1 per step; the gathered copy lives only during one F or B)."""
     collectives_ahead: bool = False
     """UNSHARD and REDUCE_GRAD issue their graphs' collectives and return without waiting
     for those whose results the graph returns as they are (:meth:`issue_unshard`,
@@ -111,7 +99,7 @@ class StageGraphs:
     gradients. So an UNSHARD placed ahead of another stage's compute (interleaved and V
     schedules put every local stage's UNSHARD at the step's start) runs under it, and so
     does a REDUCE_GRAD followed by another local stage's backward. Not for a compiled
-    runner of either graph, nor the unshard graph with :attr:`regather_for_backward`."""
+    runner of either graph."""
     state_as_local_shards: bool = False
     """How the schedule runtime hands DTensor parameters and buffers to the graphs: as their
     local shards (graphs lowered from a sharding plan, collectives explicit), and reduced
@@ -186,15 +174,13 @@ class StageGraphs:
         if self.unshard_graph is None:
             return list(flat_param_values)
         args = [flat_param_values[i] for i in conv.unshard_param_indices]
-        if self.regather_for_backward:  # the shards themselves: each F and B gathers anew
-            return args
         return list(_run(self._fn("unshard"), args))
 
     def issue_unshard(self, flat_param_values: list[Any]) -> tuple[list[Any], tuple[int, ...]]:
         """As :meth:`unshard_params`, but with :attr:`collectives_ahead` the all-gathers
         the graph returns directly are left in flight: returns the values and the positions
         of those still to wait for (``wait_tensor`` on each before it is read)."""
-        if self.regather_for_backward or not self._ahead("unshard"):
+        if not self._ahead("unshard"):
             return self.unshard_params(flat_param_values), ()
         self._check_param_count(flat_param_values)
         args = [flat_param_values[i] for i in self.convention.unshard_param_indices]
@@ -240,10 +226,6 @@ class StageGraphs:
                 f"forward got {len(user_inputs)} flat user inputs, the stage was traced with "
                 f"{sig.num_user_inputs}; the previous stage's outputs must match this stage's inputs."
             )
-        shards = None
-        if self.regather_for_backward and self.unshard_graph is not None:
-            shards = list(unsharded_params)  # what unshard_params handed on: the shards
-            unsharded_params = list(_run(self._fn("unshard"), shards))
         # With an unshard graph, its outputs feed the leading forward inputs and the other
         # forward inputs index buffers / user inputs only; without one, they index params too.
         params = unsharded_params if self.unshard_graph is None else [None] * sig.num_params
@@ -254,19 +236,7 @@ class StageGraphs:
         n = sig.num_outputs
         k = conv.num_unsharded_params
         saved = out[n : n + conv.num_saved_for_backward]
-        if shards is not None:  # drop the gathered values; the backward gathers again
-            drop = set(self._saved_unsharded_positions())
-            saved = tuple(None if i in drop else v for i, v in enumerate(saved))
-            return out[:n], (*saved, _Regather(shards))
         return out[:n], (*saved, *unsharded_params[k : k + conv.num_backward_unsharded])
-
-    def _saved_unsharded_positions(self) -> dict[int, int]:
-        """{position in the saved values: unshard output index} of saved gathered values."""
-        conv = self.convention
-        names = [ph.name for ph in self.forward_graph.graph.find_nodes(op="placeholder")]
-        frontier = {name: i for i, name in enumerate(names[: conv.num_unsharded_params])}
-        return {pos: frontier[name] for pos, name in enumerate(conv.saved_for_backward)
-                if name in frontier}
 
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
                 loss_kwargs: dict[str, Any], *, unsharded_param_values: list[Any],
@@ -322,13 +292,6 @@ class StageGraphs:
             saved, output_grads = self._loss_grads(saved)
         conv = self.convention
         n_saved = conv.num_saved_for_backward
-        if saved and isinstance(saved[-1], _Regather):  # gather again what the backward reads
-            gathered = list(_run(self._fn("unshard"), saved[-1].shards))
-            refill = self._saved_unsharded_positions()
-            saved = [gathered[refill[i]] if i in refill else v
-                     for i, v in enumerate(saved[:n_saved])]
-            k = conv.num_unsharded_params
-            saved += gathered[k : k + conv.num_backward_unsharded]
         if len(saved) != n_saved + conv.num_backward_unsharded:
             raise ValueError(
                 f"backward got {len(saved)} saved values, the forward saves "

@@ -1,24 +1,24 @@
-"""The weight-gathering policy: when a stage's gathered weights exist, what that costs and
-how it is reported. Its one home: the planner backend (which policy a stage runs), the
-lowering (the runtime flag), the estimates (the time it adds) and ``describe`` all ask this
-module, so a change to how weights are gathered is made here (and, for a new mechanism, in
-:mod:`autopp.graph.callables`, which carries it out).
+"""The weight-gathering policy: when a stage's gathered weights and unreduced gradients
+exist, what that costs and how it is reported. Its one home: the planner backend (which
+policy a stage runs), the lowering (which graphs run), the estimates (time and memory)
+and ``describe`` all ask this module, so a change to how weights are gathered is made here
+(and, for the mechanism, in :mod:`autopp.graph.per_block` / :mod:`autopp.graph.callables`).
 
-Two policies, chosen by ``PlannerOptions.reshard_after_forward``:
+Two policies, chosen by ``PlannerOptions.weight_gathering``:
 
-* **once per step** (default): the UNSHARD action runs the stage's unshard graph (parameter
-  all-gathers and casts) once, the gathered copy stays until RESHARD after the step's last
-  backward. Time: one UNSHARD per step. Memory: the copy, held all step.
-* **per microbatch** (FSDP's reshard-after-forward): every forward runs the unshard graph on
-  the shards and drops its outputs after use, every backward-input runs it again for the
-  gathered values it reads (``StageGraphs.regather_for_backward``). Time: two UNSHARDs per
-  microbatch (one in F, one in I; W reads no weights). Memory: the copy lives only during
-  one F or I; the estimates still count it held all step, since the peak falls inside an F
-  or an I (an upper bound; ``benchmarks/memory.py`` measures both).
-
-The stage planner's ILP prices gathers once per step under both policies (the sharding it
-picks does not see the policy; with gathers per microbatch it gets no windows to hide them
-in, :func:`autopp.plan.make.collectives_ahead`); the estimates above do see it.
+* **once per step** (``"once_per_step"``, default): UNSHARD runs the stage's unshard graph
+  (parameter casts and all-gathers) once; the gathered copy stays until RESHARD after the
+  step's last backward; weight gradients are summed unreduced over the microbatches and
+  REDUCE_GRAD reduces them once. Time: one UNSHARD and one REDUCE_GRAD a step. Memory: the
+  whole stage's gathered copy and unreduced gradients, all step.
+* **per block** (``"per_block"``, FSDP's): each block's weights are gathered just before
+  its forward and freed after it, gathered again for its backward (never saved), and its
+  gradients reduce-scattered as the backward (W under zero-bubble) makes them, every
+  microbatch; gathers are issued ``prefetch`` blocks ahead
+  (:func:`autopp.graph.per_block.per_block_stage_graphs`). Time: a stage's gathers in
+  every F and every I (or B), its reductions in every W (or B), each block's hidden
+  under the compute of the block before it except the first's. Memory: the gathered
+  copies of ``prefetch + 1`` blocks during an F or I, the gradients reduced (sharded).
 """
 
 from __future__ import annotations
@@ -26,54 +26,89 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+POLICIES = ("once_per_step", "per_block")
+"""The values of ``PlannerOptions.weight_gathering``."""
 
-@dataclasses.dataclass(frozen=True, slots=True)
+
+def _exposed(comm_s: float, compute_s: float, units: int) -> float:
+    """Exposed time of ``comm_s`` of per-block collectives run beside ``compute_s`` of the
+    same piece, one block ahead: the first block's in full, the rest less the compute of
+    the blocks before them."""
+    if units <= 1:
+        return comm_s
+    first = comm_s / units
+    return first + max(0.0, comm_s - first - compute_s * (units - 1) / units)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class WeightGathering:
-    """How a planned stage holds the weights its unshard graph gathers."""
+    """How a planned stage holds the weights its unshard graph gathers and the gradients
+    its reduce-grad graph reduces."""
 
-    per_microbatch: bool = False
-    """True: gather again for every forward and backward; False: once per step."""
+    per_block: bool = False
+    """True: gathered and reduced block by block, every microbatch; False: once per step."""
+    prefetch: int = 1
+    """Per block: how many blocks ahead a block's gathers are issued."""
 
     @staticmethod
     def from_options(options: Any) -> "WeightGathering":
         """The policy ``options`` (a :class:`~autopp.plan.options.PlannerOptions`) asks for."""
-        return WeightGathering(per_microbatch=bool(options.reshard_after_forward))
-
-    def regathers(self, gathered_bytes: int) -> bool:
-        """The runtime's ``regather_for_backward`` for a stage whose unshard graph makes
-        ``gathered_bytes`` of new memory (nothing to re-gather without gathered weights)."""
-        return self.per_microbatch and gathered_bytes > 0
+        return WeightGathering(per_block=options.weight_gathering == "per_block",
+                               prefetch=options.prefetch_blocks)
 
     def unshards_per_step(self, n_microbatches: int) -> int:
-        """How many times a step runs the stage's unshard graph."""
-        return 2 * n_microbatches if self.per_microbatch else 1
+        """How many times a step gathers each of the stage's weights."""
+        return 2 * n_microbatches if self.per_block else 1
 
-    def priced(self, *, forward_s: float, backward_input_s: float, unshard_s: float
-               ) -> tuple[float, float, float]:
-        """``(forward_s, backward_input_s, unshard_s)`` of a stage under this policy, given
-        its times with the weights gathered once per step (``unshard_s``: one UNSHARD)."""
-        if not self.per_microbatch:
-            return forward_s, backward_input_s, unshard_s
-        return forward_s + unshard_s, backward_input_s + unshard_s, 0.0
+    def priced(self, *, forward_s: float, backward_input_s: float, backward_weight_s: float,
+               unshard_s: float, reduce_grad_s: float, units: int, overlap: bool = True
+               ) -> tuple[float, float, float, float, float]:
+        """``(F, I, W, UNSHARD, REDUCE_GRAD)`` seconds of a stage under this policy, given
+        its times with the weights gathered once per step (``unshard_s``: one UNSHARD,
+        ``reduce_grad_s``: one REDUCE_GRAD) and its number of blocks. Per block, the
+        gathers join F and I, the reductions W (B is I + W), each exposed as
+        :func:`_exposed` says with ``overlap`` (else in full)."""
+        if not self.per_block:
+            return forward_s, backward_input_s, backward_weight_s, unshard_s, reduce_grad_s
+        n = units if overlap else 1
+        return (forward_s + _exposed(unshard_s, forward_s if overlap else 0.0, n),
+                backward_input_s + _exposed(unshard_s, backward_input_s if overlap else 0.0, n),
+                backward_weight_s + _exposed(reduce_grad_s,
+                                             backward_weight_s if overlap else 0.0, n),
+                0.0, 0.0)
+
+    def gathered_bytes(self, stage_bytes: int, largest_unit_bytes: int) -> int:
+        """Gathered weights a stage holds at its peak: all of them once per step, per block
+        the ``prefetch + 1`` blocks in flight (the largest block's, an upper bound)."""
+        if not self.per_block:
+            return stage_bytes
+        return min(stage_bytes, (self.prefetch + 1) * largest_unit_bytes)
+
+    def unreduced_grad_bytes(self, reduced: int, unreduced: int) -> int:
+        """The gradients a stage accumulates over a step's microbatches: unreduced once per
+        step, reduced (the parameters' size) per block."""
+        return reduced if self.per_block else unreduced
 
     def explain(self, gathered_bytes: int, param_bytes: int) -> str:
         """Why a stage with these bytes (per device) holds its gathered weights as it does."""
         mib = 2**20
         if gathered_bytes == 0:
             return "no weight is gathered"
-        if self.per_microbatch:
-            return (f"asked for (reshard_after_forward=True); the {gathered_bytes / mib:.2f} "
-                    "MiB gathered copy lives only during one forward or backward")
+        if self.per_block:
+            return (f"weight_gathering='per_block': of the {gathered_bytes / mib:.2f} MiB "
+                    f"gathered copy only {self.prefetch + 1} block(s) exist at a time, and "
+                    "gradients are held reduced")
         return (f"{param_bytes / mib:.2f} MiB of parameter shards plus this copy "
-                "(reshard_after_forward=True would re-gather for every forward and "
-                "backward instead)")
+                "(weight_gathering='per_block' would gather block by block for every "
+                "forward and backward instead)")
 
     def describe(self, gathered_bytes: int, param_bytes: int) -> str:
         """One ``describe()`` line: what the stage gathers, when, and why."""
         why = self.explain(gathered_bytes, param_bytes)
-        if self.regathers(gathered_bytes):
-            return ("re-gathers its weights for every microbatch's forward and backward "
-                    f"(reshard after forward; 2 gathers per weight per microbatch): {why}")
+        if self.per_block and gathered_bytes:
+            return ("gathers its weights block by block for every microbatch's forward and "
+                    f"backward and reduce-scatters each block's gradients as they are made "
+                    f"(per block, prefetch {self.prefetch}): {why}")
         if gathered_bytes:
             return (f"keeps {gathered_bytes / 2**20:.2f} MiB of weights gathered once per "
                     f"step (UNSHARD to RESHARD): {why}")
@@ -82,4 +117,5 @@ class WeightGathering:
     @property
     def when(self) -> str:
         """When the weights are gathered, in words."""
-        return "for every forward and backward" if self.per_microbatch else "once per step"
+        return "block by block for every forward and backward" if self.per_block \
+            else "once per step"

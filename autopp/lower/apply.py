@@ -134,6 +134,25 @@ class ShardedStage(nn.Module):
                                              overlap=self.overlap_collectives)
         return self._local, self._graphs[mode]
 
+    def param_blocks(self) -> tuple[int, ...]:
+        """The block (unit, in stage order) of each flat parameter, in the order
+        :meth:`stage_graphs` takes them."""
+        return tuple(k for k, b in enumerate(self.blocks.values()) for _ in b._param_names)
+
+    def per_block_graphs(self, prefetch: int = 1, recompute: Recompute | None = None) -> Any:
+        """:meth:`stage_graphs`' graphs rewritten to gather and reduce block by block
+        (:func:`autopp.graph.per_block.per_block_stage_graphs`), cached per (recompute,
+        prefetch)."""
+        from autopp.graph.per_block import per_block_stage_graphs
+
+        mode = self.recompute if recompute is None else recompute
+        key = f"{mode}/per_block/{prefetch}"
+        if key not in self._graphs:
+            self._graphs[key] = per_block_stage_graphs(
+                self.stage_graphs(mode)[1], self.param_blocks(), prefetch=prefetch,
+                overlap=self.overlap_collectives)
+        return self._graphs[key]
+
     def saved_bytes_per_microbatch(self) -> int:
         """Bytes this rank keeps from a microbatch's forward for its backward (activations;
         parameters gathered once per step are counted by :meth:`gathered_param_bytes`)."""

@@ -8,7 +8,9 @@ backward-weight / reduce-grad graphs (the backward pieces recomputing forward va
 ``PlannerOptions.recompute`` says), and makes it an :class:`autopp.graph.GraphStage`,
 which torch's schedule runtime drives action by action: parameters are gathered once per
 step (UNSHARD), weight gradients run at the schedule's W actions, gradients are summed
-over the step's microbatches and reduced once (REDUCE_GRAD). Stages exchange this rank's
+over the step's microbatches and reduced once (REDUCE_GRAD); or, with
+``PlannerOptions(weight_gathering="per_block")``, gathered and reduced block by block inside
+every microbatch's graphs (:mod:`autopp.graph.per_block`). Stages exchange this rank's
 local tensors in the plan's boundary placements. :func:`fqn_view` gives the planned
 parameters back their whole-model names, for optimizers, state dicts and checkpoints.
 """
@@ -66,6 +68,8 @@ def planned_stage_graphs(
     returned as DTensors like their parameters (``state_as_local_shards``), and on the last
     stage ``loss_fn`` run eagerly on the local output."""
     local, graphs = sharded.stage_graphs()
+    if gathering.per_block:
+        graphs = sharded.per_block_graphs(gathering.prefetch)
     n_state = local.signature.num_state_inputs
     placeholders = list(local.gm.graph.find_nodes(op="placeholder"))
     x_dtype = placeholders[n_state].meta["val"].dtype
@@ -73,7 +77,6 @@ def planned_stage_graphs(
     graphs = dataclasses.replace(
         graphs,
         state_as_local_shards=True,
-        regather_for_backward=gathering.regathers(sharded.gathered_param_bytes()),
         # overlap on: UNSHARD's gathers and REDUCE_GRAD's reductions run under compute
         collectives_ahead=sharded.overlap_collectives,
         input_meta=(torch.empty(local.input_shapes[n_state], dtype=x_dtype, device="meta")

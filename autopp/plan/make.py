@@ -241,12 +241,12 @@ def plan_boundaries(
 def collectives_ahead(options: Any) -> bool:
     """Whether planned stages issue their once-per-step collectives ahead, beside compute
     (``StageGraphs.collectives_ahead``): with ``overlap_collectives`` on and weights gathered
-    once per step (not per microbatch: :class:`~autopp.graph.weight_gathering.WeightGathering`,
-    the one home of that choice)."""
+    once per step (not per block: :class:`~autopp.graph.weight_gathering.WeightGathering`,
+    the one home of that choice; per block, each graph issues its own ahead)."""
     from autopp.graph.weight_gathering import WeightGathering
 
     return (bool(options.overlap_collectives)
-            and not WeightGathering.from_options(options).per_microbatch)
+            and not WeightGathering.from_options(options).per_block)
 
 
 def tied_placements(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]],

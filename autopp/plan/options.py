@@ -46,12 +46,14 @@ class PlannerOptions:
             None (chosen by cost), True (always) or False (never).
         mixed_precision: torch's FSDP2 ``MixedPrecisionPolicy``, e.g. bf16 compute with
             parameters gathered in bf16 and gradients reduced in fp32 into fp32 masters.
-        reshard_after_forward: True: a stage drops its gathered weights after each forward
-            and gathers them again for the backward (FSDP's reshard-after-forward: 2 gathers
-            per weight per microbatch) instead of gathering once per step and keeping the
-            copy (False, the default). Correct (tested against single process), but it does
-            not lower the measured peak yet (``benchmarks/memory.py``: higher at 8
-            microbatches), so the planner does not choose it by itself.
+        weight_gathering: how planned stages hold their dp-sharded weights and gradients
+            (:mod:`autopp.graph.weight_gathering`): "once_per_step" (default: gathered once
+            at UNSHARD and kept all step, gradients summed unreduced and reduced once) or
+            "per_block" (FSDP's: each block gathered for its forward and again for its
+            backward, its gradients reduce-scattered as they are made, every microbatch).
+        prefetch_blocks: with "per_block", how many blocks ahead a block's gathers are
+            issued (default 1).
+        reshard_after_forward: retired; ``weight_gathering="per_block"`` replaces it.
         recompute: activation recomputation in the planned stages' lowered graphs
             (:mod:`autopp.graph.recompute`): "auto" (default: per stage, the fastest of the
             modes below whose plan fits the memory budget; "none" when it fits), "none" (the
@@ -105,7 +107,9 @@ class PlannerOptions:
     boundary: Literal["auto", "batch", "batch+seq"] = "auto"
     loss_parallel: bool | None = None
     mixed_precision: MixedPrecisionPolicy | None = None
-    reshard_after_forward: bool = False
+    weight_gathering: Literal["once_per_step", "per_block"] = "once_per_step"
+    prefetch_blocks: int = 1
+    reshard_after_forward: bool | None = None
     recompute: Recompute | Literal["auto"] = "auto"
     token_dispatch: str = field(default_factory=lambda: tracing.setting("token_dispatch"))
     expert_compute_dtype: str = field(
@@ -130,6 +134,18 @@ class PlannerOptions:
                 raise ValueError(f"recompute must be one of 'auto', "
                                  f"{', '.join(map(repr, RECOMPUTE_POLICIES))}, "
                                  f"got {self.recompute!r}")
+        if self.reshard_after_forward is not None:
+            raise ValueError(
+                "PlannerOptions(reshard_after_forward=...) is retired: use "
+                "weight_gathering='per_block' (each block's weights gathered for its forward "
+                "and again for its backward, its gradients reduce-scattered as they are "
+                "made) or weight_gathering='once_per_step' (the default)")
+        if self.weight_gathering not in ("once_per_step", "per_block"):
+            raise ValueError(f"weight_gathering must be 'once_per_step' or 'per_block', got "
+                             f"{self.weight_gathering!r}")
+        if not (isinstance(self.prefetch_blocks, int) and self.prefetch_blocks >= 0):
+            raise ValueError(f"prefetch_blocks is a number of blocks >= 0, got "
+                             f"{self.prefetch_blocks!r}")
         if not 0 <= self.memory_reserve < 1:
             raise ValueError(f"memory_reserve is a share of the device memory in [0, 1), "
                              f"got {self.memory_reserve}")
