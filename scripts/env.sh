@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Creates or refreshes the project's virtual environment (.venv) so that the other
-# scripts need nothing typed before them. Re-installs only when pyproject.toml changed.
+# scripts need nothing typed before them, with the exact versions CI uses (constraints.txt).
+# Re-installs only when pyproject.toml or constraints.txt changed.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
 stamp="$venv/.autopp-installed"
-want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
+want="$(cat "$root/pyproject.toml" "$root/constraints.txt" | sha256sum | cut -d' ' -f1)"
 if [ ! -x "$venv/bin/python" ]; then
     echo "[env] creating $venv" >&2
     python3.11 -m venv "$venv" 2>/dev/null || python3 -m venv "$venv"
@@ -13,9 +14,10 @@ fi
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "[env] installing autopp and its pinned dependencies into $venv" >&2
     "$venv/bin/python" -m pip install -q --upgrade pip >&2
-    # torch first and pinned, so no other package can pull a CUDA build of a newer torch.
-    "$venv/bin/python" -m pip install -q "torch==2.13.0" >&2
-    "$venv/bin/python" -m pip install -q -e "$root[dev]" >&2
+    # torch first and pinned (constraints.txt), so no other package can pull a CUDA build
+    # of a newer torch; then autopp with every extra the suite needs, at the pinned versions.
+    "$venv/bin/python" -m pip install -q -c "$root/constraints.txt" torch >&2
+    "$venv/bin/python" -m pip install -q -c "$root/constraints.txt" -e "$root[dev]" >&2
     echo "$want" > "$stamp"
 fi
 # meta's AutoParallel (not on any registry here): installed from the shared wheel when one is

@@ -277,6 +277,9 @@ class DryRunReport:
 
     def write_timeline(self, path: str | os.PathLike, which: str = "planned"):
         """The simulated step as a PNG timeline (one row per pp rank, memory below)."""
+        from autopp.extras import require
+
+        require("plot", for_what="the timeline PNG")
         return write_timeline_png(self.simulation_of(which), path)
 
     def __str__(self) -> str:
@@ -395,6 +398,10 @@ def dry_run(
         given = ", ".join(f"{k}={planner_keywords[k]!r}" for k in loose)
         raise TypeError(f"dry_run() takes the planner's options as one value: write "
                         f"options=PlannerOptions({given}) instead of {loose}")
+    if timeline is not None:  # before planning, not after it
+        from autopp.extras import require
+
+        require("plot", for_what="dry_run(timeline=...)")
     options = options if options is not None else PlannerOptions()
     if options.profile is None:
         options = dataclasses.replace(options, profile="H100")
