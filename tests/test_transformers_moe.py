@@ -29,12 +29,18 @@ pytest.importorskip("transformers")
 N_LAYERS, BATCH, SEQ, LR, MAX_NORM = 4, 8, 16, 1e-2, 0.5
 FAMILIES = ["hf_mixtral", "hf_qwen2_moe", "hf_qwen3_moe", "hf_olmoe"]
 
-PLANNED = {"memory_budget_bytes": 2e6, "recompute": "none", "boundary": "batch",
-           "loss_parallel": False, "token_dispatch": "all_gather"}
-"""Planner options of the planned runs: a memory budget the replicated stages do not fit
-(about 3.3 MB of weights, gradients and AdamW state each), so the blocks are sharded over
-tp; one boundary kind, no recomputation and one token dispatch keep the budgeted solves
-few (planning dominates the launch)."""
+PLANNED = {"recompute": "none", "boundary": "batch", "loss_parallel": False,
+           "token_dispatch": "all_gather"}
+"""Planner options of the planned runs, besides the memory budget (:func:`_budget`): one
+boundary kind, no recomputation and one token dispatch keep the budgeted solves few
+(planning dominates the launch)."""
+
+
+def _budget(kind: str) -> float:
+    """A per-device memory budget the replicated stages do not fit: 0.62 of a stage's fp32
+    weights, gradients and AdamW state held whole (16 bytes a parameter, half the model a
+    stage), so the planner shards the blocks over tp (and dp)."""
+    return 0.62 * 16 * sum(p.numel() for p in MODELS[kind](N_LAYERS).parameters()) / 2
 
 
 def _cpu_model(kind: str, n_layers: int = N_LAYERS, **overrides) -> torch.nn.Module:
@@ -237,14 +243,42 @@ def test_stage_check_of_a_plain_torch_moe_layer():
 
     with torch.device("meta"):
         layer = Loop()
+    with pytest.raises((NotImplementedError, RuntimeError)):  # what refused it before
+        layer(torch.empty(16, 8, device="meta"))
     check_stage_forwards([layer], (torch.empty(16, 8),))
     with pytest.raises(ValueError, match="cannot run the model's forward"):
         check_stage_forwards([layer], (torch.empty(16, 5),))
 
 
+def test_dtensor_topk_of_another_k_gets_its_own_shape():
+    """DTensor's sharding cache served ``topk(x, 2)`` the output shape of an earlier
+    ``topk(x, 3)`` of an input of the same shape (``k`` was not in its key): OLMoE planned
+    after Qwen3-MoE in one process failed to lower. autopp's ``_compat.sharding`` keys it by
+    ``k`` too."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    import autopp._compat.sharding  # noqa: F401  (the fix)
+    from autopp.mesh import init_fake_world
+
+    mine = not dist.is_initialized()
+    if mine:
+        init_fake_world(4)
+    try:
+        mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("dp", "tp"))
+        x = DTensor.from_local(torch.randn(64, 8), mesh, [Replicate(), Replicate()])
+        for k in (3, 2, 3):
+            values, ids = x.topk(k)
+            assert values.shape == ids.shape == (64, k)
+    finally:
+        if mine:
+            dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------- pipelines on 8 processes
 
-def _reference(kind: str, param_dtype: torch.dtype | None = None) -> Reference:
+def _reference(kind: str) -> Reference:
     """The model built on CPU as transformers builds it, initialised by autopp's per-FQN
     seeds, run by transformers' forward with its default attention and experts; plain
     AdamW and clip_grad_norm_: a step, then the loss."""
@@ -257,15 +291,15 @@ def _reference(kind: str, param_dtype: torch.dtype | None = None) -> Reference:
     assert model.config._experts_implementation == "grouped_mm"
     assert isinstance(model, transformers.PreTrainedModel)
     batch = make_batch(BATCH, SEQ)
-    return reference_run(model, [batch, batch], lr=LR, max_norm=MAX_NORM,
-                         param_dtype=param_dtype)
+    return reference_run(model, [batch, batch], lr=LR, max_norm=MAX_NORM)
 
 
 def _configs(models_and_backends) -> list[Case]:
     return [Case(model=model, pp=2, dp=2, tp=2, schedule="1F1B", n_microbatches=2,
                  n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=LR, max_norm=MAX_NORM,
                  parallelize=parallelize,
-                 planner_options=dict(PLANNED) if parallelize == "auto" else None)
+                 planner_options={**PLANNED, "memory_budget_bytes": _budget(model)}
+                 if parallelize == "auto" else None)
             for model, parallelize in models_and_backends]
 
 
@@ -312,39 +346,15 @@ def test_mixtral_and_qwen2_moe_planned_and_replicated_match_single_process(tmp_p
     _check(configs, run_on_ranks(run, 8, configs, str(tmp_path), timeout=1800))
 
 
-def _check_bf16(cfg: Case, results: list[dict]) -> None:
-    """bf16 mixed precision: the losses to bf16 accuracy of transformers' own model run in
-    bf16 (parameters cast, fp32 masters), and each gradient as close to the fp32 reference
-    as transformers' own bf16 gradient is (within 2x its error, which is bf16 rounding:
-    above 1e-3)."""
-    exact, own = _reference(cfg.model), _reference(cfg.model, torch.bfloat16)
-    seen = set()
-    for res in results:
-        assert res["losses"] == pytest.approx(own.losses, rel=1e-3), cfg
-        for name, g in res["grads"].items():
-            theirs = relative_error(own.grads[name], exact.grads[name])
-            assert 1e-3 < theirs < 0.05, (name, theirs)
-            assert relative_error(g, exact.grads[name]) <= 2 * theirs, name
-        seen |= set(res["grad_norms"])
-    assert seen == set(exact.grads)
-
-
 @pytest.mark.wide
 @pytest.mark.multiprocess
-def test_qwen3_moe_olmoe_and_bf16_match_single_process(tmp_path):
+def test_qwen3_moe_and_olmoe_planned_and_replicated_match_single_process(tmp_path):
     """Qwen3-MoE (three experts a token of eight, renormalised) and OLMoE (eight experts,
-    not renormalised, q/k norms), planned and replicated; Mixtral planned under bf16 mixed
-    precision (bf16 parameters and experts, fp32 gradient reductions)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
+    not renormalised, q/k norms), planned and replicated, in one process each rank (OLMoE's
+    top 2 after Qwen3-MoE's top 3: DTensor's topk cache, fixed in ``_compat.sharding``)."""
     configs = _configs([("hf_qwen3_moe", "auto"), ("hf_qwen3_moe", None),
                         ("hf_olmoe", "auto"), ("hf_olmoe", None)])
-    bf16 = _configs([("hf_mixtral", "auto")])[0]
-    bf16.planner_options["mixed_precision"] = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    results = run_on_ranks(run, 8, configs + [bf16], str(tmp_path), timeout=2400)
-    _check(configs, [r[:-1] for r in results])
-    _check_bf16(bf16, [r[-1] for r in results])
+    _check(configs, run_on_ranks(run, 8, configs, str(tmp_path), timeout=2400))
 
 
 @pytest.mark.wide

@@ -70,6 +70,24 @@ __all__ = [
 
 StridedShard = _StridedShard
 
+
+def _topk_cache_key_holds_k() -> None:
+    """DTensor's sharding cache keys ``aten.topk`` by its non-tensor arguments from ``dim``
+    on (``RuntimeSchemaInfo(2)``), not by ``k``: a second topk of an input of the same
+    shape and placement with another ``k`` (a second MoE model in the process, a layer
+    routing to another number of experts) is served the first's output shape, and the
+    ops after it fail or compute on the wrong shapes. Keyed from ``k`` on."""
+    import dataclasses
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    op = torch.ops.aten.topk.default
+    info = prop.op_to_schema_info.get(op)
+    if info is not None and info.static_argnum > 1:
+        prop.op_to_schema_info[op] = dataclasses.replace(info, static_argnum=1)
+
+
+_topk_cache_key_holds_k()
+
 _KINDS: dict[type, str] = {}
 
 

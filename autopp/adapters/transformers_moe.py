@@ -19,6 +19,8 @@ What autopp needs to know about them, and nothing else does:
   its own implementation, and ``prepare`` says so (shown by ``describe()``).
 * **Experts compute in their weights' dtype**, as the model's own code does (the planner
   option ``expert_compute_dtype`` is torchtitan's bf16 ``GroupedExperts``' and does not apply).
+  In bf16 the op rounds each routed row before summing a token's experts (torchtitan's
+  combine), transformers after: as accurate, not bit-equal (``tests/test_transformers_moe.py``).
 * **The router's auxiliary loss.** transformers adds it to the loss only with
   ``output_router_logits=True`` and labels; a pipeline computes ``loss_fn`` on the last
   stage's logits, where the other stages' router logits are not, so such a config is refused
@@ -40,6 +42,7 @@ from autopp import tracing
 from autopp.adapters.adapter import Adapter, register
 
 IMPLEMENTATION = "autopp"
+
 
 @dataclass(frozen=True, kw_only=True)
 class Verdict:
@@ -246,6 +249,8 @@ def _prepare(model: nn.Module) -> list[str]:
     if not modules:
         return []
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    import autopp._compat.sharding  # noqa: F401  (DTensor's topk cache keyed by k: routers)
 
     _refuse_router_loss(model)
     if ALL_EXPERTS_FUNCTIONS._global_mapping.get(IMPLEMENTATION) is not experts_forward:
