@@ -2,10 +2,9 @@
 extra to install.
 
 What: :func:`require` checks that a module of an extra can be found; :func:`import_extra`
-imports it. Why: ``pip install autopp`` installs only the core (torch, torchtitan's graph
-passes, numpy, highspy); torchtitan's models need triton (``autopp[torchtitan]``),
-Hugging Face models transformers (``autopp[hf]``), the timeline PNG matplotlib
-(``autopp[plot]``). Invariant: every import of an extra's module in autopp goes through one
+imports it. Why: ``pip install autopp`` installs only the core (torch, torchtitan and the
+triton its graph passes import, numpy, highspy); Hugging Face models need transformers
+(``autopp[hf]``), the timeline PNG matplotlib (``autopp[plot]``). Invariant: every import of an extra's module in autopp goes through one
 of these or follows a call to one, so its failure says which ``pip install`` fixes it.
 """
 
@@ -16,7 +15,6 @@ import importlib.util
 from types import ModuleType
 
 EXTRAS: dict[str, tuple[str, ...]] = {
-    "torchtitan": ("triton",),
     "hf": ("transformers",),
     "plot": ("matplotlib",),
 }

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from autopp.extras import import_extra, require
+from autopp.extras import import_extra
 
 
 def torchtitan_families() -> tuple[str, ...]:
@@ -38,7 +38,6 @@ def torchtitan_families() -> tuple[str, ...]:
 
 def torchtitan_configs(family: str) -> dict:
     """The family's registry of configs (``llama3_configs``, ``deepseekv3_configs``, ...)."""
-    require("torchtitan", for_what=f"torchtitan's {family} models")
     module = importlib.import_module(f"torchtitan.models.{family}")
     found = [v for k, v in vars(module).items() if k.endswith("_configs") and isinstance(v, dict)]
     if len(found) != 1:

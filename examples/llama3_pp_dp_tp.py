@@ -45,10 +45,11 @@ import time
 
 import torch
 import torch.distributed as dist
-from torchtitan.experiments.graph_trainer.common_utils import build_decoder_config_for_backend
 from torchtitan.models.llama3 import llama3_configs
 
 from autopp import build_world_mesh, cross_entropy, pipeline_autoparallel
+from autopp.layout_search.exact import TRIES
+from autopp.models import torchtitan_model
 from data import VOCAB_SIZE, ByteBatches, load_corpus
 
 IGNORE_INDEX = -100
@@ -141,11 +142,11 @@ def init_distributed(device_type: str) -> torch.device:
 
 def build_model(name: str) -> torch.nn.Module:
     """torchtitan's llama3 preset ``name`` with SDPA attention, on the meta device."""
-    cfg = build_decoder_config_for_backend(llama3_configs[name], "sdpa")
-    if cfg.vocab_size < VOCAB_SIZE:
-        raise ValueError(f"{name}'s vocabulary ({cfg.vocab_size}) is smaller than a byte's")
-    with torch.device("meta"):
-        return cfg.build()
+    model = torchtitan_model("llama3", name)
+    vocab = model.tok_embeddings.num_embeddings
+    if vocab < VOCAB_SIZE:
+        raise ValueError(f"{name}'s vocabulary ({vocab}) is smaller than a byte's")
+    return model
 
 
 def mp_policy(args):
@@ -215,46 +216,25 @@ def search(args) -> None:
     report = run_search(model, args, world)
     if not report.results:
         raise SystemExit(report.no_fit_message())
-    # the simulated peaks are the check: the search ranks layouts from probe costs, and the
-    # planner's count of what a split backward keeps from I to W is an estimate (0.9 to
-    # 1.44 times the lowered graphs' on whole stages, docs/design.md), so the best layout's
-    # exact plan may not fit, or not plan at all under its budgets: the next-ranked layouts
-    # are planned then, up to TRIES
-    from autopp.sharding import InfeasiblePlanError
+    # the best layout planned exactly, or the next-ranked ones when it does not fit
+    # (autopp.layout_search.exact: the search ranks from probe costs)
+    from autopp.layout_search.exact import plan_ranked
 
-    exact = over = None
-    skipped: list[str] = []
-    for k, cand in enumerate(report.results[:TRIES]):
-        try:
-            planned = report.plan(k, trace=args.trace, timeline=args.timeline)
-        except InfeasiblePlanError as e:
-            skipped.append(f"layout {k + 1} ({cand.layout}) has no exact plan that fits: "
-                           f"{str(e).splitlines()[0]}")
-            continue
-        exact, over = planned, [r for r, ok in enumerate(planned.fits()) if not ok]
-        which = "The best layout" if k == 0 else f"Layout {k + 1} of the ranking"
-        if not over:
-            break
-        skipped.append(f"layout {k + 1} ({cand.layout}), planned exactly, is over the usable "
-                       f"memory on pp ranks {over} at their simulated peak ("
-                       f"{', '.join(f'{p / 2**30:.1f}' for p in planned.peak_bytes())} GiB "
-                       f"against {planned.usable_bytes / 2**30:.2f})")
-    for line in skipped:
+    result = plan_ranked(report, trace=args.trace, timeline=args.timeline)
+    exact, over = result.report, list(result.over)
+    for line in result.skipped:
         print(f"\nskipped: {line}")
     if exact is None:
         raise SystemExit(f"none of the {min(TRIES, len(report.results))} best-ranked layouts "
                          "has an exact plan that fits (above); raise --world or lower "
                          "--batch-size / --seq-len")
+    which = "The best layout" if result.rank == 0 else f"Layout {result.rank + 1} of the ranking"
     print(f"\n{which}, planned exactly (each stage planned under its share of the device "
           "memory):")
     print_dry_run(exact, args)
     if over:
         print(f"\nWARNING: this exact plan does not fit: pp ranks {over} are over the usable "
               "memory at their simulated peak (table above)")
-
-
-TRIES = 3
-"""``--search``: the best-ranked layouts planned exactly, in order, until one fits."""
 
 
 def print_dry_run(report, args) -> None:
