@@ -212,13 +212,13 @@ def _dry_run(args: argparse.Namespace, model: Any) -> Any:
 
 
 def _search(args: argparse.Namespace, model: Any) -> Any:
-    import autopp
     from autopp.layout_search import DEFAULT_SCHEDULES
+    from autopp.layout_search.search import search
 
     schedules = (tuple(x.strip() for x in args.schedules.split(",") if x.strip())
                  if args.schedules else DEFAULT_SCHEDULES)
     o = _options(args)
-    return autopp.search(model, world_size=args.world, global_batch=args.global_batch,
+    return search(model, world_size=args.world, global_batch=args.global_batch,
                          seq_len=args.seq_len, profile=o.profile,
                          mixed_precision=o.mixed_precision, memory_reserve=o.memory_reserve,
                          schedules=schedules, tp_sizes=_ints(args.tp_sizes, "--tp-sizes"),

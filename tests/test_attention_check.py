@@ -154,7 +154,7 @@ def test_an_attention_call_the_check_has_not_seen_is_refused():
     """A keyword the check never saw (here ``output_attentions=True``, which would ask for
     the attention weights autopp's op does not return) is refused by name, not dropped."""
     from autopp import adapters
-    from autopp.adapters.transformers_hf import attention
+    from autopp.adapters.transformers_attention import attention
 
     meta = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,

@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: the first path part under ``autopp/`` (a folder, or a top-level module without ``.py``).
 FLOORS: list[tuple[str, ...]] = [
     ("_compat",),
-    ("format", "tracing", "disk_cache", "mesh", "init", "loss", "checkpoint", "checkpoint_hf"),
+    ("format", "tracing", "disk_cache", "mesh", "init", "loss", "checkpoint", "checkpoint_hf",
+     "extras", "models"),
     ("profiles", "graph", "schedules", "stage_split", "tied"),
     ("ops",),
     ("sharding",),
@@ -35,6 +36,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("dry_run",),
     ("layout_search",),
     ("integrations",),
+    ("cli", "__main__"),
     ("__init__",),
 ]
 FLOOR_OF = {name: i for i, names in enumerate(FLOORS) for name in names}

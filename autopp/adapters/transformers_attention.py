@@ -1,39 +1,147 @@
-"""The attention check: before autopp swaps its attention into a transformers model, each
-distinct attention call of the model is run both ways and must agree, or the model is refused.
+"""autopp's attention for transformers models (:func:`attention`, registered as "autopp" in
+transformers' ``AttentionInterface``), and the check that decides, before autopp swaps it in,
+how each distinct attention call of a model runs, or refuses the model.
 
 A small copy of the model (:func:`small_config`: its attention settings kept, widths, depth and
 vocabulary cut, a sliding window shortened so that it acts) runs once on CPU in fp32 with the
 model's own attention function and transformers' own masks, recording each distinct call (per
-attention class and the keywords it gives, :func:`~autopp.adapters.transformers_hf.route_key`).
-Each is then replayed on random queries and keys large enough that score features act (score
-spread :data:`SCORE_STD`: logit softcapping, for one, changes them), forward and backward:
-
-1. autopp's op (:data:`~autopp.adapters.transformers_hf.HANDLED` keywords only): kept if its
-   output and gradients are within :data:`TOLERANCE` of the model's own;
-2. else the model's own attention function given autopp's mask (logged; ``describe()`` shows
-   it): kept if within the tolerance;
-3. else the model is refused, naming the attention class, its keywords, the config fields
-   they come from and both differences.
-
-The verdicts go to :data:`~autopp.adapters.transformers_hf.ROUTES`, which the attention reads.
+attention class and the keywords it gives, :func:`route_key`). Each is replayed on random
+queries and keys large enough that score features act (score spread :data:`SCORE_STD`: logit
+softcapping, for one, changes them), forward and backward: (1) autopp's op (:data:`HANDLED`
+keywords only), kept if its output and gradients are within :data:`TOLERANCE` of the model's
+own; else (2) the model's own attention function given autopp's mask (logged; ``describe()``
+shows it); else (3) the model is refused, naming the attention class, its keywords, the
+config fields they come from and both differences. The verdicts go to :data:`ROUTES`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from autopp.adapters import transformers_hf as hf
 
 logger = logging.getLogger("autopp")
+
+IMPLEMENTATION = "autopp"
+
+
+HANDLED = frozenset({"dropout", "scaling", "is_causal", "sliding_window", "softcap",
+                     "position_ids"})
+"""Keywords of transformers' attention call that autopp's attention implements (``softcap``:
+capped scores; ``sliding_window``: in the mask) or takes elsewhere (``position_ids``: packed
+documents, read at the model's call). Any other keyword given a value sends that layer to
+the model's own attention function (:class:`Route`), once checked."""
+
+@dataclass(frozen=True, kw_only=True)
+class Route:
+    """How a layer's attention runs: autopp's op (``function`` None;
+    :func:`autopp.ops.attention.sdpa`), or the model's own attention ``function`` given
+    autopp's mask as an additive one (a feature autopp's op lacks, e.g. attention sinks)."""
+
+    function: Callable | None = None
+    name: str = "autopp"
+
+
+ROUTES: dict[tuple[str, str, frozenset[str]], Route] = {}
+"""Verdicts of the attention check (:mod:`autopp.adapters.transformers_attention`): per
+(config class, attention module class, keywords outside :data:`HANDLED` the calls give), the
+route that reproduced the model's own attention. A call with no verdict is refused."""
+
+
+def unhandled(kwargs: Mapping[str, Any]) -> frozenset[str]:
+    """The keywords of an attention call outside :data:`HANDLED` that carry a value."""
+    return frozenset(k for k, v in kwargs.items()
+                     if k not in HANDLED and v is not None and v is not False)
+
+
+def route_key(module: nn.Module, kwargs: Mapping[str, Any]) -> tuple[str, str, frozenset[str]]:
+    """The :data:`ROUTES` key of an attention call of ``module`` with ``kwargs``."""
+    config = getattr(module, "config", None)
+    return (type(config).__qualname__, type(module).__qualname__, unhandled(kwargs))
+
+
+def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, dropout: float = 0.0,
+              scaling: float | None = None, is_causal: bool | None = None,
+              sliding_window: int | None = None, softcap: float | None = None,
+              **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: (batch, heads, seq, head_dim) query,
+    key and value; returns the output as (batch, seq, heads, head_dim) and no weights.
+    Runs the route the attention check chose for this layer's call (:data:`ROUTES`)."""
+    from autopp.ops.attention import keep_mask  # not at import: `import autopp` stays light
+
+    route = ROUTES.get(route_key(module, kwargs))
+    if route is None:
+        raise ValueError(
+            f"{type(module).__name__}: attention called with "
+            f"{sorted(unhandled(kwargs)) or 'only keywords autopp implements'}, which autopp's "
+            "attention check has not seen for this model; call autopp.adapters.prepare(model) "
+            "on the model before running it (pipeline_autoparallel does)")
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    documents = None
+    if attention_mask is None and MASKS:
+        attention_mask, documents = MASKS[-1]
+    if attention_mask is not None and attention_mask.ndim != 2:
+        raise ValueError(f"autopp's attention takes a 2-D padding mask (batch, seq), got "
+                         f"shape {tuple(attention_mask.shape)}")
+    mask = keep_mask(query.shape[2], key.shape[2], device=query.device, causal=causal,
+                     key_valid=attention_mask, documents=documents, window=sliding_window)
+    if route.function is not None:
+        if mask is None and causal:
+            q_len, k_len = query.shape[2], key.shape[2]
+            mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(
+                k_len - q_len)[None, None]
+        additive = None if mask is None else torch.zeros(
+            mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~mask, torch.finfo(query.dtype).min)
+        out, _ = route.function(
+            module, query, key, value, additive, dropout=dropout, scaling=scaling,
+            is_causal=is_causal, sliding_window=sliding_window, softcap=softcap, **kwargs)
+        return out, None
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:  # grouped-query attention: each key/value head serves `groups` heads
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    if mask is not None:
+        causal = False  # in the mask
+    if softcap:
+        if dropout:
+            raise ValueError(f"{type(module).__name__}: attention dropout ({dropout}) with "
+                             "logit softcapping is not implemented by autopp's attention; "
+                             "set the config's attention_dropout to 0")
+        scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+        out = torch.ops.autopp.sdpa(query, key, value, causal, scale, False, mask,
+                                    float(softcap))[0]
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                             is_causal=causal, dropout_p=dropout,
+                                             scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+MASKS: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+"""``(padding mask, packed documents)`` of the model calls in progress (innermost last)."""
+
+
+@contextlib.contextmanager
+def pushed(masks: tuple[torch.Tensor | None, torch.Tensor | None]) -> Iterator[None]:
+    MASKS.append(masks)
+    try:
+        yield
+    finally:
+        MASKS.pop()
+
+
 
 TOLERANCE = 1e-4
 """Largest relative difference (‖ours − theirs‖ / ‖theirs‖, output and every gradient) the
@@ -69,7 +177,7 @@ def _custom(implementation: str | None) -> bool:
     """Whether ``implementation`` is an attention function the user registered."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    return implementation not in (None, "eager", hf.IMPLEMENTATION, CHECK_NAME, *_BUILT_IN) \
+    return implementation not in (None, "eager", IMPLEMENTATION, CHECK_NAME, *_BUILT_IN) \
         and implementation in ALL_ATTENTION_FUNCTIONS
 
 
@@ -156,7 +264,9 @@ def _record_calls(model: nn.Module, implementation: str | None) -> tuple[nn.Modu
         "attention it has checked, so it refuses this model; please report the message")
 
 
+@torch.enable_grad()
 def _difference(run: Callable, module: nn.Module, q, k, v, kwargs, upstream) -> tuple:
+    """``run``'s output and the gradients of q, k, v and ``module``'s parameters."""
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     params = [p for p in module.parameters() if p.requires_grad]
     out = run(module, *leaves, kwargs)
@@ -194,25 +304,25 @@ def _replay(call: tuple, implementation: str | None) -> tuple:
 
 
 def _verdict(model: nn.Module, calls: list[tuple], implementation: str | None
-             ) -> tuple[hf.Route, str]:
+             ) -> tuple[Route, str]:
     """Replay the recorded calls that share one route key both ways: the first route that
     agrees with the model's own on every one of them, and its note."""
     module, kwargs = calls[0][0], calls[0][5]
     own = model_attention(module, implementation)
-    routes = [hf.Route(function=own, name=f"the model's own attention ({own.__module__}."
+    routes = [Route(function=own, name=f"the model's own attention ({own.__module__}."
                                           f"{own.__qualname__}) with autopp's mask")]
-    key = hf.route_key(module, kwargs)
+    key = route_key(module, kwargs)
     if not key[2]:
-        routes.insert(0, hf.Route())
+        routes.insert(0, Route())
     replays = [_replay(call, implementation) for call in calls]
     tried = []
     for route in routes:
-        hf.ROUTES[key] = route
+        ROUTES[key] = route
         errors = []
         for module, q, k, v, kwargs, upstream, theirs in replays:
-            with hf._pushed((None, None)):
+            with pushed((None, None)):
                 ours = _difference(
-                    lambda m, a, b, c, kw: hf.attention(m, a, b, c, None, **kw)[0],
+                    lambda m, a, b, c, kw: attention(m, a, b, c, None, **kw)[0],
                     module, q, k, v, kwargs, upstream)
             errors.append((_relative(ours, theirs), module, kwargs))
         error, module, kwargs = max(errors, key=lambda e: e[0])
@@ -220,7 +330,7 @@ def _verdict(model: nn.Module, calls: list[tuple], implementation: str | None
         if error <= TOLERANCE:
             shown = "; ".join(_describe(m, kw) for _, m, kw in errors)
             return route, f"{shown}: {route.name} (difference {error:.1e})"
-        del hf.ROUTES[key]
+        del ROUTES[key]
     raise ValueError(_refusal(model, tried))
 
 
@@ -266,7 +376,7 @@ class AttentionCheck:
 
 def check_attention(model: nn.Module) -> AttentionCheck:
     """Check every distinct attention call of ``model`` (a transformers model, on any device)
-    against the model's own and fill :data:`~autopp.adapters.transformers_hf.ROUTES` (a
+    against the model's own and fill :data:`~autopp.adapters.transformers_ROUTES` (a
     fallback to the model's own function is logged as a warning). Raises ValueError when
     neither route reproduces the model's attention."""
     implementation = getattr(model.config, "_attn_implementation", None)
@@ -275,14 +385,14 @@ def check_attention(model: nn.Module) -> AttentionCheck:
     except (TypeError, ValueError):  # a value JSON cannot hold
         text = repr(sorted(vars(model.config).items(), key=str))
     signature = f"{type(model).__qualname__}:{text}"
-    if signature in _CHECKED and all(r in hf.ROUTES for r in _CHECKED_KEYS[signature]):
+    if signature in _CHECKED and all(r in ROUTES for r in _CHECKED_KEYS[signature]):
         return _CHECKED[signature]
     start = time.perf_counter()
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         small, calls = _record_calls(model, implementation)
         groups: dict[tuple, list] = {}
         for call in calls:
-            groups.setdefault(hf.route_key(call[0], call[5]), []).append(call)
+            groups.setdefault(route_key(call[0], call[5]), []).append(call)
         verdicts = [_verdict(model, group, implementation) for group in groups.values()]
     name = type(model).__name__
     seconds = time.perf_counter() - start
@@ -297,6 +407,6 @@ def check_attention(model: nn.Module) -> AttentionCheck:
                            "this call; it runs as the model's own attention (its math, a "
                            "score tensor per head, planned and priced as it runs)", name, note)
     _CHECKED[signature] = AttentionCheck(notes=tuple(notes), swap=bool(calls))
-    _CHECKED_KEYS[signature] = [hf.route_key(c[0], c[5]) for c in calls]
+    _CHECKED_KEYS[signature] = [route_key(c[0], c[5]) for c in calls]
     return _CHECKED[signature]
 

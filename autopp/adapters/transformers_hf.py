@@ -34,123 +34,22 @@ transformers is imported only when a model of it is given (``import autopp`` sta
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from autopp import tracing
 from autopp.adapters.adapter import Adapter, register
-
-IMPLEMENTATION = "autopp"
+from autopp.adapters.transformers_attention import (
+    IMPLEMENTATION, MASKS, attention, check_attention, pushed)
 
 
 def _pretrained(model: nn.Module) -> bool:
     tf = sys.modules.get("transformers")
     return tf is not None and isinstance(model, tf.PreTrainedModel)
-
-
-HANDLED = frozenset({"dropout", "scaling", "is_causal", "sliding_window", "softcap",
-                     "position_ids"})
-"""Keywords of transformers' attention call that autopp's attention implements (``softcap``:
-capped scores; ``sliding_window``: in the mask) or takes elsewhere (``position_ids``: packed
-documents, read at the model's call). Any other keyword given a value sends that layer to
-the model's own attention function (:class:`Route`), once checked."""
-
-@dataclass(frozen=True, kw_only=True)
-class Route:
-    """How a layer's attention runs: autopp's op (``function`` None;
-    :func:`autopp.ops.attention.sdpa`), or the model's own attention ``function`` given
-    autopp's mask as an additive one (a feature autopp's op lacks, e.g. attention sinks)."""
-
-    function: Callable | None = None
-    name: str = "autopp"
-
-
-ROUTES: dict[tuple[str, str, frozenset[str]], Route] = {}
-"""Verdicts of the attention check (:mod:`autopp.adapters.transformers_attention`): per
-(config class, attention module class, keywords outside :data:`HANDLED` the calls give), the
-route that reproduced the model's own attention. A call with no verdict is refused."""
-
-
-def unhandled(kwargs: Mapping[str, Any]) -> frozenset[str]:
-    """The keywords of an attention call outside :data:`HANDLED` that carry a value."""
-    return frozenset(k for k, v in kwargs.items()
-                     if k not in HANDLED and v is not None and v is not False)
-
-
-def route_key(module: nn.Module, kwargs: Mapping[str, Any]) -> tuple[str, str, frozenset[str]]:
-    """The :data:`ROUTES` key of an attention call of ``module`` with ``kwargs``."""
-    config = getattr(module, "config", None)
-    return (type(config).__qualname__, type(module).__qualname__, unhandled(kwargs))
-
-
-def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attention_mask: torch.Tensor | None, dropout: float = 0.0,
-              scaling: float | None = None, is_causal: bool | None = None,
-              sliding_window: int | None = None, softcap: float | None = None,
-              **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature: (batch, heads, seq, head_dim) query,
-    key and value; returns the output as (batch, seq, heads, head_dim) and no weights.
-    Runs the route the attention check chose for this layer's call (:data:`ROUTES`)."""
-    from autopp.ops.attention import keep_mask  # not at import: `import autopp` stays light
-
-    route = ROUTES.get(route_key(module, kwargs))
-    if route is None:
-        raise ValueError(
-            f"{type(module).__name__}: attention called with "
-            f"{sorted(unhandled(kwargs)) or 'only keywords autopp implements'}, which autopp's "
-            "attention check has not seen for this model; call autopp.adapters.prepare(model) "
-            "on the model before running it (pipeline_autoparallel does)")
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    documents = None
-    if attention_mask is None and _MASKS:
-        attention_mask, documents = _MASKS[-1]
-    if attention_mask is not None and attention_mask.ndim != 2:
-        raise ValueError(f"autopp's attention takes a 2-D padding mask (batch, seq), got "
-                         f"shape {tuple(attention_mask.shape)}")
-    mask = keep_mask(query.shape[2], key.shape[2], device=query.device, causal=causal,
-                     key_valid=attention_mask, documents=documents, window=sliding_window)
-    if route.function is not None:
-        if mask is None and causal:
-            q_len, k_len = query.shape[2], key.shape[2]
-            mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(
-                k_len - q_len)[None, None]
-        additive = None if mask is None else torch.zeros(
-            mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-            ~mask, torch.finfo(query.dtype).min)
-        out, _ = route.function(
-            module, query, key, value, additive, dropout=dropout, scaling=scaling,
-            is_causal=is_causal, sliding_window=sliding_window, softcap=softcap, **kwargs)
-        return out, None
-    groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:  # grouped-query attention: each key/value head serves `groups` heads
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    if mask is not None:
-        causal = False  # in the mask
-    if softcap:
-        if dropout:
-            raise ValueError(f"{type(module).__name__}: attention dropout ({dropout}) with "
-                             "logit softcapping is not implemented by autopp's attention; "
-                             "set the config's attention_dropout to 0")
-        scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
-        out = torch.ops.autopp.sdpa(query, key, value, causal, scale, False, mask,
-                                    float(softcap))[0]
-    else:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
-                                             is_causal=causal, dropout_p=dropout,
-                                             scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
-
-
-_MASKS: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
-"""``(padding mask, packed documents)`` of the model calls in progress (innermost last)."""
 
 
 def _take_masks(model: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -160,10 +59,10 @@ def _take_masks(model: nn.Module, args: tuple, kwargs: dict) -> None:
     planner captures a stage at block boundaries (:func:`autopp.tracing.blocks_stand_alone`)
     the entry stays empty: no attention is traced there, and each block, traced alone, gets
     its masks from its own inputs (:func:`_unit_masks`)."""
-    _MASKS.append((None, None))
+    MASKS.append((None, None))
     masks = _call_masks(model, args, kwargs)
     if not tracing.standing_alone():
-        _MASKS[-1] = masks
+        MASKS[-1] = masks
 
 
 def _call_masks(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]
@@ -174,7 +73,6 @@ def _call_masks(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]
     None when every row is one document). On meta and fake tensors (planning) nothing is
     read off the values: a given mask or positions always apply."""
     inputs = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs_embeds"))
-    seq = inputs.shape[1] if isinstance(inputs, torch.Tensor) and inputs.dim() > 1 else None
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:
         raise ValueError(f"{type(model).__name__}: a 4-D attention_mask (custom mask) is not "
@@ -198,26 +96,17 @@ def _call_masks(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]
     return mask, documents
 
 
-@contextlib.contextmanager
-def _pushed(masks: tuple[torch.Tensor | None, torch.Tensor | None]) -> Iterator[None]:
-    _MASKS.append(masks)
-    try:
-        yield
-    finally:
-        _MASKS.pop()
-
-
 def _unit_masks(model: Any, kwargs: Mapping[str, Any]):
     """:func:`autopp.tracing.call_inputs` for a block of ``model`` run alone: the masks its
     call would take from ``kwargs`` (the unit's own inputs), for its attention."""
     if not isinstance(model, nn.Module) or not _pretrained(model) or not kwargs:
         return None
-    return _pushed(_call_masks(model, (), kwargs))
+    return pushed(_call_masks(model, (), kwargs))
 
 
 def _drop_masks(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    if _MASKS:
-        _MASKS.pop()
+    if MASKS:
+        MASKS.pop()
 
 
 def _prepare(model: nn.Module) -> list[str]:
@@ -235,8 +124,6 @@ def _prepare(model: nn.Module) -> list[str]:
         model._autopp_padding_hooks = True
     configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
     impls = {getattr(c, "_attn_implementation", None) for c in configs.values()}
-    from autopp.adapters.transformers_attention import check_attention
-
     check = check_attention(model)  # before the swap: the model's own attention is named
     notes += check.notes
     if check.swap and impls != {IMPLEMENTATION}:
