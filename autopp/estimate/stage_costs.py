@@ -108,6 +108,11 @@ class StageFacts:
     block holds per block in flight."""
     units: int = 1
     """The stage's units (blocks), over which per-block gathers and reductions spread."""
+    workspace_grads: tuple[tuple[str, int], ...] = ()
+    """Per compute action kind, the fresh parameter gradients of all units in
+    :attr:`workspace` (what reducing block by block does not hold at once)."""
+    largest_unit_grads: tuple[tuple[str, int], ...] = ()
+    """Per compute action kind, the most fresh parameter gradients one unit makes."""
     checkpoint_bytes: int | None = None
     """Full activation checkpointing per unit: each unit's input, per microbatch."""
     largest_unit_activation_bytes: int = 0
@@ -180,7 +185,8 @@ def stage_cost(facts: StageFacts, state: StateBytes, *, loss_s: float = 0.0,
         forward_s=facts.forward_s, backward_input_s=facts.backward_input_s,
         backward_weight_s=facts.backward_weight_s, unshard_s=facts.unshard_s,
         reduce_grad_s=facts.reduce_grad_s, units=facts.units, overlap=overlap)
-    work = dict(facts.workspace)
+    work = gathering.workspace(dict(facts.workspace), dict(facts.workspace_grads),
+                               dict(facts.largest_unit_grads))
     return StageCost(
         forward_s=forward_s + loss_s / 2,
         backward_input_s=backward_input_s + loss_s / 2,
@@ -235,9 +241,10 @@ def stage_facts_by_rule(plan: StagePlan, n_microbatches: int) -> StageFacts:
     from the collectives the plan runs in them (:meth:`StagePlan.once_per_step_s`). No
     memory from graphs."""
     gather, reduce = plan.once_per_step_s()
+    per_unshard, per_reduce = plan.once_factors(n_microbatches)
     return facts_in_thirds(plan.step_time_s - reduce - gather,
-                           unshard_s=gather * n_microbatches,
-                           reduce_grad_s=reduce * n_microbatches)
+                           unshard_s=gather * per_unshard,
+                           reduce_grad_s=reduce * per_reduce, units=len(plan.blocks))
 
 
 # ---- time split and memory from the graphs -------------------------------------------------
@@ -301,15 +308,16 @@ def _unit_phase_times(joint, unit, bplan, plan: StagePlan, costs, n_microbatches
     node_of = {label.get(n.name, n.name): n for n in joint.gm.graph.nodes}
     fqns = {p.fqn for p in plan.params}
     transfers: dict[str, list[Transfer]] = {"F": [], "I": [], "W": []}
+    per_unshard, per_reduce = plan.once_factors(n_microbatches)  # to one whole gather / reduce
     for c in plan.collectives:
         if c.block != bplan.prefix:
             continue
         if c.node in fqns:
-            out["reduce_grad"] += c.time_s * n_microbatches
+            out["reduce_grad"] += c.time_s * per_reduce
             continue
         producer = node_of.get(c.producer)
         if producer is not None and phase.get(producer) == "unshard":
-            out["unshard"] += c.time_s * n_microbatches
+            out["unshard"] += c.time_s * per_unshard
             continue
         if c.node.startswith("output") and c.node not in by_name:
             where, consumer = "F", None  # the unit's output into its planned output placement
@@ -418,6 +426,7 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
     acts = kept_w = gathered = ckpt = largest = largest_gathered = 0
     hidden = 0.0
     grads_made: dict[str, int] = {}
+    largest_grads: dict[str, int] = {}
     transient: dict[str, int] = {}
     # each signature traced on its plainest unit: the key a trace made while planning has
     plain = plainest_by((b.signature, by_name[b.prefix].module) for b in plan.blocks)
@@ -452,6 +461,7 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
         largest = max(largest, f.saved)
         for kind, (g, t) in f.workspace.items():
             grads_made[kind] = grads_made.get(kind, 0) + g
+            largest_grads[kind] = max(largest_grads.get(kind, 0), g)
             transient[kind] = max(transient.get(kind, 0), t)
         x = torch.empty(f.output[0], dtype=f.output[1], device="meta")
     loss = 0
@@ -470,6 +480,8 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
         unshard_s=times["unshard"], reduce_grad_s=times["reduce_grad"],
         activation_bytes=acts, kept_for_w_bytes=kept_w, gathered_bytes=gathered,
         largest_unit_gathered_bytes=largest_gathered, units=len(plan.blocks),
+        workspace_grads=tuple(sorted(grads_made.items())),
+        largest_unit_grads=tuple(sorted(largest_grads.items())),
         checkpoint_bytes=ckpt, largest_unit_activation_bytes=largest, from_graphs=True,
         loss_bytes=loss, workspace=work, hidden_comm_s=hidden,
     )

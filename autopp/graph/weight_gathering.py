@@ -89,6 +89,17 @@ class WeightGathering:
         step, reduced (the parameters' size) per block."""
         return reduced if self.per_block else unreduced
 
+    def workspace(self, work: dict[str, int], grads: dict[str, int],
+                  largest_unit_grads: dict[str, int]) -> dict[str, int]:
+        """Working memory per action kind (``work``, with every unit's fresh gradients
+        ``grads`` in it): per block only two units' fresh gradients exist at once (the
+        block whose reductions are in flight and the one being computed)."""
+        if not self.per_block:
+            return work
+        return {k: v - grads.get(k, 0) + min(grads.get(k, 0),
+                                             2 * largest_unit_grads.get(k, 0))
+                for k, v in work.items()}
+
     def explain(self, gathered_bytes: int, param_bytes: int) -> str:
         """Why a stage with these bytes (per device) holds its gathered weights as it does."""
         mib = 2**20

@@ -77,10 +77,13 @@ def memory_budgets(options: Any, profile: str, schedule: str, pp: int, n_microba
 
     n = len(stage_ranks)
     per_rank = [list(stage_ranks).count(r) for r in stage_ranks]
+    # how the stages hold gathered weights and gradients (plan_stage prices and counts it)
+    gathering = (dict(weight_gathering="per_block", prefetch_blocks=options.prefetch_blocks)
+                 if options.weight_gathering == "per_block" else {})
     if options.parameter_budget_bytes is not None:
         mode = "none" if options.recompute == "auto" else options.recompute
         return ([options.parameter_budget_bytes / k for k in per_rank],
-                [dict(recompute=mode) for _ in range(n)])
+                [dict(recompute=mode, **gathering) for _ in range(n)])
     device = (options.memory_budget_bytes if options.memory_budget_bytes is not None
               else get_profile(profile).memory_bytes * (1 - options.memory_reserve))
     in_flight = in_flight_per_stage(schedule, pp, n_microbatches, n)
@@ -88,7 +91,7 @@ def memory_budgets(options: Any, profile: str, schedule: str, pp: int, n_microba
     budgets = [(device - working) / k for k in per_rank]
     split = split_in_flight_per_stage(schedule, pp, n_microbatches, n)
     memory = [dict(activation_factor=float(f), recompute=options.recompute,
-                   optimizer_state_factor=2.0, largest_tensor_bytes=cap,
+                   optimizer_state_factor=2.0, largest_tensor_bytes=cap, **gathering,
                    **({"split_in_flight": pairs} if pairs else {}))
               for f, pairs in zip(in_flight, split)]
     return budgets, memory

@@ -123,6 +123,14 @@ class MemorySpec:
     place of :attr:`activation_factor` × activations, which stays set (the most microbatches
     in flight) to say that activations count. Empty: a backward is whole, activations are
     held from F to its end."""
+    gathered_share: float = 1.0
+    """The share of the gathered weights held at once: 1 gathered once per step; with
+    weights gathered block by block, (prefetch + 1) / the stage's blocks
+    (:mod:`autopp.graph.weight_gathering`: a few blocks' copies at a time)."""
+    gradients_reduced: bool = False
+    """Whether gradients are held reduced (block by block: each microbatch's are
+    reduce-scattered as they are made), not at the larger of the reduced and the unreduced
+    size (the once-per-step accumulator)."""
     gradient_copies: float = 1.0
     """How many gradient-sized tensors the explicit state holds per parameter at the
     step's peak: 1 (the accumulator) for a step of one microbatch, 2 where later
@@ -385,7 +393,7 @@ class MemoryRow:
             g = t.col()
             t.state[g] = spec.gradient_copies * MIB
             t.row([(g, 1.0)] + [(c, -b / MIB) for c, b in pcols], 0.0)
-            if grad is not None and grad in self.options:
+            if grad is not None and grad in self.options and not spec.gradients_reduced:
                 t.row([(g, 1.0)] + [(self.col0[grad] + i, -self.param_bytes(grad, o) / MIB)
                                     for i, o in enumerate(self.options[grad])], 0.0)
 
@@ -489,7 +497,7 @@ class MemoryRow:
                 for c, v in t.act.items():
                     _add(coefs, c, v * f)
             for c, v in t.gathered.items():
-                _add(coefs, c, v)
+                _add(coefs, c, v * self.memory.gathered_share)
         return coefs
 
     def row_bytes(self, t: Terms, x: np.ndarray) -> float:
@@ -539,7 +547,7 @@ class MemoryRow:
             if explicit:
                 grad = j.grads.get(fqn)
                 gb = self.param_bytes(grad, choice[grad]) if grad in choice else 0.0
-                state += spec.gradient_copies * max(pb, gb)
+                state += spec.gradient_copies * (pb if spec.gradients_reduced else max(pb, gb))
         act = rtime = 0.0
         if spec.counts_activations or recompute != "none":
             direct, must, _, partial = self._policy_structure(recompute)
@@ -594,6 +602,6 @@ class MemoryRow:
             kept = kept_for_w.kept_bytes(self, choice)
         counted = state
         if spec.activation_factor is not None:
-            counted += spec.held_bytes(act, kept) + gathered
+            counted += spec.held_bytes(act, kept) + gathered * spec.gathered_share
         return MemoryAccount(state, act, gathered, rtime, counted, kept)
 

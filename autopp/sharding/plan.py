@@ -153,6 +153,12 @@ class StagePlan:
     logits); None when the plan does not end in the loss."""
     loss_s: float = 0.0
     """Estimated fwd+bwd time of that loss on one device (not in :attr:`step_time_s`)."""
+    weight_gathering: str = "once_per_step"
+    """How the plan was priced to hold its gathered weights and gradients
+    (:mod:`autopp.graph.weight_gathering`): "once_per_step" (each collective that runs in
+    UNSHARD or REDUCE_GRAD recorded at 1/M of its time, M microbatches) or "per_block"
+    (a gather at 2 / units of its time: every F and I run it, all but one unit's hidden; a
+    reduction at 1 / units)."""
     recompute: str = "none"
     """The backward's activation recomputation ("none", "selective", "full"; see
     :mod:`autopp.graph.recompute`): what the plan was made for (chosen when
@@ -232,6 +238,14 @@ class StagePlan:
         return (sum(c.time_s for c in self.collectives
                     if c.producer in fqns and c.node not in fqns),
                 sum(c.time_s for c in self.collectives if c.node in fqns))
+
+    def once_factors(self, n_microbatches: int) -> tuple[float, float]:
+        """What turns the recorded time of a collective run in UNSHARD / REDUCE_GRAD (see
+        :attr:`weight_gathering`) into its time in one whole gather / reduction of the
+        stage's weights."""
+        if self.weight_gathering == "per_block":  # priced at one unit's share of 2 and 1
+            return len(self.blocks) / 2, float(len(self.blocks))
+        return float(n_microbatches), float(n_microbatches)
 
     def degraded(self) -> list[str]:
         """What was planned on a fallback that changes the plan: ops replicated because

@@ -102,6 +102,8 @@ def plan_stage(
     tf32: bool | None = None,
     keyword_inputs: Mapping[str, torch.Tensor] | None = None,
     comm_windows_s: tuple[float, float] = (0.0, 0.0),
+    weight_gathering: str = "once_per_step",
+    prefetch_blocks: int = 1,
 ) -> StagePlan:
     """Plan the DP×TP sharding of one stage module on ``mesh`` (its sub-mesh).
 
@@ -165,6 +167,13 @@ def plan_stage(
             activation, placed as the batch is (``S(0)`` on dp, ``R`` elsewhere), never
             differentiated; recorded in ``StagePlan.keyword_inputs``. Planned unit by unit
             only (a stage that must be planned flat with them is refused).
+        weight_gathering: how the stage will hold its gathered weights and gradients
+            (:mod:`autopp.graph.weight_gathering`): "once_per_step" (its gathers and
+            reductions priced at 1/M per microbatch, the gathered copy and the unreduced
+            accumulator counted whole) or "per_block" (gathers run twice per microbatch and
+            reductions once, priced at the share one unit of the stage's exposes, the rest
+            prefetched under compute; ``prefetch_blocks`` + 1 of its units' gathered
+            weights counted, gradients at their reduced size).
         comm_windows_s: seconds a step during which the stage's once-per-step collectives
             run beside compute on its rank: (its weight gathers, from the step's start to
             its first action; its gradient reductions, from its last backward to the step's
@@ -192,10 +201,6 @@ def plan_stage(
                          "param_state_factor (one factor for all state), not both")
     if split_in_flight and activation_factor is None:
         raise ValueError("split_in_flight counts activations: pass activation_factor too")
-    memory = MemorySpec(param_state_factor, optimizer_state_factor, activation_factor,
-                        largest_tensor_bytes=largest_tensor_bytes,
-                        split_in_flight=tuple((float(a), float(b)) for a, b in split_in_flight),
-                        gradient_copies=2.0 if microbatches_per_grad_reduce > 1 else 1.0)
     names = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(mesh.ndim)))
     prof = get_profile(profile)
     costs = CostModel(prof, tuple(mesh.shape), tf32_enabled() if tf32 is None else tf32)
@@ -208,7 +213,25 @@ def plan_stage(
     check_on_meta(module, tuple(keyword_inputs.values()))
     units = (stage_units(module, example_inputs[0], keyword_inputs)
              if reuse_blocks or keyword_inputs else None)
-    grad_scale = 1.0 / microbatches_per_grad_reduce
+    per_block = weight_gathering == "per_block"
+    if weight_gathering not in ("once_per_step", "per_block"):
+        raise ValueError(f"weight_gathering must be 'once_per_step' or 'per_block', got "
+                         f"{weight_gathering!r}")
+    n_units = len(units) if units is not None else 1
+    memory = MemorySpec(param_state_factor, optimizer_state_factor, activation_factor,
+                        largest_tensor_bytes=largest_tensor_bytes,
+                        split_in_flight=tuple((float(a), float(b)) for a, b in split_in_flight),
+                        gathered_share=min(1.0, (prefetch_blocks + 1) / n_units)
+                        if per_block else 1.0,
+                        gradients_reduced=per_block,
+                        gradient_copies=2.0 if microbatches_per_grad_reduce > 1 else 1.0)
+    # per microbatch: once per step 1/M each; per block every F and every I gather and
+    # every backward reduces, each block's collectives but the first's issued under the
+    # compute of the block before it (prefetch): priced at the first block's share, what
+    # the estimates find exposed where compute is the longer
+    # (:meth:`autopp.graph.weight_gathering.WeightGathering.priced`; they price the rest)
+    grad_scale = ((2.0 / n_units, 1.0 / n_units) if per_block
+                  else 1.0 / microbatches_per_grad_reduce)
     if units is None and keyword_inputs:
         from autopp.stage_split.build import is_model_input
 
@@ -233,7 +256,9 @@ def plan_stage(
     stage = build()
     notes: tuple[str, ...] = ()
     modes = MODES if recompute == "auto" else (recompute,)
-    windows = tuple(max(0.0, float(w)) * grad_scale for w in comm_windows_s)  # a microbatch
+    # a microbatch; per block there is no UNSHARD or REDUCE_GRAD to hide in a window
+    windows = ((0.0, 0.0) if per_block else
+               tuple(max(0.0, float(w)) * grad_scale for w in comm_windows_s))
     hidden = 0.0
     if memory_price:
         if recompute == "auto" or memory_budget_bytes is not None:
@@ -263,7 +288,8 @@ def plan_stage(
         trace_settings=tuple(tracing.current_settings().items()), tf32=costs.tf32,
         time_bound_s=None if bound is None or not math.isfinite(bound) else bound,
         comm_windows_s=(float(comm_windows_s[0]), float(comm_windows_s[1])),
-        hidden_comm_s=hidden * microbatches_per_grad_reduce, notes=plan.notes + notes)
+        hidden_comm_s=hidden * microbatches_per_grad_reduce, notes=plan.notes + notes,
+        weight_gathering=weight_gathering)
 
 
 # -- building the stage as positions of distinct units ---------------------------------------
@@ -395,19 +421,23 @@ def _unit_stage(module, units, x, mesh, names, costs, memory, in_spec, out_spec,
             if unit.stage_fqn(f) in fixed
         }
         # the columns' costs depend on the profile and the TF32 rate, the memory row on
-        # the accounting (an activation factor per stage's microbatches in flight)
-        mkey = (ukey, costs.profile, costs.tf32, memory, grad_scale, once_weight)
+        # the accounting (an activation factor per stage's microbatches in flight); per
+        # block, a unit the stage has once (its embedding, its output) counts its gathered
+        # weights whole: held while it runs, they can dwarf a block's share
+        mem = memory if len(positions) > 1 or memory.gathered_share == 1.0 else \
+            dataclasses.replace(memory, gathered_share=1.0)
+        mkey = (ukey, costs.profile, costs.tf32, mem, grad_scale, once_weight)
         model = _MEMO.models.get(mkey)
         if model is None:  # the columns, once per unit; the memory row per accounting
             base = _MEMO.models.get(mkey[:3] + mkey[4:])
             if base is None:
                 t0 = time.perf_counter()
                 base = _MEMO.models[mkey[:3] + mkey[4:]] = Model(
-                    traced.strategies, costs, grad_reduce_scale=grad_scale, memory=memory,
+                    traced.strategies, costs, grad_reduce_scale=grad_scale, memory=mem,
                     once_weight=once_weight)
                 logger.info("unit %s: ILP of %d variables built in %.1f s", unit.name or
                             "<stage>", base.num_vars, time.perf_counter() - t0)
-            model = _MEMO.models[mkey] = base.with_memory(memory)
+            model = _MEMO.models[mkey] = base.with_memory(mem)
         solved.append((model.num_vars, 0.0))
         pairs = {}
         for a in ins:

@@ -120,7 +120,7 @@ class Model:
         costs: CostModel,
         memory_budget_bytes: float | None = None,
         param_state_factor: float = 1.0,
-        grad_reduce_scale: float = 1.0,
+        grad_reduce_scale: float | tuple[float, float] = 1.0,
         *,
         memory: MemorySpec | None = None,
         once_weight: float = 1.0,
@@ -131,7 +131,12 @@ class Model:
         #: parameter's placement (the runtime sums the microbatches' gradients and reduces
         #: them once) and the edges out of parameter-only values (casts, views, gathers of
         #: weights: the runtime's UNSHARD runs them once per step, see autopp.graph.peel).
+        #: A pair: (UNSHARD edges', REDUCE_GRAD edges') factors, e.g. (2, 1) with weights
+        #: gathered block by block (gathered in every F and again in every I, gradients
+        #: reduced every microbatch: :mod:`autopp.graph.weight_gathering`).
         self.grad_reduce_scale = grad_reduce_scale
+        self._once_scales = (tuple(grad_reduce_scale) if isinstance(grad_reduce_scale, tuple)
+                             else (grad_reduce_scale, grad_reduce_scale))
         #: Weight of those edges in the objective only (0: free, the planner's second look
         #: where the schedule may hide them, :mod:`autopp.sharding.once_per_step`); what a
         #: solution records (its collectives, :attr:`SolveResult.once_comm_s`) is their time.
@@ -348,7 +353,8 @@ class Model:
     def edge_scale(self, dst: fx.Node, i: int | None, src: fx.Node | None = None) -> float:
         """Cost factor of an edge: :attr:`grad_reduce_scale` for one that runs once per
         step (:meth:`once_kind`); else 1."""
-        return 1.0 if self.once_kind(dst, i, src) is None else self.grad_reduce_scale
+        kind = self.once_kind(dst, i, src)
+        return 1.0 if kind is None else self._once_scales[kind]
 
     def param_bytes(self, node: fx.Node, o: Option) -> float:
         return self.costs.local_bytes(tensor_vals(node)[0], o.out[0])
