@@ -178,8 +178,9 @@ def build_stage_module(
         for skipped in skipped_before:
             object.__setattr__(skipped, CUT_ATTR, cut)
     if cut.sends:  # a module of the stage that the forward calls after its end is lost
-        for fqn in ordered:
-            if fqn != last:
+        blocks = set(layout.layer_fqns)  # called in order by the blocks' loop: not hooked,
+        for fqn in ordered:              # so they stay plain units the planner traces once
+            if fqn != last and fqn not in blocks:
                 stage.get_submodule(fqn).register_forward_pre_hook(
                     functools.partial(cut._before_held, fqn))
     return stage
