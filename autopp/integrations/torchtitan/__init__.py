@@ -25,8 +25,3 @@ by side (:mod:`.logs`).
 
 Nothing here is imported by ``import autopp``.
 """
-
-from autopp.extras import require as _require
-
-# torchtitan's trainer and models import triton's kernels at import time
-_require("torchtitan", for_what="autopp.integrations.torchtitan (torchtitan's trainer and models)")
