@@ -1,35 +1,17 @@
-"""Hugging Face transformers models (``PreTrainedModel``), as they are.
+"""Hugging Face transformers models (``PreTrainedModel``), as they are: what autopp needs to
+know about them, and nothing else does.
 
-What autopp needs to know about them, and nothing else does:
-
-* **Attention.** Their attention layers call the function the config's
-  ``_attn_implementation`` names in transformers' ``AttentionInterface``. autopp registers
-  ``"autopp"`` there (:func:`attention`) and sets it on the model, but only after checking
-  every distinct attention call against the model's own function
-  (:mod:`autopp.adapters.transformers_attention`), which picks each call's :class:`Route`:
-  autopp's op (``autopp::sdpa``: fused kernels, no seq x seq tensor; logit softcapping by its
-  blockwise path; a sliding window in its mask) or, for a keyword the op does not implement
-  (attention sinks), the model's own function given autopp's mask. A call the check did not
-  see is refused. A model that calls no attention function keeps its implementation.
-  ``"autopp"`` is not one of transformers' mask interfaces, so its mask helpers give the
-  attention no mask (they would drop the user's, and on meta tensors they could not look
-  for packed sequences). What transformers would mask is taken at the model's own call
-  instead (a forward pre-hook, :func:`_take_masks`) and applied as one boolean
-  (batch, 1, q, k) mask with the causal part and the window
-  (:func:`autopp.ops.attention.keep_mask`): the 2-D padding ``attention_mask``, or, as
-  transformers does when no ``attention_mask`` is given, packed documents read from
-  ``position_ids`` that restart (padding-free batches): each token attends to its own
-  document only. Planned stages trace each block alone: there the masks come from the
-  block's own inputs (:func:`autopp.tracing.call_inputs`), so the traced graphs read them
-  as inputs; nothing of one batch's mask is kept in a plan. Layers that differ by a setting
-  (a window) are planned apart (:func:`_trace_settings`).
-* **No KV cache.** ``use_cache`` is turned off: training keeps no cache, and a cache object
-  would be a stage output.
-* **Initialisation.** Each module is initialised by the model's own ``_init_weights``
-  (normal(0, initializer_range) linears and embeddings, ones for norms, the RoPE
-  ``inv_freq`` recomputed from the config), under autopp's per-FQN seeds.
-
-transformers is imported only when a model of it is given (``import autopp`` stays light).
+* **Attention** goes through ``"autopp"`` in transformers' ``AttentionInterface``, set only
+  after each distinct call is checked against the model's own
+  (:mod:`autopp.adapters.transformers_attention`, which owns the function and its routes).
+  transformers gives such an implementation no mask, so what a call masks (a 2-D padding
+  mask, or packed documents from restarting ``position_ids``) is taken at the model's call
+  by a forward pre-hook (:func:`_take_masks`), or from a block's own inputs when the planner
+  traces it alone (:func:`_unit_masks`). Layers that differ by a setting (a sliding window)
+  are planned apart (:func:`_trace_settings`).
+* **No KV cache**: ``use_cache`` is turned off (a cache object would be a stage output).
+* **Initialisation** by the model's own ``_init_weights`` per module, under autopp's per-FQN
+  seeds. transformers is imported only when a model of it is given.
 """
 
 from __future__ import annotations

@@ -312,13 +312,10 @@ def keep_mask(q_len: int, k_len: int, *, device: torch.device, causal: bool = Tr
             keys are masked (padding queries still attend; their targets are ignored).
         documents: ``(batch, seq)`` document index per token (:func:`packed_documents`;
             needs ``q_len == k_len == seq``): a token attends to its own document only.
-        window: a sliding window, as transformers' masks draw it: causal, a query sees
-            the keys less than ``window`` positions before it (itself included);
-            bidirectional, the keys at most ``window`` away. None masks nothing more.
+        window: a sliding window as transformers draws it: causal, keys less than
+            ``window`` positions back (itself included); else at most ``window`` away.
 
-    The mask holds ``q_len * k_len`` bytes per sequence, never one per head: the fused
-    kernels take it as it is (torch's CPU flash kernel turns it into one additive fp32 mask
-    per sequence, ``4 * q_len * k_len`` bytes)."""
+    The mask holds ``q_len * k_len`` bytes per sequence, never one per head."""
     if window is not None and window >= k_len + (0 if causal else q_len):
         window = None
     if key_valid is None and documents is None and window is None:

@@ -1,19 +1,13 @@
-"""Attention whose scores are changed before the softmax (logit softcapping, as Gemma 2 defines
-it: ``s = cap * tanh(s / cap)``), which no fused kernel torch drives takes: computed over
-blocks of queries, forward and backward, in plain torch ops that run on every device.
+"""Attention whose scores are capped before the softmax (``s = cap * tanh(s / cap)``, Gemma 2's
+logit softcapping), which no fused kernel torch drives takes: blocks of queries against every
+key, forward and backward, in plain torch ops that run on every device.
 
-The forward keeps only the output and the fp32 log-sum-exp of each query's scores, as the
-fused kernels do; the backward recomputes each block's scores from them (FlashAttention's
-recurrence: ``dS = P * (dP - rowsum(dO * O))``, then through the cap's ``1 - tanh^2``). So no
-seq x seq tensor per head outlives a block: a block holds :func:`block_rows` queries' scores
-against every key, a few times over (:data:`FORWARD_BLOCKS`, :data:`BACKWARD_BLOCKS`), which
-the planner prices as the op's scratch memory. Scores, softmax and accumulation are fp32
-(transformers' eager attention upcasts its softmax to fp32 too).
-
-Causal attention is top-left aligned, as torch's SDPA's ``is_causal``: query ``i`` sees keys
-``0..i``; keys after a block's last query are skipped. ``mask`` is a boolean keep-mask
-``(batch or 1, 1, q, k)`` (:func:`autopp.ops.attention.keep_mask`). A query that attends to
-nothing gets a zero output and gradient.
+The forward keeps only the output and the fp32 log-sum-exp, as the fused kernels do; the
+backward recomputes each block's scores from them (FlashAttention's recurrence through the
+cap's ``1 - tanh^2``), so no score tensor per head outlives a block of :func:`block_rows`
+queries, priced as the op's scratch memory (:func:`scratch_bytes`). Scores and softmax are
+fp32. Causal is top-left aligned, as SDPA's ``is_causal``; ``mask`` is a boolean keep-mask
+``(batch or 1, 1, q, k)``. A query that attends to nothing gets a zero output and gradient.
 """
 
 from __future__ import annotations
