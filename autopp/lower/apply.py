@@ -211,7 +211,8 @@ def units_of_plan(module: nn.Module, plan: StagePlan, mesh, example: Any = None,
     if tuple(mesh.shape) != tuple(plan.mesh_shape):
         raise ValueError(f"plan is for mesh {plan.mesh_shape}, got {tuple(mesh.shape)}")
     flat = len(plan.blocks) == 1 and plan.blocks[0].prefix == ""
-    units = [Unit("", module)] if flat else stage_units(module, example, keyword)
+    units = [Unit("", module)] if flat else stage_units(module, example, keyword,
+                                                        param_dtype=plan.param_dtype)
     if units is None:
         raise ValueError("the plan is per unit (blocks) but the module is not a block stack")
     return flat, {u.name: u for u in units}

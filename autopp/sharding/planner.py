@@ -211,7 +211,7 @@ def plan_stage(
     pdtype = check_policy(mixed_precision, module)
     keyword_inputs = dict(keyword_inputs or {})
     check_on_meta(module, tuple(keyword_inputs.values()))
-    units = (stage_units(module, example_inputs[0], keyword_inputs)
+    units = (stage_units(module, example_inputs[0], keyword_inputs, param_dtype=pdtype)
              if reuse_blocks or keyword_inputs else None)
     per_block = weight_gathering == "per_block"
     if weight_gathering not in ("once_per_step", "per_block"):

@@ -42,18 +42,21 @@ class ExportFailed(Exception):
 
 def export_at_blocks(module: nn.Module, block_fqns: list[str], example: torch.Tensor,
                      kwargs: Mapping[str, torch.Tensor] | None = None,
+                     param_dtype: torch.dtype | None = None,
                      ) -> tuple[fx.Graph, dict[str, Any]]:
     """``(graph, extras)``: ``module``'s forward on ``example``'s shape (and keyword inputs
     ``kwargs``, by name, shape and dtype) with each block in ``block_fqns`` one
     ``call_module`` node (its arguments as the forward passes them) and everything else
     inlined; ``extras`` maps the graph's ``get_attr`` targets that are not attributes of
     ``module`` to their values. The graph's placeholders are the example input, then the
-    keyword inputs in the order of ``kwargs``."""
+    keyword inputs in the order of ``kwargs``. ``param_dtype``: the dtype the stage computes
+    its floating-point parameters in (mixed precision), so dtypes the forward reads off its
+    values (a RoPE table's ``.to(x.dtype)``) are the ones it runs with."""
     x = torch.empty(example.shape, dtype=example.dtype, device="meta")
     kw = {k: torch.empty(v.shape, dtype=v.dtype, device="meta")
           for k, v in (kwargs or {}).items()}
     try:
-        with tracing.on_meta(), _on_meta(module), _binding(module, kw), \
+        with tracing.on_meta(), _on_meta(module, param_dtype), _binding(module, kw), \
                 warnings.catch_warnings():
             # torch's own notes while unflattening (its TreeSpec constants, a pytree
             # deprecation): nothing a user can act on
@@ -102,16 +105,18 @@ def _binding(module: nn.Module, kwargs: Mapping[str, Any]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _on_meta(module: nn.Module) -> Iterator[None]:
+def _on_meta(module: nn.Module, param_dtype: torch.dtype | None = None) -> Iterator[None]:
     """``module`` with plain meta tensors of the same global shapes in place of its
-    parameters and buffers (materialised or DTensors), restored on exit: the graph's
-    structure is all the export is for."""
+    parameters and buffers (materialised or DTensors; floating-point parameters in
+    ``param_dtype`` when given), restored on exit: the graph's structure is all the export
+    is for."""
     swapped: list[tuple[dict, str, Any]] = []
     twins: dict[int, torch.Tensor] = {}
 
     def twin(t: torch.Tensor, param: bool) -> torch.Tensor:
         if id(t) not in twins:
-            meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            cast = param and param_dtype is not None and t.is_floating_point()
+            meta = torch.empty(t.shape, dtype=param_dtype if cast else t.dtype, device="meta")
             twins[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if param else meta
         return twins[id(t)]
 
@@ -119,8 +124,8 @@ def _on_meta(module: nn.Module) -> Iterator[None]:
         for mod in module.modules():
             for table, param in ((mod._parameters, True), (mod._buffers, False)):
                 for name, t in list(table.items()):
-                    if t is not None and not (t.is_meta and type(t) in (torch.Tensor,
-                                                                        nn.Parameter)):
+                    if t is not None and (param and param_dtype is not None or not (
+                            t.is_meta and type(t) in (torch.Tensor, nn.Parameter))):
                         swapped.append((table, name, t))
                         table[name] = twin(t, param)
         yield

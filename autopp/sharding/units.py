@@ -190,12 +190,14 @@ def layers_path(module: nn.Module) -> str | None:
 
 
 def stage_units(module: nn.Module, example: torch.Tensor | None = None,
-                inputs: Mapping[str, torch.Tensor] | None = None) -> list[Unit] | None:
+                inputs: Mapping[str, torch.Tensor] | None = None,
+                param_dtype: str | None = None) -> list[Unit] | None:
     """The units of ``module`` (a stage on meta, or materialised: nothing is run), or None
     when it must be planned as one flat graph (the reason is logged at INFO). ``example``:
     a stage input (its shape and dtype), for forwards only ``torch.export`` can trace;
     ``inputs``: the step's keyword inputs (name -> tensor of their shape and dtype), which
-    every unit then takes after its activation, in this order."""
+    every unit then takes after its activation, in this order; ``param_dtype``: the plan's
+    compute dtype (mixed precision), which an exported forward is traced with."""
     path = layers_path(module)
     if path is None:
         return None
@@ -207,7 +209,7 @@ def stage_units(module: nn.Module, example: torch.Tensor | None = None,
     if not blocks:
         return None
     try:
-        return _units(module, path, blocks, example, dict(inputs or {}))
+        return _units(module, path, blocks, example, dict(inputs or {}), param_dtype)
     except _Flat as e:
         logger.info("planning %s as one graph: %s", type(module).__name__, e)
         return None
@@ -218,8 +220,8 @@ class _Flat(Exception):
 
 
 def _capture(module: nn.Module, path: str, blocks: list[tuple[str, nn.Module]],
-             example: torch.Tensor | None, inputs: dict[str, torch.Tensor]
-             ) -> tuple[fx.Graph, dict[str, Any]]:
+             example: torch.Tensor | None, inputs: dict[str, torch.Tensor],
+             param_dtype: str | None = None) -> tuple[fx.Graph, dict[str, Any]]:
     """The stage's forward with each block one ``call_module`` node: by ``torch.fx``, else
     by ``torch.export`` on ``example`` and ``inputs``; ``(graph, values of get_attr targets
     the module does not have)``. Captured with the blocks standing alone
@@ -236,7 +238,8 @@ def _capture(module: nn.Module, path: str, blocks: list[tuple[str, nn.Module]],
 
             try:
                 return export_at_blocks(module, [f"{path}.{k}" for k, _ in blocks], example,
-                                        inputs)
+                                        inputs, None if param_dtype is None else
+                                        getattr(torch, param_dtype))
             except ExportFailed as e2:
                 raise _Flat(f"{e}; {e2}") from e2
 
@@ -324,12 +327,13 @@ def _input_placeholders(placeholders: list[fx.Node], names: list[str]) -> dict[f
 
 def _units(module: nn.Module, path: str, blocks: list[tuple[str, nn.Module]],
            example: torch.Tensor | None = None,
-           inputs: dict[str, torch.Tensor] | None = None) -> list[Unit]:
+           inputs: dict[str, torch.Tensor] | None = None,
+           param_dtype: str | None = None) -> list[Unit]:
     from autopp import tracing
     from autopp.stage_split.build import CUT_ATTR
 
     inputs = inputs or {}
-    graph, extras = _capture(module, path, blocks, example, inputs)
+    graph, extras = _capture(module, path, blocks, example, inputs, param_dtype)
     root = _with_extras(module, extras)
     cut = getattr(module, CUT_ATTR, None)
     nodes = list(graph.nodes)
