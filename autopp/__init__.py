@@ -10,6 +10,9 @@ The public surface is deliberately small:
   compute the loss in parallel over tp (loss parallel).
 - :func:`plan_pipeline` plans a whole pipeline into a :class:`PipelinePlan` (a value to save,
   load, print and run again with ``pipeline_autoparallel(..., plan=...)``).
+- :class:`PlannerOptions` is the planner's options, one value for all four entry points
+  (``pipeline_autoparallel``, ``plan_pipeline``, ``autopp.dry_run.dry_run``, ``search``:
+  ``options=PlannerOptions(...)``; loose planner keywords are refused with that spelling).
 - :func:`search` finds the fastest layouts (pp × dp × tp, schedule, microbatches, split,
   recomputation) of a model for a number of devices, ranked by simulated step time.
 - :func:`init_module_` initialises a (whole or stage) module exactly as ``Pipeline.init_weights``
@@ -24,6 +27,7 @@ from autopp.init import init_module_
 from autopp.loss import cross_entropy
 from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
 from autopp.pipeline import Pipeline, PipelineLayout
+from autopp.plan.options import PlannerOptions
 from autopp.plan.value import PipelinePlan
 
 __all__ = [
@@ -31,6 +35,7 @@ __all__ = [
     "Pipeline",
     "PipelineLayout",
     "PipelinePlan",
+    "PlannerOptions",
     "plan_pipeline",
     "search",
     "SearchReport",

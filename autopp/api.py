@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -23,6 +23,7 @@ from autopp.backends import (
     StageBackend,
 )
 from autopp import adapters
+from autopp.plan.options import changed_fields, refuse_loose
 from autopp.mesh import check_world_mesh, mesh_sizes, stage_sub_mesh
 from autopp.pipeline import Pipeline, PipelineLayout
 from autopp.plan.keyword_inputs import example_keyword_inputs
@@ -32,8 +33,6 @@ from autopp.stage_split.model_inputs import InputReads, given_model_inputs, mode
 from autopp.stage_split.for_schedule import split_for_schedule, stage_ranks_of
 
 if TYPE_CHECKING:  # torch's FSDP and pipelining cost ~1 s to import: only when used
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     from autopp.plan.value import PipelinePlan
 
 Split = int | str | Sequence[Sequence[str]] | None
@@ -51,15 +50,12 @@ def pipeline_autoparallel(
     split: Split = None,
     parallelize: StageBackend | ParallelizeFn | Literal["auto", "autoparallel"] | None = "auto",
     ignore_index: int = -100,
-    profile: str | None = None,
-    memory_budget_bytes: float | None = None,
-    boundary: Literal["auto", "batch", "batch+seq"] = "auto",
-    loss_parallel: bool | None = None,
-    mixed_precision: MixedPrecisionPolicy | None = None,
+    options: PlannerOptions | None = None,
     compile: bool | CompileOptions = False,
     raise_on_nonfinite: bool = True,
     layers_attr: str | None = None,
     plan: PipelinePlan | str | os.PathLike | None = None,
+    **old_keywords: Any,
 ) -> Pipeline:
     """Pipeline ``model`` over ``mesh``: returns this rank's :class:`~autopp.pipeline.Pipeline`.
 
@@ -102,9 +98,11 @@ def pipeline_autoparallel(
             TP + FSDP; it gets the stage on meta and must average gradients over dp), or
             ``"autoparallel"`` (meta's AutoParallel, when installed).
         ignore_index: target value that does not count towards the loss.
-        profile, memory_budget_bytes, boundary, loss_parallel, mixed_precision: with
-            ``"auto"``, the fields of :class:`autopp.backends.PlannerOptions` (see there);
-            ``mixed_precision`` also goes to ``"autoparallel"``.
+        options: with ``"auto"``, the planner's options, one
+            :class:`autopp.PlannerOptions` value (profile, memory budget, boundary, loss
+            parallel, mixed precision, ...); with ``"autoparallel"`` only its
+            ``mixed_precision`` applies. None: the defaults. A planner option given loose
+            (``profile=...``) is refused with the ``options=`` to write.
         compile: with the planner, run each planned stage's graphs through Inductor: True
             or :class:`autopp.backends.CompileOptions`; False (default): eager.
         raise_on_nonfinite: a NaN/inf loss (``step``) or gradient norm (``clip_grad_norm_``)
@@ -119,11 +117,8 @@ def pipeline_autoparallel(
             It must have been made for this model, mesh sizes, schedule, microbatches and
             input shapes (a ValueError names what differs); ``split=None`` takes its split.
     """
-    backend = resolve_backend(
-        parallelize, profile=profile, memory_budget_bytes=memory_budget_bytes,
-        boundary=boundary, loss_parallel=loss_parallel, mixed_precision=mixed_precision,
-        compile=compile, plan=plan,
-    )
+    refuse_loose("pipeline_autoparallel", old_keywords)
+    backend = resolve_backend(parallelize, options=options, compile=compile, plan=plan)
     check_world_mesh(mesh)
     model_notes = adapters.prepare(model)  # e.g. a transformers model's attention
     if not any(p.is_meta for p in model.parameters()):
@@ -213,14 +208,13 @@ def pipeline_autoparallel(
 
 
 def resolve_backend(
-    parallelize: StageBackend | ParallelizeFn | str | None, *, profile: str | None = None,
-    memory_budget_bytes: float | None = None, boundary: str = "auto",
-    loss_parallel: bool | None = None, mixed_precision: MixedPrecisionPolicy | None = None,
-    compile: bool | CompileOptions = False,
+    parallelize: StageBackend | ParallelizeFn | str | None, *,
+    options: PlannerOptions | None = None, compile: bool | CompileOptions = False,
     plan: PipelinePlan | str | os.PathLike | None = None,
 ) -> StageBackend:
-    """The :class:`~autopp.backends.StageBackend` for ``parallelize``, the planner
-    shorthands and ``plan``; a ValueError naming the fix when one does not apply."""
+    """The :class:`~autopp.backends.StageBackend` for ``parallelize``, the planner's
+    ``options`` (for ``"auto"``) and ``plan``; a ValueError naming the fix when one does not
+    apply."""
     if plan is not None:
         if isinstance(parallelize, Planner):
             if parallelize.plan is not None:
@@ -230,32 +224,37 @@ def resolve_backend(
         elif parallelize != "auto":
             raise ValueError(f"plan= runs a planned pipeline and needs the planner "
                              f"(parallelize='auto' or a Planner), got parallelize={parallelize!r}")
-    planner_kw = dict(profile=profile, memory_budget_bytes=memory_budget_bytes,
-                      boundary=boundary, loss_parallel=loss_parallel,
-                      mixed_precision=mixed_precision)
-    defaults = PlannerOptions()
-    given = sorted(k for k, v in planner_kw.items() if v != getattr(defaults, k))
+    given = changed_fields(options) if options is not None else []
     if isinstance(parallelize, StageBackend):
-        if given or compile:
+        if options is not None or compile:
+            named = (given or ["options"]) + (["compile"] if compile else [])
             raise ValueError(
-                f"{given + (['compile'] if compile else [])} are shorthands for "
-                "parallelize='auto'; with a backend object set them on it, e.g. "
+                f"{named} are shorthands for parallelize='auto' (options= makes its "
+                "Planner); with a backend object set them on it, e.g. "
                 "Planner(PlannerOptions(...), compile=...)")
         return parallelize
     if parallelize == "auto":
-        return Planner(PlannerOptions(**planner_kw), compile=compile, plan=plan)
+        return Planner(options if options is not None else PlannerOptions(),
+                       compile=compile, plan=plan)
     if compile:
         raise ValueError("compile needs the planner (parallelize='auto'): only planned stages "
                          "run as graphs")
-    if loss_parallel:
+    if options is not None and options.loss_parallel:
         raise ValueError("loss_parallel=True needs parallelize='auto'")
+    mixed_precision = options.mixed_precision if options is not None else None
     if parallelize == "autoparallel":
+        if any(f != "mixed_precision" for f in given):
+            raise ValueError(f"parallelize='autoparallel' takes only mixed_precision of the "
+                             f"planner's options, not {given}: leave them out")
         return AutoParallel(mixed_precision=mixed_precision)
     if mixed_precision is not None:
         raise ValueError(
             "mixed_precision needs parallelize='auto'; with your own parallelize, apply the "
             "policy there (e.g. fully_shard(..., mp_policy=...))"
         )
+    if given:
+        raise ValueError(f"options= (the planner's: {given}) needs parallelize='auto'; "
+                         f"leave it out with parallelize={parallelize!r}")
     if parallelize is None:
         return Replicate()
     if callable(parallelize) and not isinstance(parallelize, str):

@@ -187,6 +187,16 @@ def _options(args: argparse.Namespace) -> Any:
         memory_reserve=args.memory_reserve)
 
 
+def _priced_options(args: argparse.Namespace) -> Any:
+    """The options the search prices layouts under (autopp.layout_search.search.SEARCH_PRICES);
+    --boundary and --loss-parallel apply when its chosen layout is planned exactly."""
+    from autopp.plan.options import PlannerOptions
+
+    o = _options(args)
+    return PlannerOptions(profile=o.profile, mixed_precision=o.mixed_precision,
+                          memory_reserve=o.memory_reserve)
+
+
 def _split(text: str | None) -> Any:
     return int(text) if text is not None and text.isdigit() else text
 
@@ -217,19 +227,17 @@ def _search(args: argparse.Namespace, model: Any) -> Any:
 
     schedules = (tuple(x.strip() for x in args.schedules.split(",") if x.strip())
                  if args.schedules else DEFAULT_SCHEDULES)
-    o = _options(args)
     return search(model, world_size=args.world, global_batch=args.global_batch,
-                         seq_len=args.seq_len, profile=o.profile,
-                         mixed_precision=o.mixed_precision, memory_reserve=o.memory_reserve,
-                         schedules=schedules, tp_sizes=_ints(args.tp_sizes, "--tp-sizes"),
-                         pp_sizes=_ints(args.pp_sizes, "--pp-sizes"),
-                         max_results=max(args.top, 1))
+                  seq_len=args.seq_len, options=_priced_options(args), schedules=schedules,
+                  tp_sizes=_ints(args.tp_sizes, "--tp-sizes"),
+                  pp_sizes=_ints(args.pp_sizes, "--pp-sizes"), max_results=max(args.top, 1))
 
 
 def _exact(args: argparse.Namespace, report: Any) -> Any:
     from autopp.layout_search.exact import plan_ranked
 
-    exact = plan_ranked(report, trace=args.trace, timeline=args.timeline)
+    exact = plan_ranked(report, trace=args.trace, timeline=args.timeline,
+                        options=_options(args))
     for line in exact.skipped:
         logging.getLogger("autopp.cli").warning("skipped: %s", line)
     if exact.report is None:

@@ -45,8 +45,8 @@ def _search(args) -> dict:
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     report = autopp.search(build_model(args.model), world_size=args.world,
-                           global_batch=args.batch_size, seq_len=args.seq_len, profile="H100",
-                           mixed_precision=mp)
+                           global_batch=args.batch_size, seq_len=args.seq_len,
+                           options=autopp.PlannerOptions(profile="H100", mixed_precision=mp))
     print(report, flush=True)
     out = {"search_s": report.search_s, "best": str(report.best.layout),
            "best_step_s": report.best.step_time_s, "hand": {}}
@@ -59,7 +59,9 @@ def _search(args) -> dict:
         try:
             mine = autopp.search(build_model(args.model), world_size=args.world,
                                  global_batch=args.batch_size, seq_len=args.seq_len,
-                                 profile="H100", mixed_precision=mp, tp_sizes=(h["tp"],),
+                                 options=autopp.PlannerOptions(profile="H100",
+                                                               mixed_precision=mp),
+                                 tp_sizes=(h["tp"],),
                                  pp_sizes=(h["pp"],), schedules=h["schedules"],
                                  max_results=None)
         except ValueError as e:  # no layout at all

@@ -200,7 +200,8 @@ def search_and_plan(args) -> tuple[object, list[list[int]]]:
           f"{prof.p2p_bw / 1e9:.2f} GB/s ({time.perf_counter() - t0:.1f} s)", flush=True)
     report = autopp.search(build_model(args.model), world_size=WORLD,
                            global_batch=args.batch_size, seq_len=args.seq_len,
-                           profile=prof.name, schedules=tuple(args.schedules.split(",")),
+                           options=autopp.PlannerOptions(profile=prof.name),
+                           schedules=tuple(args.schedules.split(",")),
                            microbatch_choices=args.microbatch_choices)
     print(report, flush=True)
     if not report.results:

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torchtitan.models.llama3 import llama3_configs
 
-from autopp import build_world_mesh, cross_entropy, pipeline_autoparallel
+from autopp import PlannerOptions, build_world_mesh, cross_entropy, pipeline_autoparallel
 from autopp.layout_search.exact import TRIES
 from autopp.models import torchtitan_model
 from data import VOCAB_SIZE, ByteBatches, load_corpus
@@ -201,8 +201,9 @@ def run_search(model, args, world: int):
 
     profile = args.profile or ("H100" if args.search or args.device == "cuda" else "CPU")
     report = autopp.search(model, world_size=world, global_batch=args.batch_size,
-                           seq_len=args.seq_len, profile=profile,
-                           mixed_precision=mp_policy(args), memory_reserve=args.memory_reserve)
+                           seq_len=args.seq_len, options=PlannerOptions(
+                               profile=profile, mixed_precision=mp_policy(args),
+                               memory_reserve=args.memory_reserve))
     print(report)
     return report
 
@@ -282,11 +283,10 @@ def use_plan(args, plan) -> None:
 
 def dry_run(args) -> None:
     """Plan the whole pipeline on this machine alone and print the report."""
-    from autopp.backends import PlannerOptions
-    from autopp.dry_run import dry_run as plan_pipeline
+    from autopp.dry_run import dry_run as dry_run_
 
     _layout_defaults(args)
-    report = plan_pipeline(
+    report = dry_run_(
         build_model(args.model), pp=args.pp, dp=args.dp, tp=args.tp,
         schedule=args.schedule, n_microbatches=args.microbatches,
         global_batch=args.batch_size, seq_len=args.seq_len,
@@ -370,9 +370,11 @@ def _main() -> None:
         split=args.split,
         plan=plan,
         parallelize="auto" if args.parallelize == "auto" else None,
-        profile=args.profile,
-        **(dict(loss_parallel={"auto": None, "on": True, "off": False}[args.loss_parallel],
-                boundary=args.boundary, mixed_precision=mp_policy(args), compile=args.compile)
+        **(dict(options=PlannerOptions(
+                    profile=args.profile,
+                    loss_parallel={"auto": None, "on": True, "off": False}[args.loss_parallel],
+                    boundary=args.boundary, mixed_precision=mp_policy(args)),
+                compile=args.compile)
            if args.parallelize == "auto" else {}),
     )
     del model  # the meta-device whole model; each rank keeps only its stages

@@ -39,7 +39,8 @@ class Case:
     planner_options: dict | None = None
     """``PlannerOptions`` fields: the pipeline gets ``Planner(PlannerOptions(**these))``."""
     options: dict = dataclasses.field(default_factory=dict)
-    """Other ``pipeline_autoparallel`` keywords (boundary, memory_budget_bytes, compile)."""
+    """Other ``pipeline_autoparallel`` keywords (compile) and planner option fields
+    (boundary, memory_budget_bytes: passed as ``options=PlannerOptions(...)``)."""
     loss_parallel: bool = False
     """``loss_parallel=True`` with autopp's vocabulary-parallel ``cross_entropy``."""
     bf16: bool = False
@@ -77,3 +78,16 @@ class Case:
 def vary(case: Case, **changes: Any) -> Case:
     """``case`` with ``changes``."""
     return dataclasses.replace(case, **changes)
+
+
+def pipeline_keywords(case: Case, **planner: Any) -> dict[str, Any]:
+    """``pipeline_autoparallel`` keywords for ``case.options`` and the ``planner`` fields
+    given: the planner's options gathered into one ``options=PlannerOptions(...)``."""
+    from autopp import PlannerOptions
+
+    fields = {f.name for f in dataclasses.fields(PlannerOptions)}
+    kw = {k: v for k, v in case.options.items() if k not in fields}
+    planner = {**{k: v for k, v in case.options.items() if k in fields}, **planner}
+    if planner:
+        kw["options"] = PlannerOptions(**planner)
+    return kw

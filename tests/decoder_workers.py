@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tests.case import Case
+from tests.case import Case, pipeline_keywords
 from tests.dist_harness import ships_tensors
 from tests.parity import norms
 from tests.models import MODELS, ce_loss, make_batch
@@ -37,7 +37,7 @@ def two_steps(mesh, cfg: Case, path: str | None = None) -> dict:
         return pipeline_autoparallel(
             MODELS[cfg.model](cfg.n_layers), mesh, example_inputs=(tok,),
             loss_fn=ce_loss, schedule=schedule, n_microbatches=cfg.n_microbatches,
-            parallelize=parallelize, **cfg.options)
+            parallelize=parallelize, **pipeline_keywords(cfg))
 
     pipe = build()
     if cfg.expect_error:

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tests.case import Case
+from tests.case import Case, pipeline_keywords
 from tests.dist_harness import ships_tensors
 from tests.models import MODELS, ce_loss, make_batch
 from tests.parity import norms
@@ -44,7 +44,7 @@ def two_steps(mesh, cfg: Case) -> dict:
     pipe = pipeline_autoparallel(
         MODELS[cfg.model](cfg.n_layers), mesh, example_inputs=(tok,), loss_fn=ce_loss,
         schedule=cfg.schedule, n_microbatches=cfg.n_microbatches,
-        parallelize=parallelize, **cfg.options)
+        parallelize=parallelize, **pipeline_keywords(cfg))
     pipe.init_weights(seed=0)
     opt = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr)
     losses = [pipe.step(tok, target=tgt)]

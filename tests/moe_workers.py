@@ -62,7 +62,8 @@ def _build(cfg: Case, mesh, tok):
         MODELS[cfg.model](cfg.n_layers), mesh, example_inputs=(tok,), loss_fn=ce_loss,
         schedule=cfg.schedule, n_microbatches=cfg.n_microbatches,
         parallelize=parallelize,
-        mixed_precision=None if not isinstance(parallelize, str) else _policy(cfg))
+        options=None if not isinstance(parallelize, str) else PlannerOptions(
+            mixed_precision=_policy(cfg)))
 
 
 def _policy(cfg: Case):

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tests.case import Case
+from tests.case import Case, pipeline_keywords
 from tests.dist_harness import ships_tensors
 from tests.parity import norms
 from tests.models import ce_loss, llama3_meta, make_batch, sum_loss
@@ -41,14 +41,15 @@ def one_step(mesh, cfg: Case) -> dict:
     tgt = _dp_slice(target, dp_rank, dp_size)
     from autopp import cross_entropy
 
-    extra = dict(cfg.options)
+    planner = {}
     if cfg.loss_parallel:
-        extra["loss_parallel"] = True
+        planner["loss_parallel"] = True
     if cfg.bf16:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        extra["mixed_precision"] = MixedPrecisionPolicy(
+        planner["mixed_precision"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    extra = pipeline_keywords(cfg, **planner)
     parallelize = cfg.parallelize
     if cfg.planner_options is not None:  # a backend object instead of the shorthands
         from autopp.backends import Planner, PlannerOptions

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autopp import build_world_mesh, init_fake_world, pipeline_autoparallel
+from autopp import PlannerOptions, build_world_mesh, init_fake_world, pipeline_autoparallel
 from tests.models import ce_loss, llama3_meta
 
 
@@ -50,7 +50,8 @@ def test_parallelize_must_be_a_backend_or_shorthand(mesh222):
     # planner shorthands belong to "auto"; a backend object carries its own options
     with pytest.raises(ValueError, match=r"\['memory_budget_bytes'\] are shorthands for "
                                          r"parallelize='auto'.*Planner\(PlannerOptions"):
-        _call(mesh222, parallelize=Planner(PlannerOptions()), memory_budget_bytes=1e9)
+        _call(mesh222, parallelize=Planner(PlannerOptions()),
+              options=PlannerOptions(memory_budget_bytes=1e9))
     with pytest.raises(ValueError, match="compile needs the planner"):
         _call(mesh222, parallelize=None, compile=True)
     with pytest.raises(ValueError, match="boundary must be 'auto', 'batch' or 'batch\\+seq'"):
@@ -99,16 +100,17 @@ def test_wrong_mesh_dims():
 
 def test_loss_parallel_needs_cross_entropy_and_auto(mesh222):
     with pytest.raises(ValueError, match="loss_parallel=True needs loss_fn=autopp.cross_entropy"):
-        _call(mesh222, parallelize="auto", loss_parallel=True)
+        _call(mesh222, parallelize="auto", options=PlannerOptions(loss_parallel=True))
     with pytest.raises(ValueError, match="needs parallelize='auto'"):
-        _call(mesh222, parallelize=None, loss_parallel=True)
+        _call(mesh222, parallelize=None, options=PlannerOptions(loss_parallel=True))
 
 
 def test_mixed_precision_needs_auto(mesh222):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     with pytest.raises(ValueError, match="mixed_precision needs parallelize='auto'"):
-        _call(mesh222, mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        _call(mesh222, options=PlannerOptions(
+            mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16)))
 
 
 def test_autoparallel_backend_missing_is_a_clear_error(mesh222):

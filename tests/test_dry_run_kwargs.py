@@ -34,7 +34,7 @@ except ValueError as e:
     out["refused"] = str(e)
 from autopp import plan_pipeline
 plan = plan_pipeline(hf_llama_meta(2), pp=2, dp=2, tp=1, schedule="1F1B", n_microbatches=2,
-                     global_batch_size=8, seq_len=32, example_kwargs={"attention_mask": mask})
+                     global_batch=8, seq_len=32, example_kwargs={"attention_mask": mask})
 out["plan_pipeline"] = [[n, list(s), d] for n, s, d in plan.keyword_inputs]
 out["plan_pipeline_stages"] = [[[n, list(s), d] for n, s, d in p.keyword_inputs]
                                for p in plan.stage_plans]

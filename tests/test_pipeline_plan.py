@@ -262,7 +262,7 @@ def test_a_fallback_is_warned_shown_and_refused_under_strict(tmp_path, monkeypat
     from autopp import plan_pipeline
     from autopp.backends import PlannerOptions
 
-    kw = dict(pp=2, dp=1, tp=2, n_microbatches=2, global_batch_size=2, seq_len=SEQ)
+    kw = dict(pp=2, dp=1, tp=2, n_microbatches=2, global_batch=2, seq_len=SEQ)
     monkeypatch.setenv("AUTOPP_PLAN_CACHE", str(tmp_path / "plans"))
     monkeypatch.setattr(sharding_planner, "_MEMO", sharding_planner._Memo())
     clean = plan_pipeline(llama3_meta(2), options=PlannerOptions(profile="CPU", strict=True),

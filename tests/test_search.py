@@ -81,7 +81,8 @@ def test_model_that_fits_nowhere(debug_model):
     tiny = with_overrides(PROFILES["H100"], name="H100-1MiB", memory_bytes=2**20)
     register_profile(tiny)
     report = autopp.search(debug_model, world_size=4, global_batch=8, seq_len=64,
-                           profile="H100-1MiB", schedules=("1F1B",), tp_sizes=(1, 2))
+                           options=autopp.PlannerOptions(profile="H100-1MiB"),
+                           schedules=("1F1B",), tp_sizes=(1, 2))
     assert report.results == ()
     assert all("does not fit" in r for _, r in report.rejected if "GiB" in r)
     with pytest.raises(ValueError, match="no layout of 4 devices fits.*What would make it fit"):
@@ -92,8 +93,8 @@ def test_search_debug_model_best_layout_simulates_as_predicted(debug_model):
     import autopp
 
     report = autopp.search(debug_model, world_size=8, global_batch=16, seq_len=64,
-                           profile="H100", schedules=("1F1B", "Interleaved1F1B"),
-                           microbatch_choices=2)
+                           options=autopp.PlannerOptions(profile="H100"),
+                           schedules=("1F1B", "Interleaved1F1B"), microbatch_choices=2)
     print(report)
     times = [c.step_time_s for c in report.results]
     assert times == sorted(times) and len(times) >= 4
@@ -130,7 +131,8 @@ def test_llama3_8b_head_on_512_dp_ranks_is_planned():
         model = build_decoder_config_for_backend(llama3_configs["8B"], "sdpa").build()
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     report = autopp.search(model, world_size=512, global_batch=512, seq_len=8192,
-                           profile="H100", mixed_precision=mp, tp_sizes=(1,), pp_sizes=(1,),
+                           options=autopp.PlannerOptions(profile="H100", mixed_precision=mp),
+                           tp_sizes=(1,), pp_sizes=(1,),
                            schedules=("1F1B",), microbatch_choices=1, recompute=("none",),
                            workers=1)
     reasons = [r for _, r in report.rejected]
@@ -146,7 +148,8 @@ def test_pruning_keeps_the_best_and_bounds_hold(debug_model):
 
     import autopp
 
-    kw = dict(world_size=8, global_batch=16, seq_len=64, profile="H100",
+    kw = dict(world_size=8, global_batch=16, seq_len=64,
+              options=autopp.PlannerOptions(profile="H100"),
               schedules=("1F1B", "Interleaved1F1B", "ZBVZeroBubble"), microbatch_choices=2)
     pruned = autopp.search(debug_model, max_results=3, **kw)
     full = autopp.search(debug_model, max_results=None, **kw)
@@ -234,7 +237,8 @@ def test_pp_may_exceed_the_block_count_with_stages_of_only_the_embedding_or_head
     from tests.models import llama3_meta
 
     report = autopp.search(llama3_meta(2), world_size=4, global_batch=8, seq_len=16,
-                           profile="CPU", pp_sizes=[4], tp_sizes=[1],
+                           options=autopp.PlannerOptions(profile="CPU"), pp_sizes=[4],
+                           tp_sizes=[1],
                            schedules=("1F1B", "Interleaved1F1B"))
     best = report.best
     assert best.layout.pp == 4 and best.layers_per_stage == (0, 1, 1, 0), best
@@ -244,7 +248,8 @@ def test_pp_may_exceed_the_block_count_with_stages_of_only_the_embedding_or_head
                "and 2 end stage(s)" in why for _, why in report.rejected), report.rejected
     # where pp does not exceed the blocks, every stage holds one (as before)
     two = autopp.search(llama3_meta(2), world_size=2, global_batch=8, seq_len=16,
-                        profile="CPU", tp_sizes=[1], schedules=("Interleaved1F1B",))
+                        options=autopp.PlannerOptions(profile="CPU"), tp_sizes=[1],
+                        schedules=("Interleaved1F1B",))
     assert ("pp2 dp1 tp1 Interleaved1F1B x2", "4 stages is more than the model's 2 layers "
             "(every stage holds one)") in two.rejected, two.rejected
     dry = report.plan(0)

@@ -1,9 +1,8 @@
 """Stage backends: how each pipeline stage is parallelized over its sub-mesh.
 
-Pass one as ``pipeline_autoparallel(..., parallelize=...)``; the older shorthands still work:
-``"auto"`` is :class:`Planner` (with ``profile=``, ``memory_budget_bytes=``, ``boundary=``,
-``loss_parallel=``, ``mixed_precision=`` as its :class:`PlannerOptions`), ``None`` is
-:class:`Replicate`, a callable is :class:`Parallelize`, ``"autoparallel"`` is
+Pass one as ``pipeline_autoparallel(..., parallelize=...)``; the shorthands still work:
+``"auto"`` is :class:`Planner` (with ``options=PlannerOptions(...)`` as its options),
+``None`` is :class:`Replicate`, a callable is :class:`Parallelize`, ``"autoparallel"`` is
 :class:`AutoParallel`. Write your own by subclassing :class:`StageBackend`.
 """
 

@@ -57,6 +57,7 @@ from autopp.plan.stage_inputs import last_stage_output, stage_meta_inputs
 from autopp.stage_split import build_stage_module
 from autopp.stage_split.model_inputs import stage_keyword_inputs
 from autopp.backends import PlannerOptions
+from autopp.plan.options import refuse_loose
 from autopp.format import compact_modules
 from autopp.dry_run.format import format_report
 from autopp.sharding.report import placement_summary
@@ -343,7 +344,7 @@ def dry_run(
     trace: str | os.PathLike | None = None,
     timeline: str | os.PathLike | None = None,
     example_kwargs: Mapping[str, torch.Tensor] | None = None,
-    **planner_keywords: Any,
+    **old_keywords: Any,
 ) -> DryRunReport:
     """Plan the pipeline of ``model_meta`` for a pp × dp × tp world on this machine alone.
 
@@ -355,8 +356,8 @@ def dry_run(
             world size must be pp·dp·tp.
         schedule, n_microbatches, split: as for :func:`autopp.pipeline_autoparallel`.
         global_batch, seq_len: the step's batch (all dp ranks) and sequence length.
-        options: the planner's options (:class:`autopp.backends.PlannerOptions`), exactly as a
-            job would pass them: the profile of the cost model (default here "H100": a dry run
+        options: the planner's options, one :class:`autopp.PlannerOptions` value, exactly as
+            a job would pass them: the profile of the cost model (default here "H100": a dry run
             stands for a GPU job), the memory budget and reserve, the parameter budget,
             boundaries, loss parallel, mixed precision and recomputation. The dry run plans
             with these options and checks the fit against the same reserve. The loss is
@@ -389,15 +390,7 @@ def dry_run(
     from autopp import adapters
 
     adapters.prepare(model_meta)  # e.g. a transformers model's attention (logged)
-    if planner_keywords:
-        fields = {f.name for f in dataclasses.fields(PlannerOptions)}
-        loose = sorted(k for k in planner_keywords if k in fields)
-        other = sorted(k for k in planner_keywords if k not in fields)
-        if other:
-            raise TypeError(f"dry_run() got unexpected keyword arguments {other}")
-        given = ", ".join(f"{k}={planner_keywords[k]!r}" for k in loose)
-        raise TypeError(f"dry_run() takes the planner's options as one value: write "
-                        f"options=PlannerOptions({given}) instead of {loose}")
+    refuse_loose("dry_run", old_keywords, {"global_batch_size": "global_batch"})
     if timeline is not None:  # before planning, not after it
         from autopp.extras import require
 

@@ -38,8 +38,10 @@ class ExactPlan:
 
 def plan_ranked(search: SearchReport, *, tries: int = TRIES,
                 trace: str | os.PathLike | None = None,
-                timeline: str | os.PathLike | None = None) -> ExactPlan:
-    """Plan the ranked layouts exactly until one fits (see the module docstring)."""
+                timeline: str | os.PathLike | None = None,
+                options: Any = None) -> ExactPlan:
+    """Plan the ranked layouts exactly until one fits (see the module docstring), with the
+    planner's ``options`` (None: those the search priced with)."""
     from autopp.sharding import InfeasiblePlanError
 
     if not search.results:
@@ -48,7 +50,7 @@ def plan_ranked(search: SearchReport, *, tries: int = TRIES,
     skipped: list[str] = []
     for k, cand in enumerate(search.results[:tries]):
         try:
-            planned = search.plan(k, trace=trace, timeline=timeline)
+            planned = search.plan(k, options=options, trace=trace, timeline=timeline)
         except InfeasiblePlanError as e:
             skipped.append(f"layout {k + 1} ({cand.layout}) has no exact plan that fits: "
                            f"{str(e).splitlines()[0]}")

@@ -27,6 +27,7 @@ How it works (docs/design.md, "Configuration search"):
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import math
 import os
@@ -43,6 +44,7 @@ from autopp.layout_search.pricing import Candidate, Pricer, Split
 from autopp.layout_search.probe_pool import JOB, PROBE_BUG, ProbePool
 from autopp.layout_search.unit_costs import ShapeCosts
 from autopp.plan.heap import frozen_heap
+from autopp.plan.options import PlannerOptions, changed_fields, refuse_loose
 
 __all__ = ["Candidate", "SearchReport", "search"]
 
@@ -72,7 +74,10 @@ class SearchReport:
     memory_reserve: float = 0.1
     """The share of device memory the search kept out of every layout's fit."""
     tf32: bool = False
-    """fp32 matmuls priced at the TF32 rate (torch's setting when the search ran)."""
+    """fp32 matmuls priced at the TF32 rate (the options' ``tf32``)."""
+    options: Any = None
+    """The :class:`~autopp.plan.options.PlannerOptions` the layouts were priced with (its
+    profile resolved); :meth:`plan` plans with them unless given others."""
 
     @property
     def best(self) -> Candidate:
@@ -159,11 +164,11 @@ class SearchReport:
         return the dry run's report; ``report.plan`` is the
         :class:`~autopp.plan.value.PipelinePlan` to save and train with."""
         from autopp.dry_run.run import dry_run
-        from autopp.plan.options import PlannerOptions
 
         if options is None:  # what the search ranked the layout with
-            options = PlannerOptions(profile=self.profile, mixed_precision=self.mixed_precision,
-                                     memory_reserve=self.memory_reserve, tf32=self.tf32)
+            options = self.options if self.options is not None else PlannerOptions(
+                profile=self.profile, mixed_precision=self.mixed_precision,
+                memory_reserve=self.memory_reserve, tf32=self.tf32)
         c = self.results[index]
         lay = c.layout
         return dry_run(self.model, pp=lay.pp, dp=lay.dp, tp=lay.tp, schedule=lay.schedule,
@@ -235,18 +240,17 @@ def search(
     world_size: int,
     global_batch: int,
     seq_len: int,
-    profile: str = "H100",
-    mixed_precision: Any = None,
+    options: PlannerOptions | None = None,
     schedules: Sequence[str] = DEFAULT_SCHEDULES,
     tp_sizes: Sequence[int] | None = None,
     pp_sizes: Sequence[int] | None = None,
     recompute: Sequence[str] = ("none", "selective", "full"),
-    memory_reserve: float = 0.1,
     microbatch_choices: int = 3,
     stages_per_rank: Sequence[int] = (2, 3, 4),
     max_results: int | None = 20,
     layers_attr: str | None = None,
     workers: int | None = None,
+    **old_keywords: Any,
 ) -> SearchReport:
     """Find the fastest layouts of ``model_meta`` on ``world_size`` devices.
 
@@ -256,16 +260,21 @@ def search(
         world_size: devices in all (pp × dp × tp of every layout).
         global_batch: sequences per training step, over all dp ranks.
         seq_len: tokens per sequence.
-        profile: the device profile ("H100", "H200", "A100", "CPU", or a measured one).
-        mixed_precision: torch's ``MixedPrecisionPolicy`` (e.g. bf16 compute, fp32
-            gradients), as for :func:`autopp.pipeline_autoparallel`.
+        options: the planner's options (:class:`autopp.PlannerOptions`), as a job would pass
+            them; the search prices layouts under their ``profile`` (None: "H100"),
+            ``mixed_precision``, ``memory_budget_bytes`` or ``memory_reserve`` (share of each
+            device's memory kept out of the plan) and ``tf32``. Options it does not price
+            are refused, naming them: plan the chosen layout with them
+            (``report.plan(i, options=...)``). Loose planner keywords (``profile=``) are
+            refused with the ``options=`` to write.
+
+        The search's own choices:
+
         schedules: pipeline schedules to consider (torch's names).
         tp_sizes / pp_sizes: restrict tp / pp; None: every size that divides the world
             (tp within a node, pp up to the number of layers).
         recompute: recomputation policies a stage may use (each stage takes the fastest
             that fits).
-        memory_reserve: share of each device's memory kept out of the plan (allocator,
-            buffers).
         microbatch_choices: microbatch counts tried per layout (fewest first, doubling).
         stages_per_rank: stages per pp rank tried for the looped multi-stage schedules
             (Interleaved1F1B, InterleavedZeroBubble); the V schedules hold exactly 2.
@@ -285,17 +294,19 @@ def search(
 
     adapters.prepare(model_meta)  # e.g. a transformers model's attention (logged)
     from autopp.estimate.stage_costs import usable_bytes
-    from autopp.profiles.devices import tf32_enabled
     from autopp.profiles.lookup import get_profile
     from autopp.stage_split import inspect_model
 
     t0 = time.perf_counter()
+    options = search_options(options, old_keywords)
+    profile, mixed_precision = options.profile, options.mixed_precision
+    memory_reserve, tf32 = options.memory_reserve, options.tf32
     for m in recompute:
         if m not in _MODES:
             raise ValueError(f"recompute policies are {_MODES}, got {m!r}")
     prof = get_profile(profile)
-    tf32 = tf32_enabled()  # read once: the probes' plans and the MFU use it
-    usable = usable_bytes(prof, memory_reserve)
+    usable = (usable_bytes(prof, memory_reserve) if options.memory_budget_bytes is None
+              else float(options.memory_budget_bytes))
     layout_info = inspect_model(model_meta, layers_attr)
     layouts, rejected = enumerate_layouts(
         world_size=world_size, global_batch=global_batch, n_layers=layout_info.n_layers,
@@ -441,5 +452,30 @@ def search(
         mixed_precision=mixed_precision, n_evaluated=len(layouts), n_submeshes=len(families),
         stage_plans_solved=sum(s.solved for s in pricer.shapes.values()),
         search_s=time.perf_counter() - t0, model=model_meta, memory_reserve=memory_reserve,
-        tf32=tf32,
+        tf32=tf32, options=dataclasses.replace(options, profile=prof.name),
     )
+
+
+#: The planner's options the search prices layouts under; the others it refuses.
+SEARCH_PRICES = ("profile", "mixed_precision", "memory_budget_bytes", "memory_reserve", "tf32")
+
+
+def search_options(options: PlannerOptions | None, old_keywords: dict[str, Any]
+                   ) -> PlannerOptions:
+    """The options :func:`search` prices with (profile None: "H100"); planner options
+    given loose, or ones the search does not price, refused with what to write."""
+    refuse_loose("search", old_keywords)
+    options = options if options is not None else PlannerOptions()
+    if options.recompute != "auto":
+        raise ValueError(f"search() chooses each stage's recomputation itself: write "
+                         f"recompute=({options.recompute!r},) (the search's choices) instead "
+                         f"of options=PlannerOptions(recompute={options.recompute!r})")
+    unpriced = [f for f in changed_fields(options) if f not in SEARCH_PRICES]
+    if unpriced:
+        raise ValueError(f"search() does not price the planner's options {unpriced} (it "
+                         f"prices {list(SEARCH_PRICES)}): leave them out of the search's "
+                         f"options and plan its chosen layout with them, "
+                         f"report.plan(i, options=PlannerOptions(...))")
+    if options.profile is None:  # a search stands for a GPU job, as the dry run does
+        options = dataclasses.replace(options, profile="H100")
+    return options

@@ -50,7 +50,7 @@ from autopp.plan.objective import boundary_bytes, pp_link, pp_links, transfer_s
 from autopp.plan.heap import frozen_heap
 from autopp.plan.keyword_inputs import example_keyword_inputs, microbatch_keyword_inputs
 from autopp.plan.local_stage import plan_local_stage
-from autopp.plan.options import PlannerOptions
+from autopp.plan.options import PlannerOptions, refuse_loose
 from autopp.plan.parallel import map_stages
 from autopp.plan.rank0 import plan_on_rank0
 from autopp.plan.stage_inputs import last_stage_output, stage_meta_inputs
@@ -447,7 +447,7 @@ def plan_pipeline(
     schedule: str = "1F1B",
     n_microbatches: int,
     example_inputs: Sequence[torch.Tensor] | None = None,
-    global_batch_size: int | None = None,
+    global_batch: int | None = None,
     seq_len: int | None = None,
     split: Any = None,
     layers_attr: str | None = None,
@@ -455,6 +455,7 @@ def plan_pipeline(
     loss_fn: Callable | None = None,
     mesh: DeviceMesh | None = None,
     example_kwargs: Mapping[str, torch.Tensor] | None = None,
+    **old_keywords: Any,
 ) -> PipelinePlan:
     """Plan the whole pipeline of ``model`` (on meta) for a pp × dp × tp world.
 
@@ -463,10 +464,12 @@ def plan_pipeline(
         pp, dp, tp, schedule, n_microbatches, split, layers_attr: as for
             :func:`autopp.pipeline_autoparallel`.
         example_inputs: the model's inputs for one step on one dp rank (only shapes and
-            dtypes matter; meta tensors are fine); or give ``global_batch_size`` (all dp
-            ranks) and ``seq_len`` for int64 token ids.
-        options: the planner's options (:class:`autopp.backends.PlannerOptions`); default:
-            its defaults (the profile of the detected device: "CPU" on a cpu mesh).
+            dtypes matter; meta tensors are fine); or give ``global_batch`` (all dp
+            ranks) and ``seq_len`` for int64 token ids, as :func:`autopp.dry_run.dry_run`
+            takes them (``global_batch_size=`` is refused with the new spelling).
+        options: the planner's options, one :class:`autopp.PlannerOptions` value (loose
+            planner keywords are refused with the ``options=`` to write); default: its
+            defaults (the profile of the detected device: "CPU" on a cpu mesh).
         loss_fn: the loss the pipeline will run with; it decides whether the loss may run in
             parallel over tp. None: :func:`autopp.cross_entropy`.
         mesh: the ("pp", "dp", "tp") world mesh to plan on. None: one is built; without a
@@ -480,6 +483,7 @@ def plan_pipeline(
     In a job (a real process group), call it on every rank: rank 0 plans, the others
     receive its plan. Plans are cached on disk (:mod:`autopp.plan.cache`).
     """
+    refuse_loose("plan_pipeline", old_keywords, {"global_batch_size": "global_batch"})
     adapters.prepare(model)  # e.g. a transformers model's attention (logged)
     from autopp.stage_split import build_stage_module
     from autopp.stage_split.for_schedule import split_for_schedule, stage_ranks_of
@@ -488,11 +492,11 @@ def plan_pipeline(
     from autopp.mesh import build_world_mesh, init_fake_world, mesh_sizes, stage_sub_mesh
 
     if example_inputs is None:
-        if global_batch_size is None or seq_len is None:
-            raise ValueError("give example_inputs, or global_batch_size and seq_len")
-        if global_batch_size % dp:
-            raise ValueError(f"global batch {global_batch_size} is not divisible by dp={dp}")
-        example_inputs = (torch.empty((global_batch_size // dp, seq_len), dtype=torch.long,
+        if global_batch is None or seq_len is None:
+            raise ValueError("give example_inputs, or global_batch and seq_len")
+        if global_batch % dp:
+            raise ValueError(f"global batch {global_batch} is not divisible by dp={dp}")
+        example_inputs = (torch.empty((global_batch // dp, seq_len), dtype=torch.long,
                                       device="meta"),)
     example_inputs = tuple(example_inputs)
     keyword = example_keyword_inputs(example_kwargs, example_inputs)

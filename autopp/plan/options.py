@@ -4,6 +4,8 @@ memory budget and reserve, boundaries, loss parallel, recompute, mixed precision
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -160,6 +162,41 @@ class PlannerOptions:
             if self.memory_budget_bytes is not None:
                 raise ValueError("set memory_budget_bytes (all memory) or "
                                  "parameter_budget_bytes (parameters alone), not both")
+
+
+def changed_fields(options: PlannerOptions) -> list[str]:
+    """The fields of ``options`` that differ from ``PlannerOptions()`` made now (sorted):
+    what a caller chose, as against the defaults."""
+    defaults = PlannerOptions()
+    return sorted(f.name for f in dataclasses.fields(PlannerOptions)
+                  if getattr(options, f.name) != getattr(defaults, f.name))
+
+
+def refuse_loose(fn: str, keywords: Mapping[str, Any],
+                 renamed: Mapping[str, str] | None = None) -> None:
+    """Refuse the old spellings of an entry point's keywords, writing the new one.
+
+    ``keywords`` are those ``fn`` did not take (its ``**``): a planner option given loose
+    (the one way is ``options=PlannerOptions(...)``) or a keyword renamed across the entry
+    points (``renamed``: old name -> new, e.g. ``global_batch_size`` -> ``global_batch``).
+    The TypeError says what to write instead; any other name is refused as Python would.
+    """
+    if not keywords:
+        return
+    renamed = renamed or {}
+    fields = {f.name for f in dataclasses.fields(PlannerOptions)}
+    other = sorted(k for k in keywords if k not in fields and k not in renamed)
+    if other:
+        raise TypeError(f"{fn}() got unexpected keyword arguments {other}")
+    fixes = [f"write {renamed[k]}={keywords[k]!r} instead of {k}={keywords[k]!r}"
+             for k in sorted(keywords) if k in renamed]
+    loose = sorted(k for k in keywords if k in fields and k not in renamed)
+    if loose:
+        given = ", ".join(f"{k}={keywords[k]!r}" for k in loose)
+        fixes.append(f"the planner's options are one value: write "
+                     f"options=PlannerOptions({given}) instead of {loose} "
+                     f"(from autopp import PlannerOptions)")
+    raise TypeError(f"{fn}(): " + "; ".join(fixes))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
