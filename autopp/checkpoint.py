@@ -1,26 +1,17 @@
 """Distributed checkpoints of a pipeline rank's stages with torch.distributed.checkpoint.
 
 The model's state is its own ``state_dict()`` on the rank's merged stage view (whole-model
-keys, DTensors where sharded, the model's state-dict hooks honoured, e.g. torchtitan's fused
-QKV saved as wq/wk/wv); the optimizer's is torch's ``get_optimizer_state_dict`` keyed by the
-same FQNs. A checkpoint is therefore independent of the layout that wrote it: DCP reshards on
-load into any pp × dp × tp and any split. Replicated tensors (the same key on several ranks)
-are written once.
+keys, the model's state-dict hooks honoured) and the optimizer's is torch's
+``get_optimizer_state_dict`` keyed by the same FQNs, so a checkpoint does not depend on the
+layout that wrote it: DCP reshards on load into any pp × dp × tp and split.
 
-**Commit protocol.** ``<path>`` is always the last complete checkpoint, at every instant of
-a save. Each save writes a fresh directory ``<path>.v<N>`` (N one more than any beside it);
-when every rank's data and DCP's ``.metadata`` are written, rank 0 marks it complete
-(``.autopp-complete``, fsynced) and switches ``<path>``, a symbolic link, to it with one
-atomic rename; then it removes the other ``<path>.v*`` directories (older checkpoints and
-leftovers of interrupted saves). ``<path>`` reads as a plain DCP directory (``dcp.load``,
-``dcp_to_torch_save``). A crash before the switch leaves ``<path>`` as it was and an
-incomplete ``<path>.v<N>`` that :func:`load` names and the next save removes.
-
-A ``<path>`` that is a real directory (written by an autopp before this protocol, or by
-hand) is moved to ``<path>.v0`` on the first save, then replaced by the link: the one step
-with a window; :func:`load` of a missing ``<path>`` names every complete checkpoint beside
-it.
-"""
+Invariant: ``<path>`` is always the last complete checkpoint. Each save writes a fresh
+``<path>.v<N>``; once every rank's data and DCP's ``.metadata`` exist, rank 0 writes a
+fsynced ``.autopp-complete`` marker, switches the symlink ``<path>`` to it with one atomic
+rename, and removes the other versions. A crash before the switch leaves ``<path>`` as it
+was; :func:`load` names the incomplete version. A link rather than a manifest so that DCP's
+own tools read ``<path>`` as a plain directory. The one step with a window: a real directory
+at ``<path>`` (an older save) is moved to ``<path>.v0`` before the link appears."""
 
 from __future__ import annotations
 

@@ -1,24 +1,15 @@
 """Deterministic, split-independent weight initialisation.
 
-Each parameter is initialised from a random stream seeded by ``(seed, its whole-model FQN)``,
-on a full-size (unsharded) temporary, and then this rank's shard of it is kept. So the values
-do not depend on how the model is split into stages, on the mesh, or on the placements: a
-pipelined, sharded model starts from exactly the weights of the single-process model
-initialised with :func:`init_module_` and the same seed. That is what lets the tests compare
-gradients against a single-process reference, and what users expect from ``init_weights``.
+Each parameter is initialised from a stream seeded by ``(seed, whole-model FQN)`` on a
+full-size temporary, and this rank's shard is kept. Invariant: the values do not depend on
+the split, mesh or placements, so a pipelined, sharded model starts from the single-process
+model's weights; that is what lets tests compare against a single-process reference.
 
-Initialisers are taken from the model itself: the model's own per-module initialiser where a
-model adapter registered one (transformers' ``_init_weights``, which also recomputes RoPE
-``inv_freq``; :func:`register_module_init`), torchtitan modules' per-parameter
-``_param_init`` table, else the module's ``reset_parameters()``.
-
-Buffers are never left as uninitialised memory. A buffer that holds values when
-:func:`init_module_` is called (a model built on CPU) keeps them. A buffer on meta (its
-values were never computed: a model built under ``torch.device("meta")``) is recomputed by
-its module: torchtitan's ``_init_self_buffers`` (e.g. RoPE caches) or ``reset_parameters()``
-(e.g. a norm's running statistics); one that nothing writes is an error naming it and the
-ways to give it its values, never garbage.
-"""
+Initialisers come from the model: an adapter's registered per-module initialiser
+(:func:`register_module_init`, e.g. transformers' ``_init_weights``), torchtitan's
+``_param_init`` tables, else ``reset_parameters()``. Buffers are never left as garbage: a
+buffer with values keeps them; one on meta is recomputed by its module (torchtitan's
+``_init_self_buffers``, ``reset_parameters()``); one nothing writes is an error naming it."""
 
 from __future__ import annotations
 
@@ -223,19 +214,13 @@ def init_module_(module: nn.Module, *, seed: int, device: torch.device | str) ->
     """Materialise ``module`` (meta or not) on ``device`` and initialise it deterministically.
 
     Args:
-        module: a whole model or a stage module whose parameter names are whole-model FQNs.
-            Parameters may be plain tensors or DTensors (any placements). A parameter tied
-            between modules stays tied and takes the value its last module's initialiser
-            gives it.
+        module: a whole model or a stage module whose parameter names are whole-model FQNs;
+            plain or DTensor parameters. A tied parameter stays tied and takes the value its
+            last module's initialiser gives it.
         seed: the global seed; the same seed gives the same weights however the model is split.
         device: where the weights live ("cpu", "cuda:0", ...).
 
-    Buffers with values keep them; buffers on meta are recomputed by their modules (see
-    the module doc).
-
-    Raises:
-        ValueError: a buffer on meta that no module hook recomputes (named, with the fixes).
-    """
+    Raises ValueError for a buffer on meta that no module recomputes (named, with the fixes)."""
     device = torch.device(device)
     lost: dict[str, set[str]] = {}  # module FQN -> its buffers whose values never existed
     if any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers()):

@@ -1,24 +1,17 @@
 """meta-pytorch's AutoParallel as an optional planner backend (``parallelize="autoparallel"``).
 
-AutoParallel (github.com/meta-pytorch/autoparallel) plans one SPMD mesh with a flat ILP over
-the whole module; it is not on PyPI (the PyPI package named ``autoparallel`` is unrelated and
-must not be installed). When ``autoparallel.api.AutoParallel`` is importable, autopp can hand
-each pipeline stage to it instead of its own planner: each stage is planned over its dp × tp
-sub-mesh with the batch split over dp and whole over tp at both ends (what the neighbouring
-stages exchange), as torchtitan's AutoParallel integration constrains it.
+AutoParallel plans one SPMD mesh with a flat ILP; it is not on PyPI (the PyPI package named
+``autoparallel`` is unrelated: never install it). When ``autoparallel.api.AutoParallel``
+imports, each stage is handed to it over its dp × tp sub-mesh, batch split over dp and whole
+over tp at both ends (what neighbouring stages exchange), as torchtitan's integration does.
+Its module computes with DTensor semantics, so gradients are sums over dp: the backend tells
+the pipeline not to scale the loss by dp.
 
-AutoParallel's module computes with DTensor semantics, so its parameter gradients are sums
-over dp (like autopp's own planned stages): the :class:`autopp.backends.AutoParallel`
-backend tells the pipeline not to scale the loss by dp.
-
-Three things it needs that a pipeline stage does not give by itself: its input function is
-called under its own fake mode with the model on the mesh's device, so inputs are created
-there (not on meta); floating inputs must require grad, or its graph computes no input
-gradient and earlier stages get none; and it crashes on a size-1 mesh dim, so it plans over
-the dims larger than 1 (the module is replicated over the rest). Tested on gloo at
-pp2×dp1×tp2 and pp2×dp2×tp2 against single-process (``tests/test_autoparallel_backend.py``)
-where the wheel in ``../shared/wheels`` is installed (``scripts/env.sh`` installs it).
-"""
+What a stage must give it: inputs made on the mesh's device inside its input function (it
+calls that under its own fake mode); floating inputs requiring grad (else earlier stages get
+no gradient); only mesh dims larger than 1 (it crashes on size-1 dims; the module is
+replicated over the rest). Tested by ``tests/test_autoparallel_backend.py`` where the wheel
+is installed."""
 
 from __future__ import annotations
 

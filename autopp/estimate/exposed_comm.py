@@ -1,25 +1,15 @@
 """How long a runtime piece (F, I or W of one unit) takes when its collectives overlap its
 compute as :func:`autopp.graph.overlap.overlap_collectives` schedules them.
 
-The overlap pass issues each collective right after the node that produces its input and
-waits for it right before the node that reads its result; compute keeps its order. So a
-piece runs on two streams (a device's compute stream and one communication stream, as
-NCCL runs each process group's collectives in the order they are issued):
+Two streams, as NCCL runs a group's collectives in issue order: compute runs the nodes in
+graph order, each once the values it reads are ready (a redistributed value once its last
+collective ends); communication runs the collectives in issue order, each once its input is
+computed and the collective before it has ended. The piece takes until both are done.
+Without overlap (``overlap=False``) every collective is waited at once: the sum.
 
-* compute: the nodes in graph order, one at a time; a node starts when the one before it
-  has finished and every value it reads is ready (a redistributed value: when the last
-  collective of that redistribution has finished);
-* communication: the collectives in the order they are issued (the lowered graph's: by the
-  node they feed), one at a time; a collective starts when its input has been computed and
-  the collective before it has finished.
-
-The piece takes until both streams are done. Without overlap (``overlap=False``, what the
-graphs run with :attr:`autopp.plan.PlannerOptions.overlap_collectives` off) every
-collective is waited for as soon as it is issued: the piece takes the sum of its compute
-and communication. The sharding ILP prices a piece's sum either way (an upper bound of the
-overlapped time: its objective stays linear); the schedule simulator and the dry run take
-these spans, so the step they report is the one the overlapped graphs run.
-"""
+The sharding ILP prices the sum either way (an upper bound that keeps its objective
+linear); the simulator and the dry run take these spans, so the step they report is the
+one the overlapped graphs run."""
 
 from __future__ import annotations
 

@@ -1,68 +1,18 @@
 """What a planned stage costs the schedule simulator: one :class:`~autopp.schedules.StageCost`
 per stage, derived from its :class:`~autopp.sharding.StagePlan` (and its lowered graphs).
 
-Time. A plan's ``step_time_s`` is the cost model's sum over the stage's joint
-forward+backward graph: each node's compute in its chosen placement plus each chosen
-redistribution, with the once-per-step ones (gathers of parameters, reductions of gradients)
-priced at 1/M of their time (M microbatches). :func:`stage_facts` re-traces each unit's
-joint graph and puts every priced item in the runtime piece that runs it:
-
-* UNSHARD (once per step): nodes computed from parameters alone (casts, views, their
-  gathers: the solver's "parameter-only" nodes, which autopp.graph peels into the unshard
-  graph) and every redistribution out of one, at M times its 1/M price;
-* REDUCE_GRAD (once per step): the redistribution of each gradient into its parameter's
-  placement, at M times its 1/M price;
-* F: every other node not computed from an output gradient, and the redistribution into the
-  stage's output placement;
-* I: nodes computed from an output gradient that the input gradient needs, and the
-  redistribution of the input gradient into the input's placement;
-* W: the remaining backward nodes (what only the parameter gradients need);
-
-a redistribution belongs where the node that consumes it runs. The last stage's loss
-(priced outside the plan) counts half in F and half in I. F, I and W are each priced as
-the overlapped graphs run them (:mod:`autopp.estimate.exposed_comm`: a collective issued
-after its input, waited before its reader, compute between them hiding it), so
+Time: :func:`stage_facts` re-traces each unit and puts every priced node and redistribution
+in the runtime piece that runs it: parameter-only work and its gathers in UNSHARD, gradient
+reductions in REDUCE_GRAD (once per step, at M times the plan's 1/M price), the forward in F,
+what the input gradient needs in I, the rest in W; F, I and W as the overlapped graphs run
+them (:mod:`autopp.estimate.exposed_comm`). Invariant:
 ``F + I + W + hidden + (unshard + reduce_grad) / M == plan.step_time_s + loss`` up to the
-casts (parameter-only compute, priced per microbatch by the plan but run once per step),
-``hidden`` (:attr:`StageFacts.hidden_comm_s`) being what the compute hid; the sharding ILP
-prices a piece's sum (its objective stays linear; an upper bound).
-Without graphs (:func:`stage_facts_by_rule`): F = I = W = a third of the per-microbatch time
-(a matmul's backward is two matmuls of its size, one for each gradient); UNSHARD's and
-REDUCE_GRAD's collectives as the plan names them (``CollectivePlan.per_step``), the casts'
-compute left in F.
+casts. Without graphs (:func:`stage_facts_by_rule`) F = I = W = a third of the time.
 
-Memory (bytes on one device; :func:`state_bytes` for the parameter-sized ones):
-
-* parameters: the plan's local bytes, in the parameters' stored dtype;
-* gradients: the same (a gradient has its parameter's dtype and placement); before
-  REDUCE_GRAD, the size each gradient has before its reduction (the input of its first
-  reducing collective, e.g. dp times larger before a reduce-scatter over dp);
-* optimizer (AdamW): two fp32 moments per local parameter element, plus an fp32 master
-  copy when parameters are stored in less than 4 bytes (with torch's
-  ``MixedPrecisionPolicy`` the stored parameters are the fp32 masters: no copy);
-* gathered parameters: the unshard graphs' outputs that are new memory (gathers and casts,
-  :func:`autopp.lower.memory.unsharded_bytes`), held from UNSHARD to RESHARD;
-* activations: what each unit's lowered forward saves for its backward
-  (:func:`autopp.lower.memory.saved_bytes`; the stage's input, which the first unit may
-  save as it is, not: it lives in torch's receive buffer, or on the first stage in the
-  caller's microbatch), per microbatch in flight, and on the last
-  stage what the loss keeps (the logits and fp32 log-probabilities,
-  :func:`autopp.sharding.loss_cost.cross_entropy_kept_bytes`: the planned graph ends at
-  the logits); what the backward-weight graphs take (``kept_for_w_bytes``) stays from I
-  until W;
-* buffers: the stage module's registered buffers, one whole copy
-  (:func:`autopp.schedules.memory_terms.module_buffer_bytes`);
-* workspace, per compute action: the fresh parameter gradients every unit's graph returns
-  plus the largest unit's other transient bytes
-  (:func:`autopp.lower.memory.action_workspace_bytes`; read off each unit's graphs, so
-  an estimate of the stage graph's own peak), on the last stage with the logits' gradient
-  in B and I.
-
-With full activation checkpointing per block (not planned yet; reported as an estimate) a
-microbatch keeps only each unit's input in its planned placement, the backward recomputes
-each unit's forward first (I grows by F), and one unit's saved values exist at a time
-while it is recomputed.
-"""
+Memory by category: parameters, gradients (at their pre-reduction size until REDUCE_GRAD),
+AdamW moments and fp32 masters, gathered parameters, activations per microbatch in flight
+(not the stage input, which lives in the receive buffer; on the last stage plus the loss's
+logits), what W keeps from I, buffers, and each action's working memory."""
 
 from __future__ import annotations
 

@@ -1,35 +1,17 @@
 """Communication overlap in a graph: issue each collective early, wait for it late.
 
-A lowered graph calls functional collectives (``_c10d_functional.all_gather_into_tensor``,
-``reduce_scatter_tensor``, ``all_reduce``, ...), each followed by the ``wait_tensor`` that
-returns its result. As traced, every wait comes right after its collective, so the device
-sits idle while the message travels. :func:`overlap_collectives` reorders the graph so
-that communication can run under compute:
+As traced, each functional collective is followed at once by its ``wait_tensor``.
+:func:`overlap_collectives` moves each collective up to just after the last node it depends
+on and each wait down to just before the first node that reads its value, so communication
+runs under compute where collectives are asynchronous (NCCL; gloo's work threads).
 
-* each collective moves **up**, to just after the last node it depends on (its inputs, the
-  collective before it, the last barrier before it);
-* each wait moves **down**, to just before the first node that reads its value (the
-  graph's output included), but never past a barrier.
+Invariants: only collectives and waits move, so values are unchanged; the order stays
+topological (``graph.lint()``); all collectives keep their issue order relative to each
+other (every rank must issue a group's collectives alike); nothing crosses a barrier (an op
+that mutates an argument, a side-effecting call, a module or method call), so no collective
+reads a buffer before a write it should see.
 
-What it keeps: the values (only the order of nodes changes, and only of collectives and
-their waits), a valid topological order (``graph.lint()``), and the order in which the
-collectives are issued, all of them relative to each other (every rank must issue the
-collectives of one process group in the same order; keeping the order of all of them is
-the simple way to keep it per group). A **barrier** is a node whose effect the pass cannot
-reason about: an op that mutates an argument (``copy_`` of a buffer update, an in-place
-op), a side-effecting call, a module or method call; nothing moves across one, so no
-collective reads a buffer before a write it should see and no write lands in a buffer a
-collective in flight still reads.
-
-Overlap happens at run time only where collectives are asynchronous: NCCL on CUDA (eager,
-the functional collectives run on their own stream until ``wait_tensor``; compiled,
-Inductor keeps the order it is given unless told to reorder), and gloo's work threads on
-CPU. The estimates and the schedule simulator price what this order hides
-(:mod:`autopp.estimate.exposed_comm`: one compute stream in graph order, one communication
-stream in issue order); the sharding ILP prices a piece's collectives in full (an upper
-bound on the time it optimises) and UNSHARD's and REDUCE_GRAD's by what the schedule's
-windows leave exposed (:mod:`autopp.sharding.once_per_step`).
-"""
+The estimates price what this order hides (:mod:`autopp.estimate.exposed_comm`)."""
 
 from __future__ import annotations
 

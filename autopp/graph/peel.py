@@ -1,27 +1,16 @@
 """Peel a joint graph's parameter-only work (casts, views, all-gathers) into an unshard graph.
 
-In a joint graph traced from a sharded stage, a parameter reaches the compute through a
-chain that depends on the parameter alone: a mixed-precision cast, views or a transpose,
-and all-gathers over the mesh dims it is sharded on. That work is the same for every
-microbatch, so it belongs in the stage's UNSHARD action (once per step), not in every
-microbatch's forward; and since the gathered values are then inputs of the forward, each
-microbatch's saved-for-backward values only *reference* them: one gathered copy per stage
-however many microbatches are in flight.
+A parameter reaches the compute through work that depends on it alone (a mixed-precision
+cast, views, all-gathers). That work is the same for every microbatch, so it belongs in
+UNSHARD, once per step; the forward then reads the gathered values as inputs, and every
+microbatch's saved values only reference them: one gathered copy per stage.
 
-torchtitan's SimpleFSDP split recognises one all-gather chain per parameter used only
-through it. A planned graph is more general (a parameter gathered in two placements:
-``w`` for the forward, ``t(w)`` for the backward; a parameter both gathered and used
-sharded), so this pass takes every node whose inputs depend on parameters only:
-
-* the *unshard graph* takes the parameters and returns the *frontier*: the parameter-only
-  values that other nodes use (a gathered weight, a gathered transposed weight, or a
-  parameter itself where it is used as it is);
-* the *rest* is the joint graph with the frontier as its leading inputs instead of the
-  parameters (the parameter-only nodes removed).
-
-A parameter-only value that is itself a graph output (e.g. the zero gradient of a parameter
-nothing uses) stays in the rest.
-"""
+Why not torchtitan's SimpleFSDP split: it expects one all-gather chain per parameter, while
+a planned graph may gather a parameter in two placements (``w`` and ``t(w)``) or use it both
+gathered and sharded. This pass takes every node whose inputs are parameters only: the
+*unshard graph* returns the frontier (the parameter-only values other nodes use) and the
+*rest* takes the frontier in place of the parameters. A parameter-only graph output stays in
+the rest."""
 
 from __future__ import annotations
 

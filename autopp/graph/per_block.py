@@ -1,30 +1,18 @@
 """Weights gathered and gradients reduced block by block inside a stage's graphs (FSDP's
 memory), from the graphs that gather once per step.
 
-A peeled stage (:func:`autopp.graph.split_joint_graph` with ``peel_params=True``) runs its
-parameter-only work (casts, all-gathers) in the unshard graph, once per step, and its
-gradient reductions in the reduce-grad graph, once per step: the whole stage's gathered
-weights and unreduced gradients live all step. :func:`per_block_stage_graphs` rewrites
-those graphs so that
+:func:`per_block_stage_graphs` rewrites a peeled stage: the forward runs each block's part of
+the unshard graph just before the block's first use (all-gathers issued ``prefetch`` blocks
+ahead, waited at first use) and saves the *shards*, never a gathered value (SimpleFSDP's
+policy); the backward-input or full backward gathers each block again in backward order; the
+graph that makes parameter gradients reduces each as soon as it exists, one block's
+reductions in flight, and the runtime sums the reduced gradients over microbatches (summing
+unreduced ones would keep them all step).
 
-* the forward takes the parameter shards and runs each block's part of the unshard graph
-  just before the block's first use (its all-gathers issued ``prefetch`` blocks ahead, at
-  the first use of an earlier block's weights, and waited at first use): a gathered
-  weight is freed after its last use in the graph (FX frees dead values);
-* the forward saves the *shards* for the backward, never a gathered value (an all-gather's
-  output is recomputed, SimpleFSDP's policy): the backward-input (or full backward) graph
-  gathers each block's weights again the same way, in backward order;
-* the graph that makes the parameter gradients (backward-weight, or the full backward)
-  runs each gradient's reduction as soon as the gradient exists, waited when the next
-  block's reductions are issued (one block's in flight): the runtime sums the *reduced*
-  gradients over the microbatches (a reduction per microbatch, FSDP without ``no_sync``;
-  summing unreduced gradients over microbatches would keep them all step).
-
-The result has no unshard and no reduce-grad graph (UNSHARD hands the shards on, REDUCE_GRAD
-is the identity), so every schedule's actions, the I/W split and recomputation run as they
-are. Block of a gather: the lowest block of the parameters it reads (``param_blocks``).
-Invariant: the values are those of the graphs it was given (only where work runs moves).
-"""
+No unshard or reduce-grad graph remains, so every schedule, the I/W split and recomputation
+run unchanged. A gather belongs to the lowest block of the parameters it reads
+(``param_blocks``). Invariant: the values are those of the graphs given; only where work
+runs moves."""
 
 from __future__ import annotations
 

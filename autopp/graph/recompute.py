@@ -1,50 +1,18 @@
 """Activation recomputation: the backward pieces recompute forward values instead of saving them.
 
-``split_joint_graph(..., recompute=...)`` rewrites the joint graph before it is partitioned,
-so that the backward reads *recomputed copies* of the forward values it needs instead of the
-forward's own nodes. torchtitan's partitioner saves a forward value exactly when a
-backward-only node reads it, so after the rewrite the forward saves only what the copies
-start from. Each forward node gets torch's selective-checkpoint tag
-(``node.meta["recompute"]``, a :class:`torch.utils.checkpoint.CheckpointPolicy`):
+``split_joint_graph(..., recompute=...)`` rewrites the joint graph before partitioning so the
+backward reads recomputed copies of the forward values it needs; torchtitan's partitioner
+then saves only what the copies start from. Nodes are tagged with torch's
+``CheckpointPolicy``. ``"selective"`` saves matmul and attention outputs and recomputes cheap
+ops; ``"full"`` saves only the stage inputs.
 
-* ``"none"``: no rewrite, no tags (the graphs are exactly the unrecomputed split).
-* ``"selective"``: save the outputs of matmul-like ops (mm, addmm, bmm, matmul, convolution,
-  every scaled-dot-product / flash / efficient attention op with all its outputs, including
-  the logsumexp, and torch's other compute-intensive ops); recompute the cheap ones
-  (elementwise, norms, views, softmax, reductions) from them and from the stage inputs.
-* ``"full"``: save nothing but the stage inputs; the backward recomputes the whole forward
-  it needs.
-
-In every mode some nodes are always saved (``MUST_SAVE``), never recomputed silently:
-
-* random ops (``nondeterministic_seeded``, e.g. dropout, rand; an attention op with
-  ``dropout_p=0`` is not random): a recomputed mask would differ from the forward's;
-* collectives (``_c10d_functional`` and friends, their waits included) other than the
-  all-gathers of activations: a reduction's output (all-reduce, reduce-scatter,
-  all-to-all) is no larger than its input, so saving it costs no more than saving what it
-  reads, and re-running it would add communication for nothing. An all-gather of an
-  activation (a sequence-parallel input gathered for a matmul) is the opposite: its output
-  is the group size times its input, so the recomputing backward gathers it again from
-  the saved shard, as Megatron-LM does with sequence parallelism. Every rank of the group
-  runs the same backward graph, so the re-gather is matched on all of them;
-* values computed from parameters and buffers alone through a collective (SimpleFSDP's
-  all-gather chains, kept whole as torchtitan's FSDP split expects). Other parameter-only
-  values (a transposed or cast weight) follow the policy like activations; with
-  ``peel_params=True`` they are unshard-graph outputs, read by reference, never recomputed;
-* in-place writes that cannot be made out-of-place (to an input, or through a view), with
-  the mutated value, its views and every reader of them. An in-place op on a fresh
-  intermediate that no node reads after the write (``mean(...).add_(eps)`` in RMSNorm) is
-  first rewritten to its out-of-place form, so recomputing it is exact;
-* higher-order and Python ops other than ``getitem`` (a ``getitem`` follows its tuple).
-
-Backward-input / backward-weight split (zero-bubble schedules). The rewrite happens before
-the backward is cut into I and W, so the recomputed nodes are ordinary backward nodes to
-torchtitan's ``split_di_dw_graph``: a recomputed value that I needs (whether or not W needs
-it too) is recomputed once, in I, and handed to W among I's outputs (W's live-ins, like any
-other backward value both read); a recomputed value only W needs is recomputed in W, from
-the saved values I passes on to W by reference. Nothing is recomputed twice, and the
-recomputed activations W needs live from I to W as the saved ones did without recompute.
-"""
+Always saved (``MUST_SAVE``): random ops (a recomputed mask would differ); collectives other
+than activation all-gathers (a reduction's output is no larger than its input; an
+activation all-gather's is group-size times larger, so it is re-gathered from the saved
+shard, as Megatron-LM does); parameter-only values through a collective; in-place writes
+that cannot be made out-of-place; higher-order ops. Under the I/W split a value I needs is
+recomputed once in I and handed to W; one only W needs is recomputed in W. Nothing is
+recomputed twice."""
 
 from __future__ import annotations
 

@@ -2,25 +2,14 @@
 REDUCE_GRAD, so what the step accumulates across microbatches is the gradient as the
 backward computed it.
 
-A stage's backward returns, for each parameter, the gradient its last compute node made
-(with the dtype cast to the reduce dtype); REDUCE_GRAD, once per step, turns the
-accumulated sum into the parameter's placement. torchtitan's pass
-(:func:`autopp._compat.graph.split_backward_fsdp_collectives`) cuts at the input of the
-earliest reduce-scatter / all-reduce of the gradient's unary tail. That is right for
-SimpleFSDP graphs, where the tail is cast -> reduce -> wait. DTensor's redistribution of a
-gradient into a nested sharding (``S(1)`` over dp and ``S(1)`` over tp, both on one tensor
-dim) runs all-gather over tp -> reduce-scatter over dp -> local slice over tp: cut at the
-reduce-scatter, the step accumulates the tp-gathered gradient, tp times the bytes the
-planner counted (a 70B block at tp=8 held 1.4 GiB of gradients instead of 0.4, every block
-of the stage, twice: the accumulator and the fresh gradient being added to it).
-
-:func:`reduce_grad_split_point` moves the cut back to where the redistribution starts: over
-the data-movement nodes (collectives, their waits, views, slices, splits, concatenations,
-clones) that lead to torchtitan's cut from one compute node and that nothing else reads. The
-accumulator is then that node's output (the cast gradient, in the placement the sharding
-ILP gave the gradient node), and REDUCE_GRAD runs the whole redistribution once per step.
-The cut only moves where it makes the accumulator no larger.
-"""
+torchtitan's pass cuts at the earliest reduce-scatter / all-reduce of a gradient's tail,
+right for SimpleFSDP graphs (cast, reduce, wait). For a gradient redistributed into a nested
+sharding (dp and tp on one tensor dim) DTensor all-gathers over tp first, so that cut would
+accumulate the tp-gathered gradient, tp times the bytes the planner counted.
+:func:`reduce_grad_split_point` moves the cut back over the data-movement nodes (collectives,
+waits, views, slices, splits, cats) that only the reduction reads, to the compute node that
+made the gradient; REDUCE_GRAD then runs the whole redistribution once per step.
+Invariant: the cut moves only where it makes the accumulator no larger."""
 
 from __future__ import annotations
 

@@ -73,33 +73,18 @@ def split_joint_graph(
     """Split a flat joint forward+backward graph into the stage's callables.
 
     Args:
-        gm: the joint graph; inputs ``params, buffers, user_inputs, output_grads`` and
-            outputs ``forward_outputs, param_grads, input_grads`` (all flat tensors), as made
-            by :func:`autopp.graph.trace_stage`, ``make_fx`` or AOTAutograd.
+        gm: the joint graph, inputs ``params, buffers, user_inputs, output_grads`` and outputs
+            ``forward_outputs, param_grads, input_grads`` (flat tensors).
         signature: the counts of each of those groups.
         layouts: how to rewrap outputs and grads into tensor subclasses; plain by default.
-        split_weight_grad: also build the backward-input / backward-weight pair (needed by
-            zero-bubble schedules; when the stage has no input grads there is nothing to split).
-        peel_params: move *all* parameter-only work (casts, views, all-gathers in any
-            placement, see :mod:`autopp.graph.peel`) into the unshard graph, so it runs once
-            per step at UNSHARD and every microbatch's forward and backward read the one
-            gathered copy. Default: peel SimpleFSDP's all-gather chains (torchtitan's split,
-            which needs each gathered parameter to be used only through its chain).
-        recompute: activation recomputation (see :mod:`autopp.graph.recompute`): ``"none"``
-            (save every forward value the backward reads), ``"selective"`` (save matmul and
-            attention outputs, recompute the cheap ops in the backward) or ``"full"`` (save
-            the stage inputs only). Random ops and reductions are always saved;
-            all-gathers of activations are gathered again. With
-            ``split_weight_grad``, I recomputes what it needs and hands on what W needs.
+        split_weight_grad: also build backward-input / backward-weight (zero-bubble schedules).
+        peel_params: move all parameter-only work into the unshard graph
+            (:mod:`autopp.graph.peel`); default: peel SimpleFSDP's all-gather chains only.
+        recompute: ``"none"``, ``"selective"`` or ``"full"`` (:mod:`autopp.graph.recompute`).
 
-    Returns:
-        StageGraphs with forward, full backward, and where present backward-input,
-        backward-weight, unshard (parameter all-gathers) and reduce-grad (gradient
-        reduce-scatter / all-reduce) graphs.
-
-    Raises:
-        ValueError: the graph does not match ``signature`` or has no backward.
-    """
+    Returns StageGraphs (forward, full backward and, where present, I, W, unshard and
+    reduce-grad). Raises ValueError when the graph does not match ``signature`` or has no
+    backward."""
     check_joint_graph(gm, signature)
     check_recompute(recompute)
     # SimpleFSDP's chain dedup is only sound for SimpleFSDP graphs; peel_params is for others

@@ -63,21 +63,15 @@ def trace_stage(
     """Trace ``module``'s forward and backward for one microbatch into one flat FX graph.
 
     Args:
-        module: the stage module (plain, or parallelised with DTensor parameters, e.g.
-            SimpleFSDP); its trainable parameters get gradient outputs.
-        args, kwargs: one microbatch of the stage's inputs. Floating-point tensors are
-            treated as differentiable activations (their grads are sent to the previous
-            stage); integer tensors (tokens) are not.
-        loss_fn: for the last stage, ``loss_fn(output, target) -> scalar``. Its presence
-            makes the stage the last one.
+        module: the stage module (plain, or with DTensor parameters); its trainable parameters
+            get gradient outputs.
+        args, kwargs: one microbatch of inputs. Floating tensors are differentiable activations
+            (their grads go to the previous stage); integer tensors (tokens) are not.
+        loss_fn: ``loss_fn(output, target) -> scalar``, given for the last stage only.
         target: one microbatch of the loss target (last stage only).
-        output_grads: example gradients of the outputs (non-last stages). Defaults to
-            zeros shaped like the outputs, found by running the module once without grad.
+        output_grads: example output gradients (other stages); zeros by default.
 
-    Raises:
-        ValueError: the module gives nothing to differentiate (no parameter or input
-            requires grad), or the last stage's loss is not a scalar.
-    """
+    Raises ValueError when nothing requires grad or the last stage's loss is not a scalar."""
     kwargs = dict(kwargs or {})
     is_last = loss_fn is not None
 

@@ -1,25 +1,16 @@
-"""The weight-gathering policy: when a stage's gathered weights and unreduced gradients
-exist, what that costs and how it is reported. Its one home: the planner backend (which
-policy a stage runs), the lowering (which graphs run), the estimates (time and memory)
-and ``describe`` all ask this module, so a change to how weights are gathered is made here
-(and, for the mechanism, in :mod:`autopp.graph.per_block` / :mod:`autopp.graph.callables`).
+"""The weight-gathering policy: when a stage's gathered weights and unreduced gradients exist,
+what that costs and how it is reported. The one home: the planner backend, the lowering, the
+estimates and ``describe`` all ask this module, so a change of policy is made here (and, for
+the mechanism, in :mod:`autopp.graph.per_block` / :mod:`autopp.graph.callables`).
 
-Two policies, chosen by ``PlannerOptions.weight_gathering``:
-
-* **once per step** (``"once_per_step"``, default): UNSHARD runs the stage's unshard graph
-  (parameter casts and all-gathers) once; the gathered copy stays until RESHARD after the
-  step's last backward; weight gradients are summed unreduced over the microbatches and
-  REDUCE_GRAD reduces them once. Time: one UNSHARD and one REDUCE_GRAD a step. Memory: the
-  whole stage's gathered copy and unreduced gradients, all step.
-* **per block** (``"per_block"``, FSDP's): each block's weights are gathered just before
-  its forward and freed after it, gathered again for its backward (never saved), and its
-  gradients reduce-scattered as the backward (W under zero-bubble) makes them, every
-  microbatch; gathers are issued ``prefetch`` blocks ahead
-  (:func:`autopp.graph.per_block.per_block_stage_graphs`). Time: a stage's gathers in
-  every F and every I (or B), its reductions in every W (or B), each block's hidden
-  under the compute of the block before it except the first's. Memory: the gathered
-  copies of ``prefetch + 1`` blocks during an F or I, the gradients reduced (sharded).
-"""
+* ``"once_per_step"`` (default): UNSHARD gathers the stage once, the copy stays until the
+  step's last backward; gradients are summed unreduced and REDUCE_GRAD reduces once. Memory:
+  the whole stage's gathered copy and unreduced gradients, all step.
+* ``"per_block"`` (FSDP's): each block gathered before its forward and again for its
+  backward (never saved), gradients reduced as made every microbatch, gathers issued
+  ``prefetch`` blocks ahead. Time: gathers in every F and I, reductions in every W, each
+  block's but the first hidden under the block before. Memory: ``prefetch + 1`` blocks
+  gathered, gradients reduced."""
 
 from __future__ import annotations
 

@@ -1,19 +1,12 @@
 """Turn a :class:`StagePlan` into a sharded stage.
 
-Parameters and buffers become DTensors on the sub-mesh with the planned placements (sharded
-from full values, or created shard by shard with :func:`empty_sharded_`). The stage then
-runs one of two ways:
-
-* as graphs (what pipelines run): :meth:`ShardedStage.stage_graphs` lowers the whole stage,
-  its units chained, to one local joint graph with explicit collectives
-  (:func:`autopp.lower.local_graphs.lower_stage`; a stage lowered before in this process
-  is reused, :mod:`autopp.lower.reuse`) and splits it with :mod:`autopp.graph` into
-  unshard / forward / backward-input / backward-weight / reduce-grad graphs, which
-  :class:`autopp.graph.GraphStage` runs under torch's schedule runtime;
-* eagerly, under autograd (``stage(x)``): each unit's joint graph interpreted node by node on
-  DTensors (:mod:`autopp.lower.interpret`), the reference the lowering is traced from
-  and tests compare against.
-"""
+Parameters and buffers become DTensors on the sub-mesh in the planned placements (sharded
+from full values, or created shard by shard with :func:`empty_sharded_`). The stage runs as
+graphs, what pipelines run (:meth:`ShardedStage.stage_graphs`: lowered to one local joint
+graph, :func:`autopp.lower.local_graphs.lower_stage`, reused where lowered before, and split
+by :mod:`autopp.graph`), or eagerly under autograd (``stage(x)``: the interpreter,
+:mod:`autopp.lower.interpret`), the reference the lowering is traced from and tests compare
+against."""
 
 from __future__ import annotations
 

@@ -1,19 +1,15 @@
 """Run a planned unit by interpreting its joint graph on DTensors (the reference).
 
-Each node runs on DTensors: before an op its tensor arguments are redistributed to the
-placements the plan requires, after it the result is moved to the planned output placement,
-so the collectives are the plan's (DTensor performs them). An op that communicates inside
-its own kernel (:mod:`op_hooks`, e.g. routed experts dispatching tokens by all-to-all) runs
-on the local shards instead, its result wrapped in the planned placements. Gradients leave
-the graph redistributed to their parameter's placement (the plan ties them), the input
-gradient to the input's. The forward runs only the graph's forward nodes; the backward re-runs
-the joint graph with the incoming gradient as tangent (recomputation: simple and exact, at the
-cost of a second forward).
+Before each op its tensor arguments are redistributed to the placements the plan requires
+and after it the result moves to the planned output placement, so the collectives are the
+plan's. An op that communicates inside its kernel (:mod:`op_hooks`) runs on local shards.
+Gradients leave in their parameter's placement, the input gradient in the input's. The
+backward re-runs the joint graph with the incoming gradient as tangent: simple and exact,
+at the cost of a second forward.
 
-This is what :mod:`autopp.lower.local_graphs` traces into a local graph with explicit collectives
-(which pipelines run as graph stages); calling a ``ShardedStage`` eagerly runs it directly,
-under autograd, as the slower reference tests compare against.
-"""
+:mod:`autopp.lower.local_graphs` traces this into a local graph with explicit collectives;
+calling a ``ShardedStage`` eagerly runs it directly, the slower reference tests compare
+against."""
 
 from __future__ import annotations
 

@@ -1,24 +1,15 @@
-"""Lower a planned joint graph to a local graph with explicit collectives (second version).
+"""Lower a planned joint graph to a local graph with explicit collectives.
 
-:mod:`autopp.lower.interpret` runs a :class:`BlockPlan` by interpreting the joint graph on
-DTensors, node by node. Here the same interpreter (:class:`~autopp.lower.interpret.GraphRunner`)
-is traced with ``make_fx`` (fake tensors, this rank's local shapes; once per distinct unit
-of a stage, :mod:`autopp.lower.stitch`): DTensor's
-redistributions become ``_c10d_functional`` collectives on plain tensors and every op runs on
-the local shard, so the result is one flat aten graph, identical in values to the
-interpreter, that :func:`autopp.graph.split_joint_graph` can cut into the forward /
-backward / backward-input / backward-weight callables of a pipeline schedule.
+The plan's interpreter (:class:`~autopp.lower.interpret.GraphRunner`) is traced with
+``make_fx`` on fake tensors of this rank's local shapes (once per distinct unit,
+:mod:`autopp.lower.stitch`): DTensor's redistributions become ``_c10d_functional``
+collectives and every op runs on the local shard, giving one flat aten graph, equal in values
+to the interpreter, that :func:`autopp.graph.split_joint_graph` cuts into a schedule's pieces.
 
-The lowered graph's calling convention (see :class:`autopp.graph.JointSignature`)::
-
-    inputs : params, buffers, user_inputs, tangents      (local shards, planned placements)
-    outputs: forward_outputs (in their tangent's placement),
-             param_grads (in their parameter's placement),
-             input_grads (in their input's placement)
-
-Local shapes depend on the rank when a dimension does not divide evenly, so the graph is
-traced per rank (each rank lowers its own).
-"""
+Calling convention (:class:`autopp.graph.JointSignature`): inputs params, buffers,
+user_inputs, tangents (local shards in planned placements); outputs forward_outputs,
+param_grads, input_grads, each in its planned placement. Local shapes depend on the rank
+where a dim does not divide evenly, so each rank lowers its own."""
 
 from __future__ import annotations
 
@@ -95,21 +86,18 @@ def lower_joint(joint: JointGraph, bplan: BlockPlan, mesh: Any) -> LocalJoint:
     """Trace ``bplan``'s execution of ``joint`` on ``mesh`` into a local joint graph.
 
     The traced function wraps its local inputs with ``DTensor.from_local`` in their planned
-    placements, runs the plan exactly as :mod:`autopp.lower.interpret` does
-    (one pass over the whole joint graph: what the interpreter's forward and recomputing
-    backward compute together), and returns local tensors: forward outputs in their
-    tangent's placement, parameter gradients in their parameter's placement and input
-    gradients in their input's placement. A parameter without a gradient gets zeros.
+    placements, runs the plan as :mod:`autopp.lower.interpret` does (forward and recomputing
+    backward in one pass) and returns local tensors: forward outputs in their tangent's
+    placement, parameter and input gradients in their own placements (zeros for a parameter
+    without a gradient).
 
     Args:
         joint: the unit's joint graph, traced on meta with global shapes (the one planned).
         bplan: the unit's plan (``StagePlan.blocks[i]``).
         mesh: the (sub-)mesh the plan is for; must be initialised on this rank.
 
-    Raises:
-        ValueError: a graph input is planned ``Partial``, the mesh does not match the plan,
-            or the joint has no tangent (a last stage; not supported here).
-    """
+    Raises ValueError when an input is planned ``Partial``, the mesh does not match the plan,
+    or the joint has no tangent."""
     runner = GraphRunner(joint, bplan, mesh, mesh_device(mesh))
     if not joint.tangents:
         raise ValueError("lower_joint needs a joint with output tangents (a non-last unit)")
@@ -152,23 +140,15 @@ def _check_local(gm: fx.GraphModule) -> None:
 
 def split_local(local: LocalJoint, *, split_weight_grad: bool = True,
                 recompute: Recompute = "none", overlap: bool = True) -> StageGraphs:
-    """Split a lowered joint with :func:`autopp.graph.split_joint_graph` into unshard /
-    forward / full backward / backward-input / backward-weight / reduce-grad callables on
-    local tensors.
+    """Split a lowered joint with :func:`autopp.graph.split_joint_graph` into unshard / forward /
+    full backward / backward-input / backward-weight / reduce-grad callables on local tensors.
 
-    Every parameter-only computation (the mixed-precision cast, views, all-gathers, in every
-    placement the plan uses a parameter in) becomes the unshard graph
-    (``peel_params=True``, :mod:`autopp.graph.peel`): it runs once per step, and the
-    microbatches' forward and backward read its outputs. The gradient reductions at the
-    end of parameter-gradient chains become the reduce-grad graph (so ``full_backward``
-    returns unreduced gradients; call ``reduce_grads``). ``recompute`` ("none", "selective"
-    or "full", :mod:`autopp.graph.recompute`): what the backward pieces recompute instead of
-    the forward saving it; the plan's reductions are always saved, its all-gathers of activations
-    gathered again. ``overlap`` (default True): every piece is reordered so that each
-    collective is issued as early as its inputs allow and waited just before its value is
-    first used (:func:`autopp.graph.overlap.overlap_collectives`). ``local.gm`` is not
-    modified.
-    """
+    Every parameter-only computation (casts, views, all-gathers, in every placement the plan
+    uses a parameter in) becomes the unshard graph (``peel_params=True``), run once per step;
+    the gradient reductions become the reduce-grad graph (``full_backward`` returns unreduced
+    gradients). ``recompute``: what the backward recomputes (:mod:`autopp.graph.recompute`).
+    ``overlap`` (default True): each piece issues collectives early and waits late
+    (:func:`autopp.graph.overlap.overlap_collectives`). ``local.gm`` is not modified."""
     # the passes' intermediate graph modules generate no Python code (torch's lazy graph
     # modules): each piece generates its own once, when it first runs
     with lazy_graph_modules():
@@ -198,29 +178,17 @@ def lower_stage(units: Sequence[LoweredUnit], mesh: Any, in_placements: tuple,
                 out_placements: tuple) -> LocalJoint:
     """Lower a whole planned stage (its units in order) to one local joint graph.
 
-    The graph runs every unit's forward nodes through the plan's interpreter, moving each
-    unit's output to the next unit's planned input placement, returns the last output in
-    ``out_placements``, then runs the units' backward nodes in reverse from the output
-    gradient (in ``out_placements``), each input gradient moved to the previous unit's
-    output placement. Collectives come out explicit, as in :func:`lower_joint`.
+    The graph runs every unit's forward through the plan's interpreter, moving each output to the
+    next unit's planned input placement and the last to ``out_placements``, then the units'
+    backwards in reverse from the output gradient. Each distinct unit is traced once
+    (:mod:`autopp.lower.stitch`); the result is the graph one trace of the whole stage would give,
+    op for op.
 
-    Each distinct unit is traced once (:mod:`autopp.lower.stitch`): units with the same
-    plan taking their inputs in the same placements (a stage's repeated blocks) share one
-    trace, whose nodes are copied in for each of them, and the moves between units are
-    traced on their own. The result is the graph one trace of the whole stage would give,
-    op for op in the same order.
-
-    Graph inputs: every unit's parameters then every unit's buffers (units in order, each in
-    its joint's order), the stage input (in ``in_placements``), the keyword inputs every
-    unit takes after its activation (in the first unit's planned placements; never
-    differentiated) and the output gradient.
-    Outputs: the stage output, one gradient per parameter (in its planned placement; zeros
-    where there is none) and, when the first unit's input is differentiable, its gradient.
-
-    Raises:
-        ValueError: a parameter, buffer or boundary is planned ``Partial``, or a unit has no
-            output tangent.
-    """
+    Inputs: every unit's parameters, then buffers (units in order), the stage input (in
+    ``in_placements``), the keyword inputs (never differentiated), the output gradient. Outputs:
+    the stage output, one gradient per parameter (zeros where none) and the input's gradient
+    when it is differentiable. Raises ValueError when a parameter, buffer or boundary is planned
+    ``Partial`` or a unit has no output tangent."""
     dev = mesh_device(mesh)
     runners = [GraphRunner(u.joint, u.plan, mesh, dev) for u in units]
     n_kw = len(units[0].joint.inputs) - 1

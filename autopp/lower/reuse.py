@@ -1,23 +1,16 @@
 """Lowered stages reused within a process.
 
-Lowering a planned stage (:func:`autopp.lower.local_graphs.lower_stage`: ``make_fx`` over
-DTensor dispatch) is most of the time a rank spends building a planned pipeline. A process
-often builds the same stage again: an eval or a fresh pipeline to load a checkpoint into,
-another schedule whose plans came out the same, a pipeline rebuilt after a restart in the
-same process. :func:`lowered_stage` keeps the last lowerings (and their splits into a
-schedule's pieces, :func:`split_stage`, per recompute mode) and serves a stage whose inputs
-equal one lowered before.
+Lowering (``make_fx`` over DTensor dispatch) is most of a rank's build time, and a process
+often builds the same stage again (an eval pipeline, a pipeline to load a checkpoint into,
+another schedule with the same plans). :func:`lowered_stage` keeps the last lowerings (and
+their splits, :func:`split_stage`, per recompute mode) and serves a stage whose key matches.
 
-What a lowering depends on, and so the key: each unit's traced graph (its structural
-signature, which the plan carries and :func:`autopp.lower.apply.check_planned_graph` has
-checked) and its plan's placements, the stage's boundary placements, the device and this
-rank's place in the mesh (the mesh's ranks, dim names and this rank's coordinate: local
-shapes and the shard a rank keeps are baked into the graph). Not in the key: the process
-groups' names, which a new mesh over the same ranks renews. A reused graph's collectives
-(every op argument named ``group_name``) are re-pointed at the current mesh's group with the
-same ranks, so a reused graph communicates exactly as a fresh lowering would; where a group's
-ranks match no group of the current mesh, or more than one, the stage is lowered again.
-"""
+The key is what a lowering depends on: each unit's graph signature and plan placements, the
+stage's boundary placements, the device, and this rank's place in the mesh (local shapes are
+baked in). Not the process groups' names, which a new mesh renews: a reused graph's
+collectives are re-pointed at the current mesh's group with the same ranks, so it
+communicates exactly as a fresh lowering would; where that match is not unique, the stage is
+lowered again."""
 
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
 """``parallelize="auto"``, runtime side: a planned stage as a graph stage of the pipeline.
 
 :func:`materialize_and_apply` creates the stage's parameters shard by shard in the planned
-placements (:mod:`autopp.plan.make` made the plans), initialises them and applies the plan;
-:func:`planned_graph_stage` lowers the planned stage to one local joint graph (collectives
-explicit), split by :mod:`autopp.graph` into unshard / forward / backward-input /
-backward-weight / reduce-grad graphs (the backward pieces recomputing forward values as
-``PlannerOptions.recompute`` says), and makes it an :class:`autopp.graph.GraphStage`,
-which torch's schedule runtime drives action by action: parameters are gathered once per
-step (UNSHARD), weight gradients run at the schedule's W actions, gradients are summed
-over the step's microbatches and reduced once (REDUCE_GRAD); or, with
-``PlannerOptions(weight_gathering="per_block")``, gathered and reduced block by block inside
-every microbatch's graphs (:mod:`autopp.graph.per_block`). Stages exchange this rank's
-local tensors in the plan's boundary placements. :func:`fqn_view` gives the planned
-parameters back their whole-model names, for optimizers, state dicts and checkpoints.
-"""
+placements, initialises them and applies the plan; :func:`planned_graph_stage` lowers the
+stage to one local joint graph, has :mod:`autopp.graph` split it (recomputing as
+``PlannerOptions.recompute`` says) and makes it an :class:`autopp.graph.GraphStage`, which
+torch's runtime drives action by action, weights gathered and gradients reduced as the
+weight-gathering policy says (:mod:`autopp.graph.weight_gathering`). Stages exchange local
+tensors in the plan's boundary placements. :func:`fqn_view` gives the planned parameters back
+their whole-model names, for optimizers, state dicts and checkpoints."""
 
 from __future__ import annotations
 

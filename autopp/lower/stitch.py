@@ -1,23 +1,16 @@
 """A planned stage's local joint graph stitched from its units' traces, each distinct unit
 traced once.
 
-Lowering a unit (``make_fx`` over the plan's interpreter on DTensors) costs about a second
-of a rank's start-up per block on a CPU, and a stage's blocks are usually one block planned
-once and repeated. So :func:`stitch_stage` traces each distinct unit once, as a *piece*: its
-forward nodes, a marker, then its backward nodes, with its activation input, keyword inputs
-and output gradient taken as local tensors already in the placements the unit reads them in.
-The moves between units (the previous unit's output to this unit's input placement, a
-gradient back to the previous unit's) are traced on their own (*moves*). The stage graph is
-then written out in the order one trace of the whole stage would run it: every unit's
-forward (its moves first), the stage output's move, then every unit's backward in reverse
-(the gradient's move first), each piece's nodes copied in once per unit that uses it.
+Lowering a unit costs about a second per block on a CPU, and a stage's blocks are usually one
+plan repeated. :func:`stitch_stage` traces each distinct unit once as a *piece* (forward
+nodes, a marker, backward nodes, with inputs already in the placements it reads them in), and
+the moves between units on their own; it then writes the stage graph in the order one trace of
+the whole stage runs: every unit's forward, the output's move, every unit's backward in
+reverse, each piece copied in once per unit.
 
-A piece is the same graph for two units when their plans are the same (signature and
-placements) and their inputs arrive in the same placements, shapes and strides: the key.
-A unit's output gradient arrives from the next unit, whose trace comes later; each piece is
-first traced for the gradient the unit's own output would have, and traced again in the rare
-case where the next unit's input gradient arrives otherwise.
-"""
+Key of a piece: the unit's plan (signature and placements) and its inputs' placements, shapes
+and strides. A piece is first traced for the output gradient its own output would have, and
+traced again in the rare case where the next unit's input gradient arrives otherwise."""
 
 from __future__ import annotations
 

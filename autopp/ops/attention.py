@@ -1,43 +1,20 @@
 """Attention as one op in planned graphs, so planned stages run the device's fused kernel.
 
-Traced on meta, ``F.scaled_dot_product_attention`` decomposes into matmuls and a softmax
-(the math backend): a plan made that way does not depend on the tracing device's kernel, but
-the lowered stage would then run math attention everywhere and keep the attention
-probabilities for the backward. Instead, while autopp traces a unit, :class:`AttentionAsOneOp`
-routes SDPA calls (no dropout; no mask, or one boolean mask per sequence shared by every
-head, ``(batch, 1, q, k)``: :func:`keep_mask`'s) to the custom op ``autopp::sdpa``:
+Traced on meta, SDPA decomposes into matmuls and a softmax, and a stage lowered from that
+would run math attention and keep the probabilities. So while autopp traces a unit,
+:class:`AttentionAsOneOp` routes SDPA calls (no dropout; no mask, or one boolean
+``(batch, 1, q, k)`` mask per sequence, :func:`keep_mask`'s) to ``autopp::sdpa``. Its sharding
+rule (DTensor's ``register_sharding``) splits batch or heads, never the sequence. Its kernel is
+the fused kernel torch picks for the local shards, called through its aten entry point
+(:mod:`autopp._compat.attention`) so autograd saves the output and log-sum-exp, and
+``autopp::sdpa_backward`` runs that kernel's fused backward: no second forward, no seq x seq
+tensor. Priced as the fused kernels run (:func:`attention_flops`): backward 2.5x the forward,
+over the pairs a causal mask keeps; an explicit mask over every pair.
 
-* its sharding rule (registered with DTensor's public ``register_sharding``) splits batch or
-  heads, never the sequence, on each mesh dim (a mask follows the batch split and is
-  replicated over heads), so the planner's candidates for attention are the same on every
-  device;
-* its kernel is the fused kernel torch picks for the same SDPA call on the local shards
-  (the CPU flash kernel; flash, memory-efficient or cuDNN on CUDA; with a mask the CPU
-  flash or CUDA memory-efficient kernel, given the mask as torch's SDPA gives it), called
-  through its aten entry point (:mod:`autopp._compat.attention`) so the op returns, and
-  autograd saves, the output *and* the log-sum-exp that kernel's backward reads;
-* its backward ``autopp::sdpa_backward`` runs that kernel's fused backward on the saved
-  output and log-sum-exp: the forward is never run again, and no seq x seq tensor exists in
-  either direction. Priced as the fused kernels run: the backward's five matmuls are 2.5x
-  the forward's two, over the pairs the causal mask keeps.
-
-Where torch picks no kernel the op drives (its math path: no fused kernel for these inputs,
-e.g. a dtype or head dim no fused kernel takes, or ``sdpa_kernel`` allowing math only; or,
-for a masked call, cuDNN), the op runs ``F.scaled_dot_product_attention`` and its backward
-re-runs it under autograd (same values, slower). That is logged once per device, dtype
-and masked or not (a warning naming them, what runs instead and its backward's cost),
-and a FLOP count of such a run prices it as it runs (:func:`attention_flops`: the math
-path computes every pair, and the backward re-runs the forward: 3 forwards, or 3.5 where
-torch's own fused kernel runs). The planner cannot know at plan time whether a call will
-fall back (:func:`runtime_path`: torch chooses on the real local tensors, by device
-architecture, dtype, head dim, strides and the active ``sdpa_kernel`` context, while the
-planner traces on meta, possibly on a host without that device), so plans price the fused
-kernels and ``describe()`` shows no fallback; the run-time warning says where that price was
-wrong. A mask is priced as the kernels run it: every (query, key) pair, since an explicit
-mask turns the causal block skipping off.
-
-FLOPs are registered with torch's FLOP counter, which the planner's cost model reads.
-"""
+Where torch picks no kernel the op drives, it runs torch's SDPA and re-runs it under autograd
+in the backward, with a warning once per device, dtype and masked or not. Plans cannot know
+that in advance (torch chooses on the real local tensors, :func:`runtime_path`), so they price
+the fused kernels and the warning says where that price was wrong."""
 
 from __future__ import annotations
 

@@ -1,23 +1,13 @@
 """The local kernels of routed experts, called by the op (:mod:`autopp.ops.experts`): the
 grouped SwiGLU MLP over tokens sorted by expert, the score-weighted combine, the all-to-all
-token exchange (:func:`dispatched`, whose planner side is
-:mod:`autopp.sharding.expert_dispatch`), and the backward of both (:func:`local_backward`,
-:func:`dispatched_backward`), which reuses the forward's routing.
+token exchange (:func:`dispatched`; its planner side is :mod:`autopp.sharding.expert_dispatch`)
+and their backwards (:func:`local_backward`, :func:`dispatched_backward`).
 
-**Routing.** The forward sorts this device's ``(token, k)`` rows by expert id over all ``E``
-experts (:func:`sort_routed`) and returns, besides the output, what the backward needs to
-route the gradients the same way, in tensors whose shapes do not depend on the routing:
-
-* ``order`` (shaped like ``ids``, int64): the flat ``(token, k)`` row indices of this
-  device's tokens, sorted by expert (stable: in token order within an expert);
-* ``counts`` ``(2, E)`` int64: row 0, this device's rows routed to each expert (a function
-  of its tokens only); row 1, with all-to-all dispatch over a group of ``n`` devices holding
-  ``block`` experts each, the rows this device received in the forward from each source for
-  each expert of its block, rank-major (``n·block <= E`` entries, the rest 0), else 0.
-
-The backward reads the sizes it needs from them in one host sync, sorts nothing and
-exchanges no counts.
-"""
+The forward sorts this device's ``(token, k)`` rows by expert (:func:`sort_routed`, stable)
+and returns its routing in tensors whose shapes do not depend on it: ``order`` (the rows
+sorted by expert) and ``counts`` ``(2, E)`` (rows routed to each expert; with all-to-all
+dispatch, the rows received from each source for each local expert, rank-major). The
+backward reads its sizes from them in one host sync, sorts nothing and exchanges no counts."""
 
 from __future__ import annotations
 

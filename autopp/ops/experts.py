@@ -1,48 +1,19 @@
 """Routed experts of a mixture-of-experts layer as one op, so data-dependent routing plans.
 
-A MoE layer's router (a linear, a softmax or sigmoid, top-k, a gather) has static shapes and
-plans op by op like any other layer. What comes after it does not: tokens are sorted by
-expert, each expert multiplies its own variable number of tokens, and the results are
-scattered back. Traced as aten ops on meta, that is index ops with data-dependent indices,
-which no sharding rule covers. So, while autopp traces a unit, the model adapter
-(:mod:`autopp.adapters`) routes each MoE layer's routed-expert computation to the custom op
-``autopp::routed_experts`` (the local_map approach): one node with a sharding rule of its own,
-whose kernel runs torch's grouped matmul on the local shards.
+A router has static shapes and plans op by op; the experts after it do not (tokens sorted by
+expert, variable counts per expert, scattered back), which no sharding rule covers. So while
+autopp traces a unit, the adapter routes them to ``autopp::routed_experts(x, scores, ids,
+expert_ids, w1, w2, w3)`` (the local_map approach): one node with a rule of its own, whose
+kernel runs torch's grouped matmul on local shards. ``expert_ids`` says which experts the
+local weight shards hold, so the kernel needs no rank or mesh. Per mesh dim the rule offers:
+replicated; tokens split (data parallel, weight gradients ``Partial``); experts split
+(expert parallel, output ``Partial``); the experts' hidden dim split (output ``Partial``).
+:mod:`autopp.sharding.expert_dispatch` adds all-to-all forms, chosen by ``dispatch``.
 
-Its inputs are the tokens ``x`` ``(B, L, D)``, the router's ``scores`` and expert ``ids``
-``(B, L, K)``, ``expert_ids`` (``arange(E)``: which experts the local weight shards hold, so
-the kernel needs no rank or mesh), and SwiGLU expert weights ``w1, w3`` ``(E, F, D)`` and
-``w2`` ``(E, D, F)``. Per mesh dim the rule offers:
-
-* everything replicated;
-* tokens split (batch dim 0 or sequence dim 1; x, scores and ids alike): data parallel, the
-  output split the same way, weight gradients ``Partial``;
-* experts split (expert parallel: ``expert_ids`` and the weights on dim 0, tokens whole): each
-  device runs only the tokens routed to its experts, the output ``Partial`` (summed over the
-  dim), weight gradients split like the weights; the planner prices getting the tokens there
-  (an all-gather, or nothing when they are replicated already) and the output's reduction
-  (reduce-scatter or all-reduce) as the collectives they lower to;
-* expert hidden dim split (tensor parallel inside every expert: ``w1, w3`` dim 1, ``w2`` dim
-  2): output ``Partial``.
-
-The planner picks per mesh dim, so "experts over dp", "over tp", "over dp x tp" or "tokens over
-dp, experts over tp" are all candidates, priced by the cost model like any other op.
-:mod:`autopp.sharding.expert_dispatch` adds the all-to-all forms of the expert-parallel
-options (each token sent only to the devices holding its experts; the op's kernel does the
-exchange), selected by the op's ``dispatch`` argument.
-
-Numerics follow torchtitan's ``GroupedExperts`` and ``LocalTokenDispatcher``: tokens sorted by
-expert (stable), the matmuls in ``compute_dtype`` when given (torchtitan computes experts in
-bf16), each routed output scaled by its score in fp32, summed per token by a deterministic
-scatter-add. The forward also returns its routing (the rows sorted by expert, the rows per
-expert and, with all-to-all dispatch, the rows received per source and expert; static
-shapes, :mod:`autopp.ops.expert_kernels`), which ``autopp::routed_experts_backward`` takes
-with the inputs: it sorts nothing and exchanges no counts, re-runs only the experts' forward
-on their rows under autograd (their hidden activations are not saved) and returns the
-gradients of x, scores and the weights. FLOPs are registered with
-torch's FLOP counter, which the planner's cost model reads: the expected routed tokens on the
-local experts, ``T·K·E_local/E``.
-"""
+Numerics follow torchtitan's ``GroupedExperts`` (stable sort, matmuls in ``compute_dtype``,
+scores applied in fp32, deterministic scatter-add). The backward takes the forward's routing
+and re-runs only the experts' forward under autograd. FLOPs (``T·K·E_local/E`` routed tokens)
+are registered with torch's FLOP counter, which the cost model reads."""
 
 from __future__ import annotations
 

@@ -1,23 +1,13 @@
 """A small tokenizer and text dataset for torchtitan's loaders, made on the spot.
 
 torchtitan's configs point at ``tests/assets/tokenizer`` and ``tests/assets/c4_test``, which
-its PyPI wheel does not ship (they live in its repository). :func:`ensure_assets` writes
-stand-ins in the same formats, so torchtitan's own ``HuggingFaceTokenizer`` and
-``HuggingFaceTextDataLoader`` run unchanged:
-
-- ``tokenizer/tokenizer.json`` + ``tokenizer_config.json``: a byte-level tokenizer (the 256
-  bytes, no merges) with ``<|begin_of_text|>`` (256) and ``<|end_of_text|>`` (257): 258
-  tokens, within llama3 debugmodel's vocabulary of 2048.
-- ``c4_test/data.json``: JSON lines ``{"text": ...}``, one per source file of the Python
-  standard library (sorted, capped at ``max_bytes``), the same bytes on every machine.
-- ``c4_test_short_docs/data.json``: the same texts cut at blank lines, one document per
-  paragraph (mostly tens to hundreds of bytes), so each row of torchtitan's packed
-  sequences holds several documents and its per-document ``positions`` restart inside
-  rows (what ``--autopp.per_document_positions`` is tested with).
-
-Writing is idempotent and atomic (temporary file, then rename), so every rank of a job may
-call it at once.
-"""
+its wheel does not ship. :func:`ensure_assets` writes stand-ins in the same formats, so its
+own tokenizer and data loader run unchanged: a byte-level tokenizer (256 bytes plus begin and
+end of text, within llama3 debugmodel's vocabulary); ``c4_test``, one JSON line per Python
+standard-library source file (the same bytes on every machine); ``c4_test_short_docs``, the
+same cut at blank lines, so packed rows hold several documents (for
+``--autopp.per_document_positions``). Writing is idempotent and atomic (temporary file, then
+rename), so every rank may call it at once."""
 
 from __future__ import annotations
 

@@ -1,28 +1,16 @@
 """torchtitan config registry of autopp: ``--module autopp.integrations.torchtitan``.
 
-    torchrun --nproc-per-node 8 -m torchtitan.train \\
-        --module autopp.integrations.torchtitan --config llama3_debugmodel_autopp \\
-        --parallelism.pipeline_parallel_degree 2 --parallelism.data_parallel_shard_degree 2 \\
-        --parallelism.tensor_parallel_degree 2 --training.steps 20
+Configs: ``llama3_debugmodel_autopp`` (torchtitan's Trainer through an autopp pipeline,
+``--autopp.*`` options), ``llama3_debugmodel_torchtitan`` (the same job with torchtitan's
+manual PP x FSDP x TP, for comparison), and ``llama3_autopp(flavor)`` /
+``llama3_torchtitan(flavor)`` for any llama3 preset. Both run on gloo or GPUs.
 
-Configs:
-
-- ``llama3_debugmodel_autopp``: torchtitan's llama3 debugmodel trained by torchtitan's
-  Trainer through an autopp pipeline (planner-sharded stages; ``--autopp.*`` options).
-- ``llama3_debugmodel_torchtitan``: the same job with torchtitan's own manual
-  PP x FSDP x TP (``pipeline_llm`` + ``parallelize_llama``), for comparison.
-- ``llama3_autopp(flavor)`` / ``llama3_torchtitan(flavor)``: any llama3 preset.
-
-Both run on CPU processes (gloo) or GPUs. Differences from torchtitan's
-``llama3_debugmodel``, each for a reason: SDPA attention (FlexAttention has no CPU
-backward; torchtitan then builds no document mask: attention is plain causal, and the
-per-document ``positions`` reach RoPE only with :attr:`AutoppOptions.per_document_positions`,
-dropped otherwise); plain ``CrossEntropyLoss`` (the chunked
-loss needs the lm_head outside the pipeline); float32 parameters; sequence length 128 and 4
-sequences per dp rank (CPU-sized); no activation checkpointing; no validator; a byte-level
-tokenizer and a standard-library text dataset written on first use
-(:mod:`autopp.integrations.torchtitan.assets`: torchtitan's wheel ships no test assets).
-"""
+Differences from torchtitan's ``llama3_debugmodel``, each for a reason: SDPA attention
+(FlexAttention has no CPU backward, so attention is plain causal and per-document positions
+reach RoPE only with :attr:`AutoppOptions.per_document_positions`); plain
+``CrossEntropyLoss`` (the chunked loss needs the lm_head outside the pipeline); fp32
+parameters; CPU-sized sequences; no activation checkpointing or validator; stand-in
+tokenizer and dataset (:mod:`autopp.integrations.torchtitan.assets`)."""
 
 from __future__ import annotations
 

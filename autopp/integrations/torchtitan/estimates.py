@@ -1,21 +1,14 @@
 """autopp's predictions in torchtitan's log: the simulated step, memory and tokens/s.
 
-At startup :func:`autopp.estimate.pipeline.estimate_plan` gives the planner's :class:`~autopp.plan.value.PipelinePlan`
-the schedule simulator's estimates, as :func:`autopp.dry_run.dry_run` does for its plan,
-without planning again: each stage's plan becomes a :class:`~autopp.schedules.StageCost`
-(:mod:`autopp.estimate`: F / I / W times, UNSHARD / REDUCE_GRAD, point-to-point bytes, and
-memory: parameters, gradients, AdamW state, gathered weights, activations read off the
-lowered graphs) and :func:`autopp.schedules.simulate_schedule` runs the pipeline's own
-schedule over them. Rank 0 computes them and broadcasts them (:func:`estimates_on_rank0`);
-the figures are the planner's device profile's ("CPU" on CPU processes), so next to a
-measured run they are informative, not a check.
+At startup :func:`autopp.estimate.pipeline.estimate_plan` prices the pipeline's plan as the
+dry run does, without planning again, over the pipeline's own schedule; rank 0 computes the
+estimates and broadcasts them (:func:`estimates_on_rank0`). They use the planner's device
+profile ("CPU" on CPU processes), so beside a measured run they inform, not check.
 
-:class:`PredictedThroughput` prints, after torchtitan's metrics line, the predicted tokens
-per second per device next to the measured one (torchtitan's ``tps``: the tokens of this
-dp rank's batch over the step time and the non-data-parallel degree, i.e. the global batch
-tokens per step over the world size and the step time), from the second metrics line on
-(the first interval holds the first step's lazy initialisation).
-"""
+:class:`PredictedThroughput` prints the predicted tokens per second per device after each of
+torchtitan's metrics lines, beside its measured ``tps`` (global batch tokens per step over
+the world size and the step time), from the second line on: the first interval holds the
+first step's lazy initialisation."""
 
 from __future__ import annotations
 

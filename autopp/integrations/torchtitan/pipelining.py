@@ -1,34 +1,18 @@
 """autopp as torchtitan's ``pipelining_fn``: what torchtitan's Trainer drives with PP.
 
-torchtitan's Trainer calls ``model_spec.pipelining_fn(model, parallel_dims=..., training=...,
-parallelism=..., ..., loss_fn=...)`` and expects ``(schedule, model_parts, has_first_stage,
-has_last_stage)``. :func:`pipeline_autopp` builds an autopp :class:`~autopp.Pipeline` from
-torchtitan's config and returns:
+torchtitan's Trainer calls ``model_spec.pipelining_fn(model, ...)`` and expects
+``(schedule, model_parts, has_first_stage, has_last_stage)``. :func:`pipeline_autopp` builds
+an autopp :class:`~autopp.Pipeline` and returns :class:`AutoppSchedule` (its ``step`` joins
+the microbatches into this dp rank's batch and runs ``Pipeline.step``), one
+:class:`AutoppModelPart` per rank (the rank's stages under whole-model FQNs, the same
+parameter objects, so torchtitan's optimizer, clipping and checkpointer work as they are and
+checkpoints keep torchtitan's keys), and ``True, True``: every rank hands its tokens and
+labels to the schedule and gets the loss.
 
-- :class:`AutoppSchedule`: ``step(arg_mbs=, kwarg_mbs=, target_mbs=, losses=, ...)`` (the
-  call torchtitan's ``pp_forward_backward_step`` makes) joins the microbatches into this dp
-  rank's batch and runs ``Pipeline.step``;
-- one :class:`AutoppModelPart` per rank: the rank's stages under whole-model FQNs (the same
-  parameter objects), which torchtitan's optimizer, LR scheduler, gradient clipping and
-  checkpointer use as they are. Its state dict runs the whole model's state-dict hooks, so
-  checkpoints have torchtitan's keys (fused QKV saved as wq/wk/wv) and load across
-  layouts, and between autopp and torchtitan's own runs;
-- ``has_first_stage = has_last_stage = True`` on every rank: every rank hands its tokens
-  and labels to the schedule (autopp sends them where they are needed) and gets the loss.
-
-Mapping from torchtitan's config: mesh pp x (dp_replicate * dp_shard) x tp (torchtitan's rank
-order, so each rank's batch is the one torchtitan's dataloader gives it);
-``pipeline_parallel_schedule`` (or ``_csv``); microbatches = ``local_batch_size //
-pipeline_parallel_microbatch_size``; the stage split torchtitan's ``pipeline_llm`` makes
-(or ``--autopp.split``); ``mixed_precision_param`` bfloat16 -> autopp's mixed precision;
-``activation_checkpoint`` none / selective / full -> the planner's recompute. What autopp
-cannot honour raises ValueError here, at startup.
-
-At startup it logs the plan (``autopp plan:``, this rank's stages), then the whole
-pipeline's plan with the schedule simulator's estimates and one ``autopp predicted`` line:
-simulated step time, bubble, peak memory per device by category, tokens/s per device
-(:mod:`autopp.integrations.torchtitan.estimates`, ``--autopp.estimate``).
-"""
+The mesh is pp x (dp_replicate * dp_shard) x tp in torchtitan's rank order, so each rank's
+batch is the one torchtitan's dataloader gives it; schedule, microbatches, split, mixed
+precision and activation checkpointing map to autopp's options, and what autopp cannot
+honour raises ValueError at startup."""
 
 from __future__ import annotations
 

@@ -1,22 +1,13 @@
 """``AutoppTrainer``: torchtitan's Trainer with an ``[autopp]`` config section.
 
 The training loop, data, loss, optimizer, LR schedule, clipping, checkpointing, metrics and
-profiler are torchtitan's own, unchanged. The subclass only:
-
-- adds ``--autopp.*`` options (:class:`AutoppOptions`) and hands them to autopp's
-  ``pipelining_fn`` (:func:`~autopp.integrations.torchtitan.pipelining.pipeline_autopp`);
-- on a machine without an accelerator, points torchtitan's device globals at the CPU, and
-  on torch 2.13 provides the ``torch.distributed.set_timeout`` torchtitan calls, for the
-  job's lifetime (:mod:`autopp.integrations.torchtitan.environment`);
-- writes the stand-in tokenizer and dataset when the config points at them
-  (:mod:`autopp.integrations.torchtitan.assets`);
-- drops the dataloader's per-document ``positions`` unless
-  ``--autopp.per_document_positions`` (then every stage takes them, see that option);
-- logs autopp's predicted tps next to torchtitan's measured one after each metrics line
-  from the second on (:mod:`autopp.integrations.torchtitan.estimates`);
-- with ``--autopp.losses_file``, records the losses torchtitan computed at full precision
-  (a wrapper around its metrics processor's ``log``; nothing computed differently).
-"""
+profiler are torchtitan's own. The subclass only adds the ``--autopp.*`` options and hands
+them to :func:`~autopp.integrations.torchtitan.pipelining.pipeline_autopp`; adapts
+torchtitan's environment for the job's lifetime (CPU devices, torch 2.13's missing
+``set_timeout``: :mod:`autopp.integrations.torchtitan.environment`); writes the stand-in
+tokenizer and dataset; drops the dataloader's per-document ``positions`` unless
+``--autopp.per_document_positions``; logs autopp's predicted tps beside the measured one; and
+with ``--autopp.losses_file`` records the losses torchtitan computed at full precision."""
 
 from __future__ import annotations
 
