@@ -21,103 +21,65 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlannerOptions:
-    """What the planner may choose and under which assumptions.
+    """What the planner may choose and under which limits; one value across the public entry
+    points (``pipeline_autoparallel``, ``plan_pipeline``, ``dry_run``, ``search``).
 
-    Attributes:
-        profile: the device profile of the cost model ("H100", "H200", "A100",
-            "A100-40GB", "CPU", "measure", or a registered name); None: the detected
-            device's ("CPU" on a cpu mesh; a CUDA device by its name and memory, an unknown
-            GPU is an error asking for ``profile=``).
-        memory_budget_bytes: per-device memory the plan must fit: parameters, gradients,
-            AdamW state, gathered parameters, and the activations of every microbatch in
-            flight on the stage under the schedule (the schedule simulator's count); shared
-            equally by a rank's stages. None: the profile's device memory less
-            ``memory_reserve``.
-        memory_reserve: the share of the device's memory left out of the default budget
-            (allocator fragmentation, communication buffers, the loss): 0.1.
-        parameter_budget_bytes: instead of the whole-memory budget, a per-device bound on
-            the parameters' own bytes alone (no gradients, optimizer state, gathered copies
-            or activations): a ZeRO-3 / FSDP-style storage cap that makes the planner shard
-            weights over dp and gather them once per step at UNSHARD. Not with
-            ``memory_budget_bytes``; None (default): the whole-memory budget.
-        boundary: placement of activations sent between stages: "auto" (chosen by cost:
-            stage times plus transfer time), "batch" (batch split over dp, whole over tp) or
-            "batch+seq" (sequence also split over tp: 1/tp of the bytes).
-        loss_parallel: with ``loss_fn=autopp.cross_entropy``, whether the last stage keeps
-            its logits split on the vocabulary over tp and computes the loss in parallel:
-            None (chosen by cost), True (always) or False (never).
-        mixed_precision: torch's FSDP2 ``MixedPrecisionPolicy``, e.g. bf16 compute with
-            parameters gathered in bf16 and gradients reduced in fp32 into fp32 masters.
-        weight_gathering: how planned stages hold their dp-sharded weights and gradients
-            (:mod:`autopp.graph.weight_gathering`): "once_per_step" (default: gathered once
-            at UNSHARD and kept all step, gradients summed unreduced and reduced once) or
-            "per_block" (FSDP's: each block gathered for its forward and again for its
-            backward, its gradients reduce-scattered as they are made, every microbatch).
-        prefetch_blocks: with "per_block", how many blocks ahead a block's gathers are
-            issued (default 1).
-        reshard_after_forward: retired; ``weight_gathering="per_block"`` replaces it.
-        recompute: activation recomputation in the planned stages' lowered graphs
-            (:mod:`autopp.graph.recompute`): "auto" (default: per stage, the fastest of the
-            modes below whose plan fits the memory budget; "none" when it fits), "none" (the
-            backward reads what the forward saved), "selective" (save matmul and attention
-            outputs, recompute the cheap ops in the backward) or "full" (save only the stage
-            input, recompute the rest in the backward). Reductions are always saved, never
-            re-run; all-gathers of activations are gathered again in the backward. It works
-            under every schedule, the I/W split included (I recomputes; W gets what it needs
-            from I). The planner prices the recomputed forward.
-        token_dispatch: mixture-of-experts layers (torchtitan's ``MoE``): how tokens reach
-            the devices holding their experts: "auto" (the planner prices every way and
-            picks), "all_to_all" (torchtitan's expert parallel: each token sent only where
-            its experts are) or "all_gather" (every device of the experts' mesh dim gets
-            every token). Default: the process default, "auto" unless
-            ``autopp.adapters.torchtitan_moe.set_token_dispatch`` changed it.
-        expert_compute_dtype: mixture-of-experts layers: the dtype routed experts compute in:
-            "bfloat16" (what torchtitan's ``GroupedExperts`` does, whatever the parameters'
-            dtype), "float16", "float32", or "param" (the parameters' own dtype: fp32
-            numerics to compare with an fp32 reference). Default: the process default,
-            "bfloat16" unless ``set_expert_compute_dtype`` changed it.
-        overlap_collectives: reorder each planned stage's lowered graphs (forward, backward
-            pieces, unshard, reduce-grad) so that every collective is issued as soon as its
-            inputs exist and waited just before its result is first used
-            (:mod:`autopp.graph.overlap`): communication can then run under compute where
-            collectives are asynchronous (NCCL). On by default; the values are the same
-            either way. The estimates and the simulator price what it hides; the planner
-            prices a piece's collectives in full, and with it on (weights gathered once per
-            step) UNSHARD's and REDUCE_GRAD's by the windows the schedule leaves them
-            (:mod:`autopp.sharding.once_per_step`).
-        tf32: price fp32 matmuls at the profile's TF32 tensor-core rate (``flops_tf32``)
-            rather than true fp32's (``flops_fp32``). Default: whether torch uses TF32 in
-            this process when the options are made
-            (``torch.get_float32_matmul_precision()`` "high" or "medium", or
-            ``torch.backends.cuda.matmul.allow_tf32``;
-            :func:`autopp.profiles.devices.tf32_enabled`). The plan records it (and the plan
-            cache keys hold it): set torch's precision before making the options.
-        strict: refuse a plan that a fallback changed (an op replicated because DTensor's
-            sharding rule failed or has no option for it, an op priced without FLOPs because
-            its formula failed): raise on every rank, listing them. False (default): each is
-            logged as a warning once and listed in the plan's ``describe()``. Not part of
-            the plan (it changes no choice), so a cached or saved plan is checked too.
-
-    The plan records ``token_dispatch`` and ``expert_compute_dtype`` (they change what is traced); every later trace of its
-    stages (applying it, estimating it) uses the plan's values, not the process default.
+    Frozen and keyword-only. Each field is documented where it is declared. The options that
+    change what is traced (``token_dispatch``, ``expert_compute_dtype``) are recorded in the
+    plan, and every later trace of its stages uses the plan's values, not the process default.
     """
 
+    #: Device profile of the cost model ("H100", "H200", "A100", "A100-40GB", "CPU",
+    #: "measure" or a registered name); None: the detected device's (an unknown GPU is
+    #: an error asking for ``profile=``).
     profile: str | None = None
+    #: Per-device memory the plan must fit (parameters, gradients, AdamW state,
+    #: gathered parameters, activations of every microbatch in flight), shared equally
+    #: by a rank's stages. None: the profile's memory less ``memory_reserve``.
     memory_budget_bytes: float | None = None
+    #: Share of device memory left out of the default budget (fragmentation and
+    #: what the accounting does not model).
     memory_reserve: float = 0.1
+    #: Instead of the whole-memory budget, a bound on the parameters' own bytes
+    #: (a ZeRO-3-style cap that makes the planner shard weights over dp). Not with
+    #: ``memory_budget_bytes``.
     parameter_budget_bytes: float | None = None
+    #: Placement of activations sent between stages: "auto" (by cost), "batch" (split
+    #: over dp) or "batch+seq" (also split over tp: 1/tp of the bytes).
     boundary: Literal["auto", "batch", "batch+seq"] = "auto"
+    #: With ``loss_fn=autopp.cross_entropy``: keep the logits split on the vocabulary
+    #: over tp and compute the loss in parallel. None: chosen by cost.
     loss_parallel: bool | None = None
+    #: torch's FSDP2 ``MixedPrecisionPolicy`` (e.g. bf16 compute, fp32 reduction).
     mixed_precision: MixedPrecisionPolicy | None = None
+    #: How planned stages hold dp-sharded weights (:mod:`autopp.graph.weight_gathering`):
+    #: "once_per_step" (gathered at UNSHARD, gradients reduced once) or "per_block"
+    #: (FSDP's: gathered per block in forward and backward, reduced every microbatch).
     weight_gathering: Literal["once_per_step", "per_block"] = "once_per_step"
+    #: With "per_block": how many blocks ahead a block's gathers are issued.
     prefetch_blocks: int = 1
+    #: Retired: raises, naming ``weight_gathering="per_block"``.
     reshard_after_forward: bool | None = None
+    #: Activation recomputation (:mod:`autopp.graph.recompute`): "auto" (per stage the
+    #: fastest mode that fits, "none" first), "none", "selective" or "full".
     recompute: Recompute | Literal["auto"] = "auto"
+    #: MoE layers: how tokens reach their experts: "auto" (by price), "all_to_all"
+    #: (torchtitan's expert parallel) or "all_gather". Default: the process default.
     token_dispatch: str = field(default_factory=lambda: tracing.setting("token_dispatch"))
+    #: MoE layers: the routed experts' compute dtype: "bfloat16" (torchtitan's),
+    #: "float16", "float32" or "param" (the parameters' own). Default: the process default.
     expert_compute_dtype: str = field(
         default_factory=lambda: tracing.setting("expert_compute_dtype"))
+    #: Reorder planned graphs to issue collectives early and wait late
+    #: (:mod:`autopp.graph.overlap`); values are the same either way.
     overlap_collectives: bool = True
+    #: Price fp32 matmuls at the TF32 rate. Default: whether torch uses TF32 when the
+    #: options are made (:func:`autopp.profiles.devices.tf32_enabled`); set torch's
+    #: precision first. Recorded in the plan and its cache keys.
     tf32: bool = field(default_factory=tf32_enabled)
+    #: Refuse a plan a fallback changed (an op replicated for want of a rule, an op
+    #: priced without FLOPs) on every rank. False: warn once and list it in
+    #: ``describe()``. Not part of the plan, so cached and saved plans are checked too.
     strict: bool = False
 
     def trace_settings(self) -> dict[str, str]:
