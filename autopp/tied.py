@@ -1,27 +1,15 @@
 """Parameters tied across pipeline stages (a tied input embedding and output head).
 
-A parameter held by modules of several stages (``tok_embeddings.weight`` is
-``lm_head.weight``) gets one copy on every stage that uses it, as Megatron does for tied
-embeddings. :class:`TiedSync` keeps the copies one parameter:
-
-- **values**: after initialisation every copy takes the value of the copy whose module the
-  whole model initialises last (what :func:`autopp.init.init_module_` of the whole model
-  leaves in the tied parameter), broadcast between the copies' ranks;
-- **gradients**: after each step the copies' gradients are summed (an all-reduce between the
-  ranks that hold them, local shard by local shard: the copies share their placements), so
-  every copy holds the whole model's gradient and identical optimizer steps keep them equal;
-- **gradient norm**: clipping counts one copy (the one under the parameter's first FQN) and
-  scales the others by the same factor;
-- **names**: every copy is named by the parameter's first FQN in state dicts and
-  checkpoints, so a checkpoint stores it once (torch.distributed.checkpoint writes a key held
-  by several ranks once) and loads into any layout. A rank holding two copies (a V
-  placement puts the first and last stages on one rank) keeps one as the parameter and the
-  other as a *mirror*: out of the state dict, the optimizer and the norm, given the
-  primary's value before each step.
-
-Copies on ranks of different pipeline stages meet in small process groups: one per
-(dp, tp) coordinate, made of the ranks with that coordinate on the stages' pp ranks.
-"""
+A parameter held by modules of several stages gets one copy per stage, as Megatron does for
+tied embeddings, and :class:`TiedSync` keeps the copies one parameter. Values: after init
+every copy takes the value the whole model's last initialiser leaves, broadcast between the
+copies' ranks. Gradients: after each step the copies' gradients are all-reduced shard by
+shard (so copies must share placements) in a group per (dp, tp) coordinate of the copies' pp
+ranks; identical optimizer steps then keep them equal. Norm: clipping counts the copy under
+the first FQN and scales the others alike. Names: every copy is named by the first FQN, so a
+checkpoint holds it once and loads into any layout. A rank holding two copies (a V placement)
+keeps the second as a *mirror*, outside the state dict, optimizer and norm, refreshed from
+the primary before each step."""
 
 from __future__ import annotations
 

@@ -106,19 +106,17 @@ class CallingConvention:
 
     Calls, in schedule order::
 
-        unshard(params[unshard_param_indices])          -> unsharded_params
+        unshard(params[unshard_param_indices])               -> unsharded_params
         forward(unsharded_params[:num_unsharded_params],
-                flat_inputs[forward_input_indices])     -> outputs, saved_for_backward
-        full_backward(saved_for_backward,
-                      (bwd_unsharded + output_grads)[output_grad_inputs])
-                                                        -> param_grads, input_grads
-        backward_input(saved_for_backward, output_grads)-> input_grads, weight_live_ins
-        backward_weight(weight_live_ins)                -> param_grads
-        reduce_grad(param_grads by reduce_grad_inputs)  -> reduced param grads
+                flat_inputs[forward_input_indices])          -> outputs, saved_for_backward
+        full_backward(saved_for_backward, (bwd_unsharded + output_grads)[output_grad_inputs])
+                                                             -> param_grads, input_grads
+        backward_input(saved_for_backward, output_grads)     -> input_grads, weight_live_ins
+        backward_weight(weight_live_ins)                     -> param_grads
+        reduce_grad(param_grads by reduce_grad_inputs)       -> reduced param grads
 
-    ``flat_inputs`` is ``params + buffers + user_inputs`` (flat, subclasses unwrapped);
-    ``bwd_unsharded`` are the ``num_backward_unsharded`` unshard outputs after the forward's.
-    """
+    ``flat_inputs`` is ``params + buffers + user_inputs``; ``bwd_unsharded`` are the
+    ``num_backward_unsharded`` unshard outputs after the forward's."""
 
     signature: JointSignature
     """Layout of the joint graph this convention was split from."""

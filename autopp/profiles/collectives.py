@@ -1,21 +1,15 @@
 """The α-β price of one collective over one group of ``n`` ranks: the one home of the rule.
 
-A ring (all-reduce, reduce-scatter, all-gather) or pairwise-exchange (all-to-all)
-collective runs in steps; each step pays the link's latency α, and the bytes a rank puts on
-the wire cross its bandwidth β⁻¹:
+A ring or pairwise collective runs in steps, each paying the link's latency α, and the bytes
+a rank puts on the wire cross its bandwidth (L = local bytes going in):
 
-=================  ========  =========================================
-collective         steps     bytes on the wire (L = local bytes going in)
-=================  ========  =========================================
-all_reduce         2 (n-1)   2 (n-1)/n · L   (reduce-scatter + all-gather)
-reduce_scatter     n-1       (n-1)/n · L
-all_gather         n-1       (n-1) · L
-all_to_all         n-1       (n-1)/n · L     (one exchange per peer)
-=================  ========  =========================================
+    all_reduce      2 (n-1) steps   2 (n-1)/n · L   (reduce-scatter + all-gather)
+    reduce_scatter    n-1           (n-1)/n · L
+    all_gather        n-1           (n-1) · L
+    all_to_all        n-1           (n-1)/n · L     (one exchange per peer)
 
-``time = α · steps + wire / bandwidth``. The cost model (:mod:`autopp.sharding.costs`),
-the loss's cost, the search's latency share and the profile measurement's fit all use it.
-"""
+``time = α · steps + wire / bandwidth``. The cost model (:mod:`autopp.sharding.costs`), the
+loss's cost, the search's latency share and the profile measurement's fit all use it."""
 
 from __future__ import annotations
 

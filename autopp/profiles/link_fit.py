@@ -36,17 +36,13 @@ def fit_latency_bandwidth(nbytes: Sequence[float], seconds: Sequence[float], *,
     Args:
         nbytes: bytes moved by each timed operation (wire bytes for collectives); at least
             two distinct values.
-        seconds: the measured time of each operation, same length as ``nbytes``.
-        relative: weigh each point by ``1 / seconds**2``, i.e. minimise relative errors, so
-            that small messages (which fix the latency) count as much as large ones (which
-            fix the bandwidth); False: ordinary least squares on seconds.
-        steps: latency-bound steps of each operation (a collective's ring steps,
-            :func:`~autopp.profiles.collectives.collective_steps`); None: one each.
+        seconds: the measured time of each operation.
+        relative: minimise relative errors (weights ``1 / seconds**2``), so small messages (the
+            latency) count as much as large ones (the bandwidth); False: plain least squares.
+        steps: latency-bound steps of each operation (a collective's ring steps); None: one.
 
-    A negative fitted latency (noise on a link whose latency is tiny next to the smallest
-    message's transfer) is clamped to 0 and the bandwidth refitted through the origin.
-    Raises ValueError when the times do not grow with the bytes.
-    """
+    A negative fitted latency is clamped to 0 and the bandwidth refitted through the origin.
+    Raises ValueError when the times do not grow with the bytes."""
     xs, ts = [float(x) for x in nbytes], [float(t) for t in seconds]
     ss = [1.0] * len(xs) if steps is None else [float(k) for k in steps]
     if not len(xs) == len(ts) == len(ss):

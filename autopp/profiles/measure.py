@@ -1,38 +1,17 @@
 """Measure a :class:`DeviceProfile` of the machine at hand.
 
-:func:`measure_profile` starts ``world_size`` processes joined by torch.distributed (gloo on
-CPU, nccl on CUDA) and times, on those processes:
-
-- matmuls per dtype (fp32, bf16) of growing square sizes, all ranks at once (on CPU the
-  ranks share the cores, as they do when a pipeline runs here); the achieved FLOP/s of the
-  largest size becomes ``flops_fp32`` / ``flops_bf16`` with ``compute_efficiency=1.0``
-  (fp32 at torch's default precision, "highest"; on CUDA also at "high", TF32 tensor
-  cores: ``flops_tf32``; on CPU ``flops_tf32`` is None, the fp32 rate);
-- a large tensor copy, all ranks at once: ``mem_bw`` = bytes read + written per second;
-- with two ranks or more, the collectives the lowered stage graphs call
-  (``_c10d_functional.all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``)
-  over all ranks at several message sizes; one latency per ring step and one bandwidth are
-  fitted to all of them by least squares on the cost model's steps and wire bytes
-  (:mod:`autopp.profiles.collectives`): the intra-node link (all ranks are on this one node:
-  ``devices_per_node`` is the world size);
-- with two ranks or more, send/recv ping-pong between ranks 0 and 1: ``p2p_latency`` and
-  ``p2p_bw``, fitted the same way.
-
-What one host cannot measure comes from a built-in profile (``links_from``; by default the
-one of this device, :func:`autopp.profiles.devices.profile_for_device`), and the
-measurement says so (a warning, and ``details["not_measured"]`` in the stored JSON): the
-inter-node link always; on one rank (one GPU) also the intra-node link, send/recv and
-``devices_per_node``.
-
-``memory_bytes`` is one rank's device memory: the GPU's memory on CUDA; on CPU, where the
-ranks share the host's RAM, the RAM divided by the world size.
-
-Every time is the slowest rank's time of one repeat (ranks start each repeat together),
-and each figure is the median over repeats after a warm-up. The profile is named
-``"measured-<hash>"`` (hash of host, device, backend, world size and torch version) and
-stored as JSON in :func:`autopp.profiles.devices.profile_cache_dir`, where
-:func:`autopp.profiles.lookup.get_profile` finds it by name in any later process.
-"""
+:func:`measure_profile` starts ``world_size`` torch.distributed processes (gloo on CPU, nccl
+on CUDA) and times, all ranks at once (on CPU they share the cores, as a pipeline does):
+square matmuls in fp32 and bf16 (``flops_fp32`` / ``flops_bf16`` with efficiency 1.0; on
+CUDA fp32 again at TF32 for ``flops_tf32``), a large copy (``mem_bw``), the functional
+collectives the lowered graphs call at several sizes (one latency per ring step and one
+bandwidth fitted on the cost model's steps and wire bytes: the intra-node link), and a
+send/recv ping-pong (``p2p_latency``, ``p2p_bw``). Each figure is the median over repeats of
+the slowest rank. What one host cannot measure (the inter-node link; on one rank every link)
+comes from a built-in profile (``links_from``) and is named in a warning and in
+``details["not_measured"]``. On CPU ``memory_bytes`` is the RAM divided by the world size.
+The profile is named ``"measured-<hash>"`` (host, device, backend, world size, torch version)
+and stored as JSON where :func:`autopp.profiles.lookup.get_profile` finds it later."""
 
 from __future__ import annotations
 
@@ -437,30 +416,18 @@ def measure_profile(*, world_size: int = DEFAULT_WORLD_SIZE, backend: str | None
     """This machine's profile, measured on ``world_size`` processes (see the module doc).
 
     Args:
-        world_size: number of processes (ranks) to measure with, as many as will run
-            pipelines here; on CPU each rank gets ``cpu_count // world_size`` threads
-            (at least one) and the RAM divided by ``world_size``.
-        backend: torch.distributed backend; default ``"nccl"`` on CUDA, ``"gloo"`` on CPU.
-        device: ``"cpu"`` or ``"cuda"``; default CUDA when available. On CUDA rank ``r``
-            uses GPU ``r % device_count``.
-        cache: read this machine's stored measurement if there is one, and store a new one
-            (JSON in :func:`autopp.profiles.devices.profile_cache_dir`, named
-            :func:`measured_name`). False: always measure, store nothing. Either way the
-            profile is registered under its name in this process.
+        world_size: processes to measure with, as many as will run pipelines here; on CPU each
+            gets ``cpu_count // world_size`` threads and the RAM divided by ``world_size``.
+        backend: default ``"nccl"`` on CUDA, ``"gloo"`` on CPU.
+        device: ``"cpu"`` or ``"cuda"`` (rank ``r`` uses GPU ``r % device_count``).
+        cache: read a stored measurement of this machine and store a new one; False: always
+            measure, store nothing. Either way the profile is registered under its name.
         timeout_s: give up (RuntimeError) when the measurement takes longer.
-        links_from: the profile (a built-in or registered name, or a DeviceProfile) whose
-            links stand for what this host cannot measure: the inter-node link, and on one
-            rank the intra-node link, send/recv and devices per node. Default: this
-            device's built-in profile (:func:`autopp.profiles.devices.profile_for_device`).
-            An unknown GPU has none: on one rank that is an error naming this argument; on
-            more, the inter-node link is set to the measured intra-node one, with a warning.
+        links_from: the profile whose links stand for what this host cannot measure; default
+            this device's built-in one (an unknown GPU on one rank is an error naming it).
 
-    Takes tens of seconds; progress is logged at INFO on ``autopp.profiles.measure``.
-    Processes on one host that ask for the same profile at once take a file lock, so one
-    measures and the others read its result. The ranks are started with multiprocessing
-    (forkserver, else spawn): a script that measures must keep its top-level code under
-    ``if __name__ == "__main__":``.
-    """
+    Processes on one host asking at once share one measurement (a file lock). Ranks start with
+    forkserver or spawn: a measuring script keeps its top level under ``__main__``."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: measuring needs at least 1 process")
     backend, device = _resolve(backend, device)

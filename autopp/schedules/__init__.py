@@ -1,24 +1,15 @@
 """Pipeline schedules: names to torch classes, stage placement, checks, CSV schedules.
 
-A schedule decides, for every pipeline rank, in which order it runs the forward and backward
-of each microbatch on each of its stages. autopp runs torch.distributed.pipelining's own
-schedules; this package says what each one needs and builds it:
-
-* :func:`schedule_info` / :data:`SCHEDULE_NAMES`: the schedules and their rules
-  (:class:`ScheduleInfo`); a path to a CSV file is a schedule too.
-* :func:`default_n_stages`, :func:`stage_ids_for_rank`: how many stages, and which on a rank.
-* :func:`check_schedule_config`: a clear ValueError for sizes a schedule cannot run.
-* :func:`build_schedule`: the torch schedule object for this rank's stages (``runtime=True``:
-  the same steps on torch's action-list runtime, for graph stages).
-* :func:`dump_schedule_csv`, :func:`read_schedule_csv`, :func:`schedule_order`: schedules as
-  values, written to and read from CSV.
-* :func:`schedule_actions`: every rank's action list as torch's runtime runs it (with
-  send/recv, unshard/reshard, reduce-grad), built without processes (:class:`ScheduleActions`).
-* :func:`simulate_schedule` / :func:`simulate`: one training step simulated from per-stage
-  costs (:class:`StageCost`) and a p2p :class:`Link`: step time, bubbles, memory over time
-  per rank (:class:`SimulationResult`); :func:`write_chrome_trace` and
-  :func:`write_timeline_png` draw it.
-"""
+autopp runs torch.distributed.pipelining's own schedules; this package says what each needs
+and builds it: :func:`schedule_info` / :data:`SCHEDULE_NAMES` (the rules; a CSV path is a
+schedule too), :func:`default_n_stages` and :func:`stage_ids_for_rank` (stages and their
+ranks), :func:`check_schedule_config` (a clear ValueError for sizes a schedule cannot run),
+:func:`build_schedule` (the torch schedule for this rank's stages, on torch's action-list
+runtime for graph stages), CSV round trips (:func:`dump_schedule_csv`,
+:func:`read_schedule_csv`, :func:`schedule_order`), :func:`schedule_actions` (every rank's
+action list as torch's runtime runs it, without processes), and :func:`simulate_schedule` /
+:func:`simulate` (one step from per-stage costs: step time, bubbles, memory per rank), drawn
+by :func:`write_chrome_trace` and :func:`write_timeline_png`."""
 
 from autopp._compat.pipelining import forward_only
 from autopp.schedules.actions import ScheduleActions, actions_from_order, schedule_actions

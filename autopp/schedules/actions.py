@@ -1,20 +1,12 @@
 """Every rank's action list for a schedule, as torch's runtime would run it, without processes.
 
-:func:`schedule_actions` gives a :class:`ScheduleActions` value for a schedule name (see
-``SCHEDULE_NAMES``), a compute-only CSV file, or (:func:`actions_from_order`) a compute-only
-order written in Python. The lists are torch's own:
-
-* multi-stage schedules (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble,
-  DualPipeV): torch's class is constructed over stand-in stages (no process group, no
-  module), exactly as every training rank constructs it;
-* GPipe and 1F1B: autopp's :func:`~autopp.schedules.build.single_stage_order`, the order
-  autopp runs them with (torch 2.13's ``Schedule1F1B.pipeline_order`` is only a picture);
-* CSV files and Python orders: the compute steps as written.
-
-Each compute-only order is then lowered by torch's runtime passes, which add UNSHARD /
-RESHARD around a stage's use, one REDUCE_GRAD after a stage's last backward, and a
-SEND_F/RECV_F (SEND_B/RECV_B) pair wherever a forward (backward) crosses to another rank.
-"""
+:func:`schedule_actions` gives a :class:`ScheduleActions` for a schedule name, a compute-only
+CSV file, or a compute-only order written in Python (:func:`actions_from_order`). The compute
+orders are torch's own: multi-stage classes constructed over stand-in stages as every
+training rank constructs them; GPipe and 1F1B as autopp runs them
+(:func:`~autopp.schedules.build.single_stage_order`, since torch's
+``Schedule1F1B.pipeline_order`` is only a picture); CSV and Python orders as written. torch's
+runtime passes then add UNSHARD / RESHARD, REDUCE_GRAD and the SEND / RECV pairs."""
 
 from __future__ import annotations
 
@@ -128,19 +120,14 @@ def schedule_actions(
     """Every rank's action list for ``schedule``, as torch's runtime would run it.
 
     Args:
-        schedule: a name from ``SCHEDULE_NAMES`` (any case), the path of a compute-only CSV
-            file, or a ``ScheduleInfo``.
-        pp: number of pipeline ranks. Required for a named schedule; for a CSV file it is
-            the file's row count (giving another value is an error).
-        n_microbatches: microbatches per step. Required for a named schedule; a CSV file
-            fixes its own.
-        n_stages: pipeline stages in total; default ``default_n_stages(schedule, pp)`` (pp for
-            GPipe and 1F1B, 2 * pp for the others). Stages per rank (v) is ``n_stages // pp``.
+        schedule: a name from ``SCHEDULE_NAMES`` (any case), a compute-only CSV path, or a
+            ``ScheduleInfo``.
+        pp: pipeline ranks; required for a name, the row count for a CSV file.
+        n_microbatches: microbatches per step; required for a name, fixed by a CSV file.
+        n_stages: stages in total; default ``default_n_stages(schedule, pp)``.
 
-    Raises ValueError for an unknown schedule (listing the valid names), a missing pp or
-    n_microbatches, or sizes the schedule cannot run (e.g. Interleaved1F1B with
-    n_microbatches not a whole number of rounds), naming the numbers and a fix.
-    """
+    Raises ValueError for an unknown schedule (listing the names), a missing pp or
+    n_microbatches, or sizes the schedule cannot run, naming the numbers and a fix."""
     info = schedule_info(schedule)
     if info.csv is not None:
         spec = info.csv

@@ -40,24 +40,18 @@ def build_schedule(
     """The torch schedule that runs ``stages`` (this rank's stages) with ``schedule``.
 
     Args:
-        schedule: a name from ``SCHEDULE_NAMES`` (any case) or the path of a compute-only CSV
-            file (see ``autopp.schedules.csv_schedules``), or a ``ScheduleInfo``.
-        stages: this rank's ``PipelineStage`` objects: one for GPipe and 1F1B, the rank's
-            stages as placed by ``stage_ids_for_rank`` for the others, in any order.
+        schedule: a name from ``SCHEDULE_NAMES`` (any case), a compute-only CSV path, or a
+            ``ScheduleInfo``.
+        stages: this rank's ``PipelineStage`` objects, as ``stage_ids_for_rank`` places them.
         n_microbatches: microbatches per step.
         loss_fn: ``loss_fn(output, target)`` on the last stage; None for forward only.
-        scale_grads: passed to torch. True divides gradients by n_microbatches (for a loss
-            that averages); autopp passes False and normalises the loss itself.
-        runtime: always return torch's action-list runtime (``_PipelineScheduleRuntime``),
-            which graph stages need (:mod:`autopp.graph`): multi-stage and CSV schedules are
-            runtimes already; GPipe and 1F1B then run as their action lists
-            (:func:`single_stage_order`).
-        **schedule_kwargs: passed on to the torch class (e.g. ``backward_requires_autograd``).
+        scale_grads: passed to torch; autopp passes False and normalises the loss itself.
+        runtime: always return torch's action-list runtime, which graph stages need; GPipe and
+            1F1B then run as their action lists (:func:`single_stage_order`).
+        **schedule_kwargs: passed on to the torch class.
 
-    Checks the configuration with ``check_schedule_config`` first, and that the stages are the
-    ones the schedule places on this rank, so mistakes surface as ValueErrors naming numbers.
-    Returns an instance of ``schedule_info(schedule).torch_class``; call ``step`` on it.
-    """
+    Checks the configuration and that the stages are the ones the schedule places here, so
+    mistakes surface as ValueErrors naming numbers. Returns the torch schedule; call ``step``."""
     rank, pp, n_stages = _stage_layout(stages)
     info = check_schedule_config(schedule, pp=pp, n_stages=n_stages, n_microbatches=n_microbatches)
     expected = info.stage_ids_for_rank(rank, pp, n_stages)

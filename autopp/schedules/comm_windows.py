@@ -1,20 +1,15 @@
 """How long a schedule lets each stage's once-per-step collectives run beside compute.
 
-With collectives issued ahead (``StageCost.collectives_ahead``: autopp's graph runtime with
-overlap on), a stage's UNSHARD gathers run on its rank's communication stream from when the
-rank reaches them (the step's start) until the stage's first action needs them, and its
-REDUCE_GRAD reductions from the stage's last backward until the step ends. A collective
-that fits its window costs the step nothing; what exceeds it delays the stage's first
-action, or the step's end (:mod:`autopp.schedules.simulate`).
+With collectives issued ahead (``StageCost.collectives_ahead``), a stage's UNSHARD gathers run
+on its rank's communication stream from the step's start until the stage's first action
+needs them, and its REDUCE_GRAD reductions from its last backward until the step ends. What
+fits its window costs the step nothing; the excess delays the stage or the step's end.
 
 :func:`collective_windows` reads those windows off a simulated step whose stages have no
-such collectives of their own (their times are what the planner is about to choose), so
-every window is the schedule's: the compute and waiting that come before the stage's first
-action and after its last backward. The stages of a rank share its one communication
-stream, so each gets an equal share of the rank's shortest window: their collectives then
-fit together, one after another, whatever order they run in. The sharding planner prices
-against them (:mod:`autopp.sharding.once_per_step`).
-"""
+such collectives (their times are what the planner is about to choose), so every window is
+the schedule's own. A rank's stages share its one communication stream, so each gets an equal
+share of the rank's shortest window: their collectives then fit together in any order. The
+sharding planner prices against them (:mod:`autopp.sharding.once_per_step`)."""
 
 from __future__ import annotations
 

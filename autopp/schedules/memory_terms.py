@@ -1,29 +1,17 @@
 """Memory a pipeline rank holds outside its stage graphs' own values, one formula per term.
 
-Each is held for the whole step, so it is a fixed number of bytes per stage (or per rank).
-The schedule simulator shows each as its own category (:data:`MEMORY_CATEGORIES`), the
-planner takes them off the budget its ILP plans under
-(:func:`autopp.plan.budgets.fixed_stage_bytes`), and the dry run's memory table prints the
-simulator's columns; all three call these functions.
+Each is held the whole step, so it is a fixed number of bytes per stage or rank. The
+simulator shows each as a category (:data:`MEMORY_CATEGORIES`), the planner takes them off
+its budgets (:func:`autopp.plan.budgets.fixed_stage_bytes`) and the dry run prints them;
+all three call these functions.
 
-* Receive buffers (:func:`receive_buffer_bytes`). torch 2.13's ``PipelineStage``
-  (``torch/distributed/pipelining/stage.py``) allocates them once, when the schedule first
-  prepares the stage, and keeps them across steps: ``_setup_forward_recv_info`` makes one
-  input buffer per microbatch for every stage but the first (``_make_tensor_from_meta`` at
-  line 2270, stored in ``args_recv_info[chunk_id]``), and ``_setup_backward_recv_info``
-  (line 322) one output-gradient buffer per microbatch for every stage but the last
-  (``_create_grad_recv_info``, line 2314, in ``grad_recv_info[mb_index]``). ``_get_recv_ops``
-  (line 349) posts each irecv into its microbatch's buffer. So a stage holds ``M`` input
-  buffers and ``M`` gradient buffers all step, not one per microbatch in flight. Between two
-  stages on one rank (a V's turn) the hand-off replaces the buffer by the sender's tensor
-  (``set_local_fwd_input`` / ``set_local_bwd_input``), which the buffer then keeps alive until
-  the next step replaces it: the same count.
-* Materialised buffers (:func:`module_buffer_bytes`): a stage's registered buffers (e.g. a
-  RoPE table), one whole copy per stage.
-* Communicators (:func:`communicator_bytes`): a fixed allowance per process group a rank
-  uses (the profile's ``communicator_bytes``; see
-  :attr:`autopp.profiles.DeviceProfile.communicator_bytes`).
-"""
+* Receive buffers (:func:`receive_buffer_bytes`): torch's ``PipelineStage`` allocates one
+  input buffer per microbatch (every stage but the first) and one output-gradient buffer per
+  microbatch (every stage but the last) when the schedule first prepares it, and keeps them
+  across steps: M of each all step, not one per microbatch in flight. A V's hand-off between
+  stages on one rank replaces the buffer by the sender's tensor: the same count.
+* Buffers (:func:`module_buffer_bytes`): a stage's registered buffers, one copy per stage.
+* Communicators (:func:`communicator_bytes`): the profile's allowance per process group."""
 
 from __future__ import annotations
 

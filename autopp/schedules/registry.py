@@ -1,24 +1,18 @@
 """Schedule names and what each schedule needs: one table, :data:`_TABLE`.
 
-The numbers in the table are torch 2.13's own constraints, read from
-``torch/distributed/pipelining/schedules.py`` and checked by constructing every schedule for
-pp = 1..4, 1..3 stages per rank and 1..12 microbatches (see tests/test_schedules.py):
+torch's own constraints, read from its ``schedules.py`` and checked by constructing every
+schedule for small sizes (tests/test_schedules.py):
 
-============================  ======  =====  ===============  ===============================
-schedule                      class   place  stages per rank  n_microbatches
-============================  ======  =====  ===============  ===============================
-GPipe                         single  loop   1                any
-1F1B                          single  loop   1                >= n_stages (= pp)
-Interleaved1F1B               multi   loop   >= 1             multiple of max(1, n_mb // pp)
-LoopedBFS                     multi   loop   >= 1             any
-InterleavedZeroBubble         multi   loop   >= 1             multiple of max(1, n_mb // pp)
-ZBVZeroBubble                 multi   v      2                any
-DualPipeV                     multi   v      2                >= n_stages (= 2 pp)
-============================  ======  =====  ===============  ===============================
+    schedule               class   place  stages/rank  n_microbatches
+    GPipe                  single  loop   1            any
+    1F1B                   single  loop   1            >= n_stages (= pp)
+    Interleaved1F1B        multi   loop   >= 1         multiple of max(1, n_mb // pp)
+    LoopedBFS              multi   loop   >= 1         any
+    InterleavedZeroBubble  multi   loop   >= 1         multiple of max(1, n_mb // pp)
+    ZBVZeroBubble          multi   v      2            any
+    DualPipeV              multi   v      2            >= n_stages (= 2 pp)
 
-A schedule may also be given as the path of a compute-only CSV file (see
-``autopp.schedules.csv_schedules``); its layout and microbatch count come from the file.
-"""
+A compute-only CSV file is a schedule too; its layout and microbatches come from the file."""
 
 from __future__ import annotations
 

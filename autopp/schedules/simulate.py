@@ -1,55 +1,20 @@
 """A discrete-event simulator of pipeline schedules: step time, bubbles and memory per rank.
 
-It runs the action lists torch's runtime would run (:mod:`autopp.schedules.actions`) with
-durations and sizes from one :class:`StageCost` per stage and a :class:`Link` model for
-point-to-point transfers. The rules are those of torch 2.13's ``_PipelineScheduleRuntime``
-(and of autopp's graph runtime, which uses its action handlers):
+It runs the action lists torch's runtime runs (:mod:`autopp.schedules.actions`) with one
+:class:`StageCost` per stage and :class:`Link` models for sends. Rules (torch's
+``_PipelineScheduleRuntime``): each rank runs its list in order; a compute action waits for
+its input (the producing action on the same rank, else the transfer's arrival); sends cost
+the rank nothing and occupy their directed link for bytes / bandwidth, arriving latency
+later; a rank's step ends when its sends have arrived. UNSHARD and REDUCE_GRAD block, unless
+issued ahead (``collectives_ahead``): then they run on the rank's communication stream and
+the stage's next action, or the step's end, waits for them. OVERLAP_F_B runs its halves in
+turn, as torch's runtime does.
 
-* each rank runs its list in order, one action at a time;
-* F of stage s, microbatch m waits for s-1's activation: the end of F(s-1, m) when s-1 is
-  on the same rank, else the arrival of the SEND_F(s-1, m) transfer. B or I of (s, m) waits
-  for s+1's input gradient the same way (the last stage waits for its own F). W(s, m) comes
-  after I(s, m) on the same rank;
-* SEND_F / SEND_B are asynchronous: they cost the rank no time; the transfer starts when
-  the sender reaches the SEND and the directed link (src, dst) is free, occupies the link
-  for bytes / bandwidth, and arrives latency later. RECV_* cost no time (torch posts an
-  irecv; the compute that needs the data waits). A rank's step ends when its last action
-  has run and its sends have arrived (torch waits on them before ``step`` returns);
-* UNSHARD and REDUCE_GRAD block the rank for their given times, unless the stage issues
-  them ahead (``StageCost.collectives_ahead``: autopp's graph runtime with overlap on, its
-  default): then the rank goes on and they run on the rank's communication stream, one
-  after another from when the rank reaches each; the stage's next action starts no
-  earlier than its gathers end, and the rank's step ends no earlier than its reductions
-  (their reduced gradients count from then); RESHARD takes no time;
-* OVERLAP_F_B (DualPipeV) runs its two halves one after the other, their times summed: this
-  is what torch's runtime and autopp's graph handler do (DualPipe's own implementation
-  overlaps one half's communication with the other's compute; on a runtime that runs the
-  halves in turn there is nothing to overlap).
-
-Memory per rank, by category (each the sum over the rank's stages):
-
-* parameters and optimizer state: held for the whole step;
-* gradients: ``unreduced_grad_bytes`` from the start of the stage's first weight-gradient
-  action (B or W) to the end of its REDUCE_GRAD, ``grad_bytes`` after it;
-* gathered parameters: from the start of an UNSHARD to its RESHARD;
-* activations: ``activation_bytes_per_microbatch`` from the start of F(s, m) to the end of
-  its B; with a split backward, ``activation_bytes_kept_for_w`` of it stays from the end of
-  I(s, m) to the end of W(s, m). The last stage's includes what its loss keeps (the
-  logits and their log-probabilities, :mod:`autopp.estimate.stage_costs`);
-* buffers (``buffer_bytes``), receive buffers and communicators: held for the whole step
-  (:mod:`autopp.schedules.memory_terms`: torch preallocates one input and one
-  output-gradient receive buffer per microbatch for each stage, ``p2p_bytes_per_microbatch``
-  each; ``communicator_bytes`` is the rank's, given to :func:`simulate`).
-
-* workspace: a compute action's working memory (``forward_workspace_bytes`` and the
-  others: its graph's intermediates and fresh gradients above what it keeps), from its
-  start to its end.
-
-Not modelled: sent tensors that the runtime holds until the step's end (torch waits on its
-sends only then), UNSHARD's and REDUCE_GRAD's working memory, kernels' internal scratch
-(beyond autopp's attention backward's), allocator fragmentation, and communication that
-overlaps compute on the same device slowing it down.
-"""
+Memory per rank by category: parameters, optimizer state, buffers, receive buffers and
+communicators all step; gradients unreduced from the first weight-gradient action to
+REDUCE_GRAD; gathered weights from UNSHARD to RESHARD; activations from F to B (with a split
+backward, what W keeps from I to W); each action's workspace while it runs. Not modelled:
+sent tensors held to the step's end, collectives' working memory, fragmentation, contention."""
 
 from __future__ import annotations
 
@@ -546,20 +511,17 @@ def simulate_schedule(
     """Simulate one training step of a schedule given by name, CSV path or action lists.
 
     Args:
-        schedule: a name from ``SCHEDULE_NAMES`` (any case), a compute-only CSV path, a
-            ``ScheduleInfo``, or a ``ScheduleActions`` (then pp, n_microbatches, n_stages
-            must be None).
+        schedule: a name from ``SCHEDULE_NAMES``, a compute-only CSV path, a ``ScheduleInfo``,
+            or a ``ScheduleActions`` (then pp, n_microbatches, n_stages must be None).
         costs: one StageCost for every stage, or a list with one per stage.
-        pp: pipeline ranks (required for a name; a CSV file fixes its own).
-        n_microbatches: microbatches per step (required for a name).
+        pp, n_microbatches: required for a name (a CSV file fixes its own).
         n_stages: stages in total; default pp for GPipe / 1F1B, 2 * pp for the others.
-        link: the link between any two pp ranks; default: instantaneous.
-        links: links that differ, by (sending rank, receiving rank).
+        link: the link between any two pp ranks (default instantaneous); links: those that
+            differ, by (sending rank, receiving rank).
         communicator_bytes: what each rank's process groups hold (see :func:`simulate`).
 
     Example: ``simulate_schedule("1F1B", StageCost(forward_s=1, backward_input_s=1,
-    backward_weight_s=1), pp=4, n_microbatches=8).bubble_fraction`` is 3 / 11.
-    """
+    backward_weight_s=1), pp=4, n_microbatches=8).bubble_fraction`` is 3 / 11."""
     if isinstance(schedule, ScheduleActions):
         if (pp, n_microbatches, n_stages) != (None, None, None):
             raise ValueError(

@@ -1,61 +1,18 @@
 """A stage's plan as a chain of unit plans under a memory budget and a recomputation policy.
 
-:func:`choose_chain` takes the stage as positions of distinct units (:class:`Stage`, built
-by :mod:`autopp.sharding.planner`, each distinct unit with its ILP model and candidate
-boundary pairs) and picks one solution per position: the best chain at a memory price, the
-search for that price, the polish that closes its gap, the recomputation policy, and the
-over-budget error that names the largest consumers (its text: :mod:`autopp.sharding.over_budget`).
+:func:`choose_chain` picks one solution per position of the stage's distinct units
+(:class:`Stage`). A stage of several units shares one budget through a Lagrangian price:
+each unit is solved for time + λ × its counted bytes, the chain chosen by the same sum, and
+λ searched for the fastest chain that fits (λ = 0 first: done if it fits; λ = ∞ next: least
+memory, else the plan is infeasible and the error names the consumers). Why a price and not
+a split of the budget: it moves memory to where it buys the most time, and the chosen plan
+fits as a whole. :func:`_best_mix` re-chooses exactly over every unit solution met.
 
-Memory (``memory_budget_bytes``, per device). Each unit's ILP has one memory row
-(:mod:`autopp.sharding.memory_row`: parameter state, activations × ``activation_factor``,
-gathered parameters). A stage planned flat, or as a single unit, is searched the same way;
-its polish (the budget in that row) is then the whole stage's ILP, to within
-:data:`_POLISH_GAP`. A stage of several units shares the budget, and the units' plans
-are only additive (each unit is solved per boundary pair and chained), so the budget is
-allocated by a Lagrangian price: every unit is solved minimising time + λ × its counted
-bytes, the chain is chosen by the same sum, and λ is searched (geometrically, from
-0) for the fastest chain whose summed bytes fit. Unlike a split by parameter share, this
-moves memory to where it buys the most time (a block whose activations dominate gets
-recomputed or resharded before the embedding is); unlike "budget minus the others'
-minimum", the chosen plan fits as a whole. λ = 0 first (the time-optimal chain: done if it
-fits), then λ = ∞ (least memory first, time breaking ties; if that does not fit, the
-memory row alone decides: if even its least does not fit, the plan is infeasible and the
-error names the consumers). The price is exact up to the duality gap of one λ
-for all units (a knapsack's rounding: a few blocks could have used a slower, smaller
-plan).
-
-A certified bound. Every solve reports the solver's proven lower bound of its objective
-(:attr:`SolveResult.bound_s`), so each price λ also gives a lower bound on the time of *any*
-chain that fits (mixes of plans for identical blocks included): for a fitting chain c,
-time(c) ≥ time(c) + λ (mem(c) − B) ≥ min over chains of Σ(time + λ mem) − λ B, the minimum
-taken over the units' bounds (weak duality). The search keeps the best such bound
-(:attr:`Chain.bound_s`) and stops as soon as the fitting chain it holds is within
-:data:`CERTIFIED_GAP` of it; only where the gap stays larger does the polish solve units
-with the budget in their row (the exact ILP of a unit's share, the slow MIPs). Against
-another recomputation policy's fitting chain (``incumbent``), a policy whose bound reaches
-that chain's time is dropped without its polish: it cannot be faster. The bound and the gap
-are reported (``StagePlan.time_bound_s``). It is proven in the ILP's accounting; the
-evaluated time and memory of a solution (:func:`~autopp.sharding.solution.evaluate`, what
-plans report) can sit a little below the ILP's (its memory row over-counts the selective
-policy's saved values by a few percent), so each unit's bound is moved down by its own
-solution's difference: exact where the two agree, an estimate where they do not. The
-polish's decision, and the drop of a policy against another's chain, use the bound unmoved
-(:attr:`Chain.ilp_bound_s`): a polish is an ILP solve, so it cannot go below it.
-
-Mixing. The search keeps every unit solution it meets, on every boundary pair;
-:func:`_best_mix` then picks, exactly over those, one per position and the boundary
-placements between them under the budget (identical blocks may take different plans and
-pairs), which closes most of the price's rounding without a MIP.
-
-Recomputation (``recompute``): ``"none"`` / ``"selective"`` / ``"full"`` fix the policy of
-the stage's backward (:mod:`autopp.graph.recompute`: it changes which forward values the
-ILP counts as saved and adds the recomputed nodes' forward time to the objective);
-``"auto"`` plans the stage under each and keeps the fastest that fits (``"none"`` alone when
-its time-optimal plan fits: recomputing only adds time); a policy whose time-optimal plan
-is no faster than a fitting plan already found is not searched further (that time bounds
-every plan of the policy from below). The choice is per stage, since the graph runtime
-splits a stage with one policy.
-"""
+Invariant: each price gives a lower bound on every fitting chain (weak duality over the
+solver's proven bounds); the search stops once its chain is within :data:`CERTIFIED_GAP` of
+the best bound, and only otherwise polishes units as MIPs under their share. The bound is
+reported (``StagePlan.time_bound_s``). ``recompute="auto"`` keeps the fastest policy that
+fits, per stage (the runtime splits a stage with one policy)."""
 
 from __future__ import annotations
 
@@ -199,17 +156,15 @@ _POLISH_GAP = CERTIFIED_GAP / 2
 POLISH_TARGET = True
 """A polish's MIP stops at its first plan whose time brings the chain within
 :data:`_POLISH_GAP` of the chain's bound (HiGHS's ``objective_target``): that bound, from
-the price search over the whole chain, is far stronger than the MIP's own (a 405B block's
-MIP bound sits 28% below its plans), so the MIP's own gap would not close before its
-limits. False: each MIP runs to its own gap or its limits."""
+the price search over the whole chain, is far stronger than the MIP's own LP bound, so the
+MIP's own gap would not close within its limits. False: each MIP runs to its own gap."""
 
 POLISH_NODES = 60
 """Branch-and-bound nodes a polish's MIP may take (deterministic, unlike a time limit). It
 starts from the fastest known plan that fits its share (:func:`_start_within`), so it
-returns that plan or a better one. Measured on the 405B dry run (2026-12-02): a block's MIP
-under its share has a weak LP bound (28% below its best plan, where the price search's
-bound over the chain is 1.3% below), so 500 nodes (60 s) proved and found nothing there;
-the finer price search (:data:`_PRICE_TOLERANCE`) closes those gaps instead."""
+returns that plan or a better one. A block's MIP under its share has a weak LP bound, so
+more nodes prove little; the finer price search (:data:`_PRICE_TOLERANCE`) closes those gaps
+instead."""
 
 
 _SEARCH_GAP = 1e-3
@@ -219,8 +174,7 @@ chosen chain is polished at the solver's default gap)."""
 # The price search's solves at a positive price take the LP relaxation's rounding where it
 # is not integral (``Model.solve(round_fractional=True)``) rather than a MIP: the LP's
 # optimum is still a proven bound, so the certificate holds, and the rounded plan is a real
-# one. Measured on the 70B pp16 x dp8 x tp4 1F1B fp32 dry run (2026-12-04): ten such MIPs
-# took 2.4-11.7 s each (one at its time limit), 50 of the 87.5 s of solves.
+# one. Such MIPs take seconds each on large models and buy nothing the polish would not.
 
 
 def _solve(stage: Stage, kind: int, pair: tuple, mode: str, price: float,
@@ -375,10 +329,10 @@ def _search_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: fl
         return _Searched(mode, fast, fast, {})
     # least memory from the LP relaxations rounded first: where that plan fits, it is the
     # search's feasible start (a split backward's peaks, a max over two terms, leave those
-    # LPs fractional, and their MIPs took a minute a stage on the 70B DualPipeV dry run)
+    # LPs fractional, and their MIPs are slow)
     least = _chain(stage, mode, math.inf, time_limit_s, rounded=True)
     if least.memory_bytes > budget:
-        # before the least-memory MIPs (seconds each at 70B): where the bytes-only LP
+        # before the least-memory MIPs (slow on large models): where the bytes-only LP
         # relaxations already prove that no chain fits, the policy is out
         proven = _least_bytes_bound(stage, mode, time_limit_s, least)
         if proven > budget:
@@ -509,9 +463,8 @@ def _polish(stage: Stage, mode: str, budget: float, best: Chain, time_limit_s: f
 
 def _start_within(share: float, *groups) -> SolveResult | None:
     """The fastest known solution whose memory, as the ILP's row counts it, fits ``share``:
-    the polish's MIP start. A start over the share is no start (HiGHS drops an infeasible
-    one and searches from nothing: measured on the 405B dry run, 500 nodes in 58 s ending
-    far slower than the searched plan)."""
+    the polish's MIP start. A start over the share is no start: HiGHS drops an infeasible
+    one and searches from nothing."""
     fits = [r for g in groups for r in g
             if (r.ilp_memory_bytes if r.ilp_memory_bytes == r.ilp_memory_bytes
                 else r.memory_bytes) <= share]

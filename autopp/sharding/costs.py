@@ -1,30 +1,16 @@
 """The cost model: compute time of a node option and time of each redistribution.
 
-Compute (per device): ``max(flops / (peak × efficiency), bytes / memory bandwidth)``, the peak
-the dtype's (:func:`profiles.devices.matmul_peak`: fp32 at TF32's rate only when the plan was
-made with TF32 on), with the FLOPs from torch's FLOP counter registry for the global shapes,
-divided by the number of devices that split the work (a mesh dim splits it when any input or
-output is sharded on it; fully replicated work is repeated on every device). View-like ops
-cost nothing.
+Compute (per device): ``max(flops / (peak × efficiency), bytes / memory bandwidth)``, the
+peak the dtype's (:func:`profiles.devices.matmul_peak`), FLOPs from torch's FLOP counter for
+the global shapes divided by the devices that split the work (a mesh dim splits it when any
+input or output is sharded on it). View-like ops cost nothing.
 
-Communication (per device, α-β model per mesh dim, bandwidth and latency from
-:func:`profiles.mesh_links`, the price from :func:`profiles.collectives.collective_s`): for
-each mesh dim of ``n`` ranks whose placement changes, ``latency · steps + wire / bandwidth``
-
-=====================  ================  ========  ===========================
-transition             collective        steps     bytes on the wire (L = local bytes before)
-=====================  ================  ========  ===========================
-Partial -> Replicate   all_reduce        2 (n-1)   2 (n-1)/n · L
-Partial -> Shard       reduce_scatter    n-1       (n-1)/n · L
-Shard -> Replicate     all_gather        n-1       (n-1) · L
-Shard(a) -> Shard(b)   all_to_all        n-1       (n-1)/n · L
-Replicate -> Shard     (local slice)     0         0
-=====================  ================  ========  ===========================
-
-Steps that shrink the local tensor run first. ``_StridedShard`` is priced like ``Shard``.
-Collectives an op runs inside its own kernel (:mod:`op_hooks`: routed experts' all-to-all
-token dispatch) are priced with the same table and added to the op's time.
-"""
+Communication (per device, per mesh dim whose placement changes, priced by
+:func:`profiles.collectives.collective_s`): Partial → Replicate is an all-reduce, Partial →
+Shard a reduce-scatter, Shard → Replicate an all-gather, Shard(a) → Shard(b) an all-to-all,
+Replicate → Shard a local slice (free). Steps that shrink the local tensor run first;
+``_StridedShard`` is priced like ``Shard``. Collectives an op runs inside its kernel
+(:mod:`op_hooks`) are priced the same way and added to the op's time."""
 
 from __future__ import annotations
 

@@ -1,43 +1,17 @@
 """Token dispatch by all-to-all for ``autopp::routed_experts`` (expert parallelism).
 
-:mod:`autopp.ops.experts` gives the routed-experts op DTensor rules whose kernels need no
-communication: with experts split over a mesh dim, every device gets every token (an
-all-gather the planner prices as a redistribution), runs its own experts on the tokens routed
-to them, and the outputs are summed back (a reduce-scatter). Each device then receives
-``(n-1)·T`` tokens per layer. All-to-all dispatch sends each token only to the devices that
-hold its experts: about ``(n-1)/n·K·T`` rows each way, which is less whenever the expert-parallel
-degree ``n`` exceeds the top-k ``K`` (DeepSeek-V3: K = 8 over 64 devices moves 8x less).
+With experts split over a mesh dim of n devices, the op's plain options gather every token to
+every device ((n-1)·T tokens per layer). All-to-all sends each token only where its experts
+are, about (n-1)/n·K·T rows each way: less whenever n exceeds the top-k K. The sizes are
+data-dependent, so the op's kernel does the exchange, offered through
+:mod:`autopp.sharding.op_hooks`: options with tokens split on the experts' dims and the output
+split like them; a price (two all-to-alls of T·K·D elements and the counts forward, two
+backward reusing the forward's routing; uniform routing assumed); routing outputs pinned so
+the backward receives them as the forward made them; and the local run (:func:`dispatched`).
 
-That exchange has data-dependent sizes, so it cannot be a redistribution between ops: the
-op's kernel does it. This module adds the option to the planner through
-:mod:`autopp.sharding.op_hooks`:
-
-* **Options.** For each option DTensor's rule gives with experts split over a mesh dim ``d``
-  and tokens whole there, the same option with tokens (x, scores, ids; in the backward the
-  output gradient too) split on ``d`` (batch or sequence) and the output split the same way
-  instead of ``Partial``: each device keeps its own tokens and exchanges rows with the
-  others. One mesh dim per op dispatches this way; other dims keep their placements
-  (experts split further with tokens whole there, the hidden dim split, tokens split).
-* **Price.** The forward runs two all-to-alls of ``T_local·K·D`` elements (tokens out,
-  outputs back) and one of the token counts; its backward reuses the forward's routing
-  (no count exchange) and runs two: tokens, output gradients and scores out (``2·D + 1``
-  per row), token and score gradients back (``D + 1``). :mod:`costs` prices them with the
-  all-to-all row of its table (``(n-1)/n`` of the rows leave the device under uniform
-  routing; skew is not modelled).
-* **Routing.** The forward's routing outputs (``order``, ``counts``) are the op's own
-  state: the backward's inputs 8 and 9 are pinned (:class:`op_hooks.OpHooks`), so the
-  planner pairs the two ops' options only where they arrive as the forward made them.
-* **Run.** The interpreter calls the op on the local shards with the mesh dim's process
-  group and the experts each of its devices holds (``dispatch_block``); :func:`dispatched`
-  is the kernel. The lowered stage graph keeps the op as one node, its collectives inside.
-
-The kernel follows torchtitan's ``AllToAllTokenDispatcher`` (count exchange, rows sorted by
-expert, all-to-all, rank-major to expert-major permutation, and the reverse), written on
-torch's differentiable functional all-to-all rather than called: torchtitan's dispatcher
-takes its group from an expert-parallel ``DeviceMesh`` wired into the module and from its
-``spmd_types`` backend, while this op runs on plain local tensors inside a custom op whose
-only handle on the group is its name.
-"""
+The kernel follows torchtitan's ``AllToAllTokenDispatcher`` but is written on torch's
+functional all-to-all, since torchtitan's takes its group from a mesh wired into the module,
+while this op's only handle on the group is its name."""
 
 from __future__ import annotations
 

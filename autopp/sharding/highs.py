@@ -5,10 +5,8 @@ Why warm: a budget search solves one unit's LP many times with only some numbers
 (its costs between memory prices, its column bounds between boundary pairs, the memory
 row's bound for a polish, the memory row's coefficients between stages that keep another
 number of microbatches in flight); HiGHS re-solves such an LP from its last optimal basis
-in a fraction of a cold solve's time (measured: the 70B pp4 dry run's price solves went
-from 0.34 s to 0.08 s each). Not always: a warm least-memory re-solve of the debug model
-(61k columns) took 0.1 s in most runs and over 60 s in some (a cold one: 0.4 s), so a warm
-re-solve gets twice its cold solve's time and then starts cold (:data:`WARM_GUARD`).
+in a fraction of a cold solve's time. Not always: a warm re-solve occasionally stalls, so
+it gets a bounded share of its cold solve's time and then starts cold (:data:`WARM_GUARD`).
 """
 
 from __future__ import annotations
@@ -72,9 +70,8 @@ least this many seconds; past it the LP is solved cold."""
 FIX_GAP = 1e-3
 """A time-only solve's plan from :meth:`WarmLps.fix_and_solve` is taken where it is within
 this fraction of its LP relaxation's optimum (0.1%: inside the planner's 1% certified gap
-and its cost model's error); otherwise the whole MIP is solved. Measured on the 70B/512 fp32
-probes: at dp=64 × tp=8 the fixed plans sat 1.3e-4 to 3.0e-4 above their relaxations and
-each was the whole MIP's optimum (1.5-1.6 s each, against 0.12 s fixed)."""
+and its cost model's error); otherwise the whole MIP is solved. A tighter threshold sends
+fixed plans that are already the MIP's optimum to the much slower whole MIP."""
 
 
 class WarmLps:
@@ -95,10 +92,9 @@ class WarmLps:
         rest is solved as a MIP (HiGHS's presolve removes the fixed columns: a few dozen
         integer columns stay of thousands). Its plan is taken, with the relaxation's
         optimum as its proven bound, where it is within :data:`FIX_GAP` (or ``rel_gap``,
-        if looser) of that bound; None otherwise (the caller solves the whole MIP).
-        Measured on the 70B/512 fp32 probes (dp=4 × tp=8, a layer's 57k-column ILP): the
-        whole MIP took 1.8 s (its root LP and cuts, no presolve), this 0.3 s, the same
-        plan. Returns (x, seconds, status, objective) as :meth:`run` does."""
+        if looser) of that bound; None otherwise (the caller solves the whole MIP), which
+        is several times slower for the same plan. Returns (x, seconds, status, objective)
+        as :meth:`run` does."""
         t0 = time.perf_counter()
         ints = np.asarray(integer, dtype=bool)
         fixed = np.asarray(upper, dtype=np.float64).copy()
@@ -124,10 +120,10 @@ class WarmLps:
         whose objective (seconds) is at most this (HiGHS's ``objective_target``), before its
         gap closes. ``coefs``: other (row, column, value) entries set anew on a warm LP (a
         split backward's peak rows). ``presolve``: False runs a cold solve without HiGHS's
-        presolve: the planner's time-only MIPs close at their root, where presolve was half
-        their time for the same optimum (``benchmarks/probe_time.py``: the 70B/512 probes'
-        MIPs 88.6 s with it, 46.4 s without); a polish's MIP branches, and keeps it. Returns (x, seconds, status, objective, proven lower bound
-        of the objective); x is empty where no solution was found."""
+        presolve: the planner's time-only MIPs close at their root, where presolve costs
+        about half their time for the same optimum (``benchmarks/probe_time.py``); a
+        polish's MIP branches, and keeps it. Returns (x, seconds, status, objective,
+        proven lower bound of the objective); x is empty where no solution was found."""
         t0 = time.perf_counter()
         h, last_upper, last_mem, cold_s, last_coefs = self._lps.get(
             warm, (None,) * 5) if warm else (None,) * 5
@@ -163,7 +159,7 @@ class WarmLps:
             h.setOptionValue("time_limit", float(time_limit_s))
             h.setOptionValue("threads", int(threads))
             h.setOptionValue("mip_rel_gap", float(rel_gap))
-            h.setOptionValue("mip_heuristic_effort", 0.3)  # measured: finds incumbents sooner
+            h.setOptionValue("mip_heuristic_effort", 0.3)  # finds incumbents sooner
             if max_nodes is not None:
                 h.setOptionValue("mip_max_nodes", int(max_nodes))
             if objective_target is not None and as_mip:

@@ -2,18 +2,14 @@ r"""What a split backward keeps from I to W, for the sharding ILP's memory row
 (:mod:`autopp.sharding.memory_row`): which values, their bytes under a choice, and the
 rows that hold a stage's peak.
 
-A split backward (zero bubble, DualPipeV) frees a microbatch's saved activations
-:math:`A` at the end of its I and keeps, until its W, what the W graph reads: :math:`K`.
-With :math:`a` microbatches between their F and I and :math:`b` between their I and W, a
-stage holds :math:`aA + bK`; its peak is the largest over the pairs the schedule reaches
-(:func:`autopp.schedules.in_flight.split_in_flight`). In the ILP: two columns equal to
-one microbatch's :math:`A(x)` and :math:`K(x)` (MiB), a column :math:`h` the row counts
-in their place, and one row :math:`h - aA - bK \ge 0` per peak, padded to
-:data:`PEAK_ROWS` so that every stage's LP has one structure (:func:`peak_coefs` re-sets a
-warm LP's coefficients). Priced or bounded, :math:`h` sits at the largest: exact for a
-unit; a stage's units are summed, which bounds the stage's peak from above.
-docs/design.md, "What a split backward holds from I to W".
-"""
+A split backward frees a microbatch's activations :math:`A` at the end of its I and keeps
+what W reads, :math:`K`, until its W. With :math:`a` microbatches between F and I and
+:math:`b` between I and W, a stage holds :math:`aA + bK`; its peak is the largest over the
+schedule's pairs (:func:`autopp.schedules.in_flight.split_in_flight`). In the ILP: columns
+for one microbatch's :math:`A(x)` and :math:`K(x)` (MiB), a column :math:`h` in their place,
+and one row :math:`h - aA - bK \ge 0` per pair, padded to :data:`PEAK_ROWS` so every stage's
+LP has one structure (:func:`peak_coefs` re-sets a warm LP). Invariant: :math:`h` sits at the
+largest, exact for a unit; a stage's summed units bound its peak from above."""
 
 from __future__ import annotations
 
@@ -100,10 +96,7 @@ def edge_bytes(row: MemoryRow, val: Any, a: Any) -> float:
     gather of an activation over dp for a weight gradient) runs in W, since W runs the
     collectives only it needs (``_compat.graph.split_di_dw_graph``); its result is W's
     working memory, which the lowered graphs' estimate counts (``work``), not a value
-    held from I to W. Until then such a gather ran in I and W held its result: this
-    counted the larger of the two placements, which over-counted by up to 1.60× once W
-    gathered for itself (the 70B DualPipeV plan of benchmarks/split_backward_memory.py,
-    2026-12-06)."""
+    held from I to W."""
     return row.costs.local_bytes(val, a)
 
 

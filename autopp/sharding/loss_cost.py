@@ -1,20 +1,12 @@
 """Cost of the cross-entropy loss at the end of the last stage: on gathered logits, or in
 parallel over tp with the logits left split on the vocabulary (loss parallel).
 
-The last stage's planned graph ends at the logits; which placement it leaves them in is a
-choice between two plans (see :func:`autopp.plan.make.plan_pipeline`):
-
-* ``"batch"``: logits gathered over tp (the ILP pays the all-gather of a vocabulary-sized
-  tensor); every tp rank then computes the whole loss.
-* ``"vocab"``: logits stay split on the vocabulary over tp (no gather); the loss runs in
-  parallel (torch's ``loss_parallel``): each rank reads 1/tp of the logits and three small
-  all-reduces over tp (max, sum of exponentials, target logit; one float per token) combine
-  them. The backward needs no communication.
-
-This module prices the loss itself for each; the stage's plan prices the rest. The loss is
-memory bound: forward and backward together read and write the fp32 logits about
-:data:`PASSES` times.
-"""
+The last stage's planned graph ends at the logits, in one of two placements: ``"batch"``
+(gathered over tp; the ILP pays the gather, and every tp rank computes the whole loss) or
+``"vocab"`` (split on the vocabulary; torch's ``loss_parallel`` reads 1/tp of the logits and
+combines with three small all-reduces over tp, one float per token; no backward
+communication). This module prices the loss itself for each; the loss is memory bound, reading
+and writing the fp32 logits about :data:`PASSES` times."""
 
 from __future__ import annotations
 

@@ -1,70 +1,18 @@
-r"""The sharding ILP's per-device memory row and recomputation costs (:class:`MemoryRow`,
-built once per recomputation policy), and :meth:`MemoryRow.account`, the same count walked
-exactly on a chosen plan, which is what plans report. :mod:`autopp.sharding.solver` adds the
-row to its LP, as a bound or priced in the objective.
+r"""The sharding ILP's per-device memory row and recomputation costs (:class:`MemoryRow`, built
+once per recomputation policy), and :meth:`MemoryRow.account`, the same count walked exactly
+on a chosen plan, which is what plans report.
 
-Notation as in :mod:`autopp.sharding.solver`: nodes :math:`v` with options :math:`o`, option
-columns :math:`x_{v,o}`, edge-flow columns :math:`y_{e,a,g}`. The row (:class:`MemorySpec`,
-per device, bytes):
-
-.. math::
-
-    \text{State} + f \cdot \text{Act} + \text{Gath} \le M, \qquad
-    \text{objective} \mathrel{+}= \text{Recomp}
-
-* State (``_state_terms``). Legacy (``optimizer_state_factor=None``):
-  :math:`\sum_p \sum_o s\, m_{p,o} x_{p,o}` with :math:`m_{p,o}` the parameter's local
-  bytes and :math:`s` = ``param_state_factor`` (everything sharded like the parameter).
-  Explicit categories: :math:`\sum_p [(1 + s_{opt}) \sum_o m_{p,o} x_{p,o} + k\,G_p]`,
-  :math:`G_p \ge \sum_o m_{p,o} x_{p,o}`, :math:`G_p \ge \sum_o m_{\nabla p,o}
-  x_{\nabla p,o}`: parameters, optimizer state sharded like them, and the gradient at the
-  larger of its reduced size and its size before reduction (the step's accumulator, e.g. dp
-  times a dp-sharded parameter: gradients are reduced once per step), :math:`k` =
-  ``gradient_copies`` of it (2 with several microbatches: a backward's fresh gradients next
-  to the accumulator they are added to).
-* Act (``_activation_terms``), only when ``activation_factor`` :math:`f` is set: the
-  forward values the backward reads, under the recomputation policy of
-  :func:`autopp.graph.recompute.recompute_sets` (``"none"``: every forward value a backward
-  node reads; ``"selective"`` / ``"full"``: its ``MUST_SAVE`` values and inputs reached from
-  the backward through recomputed nodes), each at :math:`\sum_o b_{u,o} x_{u,o}` (local
-  bytes in the chosen placement; a multi-output node read only through ``getitem``s counts
-  the outputs those read, e.g. attention's log-sum-exp next to its separately saved
-  output). Parameter-only values (views, casts of weights: the unshard graph's) are state,
-  not activations. A recomputing backward re-runs the
-  all-gathers of activations (from their saved input: their time is recomputation) and
-  never re-runs a reduction: on an edge :math:`e` into a recomputed node whose pair
-  :math:`(a, g)` runs a reduction (before any trailing all-gathers), that collective's
-  output is saved, :math:`\sum_{(a,g)} b_e(a,g)\, y_{e,a,g}`, and the producer is not
-  needed through that edge. That cut is exact where a saved value is needed
-  only through one edge into a node the backward surely recomputes (a row-parallel
-  matmul's partial output before its all-reduce: counted :math:`\sum_{(a,g)\,\text{no
-  collective}} b_u(a)\, y_{e,a,g}`); deeper cuts are not modelled (the producers are
-  counted as needed: an upper bound; :meth:`MemoryRow.account` walks the chosen plan
-  exactly). A recomputed node adds :math:`\sum_o c_{v,o} x_{v,o}` to the objective (the
-  backward runs it again; also counted where a cut makes it unnecessary).
-* Held, with a split backward (``MemorySpec.split_in_flight``): :math:`f \cdot \text{Act}` is
-  replaced by a column bounded below by :math:`a \cdot \text{Act} + b \cdot \text{Kept}`
-  for each of the stage's (F→I, I→W) peaks, Kept being what W keeps from I
-  (:mod:`autopp.sharding.kept_for_w`).
-* Gath (``_gathered_terms``), with ``activation_factor`` set: the parameter-only values
-  other nodes read (the unshard graph's outputs, held once per step), per distinct
-  (value, required placement :math:`g`): :math:`W_{s,g} \ge \sum_{o \in O_d^g} x_{d,o} -
-  \sum_{o: out = g} x_{s,o}` (redistributed for a reader :math:`d`) and :math:`W_{s,g} \ge
-  \sum_{o \in O_d^g} x_{d,o} + w_s - 1` with :math:`w_s` = 1 when :math:`s` is new memory
-  already (a cast, or a view of a gathered value); a parameter or a view of one read in its
-  own placement costs nothing. Counted at :math:`b_s(g) W_{s,g}`.
-
-Units: the solver's memory row is in MiB (:data:`MIB`), and so are :math:`G_p` and its
-rows, so that every row's coefficients sit within a few orders of magnitude of each other
-(:math:`W_{s,g}, w_s` are 0/1 indicators, their rows' coefficients ±1). :class:`Terms`
-holds the row's coefficients in bytes per unit of each column (:math:`k \cdot` MiB for
-:math:`G_p`), so the row's value is in bytes either way.
-
-The auxiliary variables :math:`G_p, W_{s,g}, w_s` are continuous and only bounded below;
-priced they sit at their bounds, and with integral :math:`x` the row then equals
-:meth:`MemoryRow.account` up to the deeper cuts above (``SolveResult.ilp_memory_bytes`` vs
-``memory_bytes``).
-"""
+The row (:class:`MemorySpec`, per device): State + f · Act + Gath ≤ M, and Recomp added to
+the objective. State: parameters and optimizer state in their chosen placement, and each
+gradient at the larger of its reduced and unreduced size (a column :math:`G_p`),
+``gradient_copies`` times. Act: the forward values the backward reads under the policy
+(:func:`autopp.graph.recompute.recompute_sets`), × the microbatches in flight f; with a split
+backward a peak column over the in-flight pairs (:mod:`autopp.sharding.kept_for_w`). Gath:
+parameter-only values other nodes read, once per distinct (value, placement). Recomp: a
+recomputed node's time. A reduction is never re-run, so its output is counted where a
+recomputed node reads it. Every row is in MiB (:data:`MIB`), which keeps coefficients within
+a few orders of magnitude; :class:`Terms` holds bytes per unit of each column. Invariant:
+with integral choices the row equals ``account`` up to cuts deeper than one edge."""
 
 from __future__ import annotations
 

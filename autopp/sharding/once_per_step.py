@@ -1,50 +1,18 @@
 r"""A stage's once-per-step collectives, and how much of them its schedule hides.
 
-A planned stage gathers its dp-sharded weights once per step (UNSHARD: the ILP's edges out
-of parameter-only values, :func:`autopp.graph.walk.param_only_nodes`) and reduces its
-gradients once per step (REDUCE_GRAD: the gradient-to-parameter ties). With collectives
-issued ahead (autopp's graph runtime with ``overlap_collectives`` on, its default;
-``StageGraphs.collectives_ahead``) both run on the rank's communication stream beside
-compute: a stage's gathers from the step's start until its first action, its reductions
-from its last backward until the step's end. How long those windows are is the schedule's
-business (:func:`autopp.schedules.comm_windows.collective_windows`: a 1F1B rank r waits
-r forwards for its first input; the first stage waits for nothing). The step pays only
-what exceeds them.
-
-So the stage's time per microbatch, with :math:`t(x)` everything but these collectives,
-:math:`C_k(x)` kind k's collectives (1/M of their time a step, M microbatches) and
-:math:`W_k` its window (per microbatch too), is
-
-.. math::
-
-    T(x) = t(x) + \sum_k \max(0,\; C_k(x) - W_k).
-
-It is not linear, and the planner's units are solved apart, so the ILP keeps pricing the
-collectives in full (:math:`t + \sum_k C_k`, the upper bound it always priced) and this
-module decides whether that choice can be improved, and by how much at most:
-
-* the full-price chain :math:`x_1` (what :func:`~autopp.sharding.budget.choose_chain`
-  returns) has :math:`T(x_1) = t(x_1) + \sum_k C_k(x_1) - \sum_k \min(C_k(x_1), W_k)`;
-* every plan that fits has :math:`T(x) \ge \min_y (t + \sum_k C_k)(y) - \sum_k \min(C_k(x),
-  W_k) \ge B_1 - \sum_k \min(\bar C_k, W_k)`, with :math:`B_1` the full-price search's
-  certified bound and :math:`\bar C_k` the most kind k's collectives can cost in any plan
-  (:attr:`Model.once_max_s <autopp.sharding.solver.Model.once_max_s>`: each edge at its
-  dearest pair);
-* where :math:`T(x_1)` is within :data:`~autopp.sharding.budget.CERTIFIED_GAP` of that
-  bound, :math:`x_1` stands (short windows, or collectives that cannot cost much);
-* else, where the stage's fastest plan fits its budget, the stage gets a second look: its
-  time-optimal chain with the collectives all but free (``Model(once_weight=FREE_WEIGHT)``:
-  :math:`\min t + w \sum_k C_k`, one time-only solve per unit, whose bound less
-  :math:`w \sum_k \bar C_k` bounds :math:`t`, hence :math:`T`, over every plan), and the
-  faster of the two by :math:`T` is kept;
-* under a binding budget that second look would be a second price search (on the 70B
-  pp4 dry run it cost 5 s on 19 s and bought 0.02%, benchmarks/README.md), so
-  :math:`x_1` stands and the plan's notes say how much faster the windows could make it
-  at most.
-
-With no window (the first stage of 1F1B, collectives that block) :math:`T` is the full
-price and nothing changes.
-"""
+A planned stage gathers dp-sharded weights (UNSHARD) and reduces gradients (REDUCE_GRAD) once
+per step; issued ahead, they run beside compute in the windows the schedule leaves
+(:mod:`autopp.schedules.comm_windows`). With :math:`t(x)` the rest of the stage's time and
+:math:`C_k(x)` kind k's collectives against window :math:`W_k`, the stage takes
+:math:`T(x) = t(x) + \sum_k \max(0, C_k(x) - W_k)`. That is not linear and units are solved
+apart, so the ILP prices collectives in full, and this module decides whether the full-price
+chain :math:`x_1` can be improved: it stands where :math:`T(x_1)` is within
+:data:`~autopp.sharding.budget.CERTIFIED_GAP` of :math:`B_1 - \sum_k \min(\bar C_k, W_k)`
+(:math:`B_1` the certified bound, :math:`\bar C_k` the dearest any plan's can be,
+``Model.once_max_s``); else, where the fastest plan fits, a second time-only look with the
+collectives nearly free (``FREE_WEIGHT``) is kept if faster by :math:`T`. Under a binding
+budget the second look would be a second price search, so the plan's notes give the most the
+windows could save instead."""
 
 from __future__ import annotations
 

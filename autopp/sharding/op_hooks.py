@@ -1,24 +1,13 @@
 """Ops whose kernel communicates: how the planner offers, prices and runs them.
 
-DTensor's sharding rules describe ops whose local kernel needs no communication; the
-collectives are the redistributions between ops, which :mod:`costs` prices and DTensor
-performs. A few ops cannot be written that way: routed experts that send each token only to
-the devices holding its experts (:mod:`autopp.sharding.expert_dispatch`) exchange a
-data-dependent number of rows inside the kernel. Such an op registers three hooks here,
-keyed by its ``OpOverload``:
-
-* ``extra_options(node, options, mesh_shape)``: options to add to (or, by returning a
-  filtered list, to replace) those DTensor's rule gave (:mod:`strategies`);
-* ``collectives(node, option, mesh_shape)``: the collectives the kernel runs for an option,
-  as ``(kind, mesh_dim, local_bytes)`` (:mod:`costs` prices them like a redistribution's);
-* ``local_call(node, option, mesh)``: ``None`` when DTensor can run the option as usual, or
-  a function of the local shards (the interpreter wraps its result in the planned output
-  placements; :mod:`interpret`);
-* ``pinned``: positions of tensor arguments that are the op's own state (e.g. the routing
-  a forward op returns for its backward op): their values are per device, so they must
-  arrive exactly as produced; the solver links only equal placements on those edges
-  (:mod:`solver`), never a redistribution.
-"""
+DTensor's rules describe ops whose local kernel needs no communication; collectives are the
+redistributions between ops. An op that exchanges data-dependent rows inside its kernel
+(:mod:`autopp.sharding.expert_dispatch`) registers hooks here, keyed by its ``OpOverload``:
+``extra_options`` (options added to, or replacing, the rule's: :mod:`strategies`),
+``collectives`` (what the kernel runs for an option, ``(kind, mesh_dim, local_bytes)``, priced
+by :mod:`costs`), ``local_call`` (a function of the local shards, or None for DTensor's usual
+run: :mod:`interpret`), and ``pinned`` (arguments that are the op's own per-device state,
+which the solver links only in equal placements, never through a redistribution)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,13 @@
 """Mixed precision for planned stages: parameters computed in ``param_dtype`` (e.g. bf16),
 gradients reduced in ``reduce_dtype`` (e.g. fp32), masters and optimizer state in fp32.
 
-The policy is torch's own :class:`torch.distributed.fsdp.MixedPrecisionPolicy` (FSDP2's), so
-a torchtitan user passes what they already have. What autopp does with it:
-
-* Tracing: each planned unit is traced through :class:`CastParams`, which casts every
-  floating-point parameter to ``param_dtype`` at the top of the forward. The casts, and
-  their backward casts of the gradients to the master dtype, are nodes of the joint graph,
-  so the planner prices where to gather a parameter (after the cast: half the bytes, as FSDP2
-  does) like any other choice, and the lowered graph runs them.
-* Reduction in ``reduce_dtype``: :func:`reduce_after_cast` pins every gradient cast node to
-  receive its input unredistributed, so a partial gradient (summed over dp, or over tp for a
-  row-parallel weight) is cast first and reduced in ``reduce_dtype``, never in bf16.
-
-Only ``param_dtype`` / ``reduce_dtype`` are honoured; ``reduce_dtype`` must equal the
-parameters' own (master) dtype, since the backward cast goes to the master dtype.
-"""
+The policy is torch's FSDP2 :class:`~torch.distributed.fsdp.MixedPrecisionPolicy`, so a
+torchtitan user passes what they have. Units are traced through :class:`CastParams`, which
+casts floating parameters to ``param_dtype`` at the top of the forward: the casts and their
+backward casts are graph nodes the planner prices (gathering after the cast moves half the
+bytes). :func:`reduce_after_cast` pins every gradient cast to take its input unredistributed,
+so partial gradients are reduced in ``reduce_dtype``, never in bf16. ``reduce_dtype`` must be
+the parameters' own (master) dtype."""
 
 from __future__ import annotations
 

@@ -1,58 +1,18 @@
-r"""The sharding ILP, solved with HiGHS (highspy).
+r"""The sharding ILP of one unit, solved with HiGHS (highspy).
 
-Notation: nodes :math:`v` of the joint graph, each with options :math:`o \in O_v`
-(strategies.py); edges :math:`e = (u \to v, i)` (argument :math:`i` of :math:`v` produced by
-:math:`u`). On edge :math:`e`, :math:`A_e` are the distinct placements :math:`u` can produce
-and :math:`G_e` the distinct placements :math:`v` can require; :math:`O_u^a` are the options
-of :math:`u` that produce :math:`a`, :math:`O_v^g` those of :math:`v` that require :math:`g`.
+    min  Σ_v Σ_o c[v,o] x[v,o] + Σ_e Σ_(a,g) r[e](a,g) y[e,a,g]  (+ Recomp, + λ · row)
+    s.t. Σ_o x[v,o] = 1                                           ∀ v  (_one_option_per_node)
+         Σ_g y[e,a,g] = Σ_(o ∈ O_u^a) x[u,o],
+         Σ_a y[e,a,g] = Σ_(o ∈ O_v^g) x[v,o]                      ∀ e  (_edge_flows)
+         State + f · Act + Gath ≤ M                              (memory_row.MemoryRow)
+         x ∈ {0, 1},  y ≥ 0
 
-.. math::
-
-    \min \; \sum_v \sum_{o} c_{v,o}\, x_{v,o} \;+\; \sum_e \sum_{a \in A_e, g \in G_e}
-        r_e(a, g)\, y_{e,a,g}
-
-    \text{s.t.}\quad \sum_{o \in O_v} x_{v,o} = 1                      \quad\forall v
-        \qquad\text{(\_one\_option\_per\_node)}
-
-    \sum_{g} y_{e,a,g} = \sum_{o \in O_u^a} x_{u,o},\quad
-    \sum_{a} y_{e,a,g} = \sum_{o \in O_v^g} x_{v,o}                   \quad\forall e
-        \qquad\text{(\_edge\_flows)}
-
-    \text{State} + f \cdot \text{Act} + \text{Gath} \le M
-        \qquad\text{(MemoryRow.terms, one row per recomputation policy)}
-
-    \text{objective} \mathrel{+}= \text{Recomp} \;(+\; \lambda \cdot \text{the row, when
-        priced instead of bounded})
-
-    x \in \{0,1\}, \quad y \ge 0
-
-:math:`c_{v,o}` is the compute time of the option, :math:`r_e(a,g)` the redistribution time
-(costs.py) and :math:`M` the per-device memory budget. The edge-flow variables carry the
-joint choice of both ends with marginal constraints; without the memory row their LP
-relaxation is integral in practice (facts.md), so :meth:`Model.solve` solves the LP first and
-branches only when some :math:`x` is fractional.
-
-The memory row and the recomputation costs (State, Act, Gath, Recomp: what each counts, and
-:meth:`Model.account`, the exact count of a chosen plan that plans report) are
-:mod:`autopp.sharding.memory_row`'s; what a solve returns (:class:`SolveResult`) and the
-exact price of a chosen plan (:func:`evaluate`) are :mod:`autopp.sharding.solution`'s.
-:meth:`Model.solve` takes the budget as the row's
-bound, or a price per byte added to the objective instead (Lagrangian: the row stays out of
-the constraints, so the LP relaxation stays integral in practice; budget.py searches the
-price).
-
-Edges: when an edge has a single placement on one side, its cost is folded onto the other
-side's :math:`x` and no :math:`y` is made; on a follower edge (single-input op,
-``NodeStrategy.follows``) only the pairs its options were
-derived from get a :math:`y` (``_allowed_pairs``).
-
-Ties are edges too (``_tie_edges``): a parameter's gradient flows into the parameter node,
-which requires its own placement, so the gradient ends reduced in the parameter's placement
-and the reduction (all-reduce / reduce-scatter over dp) is priced; likewise a forward output
-flows into its tangent and a user input's gradient into the input. Input/output/parameter
-constraints set the upper bound of the excluded options to 0 (``_upper_bounds``), so one
-built model serves every boundary pair of a block.
-"""
+x picks a node's option (strategies.py), y carries an edge's (produced, required) placement
+pair, c and r are compute and redistribution times (costs.py), M the budget, or λ its price.
+Ties are edges (``_tie_edges``: gradient → parameter, output → tangent), and fixed placements
+are column upper bounds (``_upper_bounds``), so one model serves every boundary pair. Without
+the memory row the LP relaxation is integral in practice, so :meth:`Model.solve` runs the LP
+first and branches only on a fractional x."""
 
 from __future__ import annotations
 
@@ -469,22 +429,15 @@ class Model:
     ) -> SolveResult:
         """Solve with some nodes' placements restricted; raise InfeasiblePlanError naming them.
 
-        ``recompute``: the backward's recomputation policy (memory and time). ``budget``:
-        bytes per device for the memory row (``"default"``: the model's
-        ``memory_budget_bytes``; None: no bound). ``price``: seconds per byte of the memory
-        row added to the objective (Lagrangian; ``inf``: least memory, time breaking ties at
-        1 byte per microsecond, which may trade a few bytes for time; :data:`BYTES_ONLY`:
-        the memory row alone, strictly least). ``start``: a
-        feasible choice to start branching from (a MIP incumbent). ``rel_gap``: the MIP's
-        relative optimality gap (looser for the price search's intermediate solves).
-        ``max_nodes``: a deterministic bound on the MIP's branch-and-bound nodes (the best
-        solution found by then is returned; its bound says how far it may be).
-        ``round_fractional``: where the LP relaxation is not integral, return its rounding
-        (each node's largest option) instead of solving the MIP; the LP's optimum stays the
-        result's proven bound (the price search's intermediate solves).
-        ``objective_target_s``: the MIP stops at its first solution whose objective is at
-        most this, whatever its own gap (a polish whose chain is certified by a stronger
-        bound than the MIP's)."""
+        ``recompute``: the backward's policy. ``budget``: bytes per device for the memory
+        row (``"default"``: the model's; None: no bound). ``price``: seconds per byte of the
+        row added to the objective (``inf``: least memory, time breaking ties;
+        :data:`BYTES_ONLY`: the row alone). ``start``: a feasible MIP incumbent. ``rel_gap``,
+        ``max_nodes``: the MIP's gap and node bound (the best by then is returned, with its
+        bound).
+        ``round_fractional``: return the rounding of a fractional LP relaxation (each node's largest
+        option) with the LP's optimum as its bound, instead of the MIP. ``objective_target_s``: stop
+        at the first solution at most this (a polish certified by a stronger bound)."""
         if budget == "default":
             budget = self.memory_budget_bytes
         least = None if not math.isinf(price) else "tied" if price > 0 else "bytes"
@@ -499,9 +452,7 @@ class Model:
             upper[: len(over)][over] = 0.0
         # the LP's structure (all but the memory row's coefficients) and its objective's
         # kind: a basis optimal for least memory is a poor start for a time-first solve and
-        # the reverse (measured: the debug model's least-memory LPs 37.6 s warm from the
-        # time-first basis, 19.8 s from each other's, before the tie-break weighed 1 byte
-        # per microsecond); a warm start gone astray is cut short (highs.WARM_GUARD)
+        # the reverse; a warm start gone astray is cut short (highs.WARM_GUARD)
         m = self.memory
         # (a split backward's peak rows: one structure for all peaks, coefficients re-set)
         warm = (recompute, m.param_state_factor, m.optimizer_state_factor, m.counts_activations,

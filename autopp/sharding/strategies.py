@@ -1,19 +1,13 @@
 """Candidate placements of every node of a joint graph, from DTensor's own sharding rules.
 
-For each node we keep a list of :class:`Option`: the placement of each output and the
-placement each tensor argument must arrive in. Graph inputs (parameters, buffers, user inputs,
-tangents) get every even placement of their shape; ops ask DTensor's registry
-(``op_strategy_funcs`` or a single-dim rule expanded to the mesh) with the producers' options
-as input strategies; ``getitem`` follows its producer. An op with no rule, or whose rule fails,
-falls back to full replication, is recorded in :attr:`Strategies.fallbacks` and logged as a
-warning once per op and reason (``PlannerOptions(strict=True)`` refuses such plans).
-
-Options holding ``_StridedShard`` (a flattening view of two dims sharded in the "wrong" mesh
-order) and uneven shards are pruned: the planner keeps batch on dp ahead of anything on tp, so
-the sequence-parallel layouts it needs flatten to plain ``Shard`` placements. DTensor's own
-redistribute-cost estimates are switched off while enumerating (see
-``_torch_private.cheap_redistribute_costs``): costs.py prices every edge analytically.
-"""
+Each node gets a list of :class:`Option` (each output's placement and each argument's
+required one). Graph inputs get every even placement of their shape; ops ask DTensor's
+registry (``op_strategy_funcs`` or a single-dim rule expanded to the mesh); ``getitem``
+follows its producer. An op with no rule, or whose rule fails, is replicated, recorded in
+:attr:`Strategies.fallbacks` and warned about once (``PlannerOptions(strict=True)`` refuses
+it). ``_StridedShard`` and uneven options are pruned (batch on dp ahead of anything on tp
+keeps the layouts the planner needs plain), and DTensor's own redistribute-cost estimates are
+off while enumerating: costs.py prices every edge."""
 
 from __future__ import annotations
 

@@ -1,37 +1,16 @@
 """Joint graphs of planned units reused within a process.
 
-Turning a plan into a stage (:func:`autopp.lower.apply.planned_units`) and pricing a planned
-stage (:func:`autopp.estimate.stage_costs.stage_facts`) re-trace each unit of the stage
-(:func:`autopp.sharding.trace.trace_joint`: AOTAutograd on meta) to recover the planned graph.
-A process builds many stages whose units trace to the same graph: the blocks of every stage
-of a model, the same model built again for another schedule, an eval pipeline, a restart.
-:func:`traced_unit` keeps the last traces and serves a unit whose trace key equals one traced
-before.
-
-The trace key is what a trace on meta can depend on, read off the module as it is now (not the
-plan's signature: a changed model must trace again, so that
-:func:`autopp.lower.apply.check_planned_graph` sees its new graph):
-
-* every submodule's path and class, and each class's code: the functions, properties and
-  plain attributes in the ``__dict__`` of every class of its MRO below ``nn.Module``
-  (functions by their code object, defaults and closure values, and the module-level
-  functions their code names by identity); an ``fx.GraphModule`` by its generated code;
-* every submodule's own attributes (sizes, flags, configs, hooks: values, compared by value;
-  a tensor attribute only by its shape and dtype, and only on meta) and its training flag;
-* every parameter's and buffer's path, shape, dtype, stride and ``requires_grad``;
-* the example inputs (tensors by shape, dtype and stride; others by value), the parameter
-  dtype the unit is traced in, the tracing settings and contexts in force
-  (:mod:`autopp.tracing`) and torch's default dtype.
-
-A value the key cannot compare by value (an object with identity equality, a tensor holding
-data) makes the unit uncacheable: it is traced every time, as before. Not covered: code
-outside the unit's classes changed in place at run time (e.g. a library function patched
-through its module, ``F.some_op = ...``, between two builds in one process).
-
-Callers share a served :class:`~autopp.sharding.trace.JointGraph`: they read it and never
-modify it (as :func:`~autopp.lower.apply.planned_units` already shares one between the
-identical blocks of a stage).
-"""
+Applying a plan (:func:`autopp.lower.apply.planned_units`) and pricing it
+(:func:`autopp.estimate.stage_costs.stage_facts`) re-trace each unit, and a process builds
+the same units again and again (every stage's blocks, another schedule, an eval pipeline).
+:func:`traced_unit` serves a trace again where the unit's trace key is unchanged: its
+submodules' classes and code (functions by code object, defaults and closures), their
+attributes by value and hooks, parameters' and buffers' shapes, dtypes, strides and
+``requires_grad``, the inputs, the parameter dtype, tracing settings and contexts, and torch's
+default dtype. Not the plan's signature: a changed model traces again, so
+:func:`autopp.lower.apply.check_planned_graph` still sees it. A value it cannot compare by
+value leaves the unit uncached; code patched outside the unit's classes between two builds is
+not seen. Callers share a served graph read-only."""
 
 from __future__ import annotations
 

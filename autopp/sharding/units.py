@@ -1,37 +1,18 @@
 """A stage's planned units, read off how the model's own forward calls its modules.
 
-The planner plans a stage unit by unit, identical blocks once (:mod:`autopp.sharding.chain`).
-The units come from the stage module's forward, traced with ``torch.fx`` at module
-boundaries on meta (each block a leaf, nothing run), so any decoder whose blocks repeat takes
-the same path (torchtitan's llama3 and qwen3, a Hugging Face style ``model.layers`` decoder,
-a plain ``nn.Module``); no attribute name is assumed:
+The stage module's forward is traced with ``torch.fx`` at module boundaries on meta (each
+block a leaf), so any decoder whose blocks repeat takes this path and no attribute name is
+assumed. Units: ``pre`` (what the forward computes from the stage input before the first
+block), one per block call (the previous output first, then the forward's other arguments:
+constants, or tensors from buffers, constants and keyword inputs, recomputed per block), and
+``post`` (what it computes from the last block's output). The graph is cut where the stage is
+cut (:class:`~autopp.stage_split.build.StageCut`). Keyword inputs follow each unit's
+activation, whether read or not, and a block runs inside :func:`autopp.tracing.call_inputs`
+so what the forward derives from them (transformers' masks) comes from the unit's inputs.
 
-- ``pre``: whatever the forward computes from the stage input before the first block
-  (embeddings, scaling, dropout...), as that part of the traced graph;
-- ``<layers_attr>.<key>``: each block, called as the forward calls it: the previous unit's
-  output first, then the forward's other arguments (constants such as ``None`` masks, or
-  tensors computed from buffers, constants and the step's keyword inputs only, e.g. a RoPE
-  cache or per-document positions' rotations, recomputed per block);
-- ``post``: whatever the forward computes from the last block's output (norm, head).
-
-With keyword inputs (the step's ``attention_mask``, ``position_ids``: tensors batched like the
-input), every unit takes them after its activation, in the order given, whether it reads them
-or not: ``unit.module(x, *kwargs)``. A block runs inside
-:func:`autopp.tracing.call_inputs` of the stage for them, so what the model's forward would
-derive from them for its blocks outside their arguments (a transformers model's masks) is
-derived from the unit's own inputs.
-
-The graph is cut where the stage is cut (:class:`~autopp.stage_split.build.StageCut`): a
-stage after the first feeds its input to its first block, a stage before the last returns its
-last block's output, whatever the forward computes around them.
-
-A forward that ``torch.fx`` cannot trace symbolically (transformers' decorated forwards,
-shapes read off the input) is exported instead, on the example input's shape
-(:mod:`autopp.sharding.unit_export`). A forward that does something else between blocks (a
-block's input that is not the previous block's output, a skip connection around the blocks,
-an argument computed from the stage input's values) or that neither can trace is planned as
-one flat graph instead; :func:`stage_units` logs why.
-"""
+A forward fx cannot trace is exported (:mod:`autopp.sharding.unit_export`); one that does
+something else between blocks (a skip around them, arguments from the input's values) is
+planned as one flat graph, and :func:`stage_units` logs why."""
 
 from __future__ import annotations
 

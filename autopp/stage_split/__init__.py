@@ -1,27 +1,17 @@
 """Stage split: which modules of a model go to which pipeline stage, and the stage modules.
 
-A model's body must be a sequence of blocks in one ``nn.ModuleList``/``nn.ModuleDict`` (found
-automatically: ``layers`` in torchtitan, ``model.layers`` in Hugging Face style models), with
-modules before it (pre, e.g. ``tok_embeddings``) and after it (post, e.g. ``norm``,
-``lm_head``): torchtitan decoders and most LLMs. A split is a plain value,
-``list[list[str]]`` of module FQNs per stage, stated in one of three ways:
-
-- uniform by layer count (``split_uniform``, or ``resolve_split(model, n_stages)``), with the
-  pre and post modules weighted as extra layers, as torchtitan does;
-- explicit FQN lists, e.g. ``[["tok_embeddings", "layers.0"], ["layers.1", "norm", "lm_head"]]``
-  (``validate_split``);
-- a layout string such as ``"Ett|tt|ttL"`` (``parse_layout``; grammar in ``layout_string``).
-
-``resolve_split`` accepts any of them. ``build_stage_module`` then copies the meta-device model
-into one stage's module, keeping parameter FQNs identical to the whole model's.
-
-Example::
+A model's body is a sequence of blocks in one ``nn.ModuleList``/``nn.ModuleDict`` (found
+automatically), with pre modules before it and post modules after it. A split is a plain
+value, ``list[list[str]]`` of module FQNs per stage, stated uniformly by layer count
+(``split_uniform``), as FQN lists (``validate_split``) or as a layout string such as
+``"Ett|tt|ttL"`` (``parse_layout``); ``resolve_split`` accepts any of them.
+``build_stage_module`` copies the meta model into one stage's module, keeping whole-model
+FQNs. Example::
 
     with torch.device("meta"):
         model = cfg.build()
     split = resolve_split(model, "Ett|tt|ttL")       # or 3, or FQN lists
-    stage_modules = [build_stage_module(model, fqns) for fqns in split]
-"""
+    stage_modules = [build_stage_module(model, fqns) for fqns in split]"""
 
 from autopp.stage_split.build import StageLayers, build_stage_module, model_input_keywords
 from autopp.stage_split.layout import ModelLayout, find_layers, inspect_model

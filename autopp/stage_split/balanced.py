@@ -34,20 +34,12 @@ def balanced_cuts(costs: Sequence[float], n_stages: int, *, fits: Fits | None = 
         costs: each unit's cost (seconds per microbatch), in order.
         n_stages: number of stages.
         fits: per-stage feasibility (e.g. memory); None: every stage fits.
-        stage_table: when a stage's cost is not the sum of its units' and the units are
-            alike: ``stage_table[stage][k]``, the cost of stage ``stage`` holding ``k`` units
-            (e.g. under the fastest recomputation policy that fits its memory; ``inf``: does
-            not fit). ``costs`` then only gives the number of units.
-        empty_ends: the first and the last stage may hold no unit (a stage of only the
-            modules before the blocks, or only those after them: their cost is then
-            ``stage_table[stage][0]``); every other stage holds at least one. False: every
-            stage holds one.
+        stage_table: ``stage_table[stage][k]``, the cost of ``stage`` holding ``k`` alike units
+            where that is not a sum (``inf``: does not fit); ``costs`` then gives only the count.
+        empty_ends: the first and last stage may hold no unit (only the pre or post modules).
 
-    Returns:
-        The ``n_stages + 1`` cut indices (0 first, ``len(costs)`` last) of the split that
-        minimises the slowest stage, then the sum of squared stage costs (the first cut
-        wins a tie); None when no split satisfies ``fits``.
-    """
+    Returns the ``n_stages + 1`` cut indices of the split that minimises the slowest stage, then
+    the sum of squared stage costs (the first cut wins a tie); None when no split fits."""
     n = len(costs)
     lo = [0 if empty_ends and s in (0, n_stages - 1) else 1 for s in range(n_stages)]
     if n_stages < 1 or sum(lo) > n:

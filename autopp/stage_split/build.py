@@ -1,41 +1,18 @@
 """Building one pipeline stage's module from the whole model, without materialising it.
 
-The stage module is a copy of the whole model (``copy.deepcopy`` of what the stage keeps; on the
-meta device this copies no data) with everything the stage does not hold removed, and it runs
-the whole model's own forward, unchanged, cut at the stage's boundaries:
+The stage module is a deep copy (free on meta) of what the stage keeps, running the whole
+model's own forward unchanged, cut at the stage's boundaries. Pre/post modules it does not
+hold become :class:`Skipped` stand-ins returning their first input (so forwards that call
+them run); layers it does not hold are deleted, a ``ModuleList`` becoming a
+:class:`StageLayers` keyed by the original indices that iterates and slices like the list.
+The cut (:class:`StageCut`, forward hooks) feeds a later stage's received activation to its
+first module and returns a stage's last module's output, so the forward's glue (a RoPE table,
+a mask from the input's shape) still runs and its tail does not touch activations. A stage
+whose forward reads its input also takes the model's inputs as keywords (:data:`MODEL_INPUT`,
+:mod:`autopp.stage_split.model_inputs`).
 
-- pre/post modules not in the stage become :class:`Skipped` stand-ins (they hold nothing and
-  return their first input), at whatever depth they are, so a forward that calls them
-  unconditionally (Hugging Face's) runs, and one that skips ``None`` modules (torchtitan's)
-  computes what it did;
-- layers not in the stage are deleted from the layers container. A ``ModuleDict`` keeps its
-  remaining keys. A ``ModuleList`` is replaced by a :class:`StageLayers`, a ``ModuleDict`` keyed
-  by the original indices that iterates (and slices: ``self.layers[:n]``) like the list, so
-  ``for layer in self.layers`` still works and parameter names stay those of the whole model;
-- the cut (:class:`StageCut`, forward hooks): a stage after the first feeds the activation it
-  receives to its first module in place of whatever the forward computed before it (so the
-  glue a forward computes on the way, a RoPE table or a mask from the input's shape, runs, and
-  an embedding scale meant for the token embeddings does not apply twice); a stage before the
-  last returns its last module's output (so the forward's tail, a norm or a logit slice, does
-  not run on an activation); a ``ModelOutput``/mapping output becomes its one tensor.
-
-While a stage after the first runs, the stand-ins of the modules before its first one return
-the activation it received (what those modules computed, in its shape and dtype: GPT-2's
-position embedding added to the token embedding is then not a tensor of positions). The
-forward itself runs on the activation as the model's input, unless the forward reads that
-input (GPT-2 takes its batch, sequence and positions from ``input_ids``): the stage is then
-also called with the model's own inputs as keywords (:data:`MODEL_INPUT` ``0, 1, ...``,
-:func:`model_input_keywords`; the pipeline passes them when the stage check finds such a
-read, :mod:`autopp.stage_split.model_inputs`) and runs the forward on them. A first stage
-called so ignores the copies.
-
-Modules outside the layers that hold no parameters (a Hugging Face ``rotary_emb``) belong to
-no stage: every stage keeps its copy (see :mod:`autopp.stage_split.layout`).
-
-Parameter and buffer FQNs of the stage module are exactly the whole model's
-(``layers.3.attention.wo.weight`` stays ``layers.3.attention.wo.weight``), so a checkpoint of the
-whole model loads into a stage by name with ``load_state_dict(..., strict=False)``.
-"""
+Invariant: parameter and buffer FQNs are the whole model's, so state dicts, init seeds and
+checkpoints need no renaming."""
 
 from __future__ import annotations
 
@@ -104,23 +81,16 @@ def build_stage_module(
     """Return a copy of ``model`` that holds only the modules in ``fqns``.
 
     Args:
-        model: the whole model, normally on the meta device; it is not modified.
-        fqns: the stage's modules, e.g. ``["layers.2", "layers.3", "norm", "lm_head"]``: one
-            contiguous run of pre modules, layers (``"<layers_attr>.<key>"``) and post modules.
-        layers_attr: path of the ModuleList/ModuleDict holding the layers (``"layers"``,
-            ``"model.layers"``); None finds it (:func:`~autopp.stage_split.layout.find_layers`).
-        allow_tied: keep parameters tied between a module of the stage and one outside it
-            (the pipeline then keeps their copies equal, see :mod:`autopp.tied`); without it
-            such a parameter raises.
+        model: the whole model, normally on meta; not modified.
+        fqns: one contiguous run of pre modules, layers (``"<layers_attr>.<key>"``) and post
+            modules.
+        layers_attr: path of the layers container; None finds it.
+        allow_tied: keep parameters tied to a module outside the stage (the pipeline keeps the
+            copies equal, :mod:`autopp.tied`); without it such a parameter raises.
 
-    Returns:
-        The stage module, on the same device as ``model``, running ``model``'s own forward.
-
-    Raises:
-        ValueError: an FQN the model does not have, a module named twice, an empty or
-            non-contiguous stage, or a parameter shared (tied) between a module of the stage
-            and one outside it.
-    """
+    Returns the stage module on ``model``'s device, running ``model``'s own forward. Raises
+    ValueError for an unknown FQN, a module named twice, an empty or non-contiguous stage, or an
+    untolerated tie."""
     layout = inspect_model(model, layers_attr)
     kept = set(validate_stage(fqns, layout))
     if not allow_tied:

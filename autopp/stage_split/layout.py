@@ -1,21 +1,12 @@
 """The shape of a model as the stage split sees it: modules before the layers, the layers, after.
 
-A model can be split into pipeline stages when its body is a sequence of blocks held in one
-``nn.ModuleList`` or ``nn.ModuleDict`` (found automatically, or named by ``layers_attr``:
-``"layers"`` in torchtitan, ``"model.layers"`` in a Hugging Face style model), with modules
-before it (the "pre" modules, e.g. ``tok_embeddings``) and after it (the "post" modules, e.g.
-``norm`` and ``lm_head``). Pre and post are told apart by registration order, at the
-container's level and at every level above it: siblings registered before the container (or
-before the module enclosing it) are pre, those registered after it are post. The split
-assumes that order is also the order in which the model's forward uses them. Modules there
-that hold no parameters (a Hugging Face ``rotary_emb``, a dropout) are no stage's: every stage
-keeps a copy and runs them where the forward calls them (the stage cut of
-:mod:`autopp.stage_split.build` keeps their results off the activation a stage receives).
-
-Every split is expressed in module FQNs of the whole model: a pre or post module's FQN
-(``"norm"``, ``"model.embed_tokens"``), or ``"<layers_attr>.<key>"`` for one layer
-(``"layers.3"``, ``"model.layers.3"``).
-"""
+The body is a sequence of blocks in one ``nn.ModuleList`` or ``nn.ModuleDict`` (found
+automatically, or named by ``layers_attr``). Pre and post modules are told apart by
+registration order, at the container's level and every level above it: siblings registered
+before are pre, after are post. The split assumes that is also the order the forward uses
+them. Modules there holding no parameters (a ``rotary_emb``, a dropout) are no stage's:
+every stage keeps a copy. Every split is written in whole-model FQNs: a pre or post module's
+(``"norm"``) or ``"<layers_attr>.<key>"`` for one layer (``"model.layers.3"``)."""
 
 from __future__ import annotations
 

@@ -1,24 +1,16 @@
 """A compact string for a stage split, in the spirit of Megatron's pipeline layout flag.
 
-Grammar (whitespace and commas are ignored everywhere except inside a number)::
+Grammar (whitespace and commas ignored except inside a number)::
 
     layout := item+
     item   := atom ( "*" COUNT )?        COUNT: decimal integer >= 1
     atom   := "E" | "t" | "L" | "|" | "(" item* ")"
 
-- ``|`` ends a stage and starts the next one.
-- ``E`` stands for all pre modules (those registered before the layers, e.g. ``tok_embeddings``),
-  ``L`` for all post modules (e.g. ``norm`` and ``lm_head``), ``t`` for one layer.
-- ``X*N`` repeats the atom ``X`` N times, ``(...)*N`` repeats a group (which may contain ``|``);
-  a group without ``*N`` is just a group.
-- Layers are handed out in model order: the first ``t`` is ``layers.0``, the next ``layers.1``.
-
-So ``"Ett|tt|ttL"``, ``"Et*2|t*2|t*2L"`` and ``"E(tt|)*2ttL"`` all mean the same 3-stage split of
-a 6-layer model. The string must use exactly as many ``t`` as the model has layers, ``E`` once
-if the model has pre modules (else never), ``L`` likewise, and the result must be a valid
-split (no empty stage, ``E`` in the first stage, ``L`` in the last; see
-:mod:`autopp.stage_split.validate`). Error messages give 0-based positions in the string.
-"""
+``|`` ends a stage; ``E`` is all pre modules, ``L`` all post modules, ``t`` one layer (handed
+out in model order); ``X*N`` repeats an atom or group. ``"Ett|tt|ttL"``, ``"Et*2|t*2|t*2L"``
+and ``"E(tt|)*2ttL"`` are the same 3-stage split of a 6-layer model. The string must use each
+layer once, ``E`` and ``L`` once where the model has them, and give a valid split
+(:mod:`autopp.stage_split.validate`). Errors give 0-based positions in the string."""
 
 from __future__ import annotations
 

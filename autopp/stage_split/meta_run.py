@@ -1,22 +1,14 @@
 """A forward run on meta where some of its ops cannot run on meta.
 
-The stage check (:func:`autopp.stage_split.validate.check_stage_forwards`) runs each stage's
-forward on meta, so that a forward the stage cut cannot follow fails early, by name. Some
-ops a real device runs have no meta form: data-dependent ops (``nonzero``, ``.item()``,
-boolean indexing: a MoE layer's per-expert loop) and kernels whose meta function is
-narrower than their CPU one (``_grouped_mm``'s meta function takes bf16 only). Refusing such
-a model would refuse one that trains in plain torch.
-
-So each op that fails on meta is run once more by its CPU kernel, on inputs of the same
-shapes and dtypes whose values are zero (zero-stride, no memory; dense where the kernel
-refuses zero strides), and its results are taken
-back to meta (their shapes, strides and dtypes; scalars as they are). Invariant: an op that
-runs on meta is never run on CPU, and an op that fails on CPU too raises its meta error, so
-a genuine error (a shape mismatch) is still reported. What a run took from CPU is returned
-(:class:`MetaRun`) for the caller to log. Values on meta are unknown, so where a forward's
-shapes depend on values (which a pipeline, whose stages exchange fixed shapes, cannot run
-anyway) the run follows the path zeros take.
-"""
+The stage check runs each stage's forward on meta so that a forward the cut cannot follow
+fails early, by name. Some ops have no meta form (data-dependent ones: ``nonzero``,
+``.item()``, boolean indexing) or a narrower one than on CPU (``_grouped_mm``'s takes bf16
+only); refusing those would refuse models that train in plain torch. So an op that fails on
+meta runs once more by its CPU kernel on zeros of the same shapes (zero-stride where the
+kernel takes it), and its results' shapes go back to meta; what ran on CPU is returned
+(:class:`MetaRun`) for the caller to log. Invariant: an op that runs on meta never runs on
+CPU, and one that fails on CPU too raises its meta error, so a genuine mismatch is reported.
+Where shapes depend on values, the run follows the path zeros take."""
 
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
 """Whether the stages after the first run the model's forward on the model's own inputs.
 
-A stage after the first runs the whole model's forward (:mod:`autopp.stage_split.build`). By
-default it runs it on the activation it receives, given as the model's input: right for a
-forward that only hands that input to the embedding (Llama's, torchtitan's), whose stand-in
-returns the activation. A forward that reads the input itself (GPT-2 takes the batch, the
-sequence length and the positions from ``input_ids``'s shape) would compute from the
-activation instead: it fails, or hands its blocks other arguments. Such a model's stages take
-the model's inputs as keywords too, on every step.
-
-The stage check finds out: it calls each stage after the first with the model's inputs as
-keywords, and any torch function or tensor attribute the forward applies to those very
-tensors (``size``, ``view``, ``shape``: anything but handing them to another stage's module)
-is a read. Invariant: a forward that reads its input gets the model's; one that does not
-computes the same either way, so it keeps the default (no extra graph input).
-"""
+By default a later stage runs the forward on the activation it receives, given as the
+model's input: right for a forward that only hands its input to the embedding. A forward
+that reads the input itself (GPT-2 takes batch, length and positions from ``input_ids``)
+would compute from the activation instead. The stage check calls each later stage with the
+model's inputs as keywords too, and any torch function or tensor attribute applied to those
+very tensors is a read; such a model's stages then take the model's inputs on every step.
+Invariant: a forward that does not read its input computes the same either way, so it keeps
+the default (no extra graph input)."""
 
 from __future__ import annotations
 

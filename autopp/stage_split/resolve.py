@@ -29,25 +29,17 @@ def resolve_split(
     """Turn any supported statement of a split into a validated ``list[list[str]]`` of FQNs.
 
     Args:
-        model: the whole model (meta device is fine) or its :class:`ModelLayout`.
-        split: ``None`` for a uniform split into ``n_stages`` stages; an ``int``, the number of
-            stages of a uniform split; a layout string such as ``"Ett|tt|ttL"`` (see
-            :mod:`autopp.stage_split.layout_string`); or module FQNs per stage such as
-            ``[["tok_embeddings", "layers.0"], ["layers.1", "norm", "lm_head"]]``.
-        n_stages: the number of stages the caller needs (e.g. pp size × stages per rank);
-            checked against the split when given, required when ``split`` is None.
-        layers_attr: path of the model's ModuleList/ModuleDict of layers; None finds it
-            (ignored for a layout).
+        model: the whole model (meta is fine) or its :class:`ModelLayout`.
+        split: None or an ``int`` for a uniform split; a layout string (``"Ett|tt|ttL"``,
+            :mod:`autopp.stage_split.layout_string`); or module FQNs per stage.
+        n_stages: the stages the caller needs; checked when given, required when ``split`` is
+            None.
+        layers_attr: path of the layers container; None finds it (ignored for a layout).
         input_weight, output_weight: weights of the pre/post modules in a uniform split.
 
-    Returns:
-        For each stage, the module FQNs it holds, in model order.
-
-    Raises:
-        ValueError: the split is invalid for the model, or yields a stage count different from
-            ``n_stages`` (naming both), or ``split`` is None and ``n_stages`` is not given.
-        TypeError: ``split`` is none of the supported kinds.
-    """
+    Returns each stage's module FQNs in model order. Raises ValueError for an invalid split, a
+    stage count other than ``n_stages`` (naming both) or a missing ``n_stages``; TypeError for an
+    unsupported ``split``."""
     layout = model if isinstance(model, ModelLayout) else inspect_model(model, layers_attr)
     if split is None:
         if n_stages is None:

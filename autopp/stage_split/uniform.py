@@ -1,19 +1,11 @@
 """Uniform split by layer count, with the pre and post modules weighted as extra layers.
 
-The same rule as torchtitan's pipeline split, so the two give identical splits:
-
-- The model counts as ``units = n_layers + input_weight + output_weight``: the pre modules
-  (embedding) weigh ``input_weight`` layers and the post modules (norm + head) ``output_weight``.
-- Each of the ``n_stages`` stages gets ``units // n_stages`` units; the first
-  ``units % n_stages`` stages get one more.
-- Stage 0 holds the pre modules, which use up ``input_weight`` of its units; the last stage holds
-  the post modules, which use up ``output_weight`` of its units; layers fill the rest in order.
-
-Example: 6 layers, weights 1 and 1, 2 stages: 8 units, 4 per stage, so
-``[[tok_embeddings, layers.0, layers.1, layers.2], [layers.3, layers.4, layers.5, norm, lm_head]]``.
-
-A model without pre (or post) modules has nothing to weigh: its weight counts as 0.
-"""
+torchtitan's rule, so the two give identical splits: the model counts
+``n_layers + input_weight + output_weight`` units; each stage gets ``units // n_stages`` and
+the first ``units % n_stages`` one more; stage 0's pre modules use ``input_weight`` of its
+units and the last stage's post modules ``output_weight``; layers fill the rest in order. A
+model without pre (or post) modules weighs them 0. Example: 6 layers, weights 1 and 1, two
+stages: ``[[tok_embeddings, layers.0-2], [layers.3-5, norm, lm_head]]``."""
 
 from __future__ import annotations
 

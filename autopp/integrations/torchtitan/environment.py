@@ -1,25 +1,14 @@
 """What torchtitan 0.3.0's Trainer needs from its environment that this one lacks.
 
-Each function here changes a few module globals for the length of one training job and
-returns the function that puts them back (:class:`~autopp.integrations.torchtitan.trainer.
-AutoppTrainer` calls them in its constructor and undoes them in ``close()``).
+Each function changes a few module globals for one training job and returns the function
+that puts them back (:class:`~autopp.integrations.torchtitan.trainer.AutoppTrainer` calls
+them in its constructor and undoes them in ``close()``).
 
-**CPU processes.**
-torchtitan 0.3.0 picks its device once, at import: ``torchtitan.tools.utils.device_type``
-is ``"cuda"`` on a machine without an accelerator, and several modules copy it (and
-``device_module``, ``torch.cuda``) into their own globals. Its Trainer then calls
-``torch.cuda.set_device``, picks nccl, builds "cuda" meshes and reads CUDA memory stats.
-
-:func:`use_cpu_device` points those globals at ``"cpu"`` and at :class:`CpuDeviceModule`
-(the few ``torch.cuda``-style calls the Trainer and its metrics make, answered for a CPU
-process: peak memory is the process's peak resident set) and returns a function that puts
-them back. :class:`autopp.integrations.torchtitan.trainer.AutoppTrainer` does this in its
-constructor and undoes it in ``close()`` when no accelerator is present.
-
-**torch 2.13.** torchtitan lowers the process groups' timeouts after the first step with
-``torch.distributed.set_timeout``, which torch 2.13 does not have yet;
-:func:`use_set_timeout` provides it from torch's ``_set_pg_timeout``.
-"""
+CPU processes: torchtitan picks its device once, at import (``"cuda"`` even without an
+accelerator), and several modules copy it; :func:`use_cpu_device` points those globals at
+``"cpu"`` and :class:`CpuDeviceModule` (the few ``torch.cuda``-style calls the Trainer makes,
+answered for a CPU process). torch 2.13: torchtitan calls ``torch.distributed.set_timeout``,
+which torch 2.13 lacks; :func:`use_set_timeout` provides it from ``_set_pg_timeout``."""
 
 from __future__ import annotations
 
