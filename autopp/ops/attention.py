@@ -8,13 +8,11 @@ rule (DTensor's ``register_sharding``) splits batch or heads, never the sequence
 the fused kernel torch picks for the local shards, called through its aten entry point
 (:mod:`autopp._compat.attention`) so autograd saves the output and log-sum-exp, and
 ``autopp::sdpa_backward`` runs that kernel's fused backward: no second forward, no seq x seq
-tensor. Priced as the fused kernels run (:func:`attention_flops`): backward 2.5x the forward,
-over the pairs a causal mask keeps; an explicit mask over every pair.
+tensor. Priced as the fused kernels run (:func:`attention_flops`): backward 2.5x forward.
 
-Where torch picks no kernel the op drives, it runs torch's SDPA and re-runs it under autograd
-in the backward, with a warning once per device, dtype and masked or not. Plans cannot know
-that in advance (torch chooses on the real local tensors, :func:`runtime_path`), so they price
-the fused kernels and the warning says where that price was wrong."""
+Where torch picks no kernel the op drives, it runs torch's SDPA and re-runs it in the
+backward, with a warning once per device and dtype. Plans cannot know that in advance
+(:func:`runtime_path`), so they price the fused kernels and the warning says where not."""
 
 from __future__ import annotations
 

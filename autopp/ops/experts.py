@@ -10,10 +10,9 @@ replicated; tokens split (data parallel, weight gradients ``Partial``); experts 
 (expert parallel, output ``Partial``); the experts' hidden dim split (output ``Partial``).
 :mod:`autopp.sharding.expert_dispatch` adds all-to-all forms, chosen by ``dispatch``.
 
-Numerics follow torchtitan's ``GroupedExperts`` (stable sort, matmuls in ``compute_dtype``,
-scores applied in fp32, deterministic scatter-add). The backward takes the forward's routing
-and re-runs only the experts' forward under autograd. FLOPs (``T·K·E_local/E`` routed tokens)
-are registered with torch's FLOP counter, which the cost model reads."""
+Numerics follow torchtitan's ``GroupedExperts`` (stable sort, scores in fp32, deterministic
+scatter-add); the backward takes the forward's routing and re-runs only the experts' forward.
+FLOPs (``T·K·E_local/E`` routed tokens) are registered with torch's FLOP counter."""
 
 from __future__ import annotations
 

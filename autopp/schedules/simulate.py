@@ -1,20 +1,18 @@
 """A discrete-event simulator of pipeline schedules: step time, bubbles and memory per rank.
 
 It runs the action lists torch's runtime runs (:mod:`autopp.schedules.actions`) with one
-:class:`StageCost` per stage and :class:`Link` models for sends. Rules (torch's
-``_PipelineScheduleRuntime``): each rank runs its list in order; a compute action waits for
-its input (the producing action on the same rank, else the transfer's arrival); sends cost
-the rank nothing and occupy their directed link for bytes / bandwidth, arriving latency
-later; a rank's step ends when its sends have arrived. UNSHARD and REDUCE_GRAD block, unless
-issued ahead (``collectives_ahead``): then they run on the rank's communication stream and
-the stage's next action, or the step's end, waits for them. OVERLAP_F_B runs its halves in
-turn, as torch's runtime does.
+:class:`StageCost` per stage and :class:`Link` models, by the rules of torch's runtime: each
+rank runs its list in order; a compute action waits for its input (the producer on the same
+rank, else the transfer's arrival); sends cost the rank nothing, occupy their directed link
+for bytes / bandwidth and arrive latency later; a step ends when the sends have arrived;
+OVERLAP_F_B runs its halves in turn. UNSHARD and REDUCE_GRAD block, unless issued ahead
+(``collectives_ahead``): they then run on the rank's communication stream, and the stage's
+next action, or the step's end, waits for them.
 
-Memory per rank by category: parameters, optimizer state, buffers, receive buffers and
-communicators all step; gradients unreduced from the first weight-gradient action to
-REDUCE_GRAD; gathered weights from UNSHARD to RESHARD; activations from F to B (with a split
-backward, what W keeps from I to W); each action's workspace while it runs. Not modelled:
-sent tensors held to the step's end, collectives' working memory, fragmentation, contention."""
+Memory per rank by category: parameters, optimizer state and fixed terms all step; gradients
+unreduced until REDUCE_GRAD; gathered weights from UNSHARD to RESHARD; activations from F to
+B (split backward: what W keeps, I to W); workspace while an action runs. Not modelled: sent
+tensors held to the step's end, collectives' working memory, fragmentation, contention."""
 
 from __future__ import annotations
 
