@@ -44,7 +44,7 @@ def compact_modules(fqns: Sequence[str]) -> str:
 
 def dataclass_json(value: object, indent: int | None = None) -> str:
     """``json.dumps(dataclasses.asdict(value))`` without ``asdict``'s deep copy of every
-    nested tuple (seconds for a 405B pipeline plan's per-node placements): nested dataclass
+    nested tuple (slow for a large plan's per-node placements): nested dataclass
     instances become objects of their fields, tuples lists, as ``asdict`` would give them."""
     import dataclasses
     import json

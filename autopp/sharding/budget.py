@@ -145,10 +145,10 @@ CERTIFIED_GAP = 0.01
 kept as it is (the price search stops, no polish)."""
 
 POLISH_TIME_S = 10.0
-"""Wall-clock bound of one polish's MIP, beside :data:`POLISH_NODES`: a 405B block's MIP
-took 60 s for 60 nodes (its LPs are large). The plan it returns then depends on the
-machine's speed (rank 0 plans and broadcasts, and the plan is cached, so a job's ranks
-agree); it is never worse than its start."""
+"""Wall-clock bound of one polish's MIP, beside :data:`POLISH_NODES` (a large block's LPs
+make each node slow). The plan it returns then depends on the machine's speed (rank 0
+plans and broadcasts, and the plan is cached, so a job's ranks agree); it is never worse
+than its start."""
 
 _POLISH_GAP = CERTIFIED_GAP / 2
 """Relative MIP gap of a polish: it only has to bring its chain within the certified gap."""
@@ -406,8 +406,8 @@ def _close_gap(stage: Stage, s: _Searched, budget: float, incumbent: float,
 
 _PRICE_TOLERANCE = 1.05
 """The price search stops when the feasible and infeasible prices are this close (a factor).
-Each step re-solves every unit at a price (LPs whose relaxation is integral: tenths of a
-second for a 405B block) and adds its solutions to the mix, which is what closes the gap
+Each step re-solves every unit at a price (LPs whose relaxation is integral, so cheap)
+and adds its solutions to the mix, which is what closes the gap
 where identical blocks share the budget; :func:`_polish` is left the rest."""
 
 _PRICE_STEPS = 24

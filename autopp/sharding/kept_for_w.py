@@ -58,12 +58,9 @@ def reads(row: MemoryRow) -> dict[tuple[fx.Node, int], None]:
     backward op the input gradient needs too (a fused norm backward's weight gradient),
     that op's reads stand in for it: the lowered graphs split it, and W makes that output
     from them. Each edge counts in its producer's placement (:func:`edge_bytes`). Checked
-    against the lowered W graphs' inputs (tests/sharding/test_memory_ilp.py, held to 12%):
-    −8.8% to +5.4% on a llama3 block (the split places a few recomputed values and views
-    on the other side; an edge read twice counts twice). On whole stages: 0.99–1.08× what
-    the lowered W graphs keep on 14 of the 16 stages of the 70B DualPipeV plan of
-    benchmarks/split_backward_memory.py and 1.31 / 1.44× on its stages 0 and 1 (selective
-    recomputation; not explained yet), −10% to +13% on the 8B ZBV one: docs/design.md."""
+    against the lowered W graphs' inputs by tests/sharding/test_memory_ilp.py (within 12%:
+    the split places a few recomputed values and views on the other side); whole stages by
+    benchmarks/split_backward_memory.py."""
     hit = row._structure.get("kept_for_w")
     if hit is not None:
         return hit

@@ -61,8 +61,8 @@ class MemorySpec:
     (an op's output, a redistributed value: ``Model.col_bytes``), not a term of the row:
     choices that make a larger one are excluded (where no plan remains, the solve drops the
     bound and its status says so). The row counts what stays (state, activations, gathered
-    weights); a backward that gathers a whole vocabulary's logits gradient over dp (16 GiB
-    for a 405B stage) would stay invisible to it. None: no bound."""
+    weights); a backward that gathers a whole vocabulary's logits gradient over dp would
+    stay invisible to it. None: no bound."""
     split_in_flight: tuple[tuple[float, float], ...] = ()
     """With a split backward (zero bubble, DualPipeV): the stage's (microbatches between
     their F and their I, microbatches between their I and their W) at each of its memory
@@ -334,9 +334,8 @@ class MemoryRow:
                 _add(t.state, c, b * f)
             if not explicit:
                 continue
-            # G_p in MiB, like the memory row: in bytes its rows held coefficients up to
-            # 8.4e9 beside the row's 1.9e-6 per byte of G_p, and HiGHS's LP points broke
-            # the memory row by thousands of MiB (a 405B stage's root bound 26% low)
+            # G_p in MiB, like the memory row: byte coefficients beside MiB rows span too
+            # many orders of magnitude, and HiGHS's LP points then break the memory row
             grad = j.grads.get(fqn)
             g = t.col()
             t.state[g] = spec.gradient_copies * MIB

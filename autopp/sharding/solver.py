@@ -365,9 +365,8 @@ class Model:
             return mem / 1024
         if least == "tied":
             # bytes, time as the tie-break at 1 byte per microsecond. A lighter time weight
-            # sinks below HiGHS's tolerances on small models (an op of 1e-4 us weighed
-            # 1e-10) and left the LP degenerate: the debug model's least-memory LPs
-            # took 10.9 s cold at 1 byte per second, 1.85 s at 1 byte per us, same plans.
+            # sinks below HiGHS's tolerances on small models (an op of 1e-4 us weighs
+            # 1e-10) and leaves the LP degenerate and slow.
             # Not strict: solve() checks the bytes against a bytes-only solve
             return (mem + time * _SCALE) / 1024
         return (time + price * mem) * _SCALE
