@@ -9,7 +9,7 @@ Plans the layout exactly (``autopp.dry_run``, H100 profile; the flags of
 UNSHARD and REDUCE_GRAD blocking its rank (``StageCost.collectives_ahead=False``) and
 issued ahead on the rank's communication stream, as the graph runtime runs them with
 ``overlap_collectives`` on (the dry run's own estimate). Prints both steps and bubbles.
-Simulated, not measured: docs/design.md, "Communication overlap".
+Simulated, not measured: docs/design.md, `graph/` (collectives issued ahead).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ saves and what its W keeps from I, each as the planner's ILP counts it
 (``StagePlan.activation_bytes`` / ``kept_for_w_bytes``) and as the lowered graphs hold it
 (``StageFacts``, what the simulator runs); then each pp rank's simulated peak against the
 usable memory. A layout with no plan that fits prints the planner's error (the consumers
-it names). docs/design.md, "What a split backward holds from I to W".
+it names). docs/design.md, `sharding/` ("what a split backward holds from I to W").
 """
 
 from __future__ import annotations
