@@ -22,6 +22,7 @@ The public surface is deliberately small:
 # first: the model adapters register their tracing contexts (autopp.tracing) before anything
 # splits or traces a model; light (no torchtitan, DTensor or planner at import)
 from autopp import adapters  # noqa: F401  (isort: skip)
+from autopp._compat import gloo as _gloo  # isort: skip
 from autopp.api import pipeline_autoparallel
 from autopp.init import init_module_
 from autopp.loss import cross_entropy
@@ -29,6 +30,10 @@ from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
 from autopp.pipeline import Pipeline, PipelineLayout
 from autopp.plan.options import PlannerOptions
 from autopp.plan.value import PipelinePlan
+
+# every gloo process group created from here on gets one worker thread: torch's two race on
+# the group's status and corrupt the heap (autopp/_compat/gloo.py)
+_gloo.install()
 
 __all__ = [
     "pipeline_autoparallel",

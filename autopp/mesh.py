@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from autopp._compat import gloo
+
 #: Names of the world mesh dims, outermost first. pp is outermost so that the ranks of one
 #: stage (its dp x tp sub-mesh) are contiguous, as torchtitan lays them out.
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "tp")
@@ -124,8 +126,16 @@ def build_world_mesh(
         device_type = device_type_of_backend(str(dist.get_backend()))
     if device_type == "cuda":
         _check_bound_device()
+    # the mesh's gloo groups get one worker thread each (autopp/_compat/gloo.py); a world
+    # group made before autopp was imported has torch's two (warned once), so a dim over
+    # every rank gets a group of its own instead of reusing it
+    gloo.install()
+    world = dist.get_world_size()
+    own = {d: "gloo" for d in MESH_DIMS if sizes[d] == world} \
+        if device_type == "cpu" and gloo.check_group() else {}
     mesh = init_device_mesh(
-        device_type, tuple(sizes[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS
+        device_type, tuple(sizes[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS,
+        backend_override=own or None,
     )
     if dp > 1 and tp > 1:
         # one group over each stage's dp x tp devices: experts split over both dims

@@ -10,6 +10,8 @@ torchtitan. A torch or torchtitan upgrade that moves one of them should touch th
 * :mod:`autopp._compat.torchtitan`: torchtitan's private pipeline-split helpers and torch's
   state-dict hook tables, used by :mod:`autopp.integrations.torchtitan`.
 * :mod:`autopp._compat.distributed`: c10d's process-group internals and the fake store.
+* :mod:`autopp._compat.gloo`: one worker thread per gloo process group (a workaround for a
+  data race in torch's ProcessGroupGloo), installed by ``import autopp``.
 * :mod:`autopp._compat.attention`: the fused SDPA kernels' aten entry points (CPU flash;
   CUDA flash, memory-efficient, cuDNN) and torch's choice among them, used by
   :mod:`autopp.ops.attention`.
