@@ -12,4 +12,5 @@ parallel=()
 if [ "$workers" != "0" ]; then
     parallel=(-n "$workers" --dist loadgroup)
 fi
-exec "$root/.venv/bin/python" -m pytest -q "${parallel[@]}" "$@"
+# --durations: the slowest tests in every log, so the command's time can be watched
+exec "$root/.venv/bin/python" -m pytest -q --durations=25 "${parallel[@]}" "$@"
