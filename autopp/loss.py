@@ -25,7 +25,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
 
     ``logits`` are ``(batch, seq, vocab)``, ``target`` ``(batch, seq)``. Pass this function
     itself as ``loss_fn`` to let the planner compute the loss in parallel over tp (the
-    logits then stay split on the vocabulary; see ``pipeline_autoparallel(loss_parallel=)``);
+    logits then stay split on the vocabulary; see ``PlannerOptions.loss_parallel``);
     the pipeline's ``ignore_index`` is used then.
     """
     return F.cross_entropy(

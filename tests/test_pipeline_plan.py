@@ -126,7 +126,7 @@ def test_mismatched_plan_raises(saved_plan, fake_world):
         _run(saved_plan, n_layers=4)
     with pytest.raises(ValueError, match=r"boundary: the plan has 'auto', the options "
                                          r"'batch\+seq'"):
-        _run(saved_plan, boundary="batch+seq")
+        _run(saved_plan, options=PlannerOptions(boundary="batch+seq"))
     with pytest.raises(ValueError, match="plan= runs a planned pipeline and needs the planner"):
         _run(saved_plan, parallelize=None)
     # a matching plan is taken as it is: no planning, its split

@@ -9,7 +9,7 @@ equal after a JSON round trip, and can be saved, loaded, printed (:meth:`Pipelin
 and diffed::
 
     plan = autopp.plan_pipeline(model_on_meta, pp=2, dp=2, tp=2, schedule="1F1B",
-                                n_microbatches=4, global_batch_size=8, seq_len=2048)
+                                n_microbatches=4, global_batch=8, seq_len=2048)
     plan.save("plan.json")
     ...
     pipe = autopp.pipeline_autoparallel(model, mesh, ..., plan="plan.json")  # no planning

@@ -173,13 +173,14 @@ _CUDA_NAMES = (("H200", "H200"), ("H100", "H100"), ("A100", "A100"))
 def profile_for_device(device_type: str) -> str:
     """The built-in profile of the device this process runs on: "CPU" for "cpu"; for
     "cuda", the current device by its name and memory (H100, H200, A100 80 GB, A100 40 GB).
-    An unknown GPU is an error naming ``profile=``: planning it as an H100 would plan
-    another memory size and speed."""
+    An unknown GPU is an error naming ``PlannerOptions(profile=)``: planning it as an H100
+    would plan another memory size and speed."""
     if device_type == "cpu":
         return "CPU"
     if device_type != "cuda":
         raise ValueError(f"no default device profile for device type {device_type!r}: pass "
-                         f"profile= (one of {sorted(PROFILES)} or {MEASURE!r})")
+                         f"profile= in the planner's options, PlannerOptions(profile=...): one of "
+                         f"{sorted(PROFILES)} or {MEASURE!r}")
     import torch
 
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -190,8 +191,9 @@ def profile_for_device(device_type: str) -> str:
             return name
     raise ValueError(
         f"no built-in profile for this GPU ({props.name}, {props.total_memory / 1e9:.0f} GB): "
-        f"pass profile= (one of {sorted(PROFILES)}, {MEASURE!r} to measure it, or a profile "
-        "registered with autopp.profiles.register_profile)")
+        f"pass profile= in the planner's options, PlannerOptions(profile=...): one of "
+        f"{sorted(PROFILES)}, {MEASURE!r} to measure it, or a profile registered with "
+        "autopp.profiles.register_profile")
 
 
 _REGISTERED: dict[str, DeviceProfile] = {}
