@@ -1,23 +1,15 @@
 """autopp: pipeline parallelism composed with automatic sharding, for PyTorch.
 
-The public surface is deliberately small:
-
-- :func:`pipeline_autoparallel` splits a meta-device model into stages, parallelizes each
-  stage over its sub-mesh and runs them under a torch.distributed.pipelining schedule.
-- :class:`Pipeline` is what it returns (init_weights, step, eval, parameters, state_dict).
-- :func:`build_world_mesh` builds the ("pp", "dp", "tp") world mesh.
-- :func:`cross_entropy` is the llama-style loss; passed as ``loss_fn`` it lets the planner
-  compute the loss in parallel over tp (loss parallel).
-- :func:`plan_pipeline` plans a whole pipeline into a :class:`PipelinePlan` (a value to save,
-  load, print and run again with ``pipeline_autoparallel(..., plan=...)``).
-- :class:`PlannerOptions` is the planner's options, one value for all four entry points
-  (``pipeline_autoparallel``, ``plan_pipeline``, ``autopp.dry_run.dry_run``, ``search``:
-  ``options=PlannerOptions(...)``; loose planner keywords are refused with that spelling).
-- :func:`search` finds the fastest layouts (pp × dp × tp, schedule, microbatches, split,
-  recomputation) of a model for a number of devices, ranked by simulated step time.
-- :func:`init_module_` initialises a (whole or stage) module exactly as ``Pipeline.init_weights``
-  does, for single-process references.
-"""
+The public surface is small: :func:`pipeline_autoparallel` splits a meta-device model into
+stages, parallelizes each over its sub-mesh and runs them under a torch pipeline schedule,
+returning a :class:`Pipeline` (init_weights, step, eval, parameters, state_dict);
+:func:`build_world_mesh` builds the ("pp", "dp", "tp") mesh; :func:`cross_entropy` is the
+llama-style loss that lets the planner compute the loss in parallel over tp;
+:func:`plan_pipeline` plans a whole pipeline into a :class:`PipelinePlan` (a value to save,
+load, print and run with ``plan=``); :func:`search` ranks layouts for a number of devices;
+:class:`PlannerOptions` is the planner's options, one value for all four entry points
+(loose planner keywords are refused with that spelling); :func:`init_module_` initialises a
+module as ``Pipeline.init_weights`` does, for single-process references."""
 
 # first: the model adapters register their tracing contexts (autopp.tracing) before anything
 # splits or traces a model; light (no torchtitan, DTensor or planner at import)
