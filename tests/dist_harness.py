@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,8 +57,11 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     import torch
     import torch.distributed as dist
 
+    from autopp._compat import gloo
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    gloo.install()  # one worker thread per gloo group, as autopp gives a user's ranks
     try:
         # rendezvous through a file of this launch's own (not a TCP port picked earlier,
         # which a launch running beside it could have picked too)
@@ -124,57 +126,15 @@ def ships_tensors(mesh: Any) -> bool:
 class LaunchError(RuntimeError):
     """A launch that did not finish: a rank failed, died or missed the deadline."""
 
-    heap_abort = False
-    """Whether a rank was killed by glibc's heap check (see :data:`HEAP_ABORTS`) or by the
-    same crash as a segmentation fault (:data:`SEGFAULT_AT_COLLECTIVE`)."""
-
-
-#: glibc's messages when its heap checks find a chunk written after it was freed: seen
-#: intermittently in 4- and 8-rank launches under load (every time in a backward graph's
-#: allocation; the writer is not found, see scripts/heapcheck), never in a single process.
-HEAP_ABORTS = ("malloc(): ", "free(): ", "double free or corruption", "corrupted size vs",
-               "malloc_consolidate(): ")
-
-#: The same crash seen as a segmentation fault (2026-12-05, test_any_decoder at 9547e23):
-#: faulthandler's stack of the crashed rank holds both lines, the fault inside torch's
-#: Python autograd wrapper of a functional collective in a full_backward graph, as the
-#: heap aborts were. Another segmentation fault is an error at once.
-SEGFAULT_AT_COLLECTIVE = ("Fatal Python error: Segmentation fault",
-                          "torch/_library/autograd.py")
-
-#: Launches made again after such a crash before it is an error. Measured on 2026-12-05:
-#: two clean-clone runs of the whole test command each had one (test_moe; the transformers
-#: checkpoint launch), both inside a full_backward graph at a functional collective that
-#: torch's Python autograd wrapper dispatches; one relaunch left a second crash in the same
-#: launch failing CI, two make that the product of three.
-HEAP_ABORT_RELAUNCHES = 2
-
 
 def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600,
-                 work_timeout: float | None = None,
-                 heap_abort_relaunches: int = HEAP_ABORT_RELAUNCHES) -> list[Any]:
+                 work_timeout: float | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return their
     results by rank. Raises :class:`LaunchError` (every rank killed, each rank's last lines
-    shown) when a rank raises, exits without a result, the launch passes ``timeout``, or
-    the work passes ``work_timeout`` counted from when every rank joined the process group.
-
-    A launch in which a rank was killed by glibc's heap check (:data:`HEAP_ABORTS`, an
-    unsolved native crash), or by that crash as a segmentation fault
-    (:data:`SEGFAULT_AT_COLLECTIVE`), is launched again, up to ``heap_abort_relaunches`` times, each
-    with a warning that shows that launch's error; one more such crash raises (0: the
-    first does)."""
-    for attempt in range(heap_abort_relaunches + 1):
-        try:
-            return _launch(fn, world_size, args, timeout, work_timeout)
-        except LaunchError as e:
-            if not e.heap_abort or attempt == heap_abort_relaunches:
-                raise
-            warnings.warn(f"relaunching ({attempt + 1} of {heap_abort_relaunches}) after a "
-                          f"native heap abort (unsolved; see tests/dist_harness.py "
-                          f"HEAP_ABORTS):\n{e}", stacklevel=2)
-            print(f"[harness] {fn.__name__}: relaunched after a native heap abort",
-                  file=sys.stderr)
-    raise AssertionError("unreachable")
+    shown) when a rank raises, exits without a result (a crash in native code included: it is
+    never launched again), the launch passes ``timeout``, or the work passes
+    ``work_timeout`` counted from when every rank joined the process group."""
+    return _launch(fn, world_size, args, timeout, work_timeout)
 
 
 def _launch(fn: Callable, world_size: int, args: tuple, timeout: float,
@@ -244,11 +204,7 @@ def _launch(fn: Callable, world_size: int, args: tuple, timeout: float,
         tails = "\n".join(f"--- rank {r} ({states[r]}), last lines ---\n"
                           f"{_tail(log_dir / f'rank{r}.log', shown[r])}"
                           for r in range(world_size))
-        err = LaunchError(f"{fn.__name__} on {world_size} ranks: {failure}\n{tails}")
-        logs = [_tail(log_dir / f"rank{r}.log", CRASH_LINES) for r in crashed]
-        err.heap_abort = any(any(m in log for m in HEAP_ABORTS)
-                             or all(m in log for m in SEGFAULT_AT_COLLECTIVE) for log in logs)
-        raise err
+        raise LaunchError(f"{fn.__name__} on {world_size} ranks: {failure}\n{tails}")
     for p in procs:
         p.join(max(1.0, deadline - time.monotonic()))
         if p.is_alive():

@@ -10,7 +10,8 @@ certain within a minute; without it, rare (a loaded machine, many iterations).
     LD_PRELOAD=/tmp/widen_race.so python scripts/gloo_race/repro.py [SECONDS] [THREADS]
 
 THREADS: gloo worker threads per group (torch's default 2; 1 avoids the race). Prints
-``clean: N iterations in S s`` and exits 0, or reports the rank that died and exits 1.
+``clean: N iterations in S s`` and exits 0, or reports the rank that died (or the ranks
+that hung: the corruption can also leave a worker spinning) and exits 1.
 """
 
 import os
@@ -70,18 +71,23 @@ def main() -> int:
     procs = [ctx.Process(target=worker, args=(r, 2, path, seconds, threads)) for r in range(2)]
     for p in procs:
         p.start()
-    while all(p.exitcode is None for p in procs):
+    deadline = t0 + seconds + 120  # start-up and the last iterations, with room
+    while (any(p.exitcode is None for p in procs) and time.monotonic() < deadline
+           and not any(p.exitcode for p in procs)):
         time.sleep(0.2)
     dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
     for p in procs:
         p.join(5)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()] if not dead else []
+    for p in procs:
         if p.is_alive():
             p.kill()
     took = time.monotonic() - t0
-    print(f"torch {torch.__version__}, {threads} gloo worker thread(s): "
-          f"{f'rank {dead[0][0]} died (exit code {dead[0][1]})' if dead else 'no crash'} "
+    what = (f"rank {dead[0][0]} died (exit code {dead[0][1]})" if dead else
+            f"ranks {hung} hung (a worker spinning on corrupted state)" if hung else "no crash")
+    print(f"torch {torch.__version__}, {threads} gloo worker thread(s): {what} "
           f"after {took:.0f} s", flush=True)
-    return 1 if dead else 0
+    return 1 if dead or hung else 0
 
 
 if __name__ == "__main__":
