@@ -68,7 +68,10 @@ def test_every_doc_has_examples():
     assert {e.name.split(":")[0] for e in ALL} == set(DOCS)
 
 
-@pytest.mark.parametrize("example", ALL, ids=[e.name for e in ALL])
+# an example on several ranks is a launch: one at a time, with the other launches
+@pytest.mark.parametrize("example", [
+    pytest.param(e, id=e.name, marks=[pytest.mark.multiprocess] if e.ranks > 1 else [])
+    for e in ALL])
 def test_example_runs(example: Example, tmp_path):
     """The example runs to its end (in ``tmp_path``: what it writes stays there)."""
     script = tmp_path / "example.py"
