@@ -31,7 +31,13 @@ def two_steps(mesh, cfg: Case, path: str | None = None) -> dict:
     if cfg.planner_options is not None:
         from autopp.backends import Planner, PlannerOptions
 
-        parallelize = Planner(PlannerOptions(**cfg.planner_options))
+        options = dict(cfg.planner_options)
+        if cfg.bf16:  # bf16 compute, fp32 masters and gradient reductions
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            options["mixed_precision"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        parallelize = Planner(PlannerOptions(**options))
 
     def build(schedule=cfg.schedule):
         return pipeline_autoparallel(

@@ -91,6 +91,11 @@ out["options"] = dict(reported=mine.memory_reserve, planned=mine.plan.options.me
                       boundaries=list(mine.plan.boundaries), profile=mine.profile,
                       usable=mine.plan.estimates.usable_bytes if mine.plan.estimates else None,
                       device=mine.device_memory_bytes)
+# weights gathered block by block: the plan records the mode and the report says it
+pb = dry_run(llama3_meta(), pp=2, dp=2, tp=2, schedule="1F1B", n_microbatches=2,
+             global_batch=8, seq_len=64, options=PlannerOptions(
+                 weight_gathering="per_block", recompute="none", boundary="batch"))
+out["per_block"] = dict(text=str(pb), mode=pb.plan.options.weight_gathering)
 try:
     dry_run(llama3_meta(), pp=2, dp=2, tp=2, n_microbatches=2, global_batch=8, seq_len=64,
             memory_reserve=0.3)
@@ -256,6 +261,15 @@ def test_trace_and_timeline_written(reports):
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("name") == "0F0" for e in events)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_report_says_when_weights_are_gathered(reports):
+    """The stage lines say how the plan holds its gathered weights, and a per-block plan
+    records its mode (a saved plan run again is checked against it)."""
+    assert "weights" in reports["1F1B"]["text"] and "once per step" in reports["1F1B"]["text"]
+    assert reports["per_block"]["mode"] == "per_block"
+    text = reports["per_block"]["text"]
+    assert "weights" in text and "block by block" in text and "once per step" not in text, text
 
 
 def test_odd_sequence_falls_back_to_batch_boundaries(reports):

@@ -8,6 +8,7 @@ from autopp.plan.budgets import WORKSPACE_SHARE
 from autopp.plan.make import describe_loss
 from autopp.schedules import MEMORY_CATEGORIES
 from autopp.format import format_bytes
+from autopp.graph.weight_gathering import WeightGathering
 from autopp.sharding.report import placement_summary
 
 if TYPE_CHECKING:
@@ -67,7 +68,9 @@ def _stage_lines(r: DryRunReport) -> list[str]:
                + (f"; its W keeps {format_bytes(s.facts.kept_for_w_bytes)} from I (planner: "
                   f"{format_bytes(p.kept_for_w_bytes)})" if p.split_in_flight
                   and s.facts.kept_for_w_bytes is not None else "")
-               + f"; gathered/cast weights {format_bytes(c.gathered_param_bytes)} once per step"]
+               + f"; gathered/cast weights {format_bytes(c.gathered_param_bytes)} "
+               + (WeightGathering.from_options(r.plan.options) if r.plan is not None
+                  else WeightGathering()).when]
               if s.activation_bytes is not None else []),
             f"    sends {list(s.send_shape)} = {format_bytes(s.send_bytes)} per microbatch to stage "
             f"{s.index + 1} ({_BOUNDARY_WORDS[s.boundary_out]})" if s.send_shape is not None

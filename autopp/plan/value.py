@@ -165,6 +165,9 @@ class PlanOptions:
     """MoE routed experts' compute dtype (``PlannerOptions.expert_compute_dtype``)."""
     tf32: bool = False
     """fp32 matmuls priced at the TF32 rate (``PlannerOptions.tf32``)."""
+    weight_gathering: str = "once_per_step"
+    """How the stages hold dp-sharded weights, as planned (``PlannerOptions.weight_gathering``)."""
+    prefetch_blocks: int = 1
 
     @classmethod
     def of(cls, options: PlannerOptions, profile: str) -> PlanOptions:
@@ -176,7 +179,9 @@ class PlanOptions:
                    boundary=options.boundary, loss_parallel=options.loss_parallel,
                    param_dtype=None if mp is None or mp.param_dtype is None else str(mp.param_dtype),
                    reduce_dtype=None if mp is None or mp.reduce_dtype is None
-                   else str(mp.reduce_dtype), tf32=options.tf32, **options.trace_settings())
+                   else str(mp.reduce_dtype), tf32=options.tf32,
+                   weight_gathering=options.weight_gathering,
+                   prefetch_blocks=options.prefetch_blocks, **options.trace_settings())
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -193,7 +198,7 @@ class PlanOptions:
         out = []
         for f in ("profile", "memory_budget_bytes", "memory_reserve",
                   "parameter_budget_bytes", "boundary", "loss_parallel", "token_dispatch",
-                  "expert_compute_dtype", "tf32"):
+                  "expert_compute_dtype", "tf32", "weight_gathering", "prefetch_blocks"):
             if getattr(options, f) != getattr(default, f) and getattr(given, f) != getattr(self, f):
                 out.append(f"{f}: the plan has {getattr(self, f)!r}, the options "
                            f"{getattr(given, f)!r}")
