@@ -1,29 +1,17 @@
 """A whole pipeline's plan as one value, and the one function that makes it.
 
-:class:`PipelinePlan` holds everything a planned pipeline runs with: which model it was made
-for (a structural fingerprint), the mesh, schedule and microbatches, the split and where
-each stage runs, every stage's :class:`~autopp.sharding.StagePlan`, the placements chosen
-between stages and for the loss, the recomputation per stage, the placements of parameters
-tied across stages, and (from a dry run) the simulated estimates. It is frozen, compares
-equal after a JSON round trip, and can be saved, loaded, printed (:meth:`PipelinePlan.describe`)
-and diffed::
+:class:`PipelinePlan` holds everything a planned pipeline runs with: the model's structural
+fingerprint, the mesh, schedule and microbatches, the split and stage placement, every
+stage's :class:`~autopp.sharding.StagePlan`, boundary, loss and tied placements, the
+recomputation per stage, and (from a dry run) the estimates. It is frozen, equal after a JSON
+round trip, and can be saved, loaded, printed (:meth:`PipelinePlan.describe`) and diffed;
+``pipeline_autoparallel(..., plan="plan.json")`` runs one without planning.
 
-    plan = autopp.plan_pipeline(model_on_meta, pp=2, dp=2, tp=2, schedule="1F1B",
-                                n_microbatches=4, global_batch=8, seq_len=2048)
-    plan.save("plan.json")
-    ...
-    pipe = autopp.pipeline_autoparallel(model, mesh, ..., plan="plan.json")  # no planning
-
-:func:`plan_pipeline` is the only way plans are made: :func:`autopp.dry_run.dry_run` calls
-its core (:func:`autopp.plan.make.plan_whole_pipeline`) and adds estimates, and the planner
-backend (:class:`autopp.backends.Planner`) calls it at ``prepare``, so what runs is what a
-dry run plans. In a job, rank 0 of the world plans (or reads the on-disk cache,
-:mod:`autopp.plan.cache`) and broadcasts the plan's JSON; the other ranks do not plan
-(:func:`plan_on_rank0`).
-
-This module imports only the standard library and torch at import time (``import autopp``
-stays light); the planner loads when a plan is made or read.
-"""
+Invariant: :func:`plan_pipeline` is the only way plans are made: the dry run calls its core
+(:func:`autopp.plan.make.plan_whole_pipeline`) and the planner backend calls it at
+``prepare``, so what runs is what a dry run plans. In a job, rank 0 plans (or reads the
+cache) and broadcasts the JSON (:func:`plan_on_rank0`). Imports only the standard library
+and torch, so ``import autopp`` stays light."""
 
 from __future__ import annotations
 
