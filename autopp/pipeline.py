@@ -262,8 +262,6 @@ class Pipeline:
         return self.backend.plans
 
     def _build_schedule(self) -> None:
-        from autopp.schedules import build_schedule
-
         pp_group = self.mesh["pp"].get_group()
         self._stages = [
             self.backend.pipeline_stage(
@@ -271,16 +269,9 @@ class Pipeline:
                 loss_fn=self._loss, get_mesh=self._get_mesh)
             for m, sid in zip(self.stage_modules, self.layout.stage_ids)
         ]
-        common = dict(n_microbatches=self.layout.n_microbatches, loss_fn=self._loss,
-                      scale_grads=False)
-        if self.backend.uses_graph_runtime:  # graph stages on torch's action runtime
-            from autopp.graph import attach_graph_runtime
-
-            self._schedule = build_schedule(self.layout.schedule, self._stages, runtime=True,
-                                            **common)
-            self._runtime = attach_graph_runtime(self._schedule)
-        else:
-            self._schedule = build_schedule(self.layout.schedule, self._stages, **common)
+        self._schedule, self._runtime = self.backend.build_schedule(
+            self.layout.schedule, self._stages, n_microbatches=self.layout.n_microbatches,
+            loss_fn=self._loss, scale_grads=False)
 
     def _get_mesh(self, mesh_dim_names: tuple[str, ...], mesh_layout=None) -> DeviceMesh:
         """Resolve the mesh of a DTensor activation received from another stage (torch sends
@@ -415,7 +406,7 @@ class Pipeline:
         """The group over which statistics the model's own forward keeps (e.g. MoE token
         counts) are partial: dp for stages that run the model's modules on this rank's
         batch slice; None for planned stages, whose graphs reduce them as planned."""
-        if self.backend.named_buffers(self.stage_modules) is not None or self.dp_size == 1:
+        if self.backend.stats_reduced_over_dp or self.dp_size == 1:
             return None
         return self.mesh["dp"].get_group()
 
@@ -477,7 +468,7 @@ class Pipeline:
                     f"keyword input {name!r} is {what}: keyword inputs are split into "
                     f"microbatches on dim 0 like the inputs, so each must be a tensor whose "
                     f"dim 0 is this dp rank's batch ({batch})")
-        if not self.backend.uses_graph_runtime:
+        if not self.backend.takes_built_keyword_inputs:
             return
         from autopp.sharding.plan import describe_keyword_inputs
 

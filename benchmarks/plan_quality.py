@@ -53,25 +53,26 @@ def _stage_case(frac: float) -> dict:
 
     from autopp.mesh import init_fake_world
     from autopp.sharding import budget as B
-    from autopp.sharding import plan_stage
+    from autopp.sharding import StageMemory, StageRequest, plan_stage
     from plan_time import build_stage
 
     init_fake_world(4)
     mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("dp", "tp"))
     x = torch.empty(4, 64, 256, device="meta")
-    kw = dict(activation_factor=2.0, optimizer_state_factor=2.0, recompute="none",
-              microbatches_per_grad_reduce=8)
     stage = build_stage(2, "debugmodel")
-    budget = frac * plan_stage(stage, (x,), mesh, **kw).memory_bytes
+    ask = StageRequest(module=stage, example_inputs=(x,), mesh=mesh,
+                       memory=StageMemory(activation_factor=2.0, optimizer_state_factor=2.0,
+                                          recompute="none"), microbatches_per_grad_reduce=8)
+    budget = frac * plan_stage(ask).memory_bytes
     t0 = time.perf_counter()
-    composed = plan_stage(stage, (x,), mesh, memory_budget_bytes=budget, **kw)
+    composed = plan_stage(ask.replace(budget_bytes=budget))
     composed_s = time.perf_counter() - t0
     # the exact whole-stage ILP: one flat model, the budget in its row, polished to 1e-7
     B.CERTIFIED_GAP, B._POLISH_GAP, B.POLISH_TARGET = -1.0, 1e-7, False
     B.POLISH_NODES, B.POLISH_TIME_S = 10**7, 1800.0
     t0 = time.perf_counter()
-    exact = plan_stage(stage, (x,), mesh, memory_budget_bytes=budget, reuse_blocks=False,
-                       time_limit_s=1800.0, **kw)
+    exact = plan_stage(ask.replace(budget_bytes=budget, reuse_blocks=False,
+                                   time_limit_s=1800.0))
     exact_s = time.perf_counter() - t0
     return {"fraction": frac, "budget": budget,
             "composed_s": composed.step_time_s, "composed_bytes": composed.memory_bytes,

@@ -52,7 +52,7 @@ def one_run(args) -> dict:
     from torch.distributed.device_mesh import DeviceMesh
 
     from autopp.mesh import init_fake_world
-    from autopp.sharding import plan_stage
+    from autopp.sharding import StageMemory, StageRequest, plan_stage
 
     stage = build_stage(args.layers)
     init_fake_world(args.dp * args.tp)
@@ -61,8 +61,9 @@ def one_run(args) -> dict:
     x = torch.empty(args.batch, args.seq, 4096, device="meta")
     budget = sum(p.numel() * p.element_size() for p in stage.parameters()) / 64
     t0 = time.perf_counter()
-    plan = plan_stage(stage, (x,), mesh, profile=args.profile, memory_budget_bytes=budget,
-                      input_placements=None, output_placements=None)
+    plan = plan_stage(StageRequest(module=stage, example_inputs=(x,), mesh=mesh,
+                                   profile=args.profile, memory=StageMemory(budget_bytes=budget),
+                                   input_placements=None, output_placements=None))
     dt = time.perf_counter() - t0
     out = {"plan_s": dt, "num_vars": plan.num_vars, "solve_s": plan.solve_s,
            "step_time_ms": plan.step_time_s * 1e3, "blocks": len(plan.blocks),
@@ -109,14 +110,16 @@ def compare(args) -> None:
 
     from autopp.mesh import init_fake_world
     from autopp.adapters.torchtitan_reference import compare_with_torchtitan
+    from autopp.sharding import StageRequest
 
     init_fake_world(256)
     stage = build_stage(1)
     for dp, tp in ((2, 4), (8, 8), (32, 8)):
         mesh = DeviceMesh("cpu", torch.arange(dp * tp).view(dp, tp), mesh_dim_names=("dp", "tp"))
         x = torch.empty(max(dp, 8), args.seq, 4096, device="meta")
-        ours, theirs = compare_with_torchtitan(stage, (x,), mesh, profile=args.profile,
-                                               input_placements=None, output_placements=None)
+        ours, theirs = compare_with_torchtitan(StageRequest(
+            module=stage, example_inputs=(x,), mesh=mesh, profile=args.profile,
+            input_placements=None, output_placements=None))
         print(f"{dp}x{tp} batch {x.shape[0]} seq {args.seq}: planned "
               f"{ours.step_time_s * 1e3:.3f} ms ({ours.param_bytes_per_device / 2**20:.1f} MiB "
               f"params/device), torchtitan FSDP+TP {theirs.step_time_s * 1e3:.3f} ms "

@@ -171,6 +171,7 @@ def test_stage_modules_built_and_run_on_meta_once_per_rank(saved_plan, fake_worl
 
 def test_cache_key_follows_the_boundary_planning_code(tmp_path, monkeypatch):
     import autopp.plan.cache as plan_cache
+    import autopp.sharding.cache_key as cache_key
 
     files = plan_cache.planner_source_files()
     assert {"plan/make.py", "plan/value.py", "graph/recompute.py",
@@ -187,7 +188,7 @@ def test_cache_key_follows_the_boundary_planning_code(tmp_path, monkeypatch):
     changed = tmp_path / "make.py"
     original = next(f for f in files if f.name == "make.py" and f.parent.name == "plan")
     changed.write_bytes(original.read_bytes() + b"\n# another boundary rule\n")
-    monkeypatch.setattr(plan_cache, "planner_source_files",
+    monkeypatch.setattr(cache_key, "planner_source_files",
                         lambda: [changed if f == original else f for f in files])
     after = keys()
     assert after[0] != before[0] and after[1] != before[1]

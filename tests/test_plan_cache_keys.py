@@ -89,17 +89,18 @@ def test_the_tf32_setting_is_in_the_keys(monkeypatch):
     from autopp.plan import local_stage
     from autopp.plan.options import PlannerOptions
     from autopp.plan.value import PlanOptions
+    from autopp.sharding import StageRequest
 
     class Stop(Exception):
         pass
 
     keys: list[str] = []
 
-    def capture(*args, **kwargs):
-        keys.append(cache.plan_key(*args, **kwargs))
+    def capture(key, solve):
+        keys.append(key)
         raise Stop
 
-    monkeypatch.setattr(local_stage, "plan_key", capture)
+    monkeypatch.setattr(local_stage, "cached_plan", capture)
     with torch.device("meta"):
         m = _block(1.0)()
     sub_mesh = types.SimpleNamespace(shape=(2, 2), mesh_dim_names=("dp", "tp"))
@@ -115,8 +116,8 @@ def test_the_tf32_setting_is_in_the_keys(monkeypatch):
             pipeline_keys.append(cache.pipeline_plan_key(
                 {"options": dataclasses.asdict(record)}))
             try:
-                local_stage.plan_local_stage(m, x, sub_mesh, profile="H100",
-                                             memory_budget_bytes=None, stage_index=0)
+                local_stage.plan_local_stage(StageRequest(
+                    module=m, example_inputs=x, mesh=sub_mesh, profile="H100"))
             except Stop:
                 pass
     finally:

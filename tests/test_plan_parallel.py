@@ -35,9 +35,8 @@ def _plan_of(parent: int, die: bool = False, hang: bool = False, fail: int | Non
 
 def test_stages_planned_on_two_processes_come_back_in_order():
     parent = os.getpid()
-    timings: dict = {}
     seen = []
-    plans = map_stages(_plan_of(parent), 6, workers=2, timings=timings,
+    plans = map_stages(_plan_of(parent), 6, workers=2,
                         progress=lambda done, n, t: seen.append(done))
     assert [p[0] for p in plans] == list(range(6))
     assert len({p[1] for p in plans}) == 2  # both processes planned some

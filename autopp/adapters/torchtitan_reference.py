@@ -13,13 +13,12 @@ compare with autopp's own plan under the memory budget their layout uses.
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
 from autopp._compat import sharding as compat
 from autopp.sharding.plan import StagePlan
 from autopp.sharding.planner import plan_stage
+from autopp.sharding.request import StageRequest
 
 COLWISE = ("wq", "wk", "wv", "wqkv", "w1", "w3")
 ROWWISE = ("wo", "w2")
@@ -59,25 +58,17 @@ def torchtitan_stage_placements(stage: nn.Module, mesh_dim_names: tuple[str, ...
     return out
 
 
-def compare_with_torchtitan(
-    module: nn.Module, example_inputs: tuple[Any, ...], mesh, **plan_kwargs: Any
-) -> tuple[StagePlan, StagePlan]:
+def compare_with_torchtitan(request: StageRequest) -> tuple[StagePlan, StagePlan]:
     """(autopp's plan, torchtitan's plan) for the same stage under the same cost model.
 
-    autopp plans under a parameter-memory budget equal to what torchtitan's layout uses per
-    device (so both are FSDP-sized); torchtitan's activations are re-optimised by our solver.
+    autopp plans under ``request``'s budget, or (none given) the parameter memory
+    torchtitan's layout uses per device (so both are FSDP-sized); torchtitan's activations
+    are re-optimised by our solver.
     """
-    names = tuple(mesh.mesh_dim_names)
-    theirs = plan_stage(
-        module,
-        example_inputs,
-        mesh,
-        param_placements=torchtitan_param_placements(module, names),
-        **plan_kwargs,
-    )
-    factor = plan_kwargs.get("param_state_factor", 1.0)
-    budget = plan_kwargs.pop("memory_budget_bytes", None)
+    names = tuple(request.mesh.mesh_dim_names)
+    theirs = plan_stage(request.replace(
+        param_placements=torchtitan_param_placements(request.module, names)))
+    budget = request.memory.budget_bytes
     if budget is None:
-        budget = theirs.param_bytes_per_device * factor * (1 + 1e-9)
-    ours = plan_stage(module, example_inputs, mesh, memory_budget_bytes=budget, **plan_kwargs)
-    return ours, theirs
+        budget = theirs.param_bytes_per_device * (1 + 1e-9)
+    return plan_stage(request.replace(budget_bytes=budget)), theirs

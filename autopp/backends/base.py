@@ -69,12 +69,15 @@ class StageBackend(ABC):
 
     #: Short name for logs and ``describe()``.
     name: str = "backend"
-    #: True: the stages are :class:`autopp.graph.GraphStage` s run by autopp.graph's runtime
-    #: on torch's action-list schedule; False: torch ``PipelineStage`` s under autograd.
-    uses_graph_runtime: bool = False
     #: True: parameter gradients come out summed over dp (DTensor semantics), so the loss is
     #: not scaled by dp; False: averaged over dp (the FSDP/DDP convention).
     grads_summed_over_dp: bool = False
+    #: True: the stages take exactly the keyword inputs they were built for (graph inputs
+    #: of their traces), so a step must pass those; False: any batched keyword inputs.
+    takes_built_keyword_inputs: bool = False
+    #: True: statistics the model's forward keeps (e.g. MoE token counts) come out reduced
+    #: over dp; False: each dp rank's are partial, over its batch slice.
+    stats_reduced_over_dp: bool = False
 
     def prepare(self, spec: PipelineSpec) -> None:  # noqa: B027 (optional hook)
         """Whole-pipeline work before the stages are built (planning); collective."""
@@ -111,6 +114,14 @@ class StageBackend(ABC):
         return pipeline_stage_with_inference_context(
             module, stage_id, n_stages, device, group=pp_group, get_mesh=get_mesh,
             context=lambda: adapters.training_state_kept([module], module))
+
+    def build_schedule(self, schedule: str, stages: Sequence[Any], **kw: Any
+                       ) -> tuple[Any, Any | None]:
+        """The schedule running ``stages`` (``kw``: :func:`autopp.schedules.build_schedule`'s)
+        and the runtime driving its actions (None: torch's own, under autograd)."""
+        from autopp.schedules import build_schedule
+
+        return build_schedule(schedule, stages, **kw), None
 
     def vocab_parallel_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
         """The mesh the last stage's logits are split over on the vocabulary (loss parallel),

@@ -59,8 +59,9 @@ class Planner(StageBackend):
     _last_stage: int = field(default=-1, init=False, repr=False)
 
     name = "planner"
-    uses_graph_runtime = True
     grads_summed_over_dp = True
+    takes_built_keyword_inputs = True
+    stats_reduced_over_dp = True  # the planned graphs reduce them
 
     def __post_init__(self) -> None:
         if self.plan is not None:
@@ -129,6 +130,15 @@ class Planner(StageBackend):
         return (f"stage {stage_id}: {err}. The plan came from the plan cache "
                 f"({cache_dir()}, entry {plan.cache_entries[0]}); its {len(removed)} entries "
                 "on this host were evicted, so running again plans anew")
+
+    def build_schedule(self, schedule: str, stages: Sequence[Any], **kw: Any
+                       ) -> tuple[Any, Any]:
+        """Graph stages on torch's action-list schedule, driven by autopp.graph's runtime."""
+        from autopp.graph import attach_graph_runtime
+        from autopp.schedules import build_schedule
+
+        built = build_schedule(schedule, stages, runtime=True, **kw)
+        return built, attach_graph_runtime(built)
 
     def named_parameters(self, modules: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter]]:
         return [kv for m in modules for kv in m.named_planned_parameters()]
@@ -205,13 +215,13 @@ class Planner(StageBackend):
 def plan_for_spec(spec: PipelineSpec, options: PlannerOptions) -> tuple[PipelinePlan, str]:
     """The plan of ``spec``'s pipeline (a :class:`autopp.backends.PipelineSpec`), made on
     rank 0 and broadcast (:func:`plan_on_rank0`); what the planner backend runs."""
-    from autopp.plan.make import plan_whole_pipeline
+    from autopp.plan.make import PipelineRequest, plan_whole_pipeline
     from autopp.mesh import mesh_sizes
 
-    return plan_on_rank0(lambda: plan_whole_pipeline(
-        spec.model, pp=mesh_sizes(spec.mesh)["pp"], fqns_per_stage=spec.fqns_per_stage,
+    return plan_on_rank0(lambda: plan_whole_pipeline(PipelineRequest(
+        model=spec.model, pp=mesh_sizes(spec.mesh)["pp"], fqns_per_stage=spec.fqns_per_stage,
         stage_ranks=spec.rank_of, sub_mesh=spec.sub_mesh, schedule=spec.schedule,
         n_microbatches=spec.n_microbatches, example_inputs=spec.example_inputs,
-        options=options, loss_fn=spec.loss_fn, stage_modules=spec.stage_modules or None,
-        keyword_inputs=dict(spec.keyword_inputs),
-    ))
+        options=options, loss_fn=spec.loss_fn,
+        stage_modules=tuple(spec.stage_modules or ()) or None,
+        keyword_inputs=dict(spec.keyword_inputs))))

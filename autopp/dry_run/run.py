@@ -51,7 +51,7 @@ from autopp.stage_split.for_schedule import split_for_schedule, stage_ranks_of
 from autopp.plan.boundaries import BOUNDARIES
 from autopp.plan.keyword_inputs import example_keyword_inputs, microbatch_keyword_inputs
 from autopp.plan.heap import frozen_heap
-from autopp.plan.make import loss_time_s, plan_whole_pipeline
+from autopp.plan.make import PipelineRequest, loss_time_s, plan_whole_pipeline
 from autopp.plan.parallel import map_stages
 from autopp.plan.stage_inputs import last_stage_output, stage_meta_inputs
 from autopp.stage_split import build_stage_module
@@ -80,7 +80,8 @@ from autopp.plan.objective import (
     slowest_link,
 )
 from autopp.plan.value import PipelinePlan
-from autopp.plan.cache import cached_plan, plan_key
+from autopp.plan.cache import cached_plan
+from autopp.plan.local_stage import StageTiming
 from autopp.schedules import (
     Link,
     SimulationResult,
@@ -88,8 +89,7 @@ from autopp.schedules import (
     write_chrome_trace,
     write_timeline_png,
 )
-from autopp.sharding import StagePlan, plan_stage
-from autopp.sharding.plan import describe_keyword_inputs
+from autopp.sharding import StagePlan, StageRequest, plan_stage
 from autopp.profiles import get_profile
 from autopp.adapters.torchtitan_reference import torchtitan_stage_placements
 
@@ -304,23 +304,14 @@ def _plan_torchtitan(stage, inputs, sub_mesh, profile, index, *, first: bool, la
     tp = sub_mesh["tp"].size()
     b_in = "batch" if first or tp == 1 else "batch+seq"
     b_out = ("vocab" if last else "batch+seq") if tp > 1 else "batch"
-    options = dict(profile=profile, reference="torchtitan FSDP+TP, vocab-sharded embed/head",
-                   boundary_in=b_in, boundary_out=b_out, tf32=tf32)
-    if mixed_precision is not None:
-        options["mixed_precision"] = mixed_precision
-    options["microbatches_per_grad_reduce"] = n_microbatches
-    if keyword_inputs:  # one dp-global microbatch's, as the planned stages take them
-        options["keyword_inputs"] = [[n, list(shape), d] for n, shape, d in
-                                     describe_keyword_inputs(keyword_inputs)]
-    key = plan_key(stage, inputs, tuple(sub_mesh.shape), names, options)
-    t0 = time.perf_counter()
-    plan, hit = cached_plan(key, lambda: plan_stage(
-        stage, inputs, sub_mesh, profile=profile,
+    request = StageRequest(
+        module=stage, example_inputs=inputs, mesh=sub_mesh, profile=profile,
         param_placements=torchtitan_stage_placements(stage, names),
         input_placements=BOUNDARIES[b_in], output_placements=BOUNDARIES[b_out],
         mixed_precision=mixed_precision, microbatches_per_grad_reduce=n_microbatches,
-        tf32=tf32, keyword_inputs=keyword_inputs,
-    ))
+        tf32=tf32, keyword_inputs=keyword_inputs or {})
+    t0 = time.perf_counter()
+    plan, hit = cached_plan(request.key(), lambda: plan_stage(request))
     dt = time.perf_counter() - t0
     logger.info("stage %d: torchtitan layout priced in %.1f s (%s)", index, dt,
                 "cached" if hit else "solved")
@@ -483,7 +474,6 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
         if compare and budget is None and options.parameter_budget_bytes is None:
             budget = tt_plans[s][0].param_bytes_per_device * (1 + 1e-9)
         budgets.append(budget)
-    timings: dict[int, list] = {}
     logits = last_stage_output(metas, inputs, mixed_precision, keyword)
     tt_kind = "batch+seq" if tp > 1 else "batch"  # torchtitan's boundaries (sequence parallel)
     memo: dict = {}  # lowered unit plans, shared by the stages (of one process)
@@ -525,22 +515,23 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
     # lowering each stage's plan for its memory and F / I / W split: in the process that
     # planned it, right after (plan/parallel.py); where the plan came from the cache, on
     # forked processes where this one can fork
-    after: dict[int, tuple] = {}
-    pplan, _ = plan_whole_pipeline(
-        model_meta, pp=pp, fqns_per_stage=fqns_per_stage, stage_ranks=stage_ranks,
+    planned = plan_whole_pipeline(PipelineRequest(
+        model=model_meta, pp=pp, fqns_per_stage=fqns_per_stage, stage_ranks=stage_ranks,
         sub_mesh=sub_mesh, schedule=str(schedule), n_microbatches=n_microbatches,
         example_inputs=local, options=options, loss_fn=cross_entropy,
         budgets=budgets if compare and options.parameter_budget_bytes is None else None,
         # None: the options' budgets (by default the device memory, all categories)
-        timings=timings, keyword_inputs=keyword, after_stage=cost_of, after_results=after,
-        stage_modules=metas)  # built above, not again
+        keyword_inputs=keyword or {}, after_stage=cost_of,
+        stage_modules=tuple(metas)))  # built above, not again
+    pplan, after, timings = planned.plan, planned.after, planned.timings
     bounds = pplan.boundaries
     costed = [after[s] for s in range(n_stages)] if len(after) == n_stages else map_stages(
         lambda s: cost_of(s, pplan.stage_plans[s], bounds), n_stages)
     stages = []
     for s, x in enumerate(inputs):
         plan = pplan.stage_plans[s]
-        wall, n_solved, _ = timings.get(s, [0.0, 0, 1])
+        timing = timings.get(s, StageTiming(cached=1))
+        wall, n_solved = timing.seconds, timing.solved
         kind = bounds[s + 1]
         shape, send = send_of(s, bounds)
         facts, cost, tt_cost, costed_s = costed[s]

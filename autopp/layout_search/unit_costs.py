@@ -180,7 +180,9 @@ def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.T
     import time
 
     from autopp.plan.budgets import loss_kept_bytes
+    from autopp.plan.boundaries import BOUNDARIES
     from autopp.plan.local_stage import plan_local_stage
+    from autopp.sharding import StageMemory, StageRequest
     from autopp.plan.make import loss_time_s
     from autopp.plan.stage_inputs import last_stage_output, stage_meta_inputs
     from autopp.schedules.checks import check_batch_size
@@ -194,30 +196,29 @@ def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.T
     probes = [first, last] if len(layers) > 1 else [[*layout.pre, layers[0], *layout.post]]
     pd = getattr(mixed_precision, "param_dtype", None)
     metas, inputs = stage_meta_inputs(model, probes, tokens, n_microbatches, dp, pd)
-    timings: dict[int, list] = {}
+    solved = 0
     out: dict[str, dict[str, UnitCost]] = {"pre": {}, "layer": {}, "post": {}}
     for mode in modes:
         policy, _, lean = mode.partition("@")
         # one peak of one microbatch's activations: the row is the plain one, and the
         # plans count what a split backward keeps from I to W too (the search weighs it)
-        memory = dict(activation_factor=1.0, recompute=policy, optimizer_state_factor=2.0,
-                      split_in_flight=((1.0, 0.0),))
+        memory = StageMemory(activation_factor=1.0, recompute=policy,
+                             optimizer_state_factor=2.0, split_in_flight=((1.0, 0.0),))
         plans = []
         for s, (meta, x) in enumerate(zip(metas, inputs)):
             k_in = "batch" if s == 0 else boundary
             k_out = loss_kind if s == len(metas) - 1 else boundary
-
-            def plan(mem: dict) -> StagePlan:
-                return plan_local_stage(
-                    meta, x, sub_mesh, profile=profile, memory_budget_bytes=None,
-                    stage_index=s, boundary_in=k_in, boundary_out=k_out, timings=timings,
-                    mixed_precision=mixed_precision, n_microbatches=n_microbatches,
-                    memory=mem, tf32=tf32)
-
-            p = plan(memory)
+            ask = StageRequest(
+                module=meta, example_inputs=x, mesh=sub_mesh, profile=profile,
+                input_placements=BOUNDARIES[k_in], output_placements=BOUNDARIES[k_out],
+                memory=memory, mixed_precision=mixed_precision,
+                microbatches_per_grad_reduce=n_microbatches, tf32=tf32)
+            p, timing = plan_local_stage(ask, stage_index=s)
+            solved += timing.solved
             if lean:  # LEAN_PRICE x the time-optimal plan's own seconds per byte
                 price = LEAN_PRICE * p.step_time_s / max(p.memory_bytes, 1)
-                p = plan({**memory, "memory_price": price})
+                p, timing = plan_local_stage(ask.replace(price=price), stage_index=s)
+                solved += timing.solved
             plans.append(p)
         first_plan, last_plan = plans[0], plans[-1]
         d0, d1 = param_dtypes(metas[0]), param_dtypes(metas[-1])
@@ -238,6 +239,6 @@ def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.T
         hidden_bytes=float(inputs[-1][0].numel() * inputs[-1][0].element_size())
         if len(probes) > 1 else 0.0,
         planning_s=time.perf_counter() - t0,
-        solved=sum(t[1] for t in timings.values()),
+        solved=solved,
         loss_kept_bytes=float(loss_kept_bytes(logits, dp, tp, (loss_kind,), 1)),
     )

@@ -11,11 +11,13 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+from autopp.sharding.request import StageMemory
+
 
 WORKSPACE_SHARE = 1 / 32
 """The largest tensor a planned stage may make and free within one action (an op's output,
 a redistributed activation), as a share of the device's usable memory
-(``plan_stage(largest_tensor_bytes=)``); twice it is kept off the budget of each pp rank for
+(``StageMemory.largest_tensor_bytes``); twice it is kept off the budget of each pp rank for
 the running action's working memory (an op's input and output, both transient), which the
 ILP's row does not count and the simulator counts at the peak. On an 80 GB device: 2.1 GiB
 bound, 4.2 GiB kept. A 70B block's largest intermediate at tp=8 (the FFN's, seq 8192, 2
@@ -58,8 +60,8 @@ def split_in_flight_per_stage(schedule: str, pp: int, n_microbatches: int, n_sta
     return split_in_flight(compute, n_stages)
 
 
-def memory_budgets(options: Any, profile: str, schedule: str, pp: int, n_microbatches: int,
-                   stage_ranks: Sequence[int]) -> tuple[list[float], list[dict[str, Any]]]:
+def memory_budgets(options: Any, profile: Any, schedule: str, pp: int, n_microbatches: int,
+                   stage_ranks: Sequence[int]) -> tuple[list[float], list[StageMemory]]:
     """Per stage, the memory budget and the whole-memory accounting the planner uses: the
     device's memory (the profile's, less ``options.memory_reserve``) or
     ``options.memory_budget_bytes``, shared equally by the stages of a pp rank; the
@@ -83,16 +85,16 @@ def memory_budgets(options: Any, profile: str, schedule: str, pp: int, n_microba
     if options.parameter_budget_bytes is not None:
         mode = "none" if options.recompute == "auto" else options.recompute
         return ([options.parameter_budget_bytes / k for k in per_rank],
-                [dict(recompute=mode, **gathering) for _ in range(n)])
+                [StageMemory(recompute=mode, **gathering) for _ in range(n)])
     device = (options.memory_budget_bytes if options.memory_budget_bytes is not None
               else get_profile(profile).memory_bytes * (1 - options.memory_reserve))
     in_flight = in_flight_per_stage(schedule, pp, n_microbatches, n)
     cap, working = workspace_allowance(device)
     budgets = [(device - working) / k for k in per_rank]
     split = split_in_flight_per_stage(schedule, pp, n_microbatches, n)
-    memory = [dict(activation_factor=float(f), recompute=options.recompute,
-                   optimizer_state_factor=2.0, largest_tensor_bytes=cap, **gathering,
-                   **({"split_in_flight": pairs} if pairs else {}))
+    memory = [StageMemory(activation_factor=float(f), recompute=options.recompute,
+                          optimizer_state_factor=2.0, largest_tensor_bytes=cap,
+                          split_in_flight=tuple(pairs), **gathering)
               for f, pairs in zip(in_flight, split)]
     return budgets, memory
 

@@ -1,15 +1,13 @@
 """``parallelize="auto"``, planning side: what every stage of a pipeline runs as.
 
-1. :func:`~autopp.plan.stage_inputs.stage_input_shapes` finds every stage's input (a microbatch, with the dp-global batch
-   size the planner works in) by running the meta model stage by stage on meta tensors.
-2. :func:`plan_boundaries` chooses the placement of every stage boundary and of the last
-   stage's logits (loss parallel or not) by Alpa's objective
-   (:func:`autopp.plan.boundaries.choose_boundaries`) on the stages' planned times, and
-   :func:`~autopp.plan.local_stage.plan_local_stage` plans a stage on its sub-mesh under
-   them (cached on disk, see :mod:`autopp.plan.cache`).
-3. :func:`plan_whole_pipeline` puts them together into one
-   :class:`~autopp.plan.value.PipelinePlan` (cached on disk whole); :func:`planned_stages`
-   reads a rank's stages back out of it.
+A :class:`PipelineRequest` says what to plan; :func:`plan_whole_pipeline` answers with a
+:class:`PipelineResult` (the :class:`~autopp.plan.value.PipelinePlan`, cached on disk whole
+under the request's key, and each stage's planning time), in three steps: the placement of
+parameters tied across stages, every stage boundary's placement and the last stage's logits'
+by Alpa's objective (:func:`autopp.plan.boundaries.choose_boundaries`) on the stages'
+planned times, then each stage under its budget
+(:func:`~autopp.plan.local_stage.plan_local_stage`, cached on disk per stage).
+:func:`planned_stages` reads a rank's stages back out of the plan.
 
 Shared by :func:`autopp.plan_pipeline`, :func:`autopp.pipeline_autoparallel` and
 :func:`autopp.dry_run.dry_run`; the planned stage's runtime is :mod:`autopp.lower.stage`.
@@ -22,7 +20,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,7 +47,7 @@ from autopp.plan.loss_choice import describe_loss, loss_kinds, loss_time_s
 from autopp.plan.objective import boundary_bytes, pp_link, pp_links, transfer_s
 from autopp.plan.heap import frozen_heap
 from autopp.plan.keyword_inputs import example_keyword_inputs, microbatch_keyword_inputs
-from autopp.plan.local_stage import plan_local_stage
+from autopp.plan.local_stage import StageTiming, plan_local_stage
 from autopp.plan.options import PlannerOptions, refuse_loose
 from autopp.plan.parallel import map_stages
 from autopp.plan.rank0 import plan_on_rank0
@@ -61,7 +59,8 @@ from autopp.plan.value import (
     model_fingerprint,
     model_structure,
 )
-from autopp.sharding import InfeasiblePlanError, StagePlan
+from autopp.profiles.devices import DeviceProfile
+from autopp.sharding import InfeasiblePlanError, StageMemory, StagePlan, StageRequest
 from autopp.sharding.plan import describe_keyword_inputs
 
 logger = logging.getLogger(__name__)
@@ -94,150 +93,6 @@ def default_profile(device_type: str) -> str:
     return profile_for_device(device_type)
 
 
-def plan_boundaries(
-    metas: Sequence[nn.Module],
-    inputs: Sequence[tuple[torch.Tensor, ...]],
-    sub_mesh: DeviceMesh,
-    *,
-    profile: str,
-    budgets: Sequence[float | None],
-    boundary: str = "auto",
-    last_kinds: Sequence[str] = ("batch",),
-    timings: dict[int, list] | None = None,
-    mixed_precision: Any = None,
-    n_microbatches: int = 1,
-    rank_of: Sequence[int] | None = None,
-    param_placements: Sequence[dict[str, tuple[str, ...]]] | None = None,
-    memory: Sequence[dict[str, Any] | None] | None = None,
-    pp: int | None = None,
-    tf32: bool | None = None,
-    keyword_inputs: Mapping[str, torch.Tensor] | None = None,
-    schedule: str | None = None,
-) -> tuple[list[str], Any]:
-    """Choose every stage boundary's placement (and the last stage's logits placement).
-
-    Args:
-        metas / inputs: all stages on meta and their dp-global microbatch inputs.
-        budgets: per-stage memory budget (None = none); or, with the whole memory
-            counted (``memory``), a function of the chosen boundaries giving them (the
-            receive buffers a stage holds depend on its boundaries' placements): the
-            boundaries are then compared on unbudgeted plans and only ``plan_of`` plans
-            under the budgets.
-        boundary: "auto" (by cost), "batch" or "batch+seq" for every boundary.
-        last_kinds: the last stage's output placements to compare (:func:`loss_kinds`);
-            its time includes the loss's (:mod:`autopp.sharding.loss_cost`).
-        timings: see :func:`plan_local_stage`.
-        n_microbatches / rank_of: the pipeline's microbatches and each stage's pp rank, for
-            Alpa's objective (see :func:`choose_boundaries`).
-        mixed_precision: torch's ``MixedPrecisionPolicy`` (see :mod:`autopp.sharding.precision`);
-            ``inputs`` must then already be in its ``param_dtype`` (:func:`~autopp.plan.stage_inputs.stage_input_shapes`).
-        param_placements: per stage, parameters whose placement is fixed (tied copies).
-        memory: per stage, the whole-memory accounting (see :func:`plan_local_stage`).
-        keyword_inputs: the keyword inputs every stage takes (see :func:`plan_local_stage`).
-        schedule: the pipeline's schedule, where its stages' once-per-step collectives run
-            ahead (beside compute): with the whole memory counted, each stage is then
-            planned under its budget against the windows the schedule leaves them
-            (:func:`autopp.schedules.comm_windows.schedule_windows` over the unbudgeted
-            plans; ``plan_stage(comm_windows_s=)``). None: every collective priced in full.
-
-    Returns ``(bounds, plan_of)``: ``bounds[s]`` is the placement into stage ``s`` and
-    ``bounds[s + 1]`` out of it (``len(metas) + 1`` entries), and ``plan_of(s)`` the stage's
-    plan under them (from the on-disk cache once computed). Every rank computes the same
-    ``bounds``: each plans (or reads from the cache) every stage under every choice.
-    """
-
-    dp, tp = sub_mesh["dp"].size(), sub_mesh["tp"].size()
-    kinds = boundary_kinds(sub_mesh) if boundary == "auto" else (boundary,)
-    if any(k not in BOUNDARIES or k == "vocab" for k in kinds):
-        raise ValueError(f"boundary must be 'auto', 'batch' or 'batch+seq', got {boundary!r}")
-    n = len(metas)
-    ranks = list(rank_of) if rank_of is not None else list(range(n))
-    mesh_shape = (pp or len(set(ranks)), dp, tp)
-    logits = last_stage_output(metas, inputs, mixed_precision, keyword_inputs)
-
-    whole = bool(memory) and any(m and m.get("activation_factor") is not None for m in memory)
-    if callable(budgets) and not whole:
-        raise ValueError("budgets as a function of the boundaries needs the whole memory "
-                         "counted (memory=): boundaries are then compared unbudgeted")
-    chosen: list[Sequence[float | None]] = [] if callable(budgets) else [budgets]
-
-    def plan(s: int, k_in: str, k_out: str, budgeted: bool = True,
-             windows: tuple[float, float] = (0.0, 0.0)) -> StagePlan:
-        mem = memory[s] if memory else None
-        if any(windows):
-            mem = {**mem, "comm_windows_s": windows}
-        return plan_local_stage(
-            metas[s], inputs[s], sub_mesh, profile=profile,
-            memory_budget_bytes=chosen[0][s] if budgeted else None,
-            stage_index=s, boundary_in=k_in, boundary_out=k_out, timings=timings,
-            mixed_precision=mixed_precision, n_microbatches=n_microbatches,
-            param_placements=param_placements[s] if param_placements else None,
-            memory=mem, tf32=tf32, keyword_inputs=keyword_inputs,
-        )
-
-    def loss_s(s: int, k_out: str) -> float:
-        return loss_time_s(logits, sub_mesh, profile, k_out) if s == n - 1 else 0.0
-
-    compared: dict[tuple[int, str, str], StagePlan] = {}  # the plans the boundaries compared
-
-    def stage_time(s: int, k_in: str, k_out: str) -> float:
-        # With the whole memory counted, boundaries are compared on each stage's
-        # time-optimal plan (no budget: one solve per unit, no price search); only the
-        # chosen boundaries are planned under the budget (plan_of). A parameter-only budget
-        # is cheap to honour: it bounds the comparison too.
-        try:
-            p = compared[s, k_in, k_out] = plan(s, k_in, k_out, budgeted=not whole)
-        except InfeasiblePlanError:  # e.g. a sequence tp does not divide: not a candidate
-            return math.inf
-        return p.step_time_s + loss_s(s, k_out)
-
-    def send_time(s: int, kind: str) -> float:  # forward and back, between the ranks joined
-        nbytes = boundary_bytes(inputs[s + 1][0], dp, tp, kind)
-        if ranks[s] == ranks[s + 1]:
-            return 0.0
-        return (transfer_s(pp_link(profile, mesh_shape, ranks[s], ranks[s + 1]), nbytes)
-                + transfer_s(pp_link(profile, mesh_shape, ranks[s + 1], ranks[s]), nbytes))
-
-    if len(kinds) > 1 or len(last_kinds) > 1:
-        bounds = choose_boundaries(n, kinds, stage_time, send_time, last_kinds,
-                                   n_microbatches=n_microbatches, rank_of=rank_of)
-    else:
-        bounds = [kinds[0]] * n + [last_kinds[0]]
-        bounds[0] = "batch"
-
-    if math.isinf(sum(stage_time(s, bounds[s], bounds[s + 1]) for s in range(n))):
-        for s in range(n):  # no feasible choice: raise the first stage's planner error
-            plan(s, bounds[s], bounds[s + 1], budgeted=not whole)
-
-    if not chosen:
-        chosen.append(budgets(bounds))
-    windows: list[tuple[float, float]] = [(0.0, 0.0)] * n
-    if schedule is not None and whole:
-        # the unbudgeted plans' times (cached: the boundaries were chosen on them), less
-        # their once-per-step collectives, the last stage's with its loss
-        fast = [compared.get((s, bounds[s], bounds[s + 1])) or
-                plan(s, bounds[s], bounds[s + 1], budgeted=False) for s in range(n)]
-        windows = schedule_windows(
-            schedule, [p.step_time_s - sum(p.once_per_step_s()) + loss_s(s, bounds[s + 1])
-                       for s, p in enumerate(fast)],
-            pp=mesh_shape[0], n_microbatches=n_microbatches, stage_ranks=ranks,
-            send_bytes=[boundary_bytes(inputs[s + 1][0], dp, tp, bounds[s + 1])
-                        if s + 1 < n else 0 for s in range(n)],
-            link=pp_link(profile, mesh_shape), links=pp_links(profile, mesh_shape, ranks))
-        logger.info("once-per-step collectives' windows a step (gathers, reductions): %s",
-                    ", ".join(f"stage {s} {w[0] * 1e3:.3g}/{w[1] * 1e3:.3g} ms"
-                              for s, w in enumerate(windows)))
-
-    def plan_of(s: int) -> StagePlan:
-        p = plan(s, bounds[s], bounds[s + 1], windows=windows[s])
-        if s == n - 1:  # the last stage's plan says how its loss runs
-            p = dataclasses.replace(p, loss=describe_loss(bounds[-1]),
-                                    loss_s=loss_s(s, bounds[-1]))
-        return p
-
-    return bounds, plan_of
-
-
 def collectives_ahead(options: Any) -> bool:
     """Whether planned stages issue their once-per-step collectives ahead, beside compute
     (``StageGraphs.collectives_ahead``): with ``overlap_collectives`` on and weights gathered
@@ -249,182 +104,329 @@ def collectives_ahead(options: Any) -> bool:
             and not WeightGathering.from_options(options).per_block)
 
 
-def tied_placements(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]],
-                    metas: Sequence[nn.Module], inputs: Sequence[tuple], sub_mesh,
-                    budgets: Sequence[float | None],
-                    memory: Sequence[dict[str, Any] | None] | None = None, **plan_kw: Any
-                    ) -> list[dict[str, tuple[str, ...]]]:
-    """Per stage, the placement every copy of a parameter tied across stages must have (the
-    copies' gradients are summed shard by shard, :mod:`autopp.tied`): the one the planner
-    chooses for it on the stage holding its first FQN, planned with batch boundaries."""
-    from autopp.tied import find_tied
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineRequest:
+    """A split pipeline to plan whole (:func:`plan_whole_pipeline`): what its plan depends
+    on, the device profile and each stage's memory spec resolved once, on construction;
+    :meth:`key` is its plan cache key."""
 
-    fixed: list[dict[str, tuple[str, ...]]] = [{} for _ in metas]
-    for t in find_tied(model, fqns_per_stage):
-        home = next(s for s, fqn in t.stage_fqns if fqn == t.name)
-        plan = plan_local_stage(metas[home], inputs[home], sub_mesh, stage_index=home,
-                                memory_budget_bytes=budgets[home],
-                                memory=memory[home] if memory else None, **plan_kw)
-        pl = next(p.placements for p in plan.params if p.fqn == t.name)
-        for s, fqn in t.stage_fqns:
-            fixed[s][fqn] = tuple(pl)
-    return fixed
+    model: nn.Module
+    """The whole model, on meta."""
+    pp: int
+    fqns_per_stage: tuple[tuple[str, ...], ...]
+    """The split: each stage's module FQNs."""
+    stage_ranks: tuple[int, ...]
+    """Each stage's pp rank."""
+    sub_mesh: DeviceMesh
+    """A stage's ("dp", "tp") sub-mesh (all have its shape)."""
+    schedule: str
+    n_microbatches: int
+    example_inputs: tuple[torch.Tensor, ...]
+    """The model's inputs for one step on one dp rank."""
+    options: Any
+    """:class:`autopp.backends.PlannerOptions`."""
+    loss_fn: Any
+    """The pipeline's loss (whether it may run in parallel, :func:`loss_kinds`)."""
+    budgets: tuple[float | None, ...] | None = None
+    """Per-stage parameter-memory budgets (the dry run's comparisons); None: the options'
+    (each stage's, before the fixed terms come off: ``memory[s].budget_bytes``)."""
+    keyword_inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    """Keyword inputs of the forward for one step on one dp rank (batch on dim 0), which
+    every stage takes with each microbatch as graph inputs."""
+    stage_modules: tuple[nn.Module, ...] | None = None
+    """The stages on meta when the caller built them already; not in the key."""
+    use_cache: bool = True
+    """Read and write the whole plan in the on-disk cache; not in the key."""
+    after_stage: Callable[[int, StagePlan, tuple[str, ...]], Any] | None = None
+    """``after_stage(s, plan, boundaries)``: run right after stage ``s`` is planned, in the
+    process that planned it (the dry run costs each plan so); not run on a cached plan."""
+    profile: DeviceProfile = field(init=False)
+    """The options' profile, resolved ("measure": this machine's, by its own name)."""
+    memory: tuple[StageMemory, ...] = field(init=False)
+    """Each stage's memory spec, its budget before the fixed terms come off."""
+    whole_memory: bool = field(init=False)
+    """Whether the whole memory is counted (not parameter bytes alone)."""
+
+    def __post_init__(self) -> None:
+        from autopp.profiles import get_profile
+
+        set_ = object.__setattr__
+        o = self.options
+        set_(self, "fqns_per_stage", tuple(tuple(f) for f in self.fqns_per_stage))
+        set_(self, "stage_ranks", tuple(self.stage_ranks))
+        set_(self, "schedule", str(self.schedule))
+        set_(self, "example_inputs", tuple(self.example_inputs))
+        set_(self, "keyword_inputs", dict(self.keyword_inputs or {}))
+        set_(self, "profile", get_profile(o.profile or default_profile(self.sub_mesh.device_type)))
+        set_(self, "whole_memory", self.budgets is None and o.parameter_budget_bytes is None)
+        if self.budgets is None:
+            budgets, memory = memory_budgets(o, self.profile, self.schedule, self.pp,
+                                             self.n_microbatches, self.stage_ranks)
+        else:  # explicit per-stage budgets: parameter bytes only
+            set_(self, "budgets", tuple(self.budgets))
+            budgets, memory = self.budgets, [StageMemory()] * len(self.fqns_per_stage)
+        set_(self, "memory", tuple(dataclasses.replace(m, budget_bytes=b)
+                                   for m, b in zip(memory, budgets, strict=True)))
+
+    @property
+    def record(self) -> PlanOptions:
+        """The options as the plan records them."""
+        return PlanOptions.of(self.options, self.profile.name)
+
+    @property
+    def last_kinds(self) -> tuple[str, ...]:
+        return tuple(loss_kinds(self.sub_mesh, self.loss_fn, self.options.loss_parallel))
+
+    def key(self) -> str:
+        """The whole plan's cache key (:func:`~autopp.sharding.cache_key.pipeline_plan_key`)."""
+        kw = describe_keyword_inputs(self.keyword_inputs)
+        memory = [{k: v for k, v in dataclasses.asdict(m).items() if k != "budget_bytes"}
+                  for m in self.memory]
+        return pipeline_plan_key({
+            "model": model_fingerprint(self.model), "forward": forward_code(self.model),
+            "pp": self.pp, "split": self.fqns_per_stage, "stage_ranks": list(self.stage_ranks),
+            "sub_mesh": [list(self.sub_mesh.shape), list(self.sub_mesh.mesh_dim_names)],
+            "schedule": self.schedule, "n_microbatches": self.n_microbatches,
+            "inputs": [[list(x.shape), str(x.dtype)] for x in self.example_inputs],
+            **({"keyword_inputs": [[k, list(s), d] for k, s, d in kw]} if kw else {}),
+            "options": dataclasses.asdict(self.record), "recompute": self.options.recompute,
+            "last_kinds": list(self.last_kinds),
+            "budgets": [m.budget_bytes for m in self.memory],
+            "memory": memory if self.budgets is None else None,
+        })
 
 
-def plan_whole_pipeline(
-    model: nn.Module, *, pp: int, fqns_per_stage: Sequence[Sequence[str]],
-    stage_ranks: Sequence[int], sub_mesh: DeviceMesh, schedule: str, n_microbatches: int,
-    example_inputs: Sequence[torch.Tensor], options: Any, loss_fn: Any,
-    budgets: Sequence[float | None] | None = None, timings: dict[int, list] | None = None,
-    use_cache: bool = True, stage_modules: Sequence[nn.Module] | None = None,
-    keyword_inputs: Mapping[str, torch.Tensor] | None = None,
-    after_stage: Callable[[int, StagePlan, tuple[str, ...]], Any] | None = None,
-    after_results: dict[int, Any] | None = None,
-) -> tuple[PipelinePlan, bool]:
+@dataclass(frozen=True, slots=True)
+class PipelineResult:
+    """What :func:`plan_whole_pipeline` answers."""
+
+    plan: PipelinePlan
+    cached: bool
+    """Read whole from the on-disk cache (then nothing below was planned)."""
+    timings: Mapping[int, StageTiming] = field(default_factory=dict)
+    """By stage: the seconds spent planning it, plans solved and read from the cache."""
+    after: Mapping[int, Any] = field(default_factory=dict)
+    """By stage: ``after_stage``'s results."""
+
+
+class _Planning:
+    """One :class:`PipelineRequest` being planned: the stages on meta with their inputs,
+    each stage planned under given boundaries (:meth:`plan`, its time added to
+    :attr:`timings`), and the steps :func:`plan_whole_pipeline` takes in order."""
+
+    def __init__(self, r: PipelineRequest) -> None:
+        self.r = r
+        self.dp, self.tp = r.sub_mesh["dp"].size(), r.sub_mesh["tp"].size()
+        self.mp = r.options.mixed_precision
+        self.keyword = microbatch_keyword_inputs(r.keyword_inputs, r.n_microbatches, self.dp)
+        self.metas, self.inputs = stage_meta_inputs(
+            r.model, r.fqns_per_stage, r.example_inputs[0], r.n_microbatches, self.dp,
+            r.record.compute_dtype, r.stage_modules, self.keyword)
+        self.n = len(self.metas)
+        self.logits = last_stage_output(self.metas, self.inputs, self.mp, self.keyword)
+        self.timings: dict[int, StageTiming] = {}
+        self.fixed: list[dict[str, tuple[str, ...]]] = [{} for _ in self.metas]
+        self.budgets = self.budgets_at(None)
+
+    def budgets_at(self, bounds: Sequence[str] | None) -> list[float | None]:
+        """The budgets less what the ILP's row does not count, with the receive buffers at
+        ``bounds`` (None: every boundary at its largest kind); as given with parameter
+        bytes alone counted."""
+        r = self.r
+        if not r.whole_memory:
+            return [m.budget_bytes for m in r.memory]
+        fixed = fixed_stage_bytes(self.metas, self.inputs, n_microbatches=r.n_microbatches,
+                                  dp=self.dp, tp=self.tp, bounds=bounds)
+        fixed[-1] += loss_kept_bytes(self.logits, self.dp, self.tp, r.last_kinds,
+                                     r.memory[-1].activation_factor)
+        return budgets_less_fixed(
+            [m.budget_bytes for m in r.memory], fixed,
+            communicator_bytes(r.profile.communicator_bytes, (r.pp, self.dp, self.tp)),
+            r.stage_ranks)
+
+    def request(self, s: int, k_in: str = "batch", k_out: str = "batch",
+                budget: float | None = None,
+                windows: tuple[float, float] = (0.0, 0.0)) -> StageRequest:
+        r = self.r
+        return StageRequest(
+            module=self.metas[s], example_inputs=self.inputs[s], mesh=r.sub_mesh,
+            profile=r.profile, input_placements=BOUNDARIES[k_in],
+            output_placements=BOUNDARIES[k_out], param_placements=self.fixed[s],
+            memory=dataclasses.replace(r.memory[s], budget_bytes=budget),
+            mixed_precision=self.mp, tf32=r.options.tf32, keyword_inputs=self.keyword,
+            microbatches_per_grad_reduce=r.n_microbatches, comm_windows_s=windows)
+
+    def plan(self, s: int, *args: Any, **kw: Any) -> StagePlan:
+        plan, timing = plan_local_stage(self.request(s, *args, **kw), stage_index=s)
+        self.timings[s] = self.timings.get(s, StageTiming()) + timing
+        return plan
+
+    def loss_s(self, s: int, k_out: str) -> float:
+        if s != self.n - 1:
+            return 0.0
+        return loss_time_s(self.logits, self.r.sub_mesh, self.r.profile, k_out)
+
+    def tied(self) -> None:
+        """Per stage, the placement every copy of a parameter tied across stages must have
+        (their gradients are summed shard by shard, :mod:`autopp.tied`): the one chosen for
+        it on the stage holding its first FQN, with batch boundaries, under the budgets
+        with every boundary at its largest kind (a bound whatever is chosen)."""
+        from autopp.tied import find_tied
+
+        for t in find_tied(self.r.model, self.r.fqns_per_stage):
+            home = next(s for s, fqn in t.stage_fqns if fqn == t.name)
+            ask = self.request(home, budget=self.budgets[home]).replace(param_placements={})
+            plan, _ = plan_local_stage(ask, stage_index=home)
+            pl = next(p.placements for p in plan.params if p.fqn == t.name)
+            for s, fqn in t.stage_fqns:
+                self.fixed[s][fqn] = tuple(pl)
+
+    def boundaries(self) -> tuple[list[str], dict[tuple[int, str, str], StagePlan]]:
+        """Every stage boundary's placement and the last stage's logits' (``len + 1``
+        entries), by Alpa's objective (:func:`choose_boundaries`) on the stages' times,
+        and the plans compared: each stage's time-optimal plan where the whole memory is
+        counted (the chosen ones are planned under budget after), else under the
+        parameter budget. Every rank computes the same boundaries."""
+        r, n = self.r, self.n
+        kinds = (boundary_kinds(r.sub_mesh) if r.options.boundary == "auto"
+                 else (r.options.boundary,))
+        if any(k not in BOUNDARIES or k == "vocab" for k in kinds):
+            raise ValueError(f"boundary must be 'auto', 'batch' or 'batch+seq', got "
+                             f"{r.options.boundary!r}")
+        last_kinds, ranks = r.last_kinds, list(r.stage_ranks)
+        mesh_shape = (r.pp, self.dp, self.tp)
+        compared: dict[tuple[int, str, str], StagePlan] = {}
+
+        def budget(s: int) -> float | None:
+            return None if r.whole_memory else self.budgets[s]
+
+        def stage_time(s: int, k_in: str, k_out: str) -> float:
+            try:  # e.g. a sequence tp does not divide: not a candidate
+                p = compared[s, k_in, k_out] = self.plan(s, k_in, k_out, budget(s))
+            except InfeasiblePlanError:
+                return math.inf
+            return p.step_time_s + self.loss_s(s, k_out)
+
+        def send_time(s: int, kind: str) -> float:  # forward and back, between ranks joined
+            nbytes = boundary_bytes(self.inputs[s + 1][0], self.dp, self.tp, kind)
+            if ranks[s] == ranks[s + 1]:
+                return 0.0
+            return (transfer_s(pp_link(r.profile, mesh_shape, ranks[s], ranks[s + 1]), nbytes)
+                    + transfer_s(pp_link(r.profile, mesh_shape, ranks[s + 1], ranks[s]), nbytes))
+
+        if len(kinds) > 1 or len(last_kinds) > 1:
+            bounds = choose_boundaries(n, kinds, stage_time, send_time, last_kinds,
+                                       n_microbatches=r.n_microbatches, rank_of=ranks)
+        else:
+            bounds = [kinds[0]] * n + [last_kinds[0]]
+            bounds[0] = "batch"
+        if math.isinf(sum(stage_time(s, bounds[s], bounds[s + 1]) for s in range(n))):
+            for s in range(n):  # no feasible choice: raise the first stage's planner error
+                self.plan(s, bounds[s], bounds[s + 1], budget(s))
+        return bounds, compared
+
+    def windows(self, bounds: Sequence[str], compared: Mapping[tuple[int, str, str], StagePlan]
+                ) -> list[tuple[float, float]]:
+        """Where the schedule runs the stages' once-per-step collectives ahead, beside
+        compute, and the whole memory is counted: the seconds of each step they may take
+        (:func:`schedule_windows` over the unbudgeted plans' times less those collectives,
+        the last stage's with its loss); else zero (every collective priced in full)."""
+        r, n = self.r, self.n
+        if not (collectives_ahead(r.options) and r.whole_memory):
+            return [(0.0, 0.0)] * n
+        fast = [compared.get((s, bounds[s], bounds[s + 1])) or
+                self.plan(s, bounds[s], bounds[s + 1]) for s in range(n)]
+        mesh_shape = (r.pp, self.dp, self.tp)
+        windows = schedule_windows(
+            r.schedule, [p.step_time_s - sum(p.once_per_step_s()) + self.loss_s(s, bounds[s + 1])
+                         for s, p in enumerate(fast)],
+            pp=r.pp, n_microbatches=r.n_microbatches, stage_ranks=list(r.stage_ranks),
+            send_bytes=self.send_bytes(bounds), link=pp_link(r.profile, mesh_shape),
+            links=pp_links(r.profile, mesh_shape, list(r.stage_ranks)))
+        logger.info("once-per-step collectives' windows a step (gathers, reductions): %s",
+                    ", ".join(f"stage {s} {w[0] * 1e3:.3g}/{w[1] * 1e3:.3g} ms"
+                              for s, w in enumerate(windows)))
+        return windows
+
+    def send_bytes(self, bounds: Sequence[str]) -> list[int]:
+        return [boundary_bytes(self.inputs[s + 1][0], self.dp, self.tp, bounds[s + 1])
+                if s + 1 < self.n else 0 for s in range(self.n)]
+
+    def solve(self) -> tuple[PipelinePlan, dict[int, Any]]:
+        """The whole plan (tied placements, boundaries, each stage under its budget on
+        worker processes where this one can fork: :mod:`autopp.plan.parallel`) and what
+        ``after_stage`` answered, by stage."""
+        r, n = self.r, self.n
+        self.tied()
+        bounds, compared = self.boundaries()
+        windows = self.windows(bounds, compared)
+        budgets = self.budgets_at(bounds)
+        after = r.after_stage
+
+        def planned(s: int) -> tuple[StagePlan, StageTiming, Any]:
+            p, timing = plan_local_stage(self.request(s, bounds[s], bounds[s + 1], budgets[s],
+                                                      windows[s]), stage_index=s)
+            if s == n - 1:  # the last stage's plan says how its loss runs
+                p = dataclasses.replace(p, loss=describe_loss(bounds[-1]),
+                                        loss_s=self.loss_s(s, bounds[-1]))
+            return p, timing, None if after is None else after(s, p, tuple(bounds))
+
+        done = map_stages(planned, n, progress=lambda k, n, t: logger.info(
+            "stage %d/%d planned under its budget: %.1f s so far, %d to go", k, n, t, n - k))
+        for s, (_, timing, _) in enumerate(done):
+            self.timings[s] = self.timings.get(s, StageTiming()) + timing
+        stage_plans = tuple(p for p, _, _ in done)
+        return PipelinePlan(
+            model=model_fingerprint(r.model), model_structure=model_structure(r.model),
+            pp=r.pp, dp=self.dp, tp=self.tp, schedule=r.schedule,
+            n_microbatches=r.n_microbatches,
+            input_shapes=tuple(tuple(int(d) for d in x.shape) for x in r.example_inputs),
+            input_dtypes=tuple(str(x.dtype) for x in r.example_inputs),
+            fqns_per_stage=r.fqns_per_stage, stage_ranks=r.stage_ranks,
+            stage_plans=stage_plans, boundaries=tuple(bounds),
+            recompute=tuple(getattr(p, "recompute", "none") or "none" for p in stage_plans),
+            tied_placements=tuple(tuple(sorted(d.items())) for d in self.fixed),
+            options=r.record, stage_inputs=tuple(describe_inputs(x) for x in self.inputs),
+            send_bytes=tuple(self.send_bytes(bounds)),
+            keyword_inputs=describe_keyword_inputs(r.keyword_inputs),
+        ), ({} if after is None else {s: a for s, (_, _, a) in enumerate(done)})
+
+
+def plan_whole_pipeline(request: PipelineRequest) -> PipelineResult:
     """Plan every stage of a split pipeline into one :class:`~autopp.plan.value.PipelinePlan`
     (without estimates): tied parameters' placements, then boundaries and loss placement by
-    Alpa's objective with each stage planned under them (:func:`plan_boundaries`).
+    Alpa's objective (:func:`choose_boundaries`), then each stage under its budget.
 
-    Args:
-        model: the whole model on meta; ``fqns_per_stage`` its split, ``stage_ranks`` each
-            stage's pp rank (of ``pp``), ``sub_mesh`` a stage's ("dp", "tp") sub-mesh
-            (all have the same shape).
-        schedule, n_microbatches: the pipeline's; ``example_inputs`` the model's inputs for
-            one step on one dp rank.
-        options: :class:`autopp.backends.PlannerOptions`; ``loss_fn`` the pipeline's loss
-            (it decides whether the loss may run in parallel, :func:`loss_kinds`).
-        budgets: per-stage parameter-memory budget; None: ``options.memory_budget_bytes``.
-        timings: see :func:`plan_local_stage` (untouched when the whole plan is cached).
-        use_cache: read and write the whole plan in the on-disk cache (stage plans are
-            always cached).
-        stage_modules: every stage of ``fqns_per_stage`` on meta, when the caller built them
-            already (:func:`autopp.pipeline_autoparallel` does, once per rank); None: built
-            here when the plan is not cached.
-        keyword_inputs: keyword inputs of the model's forward for one step on one dp rank
-            (by name, batch on dim 0, e.g. a padding ``attention_mask``): every stage takes
-            them with each microbatch (planned unit by unit, as graph inputs).
-        after_stage: ``after_stage(s, plan, boundaries)`` runs right after stage ``s`` is
-            planned, in the process that planned it (the dry run costs each plan so, not
-            after the slowest stage's plan); its results (picklable) go into
-            ``after_results`` by stage. Not run where the whole plan is cached.
-
-    Returns ``(plan, was_cached)``. The plan depends on nothing else (and the planning code,
-    which :mod:`autopp.plan.cache` hashes into the key).
+    The plan depends on the request alone (and the planning code, which the key hashes):
+    with ``request.use_cache``, it is read and written whole under ``request.key()``.
     """
-    from autopp.profiles import get_profile
-
-    # resolved: "measure" -> this machine's measured profile, by its own name
-    profile = get_profile(options.profile or default_profile(sub_mesh.device_type)).name
-    last_kinds = loss_kinds(sub_mesh, loss_fn, options.loss_parallel)
-    record = PlanOptions.of(options, profile)
-    n = len(fqns_per_stage)
-    whole_memory = budgets is None and options.parameter_budget_bytes is None
-    if budgets is None:
-        budgets, memory = memory_budgets(options, profile, schedule, pp, n_microbatches,
-                                         stage_ranks)
-    else:  # explicit per-stage budgets: parameter bytes only (the dry run's comparisons)
-        budgets, memory = list(budgets), None
-    whole_budgets = budgets
-    dp, tp = sub_mesh["dp"].size(), sub_mesh["tp"].size()
-    fqns = tuple(tuple(f) for f in fqns_per_stage)
-    fingerprint = model_fingerprint(model)
-    mp = options.mixed_precision
-    keyword = microbatch_keyword_inputs(keyword_inputs, n_microbatches, dp)
+    r = request
+    result: list[PipelineResult] = []
 
     def solve() -> PipelinePlan:
         # MoE dispatch, expert dtype; the collector off the imported heap while planning
-        with tracing.settings(options.trace_settings()), frozen_heap():
-            return _solve()
+        with tracing.settings(r.options.trace_settings()), frozen_heap():
+            planning = _Planning(r)
+            plan, after = planning.solve()
+        result.append(PipelineResult(plan, False, planning.timings, after))
+        return plan
 
-    def _solve() -> PipelinePlan:
-        metas, inputs = stage_meta_inputs(model, fqns, example_inputs[0], n_microbatches, dp,
-                                          record.compute_dtype, stage_modules, keyword)
-        def budgets_at(bounds: Sequence[str] | None) -> list[float]:
-            """The budgets less what the ILP's row does not count, with the receive
-            buffers at ``bounds`` (None: every boundary at its largest kind)."""
-            if not whole_memory:
-                return list(whole_budgets)
-            fixed = fixed_stage_bytes(metas, inputs, n_microbatches=n_microbatches, dp=dp,
-                                      tp=tp, bounds=bounds)
-            fixed[-1] += loss_kept_bytes(
-                last_stage_output(metas, inputs, mp, keyword), dp, tp, last_kinds,
-                memory[-1]["activation_factor"])
-            return budgets_less_fixed(
-                whole_budgets, fixed,
-                communicator_bytes(get_profile(profile).communicator_bytes, (pp, dp, tp)),
-                stage_ranks)
-
-        # tied copies are placed before the boundaries are chosen: under the budgets with
-        # every boundary at its largest kind (a bound that holds whatever is chosen)
-        budgets = budgets_at(None)
-        plan_kw = dict(profile=profile, mixed_precision=mp, n_microbatches=n_microbatches,
-                       tf32=options.tf32, keyword_inputs=keyword)
-        fixed = tied_placements(model, fqns, metas, inputs, sub_mesh, budgets, memory,
-                                **plan_kw)
-        bounds, plan_of = plan_boundaries(
-            metas, inputs, sub_mesh, profile=profile,
-            budgets=budgets_at if whole_memory else budgets, boundary=options.boundary,
-            last_kinds=last_kinds, timings=timings, mixed_precision=mp,
-            n_microbatches=n_microbatches, rank_of=list(stage_ranks), param_placements=fixed,
-            memory=memory, pp=pp, tf32=options.tf32, keyword_inputs=keyword,
-            schedule=str(schedule) if collectives_ahead(options) else None,
-        )
-        # under the chosen boundaries and each stage's budget, on worker processes where
-        # this one can fork (plan/parallel.py)
-        def planned(s: int) -> Any:
-            p = plan_of(s)
-            return p if after_stage is None else (p, after_stage(s, p, tuple(bounds)))
-
-        done = map_stages(planned, n, timings=timings, progress=lambda k, n, t: logger.info(
-            "stage %d/%d planned under its budget: %.1f s so far, %d to go", k, n, t, n - k))
-        stage_plans = done if after_stage is None else tuple(p for p, _ in done)
-        if after_stage is not None and after_results is not None:
-            after_results.update({s: a for s, (_, a) in enumerate(done)})
-        return PipelinePlan(
-            model=fingerprint, model_structure=model_structure(model),
-            pp=pp, dp=dp, tp=tp, schedule=str(schedule), n_microbatches=n_microbatches,
-            input_shapes=tuple(tuple(int(d) for d in x.shape) for x in example_inputs),
-            input_dtypes=tuple(str(x.dtype) for x in example_inputs),
-            fqns_per_stage=fqns, stage_ranks=tuple(stage_ranks),
-            stage_plans=stage_plans, boundaries=tuple(bounds),
-            recompute=tuple(getattr(p, "recompute", "none") or "none" for p in stage_plans),
-            tied_placements=tuple(tuple(sorted(d.items())) for d in fixed), options=record,
-            stage_inputs=tuple(describe_inputs(x) for x in inputs),
-            send_bytes=tuple(boundary_bytes(inputs[s + 1][0], dp, tp, bounds[s + 1])
-                             if s + 1 < n else 0 for s in range(n)),
-            keyword_inputs=describe_keyword_inputs(keyword_inputs),
-        )
-
-    if not use_cache:
+    if not r.use_cache:
         plan, hit = solve(), False
     else:
-        plan, hit = _cached_solve(solve, {
-            "model": fingerprint, "forward": forward_code(model), "pp": pp, "split": fqns,
-            "stage_ranks": list(stage_ranks),
-            "sub_mesh": [list(sub_mesh.shape), list(sub_mesh.mesh_dim_names)],
-            "schedule": str(schedule), "n_microbatches": n_microbatches,
-            "inputs": [[list(x.shape), str(x.dtype)] for x in example_inputs],
-            **({"keyword_inputs": [[k, list(shape), d] for k, shape, d in
-                                   describe_keyword_inputs(keyword_inputs)]}
-               if keyword_inputs else {}),
-            "options": dataclasses.asdict(record), "recompute": options.recompute,
-            "last_kinds": list(last_kinds), "budgets": budgets, "memory": memory,
-        })
-    if options.strict:  # planned or cached: a fallback in either is refused
+        key = r.key()
+        t0 = time.perf_counter()
+        plan, hit = cached_pipeline_plan(key, solve)
+        plan = dataclasses.replace(plan, cache_entries=(key, *(
+            p.cache_entry for p in plan.stage_plans if p.cache_entry)))
+        logger.info("pipeline plan %s: %d stages in %.1f s (%s)", key[9:21],
+                    len(r.fqns_per_stage), time.perf_counter() - t0,
+                    "cached" if hit else "planned")
+    if r.options.strict:  # planned or cached: a fallback in either is refused
         plan.check_strict()
-    return plan, hit
-
-
-def _cached_solve(solve: Callable[[], PipelinePlan], fields: dict) -> tuple[PipelinePlan, bool]:
-    """``solve()``'s plan through the on-disk cache under the key of ``fields``."""
-    key = pipeline_plan_key(fields)
-    t0 = time.perf_counter()
-    plan, hit = cached_pipeline_plan(key, solve)
-    plan = dataclasses.replace(plan, cache_entries=(key, *(
-        p.cache_entry for p in plan.stage_plans if p.cache_entry)))
-    logger.info("pipeline plan %s: %d stages in %.1f s (%s)", key[9:21], len(fields["split"]),
-                time.perf_counter() - t0, "cached" if hit else "planned")
-    return plan, hit
+    if hit or not result:
+        return PipelineResult(plan, hit)
+    return dataclasses.replace(result[0], plan=plan)
 
 
 def planned_stages(plan: PipelinePlan, spec: Any) -> dict[int, PlannedStage]:
@@ -524,12 +526,13 @@ def plan_pipeline(
         # a forward that reads its input (GPT-2's shapes) gets the model's inputs on every
         # stage, as keyword inputs (autopp.stage_split.model_inputs)
         keyword = stage_keyword_inputs(metas, example_inputs, n_microbatches, keyword)
-        plan, _ = plan_on_rank0(lambda: plan_whole_pipeline(
-            model, pp=pp, fqns_per_stage=fqns, stage_ranks=stage_ranks_of(info, pp, len(fqns)),
-            sub_mesh=stage_sub_mesh(mesh), schedule=str(schedule),
-            n_microbatches=n_microbatches, example_inputs=example_inputs, options=options,
+        plan, _ = plan_on_rank0(lambda: plan_whole_pipeline(PipelineRequest(
+            model=model, pp=pp, fqns_per_stage=fqns,
+            stage_ranks=stage_ranks_of(info, pp, len(fqns)), sub_mesh=stage_sub_mesh(mesh),
+            schedule=str(schedule), n_microbatches=n_microbatches,
+            example_inputs=example_inputs, options=options,
             loss_fn=loss_fn if loss_fn is not None else cross_entropy,
-            keyword_inputs=keyword or None, stage_modules=metas))
+            keyword_inputs=keyword or {}, stage_modules=tuple(metas))))
     finally:
         if created:
             dist.destroy_process_group()

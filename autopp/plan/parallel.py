@@ -68,13 +68,13 @@ def _fork_safe() -> bool:
     return not dist.is_initialized() or dist.get_backend() == "fake"
 
 
-def map_stages(plan_of: Callable[[int], Any], n: int, *, timings: dict | None = None,
-               workers: int | None = None, progress: Callable[[int, int, float], None]
+def map_stages(plan_of: Callable[[int], Any], n: int, *, workers: int | None = None,
+               progress: Callable[[int, int, float], None]
                = lambda done, n, elapsed: None) -> tuple[Any, ...]:
     """``(plan_of(0), ..., plan_of(n - 1))``, on up to ``workers`` processes (None:
-    :func:`plan_workers`); ``plan_of`` may be any per-stage work whose result pickles. ``timings``: :func:`autopp.plan.local_stage.plan_local_stage`'s, given
-    the children's entries too. ``progress(done, n, elapsed_s)`` after each stage this
-    process plans or receives."""
+    :func:`plan_workers`); ``plan_of`` may be any per-stage work whose result pickles
+    (what a stage's planning took rides with its result). ``progress(done, n,
+    elapsed_s)`` after each stage this process plans or receives."""
     workers = plan_workers(n) if workers is None else workers
     t0 = time.perf_counter()
     if workers <= 1:
@@ -116,13 +116,11 @@ def map_stages(plan_of: Callable[[int], Any], n: int, *, timings: dict | None = 
                     break
                 continue
             try:
-                s, plan, timing = recv.recv()
+                s, plan = recv.recv()
             except EOFError:
                 break
             with lock:
                 plans[s] = plan
-                if timings is not None and timing is not None:
-                    timings[s] = timing
                 progress(len(plans), n, time.perf_counter() - t0)
         proc.join()
         if proc.exitcode != 0:
@@ -132,7 +130,7 @@ def map_stages(plan_of: Callable[[int], Any], n: int, *, timings: dict | None = 
     children = []
     for _ in range(workers - 1):  # every fork before any thread of ours starts
         recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(plan_of, n, take, send, timings), daemon=True)
+        proc = ctx.Process(target=_child, args=(plan_of, n, take, send), daemon=True)
         proc.start()
         send.close()
         children.append((proc, recv))
@@ -170,8 +168,8 @@ def _cpu_ticks(pid: int) -> int | None:
         return None
 
 
-def _child(plan_of: Callable[[int], Any], n: int, take: Callable[[], int], send: Any,
-           timings: dict | None) -> None:
+def _child(plan_of: Callable[[int], Any], n: int, take: Callable[[], int], send: Any
+           ) -> None:
     code = 0
     try:
         highs = sys.modules.get("autopp.sharding.highs")  # not imported: HiGHS never ran
@@ -188,7 +186,7 @@ def _child(plan_of: Callable[[int], Any], n: int, take: Callable[[], int], send:
                 plan = plan_of(s)
             except Exception:  # noqa: BLE001 - the parent plans it again and raises
                 continue
-            send.send((s, plan, None if timings is None else timings.get(s)))
+            send.send((s, plan))
     except BaseException:  # noqa: BLE001 - the parent plans what is missing
         code = 1
     finally:

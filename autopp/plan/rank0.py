@@ -13,11 +13,14 @@ import datetime
 import os
 import pickle
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
 
 from autopp.plan.value import PipelinePlan
+
+if TYPE_CHECKING:
+    from autopp.plan.make import PipelineResult
 
 T = TypeVar("T")
 
@@ -71,14 +74,14 @@ def broadcast_from_rank0(compute: Callable[[], T], *, what: str) -> T:
 
 
 # ---- making one ------------------------------------------------------------------------
-def plan_on_rank0(solve: Callable[[], tuple[PipelinePlan, bool]]) -> tuple[PipelinePlan, str]:
+def plan_on_rank0(solve: Callable[[], PipelineResult]) -> tuple[PipelinePlan, str]:
     """``solve()``'s plan on every rank: rank 0 of the world solves (or reads the cache) and
     broadcasts the plan's JSON (:func:`broadcast_from_rank0`); the other ranks do not plan.
     An error on rank 0 is raised on every rank. Returns ``(plan, source)``: "planned",
     "cached" or "from rank 0". Without peers this process solves itself."""
     def local() -> tuple[PipelinePlan, str]:
-        plan, hit = solve()
-        return plan, "cached" if hit else "planned"
+        result = solve()
+        return result.plan, "cached" if result.cached else "planned"
 
     if _alone():
         return local()

@@ -2,8 +2,9 @@
 
 Public API::
 
-    plan = plan_stage(stage_on_meta, (x_meta,), sub_mesh, profile="H100",
-                      memory_budget_bytes=..., time_limit_s=60)
+    plan = plan_stage(StageRequest(module=stage_on_meta, example_inputs=(x_meta,),
+                                   mesh=sub_mesh, profile="H100",
+                                   memory=StageMemory(budget_bytes=...)))
     print(plan); plan.save("plan.json"); StagePlan.load("plan.json")
 
 Planning only: running a plan is :mod:`autopp.lower` (``autopp.lower.apply.apply_plan``),
@@ -17,10 +18,13 @@ docs/design.md (section "The sharding planner").
 
 from autopp.sharding.plan import StagePlan
 from autopp.sharding.planner import plan_stage
+from autopp.sharding.request import StageMemory, StageRequest
 from autopp.sharding.solution import InfeasiblePlanError
 
 __all__ = [
     "InfeasiblePlanError",
+    "StageMemory",
     "StagePlan",
+    "StageRequest",
     "plan_stage",
 ]

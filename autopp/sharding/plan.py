@@ -219,7 +219,7 @@ class StagePlan:
     comm_windows_s: tuple[float, float] = (0.0, 0.0)
     """Seconds a step the schedule leaves the stage's once-per-step collectives beside
     compute (its weight gathers, its gradient reductions) when it was planned
-    (``plan_stage(comm_windows_s=)``); zero: none, every collective priced in full."""
+    (``StageRequest.comm_windows_s``); zero: none, every collective priced in full."""
     hidden_comm_s: float = 0.0
     """Seconds a step of those collectives the plan expects hidden in those windows
     (:mod:`autopp.sharding.once_per_step`); :attr:`step_time_s` still counts them in full,

@@ -14,12 +14,10 @@ import logging
 import math
 import re
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any
 
 import torch
-from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autopp import tracing
 from autopp._compat import sharding as compat
@@ -44,9 +42,8 @@ from autopp.sharding.memory_row import MemorySpec
 from autopp.graph.walk import param_only_nodes
 from autopp.sharding.once_per_step import FREE_WEIGHT, hide_once_per_step, once_kind
 from autopp.sharding.precision import check_policy, maybe_cast, reduce_after_cast
+from autopp.sharding.request import DEFAULT, StageRequest
 from autopp.sharding.plan import CAP_DROPPED, FLOP_FAILURE, NEAR_OPTIMAL, BlockPlan, CollectivePlan, ParamPlan, StagePlan, describe_keyword_inputs, to_strs
-from autopp.profiles.devices import DeviceProfile, tf32_enabled
-from autopp.profiles.lookup import get_profile
 from autopp.sharding.option import PlacementSpec, matches
 from autopp.sharding.solution import InfeasiblePlanError
 from autopp.sharding.solver import Model
@@ -55,11 +52,6 @@ from autopp.sharding.trace import check_on_meta, graph_signature, trace_joint
 from autopp.sharding.trace_cache import plainest
 
 logger = logging.getLogger(__name__)
-
-DEFAULT = "default"
-
-RecomputeChoice = Literal["none", "selective", "full", "auto"]
-
 
 def _spec(value: Any, names: Sequence[str], shape: Sequence[int]) -> PlacementSpec | None:
     """Normalise a placement constraint: "default" (batch on dp, replicated elsewhere), None
@@ -78,114 +70,9 @@ def _spec(value: Any, names: Sequence[str], shape: Sequence[int]) -> PlacementSp
     return tuple(compat.Replicate() if n == 1 and p is not None else p for p, n in zip(spec, shape))
 
 
-def plan_stage(
-    module: nn.Module,
-    example_inputs: tuple[Any, ...],
-    mesh,
-    *,
-    profile: str | DeviceProfile = "H100",
-    input_placements: Any = DEFAULT,
-    output_placements: Any = DEFAULT,
-    param_placements: dict[str, Any] | None = None,
-    memory_budget_bytes: float | None = None,
-    param_state_factor: float = 1.0,
-    time_limit_s: float = 60.0,
-    reuse_blocks: bool = True,
-    mixed_precision: MixedPrecisionPolicy | None = None,
-    microbatches_per_grad_reduce: int = 1,
-    largest_tensor_bytes: float | None = None,
-    activation_factor: float | None = None,
-    split_in_flight: Sequence[tuple[float, float]] = (),
-    recompute: RecomputeChoice = "none",
-    optimizer_state_factor: float | None = None,
-    memory_price: float = 0.0,
-    tf32: bool | None = None,
-    keyword_inputs: Mapping[str, torch.Tensor] | None = None,
-    comm_windows_s: tuple[float, float] = (0.0, 0.0),
-    weight_gathering: str = "once_per_step",
-    prefetch_blocks: int = 1,
-) -> StagePlan:
-    """Plan the DP×TP sharding of one stage module on ``mesh`` (its sub-mesh).
-
-    Args:
-        module: the stage, on the meta device.
-        example_inputs: meta tensors with global shapes (and e.g. ``None`` masks).
-        mesh: a DeviceMesh with named dims (``("dp", "tp")``); fake process groups work.
-        profile: device profile name or :class:`DeviceProfile` (never read from the machine).
-        input_placements / output_placements: "default" (batch ``S(0)`` on dp, ``R``
-            elsewhere), None (free), or one placement per mesh dim (None = any).
-        param_placements: FQN -> placement per mesh dim, to fix some parameters.
-        memory_budget_bytes: per-device bound on what the memory row counts (see
-            ``activation_factor``); None = no bound (the memory is still estimated).
-        largest_tensor_bytes: no tensor the stage makes and frees within an action (an
-            op's output, a redistributed activation) may be larger; plans that would are
-            excluded (where none remains, the bound is dropped and the plan's notes say so).
-            The pipeline planner passes :data:`autopp.plan.budgets.WORKSPACE_SHARE` of the
-            device's memory; None = no bound.
-        param_state_factor: parameter state held per parameter byte, all sharded like the
-            parameter (e.g. 4 for fp32 parameters + gradients + Adam's two states); the
-            legacy way to count state, used when ``optimizer_state_factor`` is None.
-        time_limit_s: per ILP.
-        reuse_blocks: plan a stage with repeated blocks unit by unit (the part before the
-            blocks, each block, the part after; :mod:`autopp.sharding.units`), identical
-            blocks once; a stage whose forward does not fit that pattern is planned flat.
-        mixed_precision: torch's FSDP2 ``MixedPrecisionPolicy``: parameters computed in
-            ``param_dtype``, gradients reduced in ``reduce_dtype`` (see
-            :mod:`autopp.sharding.precision`); None = the parameters' own dtype.
-        microbatches_per_grad_reduce: the pipeline's microbatches per step: planned stages
-            sum their gradients over a step and reduce them once, so reducing a gradient into
-            its parameter's placement costs 1/M of its time per microbatch.
-        activation_factor: microbatches in flight on this stage (from the schedule
-            simulator; 1F1B: min(M, pp - stage index)). Set, the memory row counts the
-            parameter state + the values each microbatch saves for its backward × this
-            factor + the gathered parameters (held once per step). None: the row counts the
-            parameter state only (the legacy parameter-memory budget).
-        split_in_flight: with a split backward (zero bubble, DualPipeV), the stage's
-            (microbatches between their F and I, microbatches between their I and W) at
-            each of its memory peaks (:func:`autopp.schedules.in_flight.split_in_flight`):
-            the row then counts the largest of ``a`` × activations + ``b`` × what W keeps
-            from I (the weight-gradient graphs' inputs), with ``activation_factor`` set.
-            Empty: each backward holds its activations to its end.
-        recompute: the backward's activation recomputation: "none", "selective" (save
-            matmul / attention outputs), "full" (save the stage's inputs) or "auto" (the
-            fastest of the three that fits the budget, recompute time included; see
-            :mod:`autopp.sharding.budget`). Recorded in ``StagePlan.recompute``.
-        optimizer_state_factor: explicit state categories instead of
-            ``param_state_factor``: parameters, their gradients (at the larger of the
-            reduced size and the per-step accumulator's, e.g. a dp-sharded weight's full
-            gradient before its reduce-scatter) and this many bytes of optimizer state per
-            parameter byte, sharded like the parameter (AdamW, fp32 parameters: 2.0).
-        memory_price: plan for time + this many seconds per counted byte instead of under
-            a budget (``inf``: the least-memory plan, time breaking ties); one recompute
-            mode, no budget. The configuration search's memory-lean probes use it.
-        tf32: price fp32 matmuls at the profile's TF32 rate (torch lets them use TF32
-            tensor cores); None: as torch is set in this process
-            (:func:`~autopp.profiles.devices.tf32_enabled`). Recorded in ``StagePlan.tf32``.
-        keyword_inputs: keyword inputs of the model's forward the stage takes with every
-            microbatch (name -> meta tensor of one microbatch, batch on dim 0, e.g. a padding
-            ``attention_mask``): every unit takes them as graph inputs after its
-            activation, placed as the batch is (``S(0)`` on dp, ``R`` elsewhere), never
-            differentiated; recorded in ``StagePlan.keyword_inputs``. Planned unit by unit
-            only (a stage that must be planned flat with them is refused).
-        weight_gathering: how the stage will hold its gathered weights and gradients
-            (:mod:`autopp.graph.weight_gathering`): "once_per_step" (its gathers and
-            reductions priced at 1/M per microbatch, the gathered copy and the unreduced
-            accumulator counted whole) or "per_block" (gathers run twice per microbatch and
-            reductions once, priced at the share one unit of the stage's exposes, the rest
-            prefetched under compute; ``prefetch_blocks`` + 1 of its units' gathered
-            weights counted, gradients at their reduced size).
-        comm_windows_s: seconds a step during which the stage's once-per-step collectives
-            run beside compute on its rank: (its weight gathers, from the step's start to
-            its first action; its gradient reductions, from its last backward to the step's
-            end), as the schedule leaves them
-            (:func:`autopp.schedules.comm_windows.collective_windows`; the pipeline planner
-            passes them when collectives run ahead). Where the stage's fastest plan fits
-            its budget, the plan is then the faster by what those collectives leave exposed
-            of the full-price plan and the time-optimal one with them free; under a binding
-            budget the full-price plan stands and its notes bound what the windows could
-            gain (:mod:`autopp.sharding.once_per_step`). Recorded in
-            ``StagePlan.comm_windows_s`` and ``StagePlan.hidden_comm_s``. Zero: every
-            collective is paid in full.
+def plan_stage(request: StageRequest) -> StagePlan:
+    """Plan the DP×TP sharding of one stage module on its (sub-)mesh, as ``request`` asks
+    (:class:`~autopp.sharding.request.StageRequest`: its fields say what each choice does).
 
     Raises:
         InfeasiblePlanError: the constraints admit no plan (the message names them; over
@@ -193,45 +80,39 @@ def plan_stage(
         ValueError: the module or inputs are not on meta, or a constraint is malformed.
     """
     t0 = time.perf_counter()
+    r, spec = request, request.memory
+    module, example_inputs, mesh = r.module, r.example_inputs, r.mesh
     check_on_meta(module, example_inputs)
-    if recompute not in (*MODES, "auto"):
-        raise ValueError(f"recompute must be one of {(*MODES, 'auto')}, got {recompute!r}")
-    if optimizer_state_factor is not None and param_state_factor != 1.0:
-        raise ValueError("pass optimizer_state_factor (explicit state categories) or "
-                         "param_state_factor (one factor for all state), not both")
-    if split_in_flight and activation_factor is None:
-        raise ValueError("split_in_flight counts activations: pass activation_factor too")
     names = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(mesh.ndim)))
-    prof = get_profile(profile)
-    costs = CostModel(prof, tuple(mesh.shape), tf32_enabled() if tf32 is None else tf32)
+    prof = r.profile
+    costs = CostModel(prof, tuple(mesh.shape), r.tf32)
     shape = tuple(mesh.shape)
-    in_spec = _spec(input_placements, names, shape)
-    out_spec = _spec(output_placements, names, shape)
-    fixed = {k: _spec(v, names, shape) for k, v in (param_placements or {}).items()}
-    pdtype = check_policy(mixed_precision, module)
-    keyword_inputs = dict(keyword_inputs or {})
+    in_spec = _spec(r.input_placements, names, shape)
+    out_spec = _spec(r.output_placements, names, shape)
+    fixed = {k: _spec(v, names, shape) for k, v in r.param_placements.items()}
+    pdtype = check_policy(r.mixed_precision, module)
+    keyword_inputs = r.keyword_inputs
     check_on_meta(module, tuple(keyword_inputs.values()))
-    units = (stage_units(module, example_inputs[0], keyword_inputs, param_dtype=pdtype)
-             if reuse_blocks or keyword_inputs else None)
-    per_block = weight_gathering == "per_block"
-    if weight_gathering not in ("once_per_step", "per_block"):
-        raise ValueError(f"weight_gathering must be 'once_per_step' or 'per_block', got "
-                         f"{weight_gathering!r}")
+    units = (stage_units(module, example_inputs[0], keyword_inputs)
+             if r.reuse_blocks or keyword_inputs else None)
+    per_block = spec.weight_gathering == "per_block"
     n_units = len(units) if units is not None else 1
-    memory = MemorySpec(param_state_factor, optimizer_state_factor, activation_factor,
-                        largest_tensor_bytes=largest_tensor_bytes,
-                        split_in_flight=tuple((float(a), float(b)) for a, b in split_in_flight),
-                        gathered_share=min(1.0, (prefetch_blocks + 1) / n_units)
+    n_micro = r.microbatches_per_grad_reduce
+    memory = MemorySpec(optimizer_state_factor=spec.optimizer_state_factor,
+                        activation_factor=spec.activation_factor,
+                        largest_tensor_bytes=spec.largest_tensor_bytes,
+                        split_in_flight=spec.split_in_flight,
+                        gathered_share=min(1.0, (spec.prefetch_blocks + 1) / n_units)
                         if per_block else 1.0,
                         gradients_reduced=per_block,
-                        gradient_copies=2.0 if microbatches_per_grad_reduce > 1 else 1.0)
+                        gradient_copies=2.0 if n_micro > 1 else 1.0)
     # per microbatch: once per step 1/M each; per block every F and every I gather and
     # every backward reduces, each block's collectives but the first's issued under the
     # compute of the block before it (prefetch): priced at the first block's share, what
     # the estimates find exposed where compute is the longer
     # (:meth:`autopp.graph.weight_gathering.WeightGathering.priced`; they price the rest)
-    grad_scale = ((2.0 / n_units, 1.0 / n_units) if per_block
-                  else 1.0 / microbatches_per_grad_reduce)
+    grad_scale = (2.0 / n_units, 1.0 / n_units) if per_block else 1.0 / n_micro
+    budget, recompute, time_limit_s = spec.budget_bytes, spec.recompute, r.time_limit_s
     if units is None and keyword_inputs:
         from autopp.stage_split.build import is_model_input
 
@@ -258,21 +139,18 @@ def plan_stage(
     modes = MODES if recompute == "auto" else (recompute,)
     # a microbatch; per block there is no UNSHARD or REDUCE_GRAD to hide in a window
     windows = ((0.0, 0.0) if per_block else
-               tuple(max(0.0, float(w)) * grad_scale for w in comm_windows_s))
+               tuple(max(0.0, w) * grad_scale for w in r.comm_windows_s))
     hidden = 0.0
-    if memory_price:
-        if recompute == "auto" or memory_budget_bytes is not None:
-            raise ValueError("memory_price plans one recompute mode without a budget")
-        chosen = chain_at_price(stage, recompute, memory_price, time_limit_s)
+    if spec.price:
+        chosen = chain_at_price(stage, recompute, spec.price, time_limit_s)
         tried, bound = [(recompute, chosen, chosen)], None
     else:
-        chosen, tried, bound = choose_chain(stage, modes, memory_budget_bytes, memory,
-                                            time_limit_s)
+        chosen, tried, bound = choose_chain(stage, modes, budget, memory, time_limit_s)
         if any(windows):
             def free(chain: Chain) -> tuple[Stage, Chain | None]:
                 st = build(FREE_WEIGHT)
                 fast = chain_at_price(st, chain.recompute, 0.0, time_limit_s)
-                fits = memory_budget_bytes is None or fast.memory_bytes <= memory_budget_bytes
+                fits = budget is None or fast.memory_bytes <= budget
                 return st, fast if fits else None
 
             stage, chosen, bound, hidden, note = hide_once_per_step(
@@ -280,16 +158,14 @@ def plan_stage(
             notes = (note,) if note else ()
     parts = [(stage.units[i], stage.reps[k].traced, res)
              for i, (k, res) in enumerate(zip(stage.kinds, chosen.results))]
-    plan = _assemble(parts, stage.solved, mesh, names, prof, costs, memory_budget_bytes, t0,
-                     pdtype)
+    plan = _assemble(parts, stage.solved, mesh, names, prof, costs, budget, t0, pdtype)
     return dataclasses.replace(
         _with_memory(plan, chosen, tried, recompute, memory),
         keyword_inputs=describe_keyword_inputs(keyword_inputs),
         trace_settings=tuple(tracing.current_settings().items()), tf32=costs.tf32,
         time_bound_s=None if bound is None or not math.isfinite(bound) else bound,
-        comm_windows_s=(float(comm_windows_s[0]), float(comm_windows_s[1])),
-        hidden_comm_s=hidden * microbatches_per_grad_reduce, notes=plan.notes + notes,
-        weight_gathering=weight_gathering)
+        comm_windows_s=r.comm_windows_s, hidden_comm_s=hidden * n_micro,
+        notes=plan.notes + notes, weight_gathering=spec.weight_gathering)
 
 
 # -- building the stage as positions of distinct units ---------------------------------------
@@ -577,7 +453,6 @@ def _with_memory(plan: StagePlan, chosen: Chain, tried, requested: str,
         split_in_flight=memory.split_in_flight,
         state_bytes=int(chosen.total("state_bytes")),
         memory_bytes=int(chosen.memory_bytes),
-        param_state_factor=memory.param_state_factor,
         optimizer_state_factor=memory.optimizer_state_factor,
         recompute_options=options if requested == "auto" else (),
     )

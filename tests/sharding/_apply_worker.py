@@ -84,6 +84,7 @@ def run_graphs(sharded, plan, mesh, x, w) -> torch.Tensor:
 def main(rank: int, world: int, init_file: str, out_file: str, dp: int, tp: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     from autopp.sharding import StagePlan, plan_stage
+    from tests.sharding.stage_request import stage_request
     from autopp.lower.apply import apply_plan
     from autopp.adapters.torchtitan_reference import torchtitan_param_placements
 
@@ -114,7 +115,7 @@ def main(rank: int, world: int, init_file: str, out_file: str, dp: int, tp: int)
         x_meta = torch.empty(shape, dtype=dtype, device="meta")
         text = [None]
         if rank == 0:
-            plan = plan_stage(build("meta", kind), (x_meta,), mesh, profile="H100", **kwargs)
+            plan = plan_stage(stage_request(build("meta", kind), (x_meta,), mesh, profile="H100", **kwargs))
             text = [plan.to_json()]
         dist.broadcast_object_list(text, src=0)
         plan = StagePlan.from_json(text[0])

@@ -43,6 +43,7 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 def run_lower(rank: int, world: int, dp: int, tp: int, time_iters: int) -> dict[str, Any]:
     from autopp.sharding import StagePlan, plan_stage
+    from tests.sharding.stage_request import stage_request
     from autopp.lower.apply import apply_plan
     from autopp.lower.local_graphs import collective_counts, lower_joint, split_local
 
@@ -53,8 +54,8 @@ def run_lower(rank: int, world: int, dp: int, tp: int, time_iters: int) -> dict[
     x_meta = torch.empty(shape, device="meta")
     text = [None]
     if rank == 0:  # parameter memory forces FSDP/TP-style sharding over all 4 ranks
-        plan = plan_stage(meta_stack, (x_meta,), mesh, profile="H100",
-                          memory_budget_bytes=total / 4, output_placements=None)
+        plan = plan_stage(stage_request(meta_stack, (x_meta,), mesh, profile="H100",
+                          memory_budget_bytes=total / 4, output_placements=None))
         text = [plan.to_json()]
     dist.broadcast_object_list(text, src=0)
     plan = StagePlan.from_json(text[0])

@@ -14,6 +14,7 @@ from torch import nn
 
 from autopp.sharding import budget as B
 from autopp.sharding import plan_stage
+from tests.sharding.stage_request import stage_request
 from autopp.sharding.memory_row import MemorySpec
 from autopp.sharding.solution import InfeasiblePlanError, SolveResult
 from autopp.sharding.units import Unit
@@ -123,15 +124,15 @@ def test_planned_stage_matches_the_always_polished_search(stack_of, make_mesh, m
     mesh = make_mesh(2, 2)
     x = torch.empty(4, 64, 256, device="meta")
     kw = dict(activation_factor=2.0, optimizer_state_factor=2.0, recompute="auto")
-    free = plan_stage(stage, (x,), mesh, **kw)
+    free = plan_stage(stage_request(stage, (x,), mesh, **kw))
     for frac in (0.5,):
         budget = frac * free.memory_bytes
-        now = plan_stage(stage, (x,), mesh, memory_budget_bytes=budget, **kw)
+        now = plan_stage(stage_request(stage, (x,), mesh, memory_budget_bytes=budget, **kw))
         with monkeypatch.context() as m:
             m.setattr(B, "CERTIFIED_GAP", -1.0)  # never certified: search on, then polish
             m.setattr(B, "_best_mix", lambda stage, best, seen, budget: best)
             m.setattr(plan_module_memo(), "solves", {})
-            before = plan_stage(stage, (x,), mesh, memory_budget_bytes=budget, **kw)
+            before = plan_stage(stage_request(stage, (x,), mesh, memory_budget_bytes=budget, **kw))
         assert now.memory_bytes <= budget and before.memory_bytes <= budget
         assert now.step_time_s <= before.step_time_s * 1.01, (frac, now.step_time_s,
                                                                before.step_time_s)
@@ -223,12 +224,12 @@ def test_a_policy_its_bytes_only_relaxations_prove_over_budget_skips_its_least_m
 
     monkeypatch.setattr(Model, "solve", counted)
     monkeypatch.setattr(plan_module_memo(), "solves", {})
-    now = plan_stage(stage, (x,), mesh, **kw)
+    now = plan_stage(stage_request(stage, (x,), mesh, **kw))
     assert not [s for s in solves if s[0] == "none" and math.isinf(s[1]) and not s[2]]
     with monkeypatch.context() as m:  # the path before: the MIPs decide
         m.setattr(B, "_least_bytes_bound", lambda *a: -math.inf)
         m.setattr(plan_module_memo(), "solves", {})
-        before = plan_stage(stage, (x,), mesh, **kw)
+        before = plan_stage(stage_request(stage, (x,), mesh, **kw))
     assert now.recompute == before.recompute != "none"
     assert now.step_time_s == pytest.approx(before.step_time_s, rel=1e-9)
     least_now = {mode: least for mode, _, _, least in now.recompute_options}["none"]
@@ -248,11 +249,11 @@ def test_the_over_budget_error_names_the_least_memory_plan_after_the_lp_bound(
               memory_budget_bytes=1000.0)
     monkeypatch.setattr(plan_module_memo(), "solves", {})
     with pytest.raises(InfeasiblePlanError) as now:
-        plan_stage(stage, (x,), mesh, **kw)
+        plan_stage(stage_request(stage, (x,), mesh, **kw))
     with monkeypatch.context() as m:
         m.setattr(B, "_least_bytes_bound", lambda *a: -math.inf)
         m.setattr(plan_module_memo(), "solves", {})
         with pytest.raises(InfeasiblePlanError) as before:
-            plan_stage(stage, (x,), mesh, **kw)
+            plan_stage(stage_request(stage, (x,), mesh, **kw))
     assert "least-memory plan" in str(now.value)
     assert str(now.value) == str(before.value)

@@ -16,6 +16,7 @@ from torch import nn
 
 from autopp.sharding import budget as B
 from autopp.sharding import plan_stage
+from tests.sharding.stage_request import stage_request
 from autopp.sharding.memory_row import MemorySpec
 from autopp.sharding.solution import InfeasiblePlanError, SolveResult
 from autopp.sharding.units import Unit
@@ -154,14 +155,14 @@ def test_a_real_stage_matches_the_whole_stage_mip(stack_of, make_mesh, monkeypat
     x = torch.empty(4, 64, 256, device="meta")
     kw = dict(activation_factor=2.0, optimizer_state_factor=2.0, recompute="none",
               microbatches_per_grad_reduce=8)
-    budget = 0.6 * plan_stage(stage, (x,), mesh, **kw).memory_bytes
-    composed = plan_stage(stage, (x,), mesh, memory_budget_bytes=budget, **kw)
+    budget = 0.6 * plan_stage(stage_request(stage, (x,), mesh, **kw)).memory_bytes
+    composed = plan_stage(stage_request(stage, (x,), mesh, memory_budget_bytes=budget, **kw))
     for name, value in (("CERTIFIED_GAP", -1.0), ("_POLISH_GAP", 1e-7),
                         ("POLISH_TARGET", False), ("POLISH_NODES", 10**7),
                         ("POLISH_TIME_S", 600.0)):
         monkeypatch.setattr(B, name, value)
-    exact = plan_stage(stage, (x,), mesh, memory_budget_bytes=budget, reuse_blocks=False,
-                       time_limit_s=600.0, **kw)
+    exact = plan_stage(stage_request(stage, (x,), mesh, memory_budget_bytes=budget, reuse_blocks=False,
+                       time_limit_s=600.0, **kw))
     assert composed.memory_bytes <= budget and exact.memory_bytes <= budget
     assert composed.step_time_s <= exact.step_time_s * 1.01, (composed.step_time_s,
                                                               exact.step_time_s)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from autopp.sharding import plan_stage
+from tests.sharding.stage_request import stage_request
 from autopp.sharding.chain import chain_dp
 from autopp.sharding.solution import InfeasiblePlanError
 
@@ -25,8 +26,8 @@ def test_chain_dp_picks_cheapest_boundaries():
 def test_block_stack_planned_once(stack_of, make_mesh):
     mesh = make_mesh(2, 4)
     x = torch.empty(8, 64, 256, device="meta")
-    one = plan_stage(stack_of(1), (x,), mesh)
-    three = plan_stage(stack_of(3), (x,), mesh)
+    one = plan_stage(stage_request(stack_of(1), (x,), mesh))
+    three = plan_stage(stage_request(stack_of(3), (x,), mesh))
     assert len(three.blocks) == 3 and len({b.signature for b in three.blocks}) == 1
     assert three.num_vars == one.num_vars  # one ILP model for all identical blocks
     assert math.isclose(three.step_time_s, 3 * one.step_time_s, rel_tol=1e-6)
@@ -59,7 +60,7 @@ def test_decoder_stage_planned_as_embedding_blocks_head(make_mesh):
     with torch.device("meta"):
         model = cfg.build()  # 6 identical blocks between embedding and head
     tokens = torch.zeros(8, 64, dtype=torch.long, device="meta")
-    plan = plan_stage(model, (tokens,), make_mesh(2, 2))
+    plan = plan_stage(stage_request(model, (tokens,), make_mesh(2, 2)))
     names = [b.prefix for b in plan.blocks]
     assert names == ["pre", *[f"layers.{i}" for i in range(6)], "post"]
     assert len({b.signature for b in plan.blocks}) == 3  # embedding, one block, head

@@ -211,6 +211,7 @@ def test_a_failing_flop_formula_is_logged_and_noted(make_mesh, monkeypatch, capl
     from torch.utils.flop_counter import flop_registry
 
     from autopp.sharding import plan_stage
+    from tests.sharding.stage_request import stage_request
 
     def boom(*args, **kwargs):
         raise RuntimeError("no formula for these shapes")
@@ -219,8 +220,8 @@ def test_a_failing_flop_formula_is_logged_and_noted(make_mesh, monkeypatch, capl
     with torch.device("meta"):
         lin = nn.Linear(256, 256, bias=False)
     with caplog.at_level("WARNING", logger="autopp.sharding.costs"):
-        plan = plan_stage(lin, (torch.empty(64, 256, device="meta"),), make_mesh(2, 2),
-                          profile="H100", reuse_blocks=False)
+        plan = plan_stage(stage_request(lin, (torch.empty(64, 256, device="meta"),), make_mesh(2, 2),
+                          profile="H100", reuse_blocks=False))
     assert "FLOP formula of aten.mm.default failed" in caplog.text
     assert any(n.startswith("FLOP formula of aten.mm.default failed (RuntimeError: no formula")
                for n in plan.notes), plan.notes

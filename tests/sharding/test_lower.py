@@ -11,6 +11,7 @@ from autopp.sharding.plan import from_strs
 
 def test_lowered_block_has_local_shapes_and_collectives(make_mesh, stack_of):
     from autopp.sharding import plan_stage
+    from tests.sharding.stage_request import stage_request
     from autopp.sharding.units import stage_units
     from autopp.lower.local_graphs import lower_joint, split_local
     from autopp.sharding.trace import trace_joint
@@ -19,7 +20,7 @@ def test_lowered_block_has_local_shapes_and_collectives(make_mesh, stack_of):
     stack = stack_of(1)
     total = sum(p.numel() * p.element_size() for p in stack.parameters())
     x = torch.empty(4, 16, 256, device="meta")
-    plan = plan_stage(stack, (x,), mesh, memory_budget_bytes=total / 4, output_placements=None)
+    plan = plan_stage(stage_request(stack, (x,), mesh, memory_budget_bytes=total / 4, output_placements=None))
     (bplan,) = plan.blocks
     (unit,) = stage_units(stack)
     joint = trace_joint(unit.module, (x,))
@@ -80,6 +81,7 @@ def test_lowered_pieces_issue_collectives_early_and_wait_at_first_use(make_mesh,
     value, the collectives in the order the plain split issues them."""
     from autopp.lower.local_graphs import lower_joint, split_local
     from autopp.sharding import plan_stage
+    from tests.sharding.stage_request import stage_request
     from autopp.sharding.trace import trace_joint
     from autopp.sharding.units import stage_units
     from tests.graph.test_overlap import check_overlapped, collective_order
@@ -88,7 +90,7 @@ def test_lowered_pieces_issue_collectives_early_and_wait_at_first_use(make_mesh,
     stack = stack_of(1)
     total = sum(p.numel() * p.element_size() for p in stack.parameters())
     x = torch.empty(4, 16, 256, device="meta")
-    plan = plan_stage(stack, (x,), mesh, memory_budget_bytes=total / 4, output_placements=None)
+    plan = plan_stage(stage_request(stack, (x,), mesh, memory_budget_bytes=total / 4, output_placements=None))
     (unit,) = stage_units(stack)
     lj = lower_joint(trace_joint(unit.module, (x,)), plan.blocks[0], mesh)
     plain = split_local(lj, overlap=False).graphs()
@@ -149,12 +151,13 @@ def _planned_units(stack, mesh):
     planned on ``mesh`` under a quarter of its parameter bytes."""
     from autopp.lower.local_graphs import LoweredUnit
     from autopp.sharding import plan_stage
+    from tests.sharding.stage_request import stage_request
     from autopp.sharding.trace import trace_joint
     from autopp.sharding.units import stage_units
 
     total = sum(p.numel() * p.element_size() for p in stack.parameters())
     x = torch.empty(4, 16, 256, device="meta")
-    plan = plan_stage(stack, (x,), mesh, memory_budget_bytes=total / 4, output_placements=None)
+    plan = plan_stage(stage_request(stack, (x,), mesh, memory_budget_bytes=total / 4, output_placements=None))
     units = []
     for bplan, unit in zip(plan.blocks, stage_units(stack)):
         joint = trace_joint(unit.module, (x,))
@@ -252,6 +255,7 @@ def test_a_stitched_stage_computes_what_autograd_does(make_mesh, llama_debug):
 
     from autopp.lower.local_graphs import LoweredUnit, lower_stage
     from autopp.sharding import plan_stage
+    from tests.sharding.stage_request import stage_request
     from autopp.sharding.trace import trace_joint
     from autopp.sharding.units import stage_units
     from tests.parity import assert_parity
@@ -260,7 +264,7 @@ def test_a_stitched_stage_computes_what_autograd_does(make_mesh, llama_debug):
     mesh = make_mesh(1, 1)
     stack = BlockStack(llama_debug, 3)
     x = torch.empty(2, 16, 256, device="meta")
-    plan = plan_stage(stack, (x,), mesh, output_placements=None)
+    plan = plan_stage(stage_request(stack, (x,), mesh, output_placements=None))
     units, params, buffers = [], [], []
     torch.manual_seed(0)
     real = copy.deepcopy(stack).to_empty(device="cpu")

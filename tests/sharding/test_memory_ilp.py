@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from autopp.sharding import InfeasiblePlanError, StagePlan, plan_stage
+from tests.sharding.stage_request import stage_request
 from autopp.sharding import budget as B
 
 from .conftest import BlockStack
@@ -39,8 +40,8 @@ def test_activation_estimate_equals_lowered_graphs(block, make_mesh):
     joint = trace_joint(unit.module, (x,))
     seen = {}
     for mode in MODES:
-        plan = plan_stage(block, (x,), mesh, param_placements=fixed, output_placements=None,
-                          activation_factor=2.0, recompute=mode)
+        plan = plan_stage(stage_request(block, (x,), mesh, param_placements=fixed, output_placements=None,
+                          activation_factor=2.0, recompute=mode))
         (bplan,) = plan.blocks
         graphs = split_local(lower_joint(joint, bplan, mesh), recompute=mode)
         lowered, gathered = saved_bytes(graphs), unsharded_bytes(graphs)
@@ -77,9 +78,9 @@ def test_split_backward_row_counts_what_w_keeps_at_each_peak(block, make_mesh, m
     titan = torchtitan_param_placements(block, ("dp", "tp"))
     for fixed, modes in ((titan, MODES), (None, ("full",))):  # free: the furthest case
         for mode in modes:
-            plan = plan_stage(block, (x,), mesh, param_placements=fixed,
+            plan = plan_stage(stage_request(block, (x,), mesh, param_placements=fixed,
                               output_placements=None, activation_factor=3.0,
-                              split_in_flight=peaks, recompute=mode)
+                              split_in_flight=peaks, recompute=mode))
             (bplan,) = plan.blocks
             w = split_local(lower_joint(joint, bplan, mesh),
                             recompute=mode).backward_weight_graph
@@ -98,28 +99,28 @@ def test_split_backward_row_counts_what_w_keeps_at_each_peak(block, make_mesh, m
     # than 3 x activations: under a budget between the two counts, the activations-only
     # plan fits unchanged and the split-aware one must change (and not get faster) to fit
     fixed = titan
-    free = plan_stage(block, (x,), mesh, param_placements=fixed, output_placements=None,
-                      activation_factor=3.0, recompute="full")
-    split = plan_stage(block, (x,), mesh, param_placements=fixed, output_placements=None,
-                       activation_factor=3.0, split_in_flight=peaks, recompute="full")
+    free = plan_stage(stage_request(block, (x,), mesh, param_placements=fixed, output_placements=None,
+                      activation_factor=3.0, recompute="full"))
+    split = plan_stage(stage_request(block, (x,), mesh, param_placements=fixed, output_placements=None,
+                       activation_factor=3.0, split_in_flight=peaks, recompute="full"))
     assert split.memory_bytes > free.memory_bytes
     budget = (split.memory_bytes + free.memory_bytes) / 2
-    unaware = plan_stage(block, (x,), mesh, param_placements=fixed, output_placements=None,
-                         activation_factor=3.0, recompute="full", memory_budget_bytes=budget)
+    unaware = plan_stage(stage_request(block, (x,), mesh, param_placements=fixed, output_placements=None,
+                         activation_factor=3.0, recompute="full", memory_budget_bytes=budget))
     assert unaware.blocks[0].nodes == free.blocks[0].nodes
     # only the polish's MIP is bounded (to keep the test short): a time limit on every solve
     # left the least-memory chain with no plan at all under CI's load (2026-12-06)
     monkeypatch.setattr(B, "POLISH_TIME_S", 1.0)
-    bound = plan_stage(block, (x,), mesh, param_placements=fixed, output_placements=None,
+    bound = plan_stage(stage_request(block, (x,), mesh, param_placements=fixed, output_placements=None,
                        activation_factor=3.0, split_in_flight=peaks, recompute="full",
-                       memory_budget_bytes=budget)
+                       memory_budget_bytes=budget))
     assert bound.memory_bytes <= budget < split.memory_bytes
     assert bound.blocks[0].nodes != split.blocks[0].nodes
     assert bound.step_time_s >= split.step_time_s * (1 - 1e-9)
     with pytest.raises(InfeasiblePlanError, match="kept from I to W"):
-        plan_stage(block, (x,), mesh, param_placements=fixed, output_placements=None,
+        plan_stage(stage_request(block, (x,), mesh, param_placements=fixed, output_placements=None,
                    activation_factor=3.0, split_in_flight=peaks, recompute="full",
-                   memory_budget_bytes=bound.state_bytes)
+                   memory_budget_bytes=bound.state_bytes))
 
 
 def test_sequence_parallel_recompute_regathers_instead_of_saving(block, make_mesh):
@@ -144,8 +145,8 @@ def test_sequence_parallel_recompute_regathers_instead_of_saving(block, make_mes
     joint = trace_joint(unit.module, (x,))
     seen = {}
     for mode in MODES:
-        plan = plan_stage(block, (x,), mesh, param_placements=fixed, input_placements=seq,
-                          output_placements=seq, activation_factor=1.0, recompute=mode)
+        plan = plan_stage(stage_request(block, (x,), mesh, param_placements=fixed, input_placements=seq,
+                          output_placements=seq, activation_factor=1.0, recompute=mode))
         (bplan,) = plan.blocks
         graphs = split_local(lower_joint(joint, bplan, mesh), recompute=mode)
         backward = [n for g in (graphs.full_backward_graph,)
@@ -187,10 +188,10 @@ def test_budget_forces_sharded_parameters(block, make_mesh):
     mesh = make_mesh(4, 1)
     x = torch.empty(8, 16, 256, device="meta")
     kw = dict(activation_factor=1.0, optimizer_state_factor=2.0)
-    free = plan_stage(block, (x,), mesh, **kw)
+    free = plan_stage(stage_request(block, (x,), mesh, **kw))
     assert all(p.placements[0] == "R" for p in free.params)  # DDP: the fastest
     budget = 0.3 * free.memory_bytes
-    tight = plan_stage(block, (x,), mesh, memory_budget_bytes=budget, **kw)
+    tight = plan_stage(stage_request(block, (x,), mesh, memory_budget_bytes=budget, **kw))
     assert tight.memory_bytes <= budget
     assert tight.state_bytes < free.state_bytes / 2
     weights = [p for p in tight.params if not p.fqn.endswith("norm.weight")]
@@ -205,7 +206,7 @@ def long_seq_auto(block, make_mesh):
     x = torch.empty(8, 512, 256, device="meta")
     mesh = make_mesh(2, 1)
     kw = dict(activation_factor=2.0, recompute="auto")
-    return x, mesh, kw, plan_stage(block, (x,), mesh, memory_budget_bytes=30e6, **kw)
+    return x, mesh, kw, plan_stage(stage_request(block, (x,), mesh, memory_budget_bytes=30e6, **kw))
 
 
 def test_auto_recompute_when_only_recomputation_fits(block, long_seq_auto):
@@ -220,17 +221,17 @@ def test_auto_recompute_when_only_recomputation_fits(block, long_seq_auto):
     fitting = {m: t for m, (t, _, _) in options.items() if t is not None}
     assert plan.recompute == min(fitting, key=fitting.get)
     assert f"activation recomputation: {plan.recompute} (chosen: recompute='auto')" in str(plan)
-    free = plan_stage(block, (x,), mesh, **kw)  # no budget: recomputing only costs time
+    free = plan_stage(stage_request(block, (x,), mesh, **kw))  # no budget: recomputing only costs time
     assert free.recompute == "none" and free.recompute_s == 0
     with pytest.raises(InfeasiblePlanError) as err:
-        plan_stage(block, (x,), mesh, memory_budget_bytes=5e6, **kw)
+        plan_stage(stage_request(block, (x,), mesh, memory_budget_bytes=5e6, **kw))
     msg = str(err.value)
     for needle in ("activations", "per microbatch x 2 in flight", "recompute='full'",
                    "smaller microbatches", "more pipeline stages", "more dp / tp"):
         assert needle in msg, msg
     with pytest.raises(InfeasiblePlanError, match="recompute='full'.*fits"):
         kw_none = dict(kw, recompute="none")  # a fixed policy: the message names the others
-        plan_stage(block, (x,), mesh, memory_budget_bytes=10e6, **kw_none)
+        plan_stage(stage_request(block, (x,), mesh, memory_budget_bytes=10e6, **kw_none))
 
 
 def test_plan_json_keeps_memory_fields_and_loads_old_json(long_seq_auto):
@@ -327,15 +328,15 @@ def test_largest_tensor_bound_holds_in_the_lowered_graphs(block, make_mesh):
                    for gm in (g.forward_graph, g.full_backward_graph) for n in gm.graph.nodes
                    if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor))
 
-    free = plan_stage(block, (x,), mesh, **kw)
+    free = plan_stage(stage_request(block, (x,), mesh, **kw))
     times, biggest = [free.step_time_s], largest(free)
     for share in (0.6, 0.3):
         cap = share * biggest
-        plan = plan_stage(block, (x,), mesh, largest_tensor_bytes=cap, **kw)
+        plan = plan_stage(stage_request(block, (x,), mesh, largest_tensor_bytes=cap, **kw))
         assert largest(plan) <= cap and not plan.degraded()
         times.append(plan.step_time_s)
     assert times == sorted(times) and times[-1] > times[0]
-    hopeless = plan_stage(block, (x,), mesh, largest_tensor_bytes=1, **kw)
+    hopeless = plan_stage(stage_request(block, (x,), mesh, largest_tensor_bytes=1, **kw))
     assert hopeless.step_time_s == pytest.approx(free.step_time_s)
     (note,) = hopeless.degraded()
     assert note.startswith("largest-tensor cap of 1 B dropped") and "layers.0" in note

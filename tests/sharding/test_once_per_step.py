@@ -1,5 +1,5 @@
 """Once-per-step collectives priced by what the schedule leaves exposed
-(autopp.sharding.once_per_step, ``plan_stage(comm_windows_s=)``).
+(autopp.sharding.once_per_step, ``StageRequest.comm_windows_s``).
 
 The plans are lowered to the graphs that run (:func:`autopp.estimate.stage_costs.stage_facts`:
 the UNSHARD graph's gathers and the REDUCE_GRAD graph's reductions, priced; not the ILP's
@@ -14,6 +14,7 @@ import torch
 
 from autopp.estimate.stage_costs import stage_facts
 from autopp.sharding import plan_stage
+from tests.sharding.stage_request import stage_request
 from autopp.sharding import planner as planner_mod
 
 from .conftest import BlockStack
@@ -51,7 +52,7 @@ def _exposed(block, plan, mesh, windows) -> tuple[float, float]:
 
 
 def _budget(block, mesh, share: float = 0.6) -> float:
-    return share * plan_stage(block, (X,), mesh, **KW).memory_bytes
+    return share * plan_stage(stage_request(block, (X,), mesh, **KW)).memory_bytes
 
 
 @pytest.mark.parametrize("dp, tp, budget", [(2, 2, None), (2, 2, 1e9), (4, 1, None)])
@@ -63,11 +64,11 @@ def test_windows_as_long_as_any_collective_choose_by_exposed_time(block, make_me
     it says it hides is what its graphs' collectives take."""
     mesh = make_mesh(dp, tp)
     looks[0] = 0
-    full = plan_stage(block, (X,), mesh, memory_budget_bytes=budget, **KW)
+    full = plan_stage(stage_request(block, (X,), mesh, memory_budget_bytes=budget, **KW))
     assert looks[0] == 0 and full.hidden_comm_s == 0.0
     windows = (1.0, 1.0)
-    hid = plan_stage(block, (X,), mesh, memory_budget_bytes=budget, comm_windows_s=windows,
-                     **KW)
+    hid = plan_stage(stage_request(block, (X,), mesh, memory_budget_bytes=budget, comm_windows_s=windows,
+                     **KW))
     assert looks[0] == 1, "the second look (collectives free) did not run"
     assert budget is None or hid.memory_bytes <= budget
     assert hid.comm_windows_s == windows
@@ -87,10 +88,10 @@ def test_under_a_binding_budget_the_full_price_plan_stands_with_its_bound(block,
     the windows could make it at most."""
     mesh = make_mesh(8, 1)
     budget = _budget(block, mesh, 0.8)
-    full = plan_stage(block, (X,), mesh, memory_budget_bytes=budget, **KW)
+    full = plan_stage(stage_request(block, (X,), mesh, memory_budget_bytes=budget, **KW))
     looks[0] = 0
-    hid = plan_stage(block, (X,), mesh, memory_budget_bytes=budget, comm_windows_s=(1.0, 1.0),
-                     **KW)
+    hid = plan_stage(stage_request(block, (X,), mesh, memory_budget_bytes=budget, comm_windows_s=(1.0, 1.0),
+                     **KW))
     assert looks[0] == 0
     assert hid.blocks == full.blocks
     assert hid.hidden_comm_s > 0
@@ -105,11 +106,11 @@ def test_a_window_too_short_to_matter_leaves_the_plan_alone(block, make_mesh, lo
     so no second look runs and the plan is the full-price one."""
     mesh = make_mesh(4, 1)
     budget = _budget(block, mesh)
-    full = plan_stage(block, (X,), mesh, memory_budget_bytes=budget, **KW)
+    full = plan_stage(stage_request(block, (X,), mesh, memory_budget_bytes=budget, **KW))
     looks[0] = 0
     windows = (1e-9, 1e-9)
-    short = plan_stage(block, (X,), mesh, memory_budget_bytes=budget, comm_windows_s=windows,
-                       **KW)
+    short = plan_stage(stage_request(block, (X,), mesh, memory_budget_bytes=budget, comm_windows_s=windows,
+                       **KW))
     assert looks[0] == 0
     assert short.blocks == full.blocks and short.step_time_s == full.step_time_s
     assert short.hidden_comm_s == pytest.approx(_exposed(block, full, mesh, windows)[0],
@@ -148,8 +149,8 @@ def test_the_plan_names_the_action_each_collective_runs_in(block, make_mesh):
     from autopp.estimate.stage_costs import stage_facts_by_rule
 
     mesh = make_mesh(8, 1)
-    plan = plan_stage(block, (X,), mesh, memory_budget_bytes=_budget(block, mesh, 0.8),
-                      comm_windows_s=(1.0, 1.0), **KW)
+    plan = plan_stage(stage_request(block, (X,), mesh, memory_budget_bytes=_budget(block, mesh, 0.8),
+                      comm_windows_s=(1.0, 1.0), **KW))
     kinds = {c.per_step for c in plan.collectives}
     assert {"UNSHARD", "REDUCE_GRAD", ""} <= kinds, kinds
     graphs = stage_facts(block, plan, mesh, (X,), M)

@@ -11,6 +11,7 @@ def test_overlap_shortens_the_simulated_step_by_the_hidden_communication(make_me
     from autopp.estimate.pipeline import simulate_stages
     from autopp.estimate.stage_costs import param_dtypes, stage_cost, stage_facts, state_bytes
     from autopp.sharding import plan_stage
+    from tests.sharding.stage_request import stage_request
 
     mesh = make_mesh(2, 2)
     stack = stack_of(2)
@@ -20,10 +21,10 @@ def test_overlap_shortens_the_simulated_step_by_the_hidden_communication(make_me
                 "feed_forward.w3.weight": ("R", "S(0)"), "feed_forward.w2.weight": ("R", "S(1)")}
     # tensor parallel with the sequence sharded between blocks: its gathers and
     # reductions sit in F and I (a budget-free plan is data parallel: all in REDUCE_GRAD)
-    plan = plan_stage(stack, (x,), mesh, microbatches_per_grad_reduce=4,
+    plan = plan_stage(stage_request(stack, (x,), mesh, microbatches_per_grad_reduce=4,
                       param_placements={f"layers.{i}.{k}": v for i in range(2)
                                         for k, v in megatron.items()},
-                      input_placements=("S(0)", "S(1)"), output_placements=("S(0)", "S(1)"))
+                      input_placements=("S(0)", "S(1)"), output_placements=("S(0)", "S(1)")))
     assert plan.comm_s > 0
     on = stage_facts(stack, plan, mesh, (x,), 4, overlap=True)
     off = stage_facts(stack, plan, mesh, (x,), 4, overlap=False)

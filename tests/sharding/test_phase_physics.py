@@ -54,6 +54,7 @@ def _phases(block, make_mesh, recompute: str) -> tuple[float, float, float, floa
     from autopp.estimate.stage_costs import stage_facts
     from autopp.profiles.devices import PROFILES, register_profile, with_overrides
     from autopp.sharding import plan_stage
+    from tests.sharding.stage_request import stage_request
 
     free = register_profile(with_overrides(
         PROFILES["H100"], name="H100-free-links", intra_node_bw=1e30, inter_node_bw=1e30,
@@ -63,11 +64,11 @@ def _phases(block, make_mesh, recompute: str) -> tuple[float, float, float, floa
     megatron = {"attention.qkv_linear.wqkv.weight": ("R", "S(0)"),
                 "attention.wo.weight": ("R", "S(1)"), "feed_forward.w1.weight": ("R", "S(0)"),
                 "feed_forward.w3.weight": ("R", "S(0)"), "feed_forward.w2.weight": ("R", "S(1)")}
-    plan = plan_stage(block, (x,), mesh, profile=free.name, recompute=recompute,
+    plan = plan_stage(stage_request(block, (x,), mesh, profile=free.name, recompute=recompute,
                       mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                            reduce_dtype=torch.float32),
                       param_placements={f"layers.0.{k}": v for k, v in megatron.items()},
-                      input_placements=("R", "R"), output_placements=("R", "R"))
+                      input_placements=("R", "R"), output_placements=("R", "R")))
     facts = stage_facts(block, plan, mesh, (x,), 1, overlap=False)
     return (facts.forward_s, facts.backward_input_s, facts.backward_weight_s,
             free.flops(torch.bfloat16, False))

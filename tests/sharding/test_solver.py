@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from autopp.sharding import InfeasiblePlanError, plan_stage
+from tests.sharding.stage_request import stage_request
 
 from .conftest import MLP
 
@@ -12,7 +13,7 @@ def test_mlp_gets_megatron_tp(make_mesh):
         mlp = MLP(d=1024, h=4096)  # big weights, few tokens: TP beats data parallel
     mesh = make_mesh(1, 4)
     x = torch.empty(8, 16, 1024, device="meta")
-    plan = plan_stage(mlp, (x,), mesh, profile="H100")
+    plan = plan_stage(stage_request(mlp, (x,), mesh, profile="H100"))
     pl = {p.fqn: p.placements for p in plan.params}
     # column-parallel up, row-parallel down: no activation all-gather in between
     assert pl["up.weight"] == ("R", "S(0)")
@@ -25,10 +26,10 @@ def test_mlp_gets_megatron_tp(make_mesh):
 def test_memory_budget_forces_fsdp(mlp_meta, make_mesh):
     mesh = make_mesh(4, 1)
     x = torch.empty(8, 1024, 512, device="meta")
-    free = plan_stage(mlp_meta, (x,), mesh)
+    free = plan_stage(stage_request(mlp_meta, (x,), mesh))
     assert all(p.placements[0] == "R" for p in free.params)  # DDP: cheapest without budget
     full = sum(p.local_bytes for p in free.params)
-    tight = plan_stage(mlp_meta, (x,), mesh, memory_budget_bytes=full / 4)
+    tight = plan_stage(stage_request(mlp_meta, (x,), mesh, memory_budget_bytes=full / 4))
     assert tight.param_bytes_per_device <= full / 4
     assert all(p.placements[0].startswith("S") for p in tight.params)  # FSDP-like
     assert tight.step_time_s >= free.step_time_s
@@ -37,7 +38,7 @@ def test_memory_budget_forces_fsdp(mlp_meta, make_mesh):
 def test_infeasible_memory_budget_is_named(mlp_meta, make_mesh):
     x = torch.empty(8, 1024, 512, device="meta")
     with pytest.raises(InfeasiblePlanError, match="memory_budget_bytes"):
-        plan_stage(mlp_meta, (x,), make_mesh(2, 2), memory_budget_bytes=1000)
+        plan_stage(stage_request(mlp_meta, (x,), make_mesh(2, 2), memory_budget_bytes=1000))
 
 
 def test_a_solve_out_of_time_says_so_not_infeasible(mlp_meta, make_mesh):
@@ -46,22 +47,22 @@ def test_a_solve_out_of_time_says_so_not_infeasible(mlp_meta, make_mesh):
     x = torch.empty(8, 1024, 512, device="meta")
     out_of_time = r"within time_limit_s=1e-09 .*raise time_limit_s"
     with pytest.raises(InfeasiblePlanError, match=out_of_time) as e:
-        plan_stage(mlp_meta, (x,), make_mesh(2, 2), time_limit_s=1e-9)
+        plan_stage(stage_request(mlp_meta, (x,), make_mesh(2, 2), time_limit_s=1e-9))
     assert "satisfies the constraints together" not in str(e.value)
-    assert plan_stage(mlp_meta, (x,), make_mesh(2, 2)).step_time_s > 0  # it is feasible
+    assert plan_stage(stage_request(mlp_meta, (x,), make_mesh(2, 2))).step_time_s > 0  # it is feasible
 
 
 def test_indivisible_input_constraint_is_named(mlp_meta, make_mesh):
     x = torch.empty(3, 1024, 512, device="meta")  # batch 3 on dp=2
     with pytest.raises(InfeasiblePlanError, match="input_placements"):
-        plan_stage(mlp_meta, (x,), make_mesh(2, 2))
+        plan_stage(stage_request(mlp_meta, (x,), make_mesh(2, 2)))
 
 
 def test_fixed_param_placement_is_honoured(mlp_meta, make_mesh):
     x = torch.empty(8, 1024, 512, device="meta")
-    plan = plan_stage(
+    plan = plan_stage(stage_request(
         mlp_meta, (x,), make_mesh(2, 2), param_placements={"up.weight": ("S(1)", "R")}
-    )
+    ))
     assert {p.fqn: p.placements for p in plan.params}["up.weight"] == ("S(1)", "R")
 
 
@@ -85,7 +86,7 @@ def test_plans_on_a_stage_sub_mesh_of_the_world_mesh(mlp_meta, fake_world):
 
     # the world mesh as autopp.mesh lays it out (pp outermost); a stage plans on mesh["dp", "tp"]
     world = DeviceMesh("cpu", torch.arange(8).view(2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
-    plan = plan_stage(mlp_meta, (torch.empty(8, 16, 512, device="meta"),), world["dp", "tp"])
+    plan = plan_stage(stage_request(mlp_meta, (torch.empty(8, 16, 512, device="meta"),), world["dp", "tp"]))
     assert plan.mesh_dim_names == ("dp", "tp") and plan.mesh_shape == (2, 2)
 
 
@@ -237,7 +238,7 @@ def test_a_plan_taken_from_a_fixed_relaxation_says_so(stack_of, make_mesh, monke
 
     monkeypatch.setattr(highs.WarmLps, "run", fractional)
     monkeypatch.setattr(planner, "_MEMO", planner._Memo())  # nothing shared: solved here
-    plan = plan_stage(stack_of(1), (torch.empty(2, 64, 256, device="meta"),), make_mesh(2, 2))
+    plan = plan_stage(stage_request(stack_of(1), (torch.empty(2, 64, 256, device="meta"),), make_mesh(2, 2)))
     notes = [n for n in plan.notes if n.startswith(NEAR_OPTIMAL)]
     assert notes and f"{highs.FIX_GAP:g} of its LP relaxation" in notes[0], plan.notes
     assert notes[0] in str(plan)

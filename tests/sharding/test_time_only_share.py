@@ -127,17 +127,18 @@ def test_plan_stage_shares_the_unbudgeted_solves_between_in_flight_counts(stack_
     microbatches in flight: the second solves nothing (its plan is the first's, its memory
     its own); a third with another input shape solves again."""
     from autopp.sharding import plan_stage
+    from tests.sharding.stage_request import stage_request
 
     stage, mesh = stack_of(2), make_mesh(2, 2)
     kw = dict(optimizer_state_factor=2.0, recompute="none")
     x = torch.empty(4, 64, 256, device="meta")
-    three = plan_stage(stage, (x,), mesh, activation_factor=3.0, **kw)
+    three = plan_stage(stage_request(stage, (x,), mesh, activation_factor=3.0, **kw))
     before = runs[0]
-    one = plan_stage(stage, (x,), mesh, activation_factor=1.0, **kw)
+    one = plan_stage(stage_request(stage, (x,), mesh, activation_factor=1.0, **kw))
     assert runs[0] == before
     assert one.step_time_s == three.step_time_s and one.params == three.params
     assert three.memory_bytes - one.memory_bytes == pytest.approx(
         2.0 * one.activation_bytes, rel=1e-9)
-    plan_stage(stage, (torch.empty(4, 32, 256, device="meta"),), mesh, activation_factor=1.0,
-               **kw)
+    plan_stage(stage_request(stage, (torch.empty(4, 32, 256, device="meta"),), mesh, activation_factor=1.0,
+               **kw))
     assert runs[0] > before
