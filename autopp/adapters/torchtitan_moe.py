@@ -34,21 +34,9 @@ from autopp.ops import DISPATCHES
 
 # Two tracing settings (autopp.tracing): planner options (``PlannerOptions.token_dispatch``,
 # ``PlannerOptions.expert_compute_dtype``) that a plan records and every trace of its stages
-# uses; the functions below change their process-wide defaults.
+# uses; set_token_dispatch below changes the dispatch's process-wide default.
 tracing.declare("expert_compute_dtype", "bfloat16", ("bfloat16", "float16", "float32", "param"))
 tracing.declare("token_dispatch", "auto", DISPATCHES)
-
-
-def set_expert_compute_dtype(dtype: torch.dtype | None) -> None:
-    """The default of ``PlannerOptions.expert_compute_dtype`` (an alias kept for scripts
-    written before it was a planner option): the dtype autopp's planned stages compute
-    routed experts in: ``torch.bfloat16`` (default, what torchtitan's ``GroupedExperts``
-    does whatever the parameters' dtype) or ``None`` for the parameters' own dtype (e.g.
-    fp32 numerics to compare against a single-process fp32 reference: bf16 partial sums over
-    different token subsets round differently). Applies to options made after the call,
-    and to traces outside any plan, in this process."""
-    tracing.set_default("expert_compute_dtype",
-                        "param" if dtype is None else str(dtype).removeprefix("torch."))
 
 
 def expert_compute_dtype() -> torch.dtype | None:

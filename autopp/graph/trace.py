@@ -37,10 +37,6 @@ class TracedStage:
     """Meta tensors shaped like the stage's outputs (the loss on the last stage)."""
 
 
-def _as_tuple(x: Any) -> tuple[Any, ...]:
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
-
-
 def _meta(t: Any) -> Any:
     if not isinstance(t, torch.Tensor):
         return t

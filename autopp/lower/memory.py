@@ -190,13 +190,6 @@ def graph_peak_bytes(gm: Any) -> int:
     return peak
 
 
-def workspace_bytes(graphs: StageGraphs) -> dict[str, int]:
-    """:func:`graph_peak_bytes` of each of the stage's graphs, by name ("forward",
-    "full_backward", "backward_input", "backward_weight", "unshard", "reduce_grad"): the
-    memory an action holds while its graph runs, on top of what it was handed."""
-    return {name: graph_peak_bytes(gm) for name, gm in graphs.graphs().items()}
-
-
 def _outputs_bytes(gm: Any, first: int = 0, count: int | None = None) -> int:
     """Bytes of ``gm``'s tensor outputs ``first .. first + count`` that the graph allocates
     (each once; not its inputs or views of them, which :func:`graph_peak_bytes` does not

@@ -122,10 +122,6 @@ def block_restrictions(
     return restrict, names
 
 
-def param_numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
 def chain_dp(
     kinds: Sequence[int],
     table: dict[int, dict[tuple, SolveResult]],

@@ -410,13 +410,3 @@ def _block_args(call: fx.Node, side: set[fx.Node], pos: dict, root: nn.Module,
         nodes = sorted(set().union(*(_ancestors(r) | {r} for r in refs)), key=pos.get)
         cache[key] = (_subgraph(nodes, dict(kw or {}), tuple(refs), root),)
     return args, kwargs, cache[key][0]
-
-
-def describe_units(units: list[Unit] | None) -> str:
-    """``"pre, layers.0-5 (1 kind), post"``-style summary, for logs and reports."""
-    if units is None:
-        return "one flat graph"
-    kinds = {unit_signature(u) for u in units if isinstance(u.module, BlockCall)}
-    names = [u.name for u in units]
-    return f"{', '.join(names)} ({len(kinds)} distinct block kind(s))"
-
