@@ -2,8 +2,8 @@
 ``ProcessGroupGloo`` (docs/gloo_heap_race_upstream.md). A group's worker threads (torch's
 default: two) each write the name of the collective they completed into one shared string
 without a lock; two completions at once corrupt the heap ("malloc(): unaligned tcache chunk
-detected", or a segmentation fault). autopp's graphs keep several collectives of a group in
-flight, which makes two completions at once likely.
+detected", a segmentation fault, or a worker spinning forever). autopp's graphs keep several
+collectives of a group in flight, which makes two completions at once likely.
 
 :func:`install` makes the constructor torch calls for every gloo group it creates
 (``ProcessGroupGloo(store, rank, size, timeout)``: init_process_group, new_group,
