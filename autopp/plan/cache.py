@@ -1,22 +1,14 @@
 """On-disk cache of plans, so a restart does not solve again.
 
-Two kinds of entries, each keyed by everything it depends on:
-
-- a stage's :class:`~autopp.sharding.StagePlan` (:func:`plan_key`, :func:`cached_plan`): the
-  stage module's structure (module types, parameter and buffer names, shapes, dtypes), the
-  example input shapes and dtypes, the sub-mesh shape and dim names, the device profile, the
-  planner options;
-- a whole :class:`~autopp.plan.value.PipelinePlan` (:func:`pipeline_plan_key`,
-  :func:`cached_pipeline_plan`): the model's fingerprint, the split and stage placement, the
-  mesh, schedule, microbatches, input shapes and planner options (without estimates).
-
-Both keys also hold torch's version and the hash of the planning code; they are made in
-:mod:`autopp.sharding.cache_key` (a stage's by its request,
-:meth:`autopp.sharding.request.StageRequest.key`). Processes on one host that need the
-same entry take a file lock, so one of them solves and the others read its result.
-
-The directory is ``$AUTOPP_PLAN_CACHE`` if set, else ``~/.cache/autopp/plans``.
-"""
+Two kinds of entries, each keyed by everything it depends on: a stage's
+:class:`~autopp.sharding.StagePlan` (:func:`plan_key`, :func:`cached_plan`: the stage
+module's structure, input shapes and dtypes, the sub-mesh, the profile, the options) and a
+whole :class:`~autopp.plan.value.PipelinePlan` (:func:`pipeline_plan_key`,
+:func:`cached_pipeline_plan`: the model's fingerprint, split, placement, mesh, schedule,
+microbatches, input shapes and options, without estimates). Both keys hold torch's version
+and the hash of the planning code, made in :mod:`autopp.sharding.cache_key`. Processes on one
+host that need the same entry take a file lock, so one solves and the others read. The
+directory is ``$AUTOPP_PLAN_CACHE`` if set, else ``~/.cache/autopp/plans``."""
 
 from __future__ import annotations
 

@@ -1,28 +1,18 @@
 """Per-stage work on forked worker processes: a pipeline's stages planned under their
 budgets, and the dry run's costing of each planned stage.
 
-After the boundaries are chosen, each stage's budgeted plan depends on nothing but its own
-inputs (``plan_of(s)``), and the stages take from 0.1 s to 15 s each on the 70B / 405B dry
-runs (their price searches and polishes: HiGHS, one core each); so does the dry run's
-lowering of each plan for its memory and F / I / W times. :func:`map_stages` runs such
-per-stage work on this process and ``workers - 1`` forked children, each taking the next
-stage not yet taken from a shared counter (so a slow stage does not hold up the others),
-the two end stages first (the slowest, as measured). The children send their results back
-through pipes, which threads of this process drain as they come (a full pipe would stop
-a child); plans also go into the on-disk plan cache, as this process would write them.
-Whatever a child does not deliver (it raised, died, or used no CPU for :data:`HUNG_S`:
-hung, and stopped) this process does itself, so the results, and the first error in stage
-order, are what the sequential loop gives.
+Once the boundaries are chosen, each stage's budgeted plan depends only on its own inputs,
+and the solves run on one core each. :func:`map_stages` runs such work on this process and
+``workers - 1`` forked children, each taking the next stage from a shared counter, the end
+stages first (their polishes are the longest); results come back through pipes drained by
+threads, and plans go into the plan cache as this process would write them. Invariant: what a
+child does not deliver (it raised, died, or hung for :data:`HUNG_S`) this process does
+itself, so the results, and the first error in stage order, are the sequential loop's.
 
-When it forks: only with more than one core and more than one stage, and when this process holds nothing a fork could break: no CUDA context and no
-process group other than the fake one (the dry run and the layout search plan on the fake
-process group; a job's rank 0 planning beside NCCL or gloo communicators plans in
-sequence). Each child resets HiGHS's thread pool (its worker threads are not copied by
-the fork), runs torch with one intra-op thread (nor are OpenMP's), and leaves with
-``os._exit``, running no exit handlers of this process.
-``AUTOPP_PLAN_WORKERS`` sets the number of processes (1: in sequence); by default one per
-core, at most 8.
-"""
+It forks only when nothing a fork could break is held: no CUDA context and no process group
+but the fake one (a job's rank 0 beside real communicators plans in sequence). Children
+reset HiGHS's thread pool, run torch on one thread and leave by ``os._exit``.
+``AUTOPP_PLAN_WORKERS`` sets the processes (1: in sequence); default one per core, at most 8."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ there (:func:`broadcast_from_rank0`: the search, the startup estimates).
 
 The waiting ranks wait on a CPU (gloo) group of their own with a long timeout
 (``$AUTOPP_PLAN_TIMEOUT_S``, default 2 hours), never on the job's default group: under NCCL
-the watchdog of the default group (10 minutes by default, 300 s in torchtitan) would kill
-the job before a 70B-405B plan is made."""
+the default group's watchdog (minutes) would kill the job before a large plan is made."""
 
 from __future__ import annotations
 

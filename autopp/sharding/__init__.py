@@ -7,14 +7,10 @@ Public API::
                                    memory=StageMemory(budget_bytes=...)))
     print(plan); plan.save("plan.json"); StagePlan.load("plan.json")
 
-Planning only: running a plan is :mod:`autopp.lower` (``autopp.lower.apply.apply_plan``),
-device profiles are :mod:`autopp.profiles`, ops with rules of their own are :mod:`autopp.ops`,
-torchtitan's hand-written plan priced under the same costs (``compare_with_torchtitan``) is
-model knowledge and lives with the adapters (:mod:`autopp.adapters.torchtitan_reference`).
-
-The planner's data path, one module per step, and its known limits are described in
-docs/design.md (section "The sharding planner").
-"""
+Planning only: running a plan is :mod:`autopp.lower`, device profiles :mod:`autopp.profiles`,
+ops with rules of their own :mod:`autopp.ops`, torchtitan's hand-written plan priced for
+comparison :mod:`autopp.adapters.torchtitan_reference`. The planner's steps and known limits:
+docs/design.md, "the sharding planner"."""
 
 from autopp.sharding.plan import StagePlan
 from autopp.sharding.planner import plan_stage
