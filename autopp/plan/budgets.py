@@ -19,11 +19,9 @@ WORKSPACE_SHARE = 1 / 32
 a redistributed activation), as a share of the device's usable memory
 (``StageMemory.largest_tensor_bytes``); twice it is kept off the budget of each pp rank for
 the running action's working memory (an op's input and output, both transient), which the
-ILP's row does not count and the simulator counts at the peak. On an 80 GB device: 2.1 GiB
-bound, 4.2 GiB kept. A 70B block's largest intermediate at tp=8 (the FFN's, seq 8192, 2
-rows) is 0.9 GiB; without the bound a 405B plan gathered an FFN intermediate over dp
-(6.5 GiB) and the last stage's logits gradient over dp (15.7 GiB) to save parameter
-memory the row could see."""
+ILP's row does not count and the simulator counts at the peak. Why a bound: without it the
+ILP may gather a large transient (an FFN intermediate, the logits' gradient) over dp to save
+parameter memory, since the row sees the memory saved and not the transient paid."""
 
 
 def workspace_allowance(device_bytes: float) -> tuple[float, float]:

@@ -80,7 +80,7 @@ def map_stages(plan_of: Callable[[int], Any], n: int, *, workers: int | None = N
     counter = ctx.Value("i", 0)
 
     # the end stages first: they hold the distinct units (embedding, head and loss), whose
-    # polishes were the longest solves of the 70B and 405B dry runs
+    # polishes are the longest solves
     order = [0, n - 1, *range(1, n - 1)]
 
     def take() -> int:
