@@ -357,3 +357,58 @@ def test_a_probe_whose_microbatches_would_be_empty_is_refused_with_the_sizes():
     with pytest.raises(ValueError, match="batch size 8 is not divisible by n_microbatches=3"):
         probe_costs(None, None, None, tokens=tokens, n_microbatches=3, profile="H100",
                     boundary="batch", loss_kind="batch", modes=("none",))
+
+
+def test_a_stage_gathers_block_by_block_when_only_that_fits():
+    """Each stage of a priced layout holds its weights the fastest way that fits: hand-made
+    probe costs, pp1 x dp8, four layers of 1 GiB parameter shards, 10 GiB gathered weights,
+    10 GiB gradients before their once-per-step reduction (1 GiB after), 2 GiB AdamW state
+    and 2 GiB of activations. Gathered once per step the stage needs 4 + 40 + 8 + 40 + 8 =
+    100 GiB, over the ~93 GiB it has of 100; block by block 4 + 4 + 8 + 2 x 10 + 8 = 44 GiB
+    fits, and its F (a third of 4 x 30 ms) pays the gathers (16 ms a block) beside the
+    compute: the first block's in full, of the other 48 ms what the first three blocks' 30 ms
+    of F leave (18 ms). With memory to spare, once per step is faster and chosen."""
+    from torch import nn
+
+    from autopp.estimate.stage_costs import StateBytes
+    from autopp.layout_search.layouts import Layout
+    from autopp.layout_search.pricing import Pricer
+    from autopp.layout_search.unit_costs import ZERO, ShapeCosts, UnitCost
+    from autopp.profiles import get_profile
+    from autopp.stage_split.layout import ModelLayout
+
+    gib, ms = 2**30, 1e-3
+    layout = ModelLayout(pre=(), layers_attr="layers", layer_names=("0", "1", "2", "3"),
+                         post=())
+    unit = UnitCost(per_microbatch_s=30 * ms, recompute_s=0.0, unshard_s=16 * ms,
+                    reduce_grad_s=8 * ms, activation_bytes=2 * gib, gathered_bytes=10 * gib,
+                    state=StateBytes(parameters=gib, gradients=gib, unreduced_gradients=10 * gib,
+                                     optimizer=2 * gib))
+    lay = Layout(pp=1, dp=8, tp=1, schedule="1F1B", stages_per_rank=1, n_microbatches=1)
+
+    def split(usable: float, per_block: bool = True):
+        pricer = Pricer(nn.Linear(2, 2), layout, global_batch=16, seq_len=8,
+                        profile=get_profile("H100"), mixed_precision=None, usable=usable,
+                        per_block=per_block)
+        pricer.add(ShapeCosts(dp=8, tp=1, rows=16, boundary="batch+seq", pre={"none": ZERO},
+                              layer={"none": unit}, post={"none": ZERO}, loss_s=0.0,
+                              hidden_bytes=0.0, planning_s=0.0, solved=0))
+        return pricer, pricer.split(lay)
+
+    _, once_only = split(100 * gib, per_block=False)
+    assert isinstance(once_only, str) and "needs ~100.0 GiB" in once_only, once_only
+    pricer, sp = split(100 * gib)
+    assert not isinstance(sp, str), sp
+    assert sp.weight_gathering == ("per_block",)
+    cost = sp.costs[0]
+    assert cost.gathered_param_bytes == 20 * gib
+    assert cost.unreduced_grad_bytes == cost.grad_bytes == 4 * gib
+    assert cost.forward_s == pytest.approx(40 * ms + 16 * ms + 18 * ms)
+    assert (cost.unshard_s, cost.reduce_grad_s) == (0.0, 0.0)
+    candidate = pricer.simulate(sp)
+    assert not isinstance(candidate, str), candidate
+    assert candidate.weight_gathering == ("per_block",)
+    assert max(candidate.peak_bytes) < 50 * gib
+    _, roomy = split(1000 * gib)
+    assert roomy.weight_gathering == ("once_per_step",)
+    assert roomy.costs[0].gathered_param_bytes == 40 * gib

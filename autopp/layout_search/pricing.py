@@ -12,6 +12,11 @@ Pricing is in two parts so the search can leave out dominated layouts cheaply:
 2. :meth:`Pricer.simulate`: torch's action lists for the schedule through the simulator
    for the step, the bubble and each pp rank's peak memory.
 
+Each stage also chooses how it holds its dp-sharded weights (:mod:`autopp.graph.weight_gathering`):
+gathered once per step, or block by block (FSDP's memory: two blocks' gathered weights and
+reduced gradients, the gathers repeated every microbatch, partly hidden under the blocks'
+compute), whichever is fastest among the policies that fit.
+
 Both share the dry run's and the torchtitan integration's cost tail
 (:mod:`autopp.estimate`): unit costs → :func:`~autopp.estimate.stage_costs.facts_in_thirds`
 → :func:`~autopp.estimate.stage_costs.stage_cost` →
@@ -30,6 +35,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
+from autopp.graph.weight_gathering import WeightGathering
 from autopp.plan.objective import boundary_split
 from autopp.profiles.devices import matmul_peak
 from autopp.schedules import MEMORY_CATEGORIES
@@ -62,6 +68,8 @@ class Candidate:
     largest: str
     """The largest memory consumers at the fullest rank's peak."""
     simulation: Any = field(default=None, compare=False, repr=False)
+    weight_gathering: tuple[str, ...] = ()
+    """Per stage, "once_per_step" or "per_block" (``PlannerOptions.weight_gathering``)."""
 
     @property
     def fits(self) -> bool:
@@ -83,6 +91,8 @@ class Split:
     usable: float
     stage_ranks: tuple[int, ...]
     """Per stage, its pp rank under the layout's schedule."""
+    weight_gathering: tuple[str, ...] = ()
+    """Per stage, how it holds its gathered weights ("once_per_step" or "per_block")."""
 
 
 def _largest(mem: Any) -> str:
@@ -96,15 +106,30 @@ def _linear(u: UnitCost) -> dict[str, float]:
     s = u.state
     return dict(t=u.per_microbatch_s, params=s.parameters, grads=s.gradients,
                 unreduced=s.unreduced_gradients, opt=s.optimizer, gathered=u.gathered_bytes,
-                act=u.activation_bytes, kept=u.kept_for_w_bytes)
+                act=u.activation_bytes, kept=u.kept_for_w_bytes, rec=u.recompute_s,
+                unshard=u.unshard_s, reduce=u.reduce_grad_s)
+
+
+#: Suffix of a pricing mode whose stage gathers its weights block by block.
+PER_BLOCK = "#per_block"
+
+
+def _exposed(comm: np.ndarray, compute: np.ndarray, units: np.ndarray) -> np.ndarray:
+    """:func:`autopp.graph.weight_gathering._exposed` over arrays: per-block collectives of
+    ``comm`` seconds beside ``compute`` seconds of ``units`` blocks, one block ahead."""
+    first = comm / np.maximum(units, 1)
+    hidden = compute * (units - 1) / np.maximum(units, 1)
+    return np.where(units <= 1, comm, first + np.maximum(0.0, comm - first - hidden))
 
 
 class Pricer:
     """Prices layouts from probe costs (one :class:`ShapeCosts` per sub-mesh shape)."""
 
     def __init__(self, model: nn.Module, layout_info: Any, *, global_batch: int, seq_len: int,
-                 profile: Any, mixed_precision: Any, usable: float, tf32: bool = False):
+                 profile: Any, mixed_precision: Any, usable: float, tf32: bool = False,
+                 per_block: bool = True):
         self.layout = layout_info
+        self.per_block = per_block  # stages may gather block by block
         self.global_batch, self.seq_len = global_batch, seq_len
         self.profile, self.usable = profile, usable
         self.shapes: dict[tuple[int, int], ShapeCosts] = {}
@@ -148,11 +173,13 @@ class Pricer:
         shape = self.shapes[lay.dp, lay.tp]
         usable = self.usable if usable is None else usable
         n, L, m = lay.n_stages, self.layout.n_layers, lay.n_microbatches
-        modes = list(shape.layer)  # policies, and their "@lean" variants, probed
+        probed = list(shape.layer)  # policies, and their "@lean" variants, probed
+        # each also with its weights gathered block by block (one-block prefetch)
+        modes = probed + ([m + PER_BLOCK for m in probed] if self.per_block else [])
         f = self.global_batch / m / shape.rows
-        layer = {md: shape.layer[md].scaled(f) for md in modes}
-        pre = {md: shape.pre[md].scaled(f) for md in modes}
-        post = {md: shape.post[md].scaled(f) for md in modes}
+        layer = {md: shape.layer[md.removesuffix(PER_BLOCK)].scaled(f) for md in modes}
+        pre = {md: shape.pre[md.removesuffix(PER_BLOCK)].scaled(f) for md in modes}
+        post = {md: shape.post[md.removesuffix(PER_BLOCK)].scaled(f) for md in modes}
         loss = shape.loss_s * f
         in_flight = in_flight_per_stage(lay.schedule, lay.pp, m, n)
         split = split_in_flight_per_stage(lay.schedule, lay.pp, m, n)
@@ -184,10 +211,25 @@ class Pricer:
                 a = _linear(layer[md])
                 ends = [_linear(e) for e, on in ((pre[md], first), (post[md], last)) if on]
                 col = {k: a[k] * ks + sum(e[k] for e in ends) for k in a}
-                need.append(col["params"] + np.maximum(col["grads"], col["unreduced"])
-                            + col["opt"] + col["gathered"]
-                            + held_bytes(held, peaks, col["act"], col["kept"]))
-                time.append(col["t"] + (loss if last else 0.0))
+                acts = held_bytes(held, peaks, col["act"], col["kept"])
+                if not md.endswith(PER_BLOCK):
+                    need.append(col["params"] + np.maximum(col["grads"], col["unreduced"])
+                                + col["opt"] + col["gathered"] + acts)
+                    time.append(col["t"] + (loss if last else 0.0))
+                    continue
+                # block by block: two blocks' gathered weights, gradients held reduced; the
+                # gathers run again in every F and I, the reductions in every W, each as
+                # exposed beside the compute (F = I = W a third, I re-running the forward)
+                largest = max([a["gathered"]] + [e["gathered"] for e in ends])
+                need.append(col["params"] + col["grads"] + col["opt"] + acts
+                            + np.minimum(col["gathered"], 2 * largest))
+                units = ks + sum(1 for e, on in ((self.layout.pre, first),
+                                                 (self.layout.post, last)) if e and on)
+                third = (col["t"] - col["rec"]) / 3
+                time.append(col["t"] + (loss if last else 0.0)
+                            + _exposed(col["unshard"], third, units)
+                            + _exposed(col["unshard"], third + col["rec"], units)
+                            + _exposed(col["reduce"], third, units))
             return np.array(need), np.array(time)
 
         kinds = [(in_flight[s], split[s], s == 0, s == n - 1) for s in range(n)]
@@ -215,15 +257,20 @@ class Pricer:
                 i = int(need.argmin())
                 over.append((float(need[i]), s, b - a, modes[i]))
             got, s, k, least = max(over)
-            lean = ", memory-lean placements" if "@" in least else ""
+            lean = (", memory-lean placements" if "@" in least else "") + (
+                ", weights gathered block by block" if least.endswith(PER_BLOCK) else "")
             u = layer[least].times(k)
             u = u + pre[least] if s == 0 else u
             u = u + post[least] if s == n - 1 else u
             st = u.state
             grads = ("gradients before their once-per-step reduction", st.unreduced_gradients) \
-                if st.unreduced_gradients > st.gradients else ("gradients", st.gradients)
+                if st.unreduced_gradients > st.gradients and not least.endswith(PER_BLOCK) \
+                else ("gradients", st.gradients)
             parts = sorted([("parameters", st.parameters), grads, ("optimizer state", st.optimizer),
-                            ("gathered weights", u.gathered_bytes),
+                            ("gathered weights", min(u.gathered_bytes, 2 * max(
+                                layer[least].gathered_bytes, pre[least].gathered_bytes,
+                                post[least].gathered_bytes)) if least.endswith(PER_BLOCK)
+                             else u.gathered_bytes),
                             (f"activations x {in_flight[s]} in flight",
                              in_flight[s] * u.activation_bytes) if not split[s] else
                             ("activations and what W keeps from I, held at the peak",
@@ -234,7 +281,7 @@ class Pricer:
                     f"{budget_of(kinds[s]) / 2**30:.1f} GiB even under its least-memory plan probed "
                     f"(recompute={least.split('@')[0]!r}{lean}: {largest}), and no split "
                     "does better")
-        costs, chosen, work = [], [], [0.0] * lay.pp
+        costs, chosen, gatherings, work = [], [], [], [0.0] * lay.pp
         _, stage_to_rank = compute_order(lay.schedule, pp=lay.pp, n_microbatches=m, n_stages=n)
         for s, (a, b) in enumerate(zip(cuts, cuts[1:])):
             mode = modes[int(tables[kinds[s]][1][b - a])]
@@ -244,23 +291,31 @@ class Pricer:
             if s == n - 1:
                 u = u + post[mode]
             ls = loss if s == n - 1 else 0.0
+            units = [layer[mode]] * (b - a) + [e for e, mods, on in (
+                (pre[mode], self.layout.pre, s == 0), (post[mode], self.layout.post, s == n - 1))
+                if mods and on]
             facts = facts_in_thirds(u.per_microbatch_s, recompute_s=u.recompute_s,
                                     unshard_s=u.unshard_s, reduce_grad_s=u.reduce_grad_s,
                                     activation_bytes=int(u.activation_bytes),
                                     kept_for_w_bytes=int(u.kept_for_w_bytes),
-                                    gathered_bytes=int(u.gathered_bytes))
+                                    gathered_bytes=int(u.gathered_bytes), units=len(units),
+                                    largest_unit_gathered_bytes=int(max(
+                                        x.gathered_bytes for x in units)))
             state = StateBytes(**{f.name: int(getattr(u.state, f.name))
                                   for f in dataclasses.fields(StateBytes)})
+            per_block = mode.endswith(PER_BLOCK)
             cost = stage_cost(facts, state, loss_s=ls,
-                              p2p_bytes=int(send) if s < n - 1 else 0)
+                              p2p_bytes=int(send) if s < n - 1 else 0,
+                              gathering=WeightGathering(per_block=per_block))
             costs.append(cost)
-            chosen.append(mode.split("@")[0])
+            chosen.append(mode.split("@")[0].removesuffix(PER_BLOCK))
+            gatherings.append("per_block" if per_block else "once_per_step")
             work[stage_to_rank[s]] += m * (cost.forward_s + cost.backward_input_s
                                            + cost.backward_weight_s)
         bound = contended_step_s(max(work), sum(work) / len(work), self.profile,
                                  lay.pp * lay.dp * lay.tp)
         return Split(lay, tuple(cuts), tuple(chosen), tuple(costs), bound, usable,
-                     tuple(stage_to_rank))
+                     tuple(stage_to_rank), tuple(gatherings))
 
     def simulate(self, sp: Split) -> Candidate | str:
         """Simulate a split's schedule: its candidate, or why its peak memory does not fit."""
@@ -290,4 +345,5 @@ class Pricer:
             tokens_per_s_per_device=tokens / step / world,
             mfu=6 * self.n_params * tokens / step / (world * self.peak_flops),
             peak_bytes=peaks, usable_bytes=sp.usable, largest=largest, simulation=sim,
+            weight_gathering=sp.weight_gathering,
         )

@@ -78,6 +78,9 @@ class SearchReport:
     options: Any = None
     """The :class:`~autopp.plan.options.PlannerOptions` the layouts were priced with (its
     profile resolved); :meth:`plan` plans with them unless given others."""
+    without_pipeline: Candidate | str | None = None
+    """The fastest layout with no pipeline (pp = 1: FSDP + TP), or why none fits (None:
+    none was considered)."""
 
     @property
     def best(self) -> Candidate:
@@ -128,17 +131,22 @@ class SearchReport:
     def table(self, n: int = 10) -> str:
         """The ``n`` fastest layouts as a text table."""
         head = (f"{'#':>3}  {'layout':42} {'split (layers)':22} {'recompute':10} "
-                f"{'step ms':>9} {'bubble':>7} {'tok/s/dev':>10} {'MFU':>6} {'peak GiB':>9}")
+                f"{'weights':8} {'step ms':>9} {'bubble':>7} {'tok/s/dev':>10} {'MFU':>6} "
+                f"{'peak GiB':>9}")
         rows = [head]
         for i, c in enumerate(self.results[:n]):
             split = "-".join(map(str, c.layers_per_stage))
             if len(split) > 22:
                 split = split[:19] + "..."
             rec = "/".join(sorted(set(c.recompute)))
-            rows.append(f"{i + 1:>3}  {str(c.layout):42} {split:22} {rec:10} "
+            held = "/".join(sorted({_GATHERING_WORDS[g] for g in c.weight_gathering})) or "-"
+            rows.append(f"{i + 1:>3}  {str(c.layout):42} {split:22} {rec:10} {held:8} "
                         f"{c.step_time_s * 1e3:>9.1f} {c.bubble_fraction:>7.1%} "
                         f"{c.tokens_per_s_per_device:>10.1f} {c.mfu:>6.1%} "
                         f"{max(c.peak_bytes) / 2**30:>9.2f}")
+        if any("per_block" in c.weight_gathering for c in self.results[:n]):
+            rows.append("weights: 'step' gathered once per step, 'block' block by block "
+                        "(weight_gathering='per_block', as FSDP)")
         return "\n".join(rows)
 
     def __str__(self) -> str:
@@ -151,12 +159,28 @@ class SearchReport:
         if self.results:
             lines += [self.table(), "", f"best: {self.best.layout}; largest memory at its "
                                         f"peak: {self.best.largest}"]
+            lines.append(self._against_fsdp())
         else:
             lines.append(self.no_fit_message())
         if self.rejected:
             lines.append(f"left out: {len(self.rejected)} (e.g. {self.rejected[0][0]}: "
                          f"{self.rejected[0][1]})")
         return "\n".join(lines)
+
+    def _against_fsdp(self) -> str:
+        """One line: the best layout against the best one without a pipeline."""
+        other, best = self.without_pipeline, self.best
+        if other is None:
+            return "no layout without a pipeline (pp = 1) was considered"
+        if isinstance(other, str):
+            return f"without a pipeline (pp = 1, FSDP + TP): {other}"
+        if other.layout == best.layout:
+            return "the best layout has no pipeline (FSDP + TP)"
+        return (f"without a pipeline the best is {other.layout} (weights held "
+                f"{'/'.join(sorted(set(other.weight_gathering)))}): {other.step_time_s * 1e3:.1f}"
+                f" ms a step, {max(other.peak_bytes) / 2**30:.1f} GiB peak; the best is "
+                f"{other.step_time_s / best.step_time_s:.2f}x faster ({best.mfu:.1%} MFU "
+                f"against {other.mfu:.1%}; its pipeline bubble {best.bubble_fraction:.1%})")
 
     def plan(self, index: int = 0, options: Any = None, **dry_run_kwargs: Any) -> Any:
         """Plan the ``index``-th layout exactly (:func:`autopp.dry_run.dry_run` with its split:
@@ -165,11 +189,13 @@ class SearchReport:
         :class:`~autopp.plan.value.PipelinePlan` to save and train with."""
         from autopp.dry_run.run import dry_run
 
+        c = self.results[index]
         if options is None:  # what the search ranked the layout with
             options = self.options if self.options is not None else PlannerOptions(
                 profile=self.profile, mixed_precision=self.mixed_precision,
                 memory_reserve=self.memory_reserve, tf32=self.tf32)
-        c = self.results[index]
+            if "per_block" in c.weight_gathering:  # the planner's mode is the pipeline's
+                options = dataclasses.replace(options, weight_gathering="per_block")
         lay = c.layout
         return dry_run(self.model, pp=lay.pp, dp=lay.dp, tp=lay.tp, schedule=lay.schedule,
                        n_microbatches=lay.n_microbatches, global_batch=self.global_batch,
@@ -444,6 +470,9 @@ def search(
     results = [c for c in priced.values() if not isinstance(c, str)]
     rej = list(rejected) + [(str(lay), c) for lay, c in priced.items() if isinstance(c, str)]
     results.sort(key=lambda c: c.step_time_s)
+    flat = [c for c in results if c.layout.pp == 1]
+    flat_why = [why for lay, why in priced.items() if lay.pp == 1 and isinstance(why, str)]
+    without_pipeline = flat[0] if flat else (flat_why[0] if flat_why else None)
     if max_results is not None:
         results = results[:max_results]
     return SearchReport(
@@ -453,8 +482,11 @@ def search(
         stage_plans_solved=sum(s.solved for s in pricer.shapes.values()),
         search_s=time.perf_counter() - t0, model=model_meta, memory_reserve=memory_reserve,
         tf32=tf32, options=dataclasses.replace(options, profile=prof.name),
+        without_pipeline=without_pipeline,
     )
 
+
+_GATHERING_WORDS = {"once_per_step": "step", "per_block": "block"}
 
 #: The planner's options the search prices layouts under; the others it refuses.
 SEARCH_PRICES = ("profile", "mixed_precision", "memory_budget_bytes", "memory_reserve", "tf32")
