@@ -57,6 +57,12 @@ def _planner_args(p: argparse.ArgumentParser) -> None:
                    help="placement of activations between stages")
     p.add_argument("--loss-parallel", default="auto", choices=["auto", "on", "off"],
                    help="keep the logits split on the vocabulary over tp for the loss")
+    p.add_argument("--recompute", default="auto", choices=["auto", "none", "selective", "full"],
+                   help="activation recomputation of planned stages (a search chooses its own)")
+    p.add_argument("--weight-gathering", default="once_per_step",
+                   choices=["once_per_step", "per_block"],
+                   help="hold dp-sharded weights gathered for the whole step, or gather them "
+                        "block by block as FSDP does (a search chooses per stage)")
 
 
 def _layout_args(p: argparse.ArgumentParser) -> None:
@@ -184,7 +190,8 @@ def _options(args: argparse.Namespace) -> Any:
         profile=args.profile, boundary=args.boundary,
         loss_parallel={"auto": None, "on": True, "off": False}[args.loss_parallel],
         mixed_precision=mixed_precision_policy(args.mixed_precision),
-        memory_reserve=args.memory_reserve)
+        memory_reserve=args.memory_reserve, recompute=args.recompute,
+        weight_gathering=args.weight_gathering)
 
 
 def _priced_options(args: argparse.Namespace) -> Any:
@@ -275,7 +282,8 @@ def search_json(report: Any, top: int) -> dict[str, Any]:
                      "dp": c.layout.dp, "tp": c.layout.tp, "schedule": c.layout.schedule,
                      "n_microbatches": c.layout.n_microbatches,
                      "layers_per_stage": list(c.layers_per_stage),
-                     "recompute": list(c.recompute), "step_time_s": c.step_time_s,
+                     "recompute": list(c.recompute),
+                     "weight_gathering": list(c.weight_gathering), "step_time_s": c.step_time_s,
                      "bubble_fraction": c.bubble_fraction,
                      "tokens_per_s_per_device": c.tokens_per_s_per_device, "mfu": c.mfu,
                      "peak_bytes": list(c.peak_bytes), "usable_bytes": c.usable_bytes}

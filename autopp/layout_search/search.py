@@ -130,8 +130,8 @@ class SearchReport:
 
     def table(self, n: int = 10) -> str:
         """The ``n`` fastest layouts as a text table."""
-        head = (f"{'#':>3}  {'layout':42} {'split (layers)':22} {'recompute':10} "
-                f"{'weights':8} {'step ms':>9} {'bubble':>7} {'tok/s/dev':>10} {'MFU':>6} "
+        head = (f"{'#':>3}  {'layout':42} {'split (layers)':22} {'recompute':20} "
+                f"{'weights':10} {'step ms':>9} {'bubble':>7} {'tok/s/dev':>10} {'MFU':>6} "
                 f"{'peak GiB':>9}")
         rows = [head]
         for i, c in enumerate(self.results[:n]):
@@ -140,7 +140,7 @@ class SearchReport:
                 split = split[:19] + "..."
             rec = "/".join(sorted(set(c.recompute)))
             held = "/".join(sorted({_GATHERING_WORDS[g] for g in c.weight_gathering})) or "-"
-            rows.append(f"{i + 1:>3}  {str(c.layout):42} {split:22} {rec:10} {held:8} "
+            rows.append(f"{i + 1:>3}  {str(c.layout):42} {split:22} {rec:20} {held:10} "
                         f"{c.step_time_s * 1e3:>9.1f} {c.bubble_fraction:>7.1%} "
                         f"{c.tokens_per_s_per_device:>10.1f} {c.mfu:>6.1%} "
                         f"{max(c.peak_bytes) / 2**30:>9.2f}")
@@ -176,8 +176,9 @@ class SearchReport:
             return f"without a pipeline (pp = 1, FSDP + TP): {other}"
         if other.layout == best.layout:
             return "the best layout has no pipeline (FSDP + TP)"
-        return (f"without a pipeline the best is {other.layout} (weights held "
-                f"{'/'.join(sorted(set(other.weight_gathering)))}): {other.step_time_s * 1e3:.1f}"
+        held = "/".join(sorted({_GATHERING_WORDS[g] for g in other.weight_gathering}))
+        return (f"without a pipeline the best is {other.layout} (weights gathered by {held}):"
+                f" {other.step_time_s * 1e3:.1f}"
                 f" ms a step, {max(other.peak_bytes) / 2**30:.1f} GiB peak; the best is "
                 f"{other.step_time_s / best.step_time_s:.2f}x faster ({best.mfu:.1%} MFU "
                 f"against {other.mfu:.1%}; its pipeline bubble {best.bubble_fraction:.1%})")
