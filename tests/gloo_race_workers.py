@@ -5,7 +5,7 @@ loaded into every rank:
     LD_PRELOAD=/tmp/widen_race.so python -m tests.gloo_race_workers SECONDS
 
 runs a planned llama3 pp2 x dp2 pipeline (1F1B, 4 microbatches: gathers and reductions of one
-dp group in flight together) on 4 gloo ranks for SECONDS of AdamW steps. It prints ``clean``
+dp group in flight together) on 4 gloo ranks for SECONDS of AdamW steps (10 at least). It prints ``clean``
 with the steps run, or ``crash`` with the harness's error, and exits 0 or 1.
 """
 
@@ -24,10 +24,15 @@ from tests.case import Case
 CASE = Case(pp=2, dp=2, n_microbatches=4, parallelize="auto")
 
 
+#: Steps the driver runs at least, however long they take (a loaded machine): the race
+#: showed within the first steps when measured.
+MIN_STEPS = 10
+
+
 def train_for(rank: int, world_size: int, seconds: float) -> dict:
-    """AdamW steps of :data:`CASE` until ``seconds`` have passed (rank 0's clock, so every
-    rank runs the same steps); the steps, the first losses and the gloo worker threads of
-    every group of the mesh."""
+    """AdamW steps of :data:`CASE` until ``seconds`` have passed and :data:`MIN_STEPS` are
+    done (rank 0 decides, so every rank runs the same steps); the steps, the first losses
+    and the gloo worker threads of every group of the mesh."""
     from autopp._compat.gloo import worker_threads
     from tests.pipeline_workers import _build
 
@@ -42,7 +47,7 @@ def train_for(rank: int, world_size: int, seconds: float) -> dict:
         opt.step()
         pipe.zero_grad()
         print(f"[race] step {len(losses)}", flush=True)
-        go.fill_(float(time.monotonic() - t0 < seconds))
+        go.fill_(float(time.monotonic() - t0 < seconds or len(losses) < MIN_STEPS))
         dist.broadcast(go, src=0)
     groups = [pipe.mesh.get_group(d) for d in range(pipe.mesh.ndim)]
     return dict(steps=len(losses), losses=losses[:3], world_threads=worker_threads(),

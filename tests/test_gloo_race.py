@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import gloo_race_workers
+
 ROOT = Path(__file__).resolve().parents[1]
 #: Seconds of training steps in the default suite's check, and the most the wide test waits
 #: for the crash (it came in seconds to tens of seconds when measured).
@@ -120,6 +122,8 @@ def test_a_planned_pipeline_survives_the_widened_race(widen_race):
     out = _pipeline_under_preload(widen_race, CLEAN_SECONDS, workaround=True)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     assert "gloo worker threads: world 1, mesh [1, 1, 1]" in out.stdout, out.stdout
+    steps = int(out.stdout.split("clean: ")[1].split(" steps")[0])
+    assert steps >= gloo_race_workers.MIN_STEPS, out.stdout
 
 
 @pytest.mark.wide
