@@ -247,6 +247,7 @@ class _Planning:
     def request(self, s: int, k_in: str = "batch", k_out: str = "batch",
                 budget: float | None = None,
                 windows: tuple[float, float] = (0.0, 0.0)) -> StageRequest:
+        """Stage ``s``'s request between boundaries ``k_in`` and ``k_out``."""
         r = self.r
         return StageRequest(
             module=self.metas[s], example_inputs=self.inputs[s], mesh=r.sub_mesh,
@@ -256,8 +257,9 @@ class _Planning:
             mixed_precision=self.mp, tf32=r.options.tf32, keyword_inputs=self.keyword,
             microbatches_per_grad_reduce=r.n_microbatches, comm_windows_s=windows)
 
-    def plan(self, s: int, *args: Any, **kw: Any) -> StagePlan:
-        plan, timing = plan_local_stage(self.request(s, *args, **kw), stage_index=s)
+    def plan(self, s: int, k_in: str, k_out: str, budget: float | None = None) -> StagePlan:
+        """Stage ``s`` planned between ``k_in`` and ``k_out``, its time added up."""
+        plan, timing = plan_local_stage(self.request(s, k_in, k_out, budget), stage_index=s)
         self.timings[s] = self.timings.get(s, StageTiming()) + timing
         return plan
 

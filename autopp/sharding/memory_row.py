@@ -45,14 +45,10 @@ Recompute = str
 class MemorySpec:
     """What the per-device memory row counts (this module's docstring)."""
 
-    param_state_factor: float = 1.0
-    """Legacy state: bytes held per parameter byte, all sharded like the parameter
-    (parameters, gradients, optimizer state; e.g. 4 for fp32 AdamW). Only when
-    :attr:`optimizer_state_factor` is None."""
     optimizer_state_factor: float | None = None
     """Explicit state categories: optimizer state bytes per parameter byte, sharded like the
     parameter (AdamW with fp32 parameters: 2.0), plus the parameters and their gradients
-    (at the larger of the reduced and the unreduced size)."""
+    (at the larger of the reduced and the unreduced size). None: parameter bytes alone."""
     activation_factor: float | None = None
     """Microbatches in flight on the stage: activations count this many times and gathered
     parameters once. None: neither is counted (the legacy parameter-only row)."""
@@ -326,7 +322,7 @@ class MemoryRow:
     def _state_terms(self, t: Terms) -> None:
         spec, j = self.memory, self.st.joint
         explicit = spec.optimizer_state_factor is not None
-        f = 1.0 + spec.optimizer_state_factor if explicit else spec.param_state_factor
+        f = 1.0 + spec.optimizer_state_factor if explicit else 1.0
         for fqn, node in j.params.items():
             pcols = [(self.col0[node] + i, self.param_bytes(node, o))
                      for i, o in enumerate(self.options[node])]
@@ -487,7 +483,7 @@ class MemoryRow:
         spec, j, costs = self.memory, self.st.joint, self.costs
         state = 0.0
         explicit = spec.optimizer_state_factor is not None
-        f = 1.0 + spec.optimizer_state_factor if explicit else spec.param_state_factor
+        f = 1.0 + spec.optimizer_state_factor if explicit else 1.0
         for fqn, node in j.params.items():
             pb = self.param_bytes(node, choice[node])
             state += pb * f

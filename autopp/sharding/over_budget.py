@@ -25,7 +25,7 @@ def over_budget_message(stage: Stage, budget: float, memory: MemorySpec,
                         least.total("gathered_bytes"))
     state_name = ("parameters + gradients + optimizer state"
                   if memory.optimizer_state_factor is not None
-                  else f"parameters x state factor {memory.param_state_factor:g}")
+                  else "parameters")
     parts = [(state, f"{state_name} {_gib(state)}")]
     kept = least.total("kept_for_w_bytes")
     held = memory.held_bytes(act, kept) if f is not None else 0.0

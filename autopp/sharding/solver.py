@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -50,22 +50,6 @@ BYTES_ONLY = -math.inf
 """The ``price`` of :meth:`Model.solve` that minimises the memory row alone."""
 
 
-@dataclass(slots=True)
-class Problem:
-    """What to solve: candidates, prices and constraints."""
-
-    strategies: Strategies
-    costs: CostModel
-    restrict: dict[fx.Node, PlacementSpec] = field(default_factory=dict)
-    """Allowed output placements of some nodes (inputs, tangents, parameters)."""
-    restrict_names: dict[fx.Node, str] = field(default_factory=dict)
-    """Human name of each restriction, for error messages."""
-    memory_budget_bytes: float | None = None
-    param_state_factor: float = 1.0
-    time_limit_s: float = 60.0
-    threads: int = 2
-
-
 class Model:
     """The ILP of one joint graph over all its options, built once.
 
@@ -79,7 +63,6 @@ class Model:
         strategies: Strategies,
         costs: CostModel,
         memory_budget_bytes: float | None = None,
-        param_state_factor: float = 1.0,
         grad_reduce_scale: float | tuple[float, float] = 1.0,
         *,
         memory: MemorySpec | None = None,
@@ -111,8 +94,7 @@ class Model:
         self.costs = costs
         #: The default budget of :meth:`solve`.
         self.memory_budget_bytes = memory_budget_bytes
-        self.memory = memory or MemorySpec(param_state_factor=param_state_factor)
-        self.param_state_factor = self.memory.param_state_factor
+        self.memory = memory or MemorySpec()
         self.cost: list[float] = []
         self.integer: list[bool] = []
         #: Per column, the largest tensor its choice makes while the stage runs (an option's
@@ -160,7 +142,6 @@ class Model:
 
         other = copy.copy(self)
         other.memory = memory
-        other.param_state_factor = memory.param_state_factor
         other.memory_row = MemoryRow(other)
         other._warm = self._warm  # keyed by the LP's structure; the memory row is re-set
         return other
@@ -393,7 +374,7 @@ class Model:
                     upper[self.col0[node] + i] = 0.0
         legacy = not self.memory.counts_activations and self.memory.optimizer_state_factor is None
         if budget is not None and legacy:
-            f = self.param_state_factor
+            f = 1.0  # parameter bytes alone
             for node in self.st.joint.params.values():
                 sizes = [
                     self.param_bytes(node, o) * f
@@ -454,7 +435,7 @@ class Model:
         # the reverse; a warm start gone astray is cut short (highs.WARM_GUARD)
         m = self.memory
         # (a split backward's peak rows: one structure for all peaks, coefficients re-set)
-        warm = (recompute, m.param_state_factor, m.optimizer_state_factor, m.counts_activations,
+        warm = (recompute, m.optimizer_state_factor, m.counts_activations,
                 len(t.upper), len(t.rows), least)
         # a time-only solve never reads the memory row: solved once for every activation
         # factor, re-counted under each (:mod:`autopp.sharding.time_only`)
@@ -542,9 +523,3 @@ def _pinned(node: fx.Node) -> tuple[int, ...]:
     return () if hooks is None else hooks.pinned
 
 
-def solve(prob: Problem) -> SolveResult:
-    """Build and solve one problem (see :class:`Model` to reuse a build)."""
-    model = Model(prob.strategies, prob.costs, prob.memory_budget_bytes, prob.param_state_factor)
-    return model.solve(
-        prob.restrict, prob.restrict_names, time_limit_s=prob.time_limit_s, threads=prob.threads
-    )

@@ -115,7 +115,8 @@ def main(rank: int, world: int, init_file: str, out_file: str, dp: int, tp: int)
         x_meta = torch.empty(shape, dtype=dtype, device="meta")
         text = [None]
         if rank == 0:
-            plan = plan_stage(stage_request(build("meta", kind), (x_meta,), mesh, profile="H100", **kwargs))
+            plan = plan_stage(stage_request(build("meta", kind), (x_meta,), mesh, profile="H100",
+                                            **kwargs))
             text = [plan.to_json()]
         dist.broadcast_object_list(text, src=0)
         plan = StagePlan.from_json(text[0])

@@ -55,7 +55,7 @@ def run_lower(rank: int, world: int, dp: int, tp: int, time_iters: int) -> dict[
     text = [None]
     if rank == 0:  # parameter memory forces FSDP/TP-style sharding over all 4 ranks
         plan = plan_stage(stage_request(meta_stack, (x_meta,), mesh, profile="H100",
-                          memory_budget_bytes=total / 4, output_placements=None))
+                                        memory_budget_bytes=total / 4, output_placements=None))
         text = [plan.to_json()]
     dist.broadcast_object_list(text, src=0)
     plan = StagePlan.from_json(text[0])

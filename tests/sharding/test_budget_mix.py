@@ -161,8 +161,8 @@ def test_a_real_stage_matches_the_whole_stage_mip(stack_of, make_mesh, monkeypat
                         ("POLISH_TARGET", False), ("POLISH_NODES", 10**7),
                         ("POLISH_TIME_S", 600.0)):
         monkeypatch.setattr(B, name, value)
-    exact = plan_stage(stage_request(stage, (x,), mesh, memory_budget_bytes=budget, reuse_blocks=False,
-                       time_limit_s=600.0, **kw))
+    exact = plan_stage(stage_request(stage, (x,), mesh, memory_budget_bytes=budget,
+                                     reuse_blocks=False, time_limit_s=600.0, **kw))
     assert composed.memory_bytes <= budget and exact.memory_bytes <= budget
     assert composed.step_time_s <= exact.step_time_s * 1.01, (composed.step_time_s,
                                                               exact.step_time_s)

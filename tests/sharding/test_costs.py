@@ -220,8 +220,8 @@ def test_a_failing_flop_formula_is_logged_and_noted(make_mesh, monkeypatch, capl
     with torch.device("meta"):
         lin = nn.Linear(256, 256, bias=False)
     with caplog.at_level("WARNING", logger="autopp.sharding.costs"):
-        plan = plan_stage(stage_request(lin, (torch.empty(64, 256, device="meta"),), make_mesh(2, 2),
-                          profile="H100", reuse_blocks=False))
+        plan = plan_stage(stage_request(lin, (torch.empty(64, 256, device="meta"),),
+                                        make_mesh(2, 2), profile="H100", reuse_blocks=False))
     assert "FLOP formula of aten.mm.default failed" in caplog.text
     assert any(n.startswith("FLOP formula of aten.mm.default failed (RuntimeError: no formula")
                for n in plan.notes), plan.notes

@@ -201,7 +201,8 @@ def test_token_dispatch_is_a_planner_option_the_plan_carries(make_mesh):
         assert options.token_dispatch == "all_to_all"  # the alias sets the default
         options = PlannerOptions(token_dispatch="all_gather", expert_compute_dtype="param")
         with tracing.settings(options.trace_settings()):
-            plan = plan_stage(stage_request(copy.deepcopy(block), (x, None, None), mesh, profile="H100"))
+            plan = plan_stage(stage_request(copy.deepcopy(block), (x, None, None), mesh,
+                                            profile="H100"))
         assert dict(plan.trace_settings) == {"token_dispatch": "all_gather",
                                              "expert_compute_dtype": "param"}
         from autopp.sharding.plan import StagePlan

@@ -20,7 +20,8 @@ def test_lowered_block_has_local_shapes_and_collectives(make_mesh, stack_of):
     stack = stack_of(1)
     total = sum(p.numel() * p.element_size() for p in stack.parameters())
     x = torch.empty(4, 16, 256, device="meta")
-    plan = plan_stage(stage_request(stack, (x,), mesh, memory_budget_bytes=total / 4, output_placements=None))
+    plan = plan_stage(stage_request(stack, (x,), mesh, memory_budget_bytes=total / 4,
+                                    output_placements=None))
     (bplan,) = plan.blocks
     (unit,) = stage_units(stack)
     joint = trace_joint(unit.module, (x,))
@@ -90,7 +91,8 @@ def test_lowered_pieces_issue_collectives_early_and_wait_at_first_use(make_mesh,
     stack = stack_of(1)
     total = sum(p.numel() * p.element_size() for p in stack.parameters())
     x = torch.empty(4, 16, 256, device="meta")
-    plan = plan_stage(stage_request(stack, (x,), mesh, memory_budget_bytes=total / 4, output_placements=None))
+    plan = plan_stage(stage_request(stack, (x,), mesh, memory_budget_bytes=total / 4,
+                                    output_placements=None))
     (unit,) = stage_units(stack)
     lj = lower_joint(trace_joint(unit.module, (x,)), plan.blocks[0], mesh)
     plain = split_local(lj, overlap=False).graphs()
@@ -157,7 +159,8 @@ def _planned_units(stack, mesh):
 
     total = sum(p.numel() * p.element_size() for p in stack.parameters())
     x = torch.empty(4, 16, 256, device="meta")
-    plan = plan_stage(stage_request(stack, (x,), mesh, memory_budget_bytes=total / 4, output_placements=None))
+    plan = plan_stage(stage_request(stack, (x,), mesh, memory_budget_bytes=total / 4,
+                                    output_placements=None))
     units = []
     for bplan, unit in zip(plan.blocks, stage_units(stack)):
         joint = trace_joint(unit.module, (x,))

@@ -40,8 +40,9 @@ def test_activation_estimate_equals_lowered_graphs(block, make_mesh):
     joint = trace_joint(unit.module, (x,))
     seen = {}
     for mode in MODES:
-        plan = plan_stage(stage_request(block, (x,), mesh, param_placements=fixed, output_placements=None,
-                          activation_factor=2.0, recompute=mode))
+        plan = plan_stage(stage_request(block, (x,), mesh, param_placements=fixed,
+                                        output_placements=None, activation_factor=2.0,
+                                        recompute=mode))
         (bplan,) = plan.blocks
         graphs = split_local(lower_joint(joint, bplan, mesh), recompute=mode)
         lowered, gathered = saved_bytes(graphs), unsharded_bytes(graphs)
@@ -79,8 +80,8 @@ def test_split_backward_row_counts_what_w_keeps_at_each_peak(block, make_mesh, m
     for fixed, modes in ((titan, MODES), (None, ("full",))):  # free: the furthest case
         for mode in modes:
             plan = plan_stage(stage_request(block, (x,), mesh, param_placements=fixed,
-                              output_placements=None, activation_factor=3.0,
-                              split_in_flight=peaks, recompute=mode))
+                                            output_placements=None, activation_factor=3.0,
+                                            split_in_flight=peaks, recompute=mode))
             (bplan,) = plan.blocks
             w = split_local(lower_joint(joint, bplan, mesh),
                             recompute=mode).backward_weight_graph
@@ -99,28 +100,32 @@ def test_split_backward_row_counts_what_w_keeps_at_each_peak(block, make_mesh, m
     # than 3 x activations: under a budget between the two counts, the activations-only
     # plan fits unchanged and the split-aware one must change (and not get faster) to fit
     fixed = titan
-    free = plan_stage(stage_request(block, (x,), mesh, param_placements=fixed, output_placements=None,
-                      activation_factor=3.0, recompute="full"))
-    split = plan_stage(stage_request(block, (x,), mesh, param_placements=fixed, output_placements=None,
-                       activation_factor=3.0, split_in_flight=peaks, recompute="full"))
+    free = plan_stage(stage_request(block, (x,), mesh, param_placements=fixed,
+                                    output_placements=None, activation_factor=3.0,
+                                    recompute="full"))
+    split = plan_stage(stage_request(block, (x,), mesh, param_placements=fixed,
+                                     output_placements=None, activation_factor=3.0,
+                                     split_in_flight=peaks, recompute="full"))
     assert split.memory_bytes > free.memory_bytes
     budget = (split.memory_bytes + free.memory_bytes) / 2
-    unaware = plan_stage(stage_request(block, (x,), mesh, param_placements=fixed, output_placements=None,
-                         activation_factor=3.0, recompute="full", memory_budget_bytes=budget))
+    unaware = plan_stage(stage_request(block, (x,), mesh, param_placements=fixed,
+                                       output_placements=None, activation_factor=3.0,
+                                       recompute="full", memory_budget_bytes=budget))
     assert unaware.blocks[0].nodes == free.blocks[0].nodes
     # only the polish's MIP is bounded (to keep the test short): a time limit on every solve
     # left the least-memory chain with no plan at all under CI's load (2026-12-06)
     monkeypatch.setattr(B, "POLISH_TIME_S", 1.0)
-    bound = plan_stage(stage_request(block, (x,), mesh, param_placements=fixed, output_placements=None,
-                       activation_factor=3.0, split_in_flight=peaks, recompute="full",
-                       memory_budget_bytes=budget))
+    bound = plan_stage(stage_request(block, (x,), mesh, param_placements=fixed,
+                                     output_placements=None, activation_factor=3.0,
+                                     split_in_flight=peaks, recompute="full",
+                                     memory_budget_bytes=budget))
     assert bound.memory_bytes <= budget < split.memory_bytes
     assert bound.blocks[0].nodes != split.blocks[0].nodes
     assert bound.step_time_s >= split.step_time_s * (1 - 1e-9)
     with pytest.raises(InfeasiblePlanError, match="kept from I to W"):
         plan_stage(stage_request(block, (x,), mesh, param_placements=fixed, output_placements=None,
-                   activation_factor=3.0, split_in_flight=peaks, recompute="full",
-                   memory_budget_bytes=bound.state_bytes))
+                                 activation_factor=3.0, split_in_flight=peaks, recompute="full",
+                                 memory_budget_bytes=bound.state_bytes))
 
 
 def test_sequence_parallel_recompute_regathers_instead_of_saving(block, make_mesh):
@@ -145,8 +150,9 @@ def test_sequence_parallel_recompute_regathers_instead_of_saving(block, make_mes
     joint = trace_joint(unit.module, (x,))
     seen = {}
     for mode in MODES:
-        plan = plan_stage(stage_request(block, (x,), mesh, param_placements=fixed, input_placements=seq,
-                          output_placements=seq, activation_factor=1.0, recompute=mode))
+        plan = plan_stage(stage_request(block, (x,), mesh, param_placements=fixed,
+                                        input_placements=seq, output_placements=seq,
+                                        activation_factor=1.0, recompute=mode))
         (bplan,) = plan.blocks
         graphs = split_local(lower_joint(joint, bplan, mesh), recompute=mode)
         backward = [n for g in (graphs.full_backward_graph,)
@@ -206,7 +212,8 @@ def long_seq_auto(block, make_mesh):
     x = torch.empty(8, 512, 256, device="meta")
     mesh = make_mesh(2, 1)
     kw = dict(activation_factor=2.0, recompute="auto")
-    return x, mesh, kw, plan_stage(stage_request(block, (x,), mesh, memory_budget_bytes=30e6, **kw))
+    return x, mesh, kw, plan_stage(stage_request(block, (x,), mesh, memory_budget_bytes=30e6,
+                                                 **kw))
 
 
 def test_auto_recompute_when_only_recomputation_fits(block, long_seq_auto):
@@ -221,7 +228,8 @@ def test_auto_recompute_when_only_recomputation_fits(block, long_seq_auto):
     fitting = {m: t for m, (t, _, _) in options.items() if t is not None}
     assert plan.recompute == min(fitting, key=fitting.get)
     assert f"activation recomputation: {plan.recompute} (chosen: recompute='auto')" in str(plan)
-    free = plan_stage(stage_request(block, (x,), mesh, **kw))  # no budget: recomputing only costs time
+    free = plan_stage(stage_request(block, (x,), mesh,
+                                    **kw))  # no budget: recomputing only costs time
     assert free.recompute == "none" and free.recompute_s == 0
     with pytest.raises(InfeasiblePlanError) as err:
         plan_stage(stage_request(block, (x,), mesh, memory_budget_bytes=5e6, **kw))

@@ -67,8 +67,8 @@ def test_windows_as_long_as_any_collective_choose_by_exposed_time(block, make_me
     full = plan_stage(stage_request(block, (X,), mesh, memory_budget_bytes=budget, **KW))
     assert looks[0] == 0 and full.hidden_comm_s == 0.0
     windows = (1.0, 1.0)
-    hid = plan_stage(stage_request(block, (X,), mesh, memory_budget_bytes=budget, comm_windows_s=windows,
-                     **KW))
+    hid = plan_stage(stage_request(block, (X,), mesh, memory_budget_bytes=budget,
+                                   comm_windows_s=windows, **KW))
     assert looks[0] == 1, "the second look (collectives free) did not run"
     assert budget is None or hid.memory_bytes <= budget
     assert hid.comm_windows_s == windows
@@ -90,8 +90,8 @@ def test_under_a_binding_budget_the_full_price_plan_stands_with_its_bound(block,
     budget = _budget(block, mesh, 0.8)
     full = plan_stage(stage_request(block, (X,), mesh, memory_budget_bytes=budget, **KW))
     looks[0] = 0
-    hid = plan_stage(stage_request(block, (X,), mesh, memory_budget_bytes=budget, comm_windows_s=(1.0, 1.0),
-                     **KW))
+    hid = plan_stage(stage_request(block, (X,), mesh, memory_budget_bytes=budget,
+                                   comm_windows_s=(1.0, 1.0), **KW))
     assert looks[0] == 0
     assert hid.blocks == full.blocks
     assert hid.hidden_comm_s > 0
@@ -109,8 +109,8 @@ def test_a_window_too_short_to_matter_leaves_the_plan_alone(block, make_mesh, lo
     full = plan_stage(stage_request(block, (X,), mesh, memory_budget_bytes=budget, **KW))
     looks[0] = 0
     windows = (1e-9, 1e-9)
-    short = plan_stage(stage_request(block, (X,), mesh, memory_budget_bytes=budget, comm_windows_s=windows,
-                       **KW))
+    short = plan_stage(stage_request(block, (X,), mesh, memory_budget_bytes=budget,
+                                     comm_windows_s=windows, **KW))
     assert looks[0] == 0
     assert short.blocks == full.blocks and short.step_time_s == full.step_time_s
     assert short.hidden_comm_s == pytest.approx(_exposed(block, full, mesh, windows)[0],
@@ -149,8 +149,9 @@ def test_the_plan_names_the_action_each_collective_runs_in(block, make_mesh):
     from autopp.estimate.stage_costs import stage_facts_by_rule
 
     mesh = make_mesh(8, 1)
-    plan = plan_stage(stage_request(block, (X,), mesh, memory_budget_bytes=_budget(block, mesh, 0.8),
-                      comm_windows_s=(1.0, 1.0), **KW))
+    plan = plan_stage(stage_request(block, (X,), mesh,
+                                    memory_budget_bytes=_budget(block, mesh, 0.8),
+                                    comm_windows_s=(1.0, 1.0), **KW))
     kinds = {c.per_step for c in plan.collectives}
     assert {"UNSHARD", "REDUCE_GRAD", ""} <= kinds, kinds
     graphs = stage_facts(block, plan, mesh, (X,), M)

@@ -22,9 +22,10 @@ def test_overlap_shortens_the_simulated_step_by_the_hidden_communication(make_me
     # tensor parallel with the sequence sharded between blocks: its gathers and
     # reductions sit in F and I (a budget-free plan is data parallel: all in REDUCE_GRAD)
     plan = plan_stage(stage_request(stack, (x,), mesh, microbatches_per_grad_reduce=4,
-                      param_placements={f"layers.{i}.{k}": v for i in range(2)
-                                        for k, v in megatron.items()},
-                      input_placements=("S(0)", "S(1)"), output_placements=("S(0)", "S(1)")))
+                                    param_placements={f"layers.{i}.{k}": v for i in range(2)
+                                                      for k, v in megatron.items()},
+                                    input_placements=("S(0)", "S(1)"),
+                                    output_placements=("S(0)", "S(1)")))
     assert plan.comm_s > 0
     on = stage_facts(stack, plan, mesh, (x,), 4, overlap=True)
     off = stage_facts(stack, plan, mesh, (x,), 4, overlap=False)

@@ -65,10 +65,11 @@ def _phases(block, make_mesh, recompute: str) -> tuple[float, float, float, floa
                 "attention.wo.weight": ("R", "S(1)"), "feed_forward.w1.weight": ("R", "S(0)"),
                 "feed_forward.w3.weight": ("R", "S(0)"), "feed_forward.w2.weight": ("R", "S(1)")}
     plan = plan_stage(stage_request(block, (x,), mesh, profile=free.name, recompute=recompute,
-                      mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                           reduce_dtype=torch.float32),
-                      param_placements={f"layers.0.{k}": v for k, v in megatron.items()},
-                      input_placements=("R", "R"), output_placements=("R", "R")))
+                                    mixed_precision=MixedPrecisionPolicy(
+                                        param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+                                    param_placements={f"layers.0.{k}": v
+                                                      for k, v in megatron.items()},
+                                    input_placements=("R", "R"), output_placements=("R", "R")))
     facts = stage_facts(block, plan, mesh, (x,), 1, overlap=False)
     return (facts.forward_s, facts.backward_input_s, facts.backward_weight_s,
             free.flops(torch.bfloat16, False))

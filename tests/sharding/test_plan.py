@@ -32,6 +32,6 @@ def test_gradient_reductions_amortised_over_microbatches(make_mesh, stack_of):
     budget = sum(p.numel() * p.element_size() for p in stack.parameters()) / 4
     once = plan_stage(stage_request(stack, (x,), mesh, memory_budget_bytes=budget))
     per_step = plan_stage(stage_request(stack, (x,), mesh, memory_budget_bytes=budget,
-                          microbatches_per_grad_reduce=8))
+                                        microbatches_per_grad_reduce=8))
     assert per_step.comm_s < once.comm_s
     assert per_step.step_time_s < once.step_time_s

@@ -36,8 +36,8 @@ def test_bf16_plan_gathers_bf16_and_reduces_fp32(make_mesh):
     stack = build("meta", "stack")
     x = torch.empty(4, 16, 256, dtype=torch.bfloat16, device="meta")
     budget = sum(p.numel() * 4 for p in stack.parameters()) / 4  # forces FSDP-like sharding
-    plan = plan_stage(stage_request(stack, (x,), mesh, memory_budget_bytes=budget, output_placements=None,
-                      mixed_precision=BF16))
+    plan = plan_stage(stage_request(stack, (x,), mesh, memory_budget_bytes=budget,
+                                    output_placements=None, mixed_precision=BF16))
     assert plan.param_dtype == "bfloat16" and "mixed precision" in str(plan)
     unit = stage_units(stack)[0]
     joint = trace_joint(maybe_cast(unit.module, "bfloat16"), (x,))

@@ -49,7 +49,8 @@ def test_a_solve_out_of_time_says_so_not_infeasible(mlp_meta, make_mesh):
     with pytest.raises(InfeasiblePlanError, match=out_of_time) as e:
         plan_stage(stage_request(mlp_meta, (x,), make_mesh(2, 2), time_limit_s=1e-9))
     assert "satisfies the constraints together" not in str(e.value)
-    assert plan_stage(stage_request(mlp_meta, (x,), make_mesh(2, 2))).step_time_s > 0  # it is feasible
+    assert plan_stage(stage_request(mlp_meta, (x,),
+                                    make_mesh(2, 2))).step_time_s > 0  # it is feasible
 
 
 def test_indivisible_input_constraint_is_named(mlp_meta, make_mesh):
@@ -60,9 +61,8 @@ def test_indivisible_input_constraint_is_named(mlp_meta, make_mesh):
 
 def test_fixed_param_placement_is_honoured(mlp_meta, make_mesh):
     x = torch.empty(8, 1024, 512, device="meta")
-    plan = plan_stage(stage_request(
-        mlp_meta, (x,), make_mesh(2, 2), param_placements={"up.weight": ("S(1)", "R")}
-    ))
+    plan = plan_stage(stage_request(mlp_meta, (x,), make_mesh(2, 2),
+                                    param_placements={"up.weight": ("S(1)", "R")}))
     assert {p.fqn: p.placements for p in plan.params}["up.weight"] == ("S(1)", "R")
 
 
@@ -86,7 +86,8 @@ def test_plans_on_a_stage_sub_mesh_of_the_world_mesh(mlp_meta, fake_world):
 
     # the world mesh as autopp.mesh lays it out (pp outermost); a stage plans on mesh["dp", "tp"]
     world = DeviceMesh("cpu", torch.arange(8).view(2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
-    plan = plan_stage(stage_request(mlp_meta, (torch.empty(8, 16, 512, device="meta"),), world["dp", "tp"]))
+    plan = plan_stage(stage_request(mlp_meta, (torch.empty(8, 16, 512, device="meta"),),
+                                    world["dp", "tp"]))
     assert plan.mesh_dim_names == ("dp", "tp") and plan.mesh_shape == (2, 2)
 
 
@@ -238,7 +239,8 @@ def test_a_plan_taken_from_a_fixed_relaxation_says_so(stack_of, make_mesh, monke
 
     monkeypatch.setattr(highs.WarmLps, "run", fractional)
     monkeypatch.setattr(planner, "_MEMO", planner._Memo())  # nothing shared: solved here
-    plan = plan_stage(stage_request(stack_of(1), (torch.empty(2, 64, 256, device="meta"),), make_mesh(2, 2)))
+    plan = plan_stage(stage_request(stack_of(1), (torch.empty(2, 64, 256, device="meta"),),
+                                    make_mesh(2, 2)))
     notes = [n for n in plan.notes if n.startswith(NEAR_OPTIMAL)]
     assert notes and f"{highs.FIX_GAP:g} of its LP relaxation" in notes[0], plan.notes
     assert notes[0] in str(plan)

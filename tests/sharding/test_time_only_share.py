@@ -107,7 +107,7 @@ def test_what_the_time_only_lp_depends_on_makes_a_solve_of_its_own(unit, runs):
     capped = base.with_memory(_spec(3.0, largest_tensor_bytes=some))
     assert 1 == ran(lambda: capped.solve(*pairs[0]))
     # another accounting of the state (no activations counted): other columns
-    legacy = base.with_memory(MemorySpec(param_state_factor=4.0))
+    legacy = base.with_memory(MemorySpec())
     assert 1 == ran(lambda: legacy.solve(*pairs[0]))
     # another model (another cost model) keeps its own
     from autopp.sharding.costs import CostModel
@@ -139,6 +139,6 @@ def test_plan_stage_shares_the_unbudgeted_solves_between_in_flight_counts(stack_
     assert one.step_time_s == three.step_time_s and one.params == three.params
     assert three.memory_bytes - one.memory_bytes == pytest.approx(
         2.0 * one.activation_bytes, rel=1e-9)
-    plan_stage(stage_request(stage, (torch.empty(4, 32, 256, device="meta"),), mesh, activation_factor=1.0,
-               **kw))
+    plan_stage(stage_request(stage, (torch.empty(4, 32, 256, device="meta"),), mesh,
+                             activation_factor=1.0, **kw))
     assert runs[0] > before

@@ -26,8 +26,8 @@ def test_costing_a_planned_middle_stage_traces_nothing_again(llama_debug, make_m
     mesh = make_mesh(2, 2)
     trace_cache.clear()
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    plan = plan_stage(stage_request(stage, (X,), mesh, mixed_precision=bf16,
-                      activation_factor=1.0, microbatches_per_grad_reduce=4))
+    plan = plan_stage(stage_request(stage, (X,), mesh, mixed_precision=bf16, activation_factor=1.0,
+                                    microbatches_per_grad_reduce=4))
     planned = trace_stats()
     assert planned["misses"] == 1 and planned["uncached"] == 0  # one distinct block
     facts = stage_facts(stage, plan, mesh, (X,), 4)
