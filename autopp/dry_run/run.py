@@ -458,12 +458,13 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
                                       dp, pd, metas, keyword)
     logger.info("dry run: %d stages on a %s sub-mesh, microbatch %s (dp-global), profile %s",
                 n_stages, tuple(sub_mesh.shape), tuple(inputs[0][0].shape), profile)
+    device = get_profile(profile)  # resolved once; the report names it as given
 
     tt_plans: list[tuple] = []
     budgets = []
     for s, (stage, x) in enumerate(zip(metas, inputs)):
         if compare:
-            tt_plans.append(_plan_torchtitan(stage, x, sub_mesh, profile, s, first=s == 0,
+            tt_plans.append(_plan_torchtitan(stage, x, sub_mesh, device, s, first=s == 0,
                                              last=s == n_stages - 1,
                                              mixed_precision=mixed_precision,
                                              n_microbatches=n_microbatches,
@@ -510,7 +511,7 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
     def tt_loss_s(s: int) -> float:
         if s != n_stages - 1:
             return 0.0
-        return loss_time_s(logits, sub_mesh, profile, "vocab" if tp > 1 else "batch")
+        return loss_time_s(logits, sub_mesh, device, "vocab" if tp > 1 else "batch")
 
     # lowering each stage's plan for its memory and F / I / W split: in the process that
     # planned it, right after (plan/parallel.py); where the plan came from the cache, on
@@ -551,9 +552,9 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
             boundary_out=kind, loss_s=plan.loss_s, torchtitan_loss_s=tt_loss,
         ))
     shape3 = (pp, dp, tp)
-    link = slowest_link(pp_links(profile, shape3, stage_ranks), pp_link(profile, shape3))
+    link = slowest_link(pp_links(device, shape3, stage_ranks), pp_link(device, shape3))
     sim_args = dict(pp=pp, n_microbatches=n_microbatches, stage_ranks=stage_ranks,
-                    profile=profile, mesh_shape=(pp, dp, tp))
+                    profile=device, mesh_shape=(pp, dp, tp))
     sim = simulate_stages(schedule, [s.cost for s in stages], **sim_args)
     tt_sim = simulate_stages(schedule, [s.torchtitan_cost for s in stages], **sim_args) \
         if compare else None
@@ -574,7 +575,7 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
                 "the parameter memory torchtitan's layout uses for it"),
         )
     pplan = dataclasses.replace(pplan, estimates=pipeline_estimates(
-        sim, [s.time_s for s in stages], ids_per_rank, n_microbatches, profile, memory_reserve,
+        sim, [s.time_s for s in stages], ids_per_rank, n_microbatches, device, memory_reserve,
         pp * dp * tp))
     return DryRunReport(
         plan=pplan,
@@ -582,7 +583,7 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
         global_batch=global_batch, seq_len=seq_len, profile=profile,
         memory_budget_bytes=memory_budget_bytes, stages=tuple(stages),
         stage_ids_per_rank=ids_per_rank, simulation=sim, link=link,
-        device_memory_bytes=get_profile(profile).memory_bytes, memory_reserve=memory_reserve,
+        device_memory_bytes=device.memory_bytes, memory_reserve=memory_reserve,
         compare=compare, compare_notes=notes,
         mixed_precision=None if mixed_precision is None else
         f"parameters computed in {pd}, gradients reduced in {mixed_precision.reduce_dtype}",
