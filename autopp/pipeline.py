@@ -375,13 +375,10 @@ class Pipeline:
             inputs: the model's positional inputs for this dp rank (batch on dim 0; the
                 local batch is split into ``n_microbatches`` microbatches).
             target: the matching targets (e.g. next-token labels).
-            model_kwargs: keyword inputs of the model's forward (e.g. a padding
-                ``attention_mask`` or ``position_ids``), batch on dim 0: each is split into
-                the same microbatches and given to every stage's forward (every rank passes
-                them). Stages that run the model's modules (``parallelize=None``, your own
-                function, FSDP) take any; planned stages take those the pipeline was built
-                for (``pipeline_autoparallel(example_kwargs=...)``: names, shapes and
-                dtypes), every step (an error names what differs).
+            model_kwargs: keyword inputs of the forward (e.g. ``attention_mask``), batch on
+                dim 0, split into the same microbatches and given to every stage (every rank
+                passes them); planned stages take exactly those they were built for
+                (``pipeline_autoparallel(example_kwargs=...)``; an error names what differs).
 
         Returns the loss of the whole global batch (mean over its counted tokens, exactly
         as the unpipelined model computes it), on every rank. Gradients are left in the

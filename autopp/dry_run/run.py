@@ -1,36 +1,17 @@
-"""Dry run: plan a whole pipeline for pp × dp × tp ranks on one machine, with no devices.
+"""Dry run: plan a whole pipeline for pp × dp × tp ranks on one machine, with no devices
+(``dry_run(model_meta, pp=, dp=, tp=, schedule=, n_microbatches=, global_batch=, seq_len=,
+options=PlannerOptions(profile="H100"))``).
 
-::
-
-    from autopp.dry_run import dry_run
-    with torch.device("meta"):
-        model = cfg.build()
-    report = dry_run(model, pp=4, dp=8, tp=8, schedule="1F1B", n_microbatches=8,
-                     global_batch=64, seq_len=2048, options=PlannerOptions(profile="H100"),
-                     compare=True)
-    print(report)
-
-It uses the fake process group (:func:`autopp.mesh.init_fake_world`, set up here unless the
-caller already did), splits the model with the same rules as
-:func:`autopp.pipeline_autoparallel`, finds every stage's input on meta and plans EVERY stage
-(not only one rank's) on the stage sub-mesh, through the on-disk plan cache
-(:func:`autopp.plan.local_stage.plan_local_stage`). All stage sub-meshes have the same shape, so
-rank 0's sub-mesh stands for all of them.
-
-Pipeline estimate: each stage's plan becomes the schedule simulator's
-:class:`~autopp.schedules.StageCost` (:mod:`autopp.estimate`: F / I / W times per microbatch,
-UNSHARD and REDUCE_GRAD per step, point-to-point bytes, and memory: parameters, gradients,
-AdamW state, gathered parameters, activations), and :func:`autopp.schedules.simulate_schedule`
-runs the pipeline's own schedule (torch's action lists) over them with the pp link of the
-device profile. The step time, the bubble and each pp rank's peak memory by category are the
-simulator's; Alpa's closed formula (Σ_s t_s + (M − 1) · slowest rank's Σ t_s) is reported
-beside it. Each rank's peak is checked against the profile's memory minus a reserve. Stage
-boundaries and the last stage's logits placement (loss parallel or not) are chosen as
-:func:`autopp.pipeline_autoparallel` chooses them, by the same code
-(:func:`autopp.plan.make.plan_whole_pipeline`, still by the closed formula): the report's
-:attr:`DryRunReport.plan` is the :class:`~autopp.plan.value.PipelinePlan` a job would run,
-with the simulator's estimates added; ``report.plan.save(path)`` and
-``pipeline_autoparallel(..., plan=path)`` run it without planning again.
+On the fake process group (:func:`autopp.mesh.init_fake_world`), the model is split as
+:func:`autopp.pipeline_autoparallel` splits it and every stage (not only one rank's) is
+planned by the same code (:func:`autopp.plan.make.plan_whole_pipeline`, through the on-disk
+plan cache); all stage sub-meshes share rank 0's shape. Each plan becomes the simulator's
+:class:`~autopp.schedules.StageCost` (:mod:`autopp.estimate`) and the pipeline's own schedule
+is simulated over them: the step, the bubble and each rank's peak memory by category are the
+simulator's (Alpa's closed formula beside it), each peak checked against the profile's
+memory less a reserve. :attr:`DryRunReport.plan` is the :class:`~autopp.plan.value.PipelinePlan`
+a job would run, with the estimates added (``report.plan.save(path)``, then
+``pipeline_autoparallel(..., plan=path)`` runs it without planning).
 """
 
 from __future__ import annotations

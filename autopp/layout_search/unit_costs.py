@@ -1,12 +1,10 @@
 """What one unit (the pre modules, one layer, the post modules) costs on a (dp, tp) sub-mesh,
 from the planner's own plans of two probe stages, and how it scales with the microbatch.
 
-For a sub-mesh shape the search plans, with :func:`autopp.plan.local_stage.plan_local_stage` (so
-through the on-disk plan cache), the probe stages ``[pre, first layer]`` and
-``[last layer, post]`` at one reference microbatch, under each recomputation policy it
-considers, with no memory budget (each unit's time-optimal plan under that policy; the
-memory is counted, not bounded). Every layer is taken to cost what the first layer does (a
-decoder whose blocks repeat). Each :class:`UnitCost` is then split into what scales with the
+For a sub-mesh shape the search plans (:func:`autopp.plan.local_stage.plan_local_stage`,
+through the plan cache) the probe stages ``[pre, first layer]`` and ``[last layer, post]``
+at one reference microbatch, per recomputation policy, unbudgeted (memory counted, not
+bounded); every layer costs what the first does (a decoder whose blocks repeat). Each :class:`UnitCost` is then split into what scales with the
 microbatch (compute, activation redistributions, saved activations) and what does not
 (parameters and their state, gathered weights, the once-per-step parameter gathers and
 gradient reductions), so a candidate with another microbatch count reuses the plan: the
@@ -163,13 +161,11 @@ def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.T
     """Plan the probe stages of ``model`` on ``sub_mesh`` and read each unit's cost.
 
     Args:
-        model: the whole model on meta; ``layout`` its :class:`~autopp.stage_split.ModelLayout`.
-        sub_mesh: a ("dp", "tp") DeviceMesh (fake process group).
-        tokens: the model's input for one step on one dp rank (meta), ``n_microbatches``
-            the reference microbatch count it is cut into.
-        profile: device profile name; ``boundary``: the placement between stages
-            ("batch" or "batch+seq"); ``loss_kind``: the last stage's output placement
-            ("batch", or "vocab" for loss parallel).
+        model, layout: the whole model on meta and its :class:`~autopp.stage_split.ModelLayout`.
+        sub_mesh: a ("dp", "tp") DeviceMesh (fake process group); ``tokens``: one step's
+            input on one dp rank (meta), cut into ``n_microbatches`` reference microbatches.
+        profile: the device profile; ``boundary``: the placement between stages ("batch" or
+            "batch+seq"); ``loss_kind``: the last stage's output placement ("batch", "vocab").
         modes: recomputation policies to plan ("none", "selective", "full"); a policy
             with ``"@lean"`` appended is planned for time + a price on memory
             (:data:`LEAN_PRICE` times the time-optimal plan's seconds per byte, where the
