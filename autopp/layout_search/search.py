@@ -187,7 +187,9 @@ class SearchReport:
         """Plan the ``index``-th layout exactly (:func:`autopp.dry_run.dry_run` with its split:
         every stage planned under the device's memory, boundaries chosen, simulated) and
         return the dry run's report; ``report.plan`` is the
-        :class:`~autopp.plan.value.PipelinePlan` to save and train with."""
+        :class:`~autopp.plan.value.PipelinePlan` to save and train with. A layout with a stage
+        priced gathering block by block is planned with ``weight_gathering="per_block"`` (the
+        planner's mode is the whole pipeline's)."""
         from autopp.dry_run.run import dry_run
 
         c = self.results[index]
@@ -195,8 +197,8 @@ class SearchReport:
             options = self.options if self.options is not None else PlannerOptions(
                 profile=self.profile, mixed_precision=self.mixed_precision,
                 memory_reserve=self.memory_reserve, tf32=self.tf32)
-            if "per_block" in c.weight_gathering:  # the planner's mode is the pipeline's
-                options = dataclasses.replace(options, weight_gathering="per_block")
+        if "per_block" in c.weight_gathering and options.weight_gathering == "once_per_step":
+            options = dataclasses.replace(options, weight_gathering="per_block")
         lay = c.layout
         return dry_run(self.model, pp=lay.pp, dp=lay.dp, tp=lay.tp, schedule=lay.schedule,
                        n_microbatches=lay.n_microbatches, global_batch=self.global_batch,
