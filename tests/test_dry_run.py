@@ -96,6 +96,15 @@ pb = dry_run(llama3_meta(), pp=2, dp=2, tp=2, schedule="1F1B", n_microbatches=2,
              global_batch=8, seq_len=64, options=PlannerOptions(
                  weight_gathering="per_block", recompute="none", boundary="batch"))
 out["per_block"] = dict(text=str(pb), mode=pb.plan.options.weight_gathering)
+# weight_gathering="auto" under a budget once per step meets only by recomputing
+gathering = {}
+for wg in ("once_per_step", "per_block", "auto"):
+    g = dry_run(llama3_meta(), pp=2, dp=4, tp=1, schedule="1F1B", n_microbatches=2,
+                global_batch=8, seq_len=16, activations=False, options=PlannerOptions(
+                    profile="CPU", memory_budget_bytes=4.5e7, weight_gathering=wg))
+    gathering[wg] = [dict(mode=p.weight_gathering, recompute=p.recompute, time=p.step_time_s,
+                          notes=list(p.notes)) for p in g.plan.stage_plans]
+out["auto_gathering"] = gathering
 try:
     dry_run(llama3_meta(), pp=2, dp=2, tp=2, n_microbatches=2, global_batch=8, seq_len=64,
             memory_reserve=0.3)
@@ -270,6 +279,23 @@ def test_the_report_says_when_weights_are_gathered(reports):
     assert reports["per_block"]["mode"] == "per_block"
     text = reports["per_block"]["text"]
     assert "weights" in text and "block by block" in text and "once per step" not in text, text
+
+
+def test_auto_weight_gathering_chooses_per_stage(reports):
+    """``weight_gathering="auto"``: a stage that fits once per step without recomputing
+    keeps it; one that must recompute to fit (as under this budget) is also planned block
+    by block and keeps the faster plan, the note saying why."""
+    g = reports["auto_gathering"]
+    assert any(st["recompute"] != "none" for st in g["once_per_step"]), g
+    for once, block, auto in zip(g["once_per_step"], g["per_block"], g["auto"]):
+        if once["recompute"] == "none":
+            assert auto["mode"] == "once_per_step", auto
+            continue
+        faster = block if block["time"] < once["time"] else once
+        assert (auto["mode"], auto["time"]) == (faster["mode"], faster["time"]), (auto, faster)
+        said = "block by block" if faster is block else "once per step"
+        assert any(n.startswith(f"weights gathered {said}") for n in auto["notes"]), auto
+    assert any(st["mode"] == "per_block" for st in g["auto"]), g  # the budget makes it pay
 
 
 def test_odd_sequence_falls_back_to_batch_boundaries(reports):

@@ -155,7 +155,8 @@ class Planner(StageBackend):
         return planned_graph_stage(module, stage_index=stage_id, num_stages=n_stages,
                                    device=device, group=pp_group, loss_fn=loss_fn,
                                    compile=resolve_compile(self.compile, module.mesh.device_type),
-                                   gathering=WeightGathering.from_options(self.options))
+                                   gathering=WeightGathering.of_stage(
+                                       module.plan, self.options.prefetch_blocks))
 
     def vocab_parallel_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
         last = self._planned.get(self._last_stage)
@@ -177,10 +178,12 @@ class Planner(StageBackend):
                          else f"; recompute={module.recompute!r}: the backward recomputes the rest")
             out.append(f"    keeps {kept / 2**20:.2f} MiB per microbatch per device for the "
                        f"backward (activations{recompute})")
-            policy = WeightGathering.from_options(self.options)
+            policy = WeightGathering.of_stage(planned.plan, self.options.prefetch_blocks)
             params = sum(p.to_local().numel() * p.element_size() for p in module.parameters())
             if gathered:
                 out.append("    " + policy.describe(gathered, params))
+            # weight_gathering="auto": which way this stage holds them, and why
+            out += [f"    {n}" for n in planned.plan.notes if n.startswith("weights gathered")]
             local, graphs = module.stage_graphs()
             per_param = gathered_values_per_param(graphs, local.param_fqns)
             twice = sorted(f for f, n in per_param.items() if n > 1)

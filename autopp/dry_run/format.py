@@ -69,8 +69,7 @@ def _stage_lines(r: DryRunReport) -> list[str]:
                   f"{format_bytes(p.kept_for_w_bytes)})" if p.split_in_flight
                   and s.facts.kept_for_w_bytes is not None else "")
                + f"; gathered/cast weights {format_bytes(c.gathered_param_bytes)} "
-               + (WeightGathering.from_options(r.plan.options) if r.plan is not None
-                  else WeightGathering()).when]
+               + WeightGathering.of_stage(p).when]
               if s.activation_bytes is not None else []),
             f"    sends {list(s.send_shape)} = {format_bytes(s.send_bytes)} per microbatch to stage "
             f"{s.index + 1} ({_BOUNDARY_WORDS[s.boundary_out]})" if s.send_shape is not None

@@ -459,7 +459,6 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
     logits = last_stage_output(metas, inputs, mixed_precision, keyword)
     tt_kind = "batch+seq" if tp > 1 else "batch"  # torchtitan's boundaries (sequence parallel)
     memo: dict = {}  # lowered unit plans, shared by the stages (of one process)
-    gathering = WeightGathering.from_options(options)
 
     def send_of(s: int, bounds: Sequence[str]) -> tuple[tuple | None, int]:
         if s == n_stages - 1:
@@ -476,7 +475,8 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
         facts, cost = _stage_estimate(metas[s], plan, sub_mesh, inputs[s], n_microbatches,
                                       activations=activations, loss_s=plan.loss_s,
                                       send=send_of(s, bounds)[1], memo=memo,
-                                      gathering=gathering,
+                                      gathering=WeightGathering.of_stage(
+                                          plan, options.prefetch_blocks),
                                       overlap=options.overlap_collectives)
         tt_cost = None
         if compare:

@@ -84,9 +84,9 @@ def estimate_plan(plan: Any, model: nn.Module, sub_mesh: Any, *, mode: EstimateM
 
     ``model``: the whole model on meta (its stages are built from it unless
     ``stage_modules`` gives them); ``sub_mesh``: a stage's ("dp", "tp") sub-mesh (real or
-    fake; all stages' have the same shape). ``gathering``: the runtime's weight-gathering
-    policy (``PlannerOptions.weight_gathering`` is a runtime choice the plan does not
-    record). A plan that has estimates already (e.g. a dry run's) is returned as it is."""
+    fake; all stages' have the same shape). ``gathering``: its ``prefetch`` (each stage is
+    priced as its plan holds its weights, ``StagePlan.weight_gathering``). A plan that has
+    estimates already (e.g. a dry run's) is returned as it is."""
     from autopp.stage_split import build_stage_module
 
     if plan.estimates is not None:
@@ -99,7 +99,7 @@ def estimate_plan(plan: Any, model: nn.Module, sub_mesh: Any, *, mode: EstimateM
         _, cost = stage_estimate(meta, splan, sub_mesh, plan.stage_example_inputs(s),
                                  plan.n_microbatches, mode=mode, loss_s=splan.loss_s,
                                  send_bytes=plan.send_bytes[s], memo=memo,
-                                 gathering=gathering,
+                                 gathering=WeightGathering.of_stage(splan, gathering.prefetch),
                                  overlap=getattr(plan.options, "overlap_collectives", True))
         costs.append(cost)
         times.append(splan.step_time_s + splan.loss_s)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-POLICIES = ("once_per_step", "per_block")
+POLICIES = ("once_per_step", "per_block", "auto")
 """The values of ``PlannerOptions.weight_gathering``."""
 
 
@@ -46,6 +46,14 @@ class WeightGathering:
         """The policy ``options`` (a :class:`~autopp.plan.options.PlannerOptions`) asks for."""
         return WeightGathering(per_block=options.weight_gathering == "per_block",
                                prefetch=options.prefetch_blocks)
+
+    @staticmethod
+    def of_stage(stage_plan: Any, prefetch: int = 1) -> "WeightGathering":
+        """The policy a stage's plan was made for (``StagePlan.weight_gathering``: under
+        ``weight_gathering="auto"`` each stage has its own)."""
+        return WeightGathering(per_block=getattr(stage_plan, "weight_gathering",
+                                                 "once_per_step") == "per_block",
+                               prefetch=prefetch)
 
     def unshards_per_step(self, n_microbatches: int) -> int:
         """How many times a step gathers each of the stage's weights."""

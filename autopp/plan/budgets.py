@@ -78,6 +78,8 @@ def memory_budgets(options: Any, profile: Any, schedule: str, pp: int, n_microba
     n = len(stage_ranks)
     per_rank = [list(stage_ranks).count(r) for r in stage_ranks]
     # how the stages hold gathered weights and gradients (plan_stage prices and counts it)
+    # ("auto": once per step first; autopp.plan.make plans a stage block by block too when
+    # that is what fits or is faster)
     gathering = (dict(weight_gathering="per_block", prefetch_blocks=options.prefetch_blocks)
                  if options.weight_gathering == "per_block" else {})
     if options.parameter_budget_bytes is not None:

@@ -259,7 +259,7 @@ class _Planning:
 
     def plan(self, s: int, k_in: str, k_out: str, budget: float | None = None) -> StagePlan:
         """Stage ``s`` planned between ``k_in`` and ``k_out``, its time added up."""
-        plan, timing = plan_local_stage(self.request(s, k_in, k_out, budget), stage_index=s)
+        plan, timing = self.gathered_as_fits(self.request(s, k_in, k_out, budget), s)
         self.timings[s] = self.timings.get(s, StageTiming()) + timing
         return plan
 
@@ -354,6 +354,41 @@ class _Planning:
         return [boundary_bytes(self.inputs[s + 1][0], self.dp, self.tp, bounds[s + 1])
                 if s + 1 < self.n else 0 for s in range(self.n)]
 
+    def gathered_as_fits(self, request: StageRequest, s: int
+                         ) -> tuple[StagePlan, StageTiming]:
+        """Stage ``s``'s plan for ``request``; under ``weight_gathering="auto"`` also block by
+        block where once per step does not fit or must recompute to fit, the faster kept
+        (per block holds two blocks' gathered weights and reduced gradients, and gathers
+        every microbatch: it pays off only where memory is short)."""
+        if self.r.options.weight_gathering != "auto":
+            return plan_local_stage(request, stage_index=s)
+        try:
+            once, timing = plan_local_stage(request, stage_index=s)
+        except InfeasiblePlanError:
+            once, timing = None, StageTiming()
+        if once is not None and (once.recompute or "none") == "none":
+            return once, timing
+        per_block = request.replace(weight_gathering="per_block",
+                                    prefetch_blocks=self.r.options.prefetch_blocks)
+        try:
+            block, more = plan_local_stage(per_block, stage_index=s)
+        except InfeasiblePlanError:
+            if once is None:
+                raise
+            return once, timing
+        if once is None or block.step_time_s < once.step_time_s:
+            why = ("weights gathered block by block: once per step does not fit" if once is None
+                   else f"weights gathered block by block: {block.step_time_s * 1e3:.3g} ms "
+                   f"a microbatch against {once.step_time_s * 1e3:.3g} ms once per step, "
+                   f"which must recompute ({once.recompute}) to fit")
+            chosen = block
+        else:
+            why = (f"weights gathered once per step: {once.step_time_s * 1e3:.3g} ms a "
+                   f"microbatch against {block.step_time_s * 1e3:.3g} ms block by block")
+            chosen = once
+        logger.info("stage %d: %s", s, why)
+        return dataclasses.replace(chosen, notes=tuple(chosen.notes) + (why,)), timing + more
+
     def solve(self) -> tuple[PipelinePlan, dict[int, Any]]:
         """The whole plan (tied placements, boundaries, each stage under its budget on
         worker processes where this one can fork: :mod:`autopp.plan.parallel`) and what
@@ -366,8 +401,8 @@ class _Planning:
         after = r.after_stage
 
         def planned(s: int) -> tuple[StagePlan, StageTiming, Any]:
-            p, timing = plan_local_stage(self.request(s, bounds[s], bounds[s + 1], budgets[s],
-                                                      windows[s]), stage_index=s)
+            p, timing = self.gathered_as_fits(
+                self.request(s, bounds[s], bounds[s + 1], budgets[s], windows[s]), s)
             if s == n - 1:  # the last stage's plan says how its loss runs
                 p = dataclasses.replace(p, loss=describe_loss(bounds[-1]),
                                         loss_s=self.loss_s(s, bounds[-1]))

@@ -53,9 +53,11 @@ class PlannerOptions:
     #: torch's FSDP2 ``MixedPrecisionPolicy`` (e.g. bf16 compute, fp32 reduction).
     mixed_precision: MixedPrecisionPolicy | None = None
     #: How planned stages hold dp-sharded weights (:mod:`autopp.graph.weight_gathering`):
-    #: "once_per_step" (gathered at UNSHARD, gradients reduced once) or "per_block"
-    #: (FSDP's: gathered per block in forward and backward, reduced every microbatch).
-    weight_gathering: Literal["once_per_step", "per_block"] = "once_per_step"
+    #: "once_per_step" (gathered at UNSHARD, gradients reduced once), "per_block"
+    #: (FSDP's: gathered per block in forward and backward, reduced every microbatch), or
+    #: "auto": each stage once per step where that fits without recomputation, else the
+    #: faster of the two that fit.
+    weight_gathering: Literal["once_per_step", "per_block", "auto"] = "once_per_step"
     #: With "per_block": how many blocks ahead a block's gathers are issued.
     prefetch_blocks: int = 1
     #: Retired: raises, naming ``weight_gathering="per_block"``.
@@ -104,9 +106,9 @@ class PlannerOptions:
                 "weight_gathering='per_block' (each block's weights gathered for its forward "
                 "and again for its backward, its gradients reduce-scattered as they are "
                 "made) or weight_gathering='once_per_step' (the default)")
-        if self.weight_gathering not in ("once_per_step", "per_block"):
-            raise ValueError(f"weight_gathering must be 'once_per_step' or 'per_block', got "
-                             f"{self.weight_gathering!r}")
+        if self.weight_gathering not in ("once_per_step", "per_block", "auto"):
+            raise ValueError(f"weight_gathering must be 'once_per_step', 'per_block' or "
+                             f"'auto', got {self.weight_gathering!r}")
         if not (isinstance(self.prefetch_blocks, int) and self.prefetch_blocks >= 0):
             raise ValueError(f"prefetch_blocks is a number of blocks >= 0, got "
                              f"{self.prefetch_blocks!r}")
