@@ -166,7 +166,8 @@ def test_auto_weights_gathered_and_gradients_reduced_per_block():
     REDUCE_GRAD; each microbatch's forward and backward gather the stage's weights (the
     backward gathers again, nothing gathered is saved), each microbatch's backward reduces
     its gradients; and the graphs that ran hold at most prefetch + 1 = 2 blocks gathered at
-    a time (of 3 or more)."""
+    a time (of 3 or more). In the same launch, ``weight_gathering="auto"`` with stages
+    that hold their weights differently."""
     batch, seq, m = 8, 128, 2
     reference = reference_run(llama3_meta(REPLICATED_LAYERS), [make_batch(batch, seq)])
     opts = dict(parameter_budget_bytes=4e6, weight_gathering="per_block")
@@ -177,8 +178,19 @@ def test_auto_weights_gathered_and_gradients_reduced_per_block():
                                             ("ZBVZeroBubble", 2, 2, "none"),
                                             ("GPipe", 1, 4, "none"),
                                             ("ZBVZeroBubble", 2, 2, "full"))]
-    results = run_on_ranks(run_configs, 8, configs)
-    _check(results, configs, reference)
+    # weight_gathering="auto" under a whole-memory budget that stage 0 (the embedding's)
+    # meets once per step only by recomputing: it gathers block by block, stage 1 once
+    auto = _cfg("1F1B", 2, dp=4, tp=1, n_layers=6, batch=8, seq=16, n_microbatches=2,
+                planner_options=dict(memory_budget_bytes=4.575e7, weight_gathering="auto",
+                                     profile="CPU"))
+    results = run_on_ranks(run_configs, 8, configs + [auto])
+    _check([r[:-1] for r in results], configs, reference)
+    _check([r[-1:] for r in results], [auto],
+           reference_run(llama3_meta(6), [make_batch(auto.batch, auto.seq)]))
+    for r in results:  # what describe() says: stage 0's choice, on stage 0's ranks only
+        said = r[-1]["describe"].count("weights gathered block by block")
+        assert said == (0 in r[-1]["stage_ids"]), r[-1]["describe"]
+    results = [r[:-1] for r in results]
     for rank, r in enumerate(results):
         for cfg, res in zip(configs, r):
             what = f"{cfg.schedule} pp{cfg.pp} rank {rank}"
