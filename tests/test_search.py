@@ -228,6 +228,7 @@ def test_a_probe_bug_is_told_from_a_planner_refusal(monkeypatch, caplog):
     assert "please report it; AUTOPP_TRACEBACK=1" in msg, msg
 
 
+@pytest.mark.compat  # forked probe processes (autopp/_compat/autograd.py)
 def test_pp_may_exceed_the_block_count_with_stages_of_only_the_embedding_or_head():
     """A 2-block model on 4 pp ranks: the search prices the split whose first stage holds
     only the embedding and whose last only the head (0-1-1-0), and its exact plan plans

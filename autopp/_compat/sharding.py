@@ -76,17 +76,45 @@ def _topk_cache_key_holds_k() -> None:
     on (``RuntimeSchemaInfo(2)``), not by ``k``: a second topk of an input of the same
     shape and placement with another ``k`` (a second MoE model in the process, a layer
     routing to another number of experts) is served the first's output shape, and the
-    ops after it fail or compute on the wrong shapes. Keyed from ``k`` on."""
+    ops after it fail or compute on the wrong shapes. Keyed from ``k`` on. torch 2.13 keeps
+    topk's key in ``op_to_schema_info``; 2.14 (a single-dim strategy) in its own table."""
     import dataclasses
 
     prop = DTensor._op_dispatcher.sharding_propagator
     op = torch.ops.aten.topk.default
-    info = prop.op_to_schema_info.get(op)
-    if info is not None and info.static_argnum > 1:
-        prop.op_to_schema_info[op] = dataclasses.replace(info, static_argnum=1)
+    for table in ("op_to_schema_info", "op_to_schema_info_for_single_dim_strategy"):
+        infos = getattr(prop, table, None) or {}
+        info = infos.get(op)
+        if info is not None and info.static_argnum > 1:
+            infos[op] = dataclasses.replace(info, static_argnum=1)
 
 
 _topk_cache_key_holds_k()
+
+
+def _strided_shard_sizes_outside_traces() -> None:
+    """``_StridedShard.local_shard_size_and_offset`` builds an index tensor and reads it back
+    with ``tolist``; torch 2.14's redistribution costs ask it while DTensor propagates a
+    sharding inside autopp's fake-mode traces (a unit's lowering), where that tensor is fake
+    and the read fails (``DataDependentOutputException``). For plain int sizes it is
+    metadata: run outside the fake and proxy modes (symbolic sizes: as torch runs it)."""
+    own = _StridedShard.__dict__.get("local_shard_size_and_offset")
+    if own is None or getattr(own, "_autopp_untraced", False):
+        return
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    @functools.wraps(own)
+    def sizes(self: Any, curr_local_size: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(curr_local_size, int):
+            return own(self, curr_local_size, *args, **kwargs)
+        with unset_fake_temporarily(), disable_proxy_modes_tracing():
+            return own(self, curr_local_size, *args, **kwargs)
+
+    sizes._autopp_untraced = True  # type: ignore[attr-defined]
+    _StridedShard.local_shard_size_and_offset = sizes  # type: ignore[method-assign]
+
+
+_strided_shard_sizes_outside_traces()
 
 _KINDS: dict[type, str] = {}
 
