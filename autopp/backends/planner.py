@@ -156,7 +156,8 @@ class Planner(StageBackend):
                                    device=device, group=pp_group, loss_fn=loss_fn,
                                    compile=resolve_compile(self.compile, module.mesh.device_type),
                                    gathering=WeightGathering.of_stage(
-                                       module.plan, self.options.prefetch_blocks))
+                                       getattr(module, "plan", None),
+                                       self.options.prefetch_blocks))
 
     def vocab_parallel_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
         last = self._planned.get(self._last_stage)

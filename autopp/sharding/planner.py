@@ -93,7 +93,7 @@ def plan_stage(request: StageRequest) -> StagePlan:
     pdtype = check_policy(r.mixed_precision, module)
     keyword_inputs = r.keyword_inputs
     check_on_meta(module, tuple(keyword_inputs.values()))
-    units = (stage_units(module, example_inputs[0], keyword_inputs)
+    units = (stage_units(module, example_inputs[0], keyword_inputs, param_dtype=pdtype)
              if r.reuse_blocks or keyword_inputs else None)
     per_block = spec.weight_gathering == "per_block"
     n_units = len(units) if units is not None else 1
