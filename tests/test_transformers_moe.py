@@ -376,13 +376,11 @@ def _check_bf16(configs: list[Case], results: list[list[dict]]) -> None:
 
 
 @pytest.mark.multiprocess
-def test_mixtral_and_qwen2_moe_planned_and_replicated_match_single_process(tmp_path):
-    """Mixtral (4 experts, top 2, renormalised) and Qwen2-MoE (a gated shared expert, top-k
-    weights not renormalised), planned with their blocks sharded over tp, and replicated
-    (``parallelize=None``: the modules as written, the experts through the op); in the same
-    launch Mixtral planned with bf16 compute and fp32 masters."""
-    configs = _configs([("hf_mixtral", "auto"), ("hf_mixtral", None),
-                        ("hf_qwen2_moe", "auto"), ("hf_qwen2_moe", None)])
+def test_mixtral_planned_replicated_and_in_bf16_match_single_process(tmp_path):
+    """Mixtral (4 experts, top 2, renormalised) planned with its blocks sharded over tp, and
+    replicated (``parallelize=None``: the modules as written, the experts through the op);
+    in the same launch, planned with bf16 compute and fp32 masters."""
+    configs = _configs([("hf_mixtral", "auto"), ("hf_mixtral", None)])
     bf16 = [dataclasses.replace(c, bf16=True) for c in _configs([("hf_mixtral", "auto")])]
     results = run_on_ranks(run, 8, configs + bf16, str(tmp_path), timeout=2400)
     _check(configs, [r[:len(configs)] for r in results])
@@ -391,15 +389,17 @@ def test_mixtral_and_qwen2_moe_planned_and_replicated_match_single_process(tmp_p
 
 @pytest.mark.wide
 @pytest.mark.multiprocess
-def test_qwen3_moe_and_olmoe_planned_and_replicated_match_single_process(tmp_path):
-    """Qwen3-MoE (three experts a token of eight, renormalised) and OLMoE (eight experts,
-    not renormalised, q/k norms), planned and replicated, in one process each rank (OLMoE's
-    top 2 after Qwen3-MoE's top 3: DTensor's topk cache, fixed in ``_compat.sharding``); a
-    dense Llama planned in bf16 in the same launch."""
-    configs = _configs([("hf_qwen3_moe", "auto"), ("hf_qwen3_moe", None),
+def test_qwen_moes_and_olmoe_planned_and_replicated_match_single_process(tmp_path):
+    """Qwen2-MoE (a gated shared expert, top-k weights not renormalised), Qwen3-MoE (three
+    experts a token of eight, renormalised) and OLMoE (eight experts, not renormalised, q/k
+    norms), planned and replicated, in one process each rank (OLMoE's top 2 after Qwen3-MoE's
+    top 3: DTensor's topk cache, fixed in ``_compat.sharding``); a dense Llama planned in
+    bf16 in the same launch."""
+    configs = _configs([("hf_qwen2_moe", "auto"), ("hf_qwen2_moe", None),
+                        ("hf_qwen3_moe", "auto"), ("hf_qwen3_moe", None),
                         ("hf_olmoe", "auto"), ("hf_olmoe", None)])
     bf16 = [dataclasses.replace(c, bf16=True) for c in _configs([("hf_llama", "auto")])]
-    results = run_on_ranks(run, 8, configs + bf16, str(tmp_path), timeout=2400)
+    results = run_on_ranks(run, 8, configs + bf16, str(tmp_path), timeout=3600)
     _check(configs, [r[:len(configs)] for r in results])
     _check_bf16(bf16, [r[len(configs):] for r in results])
 
