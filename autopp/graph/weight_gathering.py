@@ -21,7 +21,7 @@ POLICIES = ("once_per_step", "per_block", "auto")
 """The values of ``PlannerOptions.weight_gathering``."""
 
 
-def _exposed(comm_s: float, compute_s: float, units: int) -> float:
+def exposed_s(comm_s: float, compute_s: float, units: int) -> float:
     """Exposed time of ``comm_s`` of per-block collectives run beside ``compute_s`` of the
     same piece, one block ahead: the first block's in full, the rest less the compute of
     the blocks before them."""
@@ -66,13 +66,13 @@ class WeightGathering:
         its times with the weights gathered once per step (``unshard_s``: one UNSHARD,
         ``reduce_grad_s``: one REDUCE_GRAD) and its number of blocks. Per block, the
         gathers join F and I, the reductions W (B is I + W), each exposed as
-        :func:`_exposed` says with ``overlap`` (else in full)."""
+        :func:`exposed_s` says with ``overlap`` (else in full)."""
         if not self.per_block:
             return forward_s, backward_input_s, backward_weight_s, unshard_s, reduce_grad_s
         n = units if overlap else 1
-        return (forward_s + _exposed(unshard_s, forward_s if overlap else 0.0, n),
-                backward_input_s + _exposed(unshard_s, backward_input_s if overlap else 0.0, n),
-                backward_weight_s + _exposed(reduce_grad_s,
+        return (forward_s + exposed_s(unshard_s, forward_s if overlap else 0.0, n),
+                backward_input_s + exposed_s(unshard_s, backward_input_s if overlap else 0.0, n),
+                backward_weight_s + exposed_s(reduce_grad_s,
                                              backward_weight_s if overlap else 0.0, n),
                 0.0, 0.0)
 

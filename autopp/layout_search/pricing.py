@@ -12,10 +12,8 @@ Pricing is in two parts so the search can leave out dominated layouts cheaply:
 2. :meth:`Pricer.simulate`: torch's action lists for the schedule through the simulator
    for the step, the bubble and each pp rank's peak memory.
 
-Each stage also chooses how it holds its dp-sharded weights (:mod:`autopp.graph.weight_gathering`):
-gathered once per step, or block by block (FSDP's memory: two blocks' gathered weights and
-reduced gradients, the gathers repeated every microbatch, partly hidden under the blocks'
-compute), whichever is fastest among the policies that fit.
+Each policy is also priced with the stage's weights gathered block by block
+(:mod:`autopp.graph.weight_gathering`); a stage takes the fastest that fits.
 
 Both share the dry run's and the torchtitan integration's cost tail
 (:mod:`autopp.estimate`): unit costs → :func:`~autopp.estimate.stage_costs.facts_in_thirds`
@@ -35,7 +33,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from autopp.graph.weight_gathering import WeightGathering
+from autopp.graph.weight_gathering import WeightGathering, exposed_s
 from autopp.plan.objective import boundary_split
 from autopp.profiles.devices import matmul_peak
 from autopp.schedules import MEMORY_CATEGORIES
@@ -114,12 +112,8 @@ def _linear(u: UnitCost) -> dict[str, float]:
 PER_BLOCK = "#per_block"
 
 
-def _exposed(comm: np.ndarray, compute: np.ndarray, units: np.ndarray) -> np.ndarray:
-    """:func:`autopp.graph.weight_gathering._exposed` over arrays: per-block collectives of
-    ``comm`` seconds beside ``compute`` seconds of ``units`` blocks, one block ahead."""
-    first = comm / np.maximum(units, 1)
-    hidden = compute * (units - 1) / np.maximum(units, 1)
-    return np.where(units <= 1, comm, first + np.maximum(0.0, comm - first - hidden))
+#: :func:`~autopp.graph.weight_gathering.exposed_s` over the layer-count columns.
+_exposed = np.vectorize(exposed_s, otypes=[float])
 
 
 class Pricer:
