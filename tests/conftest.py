@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,10 @@ def pytest_collection_modifyitems(config, items):
     if not getattr(config.option, "loadgroup", False):
         return
     launches = [i for i in items if i.get_closest_marker("multiprocess")]
+    # the launches planned ahead (tests/plan_ahead.py) last: their plans are made meanwhile
+    from tests.plan_ahead import AHEAD
+
+    launches.sort(key=lambda i: i.nodeid.removesuffix("@launches") in AHEAD)
     for item in launches:
         item.add_marker(pytest.mark.xdist_group("launches"))
     chosen = set(map(id, launches))
@@ -46,6 +51,41 @@ class _LaunchGroupCheck:
                 "AUTOPP_TEST_WORKERS=0 bash scripts/test.sh")
 
 
+def _cache_root(basetemp: Path) -> Path:
+    """The session's plan and profile caches: one directory for the controller and every
+    pytest-xdist worker (a worker's basetemp is inside the controller's)."""
+    return basetemp / "autopp-cache"
+
+
+def pytest_sessionstart(session):
+    """Under pytest-xdist, the controller starts ``python -m tests.plan_ahead`` (the slowest
+    launches' plans made beside the suite) with the session's caches; its output goes to
+    ``plan_ahead.log`` there. AUTOPP_TEST_PLAN_AHEAD=0 turns it off."""
+    config = session.config
+    if (os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "loadgroup", False)
+            or os.environ.get("AUTOPP_TEST_PLAN_AHEAD") == "0"):
+        return
+    import subprocess
+    import sys
+
+    root = _cache_root(config._tmp_path_factory.getbasetemp())
+    root.mkdir(exist_ok=True)
+    env = dict(os.environ)
+    for var, sub in (("AUTOPP_PLAN_CACHE", "plans"), ("AUTOPP_PROFILE_CACHE", "profiles")):
+        env.setdefault(var, str(root / sub))
+    log = open(root / "plan_ahead.log", "w")
+    config._autopp_plan_ahead = subprocess.Popen(
+        [sys.executable, "-m", "tests.plan_ahead"], env=env, stdout=log,
+        stderr=subprocess.STDOUT, cwd=str(config.rootpath))
+
+
+def pytest_sessionfinish(session):
+    ahead = getattr(session.config, "_autopp_plan_ahead", None)
+    if ahead is not None and ahead.poll() is None:
+        ahead.kill()
+        ahead.wait()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def session_caches(tmp_path_factory):
     """One plan cache and one profile cache for the whole session (a plan made by one test
@@ -54,7 +94,7 @@ def session_caches(tmp_path_factory):
     set by the caller are kept. Under pytest-xdist the workers share one cache (the run's
     common temporary directory; concurrent writers are safe, see :mod:`autopp.disk_cache`)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = tmp_path_factory.getbasetemp().parent / "autopp-cache"
+        root = _cache_root(tmp_path_factory.getbasetemp().parent)
         root.mkdir(exist_ok=True)
     else:
         root = tmp_path_factory.mktemp("autopp-cache")

@@ -54,10 +54,19 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     # a crash in native code (a segfault, an abort) writes every thread's Python stack to
     # the log, so the launch's error shows where the rank died, not "(no output)"
     faulthandler.enable(file=log, all_threads=True)
+    import logging
+
     import torch
     import torch.distributed as dist
 
     from autopp._compat import gloo
+
+    # in the rank's log: how long it waited for rank 0, and rank 0's pipeline plans
+    # (solved or read from the plan cache)
+    for name in ("autopp.plan.rank0", "autopp.plan.make"):
+        shown = logging.getLogger(name)
+        shown.setLevel(logging.INFO)
+        shown.addHandler(logging.StreamHandler(log))
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -69,7 +78,15 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
                                 world_size=world_size)
         queue.put((rank, "started", None))
         t0 = time.perf_counter()
-        out = fn(rank, world_size, *args)
+        profile_dir = os.environ.get("AUTOPP_TEST_PROFILE")
+        if profile_dir:  # each rank's cProfile of its work, for finding a launch's time
+            import cProfile
+
+            with cProfile.Profile() as prof:
+                out = fn(rank, world_size, *args)
+            prof.dump_stats(Path(profile_dir) / f"rank{rank}.prof")
+        else:
+            out = fn(rank, world_size, *args)
         t1 = time.perf_counter()
         # Plain bytes: tensors put on a torch.multiprocessing queue as shared memory would
         # vanish when this process exits before the parent reads them.
@@ -90,7 +107,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 
 
 _PRELOAD = ["torch", "torch.distributed.pipelining", "torchtitan.models.llama3", "autopp",
-            "tests.models", "tests.pipeline_workers"]
+            "tests.models", "tests.pipeline_workers", "tests.rank_preload"]
 
 
 def context():

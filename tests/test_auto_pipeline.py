@@ -26,7 +26,7 @@ from tests.test_pipeline_numerics import (
 from tests.test_pipeline_numerics import N_LAYERS as REPLICATED_LAYERS
 from tests.test_pipeline_numerics import _cfg as _replicated_cfg
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("fresh_plan_cache")]
+pytestmark = pytest.mark.multiprocess
 
 #: Blocks of the planned test model: every planned stage is lowered on each of its ranks,
 #: and lowering costs per block, so these tests use the fewest blocks their layouts need (a

@@ -9,8 +9,10 @@ the default group's watchdog (minutes) would kill the job before a large plan is
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import pickle
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
     from autopp.plan.make import PipelineResult
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 WAIT_TIMEOUT_S = 7200.0
 """How long the other ranks wait for rank 0 by default (``$AUTOPP_PLAN_TIMEOUT_S``)."""
@@ -47,6 +50,7 @@ def broadcast_from_rank0(compute: Callable[[], T], *, what: str) -> T:
         return compute()
     group = dist.new_group(backend="gloo",
                            timeout=datetime.timedelta(seconds=wait_timeout_s()))
+    t0 = time.perf_counter()
     try:
         if dist.get_rank() == 0:
             try:
@@ -65,6 +69,7 @@ def broadcast_from_rank0(compute: Callable[[], T], *, what: str) -> T:
         dist.broadcast_object_list(box, src=0, group=group)
     finally:
         dist.destroy_process_group(group)
+        logger.info("%s on rank 0: %.1f s", what, time.perf_counter() - t0)
     kind, value = box[0]
     if kind == "error":  # rank 0's exception, raised here too
         value.add_note(f"(raised on rank 0 while {what}; this rank waited)")
