@@ -1,6 +1,6 @@
 """The local kernels of routed experts, called by the op (:mod:`autopp.ops.experts`): the
 grouped SwiGLU MLP over tokens sorted by expert, the score-weighted combine, the all-to-all
-token exchange (:func:`dispatched`; its planner side is :mod:`autopp.sharding.expert_dispatch`)
+token exchange (:func:`dispatched`; its planner side is :mod:`autopp.sharding.options.expert_dispatch`)
 and their backwards (:func:`local_backward`, :func:`dispatched_backward`).
 
 The forward sorts this device's ``(token, k)`` rows by expert (:func:`sort_routed`, stable)

@@ -1,5 +1,5 @@
 r"""What a split backward keeps from I to W, for the sharding ILP's memory row
-(:mod:`autopp.sharding.memory_row`): which values, their bytes under a choice, and the
+(:mod:`autopp.sharding.ilp.memory_row`): which values, their bytes under a choice, and the
 rows that hold a stage's peak.
 
 A split backward frees a microbatch's activations :math:`A` at the end of its I and keeps
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from torch import fx
 
-from autopp.sharding.strategies import Option, tensor_vals
+from autopp.sharding.options.strategies import Option, tensor_vals
 
 if TYPE_CHECKING:
-    from autopp.sharding.memory_row import MemoryRow, Terms
+    from autopp.sharding.ilp.memory_row import MemoryRow, Terms
 
 PEAK_ROWS = 4
 """Peak rows every split-backward accounting has (its peaks, the last repeated): the most
@@ -36,7 +36,7 @@ def held_bytes(activation_factor: float | None, split_in_flight: Sequence[tuple[
     """What a stage's microbatches in flight hold at its peak (bytes, or arrays of them):
     the largest over the ``split_in_flight`` peaks of ``a`` × activations + ``b`` × what W
     keeps, or ``activation_factor`` × activations where the backward is whole
-    (:class:`~autopp.sharding.memory_row.MemorySpec`). The one rule for the ILP's row, its
+    (:class:`~autopp.sharding.ilp.memory_row.MemorySpec`). The one rule for the ILP's row, its
     accounting and the layout search's pricing."""
     if split_in_flight:
         return functools.reduce(np.maximum, [a * activation_bytes + b * kept_for_w_bytes
@@ -124,7 +124,7 @@ def peak_coefs(t: Terms, peaks: Sequence[tuple[float, float]], first_row: int
     """The (LP row, column, value) entries of ``t``'s peak rows that differ between
     accountings (``-a`` and ``-b`` of each peak), the rows counted from ``first_row`` (the
     model's own rows come first): a warm LP built for other peaks is re-set to these
-    (:class:`autopp.sharding.highs.WarmLps`)."""
+    (:class:`autopp.sharding.ilp.highs.WarmLps`)."""
     if t.held is None:
         return ()
     return tuple(e for r, (a, b) in zip(t.peak_rows, padded(peaks))

@@ -7,7 +7,7 @@ per step; issued ahead, they run beside compute in the windows the schedule leav
 :math:`T(x) = t(x) + \sum_k \max(0, C_k(x) - W_k)`. That is not linear and units are solved
 apart, so the ILP prices collectives in full, and this module decides whether the full-price
 chain :math:`x_1` can be improved: it stands where :math:`T(x_1)` is within
-:data:`~autopp.sharding.budget.CERTIFIED_GAP` of :math:`B_1 - \sum_k \min(\bar C_k, W_k)`
+:data:`~autopp.sharding.chain.budget.CERTIFIED_GAP` of :math:`B_1 - \sum_k \min(\bar C_k, W_k)`
 (:math:`B_1` the certified bound, :math:`\bar C_k` the dearest any plan's can be,
 ``Model.once_max_s``); else, where the fastest plan fits, a second time-only look with the
 collectives nearly free (``FREE_WEIGHT``) is kept if faster by :math:`T`. Under a binding
@@ -96,9 +96,9 @@ def hide_once_per_step(stage, chosen, bound: float, windows: tuple, free, gap: f
                        ) -> tuple[Any, Any, float, float, str]:
     """The chain to keep where the schedule hides up to ``windows`` (UNSHARD, REDUCE_GRAD;
     seconds per microbatch) of the once-per-step collectives (this module's rule):
-    ``chosen`` (a :class:`~autopp.sharding.budget.Chain` planned at their full price, of
+    ``chosen`` (a :class:`~autopp.sharding.chain.budget.Chain` planned at their full price, of
     ``stage``; ``bound``: its certified bound) where it is within ``gap`` of its bound
-    (:data:`~autopp.sharding.budget.CERTIFIED_GAP`) or the budget binds, else (its
+    (:data:`~autopp.sharding.chain.budget.CERTIFIED_GAP`) or the budget binds, else (its
     fastest plan fits) the faster by exposed time of it and ``free(chosen)``'s (the time-optimal chain of its policy with those
     collectives all but free, :data:`FREE_WEIGHT`: (stage, chain, or None where it does
     not fit)). Returns (stage, chain at full price, its certified bound at full price,

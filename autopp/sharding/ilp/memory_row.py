@@ -7,7 +7,7 @@ the objective. State: parameters and optimizer state in their chosen placement, 
 gradient at the larger of its reduced and unreduced size (a column :math:`G_p`),
 ``gradient_copies`` times. Act: the forward values the backward reads under the policy
 (:func:`autopp.graph.recompute.recompute_sets`), × the microbatches in flight f; with a split
-backward a peak column over the in-flight pairs (:mod:`autopp.sharding.kept_for_w`). Gath:
+backward a peak column over the in-flight pairs (:mod:`autopp.sharding.ilp.kept_for_w`). Gath:
 parameter-only values other nodes read, once per distinct (value, placement). Recomp: a
 recomputed node's time. A reduction is never re-run, so its output is counted where a
 recomputed node reads it. Every row is in MiB (:data:`MIB`), which keeps coefficients within
@@ -25,11 +25,11 @@ import numpy as np
 from torch import fx
 
 from autopp.graph.walk import is_view
-from autopp.sharding import kept_for_w
-from autopp.sharding.strategies import Option, tensor_vals
+from autopp.sharding.ilp import kept_for_w
+from autopp.sharding.options.strategies import Option, tensor_vals
 
 if TYPE_CHECKING:
-    from autopp.sharding.solver import Model
+    from autopp.sharding.ilp.solver import Model
 
 
 MIB = float(2**20)
@@ -155,12 +155,12 @@ class Terms:
     """Seconds of recomputation per column (objective)."""
     lp: Any = None
     """The solver's LP over the model's columns and these, built once
-    (:meth:`autopp.sharding.solver.Model.solve`)."""
+    (:meth:`autopp.sharding.ilp.solver.Model.solve`)."""
     row_upper: Any = None
     """That LP's row upper bounds; the last is the memory row's (the budget)."""
     arrays: dict[str, Any] = field(default_factory=dict)
     """The solver's per-column arrays of these terms, made on first use (the terms do not
-    change once built: :meth:`autopp.sharding.solver.Model.solve` reads them every solve)."""
+    change once built: :meth:`autopp.sharding.ilp.solver.Model.solve` reads them every solve)."""
 
     def col(self, upper: float = np.inf) -> int:
         self.upper.append(upper)
@@ -180,7 +180,7 @@ def _add(d: dict[int, float], col: int, v: float) -> None:
 
 
 class MemoryRow:
-    """The memory row and recomputation costs of one :class:`~autopp.sharding.solver.Model`,
+    """The memory row and recomputation costs of one :class:`~autopp.sharding.ilp.solver.Model`,
     per recomputation policy (:meth:`terms`), and the exact count of a chosen plan
     (:meth:`account`). Reads the model's option columns, edge columns and cost model; its
     own columns come after the model's."""
@@ -316,7 +316,7 @@ class MemoryRow:
         """The (LP row, column, value) entries of ``t``'s peak rows that differ between
         accountings (``-a`` and ``-b`` of each peak), the rows counted from ``first_row``
         (the model's own rows come first): a warm LP built for other peaks is re-set to
-        these (:class:`autopp.sharding.highs.WarmLps`)."""
+        these (:class:`autopp.sharding.ilp.highs.WarmLps`)."""
         return kept_for_w.peak_coefs(t, self.memory.split_in_flight, first_row)
 
     def _state_terms(self, t: Terms) -> None:
@@ -446,7 +446,7 @@ class MemoryRow:
     def row_bytes(self, t: Terms, x: np.ndarray) -> float:
         """The memory row's value at the LP point ``x`` (bytes), the held column (if any)
         at the least its rows allow: unpriced, the solver may leave it anywhere above, and
-        a solution shared by another accounting (:mod:`autopp.sharding.time_only`) carries
+        a solution shared by another accounting (:mod:`autopp.sharding.ilp.time_only`) carries
         that accounting's."""
         arrays = self.arrays(t)
         if t.held is not None:

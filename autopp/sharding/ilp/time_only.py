@@ -1,6 +1,6 @@
 """Time-only solves shared across a unit model's memory accountings.
 
-A solve with neither a memory price nor a budget (:meth:`autopp.sharding.solver.Model.solve`
+A solve with neither a memory price nor a budget (:meth:`autopp.sharding.ilp.solver.Model.solve`
 at price 0, no budget) never reads the memory row: its LP, hence its solution, is the same
 under every accounting of the model's columns that shares the row's structure (another
 activation factor: a stage with another number of microbatches in flight; the structure,
@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from autopp.sharding.memory_row import Terms
-    from autopp.sharding.solution import SolveResult
-    from autopp.sharding.solver import Model
+    from autopp.sharding.ilp.memory_row import Terms
+    from autopp.sharding.ilp.solution import SolveResult
+    from autopp.sharding.ilp.solver import Model
 
 LIMIT = 256
 """Time-only solutions a model keeps (per boundary pair and recomputation policy: a few)."""

@@ -26,18 +26,19 @@ import numpy as np
 from torch import fx
 
 from autopp.graph.walk import param_only_nodes
-from autopp.sharding import op_hooks, time_only
-from autopp.sharding.once_per_step import once_kind
-from autopp.sharding.costs import CostModel
-from autopp.sharding.highs import WarmLps, highspy
-from autopp.sharding.memory_row import MIB as _MIB  # the memory row's unit
-from autopp.sharding.memory_row import MemoryAccount, MemoryRow, MemorySpec, Recompute, Terms
-from autopp.sharding.option import PlacementSpec, matches
+from autopp.sharding.options import op_hooks
+from autopp.sharding.ilp import time_only
+from autopp.sharding.chain.once_per_step import once_kind
+from autopp.sharding.cost.model import CostModel
+from autopp.sharding.ilp.highs import WarmLps, highspy
+from autopp.sharding.ilp.memory_row import MIB as _MIB  # the memory row's unit
+from autopp.sharding.ilp.memory_row import MemoryAccount, MemoryRow, MemorySpec, Recompute, Terms
+from autopp.sharding.options.option import PlacementSpec, matches
 from autopp.format import format_bytes
 from autopp.sharding.plan import CAP_DROPPED
-from autopp.sharding.redistribution_peaks import peak_table, redistribution_bytes
-from autopp.sharding.solution import InfeasiblePlanError, SolveResult, evaluate
-from autopp.sharding.strategies import Option, Strategies, tensor_vals
+from autopp.sharding.cost.redistribution_peaks import peak_table, redistribution_bytes
+from autopp.sharding.ilp.solution import InfeasiblePlanError, SolveResult, evaluate
+from autopp.sharding.options.strategies import Option, Strategies, tensor_vals
 
 """Per mesh dim: a torch Placement, or None for "any"."""
 
@@ -81,7 +82,7 @@ class Model:
         self._once_scales = (tuple(grad_reduce_scale) if isinstance(grad_reduce_scale, tuple)
                              else (grad_reduce_scale, grad_reduce_scale))
         #: Weight of those edges in the objective only (0: free, the planner's second look
-        #: where the schedule may hide them, :mod:`autopp.sharding.once_per_step`); what a
+        #: where the schedule may hide them, :mod:`autopp.sharding.chain.once_per_step`); what a
         #: solution records (its collectives, :attr:`SolveResult.once_comm_s`) is their time.
         self.once_weight = once_weight
         #: (UNSHARD, REDUCE_GRAD) seconds per microbatch the once-per-step edges cost at
@@ -120,7 +121,7 @@ class Model:
         self._one_option_per_node()
         self.num_x = len(self.cost)  # the option columns come first
         self._edge_flows()
-        #: Time-only solves by LP (:mod:`autopp.sharding.time_only`), shared by the
+        #: Time-only solves by LP (:mod:`autopp.sharding.ilp.time_only`), shared by the
         #: with_memory copies.
         self._time_only: dict[tuple, tuple] = {}
         #: The memory row's parts that do not depend on the activation factor (MemoryRow).
@@ -288,7 +289,7 @@ class Model:
         return self._col_bytes_array
 
     def once_kind(self, dst: fx.Node, i: int | None, src: fx.Node | None = None) -> int | None:
-        """:func:`autopp.sharding.once_per_step.once_kind` of an edge of this graph."""
+        """:func:`autopp.sharding.chain.once_per_step.once_kind` of an edge of this graph."""
         return once_kind(dst, i, src, self._param_nodes, self._param_only)
 
     def edge_scale(self, dst: fx.Node, i: int | None, src: fx.Node | None = None) -> float:
@@ -438,7 +439,7 @@ class Model:
         warm = (recompute, m.optimizer_state_factor, m.counts_activations,
                 len(t.upper), len(t.rows), least)
         # a time-only solve never reads the memory row: solved once for every activation
-        # factor, re-counted under each (:mod:`autopp.sharding.time_only`)
+        # factor, re-counted under each (:mod:`autopp.sharding.ilp.time_only`)
         shared = None
         if price == 0 and budget is None and start is None:
             shared = (warm, upper.tobytes(), time_limit_s, threads, rel_gap, max_nodes,

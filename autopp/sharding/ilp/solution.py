@@ -1,4 +1,4 @@
-"""A solution of a unit's sharding ILP (:mod:`autopp.sharding.solver`): what it holds
+"""A solution of a unit's sharding ILP (:mod:`autopp.sharding.ilp.solver`): what it holds
 (:class:`SolveResult`: the choice, its time split, its memory as the row counts it, the
 solver's bound), how a full choice is priced exactly (:func:`evaluate`, what plans report),
 and the error when no choice satisfies the constraints."""
@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 
 from torch import fx
 
-from autopp.sharding.costs import Collective
-from autopp.sharding.memory_row import Recompute
-from autopp.sharding.strategies import Option, tensor_vals
+from autopp.sharding.cost.model import Collective
+from autopp.sharding.ilp.memory_row import Recompute
+from autopp.sharding.options.strategies import Option, tensor_vals
 
 if TYPE_CHECKING:
-    from autopp.sharding.solver import Model
+    from autopp.sharding.ilp.solver import Model
 
 
 class InfeasiblePlanError(ValueError):
@@ -65,14 +65,14 @@ class SolveResult:
     gathered_bytes: float = 0.0
     kept_for_w_bytes: float = 0.0
     """Per microbatch, what a split backward keeps from I to W (counted only where the
-    memory row has :attr:`~autopp.sharding.memory_row.MemorySpec.split_in_flight`)."""
+    memory row has :attr:`~autopp.sharding.ilp.memory_row.MemorySpec.split_in_flight`)."""
     memory_bytes: float = 0.0
     """What the memory row counts for this choice (:class:`MemoryAccount`)."""
     once_comm_s: tuple[float, float] = (0.0, 0.0)
     """(UNSHARD, REDUCE_GRAD) seconds per microbatch of the once-per-step collectives
-    (1/M of their time a step; :mod:`autopp.sharding.once_per_step`), at their full time:
+    (1/M of their time a step; :mod:`autopp.sharding.chain.once_per_step`), at their full time:
     :attr:`objective_s` and :attr:`comm_s` hold them at the model's
-    :attr:`~autopp.sharding.solver.Model.once_weight`, :attr:`collectives` in full."""
+    :attr:`~autopp.sharding.ilp.solver.Model.once_weight`, :attr:`collectives` in full."""
     ilp_memory_bytes: float = float("nan")
     """The memory row's value in the solver's solution (equals :attr:`memory_bytes` up to
     tolerances)."""
@@ -80,13 +80,13 @@ class SolveResult:
     """A proven lower bound of the solved objective (time + price × counted bytes, in
     seconds, in the ILP's accounting; the LP optimum where the relaxation was integral,
     else the MIP's dual bound); nan where the objective has no time scale (price ``inf``).
-    The budget search's bound is built from it (:mod:`autopp.sharding.budget`)."""
+    The budget search's bound is built from it (:mod:`autopp.sharding.chain.budget`)."""
     ilp_value_s: float = float("nan")
     """The solver's objective at its solution, at the price solved (compare with
     :attr:`objective_s` + price × :attr:`memory_bytes`: the ILP's memory row and time
     columns may count a little more than :func:`evaluate`)."""
     memory_bound_bytes: float = float("nan")
-    """Of a bytes-only solve (:data:`~autopp.sharding.solver.BYTES_ONLY`): a proven lower
+    """Of a bytes-only solve (:data:`~autopp.sharding.ilp.solver.BYTES_ONLY`): a proven lower
     bound of the memory row over every plan under the solve's restrictions (the LP
     optimum, or the MIP's dual bound); nan for other solves."""
 
