@@ -110,8 +110,8 @@ CAP_DROPPED = "largest-tensor cap"
 (``MemorySpec.largest_tensor_bytes``): its working memory is then not bounded."""
 NEAR_OPTIMAL = "time-only plan within"
 """How a plan's note begins where a unit's time-only plan was taken from its fractional LP
-relaxation with the integral columns fixed (:meth:`~autopp.sharding.ilp.highs.WarmLps.fix_and_solve`):
-within a stated fraction of the optimum, not proven optimal. ``describe()`` shows it; it is not
+relaxation with the integral columns fixed
+(:meth:`~autopp.sharding.ilp.highs.WarmLps.fix_and_solve`): within a stated fraction of the optimum, not proven optimal. ``describe()`` shows it; it is not
 a fallback that ``strict`` refuses (a solver tolerance, as a MIP gap is)."""
 
 

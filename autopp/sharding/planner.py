@@ -40,13 +40,13 @@ from autopp.tracing.units import POST, PRE, Unit, stage_units, unit_signature
 from autopp.sharding.cost.model import CostModel
 from autopp.sharding.ilp.memory_row import MemorySpec
 from autopp.graph.walk import param_only_nodes
-from autopp.sharding.chain.once_per_step import FREE_WEIGHT, hide_once_per_step, once_kind
+from autopp.sharding.chain.once_per_step import FREE_WEIGHT, hide_once_per_step
 from autopp.tracing.precision import check_policy, maybe_cast
 from autopp.sharding.request import DEFAULT, StageRequest
 from autopp.sharding.plan import CAP_DROPPED, FLOP_FAILURE, NEAR_OPTIMAL, BlockPlan, CollectivePlan, ParamPlan, StagePlan, describe_keyword_inputs, to_strs
 from autopp.sharding.options.option import PlacementSpec, matches
 from autopp.sharding.ilp.solution import InfeasiblePlanError
-from autopp.sharding.ilp.solver import Model
+from autopp.sharding.ilp.solver import Model, once_kind
 from autopp.sharding.options.strategies import enumerate_strategies, reduce_after_cast, tensor_vals
 from autopp.tracing.joint import check_on_meta, graph_signature, trace_joint
 from autopp.tracing.cache import plainest

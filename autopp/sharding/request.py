@@ -26,7 +26,8 @@ DEFAULT = "default"
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StageMemory:
-    """What a stage's memory row counts and what bounds it (:mod:`autopp.sharding.ilp.memory_row`)."""
+    """What a stage's memory row counts and what bounds it
+    (:mod:`autopp.sharding.ilp.memory_row`)."""
 
     budget_bytes: float | None = None
     """Per-device bound on what the row counts; None: no bound (memory still estimated)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import ContextManager
+from typing import Any, ContextManager
 
 _ON_META: list[Callable[[], ContextManager]] = []
 

@@ -22,6 +22,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from autopp.sharding.ilp.solver import REDUCE_GRAD, UNSHARD
+
 logger = logging.getLogger(__name__)
 
 FREE_WEIGHT = 1e-3
@@ -29,20 +31,6 @@ r"""The collectives' weight in the second look's objective: all but free, so tha
 of equal time it still takes the one that moves the fewest bytes (a weight of 0 left the
 choice between them to the solver; a window the estimate overstates then costs the least).
 Its bound on :math:`T` is :math:`B_0 - w \sum_k \bar C_k`."""
-
-UNSHARD, REDUCE_GRAD = 0, 1
-"""The two kinds, indices into the (UNSHARD, REDUCE_GRAD) pairs of this module."""
-
-
-def once_kind(dst, i: int | None, src, param_nodes, param_only) -> int | None:
-    """The kind of an ILP edge that runs once per step, or None for a per-microbatch edge:
-    REDUCE_GRAD for a gradient flowing into its parameter (a tie, ``i`` None), UNSHARD for
-    an edge out of a parameter-only value (a cast, view or gather of weights)."""
-    if i is None and dst in param_nodes:
-        return REDUCE_GRAD
-    if src in param_only:
-        return UNSHARD
-    return None
 
 
 def chain_once(results: Sequence) -> tuple[float, float]:

@@ -4,10 +4,10 @@ With experts split over a mesh dim of n devices, the op's plain options gather e
 every device ((n-1)·T tokens per layer). All-to-all sends each token only where its experts
 are, about (n-1)/n·K·T rows each way: less whenever n exceeds the top-k K. The sizes are
 data-dependent, so the op's kernel does the exchange, offered through
-:mod:`autopp.sharding.options.op_hooks`: options with tokens split on the experts' dims and the output
-split like them; a price (two all-to-alls of T·K·D elements and the counts forward, two
-backward reusing the forward's routing; uniform routing assumed); routing outputs pinned so
-the backward receives them as the forward made them; and the local run (:func:`dispatched`).
+:mod:`autopp.sharding.options.op_hooks`: options with tokens split on the experts' dims and the
+output split like them; a price (two all-to-alls of T·K·D elements and the counts forward, two
+backward reusing the forward's routing; uniform routing assumed); routing outputs pinned so the
+backward receives them as the forward made them; and the local run (:func:`dispatched`).
 
 The kernel follows torchtitan's ``AllToAllTokenDispatcher`` but is written on torch's
 functional all-to-all, since torchtitan's takes its group from a mesh wired into the module,
