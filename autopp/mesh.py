@@ -139,7 +139,7 @@ def build_world_mesh(
     )
     if dp > 1 and tp > 1:
         # one group over each stage's dp x tp devices: experts split over both dims
-        # exchange tokens by one all-to-all in it (autopp.sharding.expert_dispatch)
+        # exchange tokens by one all-to-all in it (autopp.sharding.options.expert_dispatch)
         from autopp._compat.sharding import flatten_mesh_dims
 
         flatten_mesh_dims(mesh, STAGE_DIMS)

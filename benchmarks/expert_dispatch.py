@@ -7,7 +7,7 @@ training step of the routed-experts op (forward and backward) runs both ways, si
 one launch (interleaved repeats, medians):
 
 * all-to-all: ``autopp::routed_experts`` with the world's process group (each token's rows
-  go only to its experts' ranks, :mod:`autopp.sharding.expert_dispatch`);
+  go only to its experts' ranks, :mod:`autopp.sharding.options.expert_dispatch`);
 * all-gather: tokens, scores and ids all-gathered, the op on every token with the local
   experts, the output reduce-scattered back (the expert-parallel option of the op's DTensor
   rule, as the planner lowers it); the backward's collectives are autograd's (reduce-scatter
@@ -102,8 +102,8 @@ def _predicted(args, k: int, profile) -> dict[str, float]:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     import autopp.ops.experts  # noqa: F401  (registers the op)
-    from autopp.sharding.costs import CostModel
-    from autopp.sharding.strategies import NodeStrategy, Option, tensor_vals
+    from autopp.sharding.cost.model import CostModel
+    from autopp.sharding.options.strategies import NodeStrategy, Option, tensor_vals
 
     n, e = args.world, args.experts
     t = args.tokens * n

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/plan_quality.py layouts   # four pipelines: gaps and steps
 
 The planner composes a stage from its units (the part before the blocks, each block, the
-part after: :mod:`autopp.sharding.budget`), each solved on its own under a memory price,
+part after: :mod:`autopp.sharding.chain.budget`), each solved on its own under a memory price,
 chained over boundary placements and mixed under the stage's budget. Two checks of what
 that costs against exact methods:
 
@@ -52,7 +52,7 @@ def _stage_case(frac: float) -> dict:
     from torch.distributed.device_mesh import DeviceMesh
 
     from autopp.mesh import init_fake_world
-    from autopp.sharding import budget as B
+    from autopp.sharding.chain import budget as B
     from autopp.sharding import StageMemory, StageRequest, plan_stage
     from plan_time import build_stage
 

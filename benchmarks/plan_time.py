@@ -80,8 +80,8 @@ def lower(stage, plan, mesh, x) -> dict:
     from autopp.lower import stitch
     from autopp.lower.local_graphs import LoweredUnit, lower_stage, split_local
     from autopp.sharding.plan import from_strs
-    from autopp.sharding.trace import trace_joint
-    from autopp.sharding.units import stage_units
+    from autopp.tracing.joint import trace_joint
+    from autopp.tracing.units import stage_units
 
     units = []
     for bplan, unit in zip(plan.blocks, stage_units(stage)):

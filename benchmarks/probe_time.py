@@ -38,7 +38,7 @@ def main() -> None:
     import torch
     import llama3_pp_dp_tp as ex
 
-    import autopp.sharding.highs as highs
+    import autopp.sharding.ilp.highs as highs
     from autopp.layout_search.layouts import DEFAULT_SCHEDULES, enumerate_layouts
     from autopp.layout_search.probe_pool import JOB, probe_job
     from autopp.profiles.lookup import get_profile

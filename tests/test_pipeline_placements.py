@@ -9,7 +9,7 @@ import torch.distributed as dist
 from autopp import build_world_mesh, cross_entropy, init_fake_world, stage_sub_mesh
 from autopp.plan.boundaries import choose_boundaries
 from autopp.plan.make import describe_loss, loss_kinds
-from autopp.sharding.loss_cost import cross_entropy_time_s
+from autopp.sharding.cost.loss import cross_entropy_time_s
 
 
 def test_boundary_dp_is_exact_on_a_small_chain():

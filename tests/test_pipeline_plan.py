@@ -259,7 +259,7 @@ def test_a_fallback_is_warned_shown_and_refused_under_strict(tmp_path, monkeypat
     import logging
 
     import autopp.sharding.planner as sharding_planner
-    import autopp.sharding.strategies as strategies
+    import autopp.sharding.options.strategies as strategies
     from autopp import plan_pipeline
     from autopp.backends import PlannerOptions
 
@@ -281,7 +281,7 @@ def test_a_fallback_is_warned_shown_and_refused_under_strict(tmp_path, monkeypat
     monkeypatch.setattr(strategies, "_WARNED", set())
     monkeypatch.setenv("AUTOPP_PLAN_CACHE", str(tmp_path / "plans2"))
     monkeypatch.setattr(sharding_planner, "_MEMO", sharding_planner._Memo())
-    with caplog.at_level(logging.WARNING, logger="autopp.sharding.strategies"):
+    with caplog.at_level(logging.WARNING, logger="autopp.sharding.options.strategies"):
         plan = plan_pipeline(llama3_meta(2), options=PlannerOptions(profile="CPU"), **kw)
     warned = [r.getMessage() for r in caplog.records if "aten.silu" in r.getMessage()]
     assert len(warned) == 1 and "strict=True" in warned[0], warned  # once, for both stages

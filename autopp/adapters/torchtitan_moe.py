@@ -12,7 +12,7 @@ What autopp needs to know about them, and nothing else does:
   "meta"; on meta it is opened disabled (on CPU, float32 autocast is disabled too).
 * **Load balancing.** ``MoE.forward`` adds each microbatch's tokens per expert to the
   ``tokens_per_expert_E`` buffer (a buffer update the planned graphs carry out, see
-  :mod:`autopp.sharding.trace`); once per step, before the optimizer, each MoE layer's
+  :mod:`autopp.tracing.joint`); once per step, before the optimizer, each MoE layer's
   ``expert_bias_E`` moves by ``coeff * sign(mean - count)`` (centred) and the count is reset
   (auxiliary-loss-free balancing, arXiv:2408.15664; torchtitan does this in an optimizer
   pre-hook that walks ``model.layers``, which a pipeline stage does not have whole).

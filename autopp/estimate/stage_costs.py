@@ -77,7 +77,7 @@ class StageFacts:
     times; :mod:`autopp.estimate.exposed_comm`). 0 without graphs or without overlap."""
     loss_bytes: int = 0
     """Last stage: what its loss keeps per microbatch until the backward
-    (:func:`autopp.sharding.loss_cost.cross_entropy_kept_bytes`); 0 for other stages and
+    (:func:`autopp.sharding.cost.loss.cross_entropy_kept_bytes`); 0 for other stages and
     without graphs."""
     from_graphs: bool = False
     """Whether the split and memory were read off the graphs (else the rule)."""
@@ -234,7 +234,7 @@ def _unit_phase_times(joint, unit, bplan, plan: StagePlan, costs, n_microbatches
     import operator
 
     from autopp.estimate.exposed_comm import Transfer, piece_time
-    from autopp.sharding.strategies import NodeStrategy, Option, _tensor_args, tensor_vals
+    from autopp.sharding.options.strategies import NodeStrategy, Option, _tensor_args, tensor_vals
 
     phase = _phase_of_nodes(joint)
     out = dict.fromkeys(PHASES, 0.0)
@@ -360,10 +360,10 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
     ``overlap``: the graphs issue collectives early and wait at first use
     (:attr:`autopp.plan.PlannerOptions.overlap_collectives`), so F, I and W are priced by
     their exposed communication (:mod:`autopp.estimate.exposed_comm`)."""
-    from autopp.sharding.costs import CostModel
-    from autopp.sharding.precision import maybe_cast
+    from autopp.sharding.cost.model import CostModel
+    from autopp.tracing.precision import maybe_cast
     from autopp.profiles.lookup import get_profile
-    from autopp.sharding.trace_cache import plainest_by, traced_unit
+    from autopp.tracing.cache import plainest_by, traced_unit
     from autopp.lower.apply import check_planned_graph, units_of_plan
 
     keyword = plan.keyword_examples()
@@ -417,7 +417,7 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
     loss = 0
     if plan.loss is not None and x.is_floating_point() and x.ndim >= 2:
         # the last stage: x is its logits (dp-global), in the plan's output placement
-        from autopp.sharding.loss_cost import cross_entropy_kept_bytes
+        from autopp.sharding.cost.loss import cross_entropy_kept_bytes
 
         local = int(costs.local_bytes(x, from_strs(plan.output_placements)))
         loss = cross_entropy_kept_bytes(local // x.element_size(), x.element_size())

@@ -148,7 +148,7 @@ class Pricer:
     def split(self, lay: Layout, usable: float | None = None) -> Split | str:
         """The layout's split and stage costs, or why it does not fit. ``usable``: the
         device memory (None: the search's; ``inf``: unbounded, for a lower bound)."""
-        from autopp.sharding.kept_for_w import held_bytes
+        from autopp.sharding.ilp.memory_row import held_bytes
         from autopp.plan.budgets import (
             in_flight_per_stage,
             split_in_flight_per_stage,

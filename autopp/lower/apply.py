@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from autopp import tracing
 from autopp.graph.recompute import Recompute, check_recompute
 from autopp._compat import sharding as compat
-from autopp.sharding.units import Unit, stage_units
+from autopp.tracing.units import Unit, stage_units
 from autopp.lower.interpret import GraphRunner, InterpretedBlockFunction
 from autopp.lower.local_graphs import (
     LocalJoint,
@@ -30,9 +30,9 @@ from autopp.lower.local_graphs import (
 )
 from autopp.lower.reuse import lowered_stage, split_stage
 from autopp.sharding.plan import BlockPlan, StagePlan, from_strs
-from autopp.sharding.precision import maybe_cast
-from autopp.sharding.trace import JointGraph, graph_signature
-from autopp.sharding.trace_cache import plainest_by, traced_unit
+from autopp.tracing.precision import maybe_cast
+from autopp.tracing.joint import JointGraph, graph_signature
+from autopp.tracing.cache import plainest_by, traced_unit
 
 
 class ShardedBlock(nn.Module):
@@ -198,7 +198,7 @@ def units_of_plan(module: nn.Module, plan: StagePlan, mesh, example: Any = None,
                   keyword: dict[str, torch.Tensor] | None = None
                   ) -> tuple[bool, dict[str, Unit]]:
     """``(flat, units by name)``: how ``plan`` sees ``module``: one flat unit (the plan has
-    one block with no prefix) or its block stack (:func:`~autopp.sharding.units.stage_units`,
+    one block with no prefix) or its block stack (:func:`~autopp.tracing.units.stage_units`,
     with ``example`` the stage input and ``keyword`` the plan's keyword inputs). Raises when
     the mesh or the module does not fit."""
     if tuple(mesh.shape) != tuple(plan.mesh_shape):

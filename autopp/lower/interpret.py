@@ -21,11 +21,11 @@ from torch import fx
 from torch.distributed.tensor import DTensor
 
 from autopp._compat import sharding as compat
-from autopp.sharding import op_hooks
+from autopp.sharding.options import op_hooks
 from autopp.graph.walk import closure
 from autopp.sharding.plan import BlockPlan, from_strs, to_strs
-from autopp.sharding.strategies import Option, tensor_vals
-from autopp.sharding.trace import JointGraph
+from autopp.sharding.options.strategies import Option, tensor_vals
+from autopp.tracing.joint import JointGraph
 
 
 def redistribute_to(x: Any, placements: tuple | None) -> Any:

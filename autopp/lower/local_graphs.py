@@ -31,7 +31,7 @@ from autopp._compat.distributed import FakeTensorMode
 from autopp.lower import stitch
 from autopp.lower.interpret import GraphRunner
 from autopp.sharding.plan import BlockPlan, to_strs
-from autopp.sharding.trace import JointGraph
+from autopp.tracing.joint import JointGraph
 
 _COLLECTIVE_NAMES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
 

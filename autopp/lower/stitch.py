@@ -30,7 +30,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from autopp._compat import sharding as compat
 from autopp.lower.interpret import GraphRunner, local_in, redistribute_to
 from autopp.sharding.plan import BlockPlan
-from autopp.sharding.trace import JointGraph
+from autopp.tracing.joint import JointGraph
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@
 They depend on torch alone (and :mod:`autopp._compat`): the planner
 (:mod:`autopp.sharding`) sits above them, traces SDPA as ``autopp::sdpa``
 (:class:`~autopp.ops.attention.AttentionAsOneOp`) and offers the routed experts' all-to-all
-dispatch through its op hooks (:mod:`autopp.sharding.expert_dispatch`).
+dispatch through its op hooks (:mod:`autopp.sharding.options.expert_dispatch`).
 """
 
 #: How routed experts may bring tokens to expert-parallel devices (``autopp::routed_experts``'s

@@ -1,7 +1,8 @@
 """The local kernels of routed experts, called by the op (:mod:`autopp.ops.experts`): the
 grouped SwiGLU MLP over tokens sorted by expert, the score-weighted combine, the all-to-all
-token exchange (:func:`dispatched`; its planner side is :mod:`autopp.sharding.expert_dispatch`)
-and their backwards (:func:`local_backward`, :func:`dispatched_backward`).
+token exchange (:func:`dispatched`; its planner side is
+:mod:`autopp.sharding.options.expert_dispatch`) and their backwards (:func:`local_backward`,
+:func:`dispatched_backward`).
 
 The forward sorts this device's ``(token, k)`` rows by expert (:func:`sort_routed`, stable)
 and returns its routing in tensors whose shapes do not depend on it: ``order`` (the rows

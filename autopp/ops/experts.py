@@ -8,7 +8,7 @@ kernel runs torch's grouped matmul on local shards. ``expert_ids`` says which ex
 local weight shards hold, so the kernel needs no rank or mesh. Per mesh dim the rule offers:
 replicated; tokens split (data parallel, weight gradients ``Partial``); experts split
 (expert parallel, output ``Partial``); the experts' hidden dim split (output ``Partial``).
-:mod:`autopp.sharding.expert_dispatch` adds all-to-all forms, chosen by ``dispatch``.
+:mod:`autopp.sharding.options.expert_dispatch` adds all-to-all forms, chosen by ``dispatch``.
 
 Numerics follow torchtitan's ``GroupedExperts`` (stable sort, scores in fp32, deterministic
 scatter-add); the backward takes the forward's routing and re-runs only the experts' forward.
@@ -39,7 +39,7 @@ def _routed(x: Tensor, scores: Tensor, ids: Tensor, expert_ids: Tensor, w1: Tens
             group_name: str = "", dispatch_block: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """The local computation: (output, ``order``, ``counts``; the routing the backward
     reuses, see :mod:`autopp.ops.expert_kernels`). With a ``group_name``, tokens travel to
-    their experts' devices by all-to-all (:mod:`autopp.sharding.expert_dispatch`)."""
+    their experts' devices by all-to-all (:mod:`autopp.sharding.options.expert_dispatch`)."""
     if group_name:
         return dispatched(x, scores, ids, expert_ids, w1, w2, w3, num_experts, compute_dtype,
                           group_name, dispatch_block)
@@ -139,7 +139,7 @@ def _forward_rules(n_args: int):
     """Outputs (out, order, counts), inputs (x, scores, ids, expert_ids, w1, w2, w3, ...).
     ``order`` is placed like ``ids`` (its shape); ``counts`` ``Replicate`` (it is small; a
     device's values are its own: the routing is the op's state between its forward and its
-    backward, pinned there (:mod:`autopp.sharding.op_hooks`), never redistributed)."""
+    backward, pinned there (:mod:`autopp.sharding.options.op_hooks`), never redistributed)."""
     tail = [None] * (n_args - 7)  # num_experts, compute_dtype, dispatch, ...
     rules = [([_R] * 3, [_R] * 7 + tail)]
     for tok in (Shard(0), Shard(1)):  # tokens split: batch or sequence

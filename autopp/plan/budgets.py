@@ -134,11 +134,11 @@ def budgets_less_fixed(budgets: Sequence[float], fixed: Sequence[int], communica
 def loss_kept_bytes(logits: Any, dp: int, tp: int, kinds: Sequence[str], in_flight: float
                     ) -> int:
     """The last stage's loss's bytes per device that the ILP's row does not count (its
-    graph ends at the logits): :func:`autopp.sharding.loss_cost.cross_entropy_kept_bytes`
+    graph ends at the logits): :func:`autopp.sharding.cost.loss.cross_entropy_kept_bytes`
     × the microbatches in flight on it, at the smallest of the loss placements compared
     (``kinds``: "vocab" splits the logits over tp as well as dp), so no choice is refused
     for a term it would not hold. ``logits``: the dp-global microbatch's, on meta."""
-    from autopp.sharding.loss_cost import cross_entropy_kept_bytes
+    from autopp.sharding.cost.loss import cross_entropy_kept_bytes
 
     if not (logits.is_floating_point() and logits.ndim >= 2):
         return 0

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 def loss_kinds(sub_mesh: DeviceMesh, loss_fn: Any, loss_parallel: bool | None) -> tuple[str, ...]:
     """The last stage's output placements to compare: "batch" (logits gathered over tp)
-    and, where the loss can run in parallel, "vocab" (see :mod:`autopp.sharding.loss_cost`).
+    and, where the loss can run in parallel, "vocab" (see :mod:`autopp.sharding.cost.loss`).
 
     ``loss_parallel``: None = choose by cost when ``loss_fn`` is :func:`autopp.cross_entropy`,
     True = always (raises unless it is and tp > 1), False = never.
@@ -41,7 +41,7 @@ def describe_loss(kind: str) -> str:
 def loss_time_s(logits: torch.Tensor, sub_mesh: DeviceMesh, profile: str, kind: str) -> float:
     """Estimated fwd+bwd seconds of the loss on ``logits`` (dp-global, meta) in placement
     ``kind`` ("vocab": loss parallel; else on gathered logits); 0 for non-logit outputs."""
-    from autopp.sharding.loss_cost import cross_entropy_time_s
+    from autopp.sharding.cost.loss import cross_entropy_time_s
 
     if not (logits.is_floating_point() and logits.ndim >= 2):
         return 0.0

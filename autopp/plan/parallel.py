@@ -162,7 +162,7 @@ def _child(plan_of: Callable[[int], Any], n: int, take: Callable[[], int], send:
            ) -> None:
     code = 0
     try:
-        highs = sys.modules.get("autopp.sharding.highs")  # not imported: HiGHS never ran
+        highs = sys.modules.get("autopp.sharding.ilp.highs")  # not imported: HiGHS never ran
         if highs is not None:
             highs.after_fork()
         # no intra-op thread pool: the parent's OpenMP pool is not copied by the fork (GNU

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from autopp import tracing
-from autopp.sharding.precision import CastParams
+from autopp.tracing.precision import CastParams
 
 
 @torch.no_grad()

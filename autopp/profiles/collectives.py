@@ -8,7 +8,7 @@ a rank puts on the wire cross its bandwidth (L = local bytes going in):
     all_gather        n-1           (n-1) · L
     all_to_all        n-1           (n-1)/n · L     (one exchange per peer)
 
-``time = α · steps + wire / bandwidth``. The cost model (:mod:`autopp.sharding.costs`), the
+``time = α · steps + wire / bandwidth``. The cost model (:mod:`autopp.sharding.cost.model`), the
 loss's cost, the search's latency share and the profile measurement's fit all use it."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ fits its window costs the step nothing; the excess delays the stage or the step'
 such collectives (their times are what the planner is about to choose), so every window is
 the schedule's own. A rank's stages share its one communication stream, so each gets an equal
 share of the rank's shortest window: their collectives then fit together in any order. The
-sharding planner prices against them (:mod:`autopp.sharding.once_per_step`)."""
+sharding planner prices against them (:mod:`autopp.sharding.chain.once_per_step`)."""
 
 from __future__ import annotations
 

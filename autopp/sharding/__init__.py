@@ -15,7 +15,7 @@ docs/design.md, "the sharding planner"."""
 from autopp.sharding.plan import StagePlan
 from autopp.sharding.planner import plan_stage
 from autopp.sharding.request import StageMemory, StageRequest
-from autopp.sharding.solution import InfeasiblePlanError
+from autopp.sharding.ilp.solution import InfeasiblePlanError
 
 __all__ = [
     "InfeasiblePlanError",

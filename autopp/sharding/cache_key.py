@@ -31,15 +31,16 @@ def _describe_tensor(t: Any) -> Any:
 
 
 def planner_source_files() -> list[Path]:
-    """The code a plan depends on: the sharding planner (``sharding/``), the pipeline plan
-    and its maker (``plan/``, ``tied.py``), the ops' rules (``ops/``), the recompute rules
-    (``graph/``), the stage split (``stage_split/``), the model adapters (``adapters/``),
-    the fixed memory terms and the collectives' windows (``schedules/``: the simulator and
-    the action lists it runs; a pipeline key holds the windows' inputs, not their values)."""
+    """The code a plan depends on: the sharding planner (``sharding/``, its subfolders
+    included), tracing (``tracing/``), the pipeline plan and its maker (``plan/``,
+    ``tied.py``), the ops' rules (``ops/``), the recompute rules (``graph/``), the stage split
+    (``stage_split/``), the model adapters (``adapters/``), the fixed memory terms and the
+    collectives' windows (``schedules/``: the simulator and the action lists it runs; a
+    pipeline key holds the windows' inputs, not their values)."""
     root = Path(__file__).parent.parent
-    folders = ("sharding", "plan", "ops", "graph", "stage_split", "adapters")
+    folders = ("sharding", "tracing", "plan", "ops", "graph", "stage_split", "adapters")
     schedules = ("memory_terms.py", "comm_windows.py", "simulate.py", "actions.py")
-    return [*(f for d in folders for f in sorted((root / d).glob("*.py"))), root / "tied.py",
+    return [*(f for d in folders for f in sorted((root / d).rglob("*.py"))), root / "tied.py",
             *(root / "schedules" / f for f in schedules)]
 
 

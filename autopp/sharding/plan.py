@@ -73,7 +73,7 @@ class CollectivePlan:
     per_step: str = ""
     """Which once-per-step action runs it: "UNSHARD" (out of a parameter-only value: a
     weight, its cast or view), "REDUCE_GRAD" (a gradient into its parameter), or "" (every
-    microbatch); :func:`autopp.sharding.once_per_step.once_kind`. Plans saved before it
+    microbatch); :func:`autopp.sharding.chain.once_per_step.once_kind`. Plans saved before it
     existed load with ""."""
 
 
@@ -110,8 +110,8 @@ CAP_DROPPED = "largest-tensor cap"
 (``MemorySpec.largest_tensor_bytes``): its working memory is then not bounded."""
 NEAR_OPTIMAL = "time-only plan within"
 """How a plan's note begins where a unit's time-only plan was taken from its fractional LP
-relaxation with the integral columns fixed (:meth:`~autopp.sharding.highs.WarmLps.fix_and_solve`):
-within a stated fraction of the optimum, not proven optimal. ``describe()`` shows it; it is not
+relaxation with the integral columns fixed
+(:meth:`~autopp.sharding.ilp.highs.WarmLps.fix_and_solve`): within a stated fraction of the optimum, not proven optimal. ``describe()`` shows it; it is not
 a fallback that ``strict`` refuses (a solver tolerance, as a MIP gap is)."""
 
 
@@ -213,7 +213,7 @@ class StagePlan:
     time_bound_s: float | None = None
     """A proven lower bound on :attr:`step_time_s` of any plan of this stage that fits its
     budget, over the recomputation policies planned, for plans built unit by unit
-    (:mod:`autopp.sharding.budget`: weak duality of the memory price, from the solver's own
+    (:mod:`autopp.sharding.chain.budget`: weak duality of the memory price, from the solver's own
     bounds); ``step_time_s`` is within ``(step_time_s - time_bound_s) / step_time_s`` of the
     best such plan. None: not computed (a memory-priced probe)."""
     comm_windows_s: tuple[float, float] = (0.0, 0.0)
@@ -222,7 +222,7 @@ class StagePlan:
     (``StageRequest.comm_windows_s``); zero: none, every collective priced in full."""
     hidden_comm_s: float = 0.0
     """Seconds a step of those collectives the plan expects hidden in those windows
-    (:mod:`autopp.sharding.once_per_step`); :attr:`step_time_s` still counts them in full,
+    (:mod:`autopp.sharding.chain.once_per_step`); :attr:`step_time_s` still counts them in full,
     and the schedule simulator hides what the schedule hides."""
 
     def once_per_step_s(self) -> tuple[float, float]:

@@ -1,8 +1,8 @@
 """``plan_stage``: the planner's one-call entry point (trace, enumerate, price, solve, chain).
 
-It builds the stage as positions of distinct units (:class:`~autopp.sharding.budget.Stage`:
+It builds the stage as positions of distinct units (:class:`~autopp.sharding.chain.budget.Stage`:
 planned flat, or unit by unit with identical units traced and modelled once, memoised
-across calls in :data:`_MEMO`), lets :func:`autopp.sharding.budget.choose_chain` pick one
+across calls in :data:`_MEMO`), lets :func:`autopp.sharding.chain.budget.choose_chain` pick one
 solution per position under the memory budget and the recomputation policy (how: that
 module's docstring), and assembles the chosen solutions into a :class:`StagePlan`.
 """
@@ -21,7 +21,7 @@ import torch
 
 from autopp import tracing
 from autopp._compat import sharding as compat
-from autopp.sharding.budget import (
+from autopp.sharding.chain.budget import (
     CERTIFIED_GAP,
     MODES,
     Chain,
@@ -30,26 +30,26 @@ from autopp.sharding.budget import (
     chain_at_price,
     choose_chain,
 )
-from autopp.sharding.chain import (
+from autopp.sharding.chain.blocks import (
     TracedBlock,
     block_restrictions,
     boundary_candidates,
     trace_unit,
 )
-from autopp.sharding.units import POST, PRE, Unit, stage_units, unit_signature
-from autopp.sharding.costs import CostModel
-from autopp.sharding.memory_row import MemorySpec
+from autopp.tracing.units import POST, PRE, Unit, stage_units, unit_signature
+from autopp.sharding.cost.model import CostModel
+from autopp.sharding.ilp.memory_row import MemorySpec
 from autopp.graph.walk import param_only_nodes
-from autopp.sharding.once_per_step import FREE_WEIGHT, hide_once_per_step, once_kind
-from autopp.sharding.precision import check_policy, maybe_cast, reduce_after_cast
+from autopp.sharding.chain.once_per_step import FREE_WEIGHT, hide_once_per_step
+from autopp.tracing.precision import check_policy, maybe_cast
 from autopp.sharding.request import DEFAULT, StageRequest
 from autopp.sharding.plan import CAP_DROPPED, FLOP_FAILURE, NEAR_OPTIMAL, BlockPlan, CollectivePlan, ParamPlan, StagePlan, describe_keyword_inputs, to_strs
-from autopp.sharding.option import PlacementSpec, matches
-from autopp.sharding.solution import InfeasiblePlanError
-from autopp.sharding.solver import Model
-from autopp.sharding.strategies import enumerate_strategies, tensor_vals
-from autopp.sharding.trace import check_on_meta, graph_signature, trace_joint
-from autopp.sharding.trace_cache import plainest
+from autopp.sharding.options.option import PlacementSpec, matches
+from autopp.sharding.ilp.solution import InfeasiblePlanError
+from autopp.sharding.ilp.solver import Model, once_kind
+from autopp.sharding.options.strategies import enumerate_strategies, reduce_after_cast, tensor_vals
+from autopp.tracing.joint import check_on_meta, graph_signature, trace_joint
+from autopp.tracing.cache import plainest
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,8 @@ DEFAULT = "default"
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StageMemory:
-    """What a stage's memory row counts and what bounds it (:mod:`autopp.sharding.memory_row`)."""
+    """What a stage's memory row counts and what bounds it
+    (:mod:`autopp.sharding.ilp.memory_row`)."""
 
     budget_bytes: float | None = None
     """Per-device bound on what the row counts; None: no bound (memory still estimated)."""
@@ -89,7 +90,7 @@ class StageRequest:
     memory: StageMemory = StageMemory()
     """What the memory row counts and what bounds it."""
     mixed_precision: Any = None
-    """torch's FSDP2 ``MixedPrecisionPolicy`` (:mod:`autopp.sharding.precision`); None: the
+    """torch's FSDP2 ``MixedPrecisionPolicy`` (:mod:`autopp.tracing.precision`); None: the
     parameters' own dtype."""
     tf32: bool | None = None
     """fp32 matmuls at the profile's TF32 rate; None: as torch is set on construction."""
@@ -100,11 +101,11 @@ class StageRequest:
     """The pipeline's microbatches per step (gradients reduced once a step)."""
     comm_windows_s: tuple[float, float] = (0.0, 0.0)
     """Seconds a step the once-per-step gathers and reductions may run beside compute
-    (:mod:`autopp.sharding.once_per_step`); zero: paid in full."""
+    (:mod:`autopp.sharding.chain.once_per_step`); zero: paid in full."""
     time_limit_s: float = 60.0
     """Per ILP."""
     reuse_blocks: bool = True
-    """Plan repeated blocks unit by unit, identical ones once (:mod:`autopp.sharding.units`)."""
+    """Plan repeated blocks unit by unit, identical ones once (:mod:`autopp.tracing.units`)."""
 
     def __post_init__(self) -> None:
         from autopp.profiles.devices import tf32_enabled

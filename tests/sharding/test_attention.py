@@ -79,8 +79,8 @@ def test_masked_sdpa_is_one_op_and_matches_torch(gqa):
 
 
 def test_traced_block_keeps_attention_as_one_op(stack_of):
-    from autopp.sharding.units import stage_units
-    from autopp.sharding.trace import trace_joint
+    from autopp.tracing.units import stage_units
+    from autopp.tracing.joint import trace_joint
 
     (unit,) = stage_units(stack_of(1))
     joint = trace_joint(unit.module, (torch.empty(4, 16, 256, device="meta"),))
@@ -109,8 +109,8 @@ def test_selective_recompute_saves_attention_instead_of_running_it_again(stack_o
     like the matmuls): the backward recomputes no attention, only the cheap ops."""
     from autopp.graph.recompute import recompute_sets
     from autopp.graph.aot import from_aot_joint
-    from autopp.sharding.trace import trace_joint
-    from autopp.sharding.units import stage_units
+    from autopp.tracing.joint import trace_joint
+    from autopp.tracing.units import stage_units
 
     (unit,) = stage_units(stack_of(1))
     joint = trace_joint(unit.module, (torch.empty(4, 16, 256, device="meta"),))
@@ -394,8 +394,8 @@ def test_the_planner_prices_attention_as_the_fused_kernels_run(stack_of, make_me
     attention FLOP rule (:func:`autopp.ops.attention.attention_flops`)."""
     from autopp.ops.attention import attention_flops
     from autopp.profiles.lookup import get_profile
-    from autopp.sharding.chain import trace_block
-    from autopp.sharding.costs import CostModel
+    from autopp.sharding.chain.blocks import trace_block
+    from autopp.sharding.cost.model import CostModel
 
     traced = trace_block(stack_of(1), torch.empty(2, 64, 256, device="meta"), make_mesh(2, 2))
     costs = CostModel(get_profile("H100"), (2, 2))

@@ -1,4 +1,4 @@
-"""The budget search's certified bound (autopp.sharding.budget): on stages whose units have a
+"""The budget search's certified bound (autopp.sharding.chain.budget): on stages whose units have a
 few hand-listed plans, the exact optimum under the budget is found by enumerating every
 chain, and the search's bound must lie below it and its chosen chain within the certified
 gap above it; a policy whose bound cannot beat another policy's chain is not polished."""
@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from autopp.sharding import budget as B
+from autopp.sharding.chain import budget as B
 from autopp.sharding import plan_stage
 from tests.sharding.stage_request import stage_request
-from autopp.sharding.memory_row import MemorySpec
-from autopp.sharding.solution import InfeasiblePlanError, SolveResult
-from autopp.sharding.units import Unit
+from autopp.sharding.ilp.memory_row import MemorySpec
+from autopp.sharding.ilp.solution import InfeasiblePlanError, SolveResult
+from autopp.tracing.units import Unit
 
 PAIR = ("a", "a")
 
@@ -209,7 +209,7 @@ def test_a_policy_its_bytes_only_relaxations_prove_over_budget_skips_its_least_m
     budget, so its least-memory MIPs (seconds each at 70B) are not solved; the plan is the
     one the MIPs' path gives, and the reported least for 'none' is a lower bound of the
     MIPs' least-memory plan that still exceeds the budget."""
-    from autopp.sharding.solver import Model
+    from autopp.sharding.ilp.solver import Model
 
     stage, mesh = stack_of(2), make_mesh(2, 2)
     x = torch.empty(4, 64, 256, device="meta")

@@ -1,4 +1,4 @@
-"""The budget search's mix and polish across boundary pairs (autopp.sharding.budget): a
+"""The budget search's mix and polish across boundary pairs (autopp.sharding.chain.budget): a
 stage of identical blocks whose plans differ by the placement each block receives and
 sends (its boundary pair). The exact optimum under the budget is found by enumerating every
 chain of placements and every plan at every position; the search's chain must fit, lie at
@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-from autopp.sharding import budget as B
+from autopp.sharding.chain import budget as B
 from autopp.sharding import plan_stage
 from tests.sharding.stage_request import stage_request
-from autopp.sharding.memory_row import MemorySpec
-from autopp.sharding.solution import InfeasiblePlanError, SolveResult
-from autopp.sharding.units import Unit
+from autopp.sharding.ilp.memory_row import MemorySpec
+from autopp.sharding.ilp.solution import InfeasiblePlanError, SolveResult
+from autopp.tracing.units import Unit
 
 PAIRS = [("a", "a"), ("a", "b"), ("b", "a"), ("b", "b")]
 MEMORY = MemorySpec(1.0, None, 1.0)

@@ -5,8 +5,8 @@ import torch
 
 from autopp.sharding import plan_stage
 from tests.sharding.stage_request import stage_request
-from autopp.sharding.chain import chain_dp
-from autopp.sharding.solution import InfeasiblePlanError
+from autopp.sharding.chain.blocks import chain_dp
+from autopp.sharding.ilp.solution import InfeasiblePlanError
 
 
 class _R:
@@ -39,7 +39,7 @@ def test_block_stack_planned_once(stack_of, make_mesh):
 
 def test_sequence_parallel_boundaries_are_candidates(llama_debug, make_mesh):
     from autopp._compat import sharding as compat
-    from autopp.sharding.chain import boundary_candidates, trace_block
+    from autopp.sharding.chain.blocks import boundary_candidates, trace_block
 
     traced = trace_block(llama_debug.layers["0"], torch.empty(8, 64, 256, device="meta"),
                          make_mesh(2, 4))

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from autopp._compat import sharding as compat
-from autopp.sharding.costs import CostModel
+from autopp.sharding.cost.model import CostModel
 from autopp.profiles.devices import PROFILES, mesh_links
 from autopp.profiles.lookup import get_profile
 
@@ -76,7 +76,7 @@ def test_all_reduce_of_1mb_over_8_ranks_by_hand():
 def test_loss_parallel_all_reduces_pay_their_ring_steps():
     """Loss parallel over tp = 4 (H100, in one node): three all-reduces of one fp32 per
     token, each 2·3 = 6 steps of 5 us plus 2·3/4 of its bytes over 450 GB/s."""
-    from autopp.sharding.loss_cost import PASSES, cross_entropy_time_s
+    from autopp.sharding.cost.loss import PASSES, cross_entropy_time_s
 
     logits = torch.empty(2, 1024, 32000, device="meta")
     t = cross_entropy_time_s(logits, (2, 4), ("dp", "tp"), "H100", parallel=True)
@@ -133,8 +133,8 @@ def test_an_older_profile_file_without_tf32_loads(tmp_path):
 def test_mm_compute_time_splits_with_sharding(make_mesh):
     from torch import nn
 
-    from autopp.sharding.strategies import enumerate_strategies
-    from autopp.sharding.trace import trace_joint
+    from autopp.sharding.options.strategies import enumerate_strategies
+    from autopp.tracing.joint import trace_joint
 
     with torch.device("meta"):
         lin = nn.Linear(1024, 1024, bias=False)
@@ -155,8 +155,8 @@ def test_fp32_matmul_priced_at_fp32_unless_tf32(make_mesh):
     times the efficiency by default, over 494 TFLOP/s with TF32; in bf16 over 989."""
     from torch import nn
 
-    from autopp.sharding.strategies import enumerate_strategies
-    from autopp.sharding.trace import trace_joint
+    from autopp.sharding.options.strategies import enumerate_strategies
+    from autopp.tracing.joint import trace_joint
 
     flops = 2 * 4096**3
     for dtype, rates in ((torch.float32, (67e12, 494e12)), (torch.bfloat16, (989e12, 989e12))):
@@ -180,8 +180,8 @@ def test_attention_backward_priced_at_its_own_dtype(make_mesh, dtype, rate):
     from torch import nn
 
     import autopp.ops.attention  # noqa: F401  (registers autopp::sdpa)
-    from autopp.sharding.strategies import enumerate_strategies
-    from autopp.sharding.trace import trace_joint
+    from autopp.sharding.options.strategies import enumerate_strategies
+    from autopp.tracing.joint import trace_joint
 
     class Attention(nn.Module):
         def __init__(self):
@@ -219,7 +219,7 @@ def test_a_failing_flop_formula_is_logged_and_noted(make_mesh, monkeypatch, capl
     monkeypatch.setitem(flop_registry, torch.ops.aten.mm, boom)
     with torch.device("meta"):
         lin = nn.Linear(256, 256, bias=False)
-    with caplog.at_level("WARNING", logger="autopp.sharding.costs"):
+    with caplog.at_level("WARNING", logger="autopp.sharding.cost.model"):
         plan = plan_stage(stage_request(lin, (torch.empty(64, 256, device="meta"),),
                                         make_mesh(2, 2), profile="H100", reuse_blocks=False))
     assert "FLOP formula of aten.mm.default failed" in caplog.text

@@ -1,4 +1,4 @@
-"""Routed experts dispatching tokens by all-to-all (``autopp.sharding.expert_dispatch``).
+"""Routed experts dispatching tokens by all-to-all (``autopp.sharding.options.expert_dispatch``).
 
 On 4 gloo ranks the op, given its devices' token rows and expert shards and a process group,
 equals a dense hand-written MoE (every expert on every token, weighted by the routing):
@@ -42,7 +42,7 @@ def _routed_node(mode: str, batch: int = 4):
     import copy
 
     from autopp.adapters.torchtitan_moe import set_token_dispatch, token_dispatch
-    from autopp.sharding.trace import trace_joint
+    from autopp.tracing.joint import trace_joint
     from tests.models import qwen3_moe_meta
 
     block = qwen3_moe_meta(1).layers["0"]
@@ -60,7 +60,7 @@ def _routed_node(mode: str, batch: int = 4):
 
 
 def _kinds(node, options) -> set[str]:
-    from autopp.sharding.expert_dispatch import dispatch_dims
+    from autopp.sharding.options.expert_dispatch import dispatch_dims
 
     out = set()
     for o in options:
@@ -79,8 +79,8 @@ def _kinds(node, options) -> set[str]:
     ("all_gather", {"all_gather", "local"}),
 ])
 def test_planner_gets_the_dispatch_options_the_setting_allows(make_mesh, mode, kinds):
-    from autopp.sharding.expert_dispatch import dispatch_dims
-    from autopp.sharding.strategies import enumerate_strategies
+    from autopp.sharding.options.expert_dispatch import dispatch_dims
+    from autopp.sharding.options.strategies import enumerate_strategies
 
     joint, node = _routed_node(mode)
     st = enumerate_strategies(joint, make_mesh(2, 2))
@@ -105,9 +105,9 @@ def test_backward_takes_the_forwards_routing_as_it_was_made(make_mesh):
     equal placements, never through a redistribution, and every placement the forward can
     give them has such a link."""
     from autopp.profiles import get_profile
-    from autopp.sharding.costs import CostModel
-    from autopp.sharding.solver import Model
-    from autopp.sharding.strategies import enumerate_strategies
+    from autopp.sharding.cost.model import CostModel
+    from autopp.sharding.ilp.solver import Model
+    from autopp.sharding.options.strategies import enumerate_strategies
 
     joint, fwd = _routed_node("auto")
     bwd = next(n for n in joint.gm.graph.nodes
@@ -124,7 +124,7 @@ def test_backward_takes_the_forwards_routing_as_it_was_made(make_mesh):
 
 
 def _kinds_bwd(node, options) -> set[str]:
-    from autopp.sharding.expert_dispatch import dispatch_dims
+    from autopp.sharding.options.expert_dispatch import dispatch_dims
 
     return {"all_to_all" if dispatch_dims(node, o)
             else "all_gather" if any(p.is_shard() for p in o.ins[4]) else "local"
@@ -139,9 +139,9 @@ def test_all_to_all_moves_k_rows_per_token_and_wins_only_when_ep_exceeds_top_k(m
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     from autopp.profiles import get_profile
-    from autopp.sharding.costs import CostModel
-    from autopp.sharding.op_hooks import hooks_of
-    from autopp.sharding.strategies import NodeStrategy, Option, tensor_vals
+    from autopp.sharding.cost.model import CostModel
+    from autopp.sharding.options.op_hooks import hooks_of
+    from autopp.sharding.options.strategies import NodeStrategy, Option, tensor_vals
 
     for n, a2a_cheaper in ((4, False), (16, True)):
         # bandwidth-bound sizes: 512 batch rows a device (at 64 the 9 or 12 ring steps of

@@ -129,7 +129,7 @@ def test_flops_count_the_routed_tokens_on_the_local_experts():
 
 def test_torchtitan_moe_traces_with_its_count_as_a_buffer_update():
     pytest.importorskip("torchtitan")
-    from autopp.sharding.trace import trace_joint
+    from autopp.tracing.joint import trace_joint
     from tests.models import qwen3_moe_meta
 
     block = qwen3_moe_meta(1).layers["0"]

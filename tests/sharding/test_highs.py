@@ -1,4 +1,4 @@
-"""The planner's HiGHS runs (autopp.sharding.highs): warm re-solves honour their own time
+"""The planner's HiGHS runs (autopp.sharding.ilp.highs): warm re-solves honour their own time
 limit, and a warm start that runs past its guard is solved again cold."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from autopp.sharding import highs
+from autopp.sharding.ilp import highs
 
 
 def _lp(n: int = 400, m: int = 300, seed: int = 0):

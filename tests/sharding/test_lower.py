@@ -12,9 +12,9 @@ from autopp.sharding.plan import from_strs
 def test_lowered_block_has_local_shapes_and_collectives(make_mesh, stack_of):
     from autopp.sharding import plan_stage
     from tests.sharding.stage_request import stage_request
-    from autopp.sharding.units import stage_units
+    from autopp.tracing.units import stage_units
     from autopp.lower.local_graphs import lower_joint, split_local
-    from autopp.sharding.trace import trace_joint
+    from autopp.tracing.joint import trace_joint
 
     mesh = make_mesh(2, 2)
     stack = stack_of(1)
@@ -83,8 +83,8 @@ def test_lowered_pieces_issue_collectives_early_and_wait_at_first_use(make_mesh,
     from autopp.lower.local_graphs import lower_joint, split_local
     from autopp.sharding import plan_stage
     from tests.sharding.stage_request import stage_request
-    from autopp.sharding.trace import trace_joint
-    from autopp.sharding.units import stage_units
+    from autopp.tracing.joint import trace_joint
+    from autopp.tracing.units import stage_units
     from tests.graph.test_overlap import check_overlapped, collective_order
 
     mesh = make_mesh(2, 2)
@@ -154,8 +154,8 @@ def _planned_units(stack, mesh):
     from autopp.lower.local_graphs import LoweredUnit
     from autopp.sharding import plan_stage
     from tests.sharding.stage_request import stage_request
-    from autopp.sharding.trace import trace_joint
-    from autopp.sharding.units import stage_units
+    from autopp.tracing.joint import trace_joint
+    from autopp.tracing.units import stage_units
 
     total = sum(p.numel() * p.element_size() for p in stack.parameters())
     x = torch.empty(4, 16, 256, device="meta")
@@ -259,8 +259,8 @@ def test_a_stitched_stage_computes_what_autograd_does(make_mesh, llama_debug):
     from autopp.lower.local_graphs import LoweredUnit, lower_stage
     from autopp.sharding import plan_stage
     from tests.sharding.stage_request import stage_request
-    from autopp.sharding.trace import trace_joint
-    from autopp.sharding.units import stage_units
+    from autopp.tracing.joint import trace_joint
+    from autopp.tracing.units import stage_units
     from tests.parity import assert_parity
     from tests.sharding.conftest import BlockStack
 

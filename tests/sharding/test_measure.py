@@ -13,7 +13,7 @@ import torch
 from autopp.plan.objective import pp_link
 from autopp._compat import sharding as compat
 from autopp.profiles import measure, devices as profiles
-from autopp.sharding.costs import CostModel
+from autopp.sharding.cost.model import CostModel
 from autopp.profiles.link_fit import fit_latency_bandwidth, ring_steps, wire_bytes
 from autopp.profiles.measure import measure_profile, measured_name
 from autopp.profiles.devices import (

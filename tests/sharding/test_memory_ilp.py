@@ -11,7 +11,7 @@ import torch
 
 from autopp.sharding import InfeasiblePlanError, StagePlan, plan_stage
 from tests.sharding.stage_request import stage_request
-from autopp.sharding import budget as B
+from autopp.sharding.chain import budget as B
 
 from .conftest import BlockStack
 
@@ -30,8 +30,8 @@ def test_activation_estimate_equals_lowered_graphs(block, make_mesh):
     from autopp.lower.local_graphs import lower_joint, split_local
     from autopp.lower.memory import saved_bytes, unsharded_bytes
     from autopp.adapters.torchtitan_reference import torchtitan_param_placements
-    from autopp.sharding.trace import trace_joint
-    from autopp.sharding.units import stage_units
+    from autopp.tracing.joint import trace_joint
+    from autopp.tracing.units import stage_units
 
     mesh = make_mesh(2, 2)
     x = torch.empty(8, 64, 256, device="meta")
@@ -67,8 +67,8 @@ def test_split_backward_row_counts_what_w_keeps_at_each_peak(block, make_mesh, m
     activations-only count and the split count is refused by the latter."""
     from autopp.adapters.torchtitan_reference import torchtitan_param_placements
     from autopp.lower.local_graphs import lower_joint, split_local
-    from autopp.sharding.trace import trace_joint
-    from autopp.sharding.units import stage_units
+    from autopp.tracing.joint import trace_joint
+    from autopp.tracing.units import stage_units
 
     mesh = make_mesh(2, 2)
     x = torch.empty(8, 64, 256, device="meta")
@@ -139,8 +139,8 @@ def test_sequence_parallel_recompute_regathers_instead_of_saving(block, make_mes
     from autopp.lower.local_graphs import lower_joint, split_local
     from autopp.lower.memory import saved_bytes
     from autopp.adapters.torchtitan_reference import torchtitan_param_placements
-    from autopp.sharding.trace import trace_joint
-    from autopp.sharding.units import stage_units
+    from autopp.tracing.joint import trace_joint
+    from autopp.tracing.units import stage_units
 
     mesh = make_mesh(1, 4)
     x = torch.empty(2, 64, 256, device="meta")
@@ -167,10 +167,10 @@ def test_sequence_parallel_recompute_regathers_instead_of_saving(block, make_mes
 def test_ilp_row_matches_account_and_recompute_lowers_activations(llama_debug, make_mesh):
     """(d) none > selective > full in activation bytes (each plan free); and the ILP's
     memory row, priced, equals the exact walk of the chosen plan."""
-    from autopp.sharding.chain import block_restrictions, boundary_candidates, trace_block
-    from autopp.sharding.costs import CostModel
+    from autopp.sharding.chain.blocks import block_restrictions, boundary_candidates, trace_block
+    from autopp.sharding.cost.model import CostModel
     from autopp.profiles.lookup import get_profile
-    from autopp.sharding.solver import MemorySpec, Model
+    from autopp.sharding.ilp.solver import MemorySpec, Model
 
     mesh = make_mesh(2, 2)
     traced = trace_block(llama_debug.layers["0"], torch.empty(8, 64, 256, device="meta"), mesh)
@@ -321,8 +321,8 @@ def test_largest_tensor_bound_holds_in_the_lowered_graphs(block, make_mesh):
     (values of parameters and buffers alone aside: the step holds those); a tighter bound
     costs time; one no plan meets is dropped, and the plan says so where describe() reads."""
     from autopp.lower.local_graphs import lower_joint, split_local
-    from autopp.sharding.trace import trace_joint
-    from autopp.sharding.units import stage_units
+    from autopp.tracing.joint import trace_joint
+    from autopp.tracing.units import stage_units
 
     mesh = make_mesh(2, 2)
     x = torch.empty(8, 64, 256, device="meta")

@@ -1,5 +1,5 @@
 """Once-per-step collectives priced by what the schedule leaves exposed
-(autopp.sharding.once_per_step, ``StageRequest.comm_windows_s``).
+(autopp.sharding.chain.once_per_step, ``StageRequest.comm_windows_s``).
 
 The plans are lowered to the graphs that run (:func:`autopp.estimate.stage_costs.stage_facts`:
 the UNSHARD graph's gathers and the REDUCE_GRAD graph's reductions, priced; not the ILP's
@@ -120,10 +120,10 @@ def test_a_window_too_short_to_matter_leaves_the_plan_alone(block, make_mesh, lo
 def test_no_plan_pays_more_than_the_models_bound(block, make_mesh):
     """``Model.once_max_s`` (each once-per-step edge at its dearest pair) bounds what any
     plan's collectives cost: the fastest, the least-memory and a budgeted plan."""
-    from autopp.sharding.chain import block_restrictions, boundary_candidates, trace_block
-    from autopp.sharding.costs import CostModel
-    from autopp.sharding.memory_row import MemorySpec
-    from autopp.sharding.solver import Model
+    from autopp.sharding.chain.blocks import block_restrictions, boundary_candidates, trace_block
+    from autopp.sharding.cost.model import CostModel
+    from autopp.sharding.ilp.memory_row import MemorySpec
+    from autopp.sharding.ilp.solver import Model
     from autopp.profiles.lookup import get_profile
 
     mesh = make_mesh(4, 1)

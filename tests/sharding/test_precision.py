@@ -9,10 +9,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autopp.sharding import plan_stage
 from tests.sharding.stage_request import stage_request
-from autopp.sharding.units import stage_units
+from autopp.tracing.units import stage_units
 from autopp.lower.local_graphs import lower_joint
-from autopp.sharding.precision import check_policy, maybe_cast
-from autopp.sharding.trace import trace_joint
+from autopp.tracing.precision import check_policy, maybe_cast
+from autopp.tracing.joint import trace_joint
 from tests.sharding._apply_worker import build
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -68,10 +68,10 @@ def test_fixed_param_placement_is_honoured(mlp_meta, make_mesh):
 
 def test_ilp_objective_matches_evaluation(llama_debug, make_mesh):
     """The ILP's objective and a re-pricing of its chosen options agree (no folding bugs)."""
-    from autopp.sharding.chain import block_restrictions, boundary_candidates, trace_block
-    from autopp.sharding.costs import CostModel
+    from autopp.sharding.chain.blocks import block_restrictions, boundary_candidates, trace_block
+    from autopp.sharding.cost.model import CostModel
     from autopp.profiles.lookup import get_profile
-    from autopp.sharding.solver import Model
+    from autopp.sharding.ilp.solver import Model
 
     mesh = make_mesh(2, 4)
     traced = trace_block(llama_debug.layers["0"], torch.empty(8, 64, 256, device="meta"), mesh)
@@ -99,10 +99,10 @@ def test_least_memory_breaks_ties_by_time(stack_of, make_mesh):
     0.03%, after 17 s of degenerate simplex; 1 s now)."""
     import math
 
-    from autopp.sharding.chain import block_restrictions, boundary_candidates, trace_block
-    from autopp.sharding.costs import CostModel
+    from autopp.sharding.chain.blocks import block_restrictions, boundary_candidates, trace_block
+    from autopp.sharding.cost.model import CostModel
     from autopp.profiles.lookup import get_profile
-    from autopp.sharding.solver import Model
+    from autopp.sharding.ilp.solver import Model
 
     mesh = make_mesh(2, 2)
     traced = trace_block(stack_of(1), torch.empty(2, 64, 256, device="meta"), mesh)
@@ -143,11 +143,11 @@ def test_a_fractional_price_solve_is_rounded_not_branched(llama_debug, make_mesh
     (0.6 / 0.4 over its first two options): small blocks' relaxations come out integral."""
     import math
 
-    from autopp.sharding.chain import block_restrictions, boundary_candidates, trace_block
-    from autopp.sharding.costs import CostModel
+    from autopp.sharding.chain.blocks import block_restrictions, boundary_candidates, trace_block
+    from autopp.sharding.cost.model import CostModel
     from autopp.profiles.lookup import get_profile
-    from autopp.sharding.memory_row import MemorySpec
-    from autopp.sharding.solver import Model
+    from autopp.sharding.ilp.memory_row import MemorySpec
+    from autopp.sharding.ilp.solver import Model
 
     mesh = make_mesh(2, 2)
     traced = trace_block(llama_debug.layers["0"], torch.empty(8, 64, 256, device="meta"), mesh)
@@ -180,11 +180,11 @@ def test_a_fractional_time_only_solve_fixes_the_integral_columns(llama_debug, ma
     integral relaxation, no MIP) gives: taken. Told the relaxation's optimum is 2% lower,
     the same plan is not within ``FIX_GAP`` of it: refused, and the whole MIP gives the
     same optimum."""
-    import autopp.sharding.highs as highs
-    from autopp.sharding.chain import block_restrictions, boundary_candidates, trace_block
-    from autopp.sharding.costs import CostModel
+    import autopp.sharding.ilp.highs as highs
+    from autopp.sharding.chain.blocks import block_restrictions, boundary_candidates, trace_block
+    from autopp.sharding.cost.model import CostModel
     from autopp.profiles.lookup import get_profile
-    from autopp.sharding.solver import Model
+    from autopp.sharding.ilp.solver import Model
 
     mesh = make_mesh(2, 2)
     traced = trace_block(llama_debug.layers["0"], torch.empty(8, 64, 256, device="meta"), mesh)
@@ -222,7 +222,7 @@ def test_a_plan_taken_from_a_fixed_relaxation_says_so(stack_of, make_mesh, monke
     option at 0.6, the next column at 0.4) is planned from the fixed relaxation, and its
     plan's notes, which ``describe()`` shows, say so: within ``FIX_GAP``, not proven
     optimal."""
-    import autopp.sharding.highs as highs
+    import autopp.sharding.ilp.highs as highs
     from autopp.sharding import planner
     from autopp.sharding.plan import NEAR_OPTIMAL
 

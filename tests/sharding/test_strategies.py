@@ -2,8 +2,8 @@ import torch
 from torch import nn
 
 from autopp._compat import sharding as compat
-from autopp.sharding.strategies import all_placements, enumerate_strategies
-from autopp.sharding.trace import trace_joint
+from autopp.sharding.options.strategies import all_placements, enumerate_strategies
+from autopp.tracing.joint import trace_joint
 
 
 def test_llama_block_has_no_fallbacks(llama_debug, make_mesh):

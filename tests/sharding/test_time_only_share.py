@@ -1,4 +1,4 @@
-"""Time-only solves shared across memory accountings (autopp.sharding.solver.Model.solve).
+"""Time-only solves shared across memory accountings (autopp.sharding.ilp.solver.Model.solve).
 
 A solve with neither a memory price nor a budget never reads the memory row, so stages that
 hold the same unit and differ only in their microbatches in flight (the activation factor)
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopp.sharding import highs
-from autopp.sharding.memory_row import MemorySpec
+from autopp.sharding.ilp import highs
+from autopp.sharding.ilp.memory_row import MemorySpec
 
 
 @pytest.fixture
@@ -37,9 +37,9 @@ def runs(monkeypatch):
 
 @pytest.fixture(scope="module")
 def unit(llama_debug, make_mesh):
-    from autopp.sharding.chain import block_restrictions, boundary_candidates, trace_block
-    from autopp.sharding.costs import CostModel
-    from autopp.sharding.solver import Model
+    from autopp.sharding.chain.blocks import block_restrictions, boundary_candidates, trace_block
+    from autopp.sharding.cost.model import CostModel
+    from autopp.sharding.ilp.solver import Model
     from autopp.profiles.lookup import get_profile
 
     mesh = make_mesh(2, 2)
@@ -110,8 +110,8 @@ def test_what_the_time_only_lp_depends_on_makes_a_solve_of_its_own(unit, runs):
     legacy = base.with_memory(MemorySpec())
     assert 1 == ran(lambda: legacy.solve(*pairs[0]))
     # another model (another cost model) keeps its own
-    from autopp.sharding.costs import CostModel
-    from autopp.sharding.solver import Model
+    from autopp.sharding.cost.model import CostModel
+    from autopp.sharding.ilp.solver import Model
     from autopp.profiles.lookup import get_profile
 
     other = Model(base.st, CostModel(get_profile("A100"), (2, 2)), memory=_spec(3.0))

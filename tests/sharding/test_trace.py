@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from autopp.sharding.trace import graph_signature, trace_joint
+from autopp.tracing.joint import graph_signature, trace_joint
 
 
 def test_llama_block_joint_graph_ties_params_to_grads(llama_debug):

@@ -1,4 +1,4 @@
-"""Joint graphs reused within a process (autopp.sharding.trace_cache): a unit traced again
+"""Joint graphs reused within a process (autopp.tracing.cache): a unit traced again
 with the same code, attributes, parameters, hooks and inputs is served the earlier graph;
 any change to those traces again."""
 
@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopp import tracing
-from autopp.sharding import trace_cache
-from autopp.sharding.trace import graph_signature, trace_joint
-from autopp.sharding.trace_cache import trace_stats, traced_unit
+from autopp.tracing import cache as trace_cache
+from autopp.tracing.joint import graph_signature, trace_joint
+from autopp.tracing.cache import trace_stats, traced_unit
 
 
 class _Mlp(nn.Module):

@@ -1,6 +1,6 @@
 """A stage costed after it was planned in the same process reuses the planner's traces
-(autopp.sharding.chain.trace_unit and autopp.estimate.stage_costs.stage_facts both go
-through autopp.sharding.trace_cache), the stage cut's hooked end blocks included."""
+(autopp.sharding.chain.blocks.trace_unit and autopp.estimate.stage_costs.stage_facts both go
+through autopp.tracing.cache), the stage cut's hooked end blocks included."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autopp.estimate.stage_costs import stage_facts
-from autopp.sharding import plan_stage, trace_cache
+from autopp.sharding import plan_stage
+from autopp.tracing import cache as trace_cache
 from tests.sharding.stage_request import stage_request
-from autopp.sharding.trace_cache import plainest, trace_stats
+from autopp.tracing.cache import plainest, trace_stats
 from autopp.stage_split import build_stage_module
 
 X = torch.empty(8, 64, 256, device="meta")

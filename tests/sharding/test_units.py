@@ -1,4 +1,4 @@
-"""Stage units read off the model's own forward (autopp.sharding.units), nested and found
+"""Stage units read off the model's own forward (autopp.tracing.units), nested and found
 layer containers, and tied parameters: single process, on meta or CPU."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from autopp.init import init_module_
-from autopp.sharding.units import BlockCall, stage_units, unit_signature
+from autopp.tracing.units import BlockCall, stage_units, unit_signature
 from autopp.stage_split import build_stage_module, inspect_model, merge_stage_modules
 from autopp.stage_split.build import Skipped
 from tests.models import hf_meta, llama3_meta, qwen3_meta
@@ -143,7 +143,7 @@ def test_keyword_inputs_are_inputs_of_every_unit_and_reach_attention(name):
     import transformers
 
     from autopp import adapters
-    from autopp.sharding.trace import trace_joint
+    from autopp.tracing.joint import trace_joint
 
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4,

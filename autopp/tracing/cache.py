@@ -27,7 +27,7 @@ from torch import fx, nn
 
 from autopp import tracing
 from autopp._compat import sharding as compat
-from autopp.sharding.trace import JointGraph, trace_joint
+from autopp.tracing.joint import JointGraph, trace_joint
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def traced_unit(module: nn.Module, example_inputs: tuple[Any, ...], *,
     traces where one has the same trace key (see the module's docstring). ``prepare`` (e.g. a
     meta copy, a cast to ``param_dtype``) must keep parameter and buffer shapes and, apart
     from the cast to ``param_dtype`` (part of the key), dtypes. ``differentiable``: as
-    :func:`~autopp.sharding.trace.trace_joint` takes it."""
+    :func:`~autopp.tracing.joint.trace_joint` takes it."""
     try:
         key = (trace_key(module, example_inputs, param_dtype), differentiable)
     except _Uncacheable as e:

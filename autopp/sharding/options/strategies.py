@@ -22,10 +22,10 @@ import torch
 from torch import fx
 
 from autopp._compat import sharding as compat
-from autopp.sharding import expert_dispatch  # noqa: F401  (registers its op hooks)
-from autopp.sharding import op_hooks
-from autopp.sharding.option import Option, Placements, local_shape, tensor_vals
-from autopp.sharding.trace import JointGraph
+from autopp.sharding.options import expert_dispatch  # noqa: F401  (registers its op hooks)
+from autopp.sharding.options import op_hooks
+from autopp.sharding.options.option import Option, Placements, local_shape, tensor_vals
+from autopp.tracing.joint import JointGraph
 
 logger = logging.getLogger(__name__)
 _WARNED: set[str] = set()
@@ -339,3 +339,20 @@ class _Enumerator:
 def enumerate_strategies(joint: JointGraph, mesh) -> Strategies:
     """Candidate options of every node of ``joint`` on ``mesh`` (a real or fake DeviceMesh)."""
     return _Enumerator(joint, mesh).run()
+
+
+_CASTS = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+
+
+def reduce_after_cast(strategies: Strategies) -> int:
+    """Pin each gradient-output cast node to take its input unredistributed (so reductions of
+    a partial gradient happen after the cast, in the master dtype). Returns how many."""
+    joint = strategies.joint
+    n = 0
+    for g in joint.grads.values():
+        ns = strategies.nodes.get(g)
+        if ns is None or g.target not in _CASTS or not ns.options or len(ns.edges) != 1:
+            continue
+        ns.follows = {o: (o.ins[0],) for o in ns.options}
+        n += 1
+    return n

@@ -1,6 +1,6 @@
 """The fastest chain of unit plans under a memory budget over the plans already met: a
 multiple-choice knapsack along a stage's chain of boundary placements
-(:func:`fastest_mix`), what :mod:`autopp.sharding.budget` re-chooses its chain by after each
+(:func:`fastest_mix`), what :mod:`autopp.sharding.chain.budget` re-chooses its chain by after each
 memory price and after its polish. Exact over the plans given: each position may take any
 plan met for its unit on any boundary pair that chains with its neighbours', so identical
 blocks may take different plans and pairs where one plan for all cannot use the budget."""
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from autopp.sharding.solution import SolveResult
+from autopp.sharding.ilp.solution import SolveResult
 
 
 def pareto_front(items: Sequence[Any], time_of: Callable[[Any], float],

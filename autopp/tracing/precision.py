@@ -5,9 +5,10 @@ The policy is torch's FSDP2 :class:`~torch.distributed.fsdp.MixedPrecisionPolicy
 torchtitan user passes what they have. Units are traced through :class:`CastParams`, which
 casts floating parameters to ``param_dtype`` at the top of the forward: the casts and their
 backward casts are graph nodes the planner prices (gathering after the cast moves half the
-bytes). :func:`reduce_after_cast` pins every gradient cast to take its input unredistributed,
-so partial gradients are reduced in ``reduce_dtype``, never in bf16. ``reduce_dtype`` must be
-the parameters' own (master) dtype."""
+bytes); the planner pins every gradient cast to take its input unredistributed
+(:func:`autopp.sharding.options.strategies.reduce_after_cast`), so partial gradients are
+reduced in ``reduce_dtype``, never in bf16. ``reduce_dtype`` must be the parameters' own
+(master) dtype."""
 
 from __future__ import annotations
 
@@ -16,10 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-
-from autopp.sharding.strategies import Strategies
-
-_CASTS = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default}
 
 
 def check_policy(policy: MixedPrecisionPolicy | None, module: nn.Module) -> str | None:
@@ -72,17 +69,3 @@ class CastParams(nn.Module):
 def maybe_cast(module: nn.Module, param_dtype: str | None) -> nn.Module:
     """``module`` itself, or wrapped in :class:`CastParams` for ``param_dtype``."""
     return module if param_dtype is None else CastParams(module, dtype_of(param_dtype))
-
-
-def reduce_after_cast(strategies: Strategies) -> int:
-    """Pin each gradient-output cast node to take its input unredistributed (so reductions of
-    a partial gradient happen after the cast, in the master dtype). Returns how many."""
-    joint = strategies.joint
-    n = 0
-    for g in joint.grads.values():
-        ns = strategies.nodes.get(g)
-        if ns is None or g.target not in _CASTS or not ns.options or len(ns.edges) != 1:
-            continue
-        ns.follows = {o: (o.ins[0],) for o in ns.options}
-        n += 1
-    return n

@@ -1,21 +1,22 @@
-r"""The sharding ILP of one unit, solved with HiGHS (highspy).
+r"""The sharding ILP of one unit (:class:`Model`), solved with HiGHS; each family's builder named.
 
-    min  Σ_v Σ_o c[v,o] x[v,o] + Σ_e Σ_(a,g) r[e](a,g) y[e,a,g]  (+ Recomp, + λ · row)
-    s.t. Σ_o x[v,o] = 1                                           ∀ v  (_one_option_per_node)
+    min  Σ c[v,o] x[v,o] + Σ r[e](a,g) y[e,a,g] + Σ R[v,o] x[v,o]  (+ λ · memory row)
+    s.t. Σ_o x[v,o] = 1                          ∀ v   Model._one_option_per_node
          Σ_g y[e,a,g] = Σ_(o ∈ O_u^a) x[u,o],
-         Σ_a y[e,a,g] = Σ_(o ∈ O_v^g) x[v,o]                      ∀ e  (_edge_flows)
-         State + f · Act + Gath ≤ M                              (memory_row.MemoryRow)
+         Σ_a y[e,a,g] = Σ_(o ∈ O_v^g) x[v,o]     ∀ e   Model._edge_flows (ties: _tie_edges)
+         x[v,o] = 0 off a node's fixed placement       Model._upper_bounds
+         x, y = 0 where a tensor exceeds the cap       Model.column_bytes
+         State + f · Act + Gath ≤ M                     memory_row.MemoryRow.terms
          x ∈ {0, 1},  y ≥ 0
-
-x picks a node's option (strategies.py), y carries an edge's (produced, required) placement
-pair, c and r are compute and redistribution times (costs.py), M the budget, or λ its price.
-Ties are edges (``_tie_edges``: gradient → parameter, output → tangent), and fixed placements
-are column upper bounds (``_upper_bounds``), so one model serves every boundary pair. Without
-the memory row the LP relaxation is integral in practice, so :meth:`Model.solve` runs the LP
-first and branches only on a fractional x."""
+x picks a node's option (options/strategies.py), y carries an edge's (produced, required)
+placement pair; c, r are compute and redistribution times (cost/model.py), R recomputation and
+the row's terms are the memory row's (memory_row.py); M the budget, or λ its price
+(``Model._costs_for``). The LP relaxation is integral in practice without the row, so
+:meth:`Model.solve` runs the LP first and branches only on a fractional x."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping
@@ -26,21 +27,17 @@ import numpy as np
 from torch import fx
 
 from autopp.graph.walk import param_only_nodes
-from autopp.sharding import op_hooks, time_only
-from autopp.sharding.once_per_step import once_kind
-from autopp.sharding.costs import CostModel
-from autopp.sharding.highs import WarmLps, highspy
-from autopp.sharding.memory_row import MIB as _MIB  # the memory row's unit
-from autopp.sharding.memory_row import MemoryAccount, MemoryRow, MemorySpec, Recompute, Terms
-from autopp.sharding.option import PlacementSpec, matches
+from autopp.sharding.options import op_hooks
+from autopp.sharding.cost.model import CostModel
+from autopp.sharding.ilp.highs import WarmLps, highspy
+from autopp.sharding.ilp.memory_row import MIB as _MIB  # the memory row's unit
+from autopp.sharding.ilp.memory_row import MemoryAccount, MemoryRow, MemorySpec, Recompute, Terms
+from autopp.sharding.options.option import PlacementSpec, matches
 from autopp.format import format_bytes
 from autopp.sharding.plan import CAP_DROPPED
-from autopp.sharding.redistribution_peaks import peak_table, redistribution_bytes
-from autopp.sharding.solution import InfeasiblePlanError, SolveResult, evaluate
-from autopp.sharding.strategies import Option, Strategies, tensor_vals
-
-"""Per mesh dim: a torch Placement, or None for "any"."""
-
+from autopp.sharding.cost.redistribution_peaks import peak_table, redistribution_bytes
+from autopp.sharding.ilp.solution import InfeasiblePlanError, SolveResult
+from autopp.sharding.options.strategies import Option, Strategies, tensor_vals
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +45,23 @@ _SCALE = 1e6
 """Costs go to the solver in microseconds so its tolerances sit far below one cost unit."""
 BYTES_ONLY = -math.inf
 """The ``price`` of :meth:`Model.solve` that minimises the memory row alone."""
+UNSHARD, REDUCE_GRAD = 0, 1
+"""The kinds of a once-per-step edge (:func:`once_kind`), indices into the (UNSHARD,
+REDUCE_GRAD) pairs of the planner (``Model.once_max_s``, ``SolveResult.once_comm_s``)."""
+TIME_ONLY_LIMIT = 256
+"""Time-only solutions a model keeps (:meth:`Model.solve`; per boundary pair and
+recomputation policy: a few)."""
+
+
+def once_kind(dst, i: int | None, src, param_nodes, param_only) -> int | None:
+    """The kind of an ILP edge that runs once per step, or None for a per-microbatch edge:
+    REDUCE_GRAD for a gradient flowing into its parameter (a tie, ``i`` None), UNSHARD for
+    an edge out of a parameter-only value (a cast, view or gather of weights)."""
+    if i is None and dst in param_nodes:
+        return REDUCE_GRAD
+    if src in param_only:
+        return UNSHARD
+    return None
 
 
 class Model:
@@ -81,7 +95,7 @@ class Model:
         self._once_scales = (tuple(grad_reduce_scale) if isinstance(grad_reduce_scale, tuple)
                              else (grad_reduce_scale, grad_reduce_scale))
         #: Weight of those edges in the objective only (0: free, the planner's second look
-        #: where the schedule may hide them, :mod:`autopp.sharding.once_per_step`); what a
+        #: where the schedule may hide them, :mod:`autopp.sharding.chain.once_per_step`); what a
         #: solution records (its collectives, :attr:`SolveResult.once_comm_s`) is their time.
         self.once_weight = once_weight
         #: (UNSHARD, REDUCE_GRAD) seconds per microbatch the once-per-step edges cost at
@@ -120,13 +134,14 @@ class Model:
         self._one_option_per_node()
         self.num_x = len(self.cost)  # the option columns come first
         self._edge_flows()
-        #: Time-only solves by LP (:mod:`autopp.sharding.time_only`), shared by the
+        #: Time-only solves by the key of their LP (:meth:`_time_only_hit`), shared by the
         #: with_memory copies.
         self._time_only: dict[tuple, tuple] = {}
-        #: The memory row's parts that do not depend on the activation factor (MemoryRow).
+        #: The memory row's parts that do not depend on the activation factor, shared by the
+        #: with_memory copies (:class:`MemoryRow`).
         self._shared_terms: dict[str, dict] = {}
         #: The memory row and recomputation costs, per recomputation policy.
-        self.memory_row = MemoryRow(self)
+        self.memory_row = MemoryRow(self, self._param_only, self._shared_terms)
         #: Solved LP relaxations kept for the next solve (a price search changes only the
         #: costs, another boundary pair only column bounds: the next solve starts from the
         #: last optimal basis; a polish, the memory row's bound), by recomputation policy.
@@ -142,7 +157,7 @@ class Model:
 
         other = copy.copy(self)
         other.memory = memory
-        other.memory_row = MemoryRow(other)
+        other.memory_row = MemoryRow(other, self._param_only, self._shared_terms)  # shared
         other._warm = self._warm  # keyed by the LP's structure; the memory row is re-set
         return other
 
@@ -288,7 +303,7 @@ class Model:
         return self._col_bytes_array
 
     def once_kind(self, dst: fx.Node, i: int | None, src: fx.Node | None = None) -> int | None:
-        """:func:`autopp.sharding.once_per_step.once_kind` of an edge of this graph."""
+        """:func:`once_kind` of an edge of this graph."""
         return once_kind(dst, i, src, self._param_nodes, self._param_only)
 
     def edge_scale(self, dst: fx.Node, i: int | None, src: fx.Node | None = None) -> float:
@@ -438,12 +453,12 @@ class Model:
         warm = (recompute, m.optimizer_state_factor, m.counts_activations,
                 len(t.upper), len(t.rows), least)
         # a time-only solve never reads the memory row: solved once for every activation
-        # factor, re-counted under each (:mod:`autopp.sharding.time_only`)
+        # factor, re-counted under each (_time_only_hit)
         shared = None
         if price == 0 and budget is None and start is None:
             shared = (warm, upper.tobytes(), time_limit_s, threads, rel_gap, max_nodes,
                       round_fractional)
-            hit = time_only.lookup(self, shared, t, recompute, len(upper))
+            hit = self._time_only_hit(shared, t, recompute, len(upper))
             if hit is not None:
                 return hit
         lp = self._lp_for(t)
@@ -500,8 +515,8 @@ class Model:
         for node, opts in self.options.items():
             vals = x[self.col0[node] : self.col0[node] + len(opts)]
             choice[node] = opts[int(np.argmax(vals))]
-        res = evaluate(self, choice, num_vars=self.num_vars, solve_s=dt, status=status,
-                       recompute=recompute)
+        res = self.evaluate(choice, num_vars=self.num_vars, solve_s=dt, status=status,
+                            recompute=recompute)
         # a rounded LP has no memory row or objective value of its own (they belong to the
         # fractional point, whose optimum stays the bound): its evaluation is what it holds
         ilp_mem = float("nan") if rounded else self.memory_row.row_bytes(t, x)
@@ -513,8 +528,90 @@ class Model:
                       memory_bound_bytes=bound * _SCALE * 1024 if least == "bytes"
                       else float("nan"))
         if shared is not None:
-            time_only.store(self, shared, res, x)
+            self._time_only_keep(shared, res, x)
         return res
+
+    def _time_only_hit(self, key: tuple, t: Terms, recompute: Recompute, n_cols: int
+                       ) -> SolveResult | None:
+        """The time-only solution kept under ``key``, its memory counted under this model's
+        row (``t``: its terms for ``recompute``); None where there is none yet.
+
+        A solve with neither a memory price nor a budget never reads the memory row, so its
+        solution is the same under every accounting that shares the row's structure (another
+        activation factor: a stage with another number of microbatches in flight). The key
+        (made by :meth:`solve`) holds everything else the LP is made of: recomputation
+        policy, state accounting, the row's structure (the LP's sizes), column bounds, time
+        limit, threads, gap, node limit and rounding; the table stands for the model's own
+        columns and costs, and is shared by its :meth:`with_memory` copies."""
+        hit = self._time_only.get(key)
+        if hit is None:
+            return None
+        res, cols, vals = hit
+        acc = self.account(res.choice, recompute)
+        ilp_mem = res.ilp_memory_bytes
+        if ilp_mem == ilp_mem:  # not a rounded LP's (nan): the row at the solver's point
+            x = np.zeros(n_cols)
+            x[cols] = vals
+            ilp_mem = self.memory_row.row_bytes(t, x)
+        return replace(res, solve_s=0.0, state_bytes=acc.state_bytes,
+                       activation_bytes=acc.activation_bytes,
+                       gathered_bytes=acc.gathered_bytes,
+                       kept_for_w_bytes=acc.kept_for_w_bytes, memory_bytes=acc.counted_bytes,
+                       ilp_memory_bytes=ilp_mem)
+
+    def _time_only_keep(self, key: tuple, res: SolveResult, x: np.ndarray) -> None:
+        """Keep ``res`` (solved from the column values ``x``) under ``key``."""
+        table = self._time_only
+        if len(table) >= TIME_ONLY_LIMIT:
+            table.pop(next(iter(table)))
+        cols = np.flatnonzero(x)
+        table[key] = (res, cols, x[cols])
+
+    def evaluate(self, choice: Mapping[fx.Node, Option], *, num_vars: int = 0,
+                 solve_s: float = 0.0, status: str = "evaluated",
+                 recompute: Recompute = "none") -> SolveResult:
+        """Price a full choice of options under the cost model (what the ILP objective
+        measures) and its memory (:meth:`account`): what plans report."""
+        costs, st = self.costs, self.st
+        compute = sum(costs.compute_time(st.nodes[n], o) for n, o in choice.items())
+        comm, colls, once = 0.0, [], [0.0, 0.0]
+        for dst, src, k, _, i in self._all_edges():
+            if src not in choice or dst not in choice:
+                continue
+            val = tensor_vals(src)[k]
+            a = choice[src].out[k]
+            g = choice[dst].out[0] if i is None else choice[dst].ins[i]
+            t, steps = costs.redistribute(a, g, tuple(val.shape), val.dtype)
+            scale = self.edge_scale(dst, i, src)
+            kind = self.once_kind(dst, i, src)
+            comm += t * scale * (1.0 if kind is None else self.once_weight)
+            if kind is not None:
+                once[kind] += t * scale
+            colls += [(dst.name, src.name, dataclasses.replace(c, time_s=c.time_s * scale))
+                      for c in steps]
+        param_bytes = sum(self.param_bytes(n, choice[n]) for n in st.joint.params.values())
+        acc = self.account(choice, recompute)
+        return SolveResult(
+            choice=dict(choice),
+            objective_s=compute + comm + acc.recompute_s,
+            compute_s=compute,
+            comm_s=comm,
+            collectives=tuple(colls),
+            param_bytes=param_bytes,
+            num_vars=num_vars,
+            num_binary=int(sum(self.integer)),
+            num_rows=len(self.rows),
+            solve_s=solve_s,
+            status=status,
+            recompute=recompute,
+            recompute_s=acc.recompute_s,
+            state_bytes=acc.state_bytes,
+            activation_bytes=acc.activation_bytes,
+            gathered_bytes=acc.gathered_bytes,
+            kept_for_w_bytes=acc.kept_for_w_bytes,
+            memory_bytes=acc.counted_bytes,
+            once_comm_s=(once[0], once[1]),
+        )
 
 
 def _pinned(node: fx.Node) -> tuple[int, ...]:

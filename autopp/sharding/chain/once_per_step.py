@@ -7,7 +7,7 @@ per step; issued ahead, they run beside compute in the windows the schedule leav
 :math:`T(x) = t(x) + \sum_k \max(0, C_k(x) - W_k)`. That is not linear and units are solved
 apart, so the ILP prices collectives in full, and this module decides whether the full-price
 chain :math:`x_1` can be improved: it stands where :math:`T(x_1)` is within
-:data:`~autopp.sharding.budget.CERTIFIED_GAP` of :math:`B_1 - \sum_k \min(\bar C_k, W_k)`
+:data:`~autopp.sharding.chain.budget.CERTIFIED_GAP` of :math:`B_1 - \sum_k \min(\bar C_k, W_k)`
 (:math:`B_1` the certified bound, :math:`\bar C_k` the dearest any plan's can be,
 ``Model.once_max_s``); else, where the fastest plan fits, a second time-only look with the
 collectives nearly free (``FREE_WEIGHT``) is kept if faster by :math:`T`. Under a binding
@@ -22,6 +22,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from autopp.sharding.ilp.solver import REDUCE_GRAD, UNSHARD
+
 logger = logging.getLogger(__name__)
 
 FREE_WEIGHT = 1e-3
@@ -29,20 +31,6 @@ r"""The collectives' weight in the second look's objective: all but free, so tha
 of equal time it still takes the one that moves the fewest bytes (a weight of 0 left the
 choice between them to the solver; a window the estimate overstates then costs the least).
 Its bound on :math:`T` is :math:`B_0 - w \sum_k \bar C_k`."""
-
-UNSHARD, REDUCE_GRAD = 0, 1
-"""The two kinds, indices into the (UNSHARD, REDUCE_GRAD) pairs of this module."""
-
-
-def once_kind(dst, i: int | None, src, param_nodes, param_only) -> int | None:
-    """The kind of an ILP edge that runs once per step, or None for a per-microbatch edge:
-    REDUCE_GRAD for a gradient flowing into its parameter (a tie, ``i`` None), UNSHARD for
-    an edge out of a parameter-only value (a cast, view or gather of weights)."""
-    if i is None and dst in param_nodes:
-        return REDUCE_GRAD
-    if src in param_only:
-        return UNSHARD
-    return None
 
 
 def chain_once(results: Sequence) -> tuple[float, float]:
@@ -96,9 +84,9 @@ def hide_once_per_step(stage, chosen, bound: float, windows: tuple, free, gap: f
                        ) -> tuple[Any, Any, float, float, str]:
     """The chain to keep where the schedule hides up to ``windows`` (UNSHARD, REDUCE_GRAD;
     seconds per microbatch) of the once-per-step collectives (this module's rule):
-    ``chosen`` (a :class:`~autopp.sharding.budget.Chain` planned at their full price, of
+    ``chosen`` (a :class:`~autopp.sharding.chain.budget.Chain` planned at their full price, of
     ``stage``; ``bound``: its certified bound) where it is within ``gap`` of its bound
-    (:data:`~autopp.sharding.budget.CERTIFIED_GAP`) or the budget binds, else (its
+    (:data:`~autopp.sharding.chain.budget.CERTIFIED_GAP`) or the budget binds, else (its
     fastest plan fits) the faster by exposed time of it and ``free(chosen)``'s (the time-optimal chain of its policy with those
     collectives all but free, :data:`FREE_WEIGHT`: (stage, chain, or None where it does
     not fit)). Returns (stage, chain at full price, its certified bound at full price,

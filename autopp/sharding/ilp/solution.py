@@ -1,23 +1,16 @@
-"""A solution of a unit's sharding ILP (:mod:`autopp.sharding.solver`): what it holds
+"""A solution of a unit's sharding ILP (:mod:`autopp.sharding.ilp.solver`): what it holds
 (:class:`SolveResult`: the choice, its time split, its memory as the row counts it, the
-solver's bound), how a full choice is priced exactly (:func:`evaluate`, what plans report),
-and the error when no choice satisfies the constraints."""
+solver's bound; made by ``Model.evaluate``), and the error when no choice satisfies the
+constraints."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from torch import fx
 
-from autopp.sharding.costs import Collective
-from autopp.sharding.memory_row import Recompute
-from autopp.sharding.strategies import Option, tensor_vals
-
-if TYPE_CHECKING:
-    from autopp.sharding.solver import Model
+from autopp.sharding.cost.model import Collective
+from autopp.sharding.options.strategies import Option
 
 
 class InfeasiblePlanError(ValueError):
@@ -55,7 +48,7 @@ class SolveResult:
     status: str
     ilp_objective_s: float = float("nan")
     """The solver's objective; equals :attr:`objective_s` up to tolerances (a consistency
-    check between the ILP and :func:`evaluate`) when solved without a memory price."""
+    check between the ILP and ``Model.evaluate``) when solved without a memory price."""
     recompute: str = "none"
     recompute_s: float = 0.0
     """Forward time the backward spends recomputing (in :attr:`objective_s`)."""
@@ -65,14 +58,14 @@ class SolveResult:
     gathered_bytes: float = 0.0
     kept_for_w_bytes: float = 0.0
     """Per microbatch, what a split backward keeps from I to W (counted only where the
-    memory row has :attr:`~autopp.sharding.memory_row.MemorySpec.split_in_flight`)."""
+    memory row has :attr:`~autopp.sharding.ilp.memory_row.MemorySpec.split_in_flight`)."""
     memory_bytes: float = 0.0
     """What the memory row counts for this choice (:class:`MemoryAccount`)."""
     once_comm_s: tuple[float, float] = (0.0, 0.0)
     """(UNSHARD, REDUCE_GRAD) seconds per microbatch of the once-per-step collectives
-    (1/M of their time a step; :mod:`autopp.sharding.once_per_step`), at their full time:
+    (1/M of their time a step; :mod:`autopp.sharding.chain.once_per_step`), at their full time:
     :attr:`objective_s` and :attr:`comm_s` hold them at the model's
-    :attr:`~autopp.sharding.solver.Model.once_weight`, :attr:`collectives` in full."""
+    :attr:`~autopp.sharding.ilp.solver.Model.once_weight`, :attr:`collectives` in full."""
     ilp_memory_bytes: float = float("nan")
     """The memory row's value in the solver's solution (equals :attr:`memory_bytes` up to
     tolerances)."""
@@ -80,67 +73,12 @@ class SolveResult:
     """A proven lower bound of the solved objective (time + price × counted bytes, in
     seconds, in the ILP's accounting; the LP optimum where the relaxation was integral,
     else the MIP's dual bound); nan where the objective has no time scale (price ``inf``).
-    The budget search's bound is built from it (:mod:`autopp.sharding.budget`)."""
+    The budget search's bound is built from it (:mod:`autopp.sharding.chain.budget`)."""
     ilp_value_s: float = float("nan")
     """The solver's objective at its solution, at the price solved (compare with
     :attr:`objective_s` + price × :attr:`memory_bytes`: the ILP's memory row and time
-    columns may count a little more than :func:`evaluate`)."""
+    columns may count a little more than ``Model.evaluate``)."""
     memory_bound_bytes: float = float("nan")
-    """Of a bytes-only solve (:data:`~autopp.sharding.solver.BYTES_ONLY`): a proven lower
+    """Of a bytes-only solve (:data:`~autopp.sharding.ilp.solver.BYTES_ONLY`): a proven lower
     bound of the memory row over every plan under the solve's restrictions (the LP
     optimum, or the MIP's dual bound); nan for other solves."""
-
-
-def evaluate(
-    model: Model,
-    choice: Mapping[fx.Node, Option],
-    *,
-    num_vars: int = 0,
-    solve_s: float = 0.0,
-    status: str = "evaluated",
-    recompute: Recompute = "none",
-) -> SolveResult:
-    """Price a full choice of options under the cost model (what the ILP objective measures)
-    and its memory (:meth:`Model.account`)."""
-    costs, st = model.costs, model.st
-    compute = sum(costs.compute_time(st.nodes[n], o) for n, o in choice.items())
-    comm, colls, once = 0.0, [], [0.0, 0.0]
-    for dst, src, k, _, i in model._all_edges():
-        if src not in choice or dst not in choice:
-            continue
-        val = tensor_vals(src)[k]
-        a = choice[src].out[k]
-        g = choice[dst].out[0] if i is None else choice[dst].ins[i]
-        t, steps = costs.redistribute(a, g, tuple(val.shape), val.dtype)
-        scale = model.edge_scale(dst, i, src)
-        kind = model.once_kind(dst, i, src)
-        comm += t * scale * (1.0 if kind is None else model.once_weight)
-        if kind is not None:
-            once[kind] += t * scale
-        colls += [(dst.name, src.name, dataclasses.replace(c, time_s=c.time_s * scale))
-                  for c in steps]
-    param_bytes = sum(model.param_bytes(n, choice[n]) for n in st.joint.params.values())
-    acc = model.account(choice, recompute)
-    return SolveResult(
-        choice=dict(choice),
-        objective_s=compute + comm + acc.recompute_s,
-        compute_s=compute,
-        comm_s=comm,
-        collectives=tuple(colls),
-        param_bytes=param_bytes,
-        num_vars=num_vars,
-        num_binary=int(sum(model.integer)),
-        num_rows=len(model.rows),
-        solve_s=solve_s,
-        status=status,
-        recompute=recompute,
-        recompute_s=acc.recompute_s,
-        state_bytes=acc.state_bytes,
-        activation_bytes=acc.activation_bytes,
-        gathered_bytes=acc.gathered_bytes,
-        kept_for_w_bytes=acc.kept_for_w_bytes,
-        memory_bytes=acc.counted_bytes,
-        once_comm_s=(once[0], once[1]),
-    )
-
-

@@ -1,7 +1,7 @@
 """One way to run a node of a joint graph (:class:`Option`: output placements and the
 placement each input must arrive in), and the shape helpers every user of options needs.
-:mod:`autopp.sharding.strategies` enumerates them; op hooks
-(:mod:`autopp.sharding.op_hooks`) add their own."""
+:mod:`autopp.sharding.options.strategies` enumerates them; op hooks
+(:mod:`autopp.sharding.options.op_hooks`) add their own."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 DTensor's rules describe ops whose local kernel needs no communication; collectives are the
 redistributions between ops. An op that exchanges data-dependent rows inside its kernel
-(:mod:`autopp.sharding.expert_dispatch`) registers hooks here, keyed by its ``OpOverload``:
+(:mod:`autopp.sharding.options.expert_dispatch`) registers hooks here, keyed by its ``OpOverload``:
 ``extra_options`` (options added to, or replacing, the rule's: :mod:`strategies`),
 ``collectives`` (what the kernel runs for an option, ``(kind, mesh_dim, local_bytes)``, priced
 by :mod:`costs`), ``local_call`` (a function of the local shards, or None for DTensor's usual

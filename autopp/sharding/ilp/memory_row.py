@@ -1,23 +1,24 @@
 r"""The sharding ILP's per-device memory row and recomputation costs (:class:`MemoryRow`, built
-once per recomputation policy), and :meth:`MemoryRow.account`, the same count walked exactly
-on a chosen plan, which is what plans report.
+once per recomputation policy), and :meth:`MemoryRow.account`, the same count walked exactly on
+a chosen plan, which is what plans report. The row (:class:`MemorySpec`), each family built by:
 
-The row (:class:`MemorySpec`, per device): State + f · Act + Gath ≤ M, and Recomp added to
-the objective. State: parameters and optimizer state in their chosen placement, and each
-gradient at the larger of its reduced and unreduced size (a column :math:`G_p`),
-``gradient_copies`` times. Act: the forward values the backward reads under the policy
-(:func:`autopp.graph.recompute.recompute_sets`), × the microbatches in flight f; with a split
-backward a peak column over the in-flight pairs (:mod:`autopp.sharding.kept_for_w`). Gath:
-parameter-only values other nodes read, once per distinct (value, placement). Recomp: a
-recomputed node's time. A reduction is never re-run, so its output is counted where a
-recomputed node reads it. Every row is in MiB (:data:`MIB`), which keeps coefficients within
-a few orders of magnitude; :class:`Terms` holds bytes per unit of each column. Invariant:
-with integral choices the row equals ``account`` up to cuts deeper than one edge."""
+    State + f · Act + Gath ≤ M       (with a split backward: State + h + Gath ≤ M)
+    State  parameters, optimizer state, gradients G_p ≥ both their sizes   _state_terms
+    Act    what the backward reads under the policy; Recomp in the objective  _activation_terms
+    Gath   parameter-only values others read, once per (value, placement)  _gathered_terms
+    h ≥ a·A + b·K per (F→I, I→W) in-flight pair, K what W keeps from I   _kept_terms,
+           padded to PEAK_ROWS so every stage's LP has one structure       _add_peak_rows
+
+A reduction is never re-run, so its output is counted where a recomputed node reads it. Every
+row is in MiB (:data:`MIB`), which keeps coefficients within a few orders of magnitude;
+:class:`Terms` holds bytes per unit of each column. Invariant: with integral choices the row
+equals ``account`` up to cuts deeper than one edge; ``h`` sits at the largest peak."""
 
 from __future__ import annotations
 
+import functools
 import operator
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -25,11 +26,10 @@ import numpy as np
 from torch import fx
 
 from autopp.graph.walk import is_view
-from autopp.sharding import kept_for_w
-from autopp.sharding.strategies import Option, tensor_vals
+from autopp.sharding.options.strategies import Option, tensor_vals
 
 if TYPE_CHECKING:
-    from autopp.sharding.solver import Model
+    from autopp.sharding.ilp.solver import Model
 
 
 MIB = float(2**20)
@@ -39,6 +39,30 @@ docstring): every row of the LP is then in MiB or unit-free (the :math:`W` rows'
 Recompute = str
 """A recomputation policy: ``"none"``, ``"selective"`` or ``"full"`` (see
 :mod:`autopp.graph.recompute`)."""
+
+PEAK_ROWS = 4
+"""Peak rows every split-backward accounting has (its peaks, the last repeated): the most
+any named schedule's stage needs is 3 (ZBVZeroBubble, DualPipeV), so every stage's LP has
+one structure and the solver re-sets only the peaks' coefficients between stages."""
+
+
+def held_bytes(activation_factor: float | None, split_in_flight: Sequence[tuple[float, float]],
+               activation_bytes: Any, kept_for_w_bytes: Any) -> Any:
+    """What a stage's microbatches in flight hold at its peak (bytes, or arrays of them):
+    the largest over the ``split_in_flight`` peaks of ``a`` × activations + ``b`` × what W
+    keeps, or ``activation_factor`` × activations where the backward is whole
+    (:class:`MemorySpec`). The one rule for the ILP's row, its accounting and the layout
+    search's pricing."""
+    if split_in_flight:
+        return functools.reduce(np.maximum, [a * activation_bytes + b * kept_for_w_bytes
+                                             for a, b in split_in_flight])
+    return (activation_factor or 0.0) * activation_bytes
+
+
+def _padded(peaks: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``peaks`` with the last repeated up to :data:`PEAK_ROWS`."""
+    peaks = list(peaks)
+    return peaks + [peaks[-1]] * (PEAK_ROWS - len(peaks))
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +126,8 @@ class MemorySpec:
     def held_bytes(self, activation_bytes: float, kept_for_w_bytes: float) -> float:
         """Per device, what the stage's microbatches in flight hold at its peak, from one
         microbatch's activations and (split backward) what its W keeps from I."""
-        return float(kept_for_w.held_bytes(self.activation_factor, self.split_in_flight,
-                                           activation_bytes, kept_for_w_bytes))
+        return float(held_bytes(self.activation_factor, self.split_in_flight,
+                                activation_bytes, kept_for_w_bytes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,12 +179,12 @@ class Terms:
     """Seconds of recomputation per column (objective)."""
     lp: Any = None
     """The solver's LP over the model's columns and these, built once
-    (:meth:`autopp.sharding.solver.Model.solve`)."""
+    (:meth:`autopp.sharding.ilp.solver.Model.solve`)."""
     row_upper: Any = None
     """That LP's row upper bounds; the last is the memory row's (the budget)."""
     arrays: dict[str, Any] = field(default_factory=dict)
     """The solver's per-column arrays of these terms, made on first use (the terms do not
-    change once built: :meth:`autopp.sharding.solver.Model.solve` reads them every solve)."""
+    change once built: :meth:`autopp.sharding.ilp.solver.Model.solve` reads them every solve)."""
 
     def col(self, upper: float = np.inf) -> int:
         self.upper.append(upper)
@@ -179,23 +203,30 @@ def _add(d: dict[int, float], col: int, v: float) -> None:
     d[col] = d.get(col, 0.0) + v
 
 
+def _add_peak_rows(t: Terms, peaks: Sequence[tuple[float, float]]) -> None:
+    """The held column and its :data:`PEAK_ROWS` rows ``held - a·act - b·kept >= 0``."""
+    t.held = t.col()
+    for a, b in _padded(peaks):
+        t.peak_rows.append(len(t.rows))
+        t.row([(t.held, 1.0), (t.act_col, -a), (t.kept_col, -b)], 0.0)
+
+
 class MemoryRow:
-    """The memory row and recomputation costs of one :class:`~autopp.sharding.solver.Model`,
+    """The memory row and recomputation costs of one :class:`~autopp.sharding.ilp.solver.Model`,
     per recomputation policy (:meth:`terms`), and the exact count of a chosen plan
     (:meth:`account`). Reads the model's option columns, edge columns and cost model; its
-    own columns come after the model's."""
+    own columns come after the model's. ``param_only``: the model's parameter-only values;
+    ``shared``: what does not depend on the activation factor, shared by the model's
+    ``with_memory`` copies (the recomputation structure per policy, and the terms per
+    policy and accounting with the factor left out)."""
 
-    def __init__(self, model: Model):
+    def __init__(self, model: Model, param_only: set[fx.Node], shared: dict[str, dict]):
         self._model = model
         self.st, self.costs, self.memory = model.st, model.costs, model.memory
         self.options, self.col0, self.edge_cols = model.options, model.col0, model.edge_cols
         self.param_bytes = model.param_bytes
-        self._param_only = model._param_only
+        self._param_only = param_only
         self._terms: dict[str, Terms] = {}
-        # what does not depend on the activation factor, shared by the model's
-        # with_memory copies (Model._shared_terms): the recomputation structure per policy,
-        # and the terms per policy and accounting with the factor left out
-        shared = model._shared_terms
         self._structure: dict[str, tuple] = shared.setdefault("structure", {})
         self._shared: dict[tuple, Terms] = shared.setdefault("terms", {})
 
@@ -304,20 +335,23 @@ class MemoryRow:
                 if spec.counts_activations:
                     self._gathered_terms(base)
                 if split:
-                    kept_for_w.add_terms(self, base, MIB)
+                    self._kept_terms(base)
             t = self._terms[recompute] = replace(
                 base, upper=list(base.upper), rows=list(base.rows), lp=None, row_upper=None,
                 arrays={}, peak_rows=[])
             if split:  # the peaks' rows: their coefficients are this accounting's own
-                kept_for_w.add_peak_rows(t, spec.split_in_flight)
+                _add_peak_rows(t, spec.split_in_flight)
         return t
 
     def peak_coefs(self, t: Terms, first_row: int) -> tuple[tuple[int, int, float], ...]:
         """The (LP row, column, value) entries of ``t``'s peak rows that differ between
         accountings (``-a`` and ``-b`` of each peak), the rows counted from ``first_row``
         (the model's own rows come first): a warm LP built for other peaks is re-set to
-        these (:class:`autopp.sharding.highs.WarmLps`)."""
-        return kept_for_w.peak_coefs(t, self.memory.split_in_flight, first_row)
+        these (:class:`autopp.sharding.ilp.highs.WarmLps`)."""
+        if t.held is None:
+            return ()
+        return tuple(e for r, (a, b) in zip(t.peak_rows, _padded(self.memory.split_in_flight))
+                     for e in ((first_row + r, t.act_col, -a), (first_row + r, t.kept_col, -b)))
 
     def _state_terms(self, t: Terms) -> None:
         spec, j = self.memory, self.st.joint
@@ -446,12 +480,14 @@ class MemoryRow:
     def row_bytes(self, t: Terms, x: np.ndarray) -> float:
         """The memory row's value at the LP point ``x`` (bytes), the held column (if any)
         at the least its rows allow: unpriced, the solver may leave it anywhere above, and
-        a solution shared by another accounting (:mod:`autopp.sharding.time_only`) carries
+        a solution shared by another accounting (``Model._time_only_hit``) carries
         that accounting's."""
         arrays = self.arrays(t)
-        if t.held is not None:
+        if t.held is not None:  # at the least its peak rows allow
+            act = sum(v * x[c] for c, v in t.act.items())
+            kept = sum(v * x[c] for c, v in t.kept.items())
             x = x.copy()
-            x[t.held] = kept_for_w.held_at(t, x, self.memory.split_in_flight, MIB)
+            x[t.held] = held_bytes(None, self.memory.split_in_flight, act, kept) / MIB
         # in the row's order, as a Python sum (the same float as term by term)
         return float(sum((arrays["mem_vals"] * x[arrays["mem_cols"]]).tolist()))
 
@@ -542,9 +578,76 @@ class MemoryRow:
                             gathered += costs.local_bytes(tensor_vals(s)[k], g)
         kept = 0.0
         if spec.counts_activations and spec.split_in_flight:
-            kept = kept_for_w.kept_bytes(self, choice)
+            kept = self._kept_bytes(choice)
         counted = state
         if spec.activation_factor is not None:
             counted += spec.held_bytes(act, kept) + gathered * spec.gathered_share
         return MemoryAccount(state, act, gathered, rtime, counted, kept)
 
+    # -- what a split backward keeps from I to W -------------------------------------------
+
+    def kept_reads(self) -> dict[tuple[fx.Node, int], None]:
+        """What a split backward keeps from I to W, as the edges (reader, argument index)
+        that read it: the weight-gradient nodes' (reached from the parameter gradients, not
+        from the input gradients nor the forward) reads of values they do not make, parameters
+        and parameter-only values aside. Where such a value is an output of a multi-output
+        backward op the input gradient needs too (a fused norm backward's weight gradient),
+        that op's reads stand in for it: the lowered graphs split it, and W makes that output
+        from them. Each edge counts in its producer's placement (:meth:`_kept_edge_bytes`).
+        Checked against the lowered W graphs' inputs by tests/sharding/test_memory_ilp.py;
+        whole stages by benchmarks/split_backward_memory.py."""
+        hit = self._structure.get("kept_for_w")
+        if hit is not None:
+            return hit
+        from autopp.graph.walk import closure
+
+        j, nodes = self.st.joint, self.st.nodes
+        fwd = closure(list(j.outputs.values()))
+        w_only = closure(list(j.grads.values())) - closure(list(j.input_grads.values())) - fwd
+        state = self._param_only | set(j.params.values()) | set(j.buffers.values())
+        out: dict[tuple[fx.Node, int], None] = {}
+        for n in j.gm.graph.nodes:
+            if n not in w_only or n not in nodes:
+                continue
+            for i, (src, k) in enumerate(nodes[n].edges):
+                if src in w_only or src in state or src not in self.options:
+                    continue
+                if src not in fwd and len(tensor_vals(src)) > 1:
+                    out.update(dict.fromkeys(
+                        (src, i2) for i2, e in enumerate(nodes[src].edges)
+                        if e[0] not in state and e[0] in self.options))
+                else:
+                    out[n, i] = None
+        self._structure["kept_for_w"] = out
+        return out
+
+    def _kept_edge_bytes(self, val: Any, a: Any) -> float:
+        """A kept read's bytes: the value in its producer's placement ``a``, which is what W
+        receives from I. A redistribution to the reader's placement that only W needs (a
+        gather of an activation over dp for a weight gradient) runs in W, since W runs the
+        collectives only it needs (``_compat.graph.split_di_dw_graph``); its result is W's
+        working memory, which the lowered graphs' estimate counts (``work``), not a value
+        held from I to W."""
+        return self.costs.local_bytes(val, a)
+
+    def _kept_terms(self, t: Terms) -> None:
+        """``t.kept`` (bytes per column) and the two columns equal to one microbatch's
+        activations and kept bytes (MiB), each with its defining row."""
+        for d, i in self.kept_reads():
+            src, k = self.st.nodes[d].edges[i]
+            val = tensor_vals(src)[k]
+            for c, a, _ in self.edge_cols.get((d, i), ()):
+                t.kept[c] = t.kept.get(c, 0.0) + self._kept_edge_bytes(val, a)
+        for name, terms in (("act_col", t.act), ("kept_col", t.kept)):
+            col = t.col()
+            setattr(t, name, col)
+            t.row([(col, 1.0)] + [(c, -v / MIB) for c, v in terms.items()], 0.0, 0.0)
+
+    def _kept_bytes(self, choice: Mapping[fx.Node, Option]) -> float:
+        """One microbatch's kept bytes under a full choice (the accounting of ``t.kept``)."""
+        total = 0.0
+        for d, i in self.kept_reads():
+            src, k = self.st.nodes[d].edges[i]
+            if src in choice and d in choice:
+                total += self._kept_edge_bytes(tensor_vals(src)[k], choice[src].out[k])
+        return total

@@ -1,12 +1,15 @@
-"""What autopp traces under: the contexts it enters whenever it runs a model on meta or
-traces it for planning, and the tracing settings (choices that change what is traced,
-below).
+"""Tracing: what autopp traces under (this module) and how it traces (the modules of this
+package: the joint graph :mod:`.joint`, its process-wide cache :mod:`.cache`, a stage's units
+:mod:`.units` and :mod:`.unit_export`, mixed precision :mod:`.precision`).
 
-Some layers cannot run on meta or trace as they are written (a MoE router's autocast). The
-code that knows them (the model adapters, :mod:`autopp.adapters`) registers a context here,
-and the floors below it (the stage split's checks, the planner's trace) enter them through
-this module without importing their owners. ``import autopp`` imports the adapters first
-(they are light), so the registrations are in place before any model is split or traced.
+This module holds registries only: the contexts autopp enters whenever it runs a model on meta
+or traces it, the tracing settings (choices that change what is traced), and the call-input
+contexts of a block traced alone. The model adapters (:mod:`autopp.adapters`) register here,
+and the floors below them (the stage split's checks, the planner's trace) enter the
+registrations without importing their owners, so this module sits on the foundations floor
+while its siblings sit above ``ops/`` (tests/test_layout.py). ``import autopp`` imports the
+adapters first (they are light), so the registrations are in place before any model is split
+or traced.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import ContextManager
+from typing import Any, ContextManager
 
 _ON_META: list[Callable[[], ContextManager]] = []
 

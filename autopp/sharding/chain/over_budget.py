@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from autopp.sharding.memory_row import MemorySpec
+from autopp.sharding.ilp.memory_row import MemorySpec
 
 if TYPE_CHECKING:
-    from autopp.sharding.budget import Chain, Stage
+    from autopp.sharding.chain.budget import Chain, Stage
 
 
 def _gib(b: float) -> str:

@@ -1,6 +1,6 @@
 """Block reuse: plan each distinct block once per boundary pair, then chain by DP.
 
-A stage cut into units (:mod:`autopp.sharding.units`: pre part, blocks, post part) is
+A stage cut into units (:mod:`autopp.tracing.units`: pre part, blocks, post part) is
 planned as follows:
 
 1. group units by a structural signature (module types, parameter shapes and dtypes), so a
@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from autopp._compat import sharding as compat
-from autopp.sharding.option import PlacementSpec, matches
-from autopp.sharding.solution import InfeasiblePlanError, SolveResult
-from autopp.sharding.strategies import Strategies, enumerate_strategies
-from autopp.sharding.trace import JointGraph
-from autopp.sharding.units import BlockCall, default_extra_args, module_signature
+from autopp.sharding.options.option import PlacementSpec, matches
+from autopp.sharding.ilp.solution import InfeasiblePlanError, SolveResult
+from autopp.sharding.options.strategies import Strategies, enumerate_strategies
+from autopp.tracing.joint import JointGraph
+from autopp.tracing.units import BlockCall, default_extra_args, module_signature
 
 
 @dataclass(slots=True)
@@ -45,11 +45,11 @@ def trace_unit(unit_module: nn.Module, x: torch.Tensor, mesh,
     """Trace and enumerate one unit called on ``x`` (meta, global shape) and the keyword
     inputs ``inputs`` (meta, in the units' order; never differentiated), its parameters
     computed in ``param_dtype`` (None: as stored). The trace comes through this process's
-    trace cache (:func:`~autopp.sharding.trace_cache.traced_unit`), as the estimates' and
+    trace cache (:func:`~autopp.tracing.cache.traced_unit`), as the estimates' and
     the stage build's traces of the planned unit do: a stage costed or built after it was
     planned here (the dry run's forked children, a job's rank 0) reuses it."""
-    from autopp.sharding.precision import maybe_cast
-    from autopp.sharding.trace_cache import traced_unit
+    from autopp.tracing.precision import maybe_cast
+    from autopp.tracing.cache import traced_unit
 
     joint = traced_unit(unit_module, (x, *inputs), param_dtype=param_dtype,
                         prepare=lambda m: maybe_cast(m, param_dtype), differentiable=1)

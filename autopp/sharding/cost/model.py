@@ -23,11 +23,11 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 from autopp._compat import sharding as compat
-from autopp.sharding import op_hooks
+from autopp.sharding.options import op_hooks
 from autopp.profiles.collectives import collective_latency_s, collective_s
 from autopp.profiles.devices import DeviceProfile, mesh_links
 from autopp.graph.walk import is_view
-from autopp.sharding.strategies import NodeStrategy, Option, local_shape, tensor_vals
+from autopp.sharding.options.strategies import NodeStrategy, Option, local_shape, tensor_vals
 
 
 @dataclass(frozen=True, slots=True)

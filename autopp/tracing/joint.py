@@ -156,7 +156,7 @@ def trace_joint(module: nn.Module, example_inputs: tuple[Any, ...],
 _SIGNATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Each traced graph module's signature, computed once: a plan of identical blocks reads it
 once per block. Joint graphs are never modified once traced
-(:mod:`autopp.sharding.trace_cache` shares them on that rule)."""
+(:mod:`autopp.tracing.cache` shares them on that rule)."""
 
 
 def graph_signature(joint: JointGraph) -> str:

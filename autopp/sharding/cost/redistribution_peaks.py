@@ -1,6 +1,6 @@
 """The largest tensor a redistribution makes on its way (DTensor's own path, the landed
 value included), per device: what ``MemorySpec.largest_tensor_bytes`` bounds for the ILP's
-edge columns (:meth:`autopp.sharding.solver.Model.column_bytes`)."""
+edge columns (:meth:`autopp.sharding.ilp.solver.Model.column_bytes`)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def peak_table(mesh) -> dict[tuple, float]:
 def redistribution_bytes(table: dict[tuple, float], mesh, costs, val: Any, a: Any, g: Any
                          ) -> float:
     """The largest local tensor moving ``val`` from placement ``a`` to ``g`` makes on
-    ``mesh`` (``costs``: the :class:`~autopp.sharding.costs.CostModel` that sizes the ends);
+    ``mesh`` (``costs``: the :class:`~autopp.sharding.cost.model.CostModel` that sizes the ends);
     remembered in ``table`` (:func:`peak_table`)."""
     if a == g:
         return costs.local_bytes(val, g)

@@ -2,7 +2,7 @@
 ``torch.fx``'s symbolic tracer cannot follow (Hugging Face transformers' decorated forwards,
 shapes read off the input, mask helpers).
 
-:mod:`autopp.sharding.units` cuts a stage into ``pre`` / blocks / ``post`` from one graph in
+:mod:`autopp.tracing.units` cuts a stage into ``pre`` / blocks / ``post`` from one graph in
 which each block is a ``call_module`` node called as the forward calls it. ``torch.fx``
 traces that graph symbolically; when it cannot, this module gets the same graph from
 ``torch.export`` (non-strict, on meta, on the given example input's shape, so values

@@ -4,10 +4,10 @@ With experts split over a mesh dim of n devices, the op's plain options gather e
 every device ((n-1)·T tokens per layer). All-to-all sends each token only where its experts
 are, about (n-1)/n·K·T rows each way: less whenever n exceeds the top-k K. The sizes are
 data-dependent, so the op's kernel does the exchange, offered through
-:mod:`autopp.sharding.op_hooks`: options with tokens split on the experts' dims and the output
-split like them; a price (two all-to-alls of T·K·D elements and the counts forward, two
-backward reusing the forward's routing; uniform routing assumed); routing outputs pinned so
-the backward receives them as the forward made them; and the local run (:func:`dispatched`).
+:mod:`autopp.sharding.options.op_hooks`: options with tokens split on the experts' dims and the
+output split like them; a price (two all-to-alls of T·K·D elements and the counts forward, two
+backward reusing the forward's routing; uniform routing assumed); routing outputs pinned so the
+backward receives them as the forward made them; and the local run (:func:`dispatched`).
 
 The kernel follows torchtitan's ``AllToAllTokenDispatcher`` but is written on torch's
 functional all-to-all, since torchtitan's takes its group from a mesh wired into the module,
@@ -24,10 +24,10 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopp._compat import sharding as compat
-from autopp.sharding import op_hooks
+from autopp.sharding.options import op_hooks
 from autopp.ops import DISPATCHES
 from autopp.ops import experts  # noqa: F401  (defines the ops whose hooks follow)
-from autopp.sharding.option import Option, local_shape, tensor_vals
+from autopp.sharding.options.option import Option, local_shape, tensor_vals
 
 _FWD = torch.ops.autopp.routed_experts.default
 _BWD = torch.ops.autopp.routed_experts_backward.default

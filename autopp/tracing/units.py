@@ -10,7 +10,7 @@ cut (:class:`~autopp.stage_split.build.StageCut`). Keyword inputs follow each un
 activation, whether read or not, and a block runs inside :func:`autopp.tracing.call_inputs`
 so what the forward derives from them (transformers' masks) comes from the unit's inputs.
 
-A forward fx cannot trace is exported (:mod:`autopp.sharding.unit_export`); one that does
+A forward fx cannot trace is exported (:mod:`autopp.tracing.unit_export`); one that does
 something else between blocks (a skip around them, arguments from the input's values) is
 planned as one flat graph, and :func:`stage_units` logs why."""
 
@@ -215,7 +215,7 @@ def _capture(module: nn.Module, path: str, blocks: list[tuple[str, nn.Module]],
         except _Flat as e:
             if example is None:
                 raise
-            from autopp.sharding.unit_export import ExportFailed, export_at_blocks
+            from autopp.tracing.unit_export import ExportFailed, export_at_blocks
 
             try:
                 return export_at_blocks(module, [f"{path}.{k}" for k, _ in blocks], example,

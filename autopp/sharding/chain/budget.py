@@ -22,13 +22,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autopp.sharding.chain import TracedBlock, chain_dp
-from autopp.sharding.chain_mix import fastest_mix
-from autopp.sharding.memory_row import MemorySpec
-from autopp.sharding.over_budget import over_budget_message
-from autopp.sharding.solution import InfeasiblePlanError, SolveResult
-from autopp.sharding.solver import BYTES_ONLY, Model
-from autopp.sharding.units import Unit
+from autopp.sharding.chain.blocks import TracedBlock, chain_dp
+from autopp.sharding.chain.mix import fastest_mix
+from autopp.sharding.ilp.memory_row import MemorySpec
+from autopp.sharding.chain.over_budget import over_budget_message
+from autopp.sharding.ilp.solution import InfeasiblePlanError, SolveResult
+from autopp.sharding.ilp.solver import BYTES_ONLY, Model
+from autopp.tracing.units import Unit
 
 logger = logging.getLogger(__name__)
 
@@ -289,7 +289,7 @@ def _least_bytes_bound(stage: Stage, mode: str, time_limit_s: float, least: Chai
 def _best_mix(stage: Stage, best: Chain, seen: dict, budget: float) -> Chain:
     """The fastest chain that fits ``budget`` over every unit solution met (``seen``, by
     (unit, boundary pair)) and every chain of boundary placements
-    (:func:`~autopp.sharding.chain_mix.fastest_mix`); ``best`` where nothing faster fits."""
+    (:func:`~autopp.sharding.chain.mix.fastest_mix`); ``best`` where nothing faster fits."""
     mixed = fastest_mix(stage.kinds, [rep.pairs for rep in stage.reps], stage.first_in,
                         stage.last_out, seen, budget, best.time_s * (1 - 1e-9),
                         best.results, best.pairs)
