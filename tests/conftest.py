@@ -62,7 +62,8 @@ def pytest_sessionstart(session):
     launches' plans made beside the suite) with the session's caches; its output goes to
     ``plan_ahead.log`` there. AUTOPP_TEST_PLAN_AHEAD=0 turns it off."""
     config = session.config
-    if (os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "loadgroup", False)
+    # the controller sees ``--dist loadgroup`` as option.dist (its workers as loadgroup)
+    if (os.environ.get("PYTEST_XDIST_WORKER") or getattr(config.option, "dist", "") != "loadgroup"
             or os.environ.get("AUTOPP_TEST_PLAN_AHEAD") == "0"):
         return
     import subprocess
