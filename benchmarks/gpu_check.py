@@ -2,7 +2,7 @@
 autopp's GPU figures are trusted, in one process, printed as one table.
 
 The GPU machine this project is sometimes lent has no torchtitan, no HiGHS and no network,
-so the model is a pure-torch Hugging Face style decoder (``tests/models.py``) and the plans
+so the model is a pure-torch Hugging Face style decoder (``tests/harness/models.py``) and the plans
 are made here, on CPU, and carried as JSON (``--make-plans``); the device only applies them:
 
     .venv/bin/python benchmarks/gpu_check.py --make-plans benchmarks   # here, with HiGHS
@@ -94,7 +94,7 @@ def plan_path(name: str, directory: str | os.PathLike = PLAN_DIR, kind: str = "c
 
 
 def _model(kind: str) -> torch.nn.Module:
-    from tests.models import HFForCausalLM
+    from tests.harness.models import HFForCausalLM
 
     with torch.device("meta"):
         return HFForCausalLM(**SIZES[kind])
@@ -244,7 +244,7 @@ def _reference(kind: str, device: torch.device, tokens, target, param_dtype=None
     ``param_dtype`` copies of its fp32 parameters when given (plain torch: gradients flow
     back to the fp32 masters)."""
     from autopp import init_module_
-    from tests.models import ce_loss
+    from tests.harness.models import ce_loss
 
     ref = init_module_(_model(kind), seed=0, device=device)
     params = None if param_dtype is None else \
@@ -275,7 +275,7 @@ def _plain_step(kind: str, device: torch.device, tokens, target, microbatches: i
     same microbatches (gradients accumulated), as a function to time: the yardstick for
     autopp's step on one device (no parallelism: same FLOPs, same kernels)."""
     from autopp import init_module_
-    from tests.models import ce_loss
+    from tests.harness.models import ce_loss
 
     model = init_module_(_model(kind), seed=0, device=device)
 
@@ -306,7 +306,7 @@ def _trace(device: torch.device, fn, path: Path) -> None:
 
 def _parity_row(name: str, bf16: bool, loss: float, grads: dict, refs: dict,
                 compiled: bool = False):
-    from tests.parity import relative_error
+    from tests.harness.parity import relative_error
 
     ref_loss, ref_grads = refs["fp32"]
     if set(grads) != set(ref_grads):
@@ -341,7 +341,7 @@ def check(kind: str, plans: dict, repeats: int,
     from autopp import build_world_mesh, pipeline_autoparallel
     from autopp.backends import Planner, PlannerOptions
     from autopp.profiles.devices import profile_for_device
-    from tests.models import ce_loss, make_batch
+    from tests.harness.models import ce_loss, make_batch
 
     dev = kind.split("-")[0]  # "cuda-large": the larger model on CUDA
     device = torch.device("cuda", torch.cuda.current_device()) if dev == "cuda" \

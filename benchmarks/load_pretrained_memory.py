@@ -76,7 +76,7 @@ def main() -> None:
     import transformers
 
     from autopp import build_world_mesh, pipeline_autoparallel
-    from tests.models import ce_loss
+    from tests.harness.models import ce_loss
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

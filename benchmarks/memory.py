@@ -257,7 +257,7 @@ def plan_estimate(pipe, args, mesh, pp_rank: int, gathering: str) -> dict | None
     from autopp.graph.weight_gathering import WeightGathering
     from autopp.integrations.torchtitan.estimates import estimates_on_rank0
     from autopp.mesh import stage_sub_mesh
-    from tests.models import llama3_meta
+    from tests.harness.models import llama3_meta
 
     plan = pipe.backend.pipeline_plan
     est, why = estimates_on_rank0(lambda: estimate_plan(
@@ -275,7 +275,7 @@ def measure(args, schedule: str, n_mb: int, recompute: str, gathering: str) -> d
     from autopp import build_world_mesh, pipeline_autoparallel
     from autopp.backends import Planner, PlannerOptions
     from autopp.schedules.registry import default_n_stages
-    from tests.models import ce_loss, llama3_meta, make_batch
+    from tests.harness.models import ce_loss, llama3_meta, make_batch
 
     pp = args.pp
     mesh = build_world_mesh(pp=pp, dp=4 // pp, tp=2)

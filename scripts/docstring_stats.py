@@ -2,7 +2,7 @@
 
 Run ``python scripts/docstring_stats.py [package dir]`` (default ``autopp``); ``--list N``
 also names each docstring longer than N lines. Only the standard library is used, so the
-figures can be reproduced on any checkout. tests/test_docstrings.py uses ``docstrings()``
+figures can be reproduced on any checkout. tests/docs/test_docstrings.py uses ``docstrings()``
 to keep every docstring within 15 lines.
 """
 

@@ -4,7 +4,7 @@
 # The lent GPU machine has CUDA torch but no torchtitan, HiGHS or network. So:
 #   - the plans are made here on CPU and carried in the working tree:
 #       .venv/bin/python benchmarks/gpu_check.py --make-plans benchmarks
-#   - the model is a pure-torch decoder (tests/models.py's Hugging Face style one);
+#   - the model is a pure-torch decoder (tests/harness/models.py's Hugging Face style one);
 #   - autopp's graph runtime imports torchtitan's graph_pp code (autopp/_compat/graph.py):
 #     carry torchtitan's pure-Python wheel and install it there with --no-deps
 #     (GPU_CHECK_WHEELS=dir of wheels; nothing is downloaded).

@@ -15,10 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from autopp.schedules import dump_schedule_csv  # noqa: E402
-from tests.test_schedules import GOLDEN, build_for, fake_pp  # noqa: E402
+from tests.schedules.test_schedules import GOLDEN, build_for, fake_pp  # noqa: E402
 
 GOLDEN_SCHEDULES = {"interleaved1f1b_pp2_spr2_mb4.csv": ("Interleaved1F1B", 2, 4)}
-"""File name -> (schedule, pp, n_microbatches), as tests/test_schedules.py reads them."""
+"""File name -> (schedule, pp, n_microbatches), as tests/schedules/test_schedules.py reads them."""
 
 
 def main() -> None:

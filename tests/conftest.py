@@ -20,8 +20,8 @@ def pytest_collection_modifyitems(config, items):
     if not getattr(config.option, "loadgroup", False):
         return
     launches = [i for i in items if i.get_closest_marker("multiprocess")]
-    # the launches planned ahead (tests/plan_ahead.py) last: their plans are made meanwhile
-    from tests.plan_ahead import AHEAD
+    # the launches planned ahead (tests/harness/plan_ahead.py) last: their plans are made meanwhile
+    from tests.harness.plan_ahead import AHEAD
 
     launches.sort(key=lambda i: i.nodeid.removesuffix("@launches") in AHEAD)
     for item in launches:
@@ -58,7 +58,7 @@ def _cache_root(basetemp: Path) -> Path:
 
 
 def pytest_sessionstart(session):
-    """Under pytest-xdist, the controller starts ``python -m tests.plan_ahead`` (the slowest
+    """Under pytest-xdist, the controller starts ``python -m tests.harness.plan_ahead`` (the slowest
     launches' plans made beside the suite) with the session's caches; its output goes to
     ``plan_ahead.log`` there. AUTOPP_TEST_PLAN_AHEAD=0 turns it off."""
     config = session.config
@@ -76,7 +76,7 @@ def pytest_sessionstart(session):
         env.setdefault(var, str(root / sub))
     log = open(root / "plan_ahead.log", "w")
     config._autopp_plan_ahead = subprocess.Popen(
-        [sys.executable, "-m", "tests.plan_ahead"], env=env, stdout=log,
+        [sys.executable, "-m", "tests.harness.plan_ahead"], env=env, stdout=log,
         stderr=subprocess.STDOUT, cwd=str(config.rootpath))
 
 

@@ -16,6 +16,6 @@ torchtitan. A torch or torchtitan upgrade that moves one of them should touch th
   CUDA flash, memory-efficient, cuDNN) and torch's choice among them, used by
   :mod:`autopp.ops.attention`.
 
-A test (``tests/test_layout.py``) fails on an underscore import of torch or torchtitan
+A test (``tests/docs/test_layout.py``) fails on an underscore import of torch or torchtitan
 anywhere else in the package.
 """

@@ -20,7 +20,7 @@ What autopp needs to know about them, and nothing else does:
 * **Experts compute in their weights' dtype**, as the model's own code does (the planner
   option ``expert_compute_dtype`` is torchtitan's bf16 ``GroupedExperts``' and does not apply).
   In bf16 the op rounds each routed row before summing a token's experts (torchtitan's
-  combine), transformers after: as accurate, not bit-equal (``tests/test_transformers_moe.py``).
+  combine), transformers after: as accurate, not bit-equal (``tests/models/test_transformers_moe.py``).
 * **The router's auxiliary loss.** transformers adds it to the loss only with
   ``output_router_logits=True`` and labels; a pipeline computes ``loss_fn`` on the last
   stage's logits, where the other stages' router logits are not, so such a config is refused

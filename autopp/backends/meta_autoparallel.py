@@ -10,7 +10,7 @@ the pipeline not to scale the loss by dp.
 What a stage must give it: inputs made on the mesh's device inside its input function (it
 calls that under its own fake mode); floating inputs requiring grad (else earlier stages get
 no gradient); only mesh dims larger than 1 (it crashes on size-1 dims; the module is
-replicated over the rest). Tested by ``tests/test_autoparallel_backend.py`` where the wheel
+replicated over the rest). Tested by ``tests/pipeline/test_autoparallel_backend.py`` where the wheel
 is installed."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 alone (no times): the most whose activations are held (:func:`max_in_flight`, the ILP's
 activation factor) and, with a split backward, the (F->I, I->W) counts at each of the
 stage's memory peaks (:func:`split_in_flight`, the ILP's peak rows). Both hold at any stage
-times: a stage's steps run in its rank's list order (``tests/test_simulator.py`` checks
+times: a stage's steps run in its rank's list order (``tests/schedules/test_simulator.py`` checks
 them against :func:`autopp.schedules.simulate.simulate`'s event-time memory)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Schedule names and what each schedule needs: one table, :data:`_TABLE`.
 
 torch's own constraints, read from its ``schedules.py`` and checked by constructing every
-schedule for small sizes (tests/test_schedules.py):
+schedule for small sizes (tests/schedules/test_schedules.py):
 
     schedule               class   place  stages/rank  n_microbatches
     GPipe                  single  loop   1            any

@@ -7,7 +7,7 @@ or traces it, the tracing settings (choices that change what is traced), and the
 contexts of a block traced alone. The model adapters (:mod:`autopp.adapters`) register here,
 and the floors below them (the stage split's checks, the planner's trace) enter the
 registrations without importing their owners, so this module sits on the foundations floor
-while its siblings sit above ``ops/`` (tests/test_layout.py). ``import autopp`` imports the
+while its siblings sit above ``ops/`` (tests/docs/test_layout.py). ``import autopp`` imports the
 adapters first (they are light), so the registrations are in place before any model is split
 or traced.
 """

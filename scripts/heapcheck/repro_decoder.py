@@ -1,11 +1,11 @@
-"""Loop the first config of tests/test_any_decoder.py (torchtitan qwen3, tied embeddings, pp2 x
+"""Loop the first config of tests/models/test_any_decoder.py (torchtitan qwen3, tied embeddings, pp2 x
 dp2 x tp2, 1F1B, 2 microbatches, the planner, fp32) on 8 gloo processes: each iteration plans
 in a fresh plan cache (as the test's first step does), builds the pipeline and runs ``steps``
 AdamW steps. Meant to run under scripts/heapcheck/run.sh, or plain to count crashes:
 
     PYTHONPATH=. python scripts/heapcheck/repro_decoder.py ITERATIONS STEPS ['{"model": "qwen3"}']
 
-Options (JSON): model (a tests.models key), pp/dp/tp, schedule, nmb (microbatches), fresh
+Options (JSON): model (a tests.harness.models key), pp/dp/tp, schedule, nmb (microbatches), fresh
 (plan again every iteration; default true), plans (a plan cache directory to use instead,
 e.g. a test session's: its plans, not new ones; the planner breaks ties between equal-cost
 placements differently from one process to the next), parallelize ("auto" or null), overlap (the planner's
@@ -24,8 +24,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from tests.dist_harness import run_on_ranks
-from tests.models import MODELS, ce_loss, make_batch
+from tests.harness.launch import run_on_ranks
+from tests.harness.models import MODELS, ce_loss, make_batch
 
 
 def worker(rank: int, world_size: int, iterations: int, steps: int, root: str, kw: dict):

@@ -2,7 +2,7 @@
 # Run a command with scripts/heapcheck/heapcheck.so preloaded (built here with gcc on first use),
 # e.g. the test that intermittently dies with "malloc(): unaligned tcache chunk detected":
 #
-#   scripts/heapcheck/run.sh python -m pytest -x -q tests/test_any_decoder.py
+#   scripts/heapcheck/run.sh python -m pytest -x -q tests/models/test_any_decoder.py
 #   grep -l 'qfree\|qfence' /tmp/autopp-ranks-*/rank*.log      # the rank logs of a launch
 #
 # QFENCE=0 turns the page fence off (it costs a page and a few syscalls per small tensor);

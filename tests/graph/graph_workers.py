@@ -1,4 +1,4 @@
-"""Workers of the graph-stage launches (run under tests.dist_harness): graph stages on torch's
+"""Workers of the graph-stage launches (run under tests.harness.launch): graph stages on torch's
 runtime schedules, with and without recomputation, against one process."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from autopp.graph import (  # noqa: E402
     build_stage_graphs,
     compile_stage_graphs,
 )
-from tests.parity import assert_loss_parity, assert_parity  # noqa: E402
+from tests.harness.parity import assert_loss_parity, assert_parity  # noqa: E402
 
 N_STAGES, N_MB, MB, SEQ = 4, 4, 1, 16
 
@@ -99,7 +99,7 @@ class _Mlp(nn.Module):
 
 
 def run(rank: int, world: int) -> list[str]:
-    """Each schedule's line of this rank's report (under tests.dist_harness)."""
+    """Each schedule's line of this rank's report (under tests.harness.launch)."""
     from torch.distributed.pipelining import (
         ScheduleDualPipeV,
         ScheduleInterleaved1F1B,

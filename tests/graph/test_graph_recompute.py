@@ -19,9 +19,9 @@ from graph_models import mse_loss  # noqa: E402
 
 from autopp.graph import split_joint_graph, trace_stage  # noqa: E402
 from autopp.lower.memory import saved_bytes  # noqa: E402
-from tests.dist_harness import run_on_ranks
+from tests.harness.launch import run_on_ranks
 from tests.graph.graph_workers import recomputed as _recomputed
-from tests.parity import assert_parity
+from tests.harness.parity import assert_parity
 
 RECOMPUTE = ("none", "selective", "full")
 D, HEADS, S, B = 32, 4, 8, 2

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist_harness import run_on_ranks
+from tests.harness.launch import run_on_ranks
 from tests.graph.graph_workers import run
 
 

@@ -15,7 +15,7 @@ from autopp.graph import (
     split_joint_graph,
     trace_stage,
 )
-from tests.parity import assert_parity
+from tests.harness.parity import assert_parity
 
 ATOL = 1e-6
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import autopp.ops.attention  # noqa: F401  (registers autopp::sdpa)
-from tests.parity import assert_all_parity, assert_parity
+from tests.harness.parity import assert_all_parity, assert_parity
 
 
 @pytest.mark.parametrize("causal,gqa", [(True, False), (False, False), (True, True)])

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from autopp.ops import experts  # noqa: F401  (registers the op and its hooks)
-from tests.dist_harness import run_on_ranks
+from tests.harness.launch import run_on_ranks
 from tests.sharding._dispatch_worker import run
-from tests.parity import assert_parity
+from tests.harness.parity import assert_parity
 
 
 @pytest.mark.multiprocess
@@ -43,7 +43,7 @@ def _routed_node(mode: str, batch: int = 4):
 
     from autopp.adapters.torchtitan_moe import set_token_dispatch, token_dispatch
     from autopp.tracing.joint import trace_joint
-    from tests.models import qwen3_moe_meta
+    from tests.harness.models import qwen3_moe_meta
 
     block = qwen3_moe_meta(1).layers["0"]
     with torch.device("meta"):
@@ -184,7 +184,7 @@ def test_token_dispatch_is_a_planner_option_the_plan_carries(make_mesh):
     from autopp.lower.apply import planned_units
     from autopp.sharding import plan_stage
     from tests.sharding.stage_request import stage_request
-    from tests.models import qwen3_moe_meta
+    from tests.harness.models import qwen3_moe_meta
 
     with pytest.raises(ValueError, match="token_dispatch 'everywhere'.*'all_to_all'"):
         PlannerOptions(token_dispatch="everywhere")

@@ -11,7 +11,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopp.ops import experts  # noqa: F401  (registers the op)
-from tests.parity import assert_parity
+from tests.harness.parity import assert_parity
 
 B, L, D, F, E, K = 2, 8, 16, 16, 8, 2
 
@@ -130,7 +130,7 @@ def test_flops_count_the_routed_tokens_on_the_local_experts():
 def test_torchtitan_moe_traces_with_its_count_as_a_buffer_update():
     pytest.importorskip("torchtitan")
     from autopp.tracing.joint import trace_joint
-    from tests.models import qwen3_moe_meta
+    from tests.harness.models import qwen3_moe_meta
 
     block = qwen3_moe_meta(1).layers["0"]
     with torch.device("meta"):
@@ -145,7 +145,7 @@ def test_torchtitan_moe_traces_with_its_count_as_a_buffer_update():
 def test_expert_bias_update_by_fqn():
     pytest.importorskip("torchtitan")
     from autopp.adapters.torchtitan_moe import update_expert_bias
-    from tests.models import deepseek_v3_meta
+    from tests.harness.models import deepseek_v3_meta
 
     from autopp import init_module_
 
@@ -165,7 +165,7 @@ def test_active_parameters_count_k_of_e_routed_experts():
     model routes each token to 3 of 8 experts in each MoE layer (layers 1-3 of 4)."""
     pytest.importorskip("torchtitan")
     from autopp import adapters
-    from tests.models import deepseek_v3_meta, llama3_meta
+    from tests.harness.models import deepseek_v3_meta, llama3_meta
 
     model = deepseek_v3_meta(4)
     total = sum(p.numel() for p in model.parameters())

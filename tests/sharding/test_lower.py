@@ -56,7 +56,7 @@ def test_lowered_block_has_local_shapes_and_collectives(make_mesh, stack_of):
 @pytest.mark.multiprocess
 @pytest.mark.wide  # the planned pipelines' parity tests run this path end to end
 def test_lowered_llama_stack_matches_single_process_on_2x2_gloo():
-    from tests.dist_harness import run_on_ranks
+    from tests.harness.launch import run_on_ranks
     from tests.sharding._lower_worker import run_lower
 
     results = run_on_ranks(run_lower, 4, 2, 2, 3)
@@ -261,7 +261,7 @@ def test_a_stitched_stage_computes_what_autograd_does(make_mesh, llama_debug):
     from tests.sharding.stage_request import stage_request
     from autopp.tracing.joint import trace_joint
     from autopp.tracing.units import stage_units
-    from tests.parity import assert_parity
+    from tests.harness.parity import assert_parity
     from tests.sharding.conftest import BlockStack
 
     mesh = make_mesh(1, 1)

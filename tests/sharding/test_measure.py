@@ -190,7 +190,7 @@ def test_profile_cache_dir_default(monkeypatch, tmp_path):
 
 @pytest.mark.multiprocess
 def test_measure_two_ranks(profile_cache):
-    from tests.dist_harness import context as _context
+    from tests.harness.launch import context as _context
 
     _context()  # the harness's forkserver preloads first, should this start the server
     prof = measure_profile(world_size=2, device="cpu")
@@ -220,7 +220,7 @@ def test_measure_one_rank_says_which_links_come_from_a_built_in_profile(profile_
     the list in the stored file."""
     import logging
 
-    from tests.dist_harness import context as _context
+    from tests.harness.launch import context as _context
 
     _context()
     with pytest.raises(ValueError, match="links_from='nope' is no built-in or registered"):

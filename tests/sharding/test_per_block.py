@@ -1,7 +1,7 @@
 """Weights gathered and gradients reduced block by block (autopp.graph.per_block), read off
 a planned stage's rewritten graphs on the fake process group. The values are checked
 against single-process torch by the 8-rank pipelines of
-tests/test_auto_pipeline.py::test_auto_weights_gathered_and_gradients_reduced_per_block."""
+tests/pipeline/test_auto_pipeline.py::test_auto_weights_gathered_and_gradients_reduced_per_block."""
 
 from __future__ import annotations
 

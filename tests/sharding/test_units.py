@@ -13,7 +13,7 @@ from autopp.init import init_module_
 from autopp.tracing.units import BlockCall, stage_units, unit_signature
 from autopp.stage_split import build_stage_module, inspect_model, merge_stage_modules
 from autopp.stage_split.build import Skipped
-from tests.models import hf_meta, llama3_meta, qwen3_meta
+from tests.harness.models import hf_meta, llama3_meta, qwen3_meta
 
 
 class Toy(nn.Module):

@@ -63,5 +63,5 @@ class AutoppOptions:
     (``global_avg_loss``, ``grad_norm``: full precision, not the metrics line's 5 digits) as
     JSON lines to ``<losses_file>.rank<R>``, on every rank R that holds the last pipeline
     stage (the others log torchtitan's placeholder). Works with both configs of this registry (the comparison
-    of ``examples/torchtitan_autopp.sh compare`` and ``tests/test_torchtitan_entry.py``
+    of ``examples/torchtitan_autopp.sh compare`` and ``tests/integrations/test_torchtitan_entry.py``
     reads it); None: nothing written."""
