@@ -74,7 +74,9 @@ def _stage_lines(r: DryRunReport) -> list[str]:
             f"    sends {list(s.send_shape)} = {format_bytes(s.send_bytes)} per microbatch to stage "
             f"{s.index + 1} ({_BOUNDARY_WORDS[s.boundary_out]})" if s.send_shape is not None
             else f"    last stage: {describe_loss(s.boundary_out)}",
-            f"    planned in {s.plan_wall_s:.1f} s ({'cached' if s.cached else 'solved'})",
+            f"    planned in {s.plan_wall_s:.1f} s ({'cached' if s.cached else 'solved'})"
+            + (f"; under its budget, stage {s.reused_from}'s plan reused"
+               if s.reused_from is not None else ""),
         ]
         if s.torchtitan is not None:
             t = s.torchtitan
@@ -188,7 +190,11 @@ def _pipeline_lines(r: DryRunReport) -> list[str]:
         f"{format_bytes(r.p2p_bytes_per_microbatch)} summed over boundaries)",
         "  planning: " + ", ".join(
             f"stage {s.index} {s.plan_wall_s:.1f} s {'cached' if s.cached else 'solved'}"
-            for s in r.stages) + f"; dry run in total {r.wall_s:.1f} s (planning, lowering "
+            for s in r.stages) + (
+            f"; {r.distinct_plans} distinct stage plans made under budgets for "
+            f"{r.n_stages} stages (alike stages reuse them)" if r.distinct_plans else
+            "; the whole plan read from the cache")
+        + f"; dry run in total {r.wall_s:.1f} s (planning, lowering "
         "for memory and the F/I/W split, simulation)",
     ]
     return lines
