@@ -414,9 +414,11 @@ class _Planning:
         logger.info("stage %d: %s", s, why)
         return dataclasses.replace(chosen, notes=tuple(chosen.notes) + (why,)), timing + more
 
-    def classes(self, requests: Sequence[StageRequest]) -> list[StageClass]:
+    def classes(self, requests: Sequence[StageRequest], free: Sequence[bool]
+                ) -> list[StageClass]:
         """The stages' classes (:mod:`autopp.plan.stage_classes`): stages of alike units,
-        boundaries and budget class share one plan; each alone with ``reuse_plans`` off."""
+        boundaries and budget class share one plan (``free[s]``: stage ``s``'s time-optimal
+        plan fits its budget); each stage alone with ``reuse_plans`` off."""
         from autopp.sharding.precision import check_policy
         from autopp.sharding.units import stage_units
 
@@ -429,7 +431,7 @@ class _Planning:
                                  param_dtype=check_policy(q.mixed_precision, q.module))
                      if q.reuse_blocks or q.keyword_inputs else None)
             self.units.append(units)
-            keys.append(class_key(q, unit_structure(units)))
+            keys.append(class_key(q, unit_structure(units), free[s]))
         return group(keys, requests)
 
     def solve(self) -> tuple[PipelinePlan, dict[int, Any]]:
@@ -444,7 +446,14 @@ class _Planning:
         after = r.after_stage
         requests = [self.request(s, bounds[s], bounds[s + 1], budgets[s], windows[s])
                     for s in range(n)]
-        classes = self.classes(requests)
+        # where the time-optimal plan compared for the boundaries fits, it is the plan
+        fast = [compared.get((s, bounds[s], bounds[s + 1])) if r.whole_memory else None
+                for s in range(n)]
+        free = [p is not None and budgets[s] is not None and p.memory_bytes < budgets[s] - 1
+                and (p.recompute or "none") == "none"
+                and p.weight_gathering == requests[s].memory.weight_gathering
+                for s, p in enumerate(fast)]
+        classes = self.classes(requests, free)
         self.stage_classes = tuple(c.stages for c in classes)
 
         def planned(k: int) -> list[tuple[int, StagePlan, StageTiming, Any]]:
@@ -458,7 +467,7 @@ class _Planning:
                     ps = renamed(p, *name_map(self.units[rep], self.units[s]),
                                  f"the plan of stage {rep}, reused (alike units and "
                                  f"boundaries; planned for {c.activation_factor} microbatches "
-                                 f"in flight under {c.budget_bytes} bytes)")
+                                 f"in flight under {c.budget_bytes} bytes a device)")
                     ts = StageTiming(reused=1)
                 ps = with_windows(ps, requests[s].comm_windows_s, r.n_microbatches)
                 if s == n - 1:  # the last stage's plan says how its loss runs

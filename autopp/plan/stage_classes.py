@@ -3,10 +3,11 @@ units (by :func:`~autopp.sharding.units.unit_signature`, names aside), inputs, b
 and memory accounting, each class planned once and its plan given to the other members under
 their own names (:func:`renamed`).
 
-Budget classes: where activations count and a backward is whole, the microbatches in flight
-are put in classes of ratio :data:`IN_FLIGHT_RATIO` (a pipeline's stages each keep a few
-fewer than the stage before them); a class is planned with its members' most in flight and
-least budget, so its plan fits every member (it may be a little slower than a member's own).
+Budget classes: a stage whose time-optimal plan fits its budget plans it whatever it keeps in
+flight; otherwise, where a backward is whole, the microbatches in flight are put in classes
+of ratio :data:`IN_FLIGHT_RATIO` (a pipeline's stages each keep a few fewer than the one
+before). A class is planned with its members' most in flight and least budget, so its plan
+fits every member (it may be a little slower than a member's own).
 The schedule's windows for once-per-step collectives do not split classes: a class is planned
 with its members' smallest and each member's hidden time is recomputed with its own
 (:func:`with_windows`). Invariant: a member's plan is the class's plan, renamed.
@@ -51,10 +52,13 @@ def in_flight_class(request: StageRequest) -> Any:
     return ("ratio", math.ceil(math.log(f) / math.log(IN_FLIGHT_RATIO) - 1e-9))
 
 
-def class_key(request: StageRequest, structure: tuple | None) -> tuple | None:
+def class_key(request: StageRequest, structure: tuple | None, free: bool = False
+              ) -> tuple | None:
     """What must be equal for two stages to share a plan (None: planned alone): the units'
     structure (``structure``, from :func:`unit_structure`), the inputs, boundaries, fixed
-    placements, everything the request says but names, budget, in flight and windows."""
+    placements, everything the request says but names, budget, in flight and windows.
+    ``free``: the stage's time-optimal plan fits its budget, so its plan is that one
+    whatever it keeps in flight (one class for all such alike stages)."""
     if structure is None or request.param_placements:
         return None
     r = request
@@ -63,7 +67,7 @@ def class_key(request: StageRequest, structure: tuple | None) -> tuple | None:
                    for x in r.example_inputs)
     kw = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in r.keyword_inputs.items())
     return (structure, inputs, repr(r.input_placements), repr(r.output_placements), memory,
-            in_flight_class(r), repr(r.mixed_precision), r.tf32, kw,
+            ("free",) if free else in_flight_class(r), repr(r.mixed_precision), r.tf32, kw,
             r.microbatches_per_grad_reduce, r.time_limit_s, r.reuse_blocks,
             tuple(r.mesh.shape), id(r.profile))
 
