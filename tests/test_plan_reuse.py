@@ -23,7 +23,7 @@ from tests.models import llama3_meta
 from autopp.dry_run import dry_run
 
 def run():
-    r = dry_run(llama3_meta(6), pp=4, dp=2, tp=2, schedule="GPipe", n_microbatches=2,
+    r = dry_run(llama3_meta(6), pp=4, dp=2, tp=1, schedule="GPipe", n_microbatches=2,
                 global_batch=8, seq_len=64, activations=False)
     plans = [dataclasses.asdict(dataclasses.replace(
         p, plan_s=0.0, solve_s=0.0, notes=(), cache_entry=None)) for p in r.plan.stage_plans]

@@ -24,7 +24,7 @@ from typing import Any
 
 from autopp.sharding import StagePlan, StageRequest
 
-IN_FLIGHT_RATIO = 2 ** 0.25
+IN_FLIGHT_RATIO = 2 ** 0.5
 """Microbatches in flight within this ratio of each other may share a plan (classes are the
 intervals (r^(k-1), r^k])."""
 
