@@ -78,6 +78,9 @@ def test_budget_classes_plan_for_the_most_in_flight_and_the_least_budget():
     assert in_flight_class(_Req(32, 1)) == in_flight_class(_Req(29, 1))
     assert in_flight_class(_Req(32, 1)) != in_flight_class(_Req(32 / IN_FLIGHT_RATIO ** 1.5, 1))
     assert in_flight_class(_Req(4, 1, split=((4, 1),)))[0] == "exact"
+    # AUTOPP_PLAN_REUSE=exact: only equal in flight and budgets share
+    assert in_flight_class(_Req(32, 1), None) != in_flight_class(_Req(29, 1), None)
+    assert in_flight_class(_Req(32, 1), None) == in_flight_class(_Req(32, 1), None)
     reqs = [_Req(32, 10.0, (0.1, 0.3)), _Req(29, 9.0, (0.2, 0.1)), _Req(3, 5.0)]
     classes = group([("a",), ("a",), None], reqs)
     assert classes == [StageClass(stages=(0, 1), activation_factor=32, budget_bytes=9.0,

@@ -53,6 +53,7 @@ from autopp.plan.options import PlannerOptions, refuse_loose
 from autopp.plan.parallel import map_stages
 from autopp.plan.rank0 import plan_on_rank0
 from autopp.plan.stage_classes import (
+    IN_FLIGHT_RATIO,
     StageClass,
     class_key,
     class_request,
@@ -148,9 +149,10 @@ class PipelineRequest:
     """The stages on meta when the caller built them already; not in the key."""
     use_cache: bool = True
     """Read and write the whole plan in the on-disk cache; not in the key."""
-    reuse_plans: bool = field(default_factory=lambda: os.environ.get("AUTOPP_PLAN_REUSE") != "0")
-    """Plan each class of alike stages once (:mod:`autopp.plan.stage_classes`); off
-    (``AUTOPP_PLAN_REUSE=0``): every stage under its own budget."""
+    reuse_plans: str = field(default_factory=lambda: os.environ.get("AUTOPP_PLAN_REUSE", "auto"))
+    """Plan each class of alike stages once (:mod:`autopp.plan.stage_classes`): "auto" with
+    budget classes, "exact" only stages of equal in flight, "0" every stage alone (from
+    ``AUTOPP_PLAN_REUSE``)."""
     after_stage: Callable[[int, StagePlan, tuple[str, ...]], Any] | None = None
     """``after_stage(s, plan, boundaries)``: run right after stage ``s`` is planned, in the
     process that planned it (the dry run costs each plan so); not run on a cached plan."""
@@ -422,7 +424,10 @@ class _Planning:
         from autopp.sharding.precision import check_policy
         from autopp.sharding.units import stage_units
 
-        if not self.r.reuse_plans:
+        mode = self.r.reuse_plans
+        if mode not in ("auto", "exact", "0"):
+            raise ValueError(f"AUTOPP_PLAN_REUSE={mode!r}: 'auto', 'exact' or '0'")
+        if mode == "0":
             return group([None] * len(requests), requests)
         self.units = []
         keys = []
@@ -431,7 +436,8 @@ class _Planning:
                                  param_dtype=check_policy(q.mixed_precision, q.module))
                      if q.reuse_blocks or q.keyword_inputs else None)
             self.units.append(units)
-            keys.append(class_key(q, unit_structure(units), free[s]))
+            keys.append(class_key(q, unit_structure(units), free[s],
+                                  IN_FLIGHT_RATIO if mode == "auto" else None))
         return group(keys, requests)
 
     def solve(self) -> tuple[PipelinePlan, dict[int, Any]]:

@@ -42,23 +42,24 @@ class StageClass:
     """The members' smallest windows for once-per-step collectives, by kind."""
 
 
-def in_flight_class(request: StageRequest) -> Any:
-    """The budget class of ``request``'s microbatches in flight: an interval index where
-    they may be rounded up (whole backward), else the value itself."""
+def in_flight_class(request: StageRequest, ratio: float | None = IN_FLIGHT_RATIO) -> Any:
+    """The budget class of ``request``'s microbatches in flight: an interval index of
+    ``ratio`` where they may be rounded up (whole backward), else the value itself."""
     m = request.memory
     f = m.activation_factor
-    if f is None or m.split_in_flight or f <= 0:
-        return ("exact", f)
-    return ("ratio", math.ceil(math.log(f) / math.log(IN_FLIGHT_RATIO) - 1e-9))
+    if ratio is None or f is None or m.split_in_flight or f <= 0:
+        return ("exact", f, m.budget_bytes)
+    return ("ratio", math.ceil(math.log(f) / math.log(ratio) - 1e-9))
 
 
-def class_key(request: StageRequest, structure: tuple | None, free: bool = False
-              ) -> tuple | None:
+def class_key(request: StageRequest, structure: tuple | None, free: bool = False,
+              ratio: float | None = IN_FLIGHT_RATIO) -> tuple | None:
     """What must be equal for two stages to share a plan (None: planned alone): the units'
     structure (``structure``, from :func:`unit_structure`), the inputs, boundaries, fixed
     placements, everything the request says but names, budget, in flight and windows.
     ``free``: the stage's time-optimal plan fits its budget, so its plan is that one
-    whatever it keeps in flight (one class for all such alike stages)."""
+    whatever it keeps in flight (one class for all such alike stages). ``ratio``: of the
+    budget classes (None: only equal in flight and budgets share)."""
     if structure is None or request.param_placements:
         return None
     r = request
@@ -67,7 +68,7 @@ def class_key(request: StageRequest, structure: tuple | None, free: bool = False
                    for x in r.example_inputs)
     kw = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in r.keyword_inputs.items())
     return (structure, inputs, repr(r.input_placements), repr(r.output_placements), memory,
-            ("free",) if free else in_flight_class(r), repr(r.mixed_precision), r.tf32, kw,
+            ("free",) if free else in_flight_class(r, ratio), repr(r.mixed_precision), r.tf32, kw,
             r.microbatches_per_grad_reduce, r.time_limit_s, r.reuse_blocks,
             tuple(r.mesh.shape), id(r.profile))
 
