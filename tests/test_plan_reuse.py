@@ -87,3 +87,26 @@ def test_budget_classes_plan_for_the_most_in_flight_and_the_least_budget():
                                   windows=(0.1, 0.1)),
                        StageClass(stages=(2,), activation_factor=3, budget_bytes=5.0,
                                   windows=(0.0, 0.0))]
+
+
+def test_class_keys_of_a_split_backward_keep_its_in_flight_exact():
+    """A split backward's stages (ZBV, DualPipeV) share a plan only at equal in-flight
+    pairs: their key is made without rounding, and making it does not rebuild their memory
+    spec without its activation factor (which StageMemory refuses)."""
+    from types import SimpleNamespace
+
+    from autopp.plan.stage_classes import class_key
+    from autopp.sharding.request import StageMemory
+
+    def req(pairs, f=4.0):
+        return SimpleNamespace(
+            memory=StageMemory(budget_bytes=1e9, activation_factor=f, split_in_flight=pairs),
+            example_inputs=(), input_placements="default", output_placements="default",
+            keyword_inputs={}, mixed_precision=None, tf32=False, param_placements={},
+            microbatches_per_grad_reduce=4, time_limit_s=60.0, reuse_blocks=True,
+            mesh=SimpleNamespace(shape=(2, 1)), profile="H100", comm_windows_s=(0.0, 0.0))
+
+    a, b, c = req(((4, 1),)), req(((4, 1),)), req(((3, 2),))
+    assert class_key(a, ("s",)) == class_key(b, ("s",)) != class_key(c, ("s",))
+    assert class_key(req(((4, 1),), f=3.0), ("s",)) != class_key(a, ("s",))
+    assert class_key(a, None) is None

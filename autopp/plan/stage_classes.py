@@ -63,7 +63,8 @@ def class_key(request: StageRequest, structure: tuple | None, free: bool = False
     if structure is None or request.param_placements:
         return None
     r = request
-    memory = dataclasses.replace(r.memory, budget_bytes=None, activation_factor=None)
+    memory = tuple((k, v) for k, v in dataclasses.asdict(r.memory).items()
+                   if k not in ("budget_bytes", "activation_factor"))
     inputs = tuple((tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else repr(x)
                    for x in r.example_inputs)
     kw = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in r.keyword_inputs.items())
