@@ -4,7 +4,8 @@ the plan, each pp rank's memory, the simulated step and the planning time.
     .venv/bin/python benchmarks/moe_dry_run.py --model 671B --pp 16 --dp 4 --tp 8 \\
         --batch-size 256 --seq-len 4096 --microbatches 32 --schedule Interleaved1F1B
 
-``--dispatch all_to_all`` plans expert parallelism as torchtitan's EP (tokens sent to their
+``--expert-imbalance 1.25`` prices the busiest expert-parallel device at 1.25 times the mean
+share of routed tokens (default: uniform routing). ``--dispatch all_to_all`` plans expert parallelism as torchtitan's EP (tokens sent to their
 experts' devices by all-to-all); the default lets the planner choose.
 ``--model`` is a deepseek_v3 registry name (debugmodel, 16B, 236B, 671B) or ``qwen3_moe``
 (qwen3's debugmodel_moe). Attention is SDPA (torchtitan's flex attention does not trace on
@@ -53,6 +54,9 @@ def main() -> None:
     ap.add_argument("--dispatch", default="auto", choices=("auto", "all_to_all", "all_gather"),
                     help="how tokens may reach expert-parallel devices "
                     "(PlannerOptions.token_dispatch)")
+    ap.add_argument("--expert-imbalance", type=float, default=1.0,
+                    help="the busiest expert-parallel device's routed tokens over the mean "
+                    "(PlannerOptions.expert_imbalance; 1: uniform routing)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)7.0f ms %(message)s")
     for noisy in ("torch", "torchtitan"):
@@ -73,7 +77,8 @@ def main() -> None:
                      n_microbatches=args.microbatches, global_batch=args.batch_size,
                      seq_len=args.seq_len,
                      options=PlannerOptions(profile=args.profile, mixed_precision=mp,
-                                            token_dispatch=args.dispatch))
+                                            token_dispatch=args.dispatch,
+                                            expert_imbalance=args.expert_imbalance))
     print(report)
     print(f"dry run wall time {time.perf_counter() - t0:.1f} s")
     print("routed experts (forward, backward) as planned, over the (dp, tp) sub-mesh:")

@@ -32,11 +32,16 @@ from autopp.adapters.adapter import Adapter, register
 from autopp.ops import DISPATCHES
 
 
-# Two tracing settings (autopp.tracing): planner options (``PlannerOptions.token_dispatch``,
-# ``PlannerOptions.expert_compute_dtype``) that a plan records and every trace of its stages
-# uses; set_token_dispatch below changes the dispatch's process-wide default.
+# Tracing settings (autopp.tracing): planner options (``PlannerOptions.token_dispatch``,
+# ``PlannerOptions.expert_compute_dtype``, ``PlannerOptions.expert_imbalance``) that a plan
+# records and every trace (and pricing) of its stages uses; set_token_dispatch below changes
+# the dispatch's process-wide default.
 tracing.declare("expert_compute_dtype", "bfloat16", ("bfloat16", "float16", "float32", "param"))
 tracing.declare("token_dispatch", "auto", DISPATCHES)
+EXPERT_IMBALANCES = ("1", "1.1", "1.2", "1.25", "1.3", "1.5", "1.75", "2", "2.5", "3", "4")
+"""The busiest expert-parallel device's routed tokens over the mean the planner can price
+(:mod:`autopp.sharding.options.expert_dispatch`); "1": uniform routing."""
+tracing.declare("expert_imbalance", "1", EXPERT_IMBALANCES)
 
 
 def expert_compute_dtype() -> torch.dtype | None:

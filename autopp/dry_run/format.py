@@ -74,7 +74,9 @@ def _stage_lines(r: DryRunReport) -> list[str]:
             f"    sends {list(s.send_shape)} = {format_bytes(s.send_bytes)} per microbatch to stage "
             f"{s.index + 1} ({_BOUNDARY_WORDS[s.boundary_out]})" if s.send_shape is not None
             else f"    last stage: {describe_loss(s.boundary_out)}",
-            f"    planned in {s.plan_wall_s:.1f} s ({'cached' if s.cached else 'solved'})",
+            f"    planned in {s.plan_wall_s:.1f} s ({'cached' if s.cached else 'solved'})"
+            + (f"; under its budget, stage {s.reused_from}'s plan reused"
+               if s.reused_from is not None else ""),
         ]
         if s.torchtitan is not None:
             t = s.torchtitan
@@ -188,10 +190,34 @@ def _pipeline_lines(r: DryRunReport) -> list[str]:
         f"{format_bytes(r.p2p_bytes_per_microbatch)} summed over boundaries)",
         "  planning: " + ", ".join(
             f"stage {s.index} {s.plan_wall_s:.1f} s {'cached' if s.cached else 'solved'}"
-            for s in r.stages) + f"; dry run in total {r.wall_s:.1f} s (planning, lowering "
+            for s in r.stages) + (
+            f"; {r.distinct_plans} distinct stage plans made under budgets for "
+            f"{r.n_stages} stages" + (" (alike stages reuse them)"
+                                      if r.distinct_plans < r.n_stages else "")
+            if r.distinct_plans else
+            "; the whole plan read from the cache")
+        + f"; dry run in total {r.wall_s:.1f} s (planning, lowering "
         "for memory and the F/I/W split, simulation)",
     ]
     return lines
+
+
+def _moe_lines(r: DryRunReport) -> list[str]:
+    """What the plan assumes of a mixture of experts' routing (only where it has routed
+    experts): uniform, or the busiest device's share ``PlannerOptions.expert_imbalance``."""
+    if not any(name.startswith("routed_experts") for s in r.stages for b in s.plan.blocks
+               for name, _, _ in b.nodes):
+        return []
+    x = float(getattr(r.plan.options, "expert_imbalance", "1") if r.plan else 1.0)
+    if x == 1.0:
+        return ["  mixture of experts: routing assumed uniform over the experts (every "
+                "expert-parallel device computes and exchanges the mean share of routed "
+                "tokens); PlannerOptions(expert_imbalance=x) prices the busiest device's "
+                "share at x times the mean"]
+    return [f"  mixture of experts: the busiest expert-parallel device assumed to get {x:g} "
+            "times the mean share of routed tokens (PlannerOptions.expert_imbalance): its "
+            "expert compute and token exchange priced so; activation memory as for uniform "
+            "routing"]
 
 
 def format_report(r: DryRunReport) -> str:
@@ -211,6 +237,7 @@ def format_report(r: DryRunReport) -> str:
          f"{WORKSPACE_SHARE:.2%} of it): "
          + (format_bytes(r.memory_budget_bytes) if r.memory_budget_bytes is not None
             else f"the device's memory less {r.memory_reserve:.0%}")),
+        *_moe_lines(r),
         "",
         f"Stages (time = estimated fwd+bwd of one microbatch on one device; placements per "
         f"{dims}, a|b where layers differ):",

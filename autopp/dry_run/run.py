@@ -108,6 +108,9 @@ class StageReport:
     loss_s: float = 0.0
     """Last stage: estimated fwd+bwd time of the loss on one microbatch (0 elsewhere)."""
     torchtitan_loss_s: float = 0.0
+    reused_from: int | None = None
+    """The stage whose plan this one reuses (alike units, boundaries and budget class:
+    :mod:`autopp.plan.stage_classes`); None: planned itself (or read from the cache)."""
 
     @property
     def time_s(self) -> float:
@@ -161,6 +164,9 @@ class DryRunReport:
     plan: PipelinePlan | None = None
     """The pipeline's plan, as :func:`autopp.pipeline_autoparallel` would run it, with the
     simulated estimates (``plan.save(path)``; run it with ``plan=path``)."""
+    distinct_plans: int = 0
+    """Stage plans made under a budget, one per class of alike stages (the others reuse
+    them); 0 where the whole plan came from the cache."""
 
     # ---- pipeline figures -------------------------------------------------------------
     @property
@@ -506,6 +512,7 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
         keyword_inputs=keyword or {}, after_stage=cost_of,
         stage_modules=tuple(metas)))  # built above, not again
     pplan, after, timings = planned.plan, planned.after, planned.timings
+    reused_from = {s: c[0] for c in planned.classes for s in c[1:]}
     bounds = pplan.boundaries
     costed = [after[s] for s in range(n_stages)] if len(after) == n_stages else map_stages(
         lambda s: cost_of(s, pplan.stage_plans[s], bounds), n_stages)
@@ -531,6 +538,7 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
             send_bytes=send, cost=cost, facts=facts, torchtitan=tt[0],
             torchtitan_wall_s=tt[1], torchtitan_cached=tt[2], torchtitan_cost=tt_cost,
             boundary_out=kind, loss_s=plan.loss_s, torchtitan_loss_s=tt_loss,
+            reused_from=reused_from.get(s),
         ))
     shape3 = (pp, dp, tp)
     link = slowest_link(pp_links(device, shape3, stage_ranks), pp_link(device, shape3))
@@ -569,5 +577,5 @@ def _dry_run(model_meta, *, pp, dp, tp, schedule, n_microbatches, global_batch, 
         mixed_precision=None if mixed_precision is None else
         f"parameters computed in {pd}, gradients reduced in {mixed_precision.reduce_dtype}",
         torchtitan_simulation=tt_sim, checkpointed_simulation=ck_sim,
-        checkpoint_working_bytes=working,
+        checkpoint_working_bytes=working, distinct_plans=planned.distinct_plans,
     )

@@ -395,8 +395,9 @@ def stage_facts(module: nn.Module, plan: StagePlan, mesh: Any, example_inputs: t
                         differentiable=None if flat else 1)
             joint = traced[bplan.signature]
             check_planned_graph(joint, bplan)
-            memo[key] = _unit_facts(joint, unit, bplan, plan, mesh, costs, n_microbatches,
-                                    overlap)
+            with tracing.settings(plan.trace_settings):  # priced as planned (MoE routing)
+                memo[key] = _unit_facts(joint, unit, bplan, plan, mesh, costs, n_microbatches,
+                                        overlap)
         f = memo[key]
         for k, v in f.times.items():
             times[k] += v

@@ -19,16 +19,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class StageTiming:
-    """Wall seconds spent planning a stage, and how many plans were solved or read from the
-    cache; they add up over a stage's plans."""
+    """Wall seconds spent planning a stage, and how many plans were solved, read from the
+    cache or reused from an alike stage (:mod:`autopp.plan.stage_classes`); they add up over
+    a stage's plans."""
 
     seconds: float = 0.0
     solved: int = 0
     cached: int = 0
+    reused: int = 0
 
     def __add__(self, other: StageTiming) -> StageTiming:
         return StageTiming(self.seconds + other.seconds, self.solved + other.solved,
-                           self.cached + other.cached)
+                           self.cached + other.cached, self.reused + other.reused)
 
 
 def plan_local_stage(request: StageRequest, *, stage_index: int = 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +52,17 @@ from autopp.plan.local_stage import StageTiming, plan_local_stage
 from autopp.plan.options import PlannerOptions, refuse_loose
 from autopp.plan.parallel import map_stages
 from autopp.plan.rank0 import plan_on_rank0
+from autopp.plan.stage_classes import (
+    IN_FLIGHT_RATIO,
+    StageClass,
+    class_key,
+    class_request,
+    group,
+    name_map,
+    renamed,
+    unit_structure,
+    with_windows,
+)
 from autopp.plan.stage_inputs import last_stage_output, stage_meta_inputs
 from autopp.plan.value import (
     PipelinePlan,
@@ -137,6 +149,10 @@ class PipelineRequest:
     """The stages on meta when the caller built them already; not in the key."""
     use_cache: bool = True
     """Read and write the whole plan in the on-disk cache; not in the key."""
+    reuse_plans: str = field(default_factory=lambda: os.environ.get("AUTOPP_PLAN_REUSE", "auto"))
+    """Plan each class of alike stages once (:mod:`autopp.plan.stage_classes`): "auto" with
+    budget classes, "exact" only stages of equal in flight, "0" every stage alone (from
+    ``AUTOPP_PLAN_REUSE``)."""
     after_stage: Callable[[int, StagePlan, tuple[str, ...]], Any] | None = None
     """``after_stage(s, plan, boundaries)``: run right after stage ``s`` is planned, in the
     process that planned it (the dry run costs each plan so); not run on a cached plan."""
@@ -193,6 +209,7 @@ class PipelineRequest:
             "last_kinds": list(self.last_kinds),
             "budgets": [m.budget_bytes for m in self.memory],
             "memory": memory if self.budgets is None else None,
+            "reuse_plans": self.reuse_plans,
         })
 
 
@@ -207,6 +224,14 @@ class PipelineResult:
     """By stage: the seconds spent planning it, plans solved and read from the cache."""
     after: Mapping[int, Any] = field(default_factory=dict)
     """By stage: ``after_stage``'s results."""
+    classes: tuple[tuple[int, ...], ...] = ()
+    """The classes of alike stages planned once each (the first member planned, the others
+    reusing its plan: :mod:`autopp.plan.stage_classes`); empty for a cached plan."""
+
+    @property
+    def distinct_plans(self) -> int:
+        """Stage plans made under a budget (one per class); 0 for a cached plan."""
+        return len(self.classes)
 
 
 class _Planning:
@@ -227,6 +252,8 @@ class _Planning:
         self.timings: dict[int, StageTiming] = {}
         self.fixed: list[dict[str, tuple[str, ...]]] = [{} for _ in self.metas]
         self.budgets = self.budgets_at(None)
+        self.units: list[Any] = []
+        self.stage_classes: tuple[tuple[int, ...], ...] = ()
 
     def budgets_at(self, bounds: Sequence[str] | None) -> list[float | None]:
         """The budgets less what the ILP's row does not count, with the receive buffers at
@@ -389,27 +416,81 @@ class _Planning:
         logger.info("stage %d: %s", s, why)
         return dataclasses.replace(chosen, notes=tuple(chosen.notes) + (why,)), timing + more
 
+    def classes(self, requests: Sequence[StageRequest], free: Sequence[bool]
+                ) -> list[StageClass]:
+        """The stages' classes (:mod:`autopp.plan.stage_classes`): stages of alike units,
+        boundaries and budget class share one plan (``free[s]``: stage ``s``'s time-optimal
+        plan fits its budget); each stage alone with ``reuse_plans`` off."""
+        from autopp.tracing.precision import check_policy
+        from autopp.tracing.units import stage_units
+
+        mode = self.r.reuse_plans
+        if mode not in ("auto", "exact", "0"):
+            raise ValueError(f"AUTOPP_PLAN_REUSE={mode!r}: 'auto', 'exact' or '0'")
+        if mode == "0":
+            return group([None] * len(requests), requests)
+        self.units = []
+        keys = []
+        for s, q in enumerate(requests):
+            units = (stage_units(q.module, q.example_inputs[0], q.keyword_inputs,
+                                 param_dtype=check_policy(q.mixed_precision, q.module))
+                     if q.reuse_blocks or q.keyword_inputs else None)
+            self.units.append(units)
+            keys.append(class_key(q, unit_structure(units), free[s],
+                                  IN_FLIGHT_RATIO if mode == "auto" else None))
+        return group(keys, requests)
+
     def solve(self) -> tuple[PipelinePlan, dict[int, Any]]:
-        """The whole plan (tied placements, boundaries, each stage under its budget on
-        worker processes where this one can fork: :mod:`autopp.plan.parallel`) and what
-        ``after_stage`` answered, by stage."""
+        """The whole plan (tied placements, boundaries, each class of alike stages under its
+        budget once, on worker processes where this one can fork:
+        :mod:`autopp.plan.parallel`) and what ``after_stage`` answered, by stage."""
         r, n = self.r, self.n
         self.tied()
         bounds, compared = self.boundaries()
         windows = self.windows(bounds, compared)
         budgets = self.budgets_at(bounds)
         after = r.after_stage
+        requests = [self.request(s, bounds[s], bounds[s + 1], budgets[s], windows[s])
+                    for s in range(n)]
+        # where the time-optimal plan compared for the boundaries fits, it is the plan
+        fast = [compared.get((s, bounds[s], bounds[s + 1])) if r.whole_memory else None
+                for s in range(n)]
+        free = [p is not None and budgets[s] is not None and p.memory_bytes < budgets[s] - 1
+                and (p.recompute or "none") == "none"
+                and p.weight_gathering == requests[s].memory.weight_gathering
+                for s, p in enumerate(fast)]
+        classes = self.classes(requests, free)
+        self.stage_classes = tuple(c.stages for c in classes)
 
-        def planned(s: int) -> tuple[StagePlan, StageTiming, Any]:
-            p, timing = self.gathered_as_fits(
-                self.request(s, bounds[s], bounds[s + 1], budgets[s], windows[s]), s)
-            if s == n - 1:  # the last stage's plan says how its loss runs
-                p = dataclasses.replace(p, loss=describe_loss(bounds[-1]),
-                                        loss_s=self.loss_s(s, bounds[-1]))
-            return p, timing, None if after is None else after(s, p, tuple(bounds))
+        def planned(k: int) -> list[tuple[int, StagePlan, StageTiming, Any]]:
+            c = classes[k]
+            rep = c.stages[0]
+            p, timing = self.gathered_as_fits(class_request(requests[rep], c), rep)
+            out = []
+            for s in c.stages:
+                ps, ts = p, timing
+                if s != rep:
+                    ps = renamed(p, *name_map(self.units[rep], self.units[s]),
+                                 f"the plan of stage {rep}, reused (alike units and "
+                                 f"boundaries; planned for {c.activation_factor} microbatches "
+                                 f"in flight under {c.budget_bytes} bytes a device)")
+                    ts = StageTiming(reused=1)
+                ps = with_windows(ps, requests[s].comm_windows_s, r.n_microbatches)
+                if s == n - 1:  # the last stage's plan says how its loss runs
+                    ps = dataclasses.replace(ps, loss=describe_loss(bounds[-1]),
+                                             loss_s=self.loss_s(s, bounds[-1]))
+                out.append((s, ps, ts, None if after is None else after(s, ps, tuple(bounds))))
+            return out
 
-        done = map_stages(planned, n, progress=lambda k, n, t: logger.info(
-            "stage %d/%d planned under its budget: %.1f s so far, %d to go", k, n, t, n - k))
+        if len(classes) < n:
+            logger.info("%d stages in %d classes of alike stages, each planned once: %s", n,
+                        len(classes), ", ".join("+".join(map(str, c.stages)) for c in classes))
+        by_class = map_stages(planned, len(classes), progress=lambda k, m, t: logger.info(
+            "class %d/%d planned under its budget: %.1f s so far, %d to go", k, m, t, m - k))
+        done = [None] * n
+        for rows in by_class:
+            for s, p, timing, a in rows:
+                done[s] = (p, timing, a)
         for s, (_, timing, _) in enumerate(done):
             self.timings[s] = self.timings.get(s, StageTiming()) + timing
         stage_plans = tuple(p for p, _, _ in done)
@@ -445,7 +526,8 @@ def plan_whole_pipeline(request: PipelineRequest) -> PipelineResult:
         with tracing.settings(r.options.trace_settings()), frozen_heap():
             planning = _Planning(r)
             plan, after = planning.solve()
-        result.append(PipelineResult(plan, False, planning.timings, after))
+        result.append(PipelineResult(plan, False, planning.timings, after,
+                                     planning.stage_classes))
         return plan
 
     if not r.use_cache:

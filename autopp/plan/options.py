@@ -72,6 +72,11 @@ class PlannerOptions:
     #: "float16", "float32" or "param" (the parameters' own). Default: the process default.
     expert_compute_dtype: str = field(
         default_factory=lambda: tracing.setting("expert_compute_dtype"))
+    #: MoE layers: the busiest expert-parallel device's routed tokens over the mean. 1.0:
+    #: routing assumed uniform over the experts (what the cost model prices by default);
+    #: above 1 its expert compute and token exchange are priced at that many times the
+    #: mean (one of ``autopp.adapters.torchtitan_moe.EXPERT_IMBALANCES``).
+    expert_imbalance: float = 1.0
     #: Reorder planned graphs to issue collectives early and wait late
     #: (:mod:`autopp.graph.overlap`); values are the same either way.
     overlap_collectives: bool = True
@@ -88,7 +93,8 @@ class PlannerOptions:
         """The options that change what is traced, as :func:`autopp.tracing.settings`
         takes them."""
         return {"token_dispatch": self.token_dispatch,
-                "expert_compute_dtype": self.expert_compute_dtype}
+                "expert_compute_dtype": self.expert_compute_dtype,
+                "expert_imbalance": f"{float(self.expert_imbalance):g}"}
 
     def __post_init__(self) -> None:
         for name, value in self.trace_settings().items():

@@ -151,6 +151,8 @@ class PlanOptions:
     """MoE token dispatch (``PlannerOptions.token_dispatch``)."""
     expert_compute_dtype: str = "bfloat16"
     """MoE routed experts' compute dtype (``PlannerOptions.expert_compute_dtype``)."""
+    expert_imbalance: str = "1"
+    """MoE routing's busiest device over the mean (``PlannerOptions.expert_imbalance``)."""
     tf32: bool = False
     """fp32 matmuls priced at the TF32 rate (``PlannerOptions.tf32``)."""
     weight_gathering: str = "once_per_step"

@@ -170,6 +170,40 @@ def test_all_to_all_moves_k_rows_per_token_and_wins_only_when_ep_exceeds_top_k(m
         assert (t_a2a < t_gather) == a2a_cheaper, (n, t_a2a, t_gather)
 
 
+def test_expert_imbalance_prices_the_busiest_expert_parallel_device(make_mesh):
+    """Routing is priced uniform by default; ``PlannerOptions.expert_imbalance`` x prices the
+    busiest device's routed rows at x times the mean where the experts are split (its
+    compute and its all-to-all rows), and leaves replicated experts as they were."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autopp import tracing
+    from autopp.backends import PlannerOptions
+    from autopp.profiles import get_profile
+    from autopp.sharding.cost.model import CostModel
+    from autopp.sharding.options.op_hooks import hooks_of
+    from autopp.sharding.options.strategies import NodeStrategy, Option
+
+    with pytest.raises(ValueError, match="expert_imbalance '1.33'"):
+        PlannerOptions(expert_imbalance=1.33)
+    assert PlannerOptions().trace_settings()["expert_imbalance"] == "1"
+    _, node = _routed_node("auto", batch=64)
+    s0, r = (Shard(0),), (Replicate(),)
+    split = Option((s0,), (s0, s0, s0, s0, s0, s0, s0))  # experts and tokens over the dim
+    whole = Option((s0,), (s0, s0, s0, r, r, r, r))  # every device holds every expert
+    costs = CostModel(get_profile("H100"), (4,))
+    ns = NodeStrategy(node, "op", [(a, 0) for a in node.args[:7]])
+
+    def priced(x: str) -> tuple[float, float, list]:
+        with tracing.settings(PlannerOptions(expert_imbalance=float(x)).trace_settings()):
+            return (costs.compute_time(ns, split) - costs.kernel_comm_time(ns, split),
+                    costs.compute_time(ns, whole),
+                    hooks_of(node.target).collectives(node, split, (4,)))
+
+    (c1, w1, a1), (c2, w2, a2) = priced("1"), priced("1.5")
+    assert c2 == pytest.approx(1.5 * c1) and w2 == w1
+    assert a2[0] == a1[0] and [b for *_, b in a2[1:]] == [1.5 * b for *_, b in a1[1:]]
+
+
 def test_token_dispatch_is_a_planner_option_the_plan_carries(make_mesh):
     """``PlannerOptions.token_dispatch`` / ``expert_compute_dtype`` are checked, default to
     the process default (``set_token_dispatch`` is an alias that changes it), and a stage
@@ -204,7 +238,8 @@ def test_token_dispatch_is_a_planner_option_the_plan_carries(make_mesh):
             plan = plan_stage(stage_request(copy.deepcopy(block), (x, None, None), mesh,
                                             profile="H100"))
         assert dict(plan.trace_settings) == {"token_dispatch": "all_gather",
-                                             "expert_compute_dtype": "param"}
+                                             "expert_compute_dtype": "param",
+                                             "expert_imbalance": "1"}
         from autopp.sharding.plan import StagePlan
 
         plan = StagePlan.from_json(plan.to_json())  # as saved and loaded

@@ -172,6 +172,9 @@ class CostModel:
             if any(_is_shard(pl[i]) for pl in placements):
                 split *= n
         flops = self.global_flops(ns) / split
+        hooks = op_hooks.hooks_of(ns.node.target)
+        if hooks is not None and hooks.busiest_share is not None:
+            flops *= hooks.busiest_share(ns.node, opt)
         nbytes = 0.0
         vals = [v for v in tensor_vals(ns.node)]
         for v, pl in zip(vals, opt.out):

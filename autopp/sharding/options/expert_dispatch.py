@@ -4,10 +4,11 @@ With experts split over a mesh dim of n devices, the op's plain options gather e
 every device ((n-1)·T tokens per layer). All-to-all sends each token only where its experts
 are, about (n-1)/n·K·T rows each way: less whenever n exceeds the top-k K. The sizes are
 data-dependent, so the op's kernel does the exchange, offered through
-:mod:`autopp.sharding.options.op_hooks`: options with tokens split on the experts' dims and the
-output split like them; a price (two all-to-alls of T·K·D elements and the counts forward, two
-backward reusing the forward's routing; uniform routing assumed); routing outputs pinned so the
-backward receives them as the forward made them; and the local run (:func:`dispatched`).
+:mod:`autopp.sharding.options.op_hooks`: options with tokens split on the experts' dims and the output
+split like them; a price (two all-to-alls of T·K·D elements and the counts forward, two
+backward reusing the forward's routing; routing uniform unless ``expert_imbalance`` prices the
+busiest device's compute and rows at that multiple, :func:`imbalance`); routing outputs pinned
+so the backward receives them as made; and the local run (:func:`dispatched`).
 
 The kernel follows torchtitan's ``AllToAllTokenDispatcher`` but is written on torch's
 functional all-to-all, since torchtitan's takes its group from a mesh wired into the module,
@@ -121,7 +122,7 @@ def _collectives(node, opt: Option, mesh_shape: tuple[int, ...]
     xi = 1 if node.target == _BWD else 0  # the backward's first input is the gradient
     x, ids = tensor_vals(node.args[xi])[0], tensor_vals(node.args[xi + 2])[0]
     shape = local_shape(x.shape, opt.ins[xi], mesh_shape)
-    rows = math.prod(shape[:-1]) * ids.shape[-1]
+    rows = math.prod(shape[:-1]) * ids.shape[-1] * imbalance()
     row_bytes = rows * x.shape[-1] * x.element_size()
     if node.target == _FWD:  # the counts, tokens out, outputs back
         counts = tensor_vals(node.args[eid])[0].numel() * 8
@@ -131,6 +132,20 @@ def _collectives(node, opt: Option, mesh_shape: tuple[int, ...]
     score_bytes = rows * tensor_vals(node.args[xi + 1])[0].element_size()
     return [("all_to_all", dims, 2 * row_bytes + score_bytes),
             ("all_to_all", dims, row_bytes + score_bytes)]
+
+
+def imbalance() -> float:
+    """The busiest expert-parallel device's routed tokens over the mean, as planned."""
+    from autopp import tracing
+
+    return float(tracing.setting("expert_imbalance"))
+
+
+def _busiest_share(node, opt: Option) -> float:
+    """With experts split over some mesh dim, the busiest device's share of the expert
+    compute over the even split's (:func:`imbalance`); 1 where each device holds them all."""
+    _, eid, _, _ = _layout(node)
+    return imbalance() if any(isinstance(e, Shard) for e in opt.ins[eid]) else 1.0
 
 
 def _local_call(node, opt: Option, mesh):
@@ -153,6 +168,7 @@ def _local_call(node, opt: Option, mesh):
     return functools.partial(node.target, group_name=group, dispatch_block=num_experts // split)
 
 
-op_hooks.register(_FWD, op_hooks.OpHooks(_extra_options, _collectives, _local_call))
+op_hooks.register(_FWD, op_hooks.OpHooks(_extra_options, _collectives, _local_call,
+                                         busiest_share=_busiest_share))
 op_hooks.register(_BWD, op_hooks.OpHooks(_extra_options, _collectives, _local_call,
-                                         pinned=(8, 9)))
+                                         pinned=(8, 9), busiest_share=_busiest_share))

@@ -26,6 +26,9 @@ class OpHooks:
     """(node, option, mesh) -> a function of the local shards, or None."""
     pinned: tuple[int, ...] = ()
     """Tensor-argument positions taken only in the placement their producer gave them."""
+    busiest_share: Callable[[Any, Any], float] | None = None
+    """(node, option) -> the busiest device's compute over the even split's (data-dependent
+    work, e.g. routed tokens); None: 1."""
 
 
 _HOOKS: dict[Any, OpHooks] = {}
