@@ -72,9 +72,8 @@ def _exact(model: _PairedModel, n: int, budget: float) -> float:
     return best
 
 
-# Found by a seeded search over random cases, 2026-12-06: the search before mixed only
-# on the boundary pairs of the best chain a price gave (a -> b -> b -> a here), which
-# reached 3.072; the optimum, 2.995, takes other pairs.
+# A case where mixing only on the boundary pairs of the best chain a price gives
+# (a -> b -> b -> a here) reaches 3.072; the optimum, 2.995, takes other pairs.
 CASE = {("a", "a"): [(0.96, 11.89), (1.051, 8.14), (1.182, 4.71)],
         ("a", "b"): [(0.879, 11.77), (1.034, 8.57), (1.261, 5.88)],
         ("b", "a"): [(0.857, 10.51), (1.011, 7.82), (1.506, 4.29)],
@@ -149,8 +148,7 @@ def test_a_real_stage_matches_the_whole_stage_mip(stack_of, make_mesh, monkeypat
     gradients reduced once over 8, at 60% of the fastest plan's memory: the composed plan
     (units solved on their own, chained and mixed) is within 1% of the whole stage's ILP
     (one flat MIP with the budget in its row, solved to 1e-7), which the planner's bound
-    does not exceed. Measured 2026-12-06: 99.80 us both (110.41 us before the mix across
-    boundary pairs)."""
+    does not exceed."""
     stage, mesh = stack_of(2), make_mesh(2, 2)
     x = torch.empty(4, 64, 256, device="meta")
     kw = dict(activation_factor=2.0, optimizer_state_factor=2.0, recompute="none",

@@ -113,7 +113,7 @@ def test_split_backward_row_counts_what_w_keeps_at_each_peak(block, make_mesh, m
                                        recompute="full", memory_budget_bytes=budget))
     assert unaware.blocks[0].nodes == free.blocks[0].nodes
     # only the polish's MIP is bounded (to keep the test short): a time limit on every solve
-    # left the least-memory chain with no plan at all under CI's load (2026-12-06)
+    # can leave the least-memory chain with no plan at all on a loaded machine
     monkeypatch.setattr(B, "POLISH_TIME_S", 1.0)
     bound = plan_stage(stage_request(block, (x,), mesh, param_placements=fixed,
                                      output_placements=None, activation_factor=3.0,
