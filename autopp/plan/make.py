@@ -282,7 +282,8 @@ class _Planning:
             output_placements=BOUNDARIES[k_out], param_placements=self.fixed[s],
             memory=dataclasses.replace(r.memory[s], budget_bytes=budget),
             mixed_precision=self.mp, tf32=r.options.tf32, keyword_inputs=self.keyword,
-            microbatches_per_grad_reduce=r.n_microbatches, comm_windows_s=windows)
+            microbatches_per_grad_reduce=r.n_microbatches, comm_windows_s=windows,
+            optimality_gap=r.options.optimality_gap)
 
     def plan(self, s: int, k_in: str, k_out: str, budget: float | None = None) -> StagePlan:
         """Stage ``s`` planned between ``k_in`` and ``k_out``, its time added up."""

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from autopp import tracing
 from autopp.profiles.devices import tf32_enabled
+from autopp.sharding.request import check_gap
 
 
 if TYPE_CHECKING:
@@ -84,6 +85,11 @@ class PlannerOptions:
     #: options are made (:func:`autopp.profiles.devices.tf32_enabled`); set torch's
     #: precision first. Recorded in the plan and its cache keys.
     tf32: bool = field(default_factory=tf32_enabled)
+    #: How close to the best possible a memory-bound stage plan must be proven before the
+    #: planner stops, e.g. 0.05: within 5% of a proven lower bound on the stage's time
+    #: (the bound is in ``describe()``). None: 1%. Larger plans faster (fewer solves)
+    #: and may give a slower plan.
+    optimality_gap: float | None = None
     #: Refuse a plan a fallback changed (an op replicated for want of a rule, an op
     #: priced without FLOPs) on every rank. False: warn once and list it in
     #: ``describe()``. Not part of the plan, so cached and saved plans are checked too.
@@ -123,6 +129,7 @@ class PlannerOptions:
                              f"got {self.memory_reserve}")
         if self.boundary not in ("auto", "batch", "batch+seq"):
             raise ValueError(f"boundary must be 'auto', 'batch' or 'batch+seq', got {self.boundary!r}")
+        check_gap(self.optimality_gap)
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
             raise ValueError(f"memory_budget_bytes must be positive, got {self.memory_budget_bytes}")
         if self.parameter_budget_bytes is not None:

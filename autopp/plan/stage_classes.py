@@ -71,7 +71,7 @@ def class_key(request: StageRequest, structure: tuple | None, free: bool = False
     return (structure, inputs, repr(r.input_placements), repr(r.output_placements), memory,
             ("free", None if ratio else r.memory.budget_bytes) if free
             else in_flight_class(r, ratio), repr(r.mixed_precision), r.tf32, kw,
-            r.microbatches_per_grad_reduce, r.time_limit_s, r.reuse_blocks,
+            r.microbatches_per_grad_reduce, r.time_limit_s, r.optimality_gap, r.reuse_blocks,
             tuple(r.mesh.shape), id(r.profile))
 
 

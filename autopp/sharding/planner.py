@@ -128,11 +128,14 @@ def plan_stage(request: StageRequest) -> StagePlan:
 
     def build(once_weight: float = 1.0) -> Stage:
         if units is None:
-            return _flat_stage(module, example_inputs, mesh, costs, memory, in_spec,
-                               out_spec, fixed, pdtype, grad_scale, once_weight)
-        return _unit_stage(module, units, example_inputs[0], mesh, names, costs, memory,
-                           in_spec, out_spec, fixed, pdtype, grad_scale,
-                           tuple(keyword_inputs.values()), once_weight)
+            st = _flat_stage(module, example_inputs, mesh, costs, memory, in_spec,
+                             out_spec, fixed, pdtype, grad_scale, once_weight)
+        else:
+            st = _unit_stage(module, units, example_inputs[0], mesh, names, costs, memory,
+                             in_spec, out_spec, fixed, pdtype, grad_scale,
+                             tuple(keyword_inputs.values()), once_weight)
+        st.gap = r.optimality_gap
+        return st
 
     stage = build()
     notes: tuple[str, ...] = ()
@@ -154,7 +157,8 @@ def plan_stage(request: StageRequest) -> StagePlan:
                 return st, fast if fits else None
 
             stage, chosen, bound, hidden, note = hide_once_per_step(
-                stage, chosen, bound, windows, free, CERTIFIED_GAP)
+                stage, chosen, bound, windows, free,
+                CERTIFIED_GAP if r.optimality_gap is None else r.optimality_gap)
             notes = (note,) if note else ()
     parts = [(stage.units[i], stage.reps[k].traced, res)
              for i, (k, res) in enumerate(zip(stage.kinds, chosen.results))]

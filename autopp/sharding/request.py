@@ -24,6 +24,14 @@ DEFAULT = "default"
 """A boundary placement: the batch ``S(0)`` on dp, ``R`` elsewhere."""
 
 
+def check_gap(gap: float | None) -> None:
+    """Refuse an optimality gap outside (0, 1) (None: the default)."""
+    if gap is not None and not (isinstance(gap, (int, float)) and 0 < gap < 1):
+        raise ValueError(f"optimality_gap is a fraction of the stage's time in (0, 1), e.g. "
+                         f"0.01 (within 1% of the best possible) or 0.1 (faster planning), "
+                         f"got {gap!r}")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StageMemory:
     """What a stage's memory row counts and what bounds it
@@ -104,6 +112,9 @@ class StageRequest:
     (:mod:`autopp.sharding.chain.once_per_step`); zero: paid in full."""
     time_limit_s: float = 60.0
     """Per ILP."""
+    optimality_gap: float | None = None
+    """A memory-bound plan is kept once its time is proven within this fraction of the best
+    possible (``PlannerOptions.optimality_gap``); None: the planner's default, 1%."""
     reuse_blocks: bool = True
     """Plan repeated blocks unit by unit, identical ones once (:mod:`autopp.tracing.units`)."""
 
@@ -119,6 +130,7 @@ class StageRequest:
         set_(self, "keyword_inputs", dict(self.keyword_inputs or {}))
         set_(self, "comm_windows_s", (float(self.comm_windows_s[0]),
                                       float(self.comm_windows_s[1])))
+        check_gap(self.optimality_gap)
 
     def key(self) -> str:
         """The plan cache key: everything the plan depends on (the module by its structure
@@ -133,7 +145,7 @@ class StageRequest:
             tf32=self.tf32, keyword_inputs=describe_keyword_inputs(self.keyword_inputs),
             microbatches_per_grad_reduce=self.microbatches_per_grad_reduce,
             comm_windows_s=self.comm_windows_s, time_limit_s=self.time_limit_s,
-            reuse_blocks=self.reuse_blocks)
+            reuse_blocks=self.reuse_blocks, optimality_gap=self.optimality_gap)
         return plan_key(self.module, self.example_inputs, tuple(self.mesh.shape),
                         tuple(self.mesh.mesh_dim_names or ()), options)
 

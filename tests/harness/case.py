@@ -80,6 +80,20 @@ def vary(case: Case, **changes: Any) -> Case:
     return dataclasses.replace(case, **changes)
 
 
+PARITY_GAP = 0.1
+"""The planner's ``optimality_gap`` in parity launches: they check that the runtime computes
+the model's numbers on a plan that shards; how close that plan is to the fastest is the
+planner tests' question (``tests/sharding``), and a 10% gap plans a memory-bound stage
+several times faster."""
+
+
+def parity_options(**fields: Any):
+    """``PlannerOptions(**fields)`` planned at :data:`PARITY_GAP` unless ``fields`` say."""
+    from autopp import PlannerOptions
+
+    return PlannerOptions(**{"optimality_gap": PARITY_GAP, **fields})
+
+
 def pipeline_keywords(case: Case, **planner: Any) -> dict[str, Any]:
     """``pipeline_autoparallel`` keywords for ``case.options`` and the ``planner`` fields
     given: the planner's options gathered into one ``options=PlannerOptions(...)``."""
@@ -89,5 +103,5 @@ def pipeline_keywords(case: Case, **planner: Any) -> dict[str, Any]:
     kw = {k: v for k, v in case.options.items() if k not in fields}
     planner = {**{k: v for k, v in case.options.items() if k in fields}, **planner}
     if planner:
-        kw["options"] = PlannerOptions(**planner)
+        kw["options"] = parity_options(**planner)
     return kw

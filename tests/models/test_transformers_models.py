@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.harness.workers.decoder import run
-from tests.harness.case import Case
+from tests.harness.case import Case, parity_options
 from tests.harness.launch import run_on_ranks
 from tests.harness.reference import Reference, reference_run
 from tests.harness.models import MODELS, ce_loss, logits_of, make_batch
@@ -85,9 +85,9 @@ def _check(configs: list[Case], results: list[list[dict]]) -> None:
 
 def _configs(models_and_backends) -> list[Case]:
     """pp2 × dp2 × tp2 cases; "auto" plans under :data:`TP_BUDGET`."""
-    from autopp.backends import Planner, PlannerOptions
+    from autopp.backends import Planner
 
-    budget = Planner(PlannerOptions(parameter_budget_bytes=TP_BUDGET))
+    budget = Planner(parity_options(parameter_budget_bytes=TP_BUDGET))
     return [Case(model=model, pp=2, dp=2, tp=2, schedule="1F1B", n_microbatches=2,
                  n_layers=N_LAYERS, batch=BATCH, seq=SEQ, lr=LR, max_norm=MAX_NORM,
                  parallelize=budget if parallelize == "auto" else parallelize)

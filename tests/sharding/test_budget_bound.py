@@ -97,6 +97,34 @@ def test_bound_is_below_the_exact_optimum_and_the_chain_within_the_gap(budget):
     print(f"budget {budget}: chosen {chosen.time_s:.3f}, exact {exact:.3f}, bound {bound:.3f}")
 
 
+@pytest.mark.parametrize("gap", [0.02, 0.1, 0.3])
+def test_a_looser_optimality_gap_stops_sooner_and_stays_within_it(gap):
+    """``optimality_gap`` (``Stage.gap``): at every budget the chain is within ``gap`` of the
+    exact optimum, and the search makes no more solves than at the default 1%; over the
+    budgets some loose gap makes fewer (else the knob would do nothing)."""
+    kinds, fewer = [0, 1, 1, 1, 1], False
+    for budget in (45.0, 37.0, 31.0, 24.0):
+        counts, times = [], []
+        for g in (None, gap):
+            end, block = _ListedModel({"none": END}), _ListedModel({"none": BLOCK})
+            calls = []
+            for m in (end, block):
+                m.solve = (lambda real: lambda *a, **k: calls.append(1) or real(*a, **k))(m.solve)
+            stage = _stage([end, block], kinds)
+            stage.gap = g
+            chosen, _, bound = B.choose_chain(stage, ["none"], budget,
+                                              MemorySpec(1.0, None, 1.0), 60.0)
+            exact = _exact([end, block], kinds, "none", budget)
+            assert chosen.memory_bytes <= budget
+            assert bound <= exact + 1e-12 and chosen.time_s <= exact * (1 + (g or 0.01)) + 1e-12
+            counts.append(len(calls))
+            times.append(chosen.time_s)
+        assert counts[1] <= counts[0], (budget, counts)
+        fewer |= counts[1] < counts[0]
+    if gap >= 0.1:
+        assert fewer
+
+
 def test_a_policy_that_cannot_beat_the_others_chain_is_not_polished():
     """'selective' is faster unconstrained than 'none' fits, so it is searched; its bound
     under the budget reaches 'none''s fitting time, so it is dropped before any solve with

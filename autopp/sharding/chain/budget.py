@@ -9,8 +9,9 @@ a split of the budget: it moves memory to where it buys the most time, and the c
 fits as a whole. :func:`_best_mix` re-chooses exactly over every unit solution met.
 
 Invariant: each price gives a lower bound on every fitting chain (weak duality over the
-solver's proven bounds); the search stops once its chain is within :data:`CERTIFIED_GAP` of
-the best bound, and only otherwise polishes units as MIPs under their share. The bound is
+solver's proven bounds); the search stops once its chain is within the stage's gap
+(:attr:`Stage.gap`) of the best bound, and only otherwise polishes units as MIPs under their
+share. The bound is
 reported (``StagePlan.time_bound_s``). ``recompute="auto"`` keeps the fastest policy that
 fits, per stage (the runtime splits a stage with one policy)."""
 
@@ -34,6 +35,12 @@ logger = logging.getLogger(__name__)
 
 MODES = ("none", "selective", "full")
 """The recomputation policies (``"auto"`` tries each)."""
+
+
+CERTIFIED_GAP = 0.01
+"""The default gap (:attr:`Stage.gap`): a budget-bound chain whose time is within this
+fraction of the certified lower bound is kept as it is (the price search stops, no
+polish)."""
 
 
 # -- the stage as positions of distinct units ------------------------------------------------
@@ -69,6 +76,9 @@ class Stage:
     solves: dict[tuple, Any] | None = None
     """Solutions by (unit, boundary pair, policy, price, budget), kept across ``plan_stage``
     calls (the planner's memo); None: not kept (a flat stage)."""
+    gap: float | None = None
+    """The certified gap the budget search stops at (``StageRequest.optimality_gap``);
+    None: :data:`CERTIFIED_GAP`."""
 
 
 @dataclass(slots=True)
@@ -140,10 +150,6 @@ class _Bound:
             self.objective_s = min(priced.objective_s, b - max(over, 0.0) if over == over else b)
 
 
-CERTIFIED_GAP = 0.01
-"""A budget-bound chain whose time is within this fraction of the certified lower bound is
-kept as it is (the price search stops, no polish)."""
-
 POLISH_TIME_S = 10.0
 """Wall-clock bound of one polish's MIP, beside :data:`POLISH_NODES` (a large block's LPs
 make each node slow). The plan it returns then depends on the machine's speed (rank 0
@@ -151,11 +157,20 @@ plans and broadcasts, and the plan is cached, so a job's ranks agree); it is nev
 than its start."""
 
 _POLISH_GAP = CERTIFIED_GAP / 2
-"""Relative MIP gap of a polish: it only has to bring its chain within the certified gap."""
+"""Relative MIP gap of a polish at the default gap."""
+
+
+def _gap(stage: Stage) -> float:
+    return CERTIFIED_GAP if stage.gap is None else stage.gap
+
+
+def _polish_gap(stage: Stage) -> float:
+    """Relative MIP gap of a polish: it only has to bring its chain within the stage's gap."""
+    return _POLISH_GAP if stage.gap is None else stage.gap / 2
 
 POLISH_TARGET = True
 """A polish's MIP stops at its first plan whose time brings the chain within
-:data:`_POLISH_GAP` of the chain's bound (HiGHS's ``objective_target``): that bound, from
+:func:`_polish_gap` of the chain's bound (HiGHS's ``objective_target``): that bound, from
 the price search over the whole chain, is far stronger than the MIP's own LP bound, so the
 MIP's own gap would not close within its limits. False: each MIP runs to its own gap."""
 
@@ -184,12 +199,12 @@ def _solve(stage: Stage, kind: int, pair: tuple, mode: str, price: float,
     rep = stage.reps[kind]
     rounded = rounded or 0 < price < math.inf
     key = (rep.mkey, pair, rep.fixed_key, time_limit_s, mode, price, budget, target_s,
-           rounded)
+           rounded, stage.gap)
     res = None if stage.solves is None else stage.solves.get(key)
     if res is None:
         # the price search's intermediate solves; a polish, which only has to bring its
         # chain within the certified gap; the exact solves
-        gap = _SEARCH_GAP if 0 < price < math.inf else _POLISH_GAP \
+        gap = _SEARCH_GAP if 0 < price < math.inf else _polish_gap(stage) \
             if budget is not None else 1e-6
         try:
             res = rep.model.solve(*rep.pairs[pair], time_limit_s=time_limit_s,
@@ -363,7 +378,7 @@ def _search_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: fl
         else:
             lo = price
         best = _best_mix(stage, best, seen, budget)
-        if ilp_bound >= incumbent or best.time_s - bound <= CERTIFIED_GAP * best.time_s:
+        if ilp_bound >= incumbent or best.time_s - bound <= _gap(stage) * best.time_s:
             break  # no solve can beat the other policy's chain, or certified close enough
         if math.isinf(hi):
             price *= 8
@@ -379,14 +394,14 @@ def _search_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: fl
 
 def _close_gap(stage: Stage, s: _Searched, budget: float, incumbent: float,
                time_limit_s: float) -> None:
-    """Polish ``s``'s chain where its gap to its bound exceeds :data:`CERTIFIED_GAP` and
+    """Polish ``s``'s chain where its gap to its bound exceeds the stage's gap and
     its bound is more than that below ``incumbent`` (the fastest fitting chain of any
     policy): otherwise the incumbent is already within the gap of anything it could give."""
     best = s.fit
     if best is None or best.free:
         return
-    if best.ilp_bound_s >= incumbent * (1 - CERTIFIED_GAP) or (
-            best.time_s - best.ilp_bound_s <= CERTIFIED_GAP * best.time_s):
+    if best.ilp_bound_s >= incumbent * (1 - _gap(stage)) or (
+            best.time_s - best.ilp_bound_s <= _gap(stage) * best.time_s):
         logger.debug("recompute=%s under %.4g bytes: not polished: %.6g s, the ILP's bound "
                      "%.6g s (gap %.2f%%), bound %.6g s (gap %.2f%%), fastest other %.6g s",
                      s.mode, budget, best.time_s, best.ilp_bound_s,
@@ -420,17 +435,17 @@ def _polish(stage: Stage, mode: str, budget: float, best: Chain, time_limit_s: f
     (the most time first) are solved again with the budget in the row, as what the other
     positions leave divided by their count, from the current plan as a MIP start (its
     solutions join ``seen``). Each MIP stops at its first plan that brings the chain within
-    :data:`_POLISH_GAP` of the chain's bound (:data:`POLISH_TARGET`), and the polish stops
-    once the chain is within :data:`CERTIFIED_GAP` of it."""
+    :func:`_polish_gap` of the chain's bound (:data:`POLISH_TARGET`), and the polish stops
+    once the chain is within the stage's gap of it."""
     groups: dict[tuple, list[int]] = {}  # (distinct unit, boundary pair) -> positions
     for i, (kind, pair) in enumerate(zip(stage.kinds, best.pairs)):
         groups.setdefault((kind, pair), []).append(i)
     by_time = sorted(groups, key=lambda g: -sum(best.results[i].objective_s
                                                   for i in groups[g]))
     bound_s = best.ilp_bound_s
-    goal_s = bound_s / (1 - _POLISH_GAP)  # the chain's time a polish aims at
+    goal_s = bound_s / (1 - _polish_gap(stage))  # the chain's time a polish aims at
     for kind, pair in by_time:
-        if best.time_s - bound_s <= CERTIFIED_GAP * best.time_s:
+        if best.time_s - bound_s <= _gap(stage) * best.time_s:
             break  # certified
         at = groups[kind, pair]
         others = sum(r.memory_bytes for i, r in enumerate(best.results) if i not in at)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness.attention_models import MODELS
-from tests.harness.case import Case
+from tests.harness.case import Case, parity_options
 from tests.harness.workers.decoder import _full
 from tests.harness.launch import ships_tensors
 from tests.harness.models import ce_loss, make_batch
@@ -20,7 +20,7 @@ def one_step(rank: int, world_size: int, configs: list[Case]) -> list[dict]:
     """Each case: pipeline_autoparallel on its mesh (``planner_options`` give a Planner),
     one step; the loss, the gradients by FQN, the tp-sharded parameters and describe()."""
     from autopp import build_world_mesh, pipeline_autoparallel
-    from autopp.backends import Planner, PlannerOptions
+    from autopp.backends import Planner
 
     out = []
     for cfg in configs:
@@ -31,7 +31,7 @@ def one_step(rank: int, world_size: int, configs: list[Case]) -> list[dict]:
         tok, tgt = tokens[dp_rank * n:(dp_rank + 1) * n], target[dp_rank * n:(dp_rank + 1) * n]
         parallelize = cfg.parallelize
         if cfg.planner_options is not None:
-            parallelize = Planner(PlannerOptions(**cfg.planner_options))
+            parallelize = Planner(parity_options(**cfg.planner_options))
         pipe = pipeline_autoparallel(MODELS[cfg.model](cfg.n_layers), mesh,
                                      example_inputs=(tok,), loss_fn=ce_loss,
                                      schedule=cfg.schedule, n_microbatches=cfg.n_microbatches,

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tests.harness.case import Case, pipeline_keywords
+from tests.harness.case import Case, parity_options, pipeline_keywords
 from tests.harness.launch import ships_tensors
 from tests.harness.parity import norms
 from tests.harness.models import MODELS, ce_loss, make_batch
@@ -29,7 +29,7 @@ def two_steps(mesh, cfg: Case, path: str | None = None) -> dict:
 
     parallelize = cfg.parallelize
     if cfg.planner_options is not None:
-        from autopp.backends import Planner, PlannerOptions
+        from autopp.backends import Planner
 
         options = dict(cfg.planner_options)
         if cfg.bf16:  # bf16 compute, fp32 masters and gradient reductions
@@ -37,7 +37,7 @@ def two_steps(mesh, cfg: Case, path: str | None = None) -> dict:
 
             options["mixed_precision"] = MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        parallelize = Planner(PlannerOptions(**options))
+        parallelize = Planner(parity_options(**options))
 
     def build(schedule=cfg.schedule):
         return pipeline_autoparallel(

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tests.harness.case import Case, pipeline_keywords
+from tests.harness.case import Case, parity_options, pipeline_keywords
 from tests.harness.launch import ships_tensors
 from tests.harness.models import MODELS, ce_loss, make_batch
 from tests.harness.parity import norms
@@ -33,10 +33,10 @@ def two_steps(mesh, cfg: Case) -> dict:
     """Step, clip, AdamW step, step again: the losses, the first step's gradients by FQN,
     the planned units and which parameters are split over tp, and the model notes."""
     from autopp import pipeline_autoparallel
-    from autopp.backends import Planner, PlannerOptions
+    from autopp.backends import Planner
 
     parallelize = (cfg.parallelize if cfg.planner_options is None
-                   else Planner(PlannerOptions(**cfg.planner_options)))
+                   else Planner(parity_options(**cfg.planner_options)))
     tokens, target = make_batch(cfg.batch, cfg.seq)
     dp_rank, dp = mesh.get_coordinate()[1], mesh.shape[1]
     n = cfg.batch // dp

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tests.harness.case import Case, vary
+from tests.harness.case import Case, parity_options, vary
 from tests.harness.launch import ships_tensors
 from tests.harness.parity import norms
 from tests.harness.models import MODELS, ce_loss, make_batch
@@ -55,7 +55,7 @@ def _build(cfg: Case, mesh, tok):
 
     parallelize = cfg.parallelize
     if parallelize == "auto":
-        parallelize = Planner(options=PlannerOptions(
+        parallelize = Planner(options=parity_options(
             mixed_precision=_policy(cfg), token_dispatch=cfg.dispatch,
             expert_compute_dtype="param" if cfg.fp32_experts else "bfloat16"))
     return pipeline_autoparallel(

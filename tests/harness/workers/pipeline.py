@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tests.harness.case import Case, pipeline_keywords
+from tests.harness.case import Case, parity_options, pipeline_keywords
 from tests.harness.launch import ships_tensors
 from tests.harness.parity import norms
 from tests.harness.models import ce_loss, llama3_meta, make_batch, sum_loss
@@ -52,9 +52,9 @@ def one_step(mesh, cfg: Case) -> dict:
     extra = pipeline_keywords(cfg, **planner)
     parallelize = cfg.parallelize
     if cfg.planner_options is not None:  # a backend object instead of the shorthands
-        from autopp.backends import Planner, PlannerOptions
+        from autopp.backends import Planner
 
-        parallelize = Planner(PlannerOptions(**cfg.planner_options))
+        parallelize = Planner(parity_options(**cfg.planner_options))
     if cfg.count_planning:  # a saved PipelinePlan (or None): count what this rank plans
         import autopp.plan.make as auto_plan
 
