@@ -74,6 +74,7 @@ from autopp.plan.value import (
 from autopp.profiles.devices import DeviceProfile
 from autopp.sharding import InfeasiblePlanError, StageMemory, StagePlan, StageRequest
 from autopp.sharding.plan import describe_keyword_inputs
+from autopp.tracing.units import captures_reused
 
 logger = logging.getLogger(__name__)
 
@@ -523,8 +524,9 @@ def plan_whole_pipeline(request: PipelineRequest) -> PipelineResult:
     result: list[PipelineResult] = []
 
     def solve() -> PipelinePlan:
-        # MoE dispatch, expert dtype; the collector off the imported heap while planning
-        with tracing.settings(r.options.trace_settings()), frozen_heap():
+        # MoE dispatch, expert dtype; the collector off the imported heap while planning;
+        # each stage captured once for all the plans tried of it
+        with tracing.settings(r.options.trace_settings()), frozen_heap(), captures_reused():
             planning = _Planning(r)
             plan, after = planning.solve()
         result.append(PipelineResult(plan, False, planning.timings, after,

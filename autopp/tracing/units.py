@@ -16,9 +16,10 @@ planned as one flat graph, and :func:`stage_units` logs why."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,12 +201,55 @@ class _Flat(Exception):
     """The stage's forward does not fit the pre / blocks / post pattern (the message says why)."""
 
 
+_REUSE: list[dict[tuple, tuple[nn.Module, tuple[fx.Graph, dict[str, Any]] | str]]] = []
+"""Open :func:`captures_reused` scopes, innermost last: captures by the stage module's
+identity and the capture's inputs (the module is kept, so its id is not reused)."""
+
+
+@contextlib.contextmanager
+def captures_reused() -> Iterator[None]:
+    """Within: a stage module captured again (the same object, inputs of the same shapes)
+    is served from its first capture. For one planning call, which captures each stage for
+    every boundary pair and budget it tries and changes no module while it runs."""
+    _REUSE.append({})
+    try:
+        yield
+    finally:
+        _REUSE.pop()
+
+
 def _capture(module: nn.Module, path: str, blocks: list[tuple[str, nn.Module]],
              example: torch.Tensor | None, inputs: dict[str, torch.Tensor],
              param_dtype: str | None = None) -> tuple[fx.Graph, dict[str, Any]]:
     """The stage's forward with each block one ``call_module`` node: by ``torch.fx``, else
     by ``torch.export`` on ``example`` and ``inputs``; ``(graph, values of get_attr targets
-    the module does not have)``. Captured with the blocks standing alone
+    the module does not have)``. Callers only read the graph (it may be served again)."""
+    def fp(t: torch.Tensor | None) -> tuple | None:
+        return None if t is None else (tuple(t.shape), t.dtype)
+
+    memo = _REUSE[-1] if _REUSE else None
+    key = (id(module), path, tuple(k for k, _ in blocks), fp(example),
+           tuple((k, fp(v)) for k, v in inputs.items()), param_dtype)
+    hit = None if memo is None else memo.get(key)
+    if hit is None:
+        try:
+            got: tuple[fx.Graph, dict[str, Any]] | str = _capture_uncached(
+                module, path, blocks, example, inputs, param_dtype)
+        except _Flat as e:
+            got = str(e)
+        if memo is not None:
+            memo[key] = (module, got)
+    else:
+        got = hit[1]
+    if isinstance(got, str):
+        raise _Flat(got)
+    return got
+
+
+def _capture_uncached(module: nn.Module, path: str, blocks: list[tuple[str, nn.Module]],
+                      example: torch.Tensor | None, inputs: dict[str, torch.Tensor],
+                      param_dtype: str | None = None) -> tuple[fx.Graph, dict[str, Any]]:
+    """:func:`_capture`, captured with the blocks standing alone
     (:func:`autopp.tracing.blocks_stand_alone`)."""
     from autopp import tracing
 

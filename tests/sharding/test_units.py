@@ -177,3 +177,38 @@ def test_keyword_inputs_are_inputs_of_every_unit_and_reach_attention(name):
     joint = trace_joint(plain.module, (x,))
     (sdpa,) = [n for n in joint.gm.graph.nodes if str(n.target) == "autopp.sdpa.default"]
     assert len(sdpa.args) < 7 or sdpa.args[6] is None
+
+
+def test_a_stage_is_exported_once_for_every_plan_of_it_while_planning(monkeypatch):
+    """Planning captures one stage for every boundary pair and budget it tries: within one
+    planning call (``captures_reused``) a transformers stage (exported, fx cannot trace
+    it) is exported once and its units come out the same; inputs of another shape export
+    again, and outside the call every capture is fresh (a module may change between calls)."""
+    import transformers
+
+    from autopp import adapters
+    from autopp.tracing import unit_export
+    from autopp.tracing.units import captures_reused
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    adapters.prepare(model)
+    layout = inspect_model(model)
+    stage = build_stage_module(model, [*layout.layer_fqns[1:], *layout.post])
+    calls = []
+    real = unit_export.export_at_blocks
+    monkeypatch.setattr(unit_export, "export_at_blocks",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.empty(2, 8, 32, device="meta")
+    with captures_reused():
+        first = stage_units(stage, x)
+        again = stage_units(stage, x)
+        assert len(calls) == 1
+        assert [unit_signature(u) for u in first] == [unit_signature(u) for u in again]
+        stage_units(stage, torch.empty(2, 4, 32, device="meta"))
+        assert len(calls) == 2
+    stage_units(stage, x)
+    assert len(calls) == 3
