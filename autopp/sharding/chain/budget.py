@@ -10,10 +10,9 @@ fits as a whole. :func:`_best_mix` re-chooses exactly over every unit solution m
 
 Invariant: each price gives a lower bound on every fitting chain (weak duality over the
 solver's proven bounds); the search stops once its chain is within the stage's gap
-(:attr:`Stage.gap`) of the best bound, and only otherwise polishes units as MIPs under their
-share. The bound is
-reported (``StagePlan.time_bound_s``). ``recompute="auto"`` keeps the fastest policy that
-fits, per stage (the runtime splits a stage with one policy)."""
+(:attr:`Stage.gap`) of the best bound, else polishes units as MIPs under their share. The
+bound is reported (``StagePlan.time_bound_s``). ``recompute="auto"`` keeps the fastest
+policy that fits, per stage (the runtime splits a stage with one policy)."""
 
 from __future__ import annotations
 
