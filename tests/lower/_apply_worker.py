@@ -84,7 +84,7 @@ def run_graphs(sharded, plan, mesh, x, w) -> torch.Tensor:
 def main(rank: int, world: int, init_file: str, out_file: str, dp: int, tp: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     from autopp.sharding import StagePlan, plan_stage
-    from tests.sharding.stage_request import stage_request
+    from tests.harness.stage_request import stage_request
     from autopp.lower.apply import apply_plan
     from autopp.adapters.torchtitan_reference import torchtitan_param_placements
 
