@@ -15,7 +15,7 @@ import torch
 
 from autopp.ops import experts  # noqa: F401  (registers the op and its hooks)
 from tests.harness.launch import run_on_ranks
-from tests.sharding._dispatch_worker import run
+from tests.harness.workers.dispatch import run
 from tests.harness.parity import assert_parity
 
 
