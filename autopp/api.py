@@ -59,63 +59,17 @@ def pipeline_autoparallel(
 ) -> Pipeline:
     """Pipeline ``model`` over ``mesh``: returns this rank's :class:`~autopp.pipeline.Pipeline`.
 
-    Args:
-        model: the whole model on the meta device (never materialised whole). Its body is a
-            ModuleList/ModuleDict of repeated blocks (found automatically, see
-            ``layers_attr``) with modules before it (embedding) and after it (norm, head);
-            its forward runs unchanged, cut at each stage's boundaries (a transformers
-            ``PreTrainedModel`` as it is: see :mod:`autopp.adapters.transformers_hf`). A
-            parameter tied between stages (input embedding = output head) gets a copy on
-            each, kept equal (:mod:`autopp.tied`).
-        mesh: the world mesh with dims ("pp", "dp", "tp"), from :func:`autopp.build_world_mesh`.
-            Each pipeline rank's stages live on its sub-mesh (dp × tp).
-        example_inputs: the model's positional inputs for one step on this dp rank (the local
-            batch, batch on dim 0); used to check the batch against the microbatch count.
-        example_kwargs: keyword inputs of the model's forward the steps will pass (name ->
-            tensor of this dp rank's batch, batch on dim 0; e.g. a padding
-            ``attention_mask`` or packed documents' ``position_ids``). Planned stages
-            (``"auto"``) are planned for them (names, shapes, dtypes; in the plan cache key)
-            and take them with every step as graph inputs; other backends take any keyword
-            inputs without it.
-        loss_fn: ``loss_fn(output, target)`` returning the MEAN loss over the microbatch's
-            counted tokens (targets equal to ``ignore_index`` do not count), as
-            ``F.cross_entropy(..., ignore_index=...)`` does. autopp weights each microbatch by
-            its share of the global batch's counted tokens, so the loss and gradients equal
-            the unpipelined model's.
-        schedule: a torch schedule name (GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
-            InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) or a path to a CSV schedule.
-        n_microbatches: microbatches per step; must divide the local batch size.
-        split: how to cut the model into stages: None (uniform over layers, with embedding
-            and head weighted as one layer each; as many stages as the schedule places on
-            pp ranks), an int (that many uniform stages), a layout string such as
-            ``"Ettt|tttL"`` (see :mod:`autopp.stage_split`), or explicit module FQNs per stage.
-        parallelize: how each stage is parallelized over its sub-mesh: a
-            :class:`autopp.backends.StageBackend` (``Planner(PlannerOptions(...))``,
-            ``Replicate()``, ``Parallelize(fn)``, ``AutoParallel()``), or a shorthand:
-            ``"auto"`` (default: autopp's planner with the options below; plans are cached
-            on disk), None (replicated, gradients averaged over dp), a callable
-            ``(stage_module, sub_mesh) -> module`` (your own parallelism, e.g. torchtitan's
-            TP + FSDP; it gets the stage on meta and must average gradients over dp), or
-            ``"autoparallel"`` (meta's AutoParallel, when installed).
-        ignore_index: target value that does not count towards the loss.
-        options: with ``"auto"``, the planner's options, one
-            :class:`autopp.PlannerOptions` value (profile, memory budget, boundary, loss
-            parallel, mixed precision, ...); with ``"autoparallel"`` only its
-            ``mixed_precision`` applies. None: the defaults. A planner option given loose
-            (``profile=...``) is refused with the ``options=`` to write.
-        compile: with the planner, run each planned stage's graphs through Inductor: True
-            or :class:`autopp.backends.CompileOptions`; False (default): eager.
-        raise_on_nonfinite: a NaN/inf loss (``step``) or gradient norm (``clip_grad_norm_``)
-            raises FloatingPointError on every rank (default: the value is the same on every
-            rank, so all raise together, before the optimizer could step on it); False: a
-            RuntimeWarning on every rank instead.
-        layers_attr: path of the ModuleList/ModuleDict holding the blocks (``"layers"``,
-            ``"model.layers"``); None (default): the one whose children hold the most
-            parameters.
-        plan: run this :class:`autopp.PipelinePlan` (or the plan saved at this path, e.g. by
-            a dry run: ``report.plan.save(path)``) without planning; with the planner only.
-            It must have been made for this model, mesh sizes, schedule, microbatches and
-            input shapes (a ValueError names what differs); ``split=None`` takes its split.
+    ``model`` is the whole model on the meta device (each rank materialises only its own
+    stages): a ModuleList/ModuleDict of repeated blocks (``layers_attr``, else found) between
+    the modules before and after it, its forward run unchanged and cut at stage boundaries.
+    ``split`` cuts it into stages, ``schedule`` places them on the "pp" ranks, and
+    ``parallelize`` (default ``"auto"``: autopp's planner with ``options``; or a
+    :class:`autopp.backends.StageBackend`, None, a callable or ``"autoparallel"``) shards each
+    over its dp × tp sub-mesh; ``plan=`` runs a saved :class:`autopp.PipelinePlan` instead.
+
+    Invariant: ``loss_fn`` returns the mean over a microbatch's counted tokens and autopp
+    weights each microbatch by its share of the batch's, so loss and gradients equal the
+    unpipelined model's. Every argument in full: docs/api.md.
     """
     refuse_loose("pipeline_autoparallel", old_keywords)
     backend = resolve_backend(parallelize, options=options, compile=compile, plan=plan)

@@ -7,11 +7,10 @@
     autopp plan llama3:70B --world 512 --global-batch 512 --seq-len 8192 --save plan.json
     autopp show plan.json [--timeline step.png --model llama3:70B]
 
-What: four subcommands over the library's own functions (:func:`autopp.dry_run.dry_run`,
-:func:`autopp.search`, :func:`autopp.layout_search.exact.plan_ranked`,
-:class:`autopp.PipelinePlan`), on a model built on meta by :func:`autopp.models.build_meta_model`.
-Why: the questions asked before renting devices (will it fit, which layout is fastest) need
-no training script. Invariant: results go to stdout (text, or one JSON document with
+Four subcommands over the library's own functions (:func:`autopp.dry_run.dry_run`,
+:func:`autopp.search`, :func:`autopp.layout_search.exact.plan_ranked`, :class:`autopp.PipelinePlan`)
+on a model built on meta by :func:`autopp.models.build_meta_model`: the questions asked before
+renting devices need no training script. Invariant: results go to stdout (text, or JSON with
 ``--json``), progress to stderr; a user error exits 2 with one line naming the fix.
 """
 

@@ -1,56 +1,17 @@
 """The fused SDPA kernels' private aten entry points, forward and backward, one pair per
-backend: what ``autopp::sdpa`` (:mod:`autopp.ops.attention`) calls so that its forward keeps
-the output and log-sum-exp the fused backward reads, and its backward never re-runs the
-forward. torch's own SDPA autograd calls the same pairs (its ``derivatives.yaml``).
+backend (CPU flash; CUDA flash, memory-efficient, cuDNN): what ``autopp::sdpa``
+(:mod:`autopp.ops.attention`) calls so that its forward keeps the output and log-sum-exp
+its backward reads and the backward never re-runs the forward (as torch's SDPA autograd).
 
 The backend is the one torch would pick for ``F.scaled_dot_product_attention`` on the same
-inputs (``torch._fused_sdp_choice``, which honours ``torch.nn.attention.sdpa_kernel``):
-
-===============  =================================================  ===================  =======
-backend          forward / backward                                 log-sum-exp          mask
-===============  =================================================  ===================  =======
-CPU flash        ``_scaled_dot_product_flash_attention_for_cpu``    (b, h, s_q)          yes
-CUDA flash       ``_scaled_dot_product_flash_attention``            (b, h, s_q)          no [1]_
-CUDA efficient   ``_scaled_dot_product_efficient_attention``        (b, h, ⌈s_q/32⌉·32)  yes
-CUDA cuDNN       ``_scaled_dot_product_cudnn_attention``            (b, h, s_q, 1)       no [2]_
-===============  =================================================  ===================  =======
-
-.. [1] torch picks no flash kernel for a masked call (flash takes no mask).
-.. [2] cuDNN's bias path is not driven here (its ``convert_boolean_attn_mask_cudnn`` fills
-   with -65504, not -inf, in the aten source read). torch's ``sdp_utils.cpp`` (as read, not
-   checked against this build) puts cuDNN first on sm90 / sm10x with cuDNN newer than 9.15,
-   and cuDNN takes masks, so on H100 / H200 torch may pick it for a masked call: then
-   :func:`fused_backend` asks torch again with memory-efficient attention alone (when it is
-   enabled) and drives that kernel if torch would run it; only where it would not does
-   :func:`fused_forward` return None and the op run torch's own SDPA (logged), whose
-   backward runs the forward again.
-
-Every log-sum-exp is handed out as ``(b, h, s_q)`` fp32 (:data:`LSE_DTYPE`) and given back
-to its kernel in the kernel's own shape. The kernels run without dropout, so the random
-state their backwards take is never read; it is passed as the forwards return it when not
-capturing a CUDA graph (host tensors of the forwards' shapes). Grouped-query attention
-(fewer key/value heads) is run on keys and values repeated per query head, as torch's math
-path does, and their gradients summed back per group. Where torch would pick no fused
-kernel this module drives (its math path; a backend not listed; cuDNN for a masked call),
-:func:`fused_forward` returns None, and :func:`torch_choice` says what torch picks instead.
-
-A boolean mask (one per sequence, ``(b, 1, s_q, s_k)``) is given to the kernels as the
-additive mask torch's own SDPA makes of it (0 where attended, -inf elsewhere, in the query's
-dtype; aten's ``convert_boolean_attn_mask``):
-
-* CPU flash: as it is (:func:`additive_mask`);
-* CUDA memory-efficient (what torch picks for a masked call when it can): as aten's
-  ``preprocess_mask`` hands it to that kernel (:func:`efficient_bias`): each row of the
-  bias starts at a multiple of 16 elements (the kernel checks the bias's batch, head and
-  query strides against its alignment, 16 bytes: 8 bf16/fp16 or 4 fp32 elements; torch
-  pads the last dim and slices it back), and the bias is expanded, not copied, over heads
-  to ``(b, h, s_q, s_k)``: one ``s_q * ⌈s_k/16⌉·16`` bias per sequence, head stride 0.
-  Its backward gets the same bias (made again from the saved boolean mask) and computes
-  no bias gradient.
-
-The CPU pair is checked against ``F.scaled_dot_product_attention`` in the test suite; the
-CUDA pairs by the prepared GPU check (``scripts/gpu_check.sh``), which compares them with
-torch's SDPA autograd on the device.
+inputs (:func:`torch_choice`, honouring ``sdpa_kernel``); where it picks none this module
+drives, :func:`fused_forward` returns None and the op runs torch's own SDPA. Invariants:
+every log-sum-exp is handed out as ``(b, h, s_q)`` fp32 (:data:`LSE_DTYPE`) and given back in
+its kernel's shape; no dropout, so the backwards' random state is never read; grouped-query
+keys and values are repeated per query head and their gradients summed back per group; a
+boolean mask reaches each kernel as torch's own SDPA would hand it (:func:`additive_mask`,
+:func:`efficient_bias`). The CPU pair is checked against torch's SDPA in the test suite, the
+CUDA pairs by ``scripts/gpu_check.sh``.
 """
 
 from __future__ import annotations
@@ -141,6 +102,21 @@ def fused_backend(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
             pick = torch_choice(q, k, v, is_causal, scale, mask)
     return driven_backend(q.device.type, pick, mask is not None)
+
+
+# The pairs driven, and each kernel's own log-sum-exp shape (given back in it):
+#   CPU flash       _scaled_dot_product_flash_attention_for_cpu   (b, h, s_q)          mask: yes
+#   CUDA flash      _scaled_dot_product_flash_attention            (b, h, s_q)          mask: no (1)
+#   CUDA efficient  _scaled_dot_product_efficient_attention        (b, h, ceil(s_q/32)*32)  yes (2)
+#   CUDA cuDNN      _scaled_dot_product_cudnn_attention            (b, h, s_q, 1)       mask: no (3)
+# (1) torch picks no flash kernel for a masked call (flash takes no mask).
+# (2) the bias as aten's preprocess_mask makes it (efficient_bias); its backward gets the same
+#     bias, made again from the saved boolean mask, and computes no bias gradient.
+# (3) cuDNN's bias path is not driven: its convert_boolean_attn_mask_cudnn fills with -65504,
+#     not -inf (in the aten source read). torch may pick cuDNN for a masked call on sm90 /
+#     sm10x with a recent cuDNN: fused_backend then asks for memory-efficient attention.
+# The random state the backwards take is passed as the forwards return it when not capturing
+# a CUDA graph (host tensors of the forwards' shapes); dropout is 0, so it is never read.
 
 
 def fused_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,

@@ -1,25 +1,16 @@
 """The one place where autopp.graph touches private torch / experimental torchtitan APIs.
 
-Everything imported here is either private to torch (``_PipelineScheduleRuntime``,
-``_Action``, the FX partitioner helpers) or lives under ``torchtitan.experiments``.
-An upgrade of either library should only need changes in this file.
-
-What is reused from torchtitan's ``graph_trainer.graph_pp`` (torchtitan 0.3.0), and why:
-
-- ``partition_joint_graph``: joint fwd+bwd graph -> forward / backward graphs plus the
-  names of the values saved for backward. Correct, typed, handles mutations and tuples.
-- ``split_di_dw_graph``: backward -> backward-input (dI) / backward-weight (dW) graphs.
-- ``split_forward_fsdp_collectives`` / ``split_backward_fsdp_collectives``: peel the
-  SimpleFSDP all-gathers (unshard) and reduce-scatters (reduce-grad) off the graphs; the
-  backward one with autopp's choice of where each gradient's reduction starts
-  (:mod:`autopp.graph.reduce_grad`), swapped into the pass's module for the call.
-- ``GraphPipelineStage`` / ``GraphPipelineRuntime``: the action handlers that plug
-  graph callables into torch's ``_PipelineScheduleRuntime``.
-- ``minimal_fx_tracer``: make_fx tracing of a stage step with tensor subclasses
-  (DTensor) unwrapped into plain tensors, with the layouts to rewrap them.
-- graph cleanup passes (dead code, canonicalisation, SimpleFSDP chain dedup).
-- ``is_mutation_node`` (graph_pp utils) and torch's partitioner op list
-  (``compute_intensive_ops``) for activation recomputation (``autopp.graph.recompute``).
+Everything imported here is private to torch (``_PipelineScheduleRuntime``, ``_Action``, the
+FX partitioner helpers) or lives under torchtitan's ``graph_trainer.graph_pp``; an upgrade
+of either library should only need changes in this file. Reused from graph_pp, rather than
+written again: ``partition_joint_graph`` (joint graph -> forward / backward + saved values),
+``split_di_dw_graph`` (backward -> dI / dW), the SimpleFSDP collective splits (unshard /
+reduce-grad; the backward one with autopp's choice of where each reduction starts,
+:mod:`autopp.graph.reduce_grad`, swapped into the pass's module for the call),
+``GraphPipelineStage`` / ``GraphPipelineRuntime`` (action handlers for torch's runtime),
+``minimal_fx_tracer`` (make_fx with DTensors unwrapped, and the layouts to rewrap them), the
+graph cleanup passes, and ``is_mutation_node`` with torch's ``compute_intensive_ops`` for
+activation recomputation (:mod:`autopp.graph.recompute`).
 """
 
 from __future__ import annotations

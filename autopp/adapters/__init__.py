@@ -1,26 +1,17 @@
 """Model adapters: the only place autopp knows a model library's module classes.
 
-The planner and the runtime are model-agnostic: they see aten graphs, parameters by FQN and
-blocks that repeat. A few layers cannot be traced as they are written; an adapter says, for a
-module class it recognises, how to trace it (and what state it carries between steps).
+The planner and runtime are model-agnostic (aten graphs, parameters by FQN, repeated blocks);
+an adapter says how to trace a module class it recognises and what state it carries:
 
-* :mod:`autopp.adapters.transformers_hf`: Hugging Face transformers' ``PreTrainedModel``:
-  attention through autopp's fused op (``attn_implementation="autopp"``), no KV cache, and
-  the model's own ``_init_weights`` per module (buffers such as ``inv_freq`` included).
-* :mod:`autopp.adapters.torchtitan_moe`: torchtitan's mixture-of-experts layers
-  (``MoE``, ``RoutedExperts``, ``TokenChoiceTopKRouter``): routed experts traced as the op
-  ``autopp::routed_experts`` (:mod:`autopp.ops.experts`), the router's autocast on meta,
-  and the load-balancing expert-bias update after each step.
-* :mod:`autopp.adapters.transformers_moe`: transformers' experts modules
-  (``@use_experts_implementation``: Mixtral, Qwen2/3-MoE, OLMoE, ...): routed experts run
-  and trace as ``autopp::routed_experts`` (``experts_implementation="autopp"``) where a check
-  on a small CPU copy finds it computes the module's own function; the router's auxiliary
-  loss (``output_router_logits=True``), which a pipeline's loss cannot add, refused by name.
+* :mod:`~autopp.adapters.transformers_hf`: a ``PreTrainedModel`` as it is (autopp's
+  attention, no KV cache, the model's own ``_init_weights`` per module);
+* :mod:`~autopp.adapters.torchtitan_moe` / :mod:`~autopp.adapters.transformers_moe`:
+  routed experts as ``autopp::routed_experts`` (:mod:`autopp.ops.experts`).
 
-Adapters are a registry (:func:`register`, :class:`~autopp.adapters.adapter.Adapter`): a
-new model library's adapter is one module that builds an ``Adapter`` and registers it, plus
-its import line in this file. Each adapter's tracing context is registered with
-:mod:`autopp.tracing`, which autopp enters wherever it runs or traces a model on meta.
+Adapters are a registry (:func:`register`, :class:`~autopp.adapters.adapter.Adapter`): a new
+library's adapter is one module that registers an ``Adapter``, plus its import line here. Each
+adapter's tracing context is registered with :mod:`autopp.tracing`, which autopp enters
+wherever it runs or traces a model on meta.
 """
 
 from __future__ import annotations

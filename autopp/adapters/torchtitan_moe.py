@@ -1,21 +1,16 @@
 """torchtitan's mixture-of-experts layers (``torchtitan.models.common.moe``) for the planner.
 
-What autopp needs to know about them, and nothing else does:
-
-* **Routed experts trace as one op.** ``RoutedExperts.forward`` (token dispatch, torchtitan's
-  bf16 ``GroupedExperts``, combine) becomes ``autopp::routed_experts`` with the same
-  numerics (:mod:`autopp.ops.experts`); its sharding rule lets the planner put experts
-  over any mesh dims. The router, the shared experts and the load-balancing count stay the
-  model's own code and plan op by op.
-* **The router's autocast on meta.** ``TokenChoiceTopKRouter`` opens
-  ``torch.autocast(device_type=x.device.type, dtype=float32)``, which torch refuses for
-  "meta"; on meta it is opened disabled (on CPU, float32 autocast is disabled too).
-* **Load balancing.** ``MoE.forward`` adds each microbatch's tokens per expert to the
-  ``tokens_per_expert_E`` buffer (a buffer update the planned graphs carry out, see
-  :mod:`autopp.tracing.joint`); once per step, before the optimizer, each MoE layer's
-  ``expert_bias_E`` moves by ``coeff * sign(mean - count)`` (centred) and the count is reset
-  (auxiliary-loss-free balancing, arXiv:2408.15664; torchtitan does this in an optimizer
-  pre-hook that walks ``model.layers``, which a pipeline stage does not have whole).
+* **Routed experts trace as one op.** ``RoutedExperts.forward`` (dispatch, the bf16
+  ``GroupedExperts``, combine) becomes ``autopp::routed_experts`` with the same numerics
+  (:mod:`autopp.ops.experts`), sharded over any mesh dims; the router, shared experts and
+  load count stay the model's own code, planned op by op.
+* **The router's autocast on meta**, which torch refuses, is opened disabled
+  (:func:`tracing_context`; float32 autocast is disabled on CPU too).
+* **Load balancing** (auxiliary-loss-free, arXiv:2408.15664): ``MoE.forward`` adds each
+  microbatch's tokens per expert to ``tokens_per_expert_E`` (a buffer update the planned
+  graphs carry, :mod:`autopp.tracing.joint`); once per step :func:`update_expert_bias` moves
+  each layer's ``expert_bias_E`` and resets the count. torchtitan does it in an optimizer
+  pre-hook that walks ``model.layers``, which a pipeline stage does not hold whole.
 """
 
 from __future__ import annotations

@@ -1,30 +1,17 @@
 """Hugging Face transformers' mixture-of-experts layers (Mixtral, Qwen2/3-MoE, OLMoE, ...).
 
-What autopp needs to know about them, and nothing else does:
-
-* **Routed experts as one op.** transformers' experts modules (classes decorated with
-  ``@use_experts_implementation``: every expert's weights in ``gate_up_proj`` ``(E, 2F, D)``
-  and ``down_proj`` ``(E, D, F)``) call the function the config's ``_experts_implementation``
-  names in transformers' ``ExpertsInterface``. autopp registers ``"autopp"`` there and sets it
-  on the model: the experts then run (and trace, on meta or for the planner) as
-  ``autopp::routed_experts`` (:mod:`autopp.ops.experts`), whose sharding rule lets the
-  planner put experts over any mesh dims, and which has a meta form (transformers' default
-  ``grouped_mm`` hits torch's bf16-only meta kernel, its ``eager`` loop a ``nonzero``). The
-  router, its top-k normalisation and any shared expert stay the model's own code.
-* **Checked, not assumed.** Before switching, each distinct experts configuration (class,
-  activation, the implementation it had) is run both ways on a small random CPU instance in
-  fp32, forward and backward (:func:`verify`); the layout flags the op does not compute
-  (biases, transposed or interleaved weights, no gate, a norm after each expert,
-  transformers' own expert parallelism) are checked first. A module that fails either runs
-  its own implementation, and ``prepare`` says so (shown by ``describe()``).
-* **Experts compute in their weights' dtype**, as the model's own code does (the planner
-  option ``expert_compute_dtype`` is torchtitan's bf16 ``GroupedExperts``' and does not apply).
-  In bf16 the op rounds each routed row before summing a token's experts (torchtitan's
-  combine), transformers after: as accurate, not bit-equal (``tests/models/test_transformers_moe.py``).
-* **The router's auxiliary loss.** transformers adds it to the loss only with
-  ``output_router_logits=True`` and labels; a pipeline computes ``loss_fn`` on the last
-  stage's logits, where the other stages' router logits are not, so such a config is refused
-  by name with the fix (no auxiliary loss is dropped silently).
+Experts modules decorated with ``@use_experts_implementation`` (weights ``gate_up_proj``
+``(E, 2F, D)``, ``down_proj`` ``(E, D, F)``) call what the config's
+``_experts_implementation`` names in transformers' ``ExpertsInterface``; autopp registers
+``"autopp"`` there, so the experts run and trace as ``autopp::routed_experts``, which has a
+sharding rule over any mesh dims and a meta form (transformers' ``grouped_mm`` meets a
+bf16-only meta kernel, its ``eager`` loop a ``nonzero``). Router, top-k and shared experts
+stay the model's own code. Invariants: switched only after :func:`verify` finds the op equal
+to the module's own on a small CPU copy (else it keeps its own, named in ``describe()``);
+experts compute in their weights' dtype (bf16 rounds each routed row before the sum, as
+torchtitan's combine: as accurate, not bit-equal); the router's auxiliary loss
+(``output_router_logits=True``) never reaches a pipeline's loss on the last stage, so such a
+config is refused by name (:func:`_refuse_router_loss`), never dropped silently.
 """
 
 from __future__ import annotations
@@ -122,7 +109,8 @@ def routed(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Te
     """``module``'s experts as ``autopp::routed_experts``: ``gate_up_proj``'s halves are the
     op's ``w1`` (gate) and ``w3`` (up), ``down_proj`` its ``w2``; tokens ``(T, D)`` as one
     sequence ``(1, T, D)`` (split over dp/tp by the op's sequence rule); the matmuls in the
-    weights' dtype."""
+    weights' dtype, as the model's own code (``PlannerOptions.expert_compute_dtype`` is for
+    torchtitan's bf16 ``GroupedExperts`` and does not apply)."""
     import autopp.ops.experts  # noqa: F401  (registers the op)
 
     gate_up, down = module.gate_up_proj, module.down_proj

@@ -326,44 +326,16 @@ def dry_run(
 ) -> DryRunReport:
     """Plan the pipeline of ``model_meta`` for a pp × dp × tp world on this machine alone.
 
-    Args:
-        model_meta: the whole model on the meta device (e.g. torchtitan's llama3); its first
-            input is a ``(batch, seq_len)`` int64 token tensor.
-        pp, dp, tp: the world mesh. If torch.distributed is not initialised, the fake process
-            group is set up here with pp·dp·tp ranks (and torn down afterwards); otherwise its
-            world size must be pp·dp·tp.
-        schedule, n_microbatches, split: as for :func:`autopp.pipeline_autoparallel`.
-        global_batch, seq_len: the step's batch (all dp ranks) and sequence length.
-        options: the planner's options, one :class:`autopp.PlannerOptions` value, exactly as
-            a job would pass them: the profile of the cost model (default here "H100": a dry run
-            stands for a GPU job), the memory budget and reserve, the parameter budget,
-            boundaries, loss parallel, mixed precision and recomputation. The dry run plans
-            with these options and checks the fit against the same reserve. The loss is
-            taken to be :func:`autopp.cross_entropy`; torchtitan's layout is priced under the
-            same mixed-precision policy.
-        compare: also price torchtitan's manual FSDP+TP layout of every stage under the same
-            cost model and simulator, and report planned/torchtitan (torchtitan as it runs
-            with TP: sequence-parallel stage boundaries, loss parallel). Without a memory or
-            parameter budget in ``options``, each stage is then planned under the parameter
-            memory torchtitan's layout uses for it (as ``compare_with_torchtitan`` does), so
-            the ratio compares layouts of equal memory.
-        activations: lower every stage's plan to local graphs (on the fake process group) to
-            read its activation and gathered-weight memory and split its time into F / I / W
-            (:func:`autopp.estimate.stage_facts`); False: the time split by rule and no
-            activation memory (faster, and the peaks then undercount).
-        trace, timeline: write the simulated step as a Chrome / Perfetto trace JSON and as a
-            PNG timeline to these paths.
-        example_kwargs: keyword inputs of the model's forward the steps will pass (name ->
-            tensor of one dp rank's batch, ``global_batch // dp``, batch on dim 0, meta
-            tensors welcome; e.g. a padding ``attention_mask`` or packed documents'
-            ``position_ids``), as for :func:`autopp.pipeline_autoparallel`: every stage is
-            planned for them (names, shapes, dtypes; in the plan cache key) and takes them
-            as graph inputs; the plan records them (``report.plan.keyword_inputs``, each
-            ``StagePlan.keyword_inputs``), and a job running the saved plan must pass the
-            same.
+    Without an initialised process group the fake one is set up for pp·dp·tp ranks (and torn
+    down after). Plans with ``options`` exactly as a job would (default profile "H100": a dry
+    run stands for a GPU job) and checks the fit against the same reserve; the loss is taken
+    to be :func:`autopp.cross_entropy`. ``compare`` also prices torchtitan's FSDP+TP layout
+    of every stage under the same cost model; ``activations`` lowers each stage to read its
+    activation memory and F / I / W split; ``trace`` / ``timeline`` write the simulated step.
 
-    Planner options given as loose keywords (``profile=``, ``memory_reserve=``, ...) are
-    refused with the ``options=PlannerOptions(...)`` to write instead.
+    Invariant: what it plans is what ``pipeline_autoparallel(..., plan=report.plan)`` runs,
+    with the same ``example_kwargs``. Loose planner keywords are refused with the
+    ``options=PlannerOptions(...)`` to write. Every argument in full: docs/api.md.
     """
     from autopp import adapters
 

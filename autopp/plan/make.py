@@ -583,29 +583,16 @@ def plan_pipeline(
 ) -> PipelinePlan:
     """Plan the whole pipeline of ``model`` (on meta) for a pp × dp × tp world.
 
-    Args:
-        model: the whole model on the meta device.
-        pp, dp, tp, schedule, n_microbatches, split, layers_attr: as for
-            :func:`autopp.pipeline_autoparallel`.
-        example_inputs: the model's inputs for one step on one dp rank (only shapes and
-            dtypes matter; meta tensors are fine); or give ``global_batch`` (all dp
-            ranks) and ``seq_len`` for int64 token ids, as :func:`autopp.dry_run.dry_run`
-            takes them (``global_batch_size=`` is refused with the new spelling).
-        options: the planner's options, one :class:`autopp.PlannerOptions` value (loose
-            planner keywords are refused with the ``options=`` to write); default: its
-            defaults (the profile of the detected device: "CPU" on a cpu mesh).
-        loss_fn: the loss the pipeline will run with; it decides whether the loss may run in
-            parallel over tp. None: :func:`autopp.cross_entropy`.
-        mesh: the ("pp", "dp", "tp") world mesh to plan on. None: one is built; without a
-            process group the fake one is set up for pp·dp·tp ranks (and torn down after),
-            so this works on one machine with no devices.
-        example_kwargs: keyword inputs of the model's forward the steps will pass (name ->
-            tensor for one step on one dp rank, dim 0 its batch, e.g. ``attention_mask``):
-            planned as graph inputs of every stage and recorded in the plan, so a job
-            running it (``pipeline_autoparallel(..., plan=)``) must pass the same ones.
+    The step's inputs are ``example_inputs`` (one dp rank's, shapes and dtypes only) or
+    ``global_batch`` and ``seq_len`` for int64 token ids; ``loss_fn`` (default
+    :func:`autopp.cross_entropy`) decides whether the loss may run in parallel over tp.
+    Without ``mesh`` one is built, on the fake process group when none is initialised, so
+    this works on one machine with no devices. ``example_kwargs`` are planned as graph inputs
+    of every stage and recorded in the plan, so a job running it must pass the same.
 
     In a job (a real process group), call it on every rank: rank 0 plans, the others
-    receive its plan. Plans are cached on disk (:mod:`autopp.plan.cache`).
+    receive its plan. Plans are cached on disk (:mod:`autopp.plan.cache`). Every argument
+    in full: docs/api.md.
     """
     refuse_loose("plan_pipeline", old_keywords, {"global_batch_size": "global_batch"})
     adapters.prepare(model)  # e.g. a transformers model's attention (logged)

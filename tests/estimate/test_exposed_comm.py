@@ -1,6 +1,6 @@
 """Communication hidden under compute (autopp.estimate.exposed_comm): the two-stream span of a
 piece against critical paths worked out by hand (the planned stage's step:
-tests/sharding/test_overlap_estimate.py)."""
+tests/estimate/test_overlap_estimate.py)."""
 
 from __future__ import annotations
 

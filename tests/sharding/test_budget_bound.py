@@ -14,7 +14,7 @@ from torch import nn
 
 from autopp.sharding.chain import budget as B
 from autopp.sharding import plan_stage
-from tests.sharding.stage_request import stage_request
+from tests.harness.stage_request import stage_request
 from autopp.sharding.ilp.memory_row import MemorySpec
 from autopp.sharding.ilp.solution import InfeasiblePlanError, SolveResult
 from autopp.tracing.units import Unit

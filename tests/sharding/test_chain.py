@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from autopp.sharding import plan_stage
-from tests.sharding.stage_request import stage_request
+from tests.harness.stage_request import stage_request
 from autopp.sharding.chain.blocks import chain_dp
 from autopp.sharding.ilp.solution import InfeasiblePlanError
 

@@ -211,7 +211,7 @@ def test_a_failing_flop_formula_is_logged_and_noted(make_mesh, monkeypatch, capl
     from torch.utils.flop_counter import flop_registry
 
     from autopp.sharding import plan_stage
-    from tests.sharding.stage_request import stage_request
+    from tests.harness.stage_request import stage_request
 
     def boom(*args, **kwargs):
         raise RuntimeError("no formula for these shapes")

@@ -15,7 +15,7 @@ import torch
 
 from autopp.ops import experts  # noqa: F401  (registers the op and its hooks)
 from tests.harness.launch import run_on_ranks
-from tests.sharding._dispatch_worker import run
+from tests.harness.workers.dispatch import run
 from tests.harness.parity import assert_parity
 
 
@@ -217,7 +217,7 @@ def test_token_dispatch_is_a_planner_option_the_plan_carries(make_mesh):
     from autopp.backends import PlannerOptions
     from autopp.lower.apply import planned_units
     from autopp.sharding import plan_stage
-    from tests.sharding.stage_request import stage_request
+    from tests.harness.stage_request import stage_request
     from tests.harness.models import qwen3_moe_meta
 
     with pytest.raises(ValueError, match="token_dispatch 'everywhere'.*'all_to_all'"):

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from autopp.sharding import InfeasiblePlanError, StagePlan, plan_stage
-from tests.sharding.stage_request import stage_request
+from tests.harness.stage_request import stage_request
 from autopp.sharding.chain import budget as B
 
-from .conftest import BlockStack
+from tests.harness.fake_world import BlockStack
 
 MODES = ("none", "selective", "full")
 

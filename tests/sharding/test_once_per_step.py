@@ -14,10 +14,10 @@ import torch
 
 from autopp.estimate.stage_costs import stage_facts
 from autopp.sharding import plan_stage
-from tests.sharding.stage_request import stage_request
+from tests.harness.stage_request import stage_request
 from autopp.sharding import planner as planner_mod
 
-from .conftest import BlockStack
+from tests.harness.fake_world import BlockStack
 
 M = 4  # microbatches a step
 KW = dict(activation_factor=1.0, optimizer_state_factor=2.0, microbatches_per_grad_reduce=M)

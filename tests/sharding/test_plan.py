@@ -1,7 +1,7 @@
 import torch
 
 from autopp.sharding import StagePlan, plan_stage
-from tests.sharding.stage_request import stage_request
+from tests.harness.stage_request import stage_request
 
 
 def test_plan_json_round_trip_and_report(mlp_meta, make_mesh, tmp_path):
@@ -24,7 +24,7 @@ def test_gradient_reductions_amortised_over_microbatches(make_mesh, stack_of):
     import torch
 
     from autopp.sharding import plan_stage
-    from tests.sharding.stage_request import stage_request
+    from tests.harness.stage_request import stage_request
 
     mesh = make_mesh(2, 2)
     stack = stack_of(1)

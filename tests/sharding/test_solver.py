@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from autopp.sharding import InfeasiblePlanError, plan_stage
-from tests.sharding.stage_request import stage_request
+from tests.harness.stage_request import stage_request
 
-from .conftest import MLP
+from tests.harness.fake_world import MLP
 
 
 def test_mlp_gets_megatron_tp(make_mesh):

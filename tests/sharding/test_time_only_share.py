@@ -127,7 +127,7 @@ def test_plan_stage_shares_the_unbudgeted_solves_between_in_flight_counts(stack_
     microbatches in flight: the second solves nothing (its plan is the first's, its memory
     its own); a third with another input shape solves again."""
     from autopp.sharding import plan_stage
-    from tests.sharding.stage_request import stage_request
+    from tests.harness.stage_request import stage_request
 
     stage, mesh = stack_of(2), make_mesh(2, 2)
     kw = dict(optimizer_state_factor=2.0, recompute="none")

@@ -5,15 +5,14 @@ replicated; one step each."""
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from tests.harness.attention_models import MODELS
 from tests.harness.case import Case, parity_options
-from tests.harness.workers.decoder import _full
 from tests.harness.launch import ships_tensors
 from tests.harness.models import ce_loss, make_batch
 from tests.harness.parity import norms
+from tests.harness.ranks import dp_rows, full
 
 
 def one_step(rank: int, world_size: int, configs: list[Case]) -> list[dict]:
@@ -26,9 +25,7 @@ def one_step(rank: int, world_size: int, configs: list[Case]) -> list[dict]:
     for cfg in configs:
         mesh = build_world_mesh(pp=cfg.pp, dp=cfg.dp, tp=cfg.tp)
         tokens, target = make_batch(cfg.batch, cfg.seq)
-        dp_rank, dp = mesh.get_coordinate()[1], mesh.shape[1]
-        n = cfg.batch // dp
-        tok, tgt = tokens[dp_rank * n:(dp_rank + 1) * n], target[dp_rank * n:(dp_rank + 1) * n]
+        tok, tgt = dp_rows(mesh, tokens, target)
         parallelize = cfg.parallelize
         if cfg.planner_options is not None:
             parallelize = Planner(parity_options(**cfg.planner_options))
@@ -38,7 +35,7 @@ def one_step(rank: int, world_size: int, configs: list[Case]) -> list[dict]:
                                      parallelize=parallelize)
         pipe.init_weights(seed=0)
         loss = pipe.step(tok, target=tgt)
-        grads = {name: _full(p.grad).detach().clone() for name, p in pipe.named_parameters()}
+        grads = {name: full(p.grad).detach().clone() for name, p in pipe.named_parameters()}
         from torch.distributed.tensor import DTensor
 
         out.append({"losses": [loss], "grads": grads if ships_tensors(mesh) else {},

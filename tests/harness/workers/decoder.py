@@ -11,10 +11,7 @@ from tests.harness.case import Case, parity_options, pipeline_keywords
 from tests.harness.launch import ships_tensors
 from tests.harness.parity import norms
 from tests.harness.models import MODELS, ce_loss, make_batch
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+from tests.harness.ranks import dp_rows, fsdp_per_block, full
 
 
 def two_steps(mesh, cfg: Case, path: str | None = None) -> dict:
@@ -23,9 +20,7 @@ def two_steps(mesh, cfg: Case, path: str | None = None) -> dict:
     from autopp import pipeline_autoparallel
 
     tokens, target = make_batch(cfg.batch, cfg.seq)
-    dp_rank, dp = mesh.get_coordinate()[1], mesh.shape[1]
-    n = cfg.batch // dp
-    tok, tgt = tokens[dp_rank * n:(dp_rank + 1) * n], target[dp_rank * n:(dp_rank + 1) * n]
+    tok, tgt = dp_rows(mesh, tokens, target)
 
     parallelize = cfg.parallelize
     if cfg.planner_options is not None:
@@ -55,7 +50,7 @@ def two_steps(mesh, cfg: Case, path: str | None = None) -> dict:
     pipe.init_weights(seed=0)
     opt = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr)
     losses = [pipe.step(tok, target=tgt)]
-    grads = {name: _full(p.grad).detach().clone() for name, p in pipe.named_parameters()}
+    grads = {name: full(p.grad).detach().clone() for name, p in pipe.named_parameters()}
     norm = pipe.clip_grad_norm_(cfg.max_norm)
     opt.step()
     opt.zero_grad()
@@ -96,7 +91,7 @@ def two_steps(mesh, cfg: Case, path: str | None = None) -> dict:
             "notes": list(pipe.layout.model_notes),
             "stage_fqns": {sid: list(pipe.layout.fqns_per_stage[sid]) for sid in pipe.plans or {}},
             "state_keys": sorted(pipe.state_dict()),
-            "values": {name: _full(p).detach().clone() for name, p in pipe.named_parameters()
+            "values": {name: full(p).detach().clone() for name, p in pipe.named_parameters()
                        if "embed" in name or "lm_head" in name}}
 
 
@@ -128,13 +123,7 @@ def mismatched_tied_parallelize(stage: torch.nn.Module, sub_mesh) -> torch.nn.Mo
 def fsdp_parallelize(stage: torch.nn.Module, sub_mesh) -> torch.nn.Module:
     """A user parallelize function for transformers decoders: FSDP2 over "dp" per block and
     for the stage root (replicated over "tp")."""
-    from torch.distributed.fsdp import fully_shard
-
-    dp_mesh = sub_mesh["dp"]
-    for block in stage.model.layers.values():
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(stage, mesh=dp_mesh)
-    return stage
+    return fsdp_per_block(stage, stage.model.layers.values(), sub_mesh["dp"])
 
 
 def hf_checkpoint_round_trip(rank: int, world_size: int, src: str, dst: str, kind: str,
@@ -148,9 +137,7 @@ def hf_checkpoint_round_trip(rank: int, world_size: int, src: str, dst: str, kin
     out = {}
     for i, (pp, dp, tp) in enumerate(layouts):
         mesh = build_world_mesh(pp=pp, dp=dp, tp=tp)
-        dp_rank = mesh.get_coordinate()[1]
-        n = 8 // dp
-        tok, tgt = tokens[dp_rank * n:(dp_rank + 1) * n], target[dp_rank * n:(dp_rank + 1) * n]
+        tok, tgt = dp_rows(mesh, tokens, target)
         model = MODELS[kind](4)
         pipe = pipeline_autoparallel(model, mesh, example_inputs=(tok,), loss_fn=ce_loss,
                                      schedule="1F1B", n_microbatches=max(pp, 2))
@@ -242,7 +229,7 @@ def packed_steps(mesh, cfg: Case) -> dict:
         parallelize=hf_tensor_parallel)
     pipe.init_weights(seed=0)
     loss = pipe.step(tokens, target=target, position_ids=positions)
-    grads = {name: _full(p.grad).detach().clone() for name, p in pipe.named_parameters()}
+    grads = {name: full(p.grad).detach().clone() for name, p in pipe.named_parameters()}
     return {"loss": loss, "grads": grads,
             "tp_sharded": sorted(n for n, p in pipe.named_parameters()
                                  if isinstance(p, DTensor) and p.placements[-1].is_shard()),
@@ -276,7 +263,7 @@ def planned_keyword_steps(mesh, cfg: Case, kind: str) -> dict:
         tokens, target, kw = batch(shift)
         pipe.zero_grad()
         loss = pipe.step(tokens, target=target, **kw)
-        grads = {name: _full(p.grad).detach().clone() for name, p in pipe.named_parameters()}
+        grads = {name: full(p.grad).detach().clone() for name, p in pipe.named_parameters()}
         out["steps"].append({"loss": loss, "grads": grads,
                              "eval": pipe.eval(tokens, target=target, **kw)})
     try:
@@ -311,16 +298,13 @@ def padded_steps(rank: int, world_size: int, cfg: Case) -> dict:
 
     mesh = build_world_mesh(pp=cfg.pp, dp=cfg.dp, tp=1)
     tokens, target, mask = padded_batch(cfg.batch, cfg.seq)
-    dp_rank, dp = mesh.get_coordinate()[1], mesh.shape[1]
-    n = cfg.batch // dp
-    part = slice(dp_rank * n, (dp_rank + 1) * n)
-    tok, tgt, msk = tokens[part], target[part], mask[part]
+    tok, tgt, msk = dp_rows(mesh, tokens, target, mask)
     pipe = pipeline_autoparallel(
         MODELS[cfg.model](cfg.n_layers), mesh, example_inputs=(tok,), loss_fn=ce_loss,
         schedule=cfg.schedule, n_microbatches=cfg.n_microbatches, parallelize=None)
     pipe.init_weights(seed=0)
     loss = pipe.step(tok, target=tgt, attention_mask=msk)
-    grads = {name: _full(p.grad).detach().clone() for name, p in pipe.named_parameters()}
+    grads = {name: full(p.grad).detach().clone() for name, p in pipe.named_parameters()}
     out = {"loss": loss, "grads": grads,
            "eval": pipe.eval(tok, target=tgt, attention_mask=msk),
            "eval_unmasked": pipe.eval(tok, target=tgt)}

@@ -11,22 +11,13 @@ from tests.harness.case import Case, parity_options, pipeline_keywords
 from tests.harness.launch import ships_tensors
 from tests.harness.models import MODELS, ce_loss, make_batch
 from tests.harness.parity import norms
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+from tests.harness.ranks import dp_rows, fsdp_per_block, full
 
 
 def fsdp_blocks(stage: torch.nn.Module, sub_mesh) -> torch.nn.Module:
     """A user ``parallelize`` for GPT-2-style decoders: FSDP2 over "dp" per block
     (``transformer.h``) and for the stage root (replicated over "tp")."""
-    from torch.distributed.fsdp import fully_shard
-
-    dp_mesh = sub_mesh["dp"]
-    for block in stage.transformer.h.values():
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(stage, mesh=dp_mesh)
-    return stage
+    return fsdp_per_block(stage, stage.transformer.h.values(), sub_mesh["dp"])
 
 
 def two_steps(mesh, cfg: Case) -> dict:
@@ -38,9 +29,7 @@ def two_steps(mesh, cfg: Case) -> dict:
     parallelize = (cfg.parallelize if cfg.planner_options is None
                    else Planner(parity_options(**cfg.planner_options)))
     tokens, target = make_batch(cfg.batch, cfg.seq)
-    dp_rank, dp = mesh.get_coordinate()[1], mesh.shape[1]
-    n = cfg.batch // dp
-    tok, tgt = tokens[dp_rank * n:(dp_rank + 1) * n], target[dp_rank * n:(dp_rank + 1) * n]
+    tok, tgt = dp_rows(mesh, tokens, target)
     pipe = pipeline_autoparallel(
         MODELS[cfg.model](cfg.n_layers), mesh, example_inputs=(tok,), loss_fn=ce_loss,
         schedule=cfg.schedule, n_microbatches=cfg.n_microbatches,
@@ -48,7 +37,7 @@ def two_steps(mesh, cfg: Case) -> dict:
     pipe.init_weights(seed=0)
     opt = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr)
     losses = [pipe.step(tok, target=tgt)]
-    grads = {name: _full(p.grad).detach().clone() for name, p in pipe.named_parameters()}
+    grads = {name: full(p.grad).detach().clone() for name, p in pipe.named_parameters()}
     norm = pipe.clip_grad_norm_(cfg.max_norm)
     opt.step()
     opt.zero_grad()

@@ -8,12 +8,12 @@ import contextlib
 import torch
 import torch.nn.functional as F
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from tests.harness.case import Case, parity_options, vary
 from tests.harness.launch import ships_tensors
 from tests.harness.parity import norms
 from tests.harness.models import MODELS, ce_loss, make_batch
+from tests.harness.ranks import dp_rows, full
 
 
 @contextlib.contextmanager
@@ -37,14 +37,11 @@ def fp32_experts():
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+    return full(t).detach().clone()
 
 
 def _dp_slice(mesh, batch: int, seq: int, seed: int):
-    tokens, target = make_batch(batch, seq, seed=seed)
-    dp_rank, dp = mesh.get_coordinate()[1], mesh.shape[1]
-    n = batch // dp
-    return tokens[dp_rank * n:(dp_rank + 1) * n], target[dp_rank * n:(dp_rank + 1) * n]
+    return dp_rows(mesh, *make_batch(batch, seq, seed=seed))
 
 
 def _build(cfg: Case, mesh, tok):

@@ -4,30 +4,16 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from tests.harness.case import Case, parity_options, pipeline_keywords
 from tests.harness.launch import ships_tensors
 from tests.harness.parity import norms
 from tests.harness.models import ce_loss, llama3_meta, make_batch, sum_loss
+from tests.harness.ranks import dp_rows, fsdp_per_block, full, local
 
 
 #: ``clip=True`` configs clip to this global norm (the test model's gradient norm is ~3).
 CLIP_NORM = 0.5
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _shard(t: torch.Tensor) -> torch.Tensor:
-    """This rank's values, without communication."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _dp_slice(t: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
-    n = t.shape[0] // dp_size
-    return t[dp_rank * n : (dp_rank + 1) * n]
 
 
 def one_step(mesh, cfg: Case) -> dict:
@@ -35,10 +21,7 @@ def one_step(mesh, cfg: Case) -> dict:
     from autopp import pipeline_autoparallel
 
     tokens, target = make_batch(cfg.batch, cfg.seq, seed=cfg.data_seed)
-    dp_rank = mesh.get_coordinate()[1]
-    dp_size = mesh.shape[1]
-    tok = _dp_slice(tokens, dp_rank, dp_size)
-    tgt = _dp_slice(target, dp_rank, dp_size)
+    tok, tgt = dp_rows(mesh, tokens, target)
     from autopp import cross_entropy
 
     planner = {}
@@ -84,7 +67,7 @@ def one_step(mesh, cfg: Case) -> dict:
     pipe.init_weights(seed=0)
     counter = pipe.count_collectives() if cfg.count_collectives else None
     loss = pipe.step(tok, target=tgt)
-    grads = {n: _local(p.grad).detach().clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    grads = {n: full(p.grad).detach().clone() for n, p in pipe.named_parameters() if p.grad is not None}
     ships = ships_tensors(mesh)
     out = {"loss": loss, "grads": grads if ships else {}, "grad_norms": norms(grads),
            "stage_ids": pipe.layout.stage_ids,
@@ -142,7 +125,7 @@ def one_step(mesh, cfg: Case) -> dict:
         out["eval_loss"] = pipe.eval(tok, target=tgt)
     if cfg.clip:  # a bound the step's gradient norm exceeds: the gradients shrink
         out["norm"] = pipe.clip_grad_norm_(CLIP_NORM)
-        clipped = {n: _local(p.grad).detach().clone()
+        clipped = {n: full(p.grad).detach().clone()
                    for n, p in pipe.named_parameters() if p.grad is not None}
         out["clipped_grads"] = clipped if ships else {}
     return out
@@ -162,7 +145,6 @@ def run_configs(rank: int, world_size: int, configs: list[Case]) -> list[dict]:
 def tp_fsdp_parallelize(stage: torch.nn.Module, sub_mesh) -> torch.nn.Module:
     """A manual parallelize function: TP on each block's MLP (colwise w1/w3, rowwise w2)
     over "tp", then FSDP2 over "dp" per block and for the stage root."""
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -178,9 +160,7 @@ def tp_fsdp_parallelize(stage: torch.nn.Module, sub_mesh) -> torch.nn.Module:
                 {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()},
             )
     if dp_mesh.size() > 1:
-        for block in stage.layers.values():
-            fully_shard(block, mesh=dp_mesh)
-        fully_shard(stage, mesh=dp_mesh)
+        fsdp_per_block(stage, stage.layers.values(), dp_mesh)
     return stage
 
 
@@ -190,11 +170,9 @@ def _build(layout: Case, cfg: Case, seed: int):
     from autopp import build_world_mesh, pipeline_autoparallel
 
     mesh = build_world_mesh(pp=layout.pp, dp=layout.dp, tp=layout.tp)
-    dp_rank, dp_size = mesh.get_coordinate()[1], mesh.shape[1]
 
     def batch(data_seed: int):
-        tok, tgt = make_batch(cfg.batch, cfg.seq, seed=data_seed)
-        return _dp_slice(tok, dp_rank, dp_size), _dp_slice(tgt, dp_rank, dp_size)
+        return dp_rows(mesh, *make_batch(cfg.batch, cfg.seq, seed=data_seed))
 
     pipe = pipeline_autoparallel(
         llama3_meta(cfg.n_layers), mesh,
@@ -227,7 +205,7 @@ def train_and_round_trip(rank: int, world_size: int, cfg: Case) -> dict:
     other.load_state_dict(sd)
     eval_b = other.eval(tok, target=tgt)
     mine = dict(pipe.named_parameters())
-    same = all(torch.equal(_shard(p), _shard(mine[n])) for n, p in other.named_parameters())
+    same = all(torch.equal(local(p), local(mine[n])) for n, p in other.named_parameters())
     try:
         other.load_state_dict({**sd, "not_a_module.weight": torch.zeros(1)})
         strict_error = None
@@ -286,7 +264,7 @@ def guards(rank: int, world_size: int, cfg: Case, path: str) -> dict:
     out["shape"] = raised(lambda: pipe.step(tok[:, : tok.shape[1] // 2], target=tgt))
     with torch.no_grad():  # a diverged model: every parameter of this rank's stages is NaN
         for p in pipe.parameters():
-            _shard(p).fill_(float("nan"))
+            local(p).fill_(float("nan"))
     out["nan_step"] = raised(lambda: pipe.step(tok, target=tgt))
     pipe.zero_grad()
     pipe.raise_on_nonfinite = False  # the option to warn instead
@@ -298,7 +276,7 @@ def guards(rank: int, world_size: int, cfg: Case, path: str) -> dict:
     out["nan_save"] = raised(lambda: pipe.save_checkpoint(path))
     pipe.zero_grad()
     pipe.load_checkpoint(path)  # the good checkpoint is still there
-    out["restored_finite"] = all(bool(torch.isfinite(_shard(p)).all()) for p in pipe.parameters())
+    out["restored_finite"] = all(bool(torch.isfinite(local(p)).all()) for p in pipe.parameters())
     out["restored_loss"] = pipe.eval(tok, target=tgt)
     out["finite"] = math.isfinite(out["restored_loss"])
     return out

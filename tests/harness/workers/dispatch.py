@@ -1,4 +1,5 @@
-"""Worker for test_expert_dispatch: the routed-experts op dispatching tokens by all-to-all on
+"""Worker for tests/sharding/test_expert_dispatch.py (and its host-sync counter for
+tests/ops/test_experts.py): the routed-experts op dispatching tokens by all-to-all on
 4 gloo ranks, against a dense hand-written MoE computed whole on every rank."""
 
 from __future__ import annotations

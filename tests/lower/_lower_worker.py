@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tests.sharding._apply_worker import build
+from tests.lower._apply_worker import build
 
 
 def _full(local: torch.Tensor, mesh, placements, shape) -> torch.Tensor:
@@ -43,7 +43,7 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 def run_lower(rank: int, world: int, dp: int, tp: int, time_iters: int) -> dict[str, Any]:
     from autopp.sharding import StagePlan, plan_stage
-    from tests.sharding.stage_request import stage_request
+    from tests.harness.stage_request import stage_request
     from autopp.lower.apply import apply_plan
     from autopp.lower.local_graphs import collective_counts, lower_joint, split_local
 

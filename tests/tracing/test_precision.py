@@ -8,12 +8,12 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autopp.sharding import plan_stage
-from tests.sharding.stage_request import stage_request
+from tests.harness.stage_request import stage_request
 from autopp.tracing.units import stage_units
 from autopp.lower.local_graphs import lower_joint
 from autopp.tracing.precision import check_policy, maybe_cast
 from autopp.tracing.joint import trace_joint
-from tests.sharding._apply_worker import build
+from tests.lower._apply_worker import build
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 _PASS = ("wait_tensor", "view", "reshape", "_to_copy", "reduce_scatter", "all_reduce", "clone",

@@ -11,7 +11,7 @@ def test_overlap_shortens_the_simulated_step_by_the_hidden_communication(make_me
     from autopp.estimate.pipeline import simulate_stages
     from autopp.estimate.stage_costs import param_dtypes, stage_cost, stage_facts, state_bytes
     from autopp.sharding import plan_stage
-    from tests.sharding.stage_request import stage_request
+    from tests.harness.stage_request import stage_request
 
     mesh = make_mesh(2, 2)
     stack = stack_of(2)

@@ -1,9 +1,9 @@
-"""One rank of the gloo apply test: plan (rank 0), broadcast, apply, compare with reference."""
+"""One rank of the gloo apply test (run by ``tests.harness.launch.run_on_ranks``): plan (rank
+0), broadcast, apply, compare with reference."""
 
 from __future__ import annotations
 
 import json
-import sys
 
 import torch
 import torch.distributed as dist
@@ -81,10 +81,11 @@ def run_graphs(sharded, plan, mesh, x, w) -> torch.Tensor:
     return out
 
 
-def main(rank: int, world: int, init_file: str, out_file: str, dp: int, tp: int) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def apply_and_compare(rank: int, world: int, dp: int, tp: int) -> dict | None:
+    """Each configuration planned, applied and run here against the single-process module;
+    rank 0 returns the report (through JSON, as the test reads it), the others None."""
     from autopp.sharding import StagePlan, plan_stage
-    from tests.sharding.stage_request import stage_request
+    from tests.harness.stage_request import stage_request
     from autopp.lower.apply import apply_plan
     from autopp.adapters.torchtitan_reference import torchtitan_param_placements
 
@@ -160,12 +161,4 @@ def main(rank: int, world: int, init_file: str, out_file: str, dp: int, tp: int)
             "placements": {p.fqn: p.placements for p in plan.params},
             "blocks": [(b.input_placements, b.output_placements) for b in plan.blocks],
         }
-    if rank == 0:
-        with open(out_file, "w") as f:
-            json.dump(report, f)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(*[int(a) if a.isdigit() else a for a in sys.argv[1:]])
+    return json.loads(json.dumps(report)) if rank == 0 else None

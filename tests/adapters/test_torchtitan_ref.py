@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from autopp.adapters.torchtitan_reference import compare_with_torchtitan, torchtitan_param_placements
-from tests.sharding.stage_request import stage_request
+from tests.harness.stage_request import stage_request
 
 
 @pytest.mark.parametrize("dp,tp,batch", [(2, 4, 8), (8, 8, 8), (32, 8, 32)])

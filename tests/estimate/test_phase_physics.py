@@ -34,7 +34,7 @@ def block_70b():
     )
     from torchtitan.models.llama3 import llama3_configs
 
-    from tests.sharding.conftest import BlockStack
+    from tests.harness.fake_world import BlockStack
 
     cfg = build_decoder_config_for_backend(llama3_configs["70B"], "sdpa")
     with torch.device("meta"):
@@ -54,7 +54,7 @@ def _phases(block, make_mesh, recompute: str) -> tuple[float, float, float, floa
     from autopp.estimate.stage_costs import stage_facts
     from autopp.profiles.devices import PROFILES, register_profile, with_overrides
     from autopp.sharding import plan_stage
-    from tests.sharding.stage_request import stage_request
+    from tests.harness.stage_request import stage_request
 
     free = register_profile(with_overrides(
         PROFILES["H100"], name="H100-free-links", intra_node_bw=1e30, inter_node_bw=1e30,

@@ -11,7 +11,7 @@ from autopp.sharding.plan import from_strs
 
 def test_lowered_block_has_local_shapes_and_collectives(make_mesh, stack_of):
     from autopp.sharding import plan_stage
-    from tests.sharding.stage_request import stage_request
+    from tests.harness.stage_request import stage_request
     from autopp.tracing.units import stage_units
     from autopp.lower.local_graphs import lower_joint, split_local
     from autopp.tracing.joint import trace_joint
@@ -57,7 +57,7 @@ def test_lowered_block_has_local_shapes_and_collectives(make_mesh, stack_of):
 @pytest.mark.wide  # the planned pipelines' parity tests run this path end to end
 def test_lowered_llama_stack_matches_single_process_on_2x2_gloo():
     from tests.harness.launch import run_on_ranks
-    from tests.sharding._lower_worker import run_lower
+    from tests.lower._lower_worker import run_lower
 
     results = run_on_ranks(run_lower, 4, 2, 2, 3)
     for rank, r in enumerate(results):
@@ -82,7 +82,7 @@ def test_lowered_pieces_issue_collectives_early_and_wait_at_first_use(make_mesh,
     value, the collectives in the order the plain split issues them."""
     from autopp.lower.local_graphs import lower_joint, split_local
     from autopp.sharding import plan_stage
-    from tests.sharding.stage_request import stage_request
+    from tests.harness.stage_request import stage_request
     from autopp.tracing.joint import trace_joint
     from autopp.tracing.units import stage_units
     from tests.graph.test_overlap import check_overlapped, collective_order
@@ -153,7 +153,7 @@ def _planned_units(stack, mesh):
     planned on ``mesh`` under a quarter of its parameter bytes."""
     from autopp.lower.local_graphs import LoweredUnit
     from autopp.sharding import plan_stage
-    from tests.sharding.stage_request import stage_request
+    from tests.harness.stage_request import stage_request
     from autopp.tracing.joint import trace_joint
     from autopp.tracing.units import stage_units
 
@@ -258,11 +258,11 @@ def test_a_stitched_stage_computes_what_autograd_does(make_mesh, llama_debug):
 
     from autopp.lower.local_graphs import LoweredUnit, lower_stage
     from autopp.sharding import plan_stage
-    from tests.sharding.stage_request import stage_request
+    from tests.harness.stage_request import stage_request
     from autopp.tracing.joint import trace_joint
     from autopp.tracing.units import stage_units
     from tests.harness.parity import assert_parity
-    from tests.sharding.conftest import BlockStack
+    from tests.harness.fake_world import BlockStack
 
     mesh = make_mesh(1, 1)
     stack = BlockStack(llama_debug, 3)

@@ -65,7 +65,7 @@ def test_local_experts_read_one_size_from_the_device_each_way():
     (the same range, read from the forward's routing: no sort)."""
     from autopp.ops.expert_kernels import local_backward
     from autopp.ops.experts import _routed
-    from tests.sharding._dispatch_worker import HostSyncs
+    from tests.harness.workers.dispatch import HostSyncs
 
     x, scores, ids, w1, w2, w3 = _inputs()
     for experts in (slice(0, E), slice(2, 5)):

@@ -10,7 +10,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from autopp.estimate.stage_costs import stage_facts
 from autopp.sharding import plan_stage
 from autopp.tracing import cache as trace_cache
-from tests.sharding.stage_request import stage_request
+from tests.harness.stage_request import stage_request
 from autopp.tracing.cache import plainest, trace_stats
 from autopp.stage_split import build_stage_module
 

@@ -1,34 +1,16 @@
 """Numerics of an applied plan on gloo against the single-process module."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-WORKER = Path(__file__).with_name("_apply_worker.py")
+from tests.harness.launch import run_on_ranks
+from tests.lower._apply_worker import apply_and_compare
 
 
 @pytest.mark.multiprocess
 @pytest.mark.wide  # the planned pipelines' parity tests run this path end to end
-def test_planned_llama_stack_matches_single_process_on_2x2(tmp_path):
+def test_planned_llama_stack_matches_single_process_on_2x2():
     dp, tp = 2, 2
-    world = dp * tp
-    init_file, out_file = tmp_path / "init", tmp_path / "out.json"
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2]), OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(r), str(world), str(init_file), str(out_file),
-             str(dp), str(tp)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for r in range(world)
-    ]
-    logs = [p.communicate(timeout=170)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(l[-3000:] for l in logs)
-    result = json.loads(out_file.read_text())
+    result = run_on_ranks(apply_and_compare, dp * tp, dp, tp, timeout=600)[0]
     for name, r in result.items():
         errs = r["errs"]
         assert len(errs) == 1 + r["num_params"], name  # output + every parameter

@@ -11,7 +11,7 @@ from autopp.graph.overlap import is_collective
 from autopp.graph.per_block import (KIND_META, block_collectives, blocks_in_flight,
                                     per_block_stage_graphs)
 
-from .test_lower import _planned_units
+from tests.lower.test_lower import _planned_units
 
 
 @pytest.fixture(scope="module")
