@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from autopp import tracing
 from autopp.profiles.devices import tf32_enabled
-from autopp.sharding.request import check_gap
 
 
 if TYPE_CHECKING:
@@ -129,7 +128,10 @@ class PlannerOptions:
                              f"got {self.memory_reserve}")
         if self.boundary not in ("auto", "batch", "batch+seq"):
             raise ValueError(f"boundary must be 'auto', 'batch' or 'batch+seq', got {self.boundary!r}")
-        check_gap(self.optimality_gap)
+        if self.optimality_gap is not None:  # the planner loads on first use only
+            from autopp.sharding.request import check_gap
+
+            check_gap(self.optimality_gap)
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
             raise ValueError(f"memory_budget_bytes must be positive, got {self.memory_budget_bytes}")
         if self.parameter_budget_bytes is not None:
