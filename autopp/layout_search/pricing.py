@@ -1,26 +1,15 @@
-"""Pricing a layout from its sub-mesh's probe costs: the split, the recomputation policy per
-stage, a lower bound on the step, and the schedule simulator's step and memory.
+"""Pricing a layout from its sub-mesh's probe costs: the split, the recomputation policy and
+weight gathering per stage, a lower bound on the step, and the simulator's step and memory.
 
-Pricing is in two parts so the search can leave out dominated layouts cheaply:
-
-1. :meth:`Pricer.split`: costs rescaled to the layout's microbatch; per stage and per
-   number of layers held, the fastest probed policy whose memory (state + gathered weights
-   + activations × the microbatches the schedule keeps in flight there) fits, as a table;
-   Alpa's stage DP over it (:func:`~autopp.stage_split.balanced.balanced_cuts`); each
-   stage's :class:`~autopp.schedules.StageCost`; and a lower bound on the step: the
-   busiest pp rank's compute (no bubble, no communication).
-2. :meth:`Pricer.simulate`: torch's action lists for the schedule through the simulator
-   for the step, the bubble and each pp rank's peak memory.
-
-Each policy is also priced with the stage's weights gathered block by block
-(:mod:`autopp.graph.weight_gathering`); a stage takes the fastest that fits.
-
-Both share the dry run's and the torchtitan integration's cost tail
-(:mod:`autopp.estimate`): unit costs → :func:`~autopp.estimate.stage_costs.facts_in_thirds`
-→ :func:`~autopp.estimate.stage_costs.stage_cost` →
-:func:`~autopp.estimate.pipeline.simulate_stages` (the profile's pp link) →
-:func:`~autopp.estimate.stage_costs.simulated_step_s`. Only the unit costs are the
-search's own (scaled tables, no plan per layout).
+What: :meth:`Pricer.split` rescales the costs to the layout's microbatch and tabulates, per
+stage and per layers held (per first and end layer when the layers are of several kinds),
+the fastest probed policy (gathered once per step or block by block) whose memory fits with
+the microbatches in flight; Alpa's stage DP (:func:`~autopp.stage_split.balanced.
+balanced_cuts`) splits over it, and the busiest pp rank's compute bounds the step.
+:meth:`Pricer.simulate` runs the schedule's action lists for the step, bubble and peaks.
+Why: two parts, so dominated layouts are left out before the costly simulation. Invariant:
+the cost tail is the dry run's (:mod:`autopp.estimate`); only the unit costs are the
+search's own (scaled probe tables, no plan per layout).
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """``autopp.search``: the best pp × dp × tp, schedule, microbatches, split and recomputation
-for a model, a number of devices and a global batch.
+for a model, a number of devices and a global batch (docs/design.md, "layout_search/").
 
-How it works (docs/design.md, "Configuration search"):
-
-1. :func:`~autopp.layout_search.layouts.enumerate_layouts` lists the layouts (and what it leaves
-   out, with the reason).
-2. For each distinct (dp, tp) sub-mesh, :func:`~autopp.layout_search.unit_costs.probe_costs` plans
-   two probe stages with the sharding planner (through the plan cache), on worker processes:
-   what the pre modules, one layer and the post modules cost on one device, at a reference
-   microbatch, first under "none" (time-optimal). Every layout with that sub-mesh reuses them.
-3. Each layout is priced without planning again (:mod:`autopp.layout_search.pricing`): costs
-   rescaled to its microbatch; the split chosen by
-   :func:`~autopp.stage_split.balanced.balanced_cuts` (Alpa's stage DP, each stage under the
-   fastest probed policy whose memory fits with the microbatches the schedule keeps in
-   flight on it); a lower bound (the busiest rank's compute); then, least bound first and
-   unless the bound shows it cannot make the ``max_results`` fastest, torch's own action
-   lists through the simulator (:func:`autopp.schedules.simulate_schedule`) for the step, the
-   bubble and each pp rank's peak memory.
-4. Sub-meshes with a layout that does not fit, but whose step with unlimited memory could
-   beat the best that fits, are probed again under selective / full recomputation and
-   memory-lean placements, most promising first, and priced as each arrives.
-5. Feasible layouts are ranked by simulated step time; :meth:`SearchReport.plan` plans a
-   chosen one exactly (every stage, every boundary, memory-bound) as the dry run does.
+What: the layouts (:func:`~autopp.layout_search.layouts.enumerate_layouts`); per distinct
+(dp, tp) sub-mesh, probe stage plans on worker processes (each kind of layer, first under
+"none"); each layout priced from them without planning again (:mod:`.pricing`: the split,
+each stage's fastest fitting policy, a lower bound, then the simulator, least bound first);
+sub-meshes whose unfit layouts could beat the best that fits probed again under the other
+recomputation policies and memory-lean placements. Why: an exact plan per layout would take
+minutes each. Invariant: a layout left out as dominated has a bound no faster than the
+``max_results``-th fastest; :meth:`SearchReport.plan` plans a chosen layout exactly.
 """
 
 from __future__ import annotations
@@ -305,43 +292,20 @@ def search(
     workers: int | None = None,
     **old_keywords: Any,
 ) -> SearchReport:
-    """Find the fastest layouts of ``model_meta`` on ``world_size`` devices.
+    """Find the fastest layouts of ``model_meta`` (on meta, a decoder whose blocks repeat,
+    token input ``(batch, seq_len)``) on ``world_size`` devices for ``global_batch``
+    sequences of ``seq_len`` tokens a step.
 
-    Args:
-        model_meta: the whole model on the meta device (a decoder whose blocks repeat); its
-            first input is a ``(batch, seq_len)`` int64 token tensor.
-        world_size: devices in all (pp × dp × tp of every layout).
-        global_batch: sequences per training step, over all dp ranks.
-        seq_len: tokens per sequence.
-        options: the planner's options (:class:`autopp.PlannerOptions`), as a job would pass
-            them; the search prices layouts under their ``profile`` (None: "H100"),
-            ``mixed_precision``, ``memory_budget_bytes`` or ``memory_reserve`` (share of each
-            device's memory kept out of the plan) and ``tf32``. Options it does not price
-            are refused, naming them: plan the chosen layout with them
-            (``report.plan(i, options=...)``). Loose planner keywords (``profile=``) are
-            refused with the ``options=`` to write.
-
-        The search's own choices:
-
-        schedules: pipeline schedules to consider (torch's names).
-        tp_sizes / pp_sizes: restrict tp / pp; None: every size that divides the world
-            (tp within a node, pp up to the number of layers).
-        recompute: recomputation policies a stage may use (each stage takes the fastest
-            that fits).
-        microbatch_choices: microbatch counts tried per layout (fewest first, doubling).
-        stages_per_rank: stages per pp rank tried for the looped multi-stage schedules
-            (Interleaved1F1B, InterleavedZeroBubble); the V schedules hold exactly 2.
-        max_results: rank this many of the fastest feasible layouts. Layouts are simulated
-            least lower bound first (the busiest pp rank's compute); one whose bound is no
-            faster than the ``max_results``-th fastest simulated so far is left out as
-            dominated, unsimulated (its reason gives the bound). None: every layout.
-        layers_attr: path of the model's block container (None: found).
-        workers: processes probing sub-meshes at once (None: up to 2, this machine's cores
-            permitting; 1: in this process). Probes under "none" come first; the other
-            recomputation policies are probed only on sub-meshes where a layout that does
-            not fit without them could beat the best layout that fits.
-
-    Returns a :class:`SearchReport`; raises ValueError when no layout exists at all.
+    ``options``: the planner's options as a job would pass them; priced are ``profile``
+    (None: "H100"), ``mixed_precision``, ``memory_budget_bytes`` / ``memory_reserve``,
+    ``tf32`` and the MoE ones (``token_dispatch``, ``expert_imbalance``); others are refused
+    by name (plan the chosen layout with them). The search's own choices: ``schedules``;
+    ``tp_sizes`` / ``pp_sizes`` (None: every divisor, tp within a node); the ``recompute``
+    policies a stage may take; ``microbatch_choices`` counts per layout (doubling);
+    ``stages_per_rank`` for the looped schedules; ``max_results`` to rank (a layout whose
+    bound cannot enter them is left out as dominated; None: all); ``layers_attr`` (None:
+    found); ``workers`` probing at once (None: up to 2; 1: in this process). Returns a
+    :class:`SearchReport`; raises ValueError when no layout exists at all.
     """
     from autopp import adapters
 

@@ -202,19 +202,13 @@ def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.T
                 tf32: bool | None = None, kinds: Sequence[int] | None = None) -> ShapeCosts:
     """Plan the probe stages of ``model`` on ``sub_mesh`` and read each unit's cost.
 
-    Args:
-        model, layout: the whole model on meta and its :class:`~autopp.stage_split.ModelLayout`.
-        sub_mesh: a ("dp", "tp") DeviceMesh (fake process group); ``tokens``: one step's
-            input on one dp rank (meta), cut into ``n_microbatches`` reference microbatches.
-        profile: the device profile; ``boundary``: the placement between stages ("batch" or
-            "batch+seq"); ``loss_kind``: the last stage's output placement ("batch", "vocab").
-        modes: recomputation policies to plan ("none", "selective", "full"); a policy
-            with ``"@lean"`` appended is planned for time + a price on memory
-            (:data:`LEAN_PRICE` times the time-optimal plan's seconds per byte, where the
-            exact planner's price search starts its second step) rather than least time.
-        mixed_precision: torch's ``MixedPrecisionPolicy`` or None.
-        tf32: fp32 matmuls at the TF32 rate (None: as torch is set now).
-        kinds: per layer, its kind (:func:`layer_kinds`; None: found here).
+    ``model``, ``layout``: the whole model on meta and its ModelLayout; ``sub_mesh``: a
+    ("dp", "tp") mesh of the fake process group; ``tokens``: one step's input on one dp rank
+    (meta), cut into ``n_microbatches`` reference microbatches; ``boundary``: the placement
+    between stages; ``loss_kind``: the last stage's output placement; ``modes``: the
+    recomputation policies to plan, one with ``"@lean"`` appended planned for time plus a
+    price on memory (:data:`LEAN_PRICE` times the time-optimal plan's seconds per byte);
+    ``kinds``: per layer its kind (:func:`layer_kinds`; None: found here).
     """
     import time
 

@@ -26,9 +26,6 @@ PENDING: frozenset[str] = frozenset({
     "autopp/api.py",
     "autopp/cli.py",
     "autopp/dry_run/run.py",
-    "autopp/layout_search/layouts.py",
-    "autopp/layout_search/pricing.py",
-    "autopp/layout_search/search.py",
     "autopp/plan/make.py",
 })
 
