@@ -204,6 +204,7 @@ class Pricer:
             return rank_share - recv - (held * shape.loss_kept_bytes * f if last else 0.0)
         counts, column = self.counts, self.column
         ks = counts.sum(axis=0)  # layers held, per column
+        c0 = counts[0]
 
         def need_and_time(kind: tuple[int, tuple, bool, bool]
                           ) -> tuple[np.ndarray, np.ndarray]:
@@ -214,8 +215,10 @@ class Pricer:
             for md in modes:
                 per_kind = [_linear(u) for u in layer[md]]
                 ends = [_linear(e) for e, on in ((pre[md], first), (post[md], last)) if on]
-                col = {k: sum(a[k] * c for a, c in zip(per_kind, counts))
-                       + sum(e[k] for e in ends) for k in per_kind[0]}
+                a0 = per_kind[0]
+                col = {k: a0[k] * c0 + sum(e[k] for e in ends) for k in a0}
+                for a, c in zip(per_kind[1:], counts[1:]):  # other kinds of layers
+                    col = {k: v + a[k] * c for k, v in col.items()}
                 acts = held_bytes(held, peaks, col["act"], col["kept"])
                 if not md.endswith(PER_BLOCK):
                     need.append(col["params"] + np.maximum(col["grads"], col["unreduced"])
@@ -225,9 +228,10 @@ class Pricer:
                 # block by block: two blocks' gathered weights, gradients held reduced; the
                 # gathers run again in every F and I, the reductions in every W, each as
                 # exposed beside the compute (F = I = W a third, I re-running the forward)
-                largest = np.max([np.where(c > 0, a["gathered"], 0.0)
-                                  for a, c in zip(per_kind, counts)]
-                                 + [np.full_like(ks, e["gathered"]) for e in ends], axis=0)
+                largest = max([per_kind[0]["gathered"]] + [e["gathered"] for e in ends]) \
+                    if len(per_kind) == 1 else np.max(
+                        [np.where(c > 0, a["gathered"], 0.0) for a, c in zip(per_kind, counts)]
+                        + [np.full_like(ks, e["gathered"]) for e in ends], axis=0)
                 need.append(col["params"] + col["grads"] + col["opt"] + acts
                             + np.minimum(col["gathered"], 2 * largest))
                 units = ks + sum(1 for e, on in ((self.layout.pre, first),
