@@ -62,6 +62,11 @@ def _planner_args(p: argparse.ArgumentParser) -> None:
                    choices=["once_per_step", "per_block"],
                    help="hold dp-sharded weights gathered for the whole step, or gather them "
                         "block by block as FSDP does (a search chooses per stage)")
+    p.add_argument("--token-dispatch", default="auto", choices=["auto", "all_to_all", "all_gather"],
+                   help="MoE layers: how tokens reach expert-parallel devices (auto: by price)")
+    p.add_argument("--expert-imbalance", type=float, default=1.0,
+                   help="MoE layers: the busiest expert-parallel device's routed tokens over "
+                        "the mean (1: uniform routing)")
 
 
 def _layout_args(p: argparse.ArgumentParser) -> None:
@@ -190,7 +195,8 @@ def _options(args: argparse.Namespace) -> Any:
         loss_parallel={"auto": None, "on": True, "off": False}[args.loss_parallel],
         mixed_precision=mixed_precision_policy(args.mixed_precision),
         memory_reserve=args.memory_reserve, recompute=args.recompute,
-        weight_gathering=args.weight_gathering)
+        weight_gathering=args.weight_gathering, token_dispatch=args.token_dispatch,
+        expert_imbalance=args.expert_imbalance)
 
 
 def _priced_options(args: argparse.Namespace) -> Any:
@@ -200,7 +206,8 @@ def _priced_options(args: argparse.Namespace) -> Any:
 
     o = _options(args)
     return PlannerOptions(profile=o.profile, mixed_precision=o.mixed_precision,
-                          memory_reserve=o.memory_reserve)
+                          memory_reserve=o.memory_reserve, token_dispatch=o.token_dispatch,
+                          expert_imbalance=o.expert_imbalance)
 
 
 def _split(text: str | None) -> Any:
@@ -282,7 +289,8 @@ def search_json(report: Any, top: int) -> dict[str, Any]:
                      "n_microbatches": c.layout.n_microbatches,
                      "layers_per_stage": list(c.layers_per_stage),
                      "recompute": list(c.recompute),
-                     "weight_gathering": list(c.weight_gathering), "step_time_s": c.step_time_s,
+                     "weight_gathering": list(c.weight_gathering), "experts": list(c.experts),
+                     "step_time_s": c.step_time_s,
                      "bubble_fraction": c.bubble_fraction,
                      "tokens_per_s_per_device": c.tokens_per_s_per_device, "mfu": c.mfu,
                      "peak_bytes": list(c.peak_bytes), "usable_bytes": c.usable_bytes}

@@ -43,12 +43,18 @@ def _search(args) -> dict:
     import autopp
     from llama3_pp_dp_tp import build_model
 
+    import resource
+
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     report = autopp.search(build_model(args.model), world_size=args.world,
                            global_batch=args.batch_size, seq_len=args.seq_len,
                            options=autopp.PlannerOptions(profile="H100", mixed_precision=mp))
     print(report, flush=True)
-    out = {"search_s": report.search_s, "best": str(report.best.layout),
+    # CPU seconds of this process and its probe workers: steadier than the wall time on a
+    # shared machine (taken before the hand layouts below are priced)
+    cpu = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF,
+              resource.RUSAGE_CHILDREN) for f in ("ru_utime", "ru_stime"))
+    out = {"search_s": report.search_s, "cpu_s": cpu, "best": str(report.best.layout),
            "best_step_s": report.best.step_time_s, "hand": {}}
     for name, h in HAND.items():
         # the search leaves dominated layouts out unsimulated: price each hand layout by a
@@ -101,9 +107,11 @@ def main() -> None:
                 print(out.stdout.split("RESULT ")[0])
     r = runs[0]
     times = [x["search_s"] for x in runs]
+    cpus = [x["cpu_s"] for x in runs]
     print(f"llama3-{args.model} on {args.world} H100s, global batch {args.batch_size} x seq "
           f"{args.seq_len}: search {statistics.median(times):.1f} s (median of {len(times)} "
-          f"cold runs: {', '.join(f'{t:.1f}' for t in times)})")
+          f"cold runs: {', '.join(f'{t:.1f}' for t in times)}); CPU "
+          f"{statistics.median(cpus):.1f} s ({', '.join(f'{t:.1f}' for t in cpus)})")
     print(f"best: {r['best']}  {r['best_step_s'] * 1e3:.1f} ms")
     print(f"{'torchtitan layout':30} {'as priced (best microbatches)':44} {'step ms':>9} "
           f"{'hand / best':>11}")

@@ -67,27 +67,17 @@ def enumerate_layouts(
     pp_sizes: Sequence[int] | None = None, microbatch_choices: int = 3,
     stages_per_rank: Sequence[int] = (2, 3, 4), end_stages: int = 0,
 ) -> tuple[list[Layout], list[tuple[str, str]]]:
-    """Every layout to consider, and (layout family, reason) for each one left out.
+    """Every layout of ``world_size`` devices to consider, and (layout family, reason) for
+    each one left out.
 
-    Args:
-        world_size: devices in all.
-        global_batch: sequences per step over all dp ranks.
-        n_layers: the model's repeated blocks (every stage but the end stages below holds
-            at least one).
-        devices_per_node: tp stays within a node (the profile's).
-        schedules: schedule names to consider.
-        tp_sizes / pp_sizes: restrict tp / pp (None: every divisor that fits).
-        microbatch_choices: microbatch counts per (pp, dp, tp, schedule): the fewest that
-            fills the pipeline, then doubling.
-        stages_per_rank: stages per pp rank tried for the looped multi-stage schedules
-            (Interleaved1F1B, InterleavedZeroBubble); the V schedules hold exactly 2.
-        end_stages: how many stages may hold no block: 1 or 2 when the model has modules
-            before the blocks (an embedding) and / or after them (a head), which a first or
-            last stage may then hold alone; so pp up to ``n_layers + end_stages`` (one stage
-            a rank). Where pp does not exceed the blocks, every stage holds a block.
-
-    Raises:
-        ValueError: no layout at all; the message says what would work.
+    ``global_batch``: sequences per step over all dp ranks; ``n_layers``: the repeated
+    blocks; ``devices_per_node``: tp stays within a node; ``schedules``, ``tp_sizes`` /
+    ``pp_sizes`` (None: every divisor that fits); ``microbatch_choices`` counts per (pp,
+    dp, tp, schedule), the fewest that fills the pipeline then doubling; ``stages_per_rank``
+    for the looped schedules (the V schedules hold 2); ``end_stages``: how many stages may
+    hold no block (1 or 2 when the model has modules before and / or after them), so pp
+    goes up to ``n_layers + end_stages``. Raises ValueError when no layout is left, saying
+    what would work.
     """
     if world_size < 1 or global_batch < 1:
         raise ValueError(f"world_size and global_batch must be >= 1, got {world_size} and "

@@ -1,26 +1,15 @@
-"""Pricing a layout from its sub-mesh's probe costs: the split, the recomputation policy per
-stage, a lower bound on the step, and the schedule simulator's step and memory.
+"""Pricing a layout from its sub-mesh's probe costs: the split, the recomputation policy and
+weight gathering per stage, a lower bound on the step, and the simulator's step and memory.
 
-Pricing is in two parts so the search can leave out dominated layouts cheaply:
-
-1. :meth:`Pricer.split`: costs rescaled to the layout's microbatch; per stage and per
-   number of layers held, the fastest probed policy whose memory (state + gathered weights
-   + activations × the microbatches the schedule keeps in flight there) fits, as a table;
-   Alpa's stage DP over it (:func:`~autopp.stage_split.balanced.balanced_cuts`); each
-   stage's :class:`~autopp.schedules.StageCost`; and a lower bound on the step: the
-   busiest pp rank's compute (no bubble, no communication).
-2. :meth:`Pricer.simulate`: torch's action lists for the schedule through the simulator
-   for the step, the bubble and each pp rank's peak memory.
-
-Each policy is also priced with the stage's weights gathered block by block
-(:mod:`autopp.graph.weight_gathering`); a stage takes the fastest that fits.
-
-Both share the dry run's and the torchtitan integration's cost tail
-(:mod:`autopp.estimate`): unit costs → :func:`~autopp.estimate.stage_costs.facts_in_thirds`
-→ :func:`~autopp.estimate.stage_costs.stage_cost` →
-:func:`~autopp.estimate.pipeline.simulate_stages` (the profile's pp link) →
-:func:`~autopp.estimate.stage_costs.simulated_step_s`. Only the unit costs are the
-search's own (scaled tables, no plan per layout).
+What: :meth:`Pricer.split` rescales the costs to the layout's microbatch and tabulates, per
+stage and per layers held (per first and end layer when the layers are of several kinds),
+the fastest probed policy (gathered once per step or block by block) whose memory fits with
+the microbatches in flight; Alpa's stage DP (:func:`~autopp.stage_split.balanced.
+balanced_cuts`) splits over it, and the busiest pp rank's compute bounds the step.
+:meth:`Pricer.simulate` runs the schedule's action lists for the step, bubble and peaks.
+Why: two parts, so dominated layouts are left out before the costly simulation. Invariant:
+the cost tail is the dry run's (:mod:`autopp.estimate`); only the unit costs are the
+search's own (scaled probe tables, no plan per layout).
 """
 
 from __future__ import annotations
@@ -38,7 +27,7 @@ from autopp.plan.objective import boundary_split
 from autopp.profiles.devices import matmul_peak
 from autopp.schedules import MEMORY_CATEGORIES
 from autopp.layout_search.layouts import Layout
-from autopp.layout_search.unit_costs import ShapeCosts, UnitCost
+from autopp.layout_search.unit_costs import ZERO, ShapeCosts, UnitCost
 
 __all__ = ["Candidate", "Pricer", "Split"]
 
@@ -68,6 +57,9 @@ class Candidate:
     simulation: Any = field(default=None, compare=False, repr=False)
     weight_gathering: tuple[str, ...] = ()
     """Per stage, "once_per_step" or "per_block" (``PlannerOptions.weight_gathering``)."""
+    experts: tuple[str, ...] = ()
+    """Per stage, where its probe plans put the routed experts and how tokens reach them
+    (:func:`~autopp.layout_search.unit_costs.expert_layout`; "" without routed experts)."""
 
     @property
     def fits(self) -> bool:
@@ -91,6 +83,8 @@ class Split:
     """Per stage, its pp rank under the layout's schedule."""
     weight_gathering: tuple[str, ...] = ()
     """Per stage, how it holds its gathered weights ("once_per_step" or "per_block")."""
+    experts: tuple[str, ...] = ()
+    """Per stage, its routed experts' layout (:attr:`Candidate.experts`)."""
 
 
 def _largest(mem: Any) -> str:
@@ -121,8 +115,21 @@ class Pricer:
 
     def __init__(self, model: nn.Module, layout_info: Any, *, global_batch: int, seq_len: int,
                  profile: Any, mixed_precision: Any, usable: float, tf32: bool = False,
-                 per_block: bool = True):
+                 per_block: bool = True, kinds: Any = None):
         self.layout = layout_info
+        L = layout_info.n_layers
+        # per layer, its kind (None: all alike); with one kind a stage's cost depends on how
+        # many layers it holds, else on which: columns by count, or by (first, end) layer
+        self.kinds = tuple(kinds) if kinds is not None else (0,) * L
+        n_kinds = max(self.kinds, default=0) + 1
+        at = np.array([[0] + list(np.cumsum([k == j for k in self.kinds])) for j in
+                       range(n_kinds)], dtype=np.float64)  # layers of kind j before i
+        if n_kinds == 1:
+            self.counts = at[:, :]  # column k: k layers
+            self.column = lambda a, b: b - a
+        else:
+            self.counts = (at[:, None, :] - at[:, :, None]).reshape(n_kinds, -1)
+            self.column = lambda a, b: a * (L + 1) + b
         self.per_block = per_block  # stages may gather block by block
         self.global_batch, self.seq_len = global_batch, seq_len
         self.profile, self.usable = profile, usable
@@ -141,7 +148,8 @@ class Pricer:
         if old is not None:
             shape = dataclasses.replace(
                 shape, pre={**old.pre, **shape.pre}, layer={**old.layer, **shape.layer},
-                post={**old.post, **shape.post}, planning_s=old.planning_s + shape.planning_s,
+                post={**old.post, **shape.post}, experts={**old.experts, **shape.experts},
+                planning_s=old.planning_s + shape.planning_s,
                 solved=old.solved + shape.solved)
         self.shapes[key] = shape
 
@@ -171,7 +179,8 @@ class Pricer:
         # each also with its weights gathered block by block (one-block prefetch)
         modes = probed + ([m + PER_BLOCK for m in probed] if self.per_block else [])
         f = self.global_batch / m / shape.rows
-        layer = {md: shape.layer[md.removesuffix(PER_BLOCK)].scaled(f) for md in modes}
+        layer = {md: tuple(u.scaled(f) for u in shape.layer[md.removesuffix(PER_BLOCK)])
+                 for md in modes}
         pre = {md: shape.pre[md.removesuffix(PER_BLOCK)].scaled(f) for md in modes}
         post = {md: shape.post[md.removesuffix(PER_BLOCK)].scaled(f) for md in modes}
         loss = shape.loss_s * f
@@ -193,7 +202,9 @@ class Pricer:
             held, _, first, last = kind
             recv = receive_buffer_bytes(m, 0 if first else int(send), 0 if last else int(send))
             return rank_share - recv - (held * shape.loss_kept_bytes * f if last else 0.0)
-        ks = np.arange(L + 1, dtype=np.float64)
+        counts, column = self.counts, self.column
+        ks = counts.sum(axis=0)  # layers held, per column
+        c0 = counts[0]
 
         def need_and_time(kind: tuple[int, tuple, bool, bool]
                           ) -> tuple[np.ndarray, np.ndarray]:
@@ -202,9 +213,12 @@ class Pricer:
             held, peaks, first, last = kind
             need, time = [], []
             for md in modes:
-                a = _linear(layer[md])
+                per_kind = [_linear(u) for u in layer[md]]
                 ends = [_linear(e) for e, on in ((pre[md], first), (post[md], last)) if on]
-                col = {k: a[k] * ks + sum(e[k] for e in ends) for k in a}
+                a0 = per_kind[0]
+                col = {k: a0[k] * c0 + sum(e[k] for e in ends) for k in a0}
+                for a, c in zip(per_kind[1:], counts[1:]):  # other kinds of layers
+                    col = {k: v + a[k] * c for k, v in col.items()}
                 acts = held_bytes(held, peaks, col["act"], col["kept"])
                 if not md.endswith(PER_BLOCK):
                     need.append(col["params"] + np.maximum(col["grads"], col["unreduced"])
@@ -214,7 +228,10 @@ class Pricer:
                 # block by block: two blocks' gathered weights, gradients held reduced; the
                 # gathers run again in every F and I, the reductions in every W, each as
                 # exposed beside the compute (F = I = W a third, I re-running the forward)
-                largest = max([a["gathered"]] + [e["gathered"] for e in ends])
+                largest = max([per_kind[0]["gathered"]] + [e["gathered"] for e in ends]) \
+                    if len(per_kind) == 1 else np.max(
+                        [np.where(c > 0, a["gathered"], 0.0) for a, c in zip(per_kind, counts)]
+                        + [np.full_like(ks, e["gathered"]) for e in ends], axis=0)
                 need.append(col["params"] + col["grads"] + col["opt"] + acts
                             + np.minimum(col["gathered"], 2 * largest))
                 units = ks + sum(1 for e, on in ((self.layout.pre, first),
@@ -232,28 +249,30 @@ class Pricer:
             need, time = need_and_time(kind)
             t = np.where(need <= budget_of(kind), time, np.inf)
             best = t.argmin(axis=0)
-            cost = t[best, np.arange(L + 1)]
+            cost = t[best, np.arange(t.shape[1])]
             _, _, first, last = kind
             if not (n > L and ((first and self.layout.pre) or (last and self.layout.post))):
-                cost[0] = np.inf  # a stage holds a layer (see the end stages below)
+                cost[ks == 0] = np.inf  # a stage holds a layer (see the end stages below)
             tables[kind] = (cost, best, need)
         # a first / last stage of only the modules before / after the blocks: only where
         # there are more stages than blocks (the probes price such stages less exactly:
         # measured 11% over the exact plan where it won on the 6-layer debug model)
         ends = bool(self.layout.pre or self.layout.post) and n > L
-        cuts = balanced_cuts([1.0] * L, n, stage_table=[tables[k][0] for k in kinds],
-                             empty_ends=ends)
+        cuts = balanced_cuts([1.0] * L, n, stage_table=[
+            tables[k][0].reshape(-1, L + 1) if counts.shape[1] > L + 1 else tables[k][0]
+            for k in kinds], empty_ends=ends)
         if cuts is None:  # name the stage of the even split that is furthest over
             even = balanced_cuts([1.0] * L, n, empty_ends=ends)
             over = []
             for s, (a, b) in enumerate(zip(even, even[1:])):
-                need = tables[kinds[s]][2][:, b - a]
+                need = tables[kinds[s]][2][:, column(a, b)]
                 i = int(need.argmin())
-                over.append((float(need[i]), s, b - a, modes[i]))
-            got, s, k, least = max(over)
+                over.append((float(need[i]), s, a, b, modes[i]))
+            got, s, a, b, least = max(over)
+            k = b - a
             lean = (", memory-lean placements" if "@" in least else "") + (
                 ", weights gathered block by block" if least.endswith(PER_BLOCK) else "")
-            u = layer[least].times(k)
+            u = self._layers(layer[least], a, b)
             u = u + pre[least] if s == 0 else u
             u = u + post[least] if s == n - 1 else u
             st = u.state
@@ -262,7 +281,8 @@ class Pricer:
                 else ("gradients", st.gradients)
             parts = sorted([("parameters", st.parameters), grads, ("optimizer state", st.optimizer),
                             ("gathered weights", min(u.gathered_bytes, 2 * max(
-                                layer[least].gathered_bytes, pre[least].gathered_bytes,
+                                *(x.gathered_bytes for x in layer[least]),
+                                pre[least].gathered_bytes,
                                 post[least].gathered_bytes)) if least.endswith(PER_BLOCK)
                              else u.gathered_bytes),
                             (f"activations x {in_flight[s]} in flight",
@@ -275,17 +295,17 @@ class Pricer:
                     f"{budget_of(kinds[s]) / 2**30:.1f} GiB even under its least-memory plan probed "
                     f"(recompute={least.split('@')[0]!r}{lean}: {largest}), and no split "
                     "does better")
-        costs, chosen, gatherings, work = [], [], [], [0.0] * lay.pp
+        costs, chosen, gatherings, work, experts = [], [], [], [0.0] * lay.pp, []
         _, stage_to_rank = compute_order(lay.schedule, pp=lay.pp, n_microbatches=m, n_stages=n)
         for s, (a, b) in enumerate(zip(cuts, cuts[1:])):
-            mode = modes[int(tables[kinds[s]][1][b - a])]
-            u = layer[mode].times(b - a)
+            mode = modes[int(tables[kinds[s]][1][column(a, b)])]
+            u = self._layers(layer[mode], a, b)
             if s == 0:
                 u = u + pre[mode]
             if s == n - 1:
                 u = u + post[mode]
             ls = loss if s == n - 1 else 0.0
-            units = [layer[mode]] * (b - a) + [e for e, mods, on in (
+            units = [layer[mode][self.kinds[i]] for i in range(a, b)] + [e for e, mods, on in (
                 (pre[mode], self.layout.pre, s == 0), (post[mode], self.layout.post, s == n - 1))
                 if mods and on]
             facts = facts_in_thirds(u.per_microbatch_s, recompute_s=u.recompute_s,
@@ -303,13 +323,25 @@ class Pricer:
                               gathering=WeightGathering(per_block=per_block))
             costs.append(cost)
             chosen.append(mode.split("@")[0].removesuffix(PER_BLOCK))
+            labels = shape.experts.get(mode.removesuffix(PER_BLOCK), ())
+            experts.append("/".join(dict.fromkeys(
+                labels[k] for k in sorted(set(self.kinds[a:b])) if k < len(labels) and labels[k])))
             gatherings.append("per_block" if per_block else "once_per_step")
             work[stage_to_rank[s]] += m * (cost.forward_s + cost.backward_input_s
                                            + cost.backward_weight_s)
         bound = contended_step_s(max(work), sum(work) / len(work), self.profile,
                                  lay.pp * lay.dp * lay.tp)
         return Split(lay, tuple(cuts), tuple(chosen), tuple(costs), bound, usable,
-                     tuple(stage_to_rank), tuple(gatherings))
+                     tuple(stage_to_rank), tuple(gatherings), tuple(experts))
+
+    def _layers(self, per_kind: tuple[UnitCost, ...], a: int, b: int) -> UnitCost:
+        """Layers ``a .. b-1`` together, each at its own kind's cost."""
+        out = ZERO
+        for k, u in enumerate(per_kind):
+            n = sum(1 for x in self.kinds[a:b] if x == k)
+            if n:
+                out = out + u.times(n)
+        return out
 
     def simulate(self, sp: Split) -> Candidate | str:
         """Simulate a split's schedule: its candidate, or why its peak memory does not fit."""
@@ -339,5 +371,5 @@ class Pricer:
             tokens_per_s_per_device=tokens / step / world,
             mfu=6 * self.n_params * tokens / step / (world * self.peak_flops),
             peak_bytes=peaks, usable_bytes=sp.usable, largest=largest, simulation=sim,
-            weight_gathering=sp.weight_gathering,
+            weight_gathering=sp.weight_gathering, experts=sp.experts,
         )

@@ -35,6 +35,8 @@ def probe_job(dp: int, tp: int, pp: int, m_ref: int, modes: tuple[str, ...]
     """Probe one sub-mesh (in a worker process or this one): its costs, or why not."""
     from autopp.mesh import build_world_mesh, init_fake_world, stage_sub_mesh
 
+    from autopp import tracing
+
     j = JOB
     if not dist.is_initialized():
         init_fake_world(j["world"])
@@ -42,10 +44,12 @@ def probe_job(dp: int, tp: int, pp: int, m_ref: int, modes: tuple[str, ...]
         sub = stage_sub_mesh(build_world_mesh(pp=pp, dp=dp, tp=tp, device_type="cpu"))
         tokens = torch.empty((j["global_batch"] // dp, j["seq_len"]), dtype=torch.long,
                              device="meta")
-        return probe_costs(j["model"], j["layout"], sub, tokens=tokens, n_microbatches=m_ref,
-                           profile=j["profile"], boundary="batch+seq" if tp > 1 else "batch",
-                           loss_kind="vocab" if tp > 1 else "batch", modes=modes,
-                           mixed_precision=j["mp"], tf32=j["tf32"])
+        with tracing.settings(j.get("trace_settings", {})):  # e.g. MoE dispatch, imbalance
+            return probe_costs(j["model"], j["layout"], sub, tokens=tokens,
+                               n_microbatches=m_ref, profile=j["profile"],
+                               boundary="batch+seq" if tp > 1 else "batch",
+                               loss_kind="vocab" if tp > 1 else "batch", modes=modes,
+                               mixed_precision=j["mp"], tf32=j["tf32"], kinds=j.get("kinds"))
     except ValueError as e:  # the planner's own refusals (InfeasiblePlanError among them)
         return f"the planner could not plan this sub-mesh: {e}".split("\n")[0]
     except Exception as e:  # noqa: BLE001 - anything else is a bug in autopp, said so

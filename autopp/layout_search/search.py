@@ -1,27 +1,14 @@
 """``autopp.search``: the best pp × dp × tp, schedule, microbatches, split and recomputation
-for a model, a number of devices and a global batch.
+for a model, a number of devices and a global batch (docs/design.md, "layout_search/").
 
-How it works (docs/design.md, "Configuration search"):
-
-1. :func:`~autopp.layout_search.layouts.enumerate_layouts` lists the layouts (and what it leaves
-   out, with the reason).
-2. For each distinct (dp, tp) sub-mesh, :func:`~autopp.layout_search.unit_costs.probe_costs` plans
-   two probe stages with the sharding planner (through the plan cache), on worker processes:
-   what the pre modules, one layer and the post modules cost on one device, at a reference
-   microbatch, first under "none" (time-optimal). Every layout with that sub-mesh reuses them.
-3. Each layout is priced without planning again (:mod:`autopp.layout_search.pricing`): costs
-   rescaled to its microbatch; the split chosen by
-   :func:`~autopp.stage_split.balanced.balanced_cuts` (Alpa's stage DP, each stage under the
-   fastest probed policy whose memory fits with the microbatches the schedule keeps in
-   flight on it); a lower bound (the busiest rank's compute); then, least bound first and
-   unless the bound shows it cannot make the ``max_results`` fastest, torch's own action
-   lists through the simulator (:func:`autopp.schedules.simulate_schedule`) for the step, the
-   bubble and each pp rank's peak memory.
-4. Sub-meshes with a layout that does not fit, but whose step with unlimited memory could
-   beat the best that fits, are probed again under selective / full recomputation and
-   memory-lean placements, most promising first, and priced as each arrives.
-5. Feasible layouts are ranked by simulated step time; :meth:`SearchReport.plan` plans a
-   chosen one exactly (every stage, every boundary, memory-bound) as the dry run does.
+What: the layouts (:func:`~autopp.layout_search.layouts.enumerate_layouts`); per distinct
+(dp, tp) sub-mesh, probe stage plans on worker processes (each kind of layer, first under
+"none"); each layout priced from them without planning again (:mod:`.pricing`: the split,
+each stage's fastest fitting policy, a lower bound, then the simulator, least bound first);
+sub-meshes whose unfit layouts could beat the best that fits probed again under the other
+recomputation policies and memory-lean placements. Why: an exact plan per layout would take
+minutes each. Invariant: a layout left out as dominated has a bound no faster than the
+``max_results``-th fastest; :meth:`SearchReport.plan` plans a chosen layout exactly.
 """
 
 from __future__ import annotations
@@ -42,7 +29,7 @@ from torch import nn
 from autopp.layout_search.layouts import DEFAULT_SCHEDULES, Layout, enumerate_layouts
 from autopp.layout_search.pricing import Candidate, Pricer, Split
 from autopp.layout_search.probe_pool import JOB, PROBE_BUG, ProbePool
-from autopp.layout_search.unit_costs import ShapeCosts
+from autopp.layout_search.unit_costs import ShapeCosts, layer_kinds
 from autopp.plan.heap import frozen_heap
 from autopp.plan.options import PlannerOptions, changed_fields, refuse_loose
 
@@ -81,6 +68,9 @@ class SearchReport:
     without_pipeline: Candidate | str | None = None
     """The fastest layout with no pipeline (pp = 1: FSDP + TP), or why none fits (None:
     none was considered)."""
+    layer_kinds: tuple[int, ...] = ()
+    """Per layer, its kind (:func:`~autopp.layout_search.unit_costs.layer_kinds`), each
+    kind probed and priced at its own cost."""
 
     @property
     def best(self) -> Candidate:
@@ -129,10 +119,12 @@ class SearchReport:
                 + ".")
 
     def table(self, n: int = 10) -> str:
-        """The ``n`` fastest layouts as a text table."""
+        """The ``n`` fastest layouts as a text table (with the routed experts' layout and
+        token dispatch of each, for a mixture-of-experts model)."""
+        moe = any(e for c in self.results[:n] for e in c.experts)
         head = (f"{'#':>3}  {'layout':42} {'split (layers)':22} {'recompute':20} "
-                f"{'weights':10} {'step ms':>9} {'bubble':>7} {'tok/s/dev':>10} {'MFU':>6} "
-                f"{'peak GiB':>9}")
+                f"{'weights':10} " + (f"{'experts':16} " if moe else "")
+                + f"{'step ms':>9} {'bubble':>7} {'tok/s/dev':>10} {'MFU':>6} {'peak GiB':>9}")
         rows = [head]
         for i, c in enumerate(self.results[:n]):
             split = "-".join(map(str, c.layers_per_stage))
@@ -140,14 +132,31 @@ class SearchReport:
                 split = split[:19] + "..."
             rec = "/".join(sorted(set(c.recompute)))
             held = "/".join(sorted({_GATHERING_WORDS[g] for g in c.weight_gathering})) or "-"
+            ex = "/".join(dict.fromkeys(e for e in c.experts if e)) or "-"
             rows.append(f"{i + 1:>3}  {str(c.layout):42} {split:22} {rec:20} {held:10} "
-                        f"{c.step_time_s * 1e3:>9.1f} {c.bubble_fraction:>7.1%} "
+                        + (f"{ex:16} " if moe else "") + f"{c.step_time_s * 1e3:>9.1f} {c.bubble_fraction:>7.1%} "
                         f"{c.tokens_per_s_per_device:>10.1f} {c.mfu:>6.1%} "
                         f"{max(c.peak_bytes) / 2**30:>9.2f}")
         if any("per_block" in c.weight_gathering for c in self.results[:n]):
             rows.append("weights: 'step' gathered once per step, 'block' block by block "
                         "(weight_gathering='per_block', as FSDP)")
+        if moe:
+            rows.append("experts: the mesh dims the routed experts are split over, tokens "
+                        "sent to them by all-to-all (a2a) or all-gathered (ag); 'whole': "
+                        "every device holds every expert")
         return "\n".join(rows)
+
+    def moe_assumption(self) -> str:
+        """What the pricing assumes about routing (``PlannerOptions.expert_imbalance``)."""
+        f = float(getattr(self.options, "expert_imbalance", 1.0))
+        kinds = (f"; {max(self.layer_kinds) + 1} kinds of layers priced apart "
+                 f"({', '.join(f'{self.layer_kinds.count(k)} of kind {k}' for k in range(max(self.layer_kinds) + 1))})"
+                 if self.layer_kinds and max(self.layer_kinds) else "")
+        if f == 1:
+            return ("MoE load balance: routing assumed uniform over the experts "
+                    "(PlannerOptions.expert_imbalance=1)" + kinds)
+        return (f"MoE load balance: the busiest expert-parallel device priced at {f:g}x the "
+                f"mean routed tokens (PlannerOptions.expert_imbalance={f:g})" + kinds)
 
     def __str__(self) -> str:
         lines = [
@@ -156,6 +165,8 @@ class SearchReport:
             f"{self.n_submeshes} sub-mesh shapes ({self.stage_plans_solved} probe stage plans "
             f"solved), the {len(self.results)} fastest that fit ranked; {self.search_s:.1f} s",
         ]
+        if any(e for c in self.results for e in c.experts):
+            lines.append(self.moe_assumption())
         if self.results:
             lines += [self.table(), "", f"best: {self.best.layout}; largest memory at its "
                                         f"peak: {self.best.largest}"]
@@ -281,43 +292,20 @@ def search(
     workers: int | None = None,
     **old_keywords: Any,
 ) -> SearchReport:
-    """Find the fastest layouts of ``model_meta`` on ``world_size`` devices.
+    """Find the fastest layouts of ``model_meta`` (on meta, a decoder whose blocks repeat,
+    token input ``(batch, seq_len)``) on ``world_size`` devices for ``global_batch``
+    sequences of ``seq_len`` tokens a step.
 
-    Args:
-        model_meta: the whole model on the meta device (a decoder whose blocks repeat); its
-            first input is a ``(batch, seq_len)`` int64 token tensor.
-        world_size: devices in all (pp × dp × tp of every layout).
-        global_batch: sequences per training step, over all dp ranks.
-        seq_len: tokens per sequence.
-        options: the planner's options (:class:`autopp.PlannerOptions`), as a job would pass
-            them; the search prices layouts under their ``profile`` (None: "H100"),
-            ``mixed_precision``, ``memory_budget_bytes`` or ``memory_reserve`` (share of each
-            device's memory kept out of the plan) and ``tf32``. Options it does not price
-            are refused, naming them: plan the chosen layout with them
-            (``report.plan(i, options=...)``). Loose planner keywords (``profile=``) are
-            refused with the ``options=`` to write.
-
-        The search's own choices:
-
-        schedules: pipeline schedules to consider (torch's names).
-        tp_sizes / pp_sizes: restrict tp / pp; None: every size that divides the world
-            (tp within a node, pp up to the number of layers).
-        recompute: recomputation policies a stage may use (each stage takes the fastest
-            that fits).
-        microbatch_choices: microbatch counts tried per layout (fewest first, doubling).
-        stages_per_rank: stages per pp rank tried for the looped multi-stage schedules
-            (Interleaved1F1B, InterleavedZeroBubble); the V schedules hold exactly 2.
-        max_results: rank this many of the fastest feasible layouts. Layouts are simulated
-            least lower bound first (the busiest pp rank's compute); one whose bound is no
-            faster than the ``max_results``-th fastest simulated so far is left out as
-            dominated, unsimulated (its reason gives the bound). None: every layout.
-        layers_attr: path of the model's block container (None: found).
-        workers: processes probing sub-meshes at once (None: up to 2, this machine's cores
-            permitting; 1: in this process). Probes under "none" come first; the other
-            recomputation policies are probed only on sub-meshes where a layout that does
-            not fit without them could beat the best layout that fits.
-
-    Returns a :class:`SearchReport`; raises ValueError when no layout exists at all.
+    ``options``: the planner's options as a job would pass them; priced are ``profile``
+    (None: "H100"), ``mixed_precision``, ``memory_budget_bytes`` / ``memory_reserve``,
+    ``tf32`` and the MoE ones (``token_dispatch``, ``expert_imbalance``); others are refused
+    by name (plan the chosen layout with them). The search's own choices: ``schedules``;
+    ``tp_sizes`` / ``pp_sizes`` (None: every divisor, tp within a node); the ``recompute``
+    policies a stage may take; ``microbatch_choices`` counts per layout (doubling);
+    ``stages_per_rank`` for the looped schedules; ``max_results`` to rank (a layout whose
+    bound cannot enter them is left out as dominated; None: all); ``layers_attr`` (None:
+    found); ``workers`` probing at once (None: up to 2; 1: in this process). Returns a
+    :class:`SearchReport`; raises ValueError when no layout exists at all.
     """
     from autopp import adapters
 
@@ -347,14 +335,17 @@ def search(
         raise ValueError(f"torch.distributed is initialised with {dist.get_world_size()} ranks; "
                          f"the search needs a fake world of {world_size}")
     workers = min(2, os.cpu_count() or 1) if workers is None else workers
+    kinds = layer_kinds(model_meta, layout_info)  # dense and MoE layers priced apart
     pricer = Pricer(model_meta, layout_info, global_batch=global_batch, seq_len=seq_len,
-                    profile=prof, mixed_precision=mixed_precision, usable=usable, tf32=tf32)
+                    profile=prof, mixed_precision=mixed_precision, usable=usable, tf32=tf32,
+                    kinds=kinds)
     families: dict[tuple[int, int], list[Layout]] = {}
     for lay in layouts:
         families.setdefault((lay.dp, lay.tp), []).append(lay)
     JOB.update(model=model_meta, layout=layout_info, world=world_size,
                 global_batch=global_batch, seq_len=seq_len, profile=prof.name,
-                mp=mixed_precision, tf32=tf32)
+                mp=mixed_precision, tf32=tf32, kinds=kinds,
+                trace_settings=options.trace_settings())
     logger.info("search: %d layouts over %d sub-mesh shapes (%d left out before pricing), "
                 "%d probe process(es)", len(layouts), len(families), len(rejected), workers)
     progress = {"n": 0, "total": 0, "last": time.perf_counter()}
@@ -485,14 +476,15 @@ def search(
         stage_plans_solved=sum(s.solved for s in pricer.shapes.values()),
         search_s=time.perf_counter() - t0, model=model_meta, memory_reserve=memory_reserve,
         tf32=tf32, options=dataclasses.replace(options, profile=prof.name),
-        without_pipeline=without_pipeline,
+        without_pipeline=without_pipeline, layer_kinds=kinds,
     )
 
 
 _GATHERING_WORDS = {"once_per_step": "step", "per_block": "block"}
 
 #: The planner's options the search prices layouts under; the others it refuses.
-SEARCH_PRICES = ("profile", "mixed_precision", "memory_budget_bytes", "memory_reserve", "tf32")
+SEARCH_PRICES = ("profile", "mixed_precision", "memory_budget_bytes", "memory_reserve", "tf32",
+                 "token_dispatch", "expert_compute_dtype", "expert_imbalance")
 
 
 def search_options(options: PlannerOptions | None, old_keywords: dict[str, Any]

@@ -1,16 +1,14 @@
-"""What one unit (the pre modules, one layer, the post modules) costs on a (dp, tp) sub-mesh,
-from the planner's own plans of two probe stages, and how it scales with the microbatch.
+"""What each unit (the pre modules, a layer of each kind, the post modules) costs on a (dp, tp)
+sub-mesh, from the planner's own plans of probe stages, and how it scales with the microbatch.
 
-For a sub-mesh shape the search plans (:func:`autopp.plan.local_stage.plan_local_stage`,
-through the plan cache) the probe stages ``[pre, first layer]`` and ``[last layer, post]``
-at one reference microbatch, per recomputation policy, unbudgeted (memory counted, not
-bounded); every layer costs what the first does (a decoder whose blocks repeat). Each :class:`UnitCost` is then split into what scales with the
-microbatch (compute, activation redistributions, saved activations) and what does not
-(parameters and their state, gathered weights, the once-per-step parameter gathers and
-gradient reductions), so a candidate with another microbatch count reuses the plan: the
-placements the ILP chose at the reference microbatch are kept, their time rescaled. The
-search's ranking is therefore an estimate; the plan of a chosen layout
-(:func:`autopp.plan_pipeline`) is planned exactly.
+What: per sub-mesh shape and recomputation policy, :func:`probe_costs` plans (unbudgeted,
+through the plan cache) ``[pre, first layer]``, ``[last layer, post]`` and one layer of each
+other kind (:func:`layer_kinds`: dense and mixture-of-experts layers differ), and splits each
+:class:`UnitCost` into what scales with the microbatch (compute, activations) and what does
+not (parameters and their state, gathered weights, once-per-step collectives). Why: every
+layout on that sub-mesh is then priced by rescaling, without planning again. Invariant: the
+placements are those the ILP chose at the reference microbatch, so the ranking is an
+estimate; the chosen layout's exact plan (:func:`autopp.plan_pipeline`) is the check.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ from autopp.profiles.lookup import get_profile
 from autopp.profiles.collectives import collective_latency_s
 from autopp.profiles.devices import mesh_links
 
-__all__ = ["LEAN_PRICE", "ShapeCosts", "UnitCost", "probe_costs"]
+__all__ = ["LEAN_PRICE", "ShapeCosts", "UnitCost", "layer_kinds", "probe_costs"]
 
 LEAN_PRICE = 8.0
 """Memory-lean probes pay this many times the time-optimal plan's seconds per counted byte
@@ -112,7 +110,8 @@ class ShapeCosts:
     boundary: str
     """The stage-boundary placement the probes were planned with."""
     pre: dict[str, UnitCost]
-    layer: dict[str, UnitCost]
+    layer: dict[str, tuple[UnitCost, ...]]
+    """Per policy, one layer of each kind (:func:`layer_kinds`), in kind order."""
     post: dict[str, UnitCost]
     loss_s: float
     """The loss of one reference microbatch (last stage)."""
@@ -125,6 +124,9 @@ class ShapeCosts:
     """What the last stage's loss keeps per microbatch in flight outside the ILP's memory
     row, per device, at the reference microbatch (:func:`autopp.plan.budgets.loss_kept_bytes`:
     the exact planner takes it off the last stage's budget, and so does the search)."""
+    experts: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    """Per policy and layer kind, where its plan puts the routed experts and how tokens reach
+    them (:func:`expert_layout`); "" for a layer without routed experts."""
 
 
 def _unit_cost(plan: StagePlan, prefix: str, fqns: set[str], dtypes: dict[str, torch.dtype],
@@ -154,24 +156,59 @@ def _unit_cost(plan: StagePlan, prefix: str, fqns: set[str], dtypes: dict[str, t
     )
 
 
+def layer_kinds(model: nn.Module, layout: Any) -> tuple[int, ...]:
+    """Per layer, the index of its kind (0: the first layer's): layers of one kind have the
+    same module classes, parameter and buffer shapes and dtypes, by name, and the settings
+    adapters register as changing a trace (:func:`autopp.tracing.trace_settings`: a sliding
+    window). Why: a model whose dense layers come before its mixture-of-experts layers prices
+    each kind at its own probe's cost. Invariant: found from the modules alone (no trace)."""
+    from autopp.tracing import trace_settings
+
+    seen: dict[tuple, int] = {}
+    out = []
+    for fqn in layout.layer_fqns:
+        m = model.get_submodule(fqn)
+        sig = (tuple((n, type(x).__qualname__, trace_settings(x)) for n, x in m.named_modules()),
+               tuple((n, tuple(t.shape), t.dtype) for n, t in
+                     [*m.named_parameters(), *m.named_buffers()]))
+        out.append(seen.setdefault(sig, len(seen)))
+    return tuple(out)
+
+
+def expert_layout(plan: StagePlan, prefix: str) -> str:
+    """Where the unit ``prefix`` of ``plan`` puts its routed experts (the forward's
+    ``autopp::routed_experts`` ops) and how tokens reach them: e.g. "dp*tp a2a" (experts
+    over dp x tp, tokens sent by all-to-all), "tp ag" (over tp, tokens all-gathered),
+    "whole" (every device holds every expert); "" where the unit has none."""
+    dims = list(plan.mesh_dim_names)
+    seen = []
+    for bp in plan.blocks:
+        if bp.prefix != prefix:
+            continue
+        for name, _, ins in bp.nodes:
+            if not name.startswith("routed_experts") or "backward" in name:
+                continue
+            tokens, eids = ins[0], ins[3]
+            ep = [d for d, e in zip(dims, eids) if e.startswith("S")]
+            a2a = [d for d, e, t in zip(dims, eids, tokens)
+                   if e.startswith("S") and t.startswith("S")]
+            seen.append("*".join(ep) + (" a2a" if a2a else " ag") if ep else "whole")
+    return "/".join(dict.fromkeys(seen))
+
+
 def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.Tensor,
                 n_microbatches: int, profile: str, boundary: str, loss_kind: str,
                 modes: Sequence[str], mixed_precision: Any = None,
-                tf32: bool | None = None) -> ShapeCosts:
+                tf32: bool | None = None, kinds: Sequence[int] | None = None) -> ShapeCosts:
     """Plan the probe stages of ``model`` on ``sub_mesh`` and read each unit's cost.
 
-    Args:
-        model, layout: the whole model on meta and its :class:`~autopp.stage_split.ModelLayout`.
-        sub_mesh: a ("dp", "tp") DeviceMesh (fake process group); ``tokens``: one step's
-            input on one dp rank (meta), cut into ``n_microbatches`` reference microbatches.
-        profile: the device profile; ``boundary``: the placement between stages ("batch" or
-            "batch+seq"); ``loss_kind``: the last stage's output placement ("batch", "vocab").
-        modes: recomputation policies to plan ("none", "selective", "full"); a policy
-            with ``"@lean"`` appended is planned for time + a price on memory
-            (:data:`LEAN_PRICE` times the time-optimal plan's seconds per byte, where the
-            exact planner's price search starts its second step) rather than least time.
-        mixed_precision: torch's ``MixedPrecisionPolicy`` or None.
-        tf32: fp32 matmuls at the TF32 rate (None: as torch is set now).
+    ``model``, ``layout``: the whole model on meta and its ModelLayout; ``sub_mesh``: a
+    ("dp", "tp") mesh of the fake process group; ``tokens``: one step's input on one dp rank
+    (meta), cut into ``n_microbatches`` reference microbatches; ``boundary``: the placement
+    between stages; ``loss_kind``: the last stage's output placement; ``modes``: the
+    recomputation policies to plan, one with ``"@lean"`` appended planned for time plus a
+    price on memory (:data:`LEAN_PRICE` times the time-optimal plan's seconds per byte);
+    ``kinds``: per layer its kind (:func:`layer_kinds`; None: found here).
     """
     import time
 
@@ -187,13 +224,22 @@ def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.T
     t0 = time.perf_counter()
     dp, tp = sub_mesh["dp"].size(), sub_mesh["tp"].size()
     layers = layout.layer_fqns
+    kinds = tuple(layer_kinds(model, layout) if kinds is None else kinds)
     first = [*layout.pre, layers[0]]
     last = [layers[-1], *layout.post]
-    probes = [first, last] if len(layers) > 1 else [[*layout.pre, layers[0], *layout.post]]
+    # a kind neither the first nor the last layer is: its first layer probed alone
+    middle = [kinds.index(k) for k in range(max(kinds) + 1) if k not in (kinds[0], kinds[-1])]
+    probes = ([first, *[[layers[i]] for i in middle], last] if len(layers) > 1
+              else [[*layout.pre, layers[0], *layout.post]])
+    # per kind, (probe stage, layer index) whose cost it takes
+    source = {kinds[-1]: (len(probes) - 1, len(layers) - 1)}
+    source.update({kinds[i]: (1 + j, i) for j, i in enumerate(middle)})
+    source[kinds[0]] = (0, 0)
     pd = getattr(mixed_precision, "param_dtype", None)
     metas, inputs = stage_meta_inputs(model, probes, tokens, n_microbatches, dp, pd)
     solved = 0
-    out: dict[str, dict[str, UnitCost]] = {"pre": {}, "layer": {}, "post": {}}
+    out: dict[str, dict[str, Any]] = {"pre": {}, "layer": {}, "post": {}}
+    experts: dict[str, tuple[str, ...]] = {}
     for mode in modes:
         policy, _, lean = mode.partition("@")
         # one peak of one microbatch's activations: the row is the plain one, and the
@@ -217,9 +263,16 @@ def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.T
                 solved += timing.solved
             plans.append(p)
         first_plan, last_plan = plans[0], plans[-1]
-        d0, d1 = param_dtypes(metas[0]), param_dtypes(metas[-1])
+        dts = [param_dtypes(meta) for meta in metas]
+        d0, d1 = dts[0], dts[-1]
+        units, labels = [], []
+        for k in range(len(source)):
+            s, i = source[k]
+            mine = {f for f in dts[s] if f.startswith(layers[i] + ".")}
+            units.append(_unit_cost(plans[s], layers[i], mine, dts[s], n_microbatches))
+            labels.append(expert_layout(plans[s], layers[i]))
+        out["layer"][mode], experts[mode] = tuple(units), tuple(labels)
         layer0 = {f for f in d0 if f.startswith(layers[0] + ".")}
-        out["layer"][mode] = _unit_cost(first_plan, layers[0], layer0, d0, n_microbatches)
         pre = {f for f in d0 if f not in layer0}
         out["pre"][mode] = (_unit_cost(first_plan, "pre", pre, d0, n_microbatches)
                             if any(b.prefix == "pre" for b in first_plan.blocks) else ZERO)
@@ -235,6 +288,6 @@ def probe_costs(model: nn.Module, layout: Any, sub_mesh: Any, *, tokens: torch.T
         hidden_bytes=float(inputs[-1][0].numel() * inputs[-1][0].element_size())
         if len(probes) > 1 else 0.0,
         planning_s=time.perf_counter() - t0,
-        solved=solved,
+        solved=solved, experts=experts,
         loss_kept_bytes=float(loss_kept_bytes(logits, dp, tp, (loss_kind,), 1)),
     )

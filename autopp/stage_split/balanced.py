@@ -35,7 +35,8 @@ def balanced_cuts(costs: Sequence[float], n_stages: int, *, fits: Fits | None = 
         n_stages: number of stages.
         fits: per-stage feasibility (e.g. memory); None: every stage fits.
         stage_table: ``stage_table[stage][k]``, the cost of ``stage`` holding ``k`` alike units
-            where that is not a sum (``inf``: does not fit); ``costs`` then gives only the count.
+            where that is not a sum (``inf``: does not fit), or ``stage_table[stage][i][j]``,
+            of units ``i .. j-1`` where they differ; ``costs`` then gives only the count.
         empty_ends: the first and last stage may hold no unit (only the pre or post modules).
 
     Returns the ``n_stages + 1`` cut indices of the split that minimises the slowest stage, then
@@ -54,9 +55,13 @@ def balanced_cuts(costs: Sequence[float], n_stages: int, *, fits: Fits | None = 
     enough = np.stack([span >= lo[s] for s in range(n_stages)])
     if stage_table is not None:
         table = np.asarray(stage_table, dtype=np.float64)
-        if table.shape != (n_stages, n + 1):
-            raise ValueError(f"stage_table must be {n_stages} x {n + 1}, got {table.shape}")
-        cost = np.where(enough, table[:, np.clip(span, 0, n)], np.inf)
+        if table.shape == (n_stages, n + 1, n + 1):  # by first and end unit
+            cost = np.where(enough, table, np.inf)
+        elif table.shape == (n_stages, n + 1):  # by the count of alike units
+            cost = np.where(enough, table[:, np.clip(span, 0, n)], np.inf)
+        else:
+            raise ValueError(f"stage_table must be {n_stages} x {n + 1} (x {n + 1}), got "
+                             f"{table.shape}")
     else:
         prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, dtype=np.float64))])
         cost = np.where(enough, (prefix[None, :] - prefix[:, None])[None], np.inf)

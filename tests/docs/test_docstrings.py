@@ -7,20 +7,10 @@ names the longest)."""
 from __future__ import annotations
 
 import importlib.util
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_LINES = 15
-
-#: Files whose docstrings were still over the limit while other work was rewriting them
-#: (issue 55). Temporary: remove a file once its docstrings are within the limit (the test
-#: warns when an entry is no longer needed).
-PENDING: frozenset[str] = frozenset({
-    "autopp/layout_search/layouts.py",
-    "autopp/layout_search/pricing.py",
-    "autopp/layout_search/search.py",
-})
 
 
 def _stats():
@@ -34,12 +24,9 @@ def _stats():
 def test_no_docstring_in_autopp_exceeds_15_lines():
     long = [(f.relative_to(ROOT).as_posix(), line, name, n)
             for f, line, name, n in _stats().docstrings(ROOT / "autopp") if n > MAX_LINES]
-    over = [f"{f}:{line} {name} ({n} lines)" for f, line, name, n in long if f not in PENDING]
+    over = [f"{f}:{line} {name} ({n} lines)" for f, line, name, n in long]
     assert not over, "docstrings over 15 lines (what, why, the invariant; figures and "\
         "history go to benchmarks/README.md and commits):\n" + "\n".join(over)
-    stale = sorted(PENDING - {f for f, *_ in long})
-    if stale:
-        warnings.warn(f"within the limit now, remove from PENDING: {stale}", stacklevel=1)
 
 
 def test_the_counter_counts_the_lines_of_each_docstring(tmp_path):

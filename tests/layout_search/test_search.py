@@ -291,7 +291,7 @@ def test_split_backward_pricing_holds_what_w_keeps_at_each_peak():
     def priced(kept: float, schedule: str, pp: int, v: int):
         pricer.shapes.clear()
         pricer.add(ShapeCosts(dp=1, tp=1, rows=4, boundary="batch+seq", pre={"none": ZERO},
-                              layer={"none": dataclasses.replace(unit, kept_for_w_bytes=kept)},
+                              layer={"none": (dataclasses.replace(unit, kept_for_w_bytes=kept),)},
                               post={"none": ZERO}, loss_s=0.0, hidden_bytes=0.0,
                               planning_s=0.0, solved=0))
         return pricer.split(Layout(pp=pp, dp=1, tp=1, schedule=schedule, stages_per_rank=v,
@@ -392,7 +392,7 @@ def test_a_stage_gathers_block_by_block_when_only_that_fits():
                         profile=get_profile("H100"), mixed_precision=None, usable=usable,
                         per_block=per_block)
         pricer.add(ShapeCosts(dp=8, tp=1, rows=16, boundary="batch+seq", pre={"none": ZERO},
-                              layer={"none": unit}, post={"none": ZERO}, loss_s=0.0,
+                              layer={"none": (unit,)}, post={"none": ZERO}, loss_s=0.0,
                               hidden_bytes=0.0, planning_s=0.0, solved=0))
         return pricer, pricer.split(lay)
 
