@@ -103,7 +103,7 @@ def test_class_keys_of_a_split_backward_keep_its_in_flight_exact():
             memory=StageMemory(budget_bytes=1e9, activation_factor=f, split_in_flight=pairs),
             example_inputs=(), input_placements="default", output_placements="default",
             keyword_inputs={}, mixed_precision=None, tf32=False, param_placements={},
-            microbatches_per_grad_reduce=4, time_limit_s=60.0, reuse_blocks=True,
+            microbatches_per_grad_reduce=4, time_limit_s=60.0, optimality_gap=None, reuse_blocks=True,
             mesh=SimpleNamespace(shape=(2, 1)), profile="H100", comm_windows_s=(0.0, 0.0))
 
     a, b, c = req(((4, 1),)), req(((4, 1),)), req(((3, 2),))
