@@ -9,19 +9,26 @@ from torch.distributed.tensor import DTensor
 from autopp.sharding.plan import from_strs
 
 
-def test_lowered_block_has_local_shapes_and_collectives(make_mesh, stack_of):
+def _planned_block(mesh, stack_of):
+    """One llama3 block planned on ``mesh`` under a quarter of its weights' bytes (so its
+    weights are sharded): ``(block stack, meta input, plan)``."""
     from autopp.sharding import plan_stage
     from tests.harness.stage_request import stage_request
+
+    stack = stack_of(1)
+    total = sum(p.numel() * p.element_size() for p in stack.parameters())
+    x = torch.empty(4, 16, 256, device="meta")
+    return stack, x, plan_stage(stage_request(stack, (x,), mesh, memory_budget_bytes=total / 4,
+                                              output_placements=None))
+
+
+def test_lowered_block_has_local_shapes_and_collectives(make_mesh, stack_of):
     from autopp.tracing.units import stage_units
     from autopp.lower.local_graphs import lower_joint, split_local
     from autopp.tracing.joint import trace_joint
 
     mesh = make_mesh(2, 2)
-    stack = stack_of(1)
-    total = sum(p.numel() * p.element_size() for p in stack.parameters())
-    x = torch.empty(4, 16, 256, device="meta")
-    plan = plan_stage(stage_request(stack, (x,), mesh, memory_budget_bytes=total / 4,
-                                    output_placements=None))
+    stack, x, plan = _planned_block(mesh, stack_of)
     (bplan,) = plan.blocks
     (unit,) = stage_units(stack)
     joint = trace_joint(unit.module, (x,))
@@ -81,18 +88,12 @@ def test_lowered_pieces_issue_collectives_early_and_wait_at_first_use(make_mesh,
     collective right after its last input, each wait right before the first use of its
     value, the collectives in the order the plain split issues them."""
     from autopp.lower.local_graphs import lower_joint, split_local
-    from autopp.sharding import plan_stage
-    from tests.harness.stage_request import stage_request
     from autopp.tracing.joint import trace_joint
     from autopp.tracing.units import stage_units
     from tests.graph.test_overlap import check_overlapped, collective_order
 
     mesh = make_mesh(2, 2)
-    stack = stack_of(1)
-    total = sum(p.numel() * p.element_size() for p in stack.parameters())
-    x = torch.empty(4, 16, 256, device="meta")
-    plan = plan_stage(stage_request(stack, (x,), mesh, memory_budget_bytes=total / 4,
-                                    output_placements=None))
+    stack, x, plan = _planned_block(mesh, stack_of)
     (unit,) = stage_units(stack)
     lj = lower_joint(trace_joint(unit.module, (x,)), plan.blocks[0], mesh)
     plain = split_local(lj, overlap=False).graphs()

@@ -133,17 +133,12 @@ def test_find_tied_and_init_keeps_ties():
     assert whole.lm_head.weight.abs().max() < 1  # the head's initialiser, not garbage
 
 
-@pytest.mark.parametrize("name", ["attention_mask", "position_ids"])
-def test_keyword_inputs_are_inputs_of_every_unit_and_reach_attention(name):
-    """A transformers stage planned with a keyword input: every unit takes it after its
-    activation; traced, each block's attention mask (one boolean per sequence, fed to
-    ``autopp::sdpa``) is computed from that graph input (the padding mask, or the documents
-    the positions give), never a constant, and it gets no gradient. Without the keyword
-    input the block traces to plain causal attention."""
+def _tiny_llama_last_stage():
+    """A 2-layer transformers Llama on meta, prepared by autopp's adapter: the stage of its
+    second layer and its head."""
     import transformers
 
     from autopp import adapters
-    from autopp.tracing.joint import trace_joint
 
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4,
@@ -152,7 +147,19 @@ def test_keyword_inputs_are_inputs_of_every_unit_and_reach_attention(name):
         model = transformers.LlamaForCausalLM(config)
     adapters.prepare(model)
     layout = inspect_model(model)
-    stage = build_stage_module(model, [*layout.layer_fqns[1:], *layout.post])
+    return build_stage_module(model, [*layout.layer_fqns[1:], *layout.post])
+
+
+@pytest.mark.parametrize("name", ["attention_mask", "position_ids"])
+def test_keyword_inputs_are_inputs_of_every_unit_and_reach_attention(name):
+    """A transformers stage planned with a keyword input: every unit takes it after its
+    activation; traced, each block's attention mask (one boolean per sequence, fed to
+    ``autopp::sdpa``) is computed from that graph input (the padding mask, or the documents
+    the positions give), never a constant, and it gets no gradient. Without the keyword
+    input the block traces to plain causal attention."""
+    from autopp.tracing.joint import trace_joint
+
+    stage = _tiny_llama_last_stage()
     x = torch.empty(2, 8, 32, device="meta")
     kw = {name: torch.empty(2, 8, dtype=torch.long, device="meta")}
     units = stage_units(stage, x, kw)
@@ -184,20 +191,10 @@ def test_a_stage_is_exported_once_for_every_plan_of_it_while_planning(monkeypatc
     planning call (``captures_reused``) a transformers stage (exported, fx cannot trace
     it) is exported once and its units come out the same; inputs of another shape export
     again, and outside the call every capture is fresh (a module may change between calls)."""
-    import transformers
-
-    from autopp import adapters
     from autopp.tracing import unit_export
     from autopp.tracing.units import captures_reused
 
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2)
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
-    adapters.prepare(model)
-    layout = inspect_model(model)
-    stage = build_stage_module(model, [*layout.layer_fqns[1:], *layout.post])
+    stage = _tiny_llama_last_stage()
     calls = []
     real = unit_export.export_at_blocks
     monkeypatch.setattr(unit_export, "export_at_blocks",
