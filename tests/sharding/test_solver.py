@@ -36,8 +36,13 @@ def test_memory_budget_forces_fsdp(mlp_meta, make_mesh):
 
 
 def test_infeasible_memory_budget_is_named(mlp_meta, make_mesh):
+    """The error names the option that set the bound: a budget with microbatches in flight
+    is ``memory_budget_bytes``; one without (parameters only) ``parameter_budget_bytes``."""
     x = torch.empty(8, 1024, 512, device="meta")
-    with pytest.raises(InfeasiblePlanError, match="memory_budget_bytes"):
+    with pytest.raises(InfeasiblePlanError, match="does not fit memory_budget_bytes=1000"):
+        plan_stage(stage_request(mlp_meta, (x,), make_mesh(2, 2), memory_budget_bytes=1000,
+                                 activation_factor=1.0))
+    with pytest.raises(InfeasiblePlanError, match="does not fit parameter_budget_bytes=1000"):
         plan_stage(stage_request(mlp_meta, (x,), make_mesh(2, 2), memory_budget_bytes=1000))
 
 

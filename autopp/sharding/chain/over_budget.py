@@ -37,8 +37,10 @@ def over_budget_message(stage: Stage, budget: float, memory: MemorySpec,
                                f"= {_gib(act * f)}"))
         parts.append((gath, f"gathered parameters {_gib(gath)}"))
     parts.sort(key=lambda p: -p[0])
+    # no activation factor: the bound is PlannerOptions.parameter_budget_bytes
+    option = "memory_budget_bytes" if f is not None else "parameter_budget_bytes"
     lines = [
-        f"the stage does not fit memory_budget_bytes={budget:.4g} ({_gib(budget)}) per "
+        f"the stage does not fit {option}={budget:.4g} ({_gib(budget)}) per "
         f"device: its least-memory plan (recompute={mode!r}) needs "
         f"{_gib(least.memory_bytes)} ({_gib(least.memory_bytes - budget)} over), largest "
         "first: " + "; ".join(text for _, text in parts) + "."
@@ -65,6 +67,6 @@ def over_budget_message(stage: Stage, budget: float, memory: MemorySpec,
                  f"parameters, state and activations as far as this mesh allows; twice the "
                  f"devices roughly halve the {_gib(state + held + gath)}")
     if f is None:
-        lines.append("  (activations and gathered parameters are not counted: "
-                     "activation_factor is None)")
+        lines.append("  (parameter_budget_bytes bounds the parameters, their gradients and "
+                     "optimizer state; activations and gathered parameters are not counted)")
     return "\n".join(lines)
