@@ -67,6 +67,9 @@ def _planner_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-imbalance", type=float, default=1.0,
                    help="MoE layers: the busiest expert-parallel device's routed tokens over "
                         "the mean (1: uniform routing)")
+    p.add_argument("--optimality-gap", type=float, default=None,
+                   help="how close to the best possible a memory-bound stage plan must be "
+                        "proven, e.g. 0.05 (default 0.01); larger plans faster")
 
 
 def _layout_args(p: argparse.ArgumentParser) -> None:
@@ -196,7 +199,7 @@ def _options(args: argparse.Namespace) -> Any:
         mixed_precision=mixed_precision_policy(args.mixed_precision),
         memory_reserve=args.memory_reserve, recompute=args.recompute,
         weight_gathering=args.weight_gathering, token_dispatch=args.token_dispatch,
-        expert_imbalance=args.expert_imbalance)
+        expert_imbalance=args.expert_imbalance, optimality_gap=args.optimality_gap)
 
 
 def _priced_options(args: argparse.Namespace) -> Any:

@@ -100,6 +100,13 @@ def test_a_bad_model_spec_names_the_fix(spec, says):
     assert says in out.stderr and "Traceback" not in out.stderr
 
 
+def test_planner_flags_reach_the_planner_options():
+    """--optimality-gap goes into PlannerOptions, whose check refuses a gap outside (0, 1)."""
+    out = autopp("dry-run", "llama3:debugmodel", *SMALL, "--optimality-gap", "2", check=False)
+    assert out.returncode == 2 and "optimality_gap is a fraction" in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+
+
 def test_show_timeline_without_the_model_says_to_give_it(llama_dry_run):
     _, path, _ = llama_dry_run
     out = autopp("show", str(path), "--timeline", "x.png", check=False)
