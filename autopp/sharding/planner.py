@@ -22,11 +22,11 @@ import torch
 from autopp import tracing
 from autopp._compat import sharding as compat
 from autopp.sharding.chain.budget import (
-    CERTIFIED_GAP,
     MODES,
     Chain,
     DistinctUnit,
     Stage,
+    certified_gap,
     chain_at_price,
     choose_chain,
 )
@@ -157,8 +157,7 @@ def plan_stage(request: StageRequest) -> StagePlan:
                 return st, fast if fits else None
 
             stage, chosen, bound, hidden, note = hide_once_per_step(
-                stage, chosen, bound, windows, free,
-                CERTIFIED_GAP if r.optimality_gap is None else r.optimality_gap)
+                stage, chosen, bound, windows, free, certified_gap(stage))
             notes = (note,) if note else ()
     parts = [(stage.units[i], stage.reps[k].traced, res)
              for i, (k, res) in enumerate(zip(stage.kinds, chosen.results))]

@@ -159,7 +159,8 @@ _POLISH_GAP = CERTIFIED_GAP / 2
 """Relative MIP gap of a polish at the default gap."""
 
 
-def _gap(stage: Stage) -> float:
+def certified_gap(stage: Stage) -> float:
+    """The gap ``stage``'s plan must be proven within (:attr:`Stage.gap`, else the default)."""
     return CERTIFIED_GAP if stage.gap is None else stage.gap
 
 
@@ -377,7 +378,7 @@ def _search_mode(stage: Stage, mode: str, budget: float | None, time_limit_s: fl
         else:
             lo = price
         best = _best_mix(stage, best, seen, budget)
-        if ilp_bound >= incumbent or best.time_s - bound <= _gap(stage) * best.time_s:
+        if ilp_bound >= incumbent or best.time_s - bound <= certified_gap(stage) * best.time_s:
             break  # no solve can beat the other policy's chain, or certified close enough
         if math.isinf(hi):
             price *= 8
@@ -399,8 +400,8 @@ def _close_gap(stage: Stage, s: _Searched, budget: float, incumbent: float,
     best = s.fit
     if best is None or best.free:
         return
-    if best.ilp_bound_s >= incumbent * (1 - _gap(stage)) or (
-            best.time_s - best.ilp_bound_s <= _gap(stage) * best.time_s):
+    if best.ilp_bound_s >= incumbent * (1 - certified_gap(stage)) or (
+            best.time_s - best.ilp_bound_s <= certified_gap(stage) * best.time_s):
         logger.debug("recompute=%s under %.4g bytes: not polished: %.6g s, the ILP's bound "
                      "%.6g s (gap %.2f%%), bound %.6g s (gap %.2f%%), fastest other %.6g s",
                      s.mode, budget, best.time_s, best.ilp_bound_s,
@@ -444,7 +445,7 @@ def _polish(stage: Stage, mode: str, budget: float, best: Chain, time_limit_s: f
     bound_s = best.ilp_bound_s
     goal_s = bound_s / (1 - _polish_gap(stage))  # the chain's time a polish aims at
     for kind, pair in by_time:
-        if best.time_s - bound_s <= _gap(stage) * best.time_s:
+        if best.time_s - bound_s <= certified_gap(stage) * best.time_s:
             break  # certified
         at = groups[kind, pair]
         others = sum(r.memory_bytes for i, r in enumerate(best.results) if i not in at)
