@@ -74,3 +74,26 @@ def test_the_number_of_processes(monkeypatch):
     monkeypatch.delenv("AUTOPP_PLAN_WORKERS")
     monkeypatch.setattr(parallel, "_fork_safe", lambda: False)
     assert plan_workers(16) == 1
+
+
+def test_tree_specs_sent_back_by_a_child_arrive_without_warnings():
+    """Plans hold torch tree specs; a child's come back pickled, and torch 2.13 warns once
+    per leaf spec it unpickles (its deprecated ``LeafSpec``): none reaches the user."""
+    import warnings
+
+    from torch.utils import _pytree
+
+    parent = os.getpid()
+
+    def plan_of(s: int):
+        time.sleep(0.3)
+        spec = _pytree.tree_structure(({"a": s, "b": [s, s]}, (s,)))
+        return s, os.getpid(), spec
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plans = map_stages(plan_of, 4, workers=2)
+    assert {pid for _, pid, _ in plans} - {parent}, "no stage came from the child"
+    for s, _, spec in plans:
+        assert spec == _pytree.tree_structure(({"a": s, "b": [s, s]}, (s,)))
+    assert not [w for w in caught if "LeafSpec" in str(w.message)], caught
