@@ -158,6 +158,9 @@ class PlanOptions:
     weight_gathering: str = "once_per_step"
     """How the stages hold dp-sharded weights, as planned (``PlannerOptions.weight_gathering``)."""
     prefetch_blocks: int = 1
+    optimality_gap: float | None = None
+    """How close to proven-best each budgeted stage plan was solved
+    (``PlannerOptions.optimality_gap``; None: the planner's default)."""
 
     @classmethod
     def of(cls, options: PlannerOptions, profile: str) -> PlanOptions:
@@ -171,7 +174,8 @@ class PlanOptions:
                    reduce_dtype=None if mp is None or mp.reduce_dtype is None
                    else str(mp.reduce_dtype), tf32=options.tf32,
                    weight_gathering=options.weight_gathering,
-                   prefetch_blocks=options.prefetch_blocks, **options.trace_settings())
+                   prefetch_blocks=options.prefetch_blocks,
+                   optimality_gap=options.optimality_gap, **options.trace_settings())
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -188,7 +192,8 @@ class PlanOptions:
         out = []
         for f in ("profile", "memory_budget_bytes", "memory_reserve",
                   "parameter_budget_bytes", "boundary", "loss_parallel", "token_dispatch",
-                  "expert_compute_dtype", "tf32", "weight_gathering", "prefetch_blocks"):
+                  "expert_compute_dtype", "tf32", "weight_gathering", "prefetch_blocks",
+                  "optimality_gap"):
             if getattr(options, f) != getattr(default, f) and getattr(given, f) != getattr(self, f):
                 out.append(f"{f}: the plan has {getattr(self, f)!r}, the options "
                            f"{getattr(given, f)!r}")

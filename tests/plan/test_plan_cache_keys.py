@@ -5,6 +5,8 @@ inputs give the same key. (A changed file under ``autopp/graph/``:
 
 from __future__ import annotations
 
+import json
+
 import torch
 from torch import nn
 
@@ -125,3 +127,24 @@ def test_the_tf32_setting_is_in_the_keys(monkeypatch):
     assert flags == [False, True, False]
     assert pipeline_keys[0] == pipeline_keys[2] != pipeline_keys[1]
     assert keys[0] == keys[2] != keys[1]
+
+
+def test_the_optimality_gap_keys_the_pipeline_plan_and_a_saved_plan_records_it():
+    """A whole plan solved to one gap is not served (nor run from a saved file without a
+    word) where another gap is asked for: the gap is among the options a plan records."""
+    import dataclasses
+
+    from autopp.plan.options import PlannerOptions
+    from autopp.plan.value import PlanOptions
+
+    def key(gap):
+        record = PlanOptions.of(PlannerOptions(profile="H100", optimality_gap=gap), "H100")
+        return cache.pipeline_plan_key({"options": dataclasses.asdict(record)})
+
+    assert len({key(None), key(0.05), key(0.001)}) == 3 and key(0.05) == key(0.05)
+    saved = PlanOptions.of(PlannerOptions(profile="H100"), "H100")
+    assert saved.optimality_gap is None
+    assert PlanOptions(**json.loads(json.dumps(dataclasses.asdict(saved)))) == saved
+    said = saved.conflicts(PlannerOptions(profile="H100", optimality_gap=0.05))
+    assert [c for c in said if c.startswith("optimality_gap")], said
+    assert saved.conflicts(PlannerOptions(profile="H100")) == []
