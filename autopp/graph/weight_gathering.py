@@ -17,18 +17,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 POLICIES = ("once_per_step", "per_block", "auto")
 """The values of ``PlannerOptions.weight_gathering``."""
 
 
-def exposed_s(comm_s: float, compute_s: float, units: int) -> float:
+def exposed_s(comm_s: Any, compute_s: Any, units: Any) -> Any:
     """Exposed time of ``comm_s`` of per-block collectives run beside ``compute_s`` of the
     same piece, one block ahead: the first block's in full, the rest less the compute of
-    the blocks before them."""
-    if units <= 1:
-        return comm_s
-    first = comm_s / units
-    return first + max(0.0, comm_s - first - compute_s * (units - 1) / units)
+    the blocks before them. Floats, or numpy arrays priced element by element at once (the
+    layout search's columns of layer counts); a float for floats."""
+    n = np.maximum(units, 1)
+    first = comm_s / n
+    out = np.where(np.asarray(units) <= 1, comm_s,
+                   first + np.maximum(0.0, comm_s - first - compute_s * (n - 1) / n))
+    return float(out) if out.ndim == 0 else out
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

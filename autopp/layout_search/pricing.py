@@ -106,9 +106,6 @@ def _linear(u: UnitCost) -> dict[str, float]:
 PER_BLOCK = "#per_block"
 
 
-#: :func:`~autopp.graph.weight_gathering.exposed_s` over the layer-count columns.
-_exposed = np.vectorize(exposed_s, otypes=[float])
-
 
 class Pricer:
     """Prices layouts from probe costs (one :class:`ShapeCosts` per sub-mesh shape)."""
@@ -238,9 +235,9 @@ class Pricer:
                                                  (self.layout.post, last)) if e and on)
                 third = (col["t"] - col["rec"]) / 3
                 time.append(col["t"] + (loss if last else 0.0)
-                            + _exposed(col["unshard"], third, units)
-                            + _exposed(col["unshard"], third + col["rec"], units)
-                            + _exposed(col["reduce"], third, units))
+                            + exposed_s(col["unshard"], third, units)
+                            + exposed_s(col["unshard"], third + col["rec"], units)
+                            + exposed_s(col["reduce"], third, units))
             return np.array(need), np.array(time)
 
         kinds = [(in_flight[s], split[s], s == 0, s == n - 1) for s in range(n)]
