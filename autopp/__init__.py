@@ -16,6 +16,7 @@ module as ``Pipeline.init_weights`` does, for single-process references."""
 from autopp import adapters  # noqa: F401  (isort: skip)
 from autopp._compat import gloo as _gloo  # isort: skip
 from autopp._compat import autograd as _autograd  # isort: skip
+from autopp._compat import distributed as _distributed  # isort: skip
 from autopp.api import pipeline_autoparallel
 from autopp.init import init_module_
 from autopp.loss import cross_entropy
@@ -27,6 +28,9 @@ from autopp.plan.value import PipelinePlan
 # every gloo process group created from here on gets one worker thread: torch's two race on
 # the group's status and corrupt the heap (autopp/_compat/gloo.py)
 _gloo.install()
+# torch's leaf tree spec pickled and copied without its deprecation warning each time (plans
+# sent back by forked planning processes hold many: autopp/_compat/distributed.py)
+_distributed.pickle_leaf_specs_plainly()
 # the autograd engine's first backward on a real tensor, before any fake-mode trace starts
 # its device threads (they would break the forked planning processes: autopp/_compat/autograd.py)
 _autograd.warm()

@@ -366,21 +366,6 @@ def tree_map(fn: Any, tree: Any) -> Any:
     return _pytree.tree_map(fn, tree)
 
 
-def pickle_leaf_specs_plainly() -> None:
-    """Pickle torch's leaf ``TreeSpec`` as a call of ``treespec_leaf()`` (the same singleton).
-
-    torch 2.13 pickles the leaf spec as its deprecated ``LeafSpec`` class, whose unpickling
-    warns (FutureWarning) once per spec: every plan a forked planning or probing process sends
-    back would print dozens. Idempotent; a torch without ``LeafSpec`` needs nothing."""
-    import copyreg
-
-    from torch.utils import _pytree
-
-    leaf, make = getattr(_pytree, "LeafSpec", None), getattr(_pytree, "treespec_leaf", None)
-    if leaf is not None and make is not None:
-        copyreg.pickle(leaf, lambda spec: (make, ()))
-
-
 def make_spec(mesh: Any, placements: Sequence[Placement], meta: TensorMeta | None) -> DTensorSpec:
     return DTensorSpec(mesh=mesh, placements=tuple(placements), tensor_meta=meta)
 

@@ -83,9 +83,6 @@ class ProbePool:
         if workers > 1:
             import multiprocessing
 
-            from autopp._compat.sharding import pickle_leaf_specs_plainly
-
-            pickle_leaf_specs_plainly()  # costs come back pickled: no FutureWarning each
             ctx = multiprocessing.get_context("fork")
             self.results = ctx.Queue()
             self.queues = [ctx.Queue() for _ in range(workers)]

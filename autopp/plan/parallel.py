@@ -76,9 +76,6 @@ def map_stages(plan_of: Callable[[int], Any], n: int, *, workers: int | None = N
     import multiprocessing
     import threading
 
-    from autopp._compat.sharding import pickle_leaf_specs_plainly
-
-    pickle_leaf_specs_plainly()  # plans come back pickled: no FutureWarning per tree spec
     ctx = multiprocessing.get_context("fork")
     counter = ctx.Value("i", 0)
 
