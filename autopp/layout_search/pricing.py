@@ -106,7 +106,6 @@ def _linear(u: UnitCost) -> dict[str, float]:
 PER_BLOCK = "#per_block"
 
 
-
 class Pricer:
     """Prices layouts from probe costs (one :class:`ShapeCosts` per sub-mesh shape)."""
 
