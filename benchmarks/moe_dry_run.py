@@ -110,3 +110,6 @@ def expert_layouts(report) -> dict[str, int]:
 
 if __name__ == "__main__":
     main()
+    from autopp.cli import skip_exit_collection
+
+    skip_exit_collection()  # as the autopp command does: no collection of planning's heap at exit
