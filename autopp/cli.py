@@ -65,6 +65,9 @@ def _planner_args(p: argparse.ArgumentParser) -> None:
                         "block by block as FSDP does (a search chooses per stage)")
     p.add_argument("--token-dispatch", default="auto", choices=["auto", "all_to_all", "all_gather"],
                    help="MoE layers: how tokens reach expert-parallel devices (auto: by price)")
+    p.add_argument("--expert-dims", default="auto", choices=["auto", "dp", "tp", "dp*tp"],
+                   help="MoE layers: the stage-mesh dims the routed experts are split over "
+                        "(auto: the planner chooses)")
     p.add_argument("--expert-imbalance", type=float, default=1.0,
                    help="MoE layers: the busiest expert-parallel device's routed tokens over "
                         "the mean (1: uniform routing)")
@@ -200,7 +203,8 @@ def _options(args: argparse.Namespace) -> Any:
         mixed_precision=mixed_precision_policy(args.mixed_precision),
         memory_reserve=args.memory_reserve, recompute=args.recompute,
         weight_gathering=args.weight_gathering, token_dispatch=args.token_dispatch,
-        expert_imbalance=args.expert_imbalance, optimality_gap=args.optimality_gap)
+        expert_dims=args.expert_dims, expert_imbalance=args.expert_imbalance,
+        optimality_gap=args.optimality_gap)
 
 
 def _priced_options(args: argparse.Namespace) -> Any:
@@ -211,7 +215,7 @@ def _priced_options(args: argparse.Namespace) -> Any:
     o = _options(args)
     return PlannerOptions(profile=o.profile, mixed_precision=o.mixed_precision,
                           memory_reserve=o.memory_reserve, token_dispatch=o.token_dispatch,
-                          expert_imbalance=o.expert_imbalance)
+                          expert_dims=o.expert_dims, expert_imbalance=o.expert_imbalance)
 
 
 def _split(text: str | None) -> Any:

@@ -54,6 +54,9 @@ def main() -> None:
     ap.add_argument("--dispatch", default="auto", choices=("auto", "all_to_all", "all_gather"),
                     help="how tokens may reach expert-parallel devices "
                     "(PlannerOptions.token_dispatch)")
+    ap.add_argument("--expert-dims", default="auto", choices=("auto", "dp", "tp", "dp*tp"),
+                    help="the stage-mesh dims the routed experts are split over "
+                    "(PlannerOptions.expert_dims; auto: the planner chooses)")
     ap.add_argument("--expert-imbalance", type=float, default=1.0,
                     help="the busiest expert-parallel device's routed tokens over the mean "
                     "(PlannerOptions.expert_imbalance; 1: uniform routing)")
@@ -78,6 +81,7 @@ def main() -> None:
                      seq_len=args.seq_len,
                      options=PlannerOptions(profile=args.profile, mixed_precision=mp,
                                             token_dispatch=args.dispatch,
+                                            expert_dims=args.expert_dims,
                                             expert_imbalance=args.expert_imbalance))
     print(report)
     print(f"dry run wall time {time.perf_counter() - t0:.1f} s")

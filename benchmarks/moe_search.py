@@ -32,6 +32,9 @@ def main() -> None:
     ap.add_argument("--profile", default="H100")
     ap.add_argument("--expert-imbalance", type=float, default=1.0)
     ap.add_argument("--dispatch", default="auto", choices=("auto", "all_to_all", "all_gather"))
+    ap.add_argument("--expert-dims", default="auto", choices=("auto", "dp", "tp", "dp*tp"),
+                    help="the stage-mesh dims the routed experts are split over "
+                    "(PlannerOptions.expert_dims; auto: the planner chooses)")
     ap.add_argument("--no-plan", action="store_true", help="rank only, no exact plan")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)7.0f ms %(message)s")
@@ -48,6 +51,7 @@ def main() -> None:
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     options = autopp.PlannerOptions(profile=args.profile, mixed_precision=mp,
                                     token_dispatch=args.dispatch,
+                                    expert_dims=args.expert_dims,
                                     expert_imbalance=args.expert_imbalance)
     t0 = time.perf_counter()
     report = autopp.search(model, world_size=args.world, global_batch=args.batch_size,

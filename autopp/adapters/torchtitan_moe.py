@@ -24,15 +24,16 @@ from torch import nn
 
 from autopp import tracing
 from autopp.adapters.adapter import Adapter, register
-from autopp.ops import DISPATCHES
+from autopp.ops import DISPATCHES, EXPERT_DIMS
 
 
 # Tracing settings (autopp.tracing): planner options (``PlannerOptions.token_dispatch``,
-# ``PlannerOptions.expert_compute_dtype``, ``PlannerOptions.expert_imbalance``) that a plan
+# ``expert_dims``, ``expert_compute_dtype``, ``expert_imbalance``) that a plan
 # records and every trace (and pricing) of its stages uses; set_token_dispatch below changes
 # the dispatch's process-wide default.
 tracing.declare("expert_compute_dtype", "bfloat16", ("bfloat16", "float16", "float32", "param"))
 tracing.declare("token_dispatch", "auto", DISPATCHES)
+tracing.declare("expert_dims", "auto", EXPERT_DIMS)
 EXPERT_IMBALANCES = ("1", "1.1", "1.2", "1.25", "1.3", "1.5", "1.75", "2", "2.5", "3", "4")
 """The busiest expert-parallel device's routed tokens over the mean the planner can price
 (:mod:`autopp.sharding.options.expert_dispatch`); "1": uniform routing."""

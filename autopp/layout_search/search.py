@@ -298,10 +298,10 @@ def search(
 
     ``options``: the planner's options as a job would pass them; priced are ``profile``
     (None: "H100"), ``mixed_precision``, ``memory_budget_bytes`` / ``memory_reserve``,
-    ``tf32`` and the MoE ones (``token_dispatch``, ``expert_imbalance``); others are refused
-    by name (plan the chosen layout with them). The search's own choices: ``schedules``;
-    ``tp_sizes`` / ``pp_sizes`` (None: every divisor, tp within a node); the ``recompute``
-    policies a stage may take; ``microbatch_choices`` counts per layout (doubling);
+    ``tf32`` and the MoE ones (``token_dispatch``, ``expert_dims``, ``expert_imbalance``);
+    others are refused by name (plan the chosen layout with them). The search's own
+    choices: ``schedules``; ``tp_sizes`` / ``pp_sizes`` (None: every divisor, tp within a
+    node); the ``recompute`` policies a stage may take; ``microbatch_choices`` (doubling);
     ``stages_per_rank`` for the looped schedules; ``max_results`` to rank (a layout whose
     bound cannot enter them is left out as dominated; None: all); ``layers_attr`` (None:
     found); ``workers`` probing at once (None: up to 2; 1: in this process). Returns a
@@ -484,7 +484,7 @@ _GATHERING_WORDS = {"once_per_step": "step", "per_block": "block"}
 
 #: The planner's options the search prices layouts under; the others it refuses.
 SEARCH_PRICES = ("profile", "mixed_precision", "memory_budget_bytes", "memory_reserve", "tf32",
-                 "token_dispatch", "expert_compute_dtype", "expert_imbalance")
+                 "token_dispatch", "expert_dims", "expert_compute_dtype", "expert_imbalance")
 
 
 def search_options(options: PlannerOptions | None, old_keywords: dict[str, Any]

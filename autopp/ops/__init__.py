@@ -17,3 +17,8 @@ dispatch through its op hooks (:mod:`autopp.sharding.options.expert_dispatch`).
 #: ``dispatch`` argument; ``PlannerOptions.token_dispatch``): the planner picks ("auto"),
 #: torchtitan's all-to-all, or every token to every device of the experts' mesh dim.
 DISPATCHES = ("auto", "all_to_all", "all_gather")
+
+#: Which stage-mesh dims the routed experts are split over (``PlannerOptions.expert_dims``):
+#: the planner picks ("auto", not splitting them included), or exactly these dims (an
+#: expert-parallel group of their devices, as torchtitan's ``ep`` mesh dim).
+EXPERT_DIMS = ("auto", "dp", "tp", "dp*tp")

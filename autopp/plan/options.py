@@ -68,6 +68,11 @@ class PlannerOptions:
     #: MoE layers: how tokens reach their experts: "auto" (by price), "all_to_all"
     #: (torchtitan's expert parallel) or "all_gather". Default: the process default.
     token_dispatch: str = field(default_factory=lambda: tracing.setting("token_dispatch"))
+    #: MoE layers: the stage-mesh dims the routed experts are split over: "auto" (the
+    #: planner chooses, not splitting them included), "dp", "tp" or "dp*tp" (an
+    #: expert-parallel group of those devices, as torchtitan's ``ep``; with
+    #: ``token_dispatch="all_to_all"`` tokens are exchanged over exactly that group).
+    expert_dims: str = "auto"
     #: MoE layers: the routed experts' compute dtype: "bfloat16" (torchtitan's),
     #: "float16", "float32" or "param" (the parameters' own). Default: the process default.
     expert_compute_dtype: str = field(
@@ -97,7 +102,7 @@ class PlannerOptions:
     def trace_settings(self) -> dict[str, str]:
         """The options that change what is traced, as :func:`autopp.tracing.settings`
         takes them."""
-        return {"token_dispatch": self.token_dispatch,
+        return {"token_dispatch": self.token_dispatch, "expert_dims": self.expert_dims,
                 "expert_compute_dtype": self.expert_compute_dtype,
                 "expert_imbalance": f"{float(self.expert_imbalance):g}"}
 

@@ -149,6 +149,8 @@ class PlanOptions:
     """Mixed precision: the policy's ``reduce_dtype``."""
     token_dispatch: str = "auto"
     """MoE token dispatch (``PlannerOptions.token_dispatch``)."""
+    expert_dims: str = "auto"
+    """The stage-mesh dims MoE routed experts are split over (``PlannerOptions.expert_dims``)."""
     expert_compute_dtype: str = "bfloat16"
     """MoE routed experts' compute dtype (``PlannerOptions.expert_compute_dtype``)."""
     expert_imbalance: str = "1"
@@ -192,7 +194,7 @@ class PlanOptions:
         out = []
         for f in ("profile", "memory_budget_bytes", "memory_reserve",
                   "parameter_budget_bytes", "boundary", "loss_parallel", "token_dispatch",
-                  "expert_compute_dtype", "tf32", "weight_gathering", "prefetch_blocks",
+                  "expert_dims", "expert_compute_dtype", "tf32", "weight_gathering", "prefetch_blocks",
                   "optimality_gap"):
             if getattr(options, f) != getattr(default, f) and getattr(given, f) != getattr(self, f):
                 out.append(f"{f}: the plan has {getattr(self, f)!r}, the options "

@@ -49,6 +49,8 @@ class Case:
     """MoE: routed experts computed in the parameters' dtype (the reference's)."""
     dispatch: str = "auto"
     """MoE: the planner's token dispatch."""
+    expert_dims: str = "auto"
+    """MoE: the stage-mesh dims the routed experts are split over (torchtitan's ep group)."""
     # the training
     data_seed: int = 0
     shifts: tuple[int, ...] = ()

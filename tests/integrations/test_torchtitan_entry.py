@@ -208,9 +208,19 @@ def test_startup_refusals_name_the_problem():
 
     training = SimpleNamespace(global_batch_size=-1, local_batch_size=4)
     pipelining._check_supported(dims(), training)  # the configs' own: accepted
-    for kw, words in ((dict(cp=2), "context parallelism"), (dict(ep=2), "expert parallelism")):
+    for kw, words in ((dict(cp=2), "context parallelism"),
+                      (dict(ep=2, dp_shard=4), "expert parallelism of degree 2 .* set "
+                       "expert_parallel_degree to 4, or 1"),
+                      (dict(ep=4, dp_replicate=2, tp=2), "expert parallelism of degree 4 .* "
+                       "set expert_parallel_degree to 2, or 1")):
         with pytest.raises(ValueError, match=f"autopp's pipeline does not support {words}"):
             pipelining._check_supported(dims(**kw), training)
+    # torchtitan's ep group (the innermost ep devices of dp_shard x tp) as autopp's
+    # expert_dims; the pipeline plans the experts over it with all-to-all dispatch
+    for kw, want in ((dict(), "auto"), (dict(ep=2), "dp"), (dict(ep=2, tp=2), "tp"),
+                     (dict(ep=4, tp=2), "dp*tp"), (dict(ep=2, tp=2, dp_replicate=2), "tp")):
+        pipelining._check_supported(dims(**kw), training)
+        assert pipelining.expert_dims_of(dims(**kw)) == want, kw
     with pytest.raises(ValueError, match=r"gradient accumulation \(global_batch_size != "
                                          r"local_batch_size x dp\)"):
         pipelining._check_supported(dims(), SimpleNamespace(global_batch_size=16,

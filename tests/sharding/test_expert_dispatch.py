@@ -204,6 +204,52 @@ def test_expert_imbalance_prices_the_busiest_expert_parallel_device(make_mesh):
     assert a2[0] == a1[0] and [b for *_, b in a2[1:]] == [1.5 * b for *_, b in a1[1:]]
 
 
+@pytest.mark.parametrize("dims,split", [("tp", (1,)), ("dp", (0,)), ("dp*tp", (0, 1))])
+def test_expert_dims_pin_the_devices_the_experts_are_split_over(make_mesh, dims, split):
+    """``PlannerOptions.expert_dims`` (torchtitan's ``ep`` group): every option the planner
+    gets for the routed experts, forward and backward, splits them over exactly those dims,
+    and with all-to-all dispatch exchanges tokens over exactly them; the planned block
+    does so. A dim of one device is refused by name."""
+    import copy
+
+    from autopp import tracing
+    from autopp.backends import PlannerOptions
+    from autopp.sharding import plan_stage
+    from autopp.sharding.options.expert_dispatch import dispatch_dims
+    from autopp.sharding.options.strategies import enumerate_strategies
+    from tests.harness.models import qwen3_moe_meta
+    from tests.harness.stage_request import stage_request
+
+    joint, node = _routed_node("all_to_all")
+    bwd = next(n for n in joint.gm.graph.nodes
+               if n.target == torch.ops.autopp.routed_experts_backward.default)
+    options = PlannerOptions(token_dispatch="all_to_all", expert_dims=dims)
+    with tracing.settings(options.trace_settings()):
+        st = enumerate_strategies(joint, make_mesh(2, 2))
+    for n, eid in ((node, 3), (bwd, 4)):
+        opts = st.nodes[n].options
+        assert opts
+        for o in opts:
+            assert tuple(d for d, p in enumerate(o.ins[eid]) if p.is_shard()) == split
+            assert dispatch_dims(n, o) == split
+    block = qwen3_moe_meta(1).layers["0"]
+    with torch.device("meta"):
+        x = torch.empty(4, 16, block.moe.router.gate.weight.shape[1])
+    with tracing.settings(options.trace_settings()):
+        plan = plan_stage(stage_request(copy.deepcopy(block), (x, None, None),
+                                        make_mesh(2, 2), profile="H100"))
+    assert dict(plan.trace_settings)["expert_dims"] == dims
+    chosen = [(name, ins) for bp in plan.blocks for name, _, ins in bp.nodes
+              if name.startswith("routed_experts")]
+    assert len(chosen) == 2  # forward and backward
+    for name, ins in chosen:
+        held = ins[4 if "backward" in name else 3]
+        assert tuple(d for d, p in enumerate(held) if p.startswith("S")) == split, name
+    with tracing.settings(PlannerOptions(expert_dims="tp").trace_settings()):
+        with pytest.raises(ValueError, match="expert_dims='tp'.*tp, which has 1 device"):
+            enumerate_strategies(joint, make_mesh(4, 1))
+
+
 def test_token_dispatch_is_a_planner_option_the_plan_carries(make_mesh):
     """``PlannerOptions.token_dispatch`` / ``expert_compute_dtype`` are checked, default to
     the process default (``set_token_dispatch`` is an alias that changes it), and a stage
@@ -238,6 +284,7 @@ def test_token_dispatch_is_a_planner_option_the_plan_carries(make_mesh):
             plan = plan_stage(stage_request(copy.deepcopy(block), (x, None, None), mesh,
                                             profile="H100"))
         assert dict(plan.trace_settings) == {"token_dispatch": "all_gather",
+                                             "expert_dims": "auto",
                                              "expert_compute_dtype": "param",
                                              "expert_imbalance": "1"}
         from autopp.sharding.plan import StagePlan

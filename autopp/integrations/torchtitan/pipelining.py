@@ -183,12 +183,37 @@ def _recompute(ac_config) -> str:
                      f"recompute; got {type(ac_config).__qualname__}")
 
 
+def expert_dims_of(parallel_dims) -> str:
+    """``PlannerOptions.expert_dims`` for torchtitan's ``expert_parallel_degree``.
+    torchtitan's ep group is the innermost ep devices of (dp_shard, cp, tp) (its sparse
+    mesh is dp_replicate x efsdp x ep); on autopp's (dp, tp) stage mesh that is tp
+    (ep = tp), dp x tp (ep = dp_shard x tp, dp_replicate 1), or dp (the same with tp 1).
+    "auto" for ep 1: the planner chooses where the experts go. Any other degree splits
+    one of autopp's mesh dims: refused with the degrees that map."""
+    ep, tp = parallel_dims.ep, parallel_dims.tp
+    shard, rep = parallel_dims.dp_shard, parallel_dims.dp_replicate
+    if ep <= 1:
+        return "auto"
+    if ep == tp:
+        return "tp"
+    if rep == 1 and ep == shard * tp:
+        return "dp" if tp == 1 else "dp*tp"
+    fits = sorted(({tp} | ({shard * tp} if rep == 1 else set())) - {1})
+    raise ValueError(
+        f"expert parallelism of degree {ep} (expert_parallel_degree) on dp_replicate={rep} x "
+        f"dp_shard={shard} x tp={tp}: autopp splits experts over whole (dp, tp) mesh dims; "
+        f"set expert_parallel_degree to {' or '.join(map(str, fits)) or 'nothing above 1'}"
+        ", or 1 to let autopp's planner place the experts")
+
+
 def _check_supported(parallel_dims, training) -> None:
     problems = []
     if parallel_dims.cp > 1:
         problems.append("context parallelism (context_parallel_degree > 1)")
-    if parallel_dims.ep > 1:
-        problems.append("expert parallelism (expert_parallel_degree > 1)")
+    try:
+        expert_dims_of(parallel_dims)
+    except ValueError as e:
+        problems.append(str(e))
     batch = parallel_dims.dp_replicate * parallel_dims.dp_shard
     if training.global_batch_size > 0 and training.global_batch_size != training.local_batch_size * batch:
         problems.append("gradient accumulation (global_batch_size != local_batch_size x dp): "
@@ -250,7 +275,12 @@ def pipeline_autopp(
                                  else options.memory_budget_gib * 2**30),
             boundary=options.boundary,
             loss_parallel={"auto": None, "on": True, "off": False}[options.loss_parallel],
-            mixed_precision=mp, recompute=_recompute(ac_config)),
+            mixed_precision=mp, recompute=_recompute(ac_config),
+            # torchtitan's expert parallelism: the experts over its ep group, tokens sent to
+            # them by all-to-all (ep 1: the planner chooses)
+            expert_dims=expert_dims_of(parallel_dims),
+            token_dispatch=("all_to_all" if parallel_dims.ep > 1
+                            else PlannerOptions().token_dispatch)),
             compile=bool(compile_config.enable and "model" in compile_config.components))
     else:
         backend = Replicate()

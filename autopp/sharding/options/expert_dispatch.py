@@ -24,7 +24,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from autopp import tracing
 from autopp._compat import sharding as compat
+from autopp.mesh import STAGE_DIMS
 from autopp.sharding.options import op_hooks
 from autopp.ops import DISPATCHES
 from autopp.ops import experts  # noqa: F401  (defines the ops whose hooks follow)
@@ -90,7 +92,7 @@ def _extra_options(node, options: list[Option], mesh_shape: tuple[int, ...]) -> 
         raise ValueError(f"routed experts: dispatch={mode!r}; expected one of "
                          f"{', '.join(DISPATCHES)}")
     if mode == "all_gather":
-        return options
+        return _pinned(node, options, mesh_shape, mode)
     layout = _layout(node)
     tok_in, eid, tok_out, _ = layout
     added = []
@@ -109,8 +111,39 @@ def _extra_options(node, options: list[Option], mesh_shape: tuple[int, ...]) -> 
             raise ValueError(f"token dispatch 'all_to_all' splits the {e} experts over the "
                              f"mesh, but no dim of {mesh_shape} above 1 divides them with the "
                              "tokens; use set_token_dispatch('auto')")
-        return list(dict.fromkeys(added))
-    return options + [o for o in dict.fromkeys(added) if o not in options]
+        return _pinned(node, list(dict.fromkeys(added)), mesh_shape, mode)
+    return _pinned(node, options + [o for o in dict.fromkeys(added) if o not in options],
+                   mesh_shape, mode)
+
+
+def _pinned(node, options: list[Option], mesh_shape: tuple[int, ...], mode: str
+            ) -> list[Option]:
+    """``options`` whose experts are split over exactly the stage-mesh dims the
+    ``expert_dims`` setting names (``PlannerOptions.expert_dims``; with dispatch
+    "all_to_all", tokens exchanged over exactly those dims too: torchtitan's EP over that
+    group); all of them under "auto"."""
+    want = tracing.setting("expert_dims")
+    if want == "auto":
+        return options
+    names = want.split("*")
+    dims = tuple(STAGE_DIMS.index(n) for n in names)
+    _, eid, _, _ = _layout(node)
+    e = tensor_vals(node.args[eid])[0].shape[0]
+    small = [n for n, d in zip(names, dims) if d >= len(mesh_shape) or mesh_shape[d] == 1]
+    if small:
+        raise ValueError(f"expert_dims={want!r} splits the {e} routed experts over "
+                         f"{' and '.join(small)}, which has 1 device on this stage mesh "
+                         f"{dict(zip(STAGE_DIMS, mesh_shape))}: name dims above 1, or 'auto'")
+    kept = [o for o in options
+            if tuple(d for d, p in enumerate(o.ins[eid]) if isinstance(p, Shard)
+                     and mesh_shape[d] > 1) == dims
+            and (mode != "all_to_all" or dispatch_dims(node, o) == dims)]
+    if not kept:
+        raise ValueError(f"expert_dims={want!r}: no plan splits the {e} routed experts over "
+                         f"{' x '.join(names)} ({math.prod(mesh_shape[d] for d in dims)} "
+                         f"devices) with token_dispatch={mode!r}: the devices must divide "
+                         "the experts; use other dims, or 'auto'")
+    return kept
 
 
 def _collectives(node, opt: Option, mesh_shape: tuple[int, ...]
@@ -136,8 +169,6 @@ def _collectives(node, opt: Option, mesh_shape: tuple[int, ...]
 
 def imbalance() -> float:
     """The busiest expert-parallel device's routed tokens over the mean, as planned."""
-    from autopp import tracing
-
     return float(tracing.setting("expert_imbalance"))
 
 

@@ -54,7 +54,7 @@ def _build(cfg: Case, mesh, tok):
     if parallelize == "auto":
         parallelize = Planner(options=parity_options(
             mixed_precision=_policy(cfg), token_dispatch=cfg.dispatch,
-            expert_compute_dtype="param" if cfg.fp32_experts else "bfloat16"))
+            expert_dims=cfg.expert_dims, expert_compute_dtype="param" if cfg.fp32_experts else "bfloat16"))
     return pipeline_autoparallel(
         MODELS[cfg.model](cfg.n_layers), mesh, example_inputs=(tok,), loss_fn=ce_loss,
         schedule=cfg.schedule, n_microbatches=cfg.n_microbatches,
