@@ -592,8 +592,9 @@ class MemoryRow:
         from the input gradients nor the forward) reads of values they do not make, parameters
         and parameter-only values aside. Where such a value is an output of a multi-output
         backward op the input gradient needs too (a fused norm backward's weight gradient),
-        that op's reads stand in for it: the lowered graphs split it, and W makes that output
-        from them. Each edge counts in its producer's placement (:meth:`_kept_edge_bytes`).
+        that op's reads stand in for it where the lowered graphs decompose it, and W makes
+        that output from them; an op they keep whole (the routed experts' backward) runs in
+        I, and W keeps the output. Each edge counts in its producer's placement.
         Checked against the lowered W graphs' inputs by tests/sharding/test_memory_ilp.py;
         whole stages by benchmarks/split_backward_memory.py."""
         hit = self._structure.get("kept_for_w")
@@ -612,7 +613,7 @@ class MemoryRow:
             for i, (src, k) in enumerate(nodes[n].edges):
                 if src in w_only or src in state or src not in self.options:
                     continue
-                if src not in fwd and len(tensor_vals(src)) > 1:
+                if src not in fwd and len(tensor_vals(src)) > 1 and _remade_in_w(src):
                     out.update(dict.fromkeys(
                         (src, i2) for i2, e in enumerate(nodes[src].edges)
                         if e[0] not in state and e[0] in self.options))
@@ -651,3 +652,11 @@ class MemoryRow:
             if src in choice and d in choice:
                 total += self._kept_edge_bytes(tensor_vals(src)[k], choice[src].out[k])
         return total
+
+
+def _remade_in_w(node: fx.Node) -> bool:
+    """Whether W can make a multi-output backward op's outputs from the op's reads: an aten
+    op can be (a fused kernel the device lacks is decomposed when lowered:
+    ``autopp.lower.local_graphs._missing_kernel_decomps``); an op of autopp's own (the routed
+    experts' backward) is one kernel, run whole in I, whose outputs W keeps."""
+    return getattr(node.target, "namespace", None) == "aten"
