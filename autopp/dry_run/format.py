@@ -209,15 +209,22 @@ def _moe_lines(r: DryRunReport) -> list[str]:
                for name, _, _ in b.nodes):
         return []
     x = float(getattr(r.plan.options, "expert_imbalance", "1") if r.plan else 1.0)
+    dims = getattr(r.plan.options, "expert_dims", "auto") if r.plan else "auto"
+    pinned = ([] if dims == "auto" else
+              [f"  mixture of experts: routed experts split over {dims.replace('*', ' x ')} "
+               "as asked (PlannerOptions.expert_dims, an expert-parallel group as "
+               "torchtitan's ep)"])
     if x == 1.0:
-        return ["  mixture of experts: routing assumed uniform over the experts (every "
-                "expert-parallel device computes and exchanges the mean share of routed "
-                "tokens); PlannerOptions(expert_imbalance=x) prices the busiest device's "
-                "share at x times the mean"]
-    return [f"  mixture of experts: the busiest expert-parallel device assumed to get {x:g} "
-            "times the mean share of routed tokens (PlannerOptions.expert_imbalance): its "
-            "expert compute and token exchange priced so; activation memory as for uniform "
-            "routing"]
+        return pinned + [
+            "  mixture of experts: routing assumed uniform over the experts (every "
+            "expert-parallel device computes and exchanges the mean share of routed "
+            "tokens); PlannerOptions(expert_imbalance=x) prices the busiest device's "
+            "share at x times the mean"]
+    return pinned + [
+        f"  mixture of experts: the busiest expert-parallel device assumed to get {x:g} "
+        "times the mean share of routed tokens (PlannerOptions.expert_imbalance): its "
+        "expert compute and token exchange priced so; activation memory as for uniform "
+        "routing"]
 
 
 def format_report(r: DryRunReport) -> str:
