@@ -430,7 +430,7 @@ def timeline_of_plan(plan: Any, model: Any, path: str | os.PathLike) -> Any:
 def skip_exit_collection() -> None:
     """Leave the interpreter's final garbage collections nothing to walk (``gc.freeze``).
     Why: planning leaves about a million objects (traces, plans, caches), and collecting
-    them at exit took 1.5-3 s after the answer was printed. Call it last in a process that
+    them at exit takes seconds after the answer is printed. Call it last in a process that
     ends when planning does: frozen objects are never finalized (the OS takes the memory;
     autopp writes its files in ``with`` blocks, and logging flushes at exit regardless)."""
     gc.freeze()

@@ -194,8 +194,8 @@ class PlanOptions:
         out = []
         for f in ("profile", "memory_budget_bytes", "memory_reserve",
                   "parameter_budget_bytes", "boundary", "loss_parallel", "token_dispatch",
-                  "expert_dims", "expert_compute_dtype", "tf32", "weight_gathering", "prefetch_blocks",
-                  "optimality_gap"):
+                  "expert_dims", "expert_compute_dtype", "tf32", "weight_gathering",
+                  "prefetch_blocks", "optimality_gap"):
             if getattr(options, f) != getattr(default, f) and getattr(given, f) != getattr(self, f):
                 out.append(f"{f}: the plan has {getattr(self, f)!r}, the options "
                            f"{getattr(given, f)!r}")

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autopp import tracing
 from autopp._compat import torchtitan as _compat
 from autopp.integrations.torchtitan.options import AutoppOptions
 
@@ -280,7 +281,7 @@ def pipeline_autopp(
             # them by all-to-all (ep 1: the planner chooses)
             expert_dims=expert_dims_of(parallel_dims),
             token_dispatch=("all_to_all" if parallel_dims.ep > 1
-                            else PlannerOptions().token_dispatch)),
+                            else tracing.setting("token_dispatch"))),
             compile=bool(compile_config.enable and "model" in compile_config.components))
     else:
         backend = Replicate()

@@ -80,6 +80,13 @@ def _dispatched_form(o: Option, dims: tuple[int, ...], toks: tuple, layout) -> O
 
 
 def _extra_options(node, options: list[Option], mesh_shape: tuple[int, ...]) -> list[Option]:
+    """The op's options as its dispatch allows (:func:`_dispatch_options`), kept to the
+    experts' dims ``PlannerOptions.expert_dims`` names (:func:`_pinned`)."""
+    return _pinned(node, _dispatch_options(node, options, mesh_shape), mesh_shape, _mode(node))
+
+
+def _dispatch_options(node, options: list[Option], mesh_shape: tuple[int, ...]
+                      ) -> list[Option]:
     """DTensor's options plus their all-to-all forms ("auto"); only the all-to-all forms
     ("all_to_all": expert parallel as torchtitan's EP); DTensor's alone ("all_gather").
 
@@ -92,7 +99,7 @@ def _extra_options(node, options: list[Option], mesh_shape: tuple[int, ...]) -> 
         raise ValueError(f"routed experts: dispatch={mode!r}; expected one of "
                          f"{', '.join(DISPATCHES)}")
     if mode == "all_gather":
-        return _pinned(node, options, mesh_shape, mode)
+        return options
     layout = _layout(node)
     tok_in, eid, tok_out, _ = layout
     added = []
@@ -111,9 +118,8 @@ def _extra_options(node, options: list[Option], mesh_shape: tuple[int, ...]) -> 
             raise ValueError(f"token dispatch 'all_to_all' splits the {e} experts over the "
                              f"mesh, but no dim of {mesh_shape} above 1 divides them with the "
                              "tokens; use set_token_dispatch('auto')")
-        return _pinned(node, list(dict.fromkeys(added)), mesh_shape, mode)
-    return _pinned(node, options + [o for o in dict.fromkeys(added) if o not in options],
-                   mesh_shape, mode)
+        return list(dict.fromkeys(added))
+    return options + [o for o in dict.fromkeys(added) if o not in options]
 
 
 def _pinned(node, options: list[Option], mesh_shape: tuple[int, ...], mode: str
